@@ -1,0 +1,38 @@
+# Shoal: `make run` serves a local Shoal, `make test` runs the whole suite.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# The CPU wheel of torch is installed before the project so that pip never pulls a CUDA build.
+# GPU users: install your CUDA torch into $(VENV) first (or set TORCH_SPEC to it).
+TORCH_SPEC ?= torch==2.13.0
+STAMP := $(VENV)/.shoal-installed
+
+.PHONY: run test lint typecheck unit clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install --quiet "$(TORCH_SPEC)"
+	$(BIN)/pip install --quiet -e ".[test]"
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/shoal up
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: $(STAMP)
+	$(BIN)/mypy api service scheduler workers
+
+unit: $(STAMP)
+	$(BIN)/pytest -m unit -q
+
+test: lint typecheck
+	$(BIN)/pytest -q
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,1 @@
+"""Pure decisions: devices, placement, partitions, schedules. No Ray, no training code."""

@@ -1,0 +1,109 @@
+"""Shared fixtures: seeded RNGs, one Ray instance per session, SQLite and PostgreSQL databases."""
+
+from __future__ import annotations
+
+import os
+import random
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+RAY_NAMESPACE = "shoal-test"
+TEST_DEVICES = 4
+
+
+@pytest.fixture(autouse=True)
+def _seed_rngs() -> None:
+    random.seed(0)
+    try:
+        import numpy as np
+
+        np.random.seed(0)
+    except ImportError:  # pragma: no cover - numpy is a dependency
+        pass
+    try:
+        import torch
+
+        torch.manual_seed(0)
+    except ImportError:  # pragma: no cover - torch is a dependency
+        pass
+
+
+@pytest.fixture(scope="session")
+def ray_address() -> Iterator[str]:
+    """One local Ray head for the whole session, on a free port, with virtual devices.
+
+    The head declares ``TEST_DEVICES`` virtual devices of kind ``cpu`` (custom resource
+    ``shoal_device`` plus node labels). Tests that need several nodes start their own
+    ``ray.cluster_utils.Cluster`` instead.
+    """
+    import ray
+
+    from scheduler.devices import DEVICE_RESOURCE, LABEL_KIND, LABEL_MEMORY_MB
+
+    context = ray.init(
+        address="local",
+        num_cpus=4,
+        resources={DEVICE_RESOURCE: TEST_DEVICES},
+        labels={LABEL_KIND: "cpu", LABEL_MEMORY_MB: "2048"},
+        include_dashboard=False,
+        namespace=RAY_NAMESPACE,
+        log_to_driver=False,
+    )
+    try:
+        yield str(context.address_info["gcs_address"])
+    finally:
+        ray.shutdown()
+
+
+def _postgres_admin_url() -> str | None:
+    return os.environ.get("SHOAL_TEST_POSTGRES_URL") or (
+        "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
+    )
+
+
+@pytest.fixture(scope="session")
+def postgres_server_url() -> Iterator[str]:
+    """A fresh PostgreSQL database for this session (dropped at the end).
+
+    Skips when no server is reachable, unless ``SHOAL_REQUIRE_POSTGRES=1`` (CI), where an
+    unreachable server is a failure.
+    """
+    import sqlalchemy as sa
+
+    admin_url = _postgres_admin_url()
+    assert admin_url is not None
+    name = f"shoal_test_{uuid.uuid4().hex[:10]}"
+    admin = sa.create_engine(admin_url, isolation_level="AUTOCOMMIT")
+    try:
+        with admin.connect() as conn:
+            conn.execute(sa.text(f'CREATE DATABASE "{name}"'))
+    except sa.exc.OperationalError as exc:
+        admin.dispose()
+        if os.environ.get("SHOAL_REQUIRE_POSTGRES") == "1":
+            raise
+        pytest.skip(f"PostgreSQL not reachable at {admin_url}: {exc.orig}")
+    url = sa.engine.make_url(admin_url).set(database=name).render_as_string(hide_password=False)
+    try:
+        yield url
+    finally:
+        with admin.connect() as conn:
+            conn.execute(
+                sa.text(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+                    " WHERE datname = :n AND pid <> pg_backend_pid()"
+                ),
+                {"n": name},
+            )
+            conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}"'))
+        admin.dispose()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def database_url(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A database URL per backend: a new SQLite file, or the session's PostgreSQL database."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path_factory.mktemp('db') / 'shoal.db'}"
+    url: str = request.getfixturevalue("postgres_server_url")
+    return url

@@ -1,0 +1,1 @@
+"""Execution: Ray actors that hold blocks on devices and train them. Never imports service/."""
