@@ -1,0 +1,1 @@
+"""The domain: specs, persistence, lifecycle, auth, the controller and the CLI."""
