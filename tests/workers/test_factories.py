@@ -1,0 +1,138 @@
+"""Factory names: parsed, checked against the allow-list before import, loaded to callables.
+
+The toy factories at the bottom are real ones: other worker tests name them as
+``tests.workers.test_factories:<fn>``.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from workers.factories import FactoryError, check_allowed, load_callable
+from workers.zoo.registry import DataMeta
+
+pytestmark = pytest.mark.unit
+
+HERE = "tests.workers.test_factories"
+
+
+@pytest.mark.parametrize(
+    ("path", "allowed", "expected"),
+    [
+        ("mypkg:fn", ["mypkg"], ("mypkg", "fn")),
+        ("mypkg.models:build", ["mypkg"], ("mypkg.models", "build")),
+        ("mypkg.models.deep:build", ["other", "mypkg.models"], ("mypkg.models.deep", "build")),
+        ("_p1.m_2:_f", ["_p1"], ("_p1.m_2", "_f")),
+    ],
+)
+def test_allowed_modules_and_submodules_pass(
+    path: str, allowed: list[str], expected: tuple[str, str]
+) -> None:
+    assert check_allowed(path, allowed) == expected
+
+
+@pytest.mark.parametrize(
+    ("path", "allowed"),
+    [
+        ("mypkg_evil:fn", ["mypkg"]),  # a prefix of the name is not a parent package
+        ("mypkg:fn", ["mypkg.models"]),  # a parent of an allowed module is not allowed
+        ("os:system", []),
+        ("os:system", ["mypkg"]),
+    ],
+)
+def test_modules_outside_the_allow_list_are_refused(path: str, allowed: list[str]) -> None:
+    with pytest.raises(FactoryError, match="SHOAL_ALLOWED_FACTORIES"):
+        check_allowed(path, allowed)
+
+
+@pytest.mark.parametrize(
+    "path",
+    ["mypkg", "mypkg:", ":fn", "mypkg:fn:x", "my pkg:fn", "mypkg..m:fn", "../x:fn", "1pkg:fn",
+     "mypkg:fn()", "mypkg/models:fn", ""],
+)  # fmt: skip
+def test_malformed_names_show_the_expected_form(path: str) -> None:
+    with pytest.raises(FactoryError, match=r"package\.module:function"):
+        check_allowed(path, ["mypkg"])
+
+
+def test_check_allowed_imports_nothing() -> None:
+    name = "tests.workers.never_imported_module"
+    check_allowed(f"{name}:fn", ["tests"])
+    assert name not in sys.modules
+
+
+def test_load_callable_returns_the_function() -> None:
+    assert load_callable(f"{HERE}:tiny_mlp", ["tests.workers"]) is tiny_mlp
+
+
+def test_load_callable_refuses_before_importing() -> None:
+    with pytest.raises(FactoryError, match="not allowed"):
+        load_callable(f"{HERE}:tiny_mlp", ["workers"])
+
+
+@pytest.mark.parametrize(
+    ("path", "message"),
+    [
+        ("tests.workers.no_such_module:fn", "cannot be imported.*ModuleNotFoundError"),
+        (f"{HERE}:no_such_function", "has no attribute 'no_such_function'"),
+        (f"{HERE}:HERE", "is a str, not a function"),
+    ],
+)
+def test_load_failures_say_what_went_wrong(path: str, message: str) -> None:
+    with pytest.raises(FactoryError, match=message):
+        load_callable(path, ["tests"])
+
+
+def test_errors_are_value_errors() -> None:
+    # The service maps ValueError to a 4xx naming the field; a FactoryError must be one.
+    assert issubclass(FactoryError, ValueError)
+
+
+# ------------------------------------------------------------------ toy factories for tests
+
+
+def tiny_mlp(config: dict[str, Any], meta: DataMeta) -> nn.Sequential:
+    """A model factory returning an nn.Sequential: three blocks."""
+    hidden = int(config.get("hidden", 8))
+    return nn.Sequential(
+        nn.Sequential(nn.Flatten(), nn.Linear(math.prod(meta.input_shape), hidden)),
+        nn.Tanh(),
+        nn.Linear(hidden, meta.targets),
+    )
+
+
+def tiny_mlp_list(config: dict[str, Any], meta: DataMeta) -> list[nn.Module]:
+    """A model factory returning a list of blocks."""
+    return list(tiny_mlp(config, meta))
+
+
+def not_a_model(config: dict[str, Any], meta: DataMeta) -> str:
+    return "a string"
+
+
+class SumData:
+    """A data factory's source: learn the sum of random features."""
+
+    def __init__(self, config: dict[str, Any], seed: int):
+        self.width = int(config.get("width", 4))
+        self.seed = seed
+        self.meta = DataMeta("regression", (self.width,), 1)
+
+    def batch(self, step: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(self.seed * 100_003 + step)
+        x = torch.randn(batch_size, self.width, generator=g)
+        return x, x.sum(dim=1, keepdim=True)
+
+
+def sum_data(config: dict[str, Any], seed: int) -> SumData:
+    return SumData(config, seed)
+
+
+def not_a_source(config: dict[str, Any], seed: int) -> object:
+    return object()
