@@ -1,0 +1,1 @@
+"""HTTP edge: the FastAPI app, its routers, request/response schemas and the dashboard."""

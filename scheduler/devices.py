@@ -108,9 +108,7 @@ def node_devices(node: NodeInfo) -> list[Device]:
     spot = parse_bool(labels.get(LABEL_SPOT, "false"), what=LABEL_SPOT)
     slowdown = _positive_float(labels.get(LABEL_SLOWDOWN, "1"), what=LABEL_SLOWDOWN)
     memory_label = labels.get(LABEL_MEMORY_MB)
-    memory_mb = (
-        int(_positive_float(memory_label, what=LABEL_MEMORY_MB)) if memory_label else None
-    )
+    memory_mb = int(_positive_float(memory_label, what=LABEL_MEMORY_MB)) if memory_label else None
     gpus = int(node.resources.get("GPU", 0))
     if gpus > 0:
         accel = next(

@@ -45,9 +45,13 @@ class Settings(BaseSettings):
         description="Comma-separated modules whose model/data factories jobs may use.",
     )
     checkpoint_root: str | None = Field(
-        None, description="Checkpoint directory (shared storage on a cluster); default $SHOAL_HOME/checkpoints."
+        None,
+        description="Checkpoint directory (shared storage on a cluster);"
+        " default $SHOAL_HOME/checkpoints.",
     )
-    auth: bool = Field(True, description="Require bearer tokens (only a loopback bind may turn it off).")
+    auth: bool = Field(
+        True, description="Require bearer tokens (only a loopback bind may turn it off)."
+    )
     poll_interval_s: float = Field(0.5, ge=0.0, le=60.0, description="Controller reconcile period.")
     ray_timeout_s: float = Field(30.0, gt=0.0, le=600.0, description="Timeout of every Ray call.")
     max_body_bytes: int = Field(1_048_576, ge=1024, description="Largest accepted request body.")

@@ -107,3 +107,22 @@ def database_url(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPa
         return f"sqlite:///{tmp_path_factory.mktemp('db') / 'shoal.db'}"
     url: str = request.getfixturevalue("postgres_server_url")
     return url
+
+
+@pytest.fixture
+def session_factory(database_url: str) -> Iterator[object]:
+    """A migrated, empty database (SQLite file or PostgreSQL) and its session factory."""
+    import sqlalchemy as sa
+
+    from service.db.models import Base
+    from service.db.session import make_engine, make_session_factory, migrate
+
+    migrate(database_url)
+    engine = make_engine(database_url)
+    with engine.begin() as conn:
+        for table in reversed(Base.metadata.sorted_tables):
+            conn.execute(sa.delete(table))
+    try:
+        yield make_session_factory(engine)
+    finally:
+        engine.dispose()

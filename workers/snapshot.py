@@ -8,7 +8,7 @@ object or a pydantic model, so actors never touch the database or the settings.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 from typing import Any
 
 from scheduler.devices import Device
@@ -72,7 +72,7 @@ class JobSnapshot:
     allowed_factories: tuple[str, ...] = ()
 
 
-class RunStatus(str, Enum):
+class RunStatus(StrEnum):
     RUNNING = "running"
     SUCCEEDED = "succeeded"
     FAILED = "failed"

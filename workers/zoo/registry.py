@@ -141,7 +141,9 @@ class GPTConfig(_Config):
     @model_validator(mode="after")
     def _heads_divide(self) -> GPTConfig:
         if self.d_model % self.n_heads:
-            raise ValueError(f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
+            raise ValueError(
+                f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})"
+            )
         return self
 
 
@@ -196,7 +198,9 @@ def _convnet_params(c: ConvNetConfig) -> int:
 
 def _gpt_complete(c: GPTConfig, meta: DataMeta) -> GPTConfig:
     if meta.task != "lm":
-        raise RegistryError("model.builtin", "gpt needs token-sequence data (synthetic-lm, pysource)")
+        raise RegistryError(
+            "model.builtin", "gpt needs token-sequence data (synthetic-lm, pysource)"
+        )
     return c.model_copy(
         update={
             "vocab_size": c.vocab_size or meta.vocab_size,
@@ -247,7 +251,9 @@ def data_meta(name: str, config: dict[str, Any]) -> tuple[dict[str, Any], DataMe
     """Validate a built-in dataset's config; return it with defaults filled, and its meta."""
     entry = DATASETS.get(name)
     if entry is None:
-        raise RegistryError("data.builtin", f"unknown dataset {name!r}; choose one of {sorted(DATASETS)}")
+        raise RegistryError(
+            "data.builtin", f"unknown dataset {name!r}; choose one of {sorted(DATASETS)}"
+        )
     parsed = _parse(entry.config_model, config, "data.config")
     return parsed.model_dump(), entry.meta(parsed)
 
@@ -263,7 +269,9 @@ def resolve_model(name: str, config: dict[str, Any], meta: DataMeta) -> Resolved
     """Validate a built-in model's config against the data; fill data-derived dimensions."""
     entry = MODELS.get(name)
     if entry is None:
-        raise RegistryError("model.builtin", f"unknown model {name!r}; choose one of {sorted(MODELS)}")
+        raise RegistryError(
+            "model.builtin", f"unknown model {name!r}; choose one of {sorted(MODELS)}"
+        )
     parsed = entry.complete(_parse(entry.config_model, config, "model.config"), meta)
     params = entry.param_count(parsed)
     if params > MAX_PARAMETERS:

@@ -1,0 +1,82 @@
+"""The FastAPI application factory: routers, error handling, limits, controller lifespan."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import sqlalchemy as sa
+from fastapi import FastAPI
+from fastapi.responses import FileResponse
+
+from api.errors import BodyLimit, install_error_handlers
+from api.routes import devices, health, jobs
+from service.auth import ADMIN_USER, Principal
+from service.controller import Controller
+from service.db.models import User
+from service.db.session import SessionFactory, transaction
+from service.settings import Settings
+
+API_PREFIX = "/api/v1"
+DASHBOARD = Path(__file__).parent / "dashboard"
+
+
+def create_app(
+    settings: Settings, session_factory: SessionFactory, controller: Controller | None = None
+) -> FastAPI:
+    """An app over an already-migrated database; runs ``controller`` in a thread if given."""
+    settings.check_safe()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        stop = threading.Event()
+        thread = None
+        if controller is not None:
+            thread = threading.Thread(
+                target=controller.run, args=(stop,), name="shoal-controller", daemon=True
+            )
+            thread.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            if thread is not None:
+                thread.join(timeout=30)
+
+    app = FastAPI(
+        title="Shoal",
+        version="0.1.0",
+        description="Elastic training on heterogeneous, preemptible Ray clusters.",
+        openapi_url=f"{API_PREFIX}/openapi.json",
+        docs_url=f"{API_PREFIX}/docs",
+        redoc_url=None,
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+    app.state.session_factory = session_factory
+    app.state.controller = controller
+    app.state.anonymous = None if settings.auth else _anonymous_admin(session_factory)
+    install_error_handlers(app)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.include_router(health.router)
+    app.include_router(jobs.router, prefix=API_PREFIX)
+    app.include_router(devices.router, prefix=API_PREFIX)
+
+    @app.get("/", include_in_schema=False)
+    def dashboard() -> FileResponse:
+        return FileResponse(DASHBOARD / "index.html")
+
+    return app
+
+
+def _anonymous_admin(factory: SessionFactory) -> Principal:
+    """With auth off (loopback only), every caller acts as the admin user."""
+    with transaction(factory) as session:
+        user = session.scalar(sa.select(User).where(User.name == ADMIN_USER))
+        if user is None:
+            user = User(name=ADMIN_USER, is_admin=True)
+            session.add(user)
+            session.flush()
+        return Principal(user_id=user.id, name=user.name, is_admin=True)

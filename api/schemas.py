@@ -1,0 +1,171 @@
+"""Response models of the REST API (requests are ``service.specs.JobSpec``)."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from pydantic import BaseModel
+
+from service.db.models import Checkpoint, DeviceRow, Job, JobEvent, JobMetric
+
+
+class StageOut(BaseModel):
+    stage: int
+    device_id: str
+    blocks: tuple[int, int]
+
+
+class JobOut(BaseModel):
+    id: str
+    name: str
+    owner: str
+    state: str
+    step: int
+    steps: int
+    last_loss: float | None
+    devices: list[str]
+    partition: list[StageOut]
+    error: str | None
+    cancel_requested: bool
+    attempt: int
+    priority: int
+    num_blocks: int
+    created_at: datetime
+    updated_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+    spec: dict[str, Any]
+
+    @classmethod
+    def of(cls, job: Job) -> JobOut:
+        return cls(
+            id=job.id,
+            name=job.name,
+            owner=job.owner.name,
+            state=job.state,
+            step=job.step,
+            steps=job.steps,
+            last_loss=job.last_loss,
+            devices=list(job.devices),
+            partition=[StageOut.model_validate(p) for p in job.partition],
+            error=job.error,
+            cancel_requested=job.cancel_requested,
+            attempt=job.attempt,
+            priority=job.priority,
+            num_blocks=job.num_blocks,
+            created_at=job.created_at,
+            updated_at=job.updated_at,
+            started_at=job.started_at,
+            finished_at=job.finished_at,
+            spec=job.spec,
+        )
+
+
+class JobPage(BaseModel):
+    items: list[JobOut]
+    total: int
+    limit: int
+    offset: int
+
+
+class StageTimingOut(BaseModel):
+    stage: int
+    device_id: str
+    compute_s: float
+    idle_s: float
+
+
+class MetricOut(BaseModel):
+    step: int
+    time: datetime
+    loss: float
+    samples_per_s: float
+    step_time_s: float
+    stages: list[StageTimingOut]
+
+    @classmethod
+    def of(cls, row: JobMetric) -> MetricOut:
+        return cls(
+            step=row.step,
+            time=row.time,
+            loss=row.loss,
+            samples_per_s=row.samples_per_s,
+            step_time_s=row.step_time_s,
+            stages=[StageTimingOut.model_validate(s) for s in row.stages],
+        )
+
+
+class MetricList(BaseModel):
+    items: list[MetricOut]
+
+
+class EventOut(BaseModel):
+    id: int
+    time: datetime
+    kind: str
+    message: str
+    data: dict[str, Any]
+
+    @classmethod
+    def of(cls, row: JobEvent) -> EventOut:
+        return cls(id=row.id, time=row.time, kind=row.kind, message=row.message, data=row.data)
+
+
+class EventList(BaseModel):
+    items: list[EventOut]
+
+
+class CheckpointOut(BaseModel):
+    step: int
+    path: str
+    nbytes: int
+    created_at: datetime
+
+    @classmethod
+    def of(cls, row: Checkpoint) -> CheckpointOut:
+        return cls(step=row.step, path=row.path, nbytes=row.nbytes, created_at=row.created_at)
+
+
+class CheckpointList(BaseModel):
+    items: list[CheckpointOut]
+
+
+class DeviceOut(BaseModel):
+    id: str
+    node_id: str
+    kind: str
+    memory_mb: int
+    gpu: bool
+    spot: bool
+    state: str
+    speed_gflops: float | None
+    job_id: str | None
+
+    @classmethod
+    def of(cls, row: DeviceRow) -> DeviceOut:
+        return cls(
+            id=row.id,
+            node_id=row.node_id,
+            kind=row.kind,
+            memory_mb=row.memory_mb,
+            gpu=row.gpu,
+            spot=row.spot,
+            state=row.state,
+            speed_gflops=row.speed_gflops,
+            job_id=row.job_id,
+        )
+
+
+class DeviceList(BaseModel):
+    items: list[DeviceOut]
+
+
+class FieldError(BaseModel):
+    field: str
+    message: str
+
+
+class ErrorOut(BaseModel):
+    detail: str
+    errors: list[FieldError] = []

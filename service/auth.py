@@ -1,0 +1,127 @@
+"""Users, bearer tokens and who may see what.
+
+Tokens are random 256-bit secrets shown once; only their SHA-256 is stored. A user sees and
+acts on their own jobs; an admin on every job. Someone else's job is reported as absent
+(404), never as forbidden, so ids cannot be probed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import re
+import secrets
+from dataclasses import dataclass
+
+import sqlalchemy as sa
+from sqlalchemy.orm import Session
+
+from service.db.models import ApiToken, User, utcnow
+from service.db.session import SessionFactory, transaction
+from service.settings import Settings
+
+TOKEN_PREFIX = "shoal_"
+ADMIN_USER = "admin"
+_USER_RE = re.compile(r"^[a-z0-9][a-z0-9_.\-]{0,63}$")
+
+
+class AuthError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Principal:
+    """The authenticated caller."""
+
+    user_id: int
+    name: str
+    is_admin: bool
+
+
+def hash_token(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def _check_user_name(name: str) -> None:
+    if not _USER_RE.match(name):
+        raise AuthError(
+            f"user name {name!r} is invalid; use 1-64 lower-case letters, digits, '_', '.', '-'"
+        )
+
+
+def issue_token(session: Session, user: str, *, admin: bool = False) -> str:
+    """Create ``user`` if needed (``admin`` promotes, never demotes) and a new token for it."""
+    _check_user_name(user)
+    row = session.scalar(sa.select(User).where(User.name == user))
+    if row is None:
+        row = User(name=user, is_admin=admin)
+        session.add(row)
+        session.flush()
+    elif admin and not row.is_admin:
+        row.is_admin = True
+    token = TOKEN_PREFIX + secrets.token_urlsafe(32)
+    session.add(ApiToken(user_id=row.id, token_hash=hash_token(token), prefix=token[:12]))
+    return token
+
+
+def create_token(factory: SessionFactory, *, user: str, admin: bool = False) -> str:
+    with transaction(factory) as session:
+        return issue_token(session, user, admin=admin)
+
+
+def authenticate(session: Session, token: str) -> Principal | None:
+    """The principal a presented token belongs to, or None (unknown, revoked, malformed)."""
+    if not token.startswith(TOKEN_PREFIX) or len(token) > 200:
+        return None
+    digest = hash_token(token)
+    row = session.execute(
+        sa.select(ApiToken, User)
+        .join(User, User.id == ApiToken.user_id)
+        .where(ApiToken.token_hash == digest, ApiToken.revoked_at.is_(None))
+    ).first()
+    if row is None:
+        return None
+    api_token, user = row.tuple()
+    if not hmac.compare_digest(api_token.token_hash, digest):
+        return None
+    return Principal(user_id=user.id, name=user.name, is_admin=user.is_admin)
+
+
+def revoke_token(factory: SessionFactory, token: str) -> bool:
+    with transaction(factory) as session:
+        row = session.scalar(sa.select(ApiToken).where(ApiToken.token_hash == hash_token(token)))
+        if row is None or row.revoked_at is not None:
+            return False
+        row.revoked_at = utcnow()
+        return True
+
+
+def write_secret(path: os.PathLike[str] | str, secret: str) -> None:
+    """Write ``secret`` to ``path`` readable by the owner only (mode 0600), atomically."""
+    target = os.fspath(path)
+    os.makedirs(os.path.dirname(target) or ".", exist_ok=True)
+    temp = f"{target}.tmp-{secrets.token_hex(4)}"
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.write(fd, (secret + "\n").encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.chmod(temp, 0o600)
+    os.replace(temp, target)
+
+
+def ensure_admin_token(settings: Settings, factory: SessionFactory) -> str:
+    """The admin token of this installation: the stored one if still valid, else a new one."""
+    path = settings.admin_token_path
+    if path.exists():
+        existing = path.read_text().strip()
+        with factory() as session:
+            principal = authenticate(session, existing)
+        if principal is not None and principal.is_admin:
+            os.chmod(path, 0o600)
+            return existing
+    token = create_token(factory, user=ADMIN_USER, admin=True)
+    write_secret(path, token)
+    return token

@@ -1,0 +1,107 @@
+"""The control plane's one Ray adapter: read the node inventory, start/poll/stop runners.
+
+The controller talks to a ``Cluster`` (a protocol), so its logic is tested against the same
+contract whether runners live on Ray or not. Every Ray call here has a timeout.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from scheduler.devices import NodeInfo
+from scheduler.types import JobId
+from workers.snapshot import JobSnapshot, RunnerReport
+
+
+class RunnerGone(RuntimeError):
+    """The job's runner is dead or absent; the message says why."""
+
+
+class ClusterUnavailable(RuntimeError):
+    """Ray did not answer in time; the controller retries on its next tick."""
+
+
+class Cluster(Protocol):
+    def nodes(self) -> list[NodeInfo]: ...
+
+    def start_runner(self, snapshot: JobSnapshot) -> None: ...
+
+    def has_runner(self, job_id: JobId) -> bool: ...
+
+    def poll(self, job_id: JobId, cursor: int) -> RunnerReport: ...
+
+    def cancel(self, job_id: JobId) -> None: ...
+
+    def stop_runner(self, job_id: JobId) -> None: ...
+
+
+class RayCluster:
+    """``Cluster`` on a Ray cluster: connects once, then drives runners by name."""
+
+    def __init__(self, address: str | None, *, timeout_s: float) -> None:
+        import ray
+        from workers.launch import RUNNER_NAMESPACE
+
+        if not ray.is_initialized():
+            ray.init(
+                address=address or "auto",
+                namespace=RUNNER_NAMESPACE,
+                log_to_driver=False,
+                configure_logging=False,
+            )
+        self._ray = ray
+        self._timeout_s = timeout_s
+
+    def nodes(self) -> list[NodeInfo]:
+        return [
+            NodeInfo(
+                node_id=str(node["NodeID"]),
+                alive=bool(node["Alive"]),
+                resources=dict(node.get("Resources") or {}),
+                labels=dict(node.get("Labels") or {}),
+            )
+            for node in self._ray.nodes()  # type: ignore[no-untyped-call]
+        ]
+
+    def start_runner(self, snapshot: JobSnapshot) -> None:
+        from workers.launch import start_runner
+
+        start_runner(snapshot)
+
+    def has_runner(self, job_id: JobId) -> bool:
+        from workers.launch import find_runner
+
+        return find_runner(job_id) is not None
+
+    def _call(self, job_id: JobId, method: str, *args: Any) -> Any:
+        from ray.exceptions import GetTimeoutError, RayActorError
+        from workers.launch import find_runner
+
+        handle = find_runner(job_id)
+        if handle is None:
+            raise RunnerGone(f"runner of job {job_id} is gone (no live actor with its name)")
+        try:
+            return self._ray.get(getattr(handle, method).remote(*args), timeout=self._timeout_s)
+        except RayActorError as exc:
+            raise RunnerGone(f"runner of job {job_id} died: {_first_line(exc)}") from None
+        except GetTimeoutError:
+            raise ClusterUnavailable(
+                f"runner of job {job_id} did not answer {method} within {self._timeout_s:g} s"
+            ) from None
+
+    def poll(self, job_id: JobId, cursor: int) -> RunnerReport:
+        report: RunnerReport = self._call(job_id, "poll", cursor)
+        return report
+
+    def cancel(self, job_id: JobId) -> None:
+        self._call(job_id, "cancel")
+
+    def stop_runner(self, job_id: JobId) -> None:
+        from workers.launch import kill_runner
+
+        kill_runner(job_id)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

@@ -1,0 +1,281 @@
+"""The controller: one reconciliation loop that makes the cluster match the database.
+
+Each tick it reads the device inventory, follows every running job's runner (persisting its
+metrics, events and checkpoints — the control plane is the only database writer), carries
+out cancel requests, fails jobs whose runner died, and places queued jobs on free devices.
+It starts nothing for a job that already has a runner: runners are found again by name, so a
+restarted control plane picks up where the last one stopped.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import sqlalchemy as sa
+from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.orm import Session
+
+from scheduler.devices import Device, InventoryError, node_devices
+from scheduler.partition import balanced_partition
+from scheduler.placement import Placement, place
+from service.cluster import Cluster, ClusterUnavailable, RunnerGone
+from service.db.models import Checkpoint, DeviceRow, Job, JobMetric, utcnow
+from service.db.session import SessionFactory, transaction
+from service.jobs import JobConflict, add_event, transition
+from service.lifecycle import JobState
+from service.snapshots import build_snapshot, job_request
+from workers.snapshot import RunnerReport, RunStatus
+
+log = logging.getLogger(__name__)
+
+_FINAL_STATE = {
+    RunStatus.SUCCEEDED: JobState.SUCCEEDED,
+    RunStatus.FAILED: JobState.FAILED,
+    RunStatus.CANCELLED: JobState.CANCELLED,
+}
+_ACTIVE = (JobState.RUNNING.value, JobState.RECOVERING.value)
+
+
+@dataclass(frozen=True)
+class ControllerConfig:
+    checkpoint_root: str
+    allowed_factories: tuple[str, ...] = ()
+    poll_interval_s: float = 0.5
+
+
+class Controller:
+    def __init__(self, factory: SessionFactory, cluster: Cluster, config: ControllerConfig) -> None:
+        self._factory = factory
+        self._cluster = cluster
+        self._config = config
+        self._waiting_reason: dict[str, str] = {}
+        self.last_tick: float | None = None
+
+    # ------------------------------------------------------------------ the loop
+
+    def run(self, stop: threading.Event) -> None:
+        """Reconcile until ``stop`` is set. A failing tick is logged and retried, never fatal."""
+        while not stop.is_set():
+            try:
+                self.reconcile_once()
+            except (SQLAlchemyError, ClusterUnavailable) as exc:
+                log.warning("reconcile tick failed, retrying: %s", exc)
+            except Exception:  # the loop must outlive any single bad tick; the trace is logged
+                log.exception("reconcile tick failed with an unexpected error")
+            stop.wait(self._config.poll_interval_s)
+
+    def reconcile_once(self) -> None:
+        devices = self._inventory()
+        with self._factory() as session:
+            active = list(session.scalars(sa.select(Job.id).where(Job.state.in_(_ACTIVE))))
+        for job_id in active:
+            self._follow(job_id)
+        self._sync_devices(devices)
+        self._place_queued(devices)
+        self.last_tick = time.monotonic()
+
+    # ------------------------------------------------------------------ inventory
+
+    def _inventory(self) -> list[Device]:
+        devices: list[Device] = []
+        for node in self._cluster.nodes():
+            try:
+                devices.extend(node_devices(node))
+            except InventoryError as exc:
+                log.warning("node %s ignored: %s", node.node_id[:8], exc)
+        return devices
+
+    def _sync_devices(self, devices: Sequence[Device]) -> None:
+        with transaction(self._factory) as session:
+            holders = {
+                device_id: job.id
+                for job in session.scalars(sa.select(Job).where(Job.state.in_(_ACTIVE)))
+                for device_id in job.devices
+            }
+            rows = {row.id: row for row in session.scalars(sa.select(DeviceRow))}
+            for device in devices:
+                row = rows.pop(device.id, None)
+                if row is None:
+                    row = DeviceRow(
+                        id=device.id,
+                        node_id=device.node_id,
+                        kind=device.kind,
+                        memory_mb=device.memory_mb,
+                        gpu=device.gpu,
+                        spot=device.spot,
+                        state="alive",
+                    )
+                    session.add(row)
+                _set_if_changed(row, state="alive", job_id=holders.get(device.id))
+            for row in rows.values():  # known before, absent now
+                _set_if_changed(row, state="lost", job_id=holders.get(row.id))
+
+    # ------------------------------------------------------------------ running jobs
+
+    def _follow(self, job_id: str) -> None:
+        with self._factory() as session:
+            job = session.get(Job, job_id)
+            if job is None or job.state not in _ACTIVE:
+                return
+            cursor, cancel = job.runner_cursor, job.cancel_requested
+        try:
+            report = self._cluster.poll(job_id, cursor)
+        except RunnerGone as exc:
+            self._finish(job_id, JobState.FAILED, str(exc), error=str(exc))
+            return
+        except ClusterUnavailable as exc:
+            log.warning("%s", exc)
+            return
+        with transaction(self._factory) as session:
+            job = session.get(Job, job_id)
+            if job is None:
+                return
+            _persist_report(session, job, report)
+        if report.status.is_final:
+            message = report.error or f"runner finished: {report.status.value}"
+            self._finish(job_id, _FINAL_STATE[report.status], message, error=report.error)
+        elif cancel:
+            try:
+                self._cluster.cancel(job_id)
+            except (RunnerGone, ClusterUnavailable) as exc:
+                log.warning("cancel of %s not delivered yet: %s", job_id, exc)
+
+    def _finish(self, job_id: str, target: JobState, message: str, *, error: str | None) -> None:
+        with transaction(self._factory) as session:
+            job = session.get(Job, job_id)
+            if job is not None and job.state in _ACTIVE:
+                transition(session, job, target, message, error=error)
+        self._cluster.stop_runner(job_id)
+
+    # ------------------------------------------------------------------ queued jobs
+
+    def _place_queued(self, devices: Sequence[Device]) -> None:
+        with self._factory() as session:
+            queued = list(
+                session.scalars(
+                    sa.select(Job)
+                    .where(Job.state == JobState.QUEUED.value)
+                    .order_by(Job.created_at, Job.id)
+                )
+            )
+            busy = {
+                d
+                for devs in session.scalars(sa.select(Job.devices).where(Job.state.in_(_ACTIVE)))
+                for d in devs
+            }
+        if not queued:
+            return
+        free = [d for d in devices if d.id not in busy]
+        placements, waiting = place([job_request(job) for job in queued], free)
+        for placement in placements:
+            self._start(placement)
+        for wait in waiting:
+            if self._waiting_reason.get(wait.job_id) != wait.reason:
+                self._waiting_reason[wait.job_id] = wait.reason
+                with transaction(self._factory) as session:
+                    add_event(session, wait.job_id, "waiting", wait.reason)
+
+    def _start(self, placement: Placement) -> None:
+        self._waiting_reason.pop(placement.job_id, None)
+        with transaction(self._factory) as session:
+            job = session.get(Job, placement.job_id)
+            if job is None or job.state != JobState.QUEUED.value:
+                return
+            ranges = balanced_partition([1.0] * job.num_blocks, len(placement.devices))
+            partition = [
+                {"stage": i, "device_id": d.id, "blocks": list(r)}
+                for i, (d, r) in enumerate(zip(placement.devices, ranges, strict=True))
+            ]
+            try:
+                transition(
+                    session,
+                    job,
+                    JobState.RUNNING,
+                    f"placed on {len(placement.devices)} device(s)",
+                    devices=[d.id for d in placement.devices],
+                    partition=partition,
+                    attempt=job.attempt + 1,
+                    runner_cursor=0,
+                    started_at=utcnow(),
+                )
+            except JobConflict:
+                return  # cancelled meanwhile
+            snapshot = build_snapshot(
+                job,
+                placement.devices,
+                ranges,
+                checkpoint_root=self._config.checkpoint_root,
+                allowed_factories=self._config.allowed_factories,
+            )
+        try:
+            self._cluster.start_runner(snapshot)
+        except Exception as exc:  # any launch failure fails this job, with the reason, not the loop
+            reason = f"could not start the runner: {exc}"
+            log.warning("job %s: %s", placement.job_id, reason)
+            self._finish(placement.job_id, JobState.FAILED, reason, error=reason)
+
+
+def _set_if_changed(row: DeviceRow, **values: object) -> None:
+    for key, value in values.items():
+        if getattr(row, key) != value:
+            setattr(row, key, value)
+
+
+def _persist_report(session: Session, job: Job, report: RunnerReport) -> None:
+    """Store what the runner reported since the job's cursor, and advance the cursor."""
+    if report.metrics:
+        first = min(m.step for m in report.metrics)
+        # A resumed run replays the steps after its checkpoint: newer numbers replace older.
+        session.execute(
+            sa.delete(JobMetric).where(JobMetric.job_id == job.id, JobMetric.step >= first)
+        )
+        for m in report.metrics:
+            session.add(
+                JobMetric(
+                    job_id=job.id,
+                    step=m.step,
+                    loss=m.loss,
+                    samples_per_s=m.samples_per_s,
+                    step_time_s=m.step_time_s,
+                    stages=[
+                        {
+                            "stage": s.stage,
+                            "device_id": s.device_id,
+                            "compute_s": s.compute_s,
+                            "idle_s": s.idle_s,
+                        }
+                        for s in m.stages
+                    ],
+                )
+            )
+        job.last_loss = report.metrics[-1].loss
+    for event in report.events:
+        add_event(session, job.id, event.kind, event.message, {"step": event.step, **event.data})
+        if event.kind == "checkpoint":
+            _record_checkpoint(session, job.id, event.step, event.data)
+        elif event.kind == "device_speed" and "device_id" in event.data:
+            row = session.get(DeviceRow, event.data["device_id"])
+            if row is not None:
+                row.speed_gflops = float(event.data.get("gflops", 0.0))
+    job.step = report.step
+    job.runner_cursor = report.cursor
+
+
+def _record_checkpoint(session: Session, job_id: str, step: int, data: dict[str, object]) -> None:
+    session.merge(
+        Checkpoint(
+            job_id=job_id,
+            step=step,
+            path=str(data.get("path", "")),
+            nbytes=int(str(data.get("nbytes", 0))),
+        )
+    )
+    deleted = data.get("deleted") or []
+    if isinstance(deleted, list) and deleted:
+        session.execute(
+            sa.delete(Checkpoint).where(Checkpoint.job_id == job_id, Checkpoint.step.in_(deleted))
+        )

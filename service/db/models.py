@@ -1,0 +1,138 @@
+"""The database schema, in one place. The control plane is the only writer."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+from sqlalchemy.types import TypeDecorator
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+class UTCDateTime(TypeDecorator[datetime]):
+    """Timezone-aware UTC timestamps on every backend (SQLite drops the zone)."""
+
+    impl = sa.DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: sa.Dialect) -> datetime | None:
+        if value is not None and value.tzinfo is None:
+            raise ValueError("naive datetime; use service.db.models.utcnow()")
+        return value
+
+    def process_result_value(self, value: datetime | None, dialect: sa.Dialect) -> datetime | None:
+        if value is not None and value.tzinfo is None:
+            return value.replace(tzinfo=UTC)
+        return value
+
+
+class Base(DeclarativeBase):
+    type_annotation_map = {datetime: UTCDateTime(), dict[str, Any]: sa.JSON, list[Any]: sa.JSON}
+
+
+class User(Base):
+    __tablename__ = "users"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    name: Mapped[str] = mapped_column(sa.String(64), unique=True)
+    is_admin: Mapped[bool] = mapped_column(default=False)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class ApiToken(Base):
+    __tablename__ = "api_tokens"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    user_id: Mapped[int] = mapped_column(sa.ForeignKey("users.id", ondelete="CASCADE"), index=True)
+    token_hash: Mapped[str] = mapped_column(sa.String(64), unique=True)
+    prefix: Mapped[str] = mapped_column(sa.String(16))
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    revoked_at: Mapped[datetime | None] = mapped_column(default=None)
+
+
+class Job(Base):
+    __tablename__ = "jobs"
+    __table_args__ = (
+        sa.UniqueConstraint("owner_id", "idempotency_key", name="uq_jobs_owner_idempotency"),
+        sa.Index("ix_jobs_state_priority", "state", "priority", "created_at"),
+    )
+
+    id: Mapped[str] = mapped_column(sa.String(32), primary_key=True)
+    name: Mapped[str] = mapped_column(sa.String(100))
+    owner_id: Mapped[int] = mapped_column(sa.ForeignKey("users.id"), index=True)
+    owner: Mapped[User] = relationship(lazy="joined")
+    spec: Mapped[dict[str, Any]]
+    state: Mapped[str] = mapped_column(sa.String(16))
+    priority: Mapped[int] = mapped_column(default=0)
+    idempotency_key: Mapped[str | None] = mapped_column(sa.String(200), default=None)
+    cancel_requested: Mapped[bool] = mapped_column(default=False)
+    step: Mapped[int] = mapped_column(default=0)
+    steps: Mapped[int]
+    num_blocks: Mapped[int]
+    last_loss: Mapped[float | None] = mapped_column(default=None)
+    devices: Mapped[list[Any]] = mapped_column(default=list)
+    partition: Mapped[list[Any]] = mapped_column(default=list)
+    error: Mapped[str | None] = mapped_column(sa.Text, default=None)
+    attempt: Mapped[int] = mapped_column(default=0)
+    runner_cursor: Mapped[int] = mapped_column(default=0)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
+    started_at: Mapped[datetime | None] = mapped_column(default=None)
+    finished_at: Mapped[datetime | None] = mapped_column(default=None)
+
+
+class JobEvent(Base):
+    __tablename__ = "job_events"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    job_id: Mapped[str] = mapped_column(sa.ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    time: Mapped[datetime] = mapped_column(default=utcnow)
+    kind: Mapped[str] = mapped_column(sa.String(32))
+    message: Mapped[str] = mapped_column(sa.Text)
+    data: Mapped[dict[str, Any]] = mapped_column(default=dict)
+
+
+class JobMetric(Base):
+    __tablename__ = "job_metrics"
+
+    job_id: Mapped[str] = mapped_column(
+        sa.ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True
+    )
+    step: Mapped[int] = mapped_column(primary_key=True)
+    time: Mapped[datetime] = mapped_column(default=utcnow)
+    loss: Mapped[float]
+    samples_per_s: Mapped[float]
+    step_time_s: Mapped[float]
+    stages: Mapped[list[Any]] = mapped_column(default=list)
+
+
+class Checkpoint(Base):
+    __tablename__ = "checkpoints"
+
+    job_id: Mapped[str] = mapped_column(
+        sa.ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True
+    )
+    step: Mapped[int] = mapped_column(primary_key=True)
+    path: Mapped[str] = mapped_column(sa.Text)
+    nbytes: Mapped[int] = mapped_column(sa.BigInteger)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class DeviceRow(Base):
+    __tablename__ = "devices"
+
+    id: Mapped[str] = mapped_column(sa.String(100), primary_key=True)
+    node_id: Mapped[str] = mapped_column(sa.String(64))
+    kind: Mapped[str] = mapped_column(sa.String(64))
+    memory_mb: Mapped[int]
+    gpu: Mapped[bool]
+    spot: Mapped[bool]
+    state: Mapped[str] = mapped_column(sa.String(16))
+    speed_gflops: Mapped[float | None] = mapped_column(default=None)
+    job_id: Mapped[str | None] = mapped_column(sa.String(32), default=None)
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)

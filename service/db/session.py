@@ -1,0 +1,63 @@
+"""Engines, sessions and migrations: nothing is created until a caller asks."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+from alembic import command
+from alembic.config import Config
+from sqlalchemy.orm import Session, sessionmaker
+
+MIGRATIONS = Path(__file__).parent / "migrations"
+
+
+def make_engine(url: str) -> sa.Engine:
+    """An engine for ``url``; SQLite gets WAL, foreign keys and a busy timeout."""
+    if url.startswith("sqlite"):
+        database = sa.engine.make_url(url).database
+        if database and database != ":memory:":
+            Path(database).parent.mkdir(parents=True, exist_ok=True)
+        engine = sa.create_engine(url, connect_args={"timeout": 30, "check_same_thread": False})
+
+        @sa.event.listens_for(engine, "connect")
+        def _pragmas(dbapi_conn: Any, _record: Any) -> None:
+            cursor = dbapi_conn.cursor()
+            cursor.execute("PRAGMA journal_mode=WAL")
+            cursor.execute("PRAGMA foreign_keys=ON")
+            cursor.execute("PRAGMA busy_timeout=30000")
+            cursor.close()
+
+        return engine
+    return sa.create_engine(url, pool_pre_ping=True)
+
+
+SessionFactory = sessionmaker[Session]
+
+
+def make_session_factory(engine: sa.Engine) -> SessionFactory:
+    return sessionmaker(engine, expire_on_commit=False)
+
+
+@contextmanager
+def transaction(factory: SessionFactory) -> Iterator[Session]:
+    """A session whose work is committed on success and rolled back on any error."""
+    with factory() as session, session.begin():
+        yield session
+
+
+def alembic_config(url: str) -> Config:
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS))
+    config.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
+    return config
+
+
+def migrate(url: str) -> None:
+    """Bring the database at ``url`` to the latest schema."""
+    if url.startswith("sqlite"):
+        make_engine(url).dispose()  # creates the parent directory
+    command.upgrade(alembic_config(url), "head")

@@ -1,0 +1,229 @@
+"""Jobs in the database: submit, read, cancel, restart, and every state transition.
+
+``transition`` is the only function that changes ``jobs.state``: it checks the move against
+``service.lifecycle``, applies it with a compare-and-set on the current state (so the API and
+the controller never overwrite each other) and writes the event row in the same transaction.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from service.auth import Principal
+from service.db.models import Checkpoint, Job, JobEvent, JobMetric, utcnow
+from service.db.session import SessionFactory, transaction
+from service.lifecycle import JobState, check_transition
+from service.specs import AcceptedSpec
+
+
+class JobNotFound(LookupError):
+    def __init__(self, job_id: str) -> None:
+        super().__init__(f"no job {job_id!r}")
+
+
+class JobConflict(ValueError):
+    """The request does not fit the job's current state (HTTP 409)."""
+
+
+@dataclass(frozen=True)
+class Page:
+    items: list[Job]
+    total: int
+
+
+def add_event(
+    session: Session, job_id: str, kind: str, message: str, data: dict[str, Any] | None = None
+) -> JobEvent:
+    event = JobEvent(job_id=job_id, kind=kind, message=message, data=data or {})
+    session.add(event)
+    return event
+
+
+def transition(session: Session, job: Job, target: JobState, message: str, **fields: Any) -> None:
+    """Move ``job`` to ``target`` (and set ``fields``) if it is still in the state we read."""
+    current = JobState(job.state)
+    check_transition(current, target)
+    now = utcnow()
+    values: dict[str, Any] = {"state": target.value, "updated_at": now, **fields}
+    if target.is_terminal:
+        values.setdefault("finished_at", now)
+    result = session.execute(
+        sa.update(Job)
+        .where(Job.id == job.id, Job.state == current.value)
+        .values(**values)
+        .execution_options(synchronize_session=False)
+    )
+    if result.rowcount != 1:  # type: ignore[attr-defined]
+        session.refresh(job)
+        raise JobConflict(f"job {job.id} changed state concurrently (now {job.state})")
+    for key, value in values.items():
+        setattr(job, key, value)
+    add_event(session, job.id, "state", message, {"from": current.value, "to": target.value})
+
+
+def _visible(principal: Principal) -> sa.ColumnElement[bool]:
+    return sa.true() if principal.is_admin else Job.owner_id == principal.user_id
+
+
+def get_job(session: Session, principal: Principal, job_id: str) -> Job:
+    """The job, if the principal may see it; others' jobs are as absent as unknown ones."""
+    job = session.scalar(sa.select(Job).where(Job.id == job_id, _visible(principal)))
+    if job is None:
+        raise JobNotFound(job_id)
+    return job
+
+
+def list_jobs(
+    session: Session,
+    principal: Principal,
+    *,
+    states: Sequence[JobState] = (),
+    limit: int,
+    offset: int,
+) -> Page:
+    query = sa.select(Job).where(_visible(principal))
+    if states:
+        query = query.where(Job.state.in_([s.value for s in states]))
+    total = session.scalar(sa.select(sa.func.count()).select_from(query.subquery())) or 0
+    items = session.scalars(
+        query.order_by(Job.created_at.desc(), Job.id).limit(limit).offset(offset)
+    ).all()
+    return Page(list(items), total)
+
+
+def _find_by_key(session: Session, principal: Principal, key: str) -> Job | None:
+    return session.scalar(
+        sa.select(Job).where(Job.owner_id == principal.user_id, Job.idempotency_key == key)
+    )
+
+
+def submit_job(
+    factory: SessionFactory,
+    principal: Principal,
+    accepted: AcceptedSpec,
+    idempotency_key: str | None = None,
+) -> tuple[Job, bool]:
+    """Persist a new QUEUED job; returns (job, created). A retried key returns the first job."""
+    spec_json = accepted.spec.model_dump(mode="json")
+    if idempotency_key is not None:
+        with factory() as session:
+            existing = _find_by_key(session, principal, idempotency_key)
+        if existing is not None:
+            return _same_spec(existing, spec_json), False
+    try:
+        with transaction(factory) as session:
+            job = Job(
+                id=uuid.uuid4().hex,
+                name=accepted.spec.name,
+                owner_id=principal.user_id,
+                spec=spec_json,
+                state=JobState.QUEUED.value,
+                priority=accepted.spec.priority,
+                idempotency_key=idempotency_key,
+                steps=accepted.spec.steps,
+                num_blocks=accepted.num_blocks,
+                devices=[],
+                partition=[],
+            )
+            session.add(job)
+            session.flush()
+            add_event(session, job.id, "state", "submitted", {"from": None, "to": "QUEUED"})
+        return job, True
+    except IntegrityError:
+        if idempotency_key is None:
+            raise
+        with factory() as session:  # a concurrent request with the same key won the race
+            existing = _find_by_key(session, principal, idempotency_key)
+        if existing is None:
+            raise
+        return _same_spec(existing, spec_json), False
+
+
+def _same_spec(job: Job, spec_json: dict[str, Any]) -> Job:
+    if job.spec != spec_json:
+        raise JobConflict(
+            "this Idempotency-Key was already used for a different job spec; use a new key"
+        )
+    return job
+
+
+def request_cancel(factory: SessionFactory, principal: Principal, job_id: str) -> Job:
+    """Cancel a queued job at once; ask the controller to stop a running one."""
+    with transaction(factory) as session:
+        job = get_job(session, principal, job_id)
+        state = JobState(job.state)
+        if state.is_terminal:
+            raise JobConflict(f"job {job_id} is already {state}; there is nothing to cancel")
+        if state is JobState.QUEUED:
+            transition(session, job, JobState.CANCELLED, f"cancelled by {principal.name}")
+        elif not job.cancel_requested:
+            job.cancel_requested = True
+            add_event(session, job.id, "cancel", f"cancel requested by {principal.name}")
+        return job
+
+
+def restart_job(factory: SessionFactory, principal: Principal, job_id: str) -> Job:
+    """Requeue a failed or cancelled job; it resumes from its latest checkpoint."""
+    with transaction(factory) as session:
+        job = get_job(session, principal, job_id)
+        state = JobState(job.state)
+        if state not in (JobState.FAILED, JobState.CANCELLED):
+            raise JobConflict(
+                f"job {job_id} is {state}; only FAILED or CANCELLED jobs can be restarted"
+            )
+        transition(
+            session,
+            job,
+            JobState.QUEUED,
+            f"restarted by {principal.name}",
+            error=None,
+            cancel_requested=False,
+            finished_at=None,
+            devices=[],
+            partition=[],
+        )
+        return job
+
+
+def list_metrics(
+    session: Session, principal: Principal, job_id: str, since_step: int, limit: int
+) -> list[JobMetric]:
+    get_job(session, principal, job_id)
+    return list(
+        session.scalars(
+            sa.select(JobMetric)
+            .where(JobMetric.job_id == job_id, JobMetric.step > since_step)
+            .order_by(JobMetric.step)
+            .limit(limit)
+        )
+    )
+
+
+def list_events(
+    session: Session, principal: Principal, job_id: str, since_id: int, limit: int
+) -> list[JobEvent]:
+    get_job(session, principal, job_id)
+    return list(
+        session.scalars(
+            sa.select(JobEvent)
+            .where(JobEvent.job_id == job_id, JobEvent.id > since_id)
+            .order_by(JobEvent.id)
+            .limit(limit)
+        )
+    )
+
+
+def list_checkpoints(session: Session, principal: Principal, job_id: str) -> list[Checkpoint]:
+    get_job(session, principal, job_id)
+    return list(
+        session.scalars(
+            sa.select(Checkpoint).where(Checkpoint.job_id == job_id).order_by(Checkpoint.step)
+        )
+    )

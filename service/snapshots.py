@@ -1,0 +1,60 @@
+"""Turns job rows into the plain inputs of the scheduler (requests) and of runners (snapshots)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from scheduler.devices import Device
+from scheduler.placement import JobRequest
+from scheduler.types import BlockRange
+from service.db.models import Job
+from service.specs import JobSpec
+from workers.snapshot import DataRef, JobSnapshot, ModelRef, OptimizerConf, StagePlan
+
+
+def build_snapshot(
+    job: Job,
+    devices: Sequence[Device],
+    ranges: Sequence[BlockRange],
+    *,
+    checkpoint_root: str,
+    allowed_factories: Sequence[str],
+) -> JobSnapshot:
+    spec = JobSpec.model_validate(job.spec)
+    return JobSnapshot(
+        job_id=job.id,
+        attempt=job.attempt,
+        model=ModelRef(spec.model.builtin, spec.model.factory, dict(spec.model.config)),
+        data=DataRef(spec.data.builtin, spec.data.factory, dict(spec.data.config)),
+        optimizer=OptimizerConf(spec.optimizer.name, spec.optimizer.lr, spec.optimizer.params()),
+        batch_size=spec.batch_size,
+        micro_batches=spec.micro_batches,
+        steps=spec.steps,
+        seed=spec.seed,
+        schedule=spec.parallelism.schedule,
+        recompute=spec.parallelism.recompute,
+        stages=tuple(
+            StagePlan(index=i, blocks=r, device=d)
+            for i, (r, d) in enumerate(zip(ranges, devices, strict=True))
+        ),
+        num_blocks=job.num_blocks,
+        checkpoint_root=checkpoint_root,
+        checkpoint_every=spec.checkpoint.every_steps,
+        checkpoint_keep=spec.checkpoint.keep,
+        allowed_factories=tuple(allowed_factories),
+    )
+
+
+def job_request(job: Job) -> JobRequest:
+    spec = JobSpec.model_validate(job.spec)
+    stages = spec.parallelism.stages
+    return JobRequest(
+        job_id=job.id,
+        priority=job.priority,
+        min_devices=spec.resources.min_devices,
+        max_devices=spec.resources.max_devices,
+        stages=stages if isinstance(stages, int) else None,
+        num_blocks=job.num_blocks,
+        device_kind=spec.resources.device_kind,
+        spot_ok=spec.resources.spot_ok,
+    )

@@ -1,0 +1,268 @@
+"""The job contract: ``JobSpec``, validated once, with bounds and messages that name the field.
+
+A spec arrives as JSON (API) or YAML (CLI). Unknown fields are refused; every field but
+``name``, ``model``, ``data`` and ``steps`` has a default; model dimensions that follow from
+the data are filled in from the dataset. ``validate_job_spec`` is the single entry point: it
+returns the spec with the model/data configs completed, or raises ``SpecError``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from workers.factories import FactoryError, check_allowed
+from workers.zoo.registry import RegistryError, data_meta, resolve_model
+
+MAX_STEPS = 10_000_000
+MAX_BATCH = 1_048_576
+MAX_DEVICES = 4_096
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,99}$")
+
+
+class SpecError(ValueError):
+    """A spec is invalid. ``errors`` lists (dotted field, message) pairs."""
+
+    def __init__(self, errors: Sequence[tuple[str, str]]) -> None:
+        self.errors = list(errors)
+        super().__init__("; ".join(f"{f}: {m}" if f else m for f, m in self.errors))
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ComponentSpec(_Strict):
+    """A built-in (``builtin``) or a factory ``pkg.module:function``, with its config."""
+
+    builtin: str | None = Field(None, max_length=100)
+    factory: str | None = Field(None, max_length=300)
+    config: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> ComponentSpec:
+        if (self.builtin is None) == (self.factory is None):
+            raise ValueError("give exactly one of 'builtin' or 'factory'")
+        return self
+
+
+class OptimizerSpec(_Strict):
+    name: Literal["sgd", "adam", "adamw"] = "adam"
+    lr: float = Field(1e-3, gt=0.0, le=10.0)
+    momentum: float | None = Field(None, ge=0.0, lt=1.0, description="sgd only")
+    nesterov: bool | None = Field(None, description="sgd only")
+    weight_decay: float = Field(0.0, ge=0.0, le=1.0)
+    betas: tuple[float, float] | None = Field(None, description="adam/adamw only")
+    eps: float | None = Field(None, gt=0.0, le=1.0, description="adam/adamw only")
+
+    @model_validator(mode="after")
+    def _fits_optimizer(self) -> OptimizerSpec:
+        if self.name == "sgd" and (self.betas is not None or self.eps is not None):
+            raise ValueError("betas and eps apply to adam/adamw, not sgd")
+        if self.name != "sgd" and (self.momentum is not None or self.nesterov is not None):
+            raise ValueError(f"momentum and nesterov apply to sgd, not {self.name}")
+        if self.nesterov and not self.momentum:
+            raise ValueError("nesterov needs momentum > 0")
+        if self.betas is not None and not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ValueError("betas must both be in [0, 1)")
+        return self
+
+    def params(self) -> dict[str, Any]:
+        """Keyword arguments of the torch optimizer besides ``lr``."""
+        fields = ("momentum", "nesterov", "weight_decay", "betas", "eps")
+        return {f: getattr(self, f) for f in fields if getattr(self, f) is not None}
+
+
+class ParallelismSpec(_Strict):
+    stages: Literal["auto"] | int = "auto"
+    replicas: Literal["auto"] | int = "auto"
+    schedule: Literal["gpipe", "1f1b"] = "1f1b"
+    recompute: bool = False
+
+    @field_validator("stages", "replicas")
+    @classmethod
+    def _positive(cls, value: str | int) -> str | int:
+        if isinstance(value, int) and not 1 <= value <= MAX_DEVICES:
+            raise ValueError(f"must be 'auto' or an integer between 1 and {MAX_DEVICES}")
+        return value
+
+
+class ElasticSpec(_Strict):
+    repartition: bool = True
+    check_every_steps: int = Field(10, ge=1, le=1_000_000)
+
+
+class ResourcesSpec(_Strict):
+    min_devices: int = Field(1, ge=1, le=MAX_DEVICES)
+    max_devices: int = Field(1, ge=1, le=MAX_DEVICES)
+    device_kind: str | None = Field(None, max_length=63, description="only this kind")
+    spot_ok: bool = True
+
+    @model_validator(mode="after")
+    def _ordered(self) -> ResourcesSpec:
+        if self.max_devices < self.min_devices:
+            raise ValueError(
+                f"max_devices ({self.max_devices}) is less than min_devices ({self.min_devices})"
+            )
+        return self
+
+
+class CheckpointSpec(_Strict):
+    every_steps: int = Field(50, ge=1, le=MAX_STEPS)
+    keep: int = Field(3, ge=1, le=1_000)
+
+
+class JobSpec(_Strict):
+    name: str = Field(..., max_length=100)
+    model: ComponentSpec
+    data: ComponentSpec
+    optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)
+    batch_size: int = Field(32, ge=1, le=MAX_BATCH)
+    micro_batches: int = Field(1, ge=1, le=MAX_BATCH)
+    steps: int = Field(..., ge=1, le=MAX_STEPS)
+    seed: int = Field(0, ge=0, le=2**31 - 1)
+    parallelism: ParallelismSpec = Field(default_factory=ParallelismSpec)
+    elastic: ElasticSpec = Field(default_factory=ElasticSpec)
+    resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
+    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
+    priority: int = Field(0, ge=-100, le=100)
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        if not _NAME_RE.match(value):
+            raise ValueError(
+                "use 1-100 letters, digits, '_', '.', '-', starting with a letter or digit"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _batch_split(self) -> JobSpec:
+        if self.micro_batches > self.batch_size:
+            raise ValueError(
+                f"micro_batches ({self.micro_batches}) exceeds batch_size ({self.batch_size})"
+            )
+        if self.batch_size % self.micro_batches:
+            raise ValueError(
+                f"batch_size ({self.batch_size}) must be divisible by micro_batches"
+                f" ({self.micro_batches})"
+            )
+        stages = self.parallelism.stages
+        if isinstance(stages, int) and stages > self.resources.max_devices:
+            raise ValueError(
+                f"parallelism.stages ({stages}) needs {stages} devices but"
+                f" resources.max_devices is {self.resources.max_devices}; raise max_devices"
+            )
+        return self
+
+
+def _pydantic_errors(exc: ValidationError) -> list[tuple[str, str]]:
+    errors = []
+    for err in exc.errors():
+        loc = [str(p) for p in err["loc"] if not str(p).startswith("function-after")]
+        message = str(err["msg"]).removeprefix("Value error, ")
+        errors.append((".".join(loc), message))
+    return errors
+
+
+def parse_job_spec(payload: Any) -> JobSpec:
+    """Structural validation of a decoded JSON/YAML object."""
+    if not isinstance(payload, dict):
+        raise SpecError([("", "a job spec must be a JSON/YAML object (mapping)")])
+    try:
+        return JobSpec.model_validate(payload)
+    except ValidationError as exc:
+        raise SpecError(_pydantic_errors(exc)) from None
+
+
+def _check_factory(path: str, allowed: Sequence[str], field: str) -> None:
+    try:
+        check_allowed(path, allowed)
+    except FactoryError as exc:
+        raise SpecError([(field, str(exc))]) from None
+
+
+@dataclass(frozen=True)
+class AcceptedSpec:
+    """A spec that passed every check, with its model's block count."""
+
+    spec: JobSpec
+    num_blocks: int
+
+
+def complete_job_spec(spec: JobSpec, allowed_factories: Sequence[str]) -> AcceptedSpec:
+    """Check builtins/factories and fill data-derived model dimensions."""
+    if spec.parallelism.replicas not in ("auto", 1):
+        raise SpecError(
+            [
+                (
+                    "parallelism.replicas",
+                    "data-parallel replicas > 1 are not available yet; use 'auto' or 1",
+                )
+            ]
+        )
+    updates: dict[str, Any] = {}
+    meta = None
+    num_blocks = 0
+    try:
+        if spec.data.builtin is not None:
+            data_config, meta = data_meta(spec.data.builtin, spec.data.config)
+            updates["data"] = spec.data.model_copy(update={"config": data_config})
+        if spec.model.builtin is not None:
+            if meta is None:
+                raise SpecError(
+                    [("model.builtin", "built-in models need a built-in dataset; use a factory")]
+                )
+            resolved = resolve_model(spec.model.builtin, spec.model.config, meta)
+            updates["model"] = spec.model.model_copy(update={"config": resolved.config})
+            num_blocks = resolved.num_blocks
+    except RegistryError as exc:
+        raise SpecError([(exc.field, exc.message)]) from None
+    if spec.data.factory is not None:
+        _check_factory(spec.data.factory, allowed_factories, "data.factory")
+    if spec.model.factory is not None:
+        _check_factory(spec.model.factory, allowed_factories, "model.factory")
+        num_blocks = _count_factory_blocks(spec, allowed_factories)
+    _check_stage_count(spec.parallelism.stages, num_blocks)
+    return AcceptedSpec(spec.model_copy(update=updates), num_blocks)
+
+
+def _count_factory_blocks(spec: JobSpec, allowed: Sequence[str]) -> int:
+    """Build an allowed factory model once to learn its block count (and that it builds)."""
+    from workers.snapshot import DataRef, ModelRef
+    from workers.zoo.data import make_data
+    from workers.zoo.models import count_blocks
+
+    try:
+        data = make_data(
+            DataRef(spec.data.builtin, spec.data.factory, spec.data.config), 0, allowed
+        )
+        return count_blocks(
+            ModelRef(None, spec.model.factory, spec.model.config), data.meta, allowed
+        )
+    except Exception as exc:  # user code: any failure is a bad spec, reported, not raised
+        raise SpecError(
+            [("model.factory", f"building {spec.model.factory} failed: {exc}")]
+        ) from None
+
+
+def _check_stage_count(stages: str | int, num_blocks: int) -> None:
+    if isinstance(stages, int) and stages > num_blocks:
+        raise SpecError(
+            [
+                (
+                    "parallelism.stages",
+                    f"{stages} stages but the model has only {num_blocks} blocks;"
+                    " use fewer stages or a deeper model",
+                )
+            ]
+        )
+
+
+def validate_job_spec(payload: Any, allowed_factories: Sequence[str]) -> AcceptedSpec:
+    """Parse and complete a job spec; the one entry point used by the API and the CLI."""
+    return complete_job_spec(parse_job_spec(payload), allowed_factories)

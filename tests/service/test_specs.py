@@ -1,0 +1,108 @@
+"""JobSpec validation: defaults, bounds, data-derived dimensions, allowed factories."""
+
+from __future__ import annotations
+
+import pytest
+
+from service.specs import SpecError, validate_job_spec
+from tests.factories import job_spec
+
+pytestmark = pytest.mark.unit
+
+FACTORIES = "tests.workers.test_factories"  # its toy model/data factories
+
+
+def fields(exc: SpecError) -> list[str]:
+    return [f for f, _ in exc.errors]
+
+
+def test_minimal_spec_gets_defaults_and_data_dimensions() -> None:
+    accepted = validate_job_spec(
+        {
+            "name": "m",
+            "model": {"builtin": "mlp", "config": {}},
+            "data": {"builtin": "digits"},
+            "steps": 5,
+        },
+        [],
+    )
+    spec = accepted.spec
+    assert spec.model.config["in_features"] == 64
+    assert spec.model.config["out_features"] == 10
+    assert spec.optimizer.name == "adam"
+    assert spec.parallelism.stages == "auto"
+    assert accepted.num_blocks == 3
+
+
+def test_gpt_on_pysource_takes_vocabulary_and_length_from_data() -> None:
+    accepted = validate_job_spec(
+        job_spec(
+            model={"builtin": "gpt", "config": {"n_layers": 3}},
+            data={"builtin": "pysource", "config": {"seq_len": 48}},
+        ),
+        [],
+    )
+    assert accepted.spec.model.config["vocab_size"] == 256
+    assert accepted.spec.model.config["seq_len"] == 48
+    assert accepted.num_blocks == 5
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field"),
+    [
+        ({"steps": -1}, "steps"),
+        ({"steps": 0}, "steps"),
+        ({"batch_size": 8, "micro_batches": 16}, ""),
+        ({"batch_size": 10, "micro_batches": 4}, ""),
+        ({"model": {"builtin": "mlp", "config": {"layers": 10**12}}}, "model.config.layers"),
+        ({"model": {"builtin": "resnet"}}, "model.builtin"),
+        ({"data": {"builtin": "imagenet"}}, "data.builtin"),
+        ({"model": {"builtin": "gpt"}}, "model.builtin"),
+        ({"model": {"builtin": "mlp", "config": {"depth": 3}}}, "model.config.depth"),
+        ({"optimizer": {"name": "lamb"}}, "optimizer.name"),
+        ({"optimizer": {"name": "sgd", "betas": [0.9, 0.99]}}, "optimizer"),
+        ({"name": "../etc"}, "name"),
+        ({"unknown": 1}, "unknown"),
+        ({"parallelism": {"stages": 0}}, "parallelism.stages"),
+        ({"parallelism": {"stages": 5}, "resources": {"max_devices": 8}}, "parallelism.stages"),
+        ({"parallelism": {"replicas": 2}}, "parallelism.replicas"),
+        ({"resources": {"min_devices": 3, "max_devices": 2}}, "resources"),
+        ({"model": {"builtin": "mlp", "factory": "x:y"}}, "model"),
+    ],
+)
+def test_bad_specs_name_the_field(overrides: dict[str, object], field: str) -> None:
+    with pytest.raises(SpecError) as info:
+        validate_job_spec(job_spec(**overrides), [])
+    assert field in fields(info.value), info.value.errors
+
+
+def test_missing_required_fields_are_each_reported() -> None:
+    with pytest.raises(SpecError) as info:
+        validate_job_spec({}, [])
+    assert {"name", "model", "data", "steps"} <= set(fields(info.value))
+
+
+def test_non_object_payload_is_refused() -> None:
+    with pytest.raises(SpecError, match="object"):
+        validate_job_spec(["not", "a", "spec"], [])
+
+
+def test_factory_outside_allowed_modules_is_refused_without_import() -> None:
+    spec = job_spec(model={"factory": "os:system", "config": {}})
+    with pytest.raises(SpecError) as info:
+        validate_job_spec(spec, ["mypkg"])
+    assert fields(info.value) == ["model.factory"]
+    assert "SHOAL_ALLOWED_FACTORIES" in str(info.value)
+
+
+def test_allowed_factory_model_is_built_to_count_its_blocks() -> None:
+    spec = job_spec(model={"factory": f"{FACTORIES}:tiny_mlp", "config": {"hidden": 8}})
+    accepted = validate_job_spec(spec, [FACTORIES])
+    assert accepted.num_blocks == 3
+
+
+def test_allowed_factory_that_fails_is_a_spec_error() -> None:
+    spec = job_spec(model={"factory": f"{FACTORIES}:not_a_model", "config": {}})
+    with pytest.raises(SpecError) as info:
+        validate_job_spec(spec, [FACTORIES])
+    assert fields(info.value) == ["model.factory"]
