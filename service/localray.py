@@ -1,0 +1,379 @@
+"""Starts and stops the local Ray cluster of `shoal up`.
+
+The cluster is one ``ray start --block`` node per device group of ``SHOAL_DEVICES``: the
+first group is the head, the others join it. Every node declares its virtual devices the
+way ``scheduler.devices`` reads them back (the ``shoal_device`` resource and the
+``shoal.io/*`` labels), so one laptop acts out a heterogeneous, spot-laden cluster.
+
+The cluster uses Ray token authentication with a fresh token of its own; a process that
+connects to it needs ``LocalRay.client_env`` in its environment (Ray turns token auth on
+only for clusters it discovers, never for an explicit address).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import math
+import os
+import re
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import IO
+
+from scheduler.devices import (
+    DEVICE_RESOURCE,
+    LABEL_KIND,
+    LABEL_MEMORY_MB,
+    LABEL_SLOWDOWN,
+    LABEL_SPOT,
+    InventoryError,
+    NodeInfo,
+    node_devices,
+)
+
+SPEC_FORM = "COUNTxKIND:MEMORY_MB[:slowdown=F][:spot]"
+SPEC_EXAMPLE = "2xcpu-fast:2048,2xcpu-slow:2048:slowdown=2"
+MAX_COUNT = 64
+MAX_MEMORY_MB = 10_000_000
+MAX_GROUPS = 16
+"""Each group is one Ray node (a handful of processes); more does not fit on one machine."""
+
+_COUNT_KIND_RE = re.compile(r"^(\d+)x(.+)$")
+_HOST = "127.0.0.1"
+
+
+class DeviceSpecError(ValueError):
+    """A device spec (``SHOAL_DEVICES``) that cannot be read; the message says how to fix it."""
+
+
+class LocalRayError(RuntimeError):
+    """The local Ray cluster did not start; the message points to the log to read."""
+
+
+@dataclass(frozen=True)
+class VirtualNode:
+    """One Ray node of the local cluster and the virtual devices it declares."""
+
+    count: int
+    kind: str
+    memory_mb: int
+    slowdown: float = 1.0
+    spot: bool = False
+
+    @property
+    def labels(self) -> dict[str, str]:
+        return {
+            LABEL_KIND: self.kind,
+            LABEL_MEMORY_MB: str(self.memory_mb),
+            LABEL_SPOT: "true" if self.spot else "false",
+            LABEL_SLOWDOWN: f"{self.slowdown:g}",
+        }
+
+
+def _group_error(group: str, problem: str) -> DeviceSpecError:
+    return DeviceSpecError(
+        f"device group {group!r}: {problem}; expected {SPEC_FORM}, e.g. {SPEC_EXAMPLE}"
+    )
+
+
+def _bounded_int(text: str, low: int, high: int, *, group: str, what: str) -> int:
+    if not text.isdigit():
+        raise _group_error(group, f"{what} {text!r} is not a whole number")
+    value = int(text)
+    if not low <= value <= high:
+        raise _group_error(group, f"{what} {value} is outside {low}..{high}")
+    return value
+
+
+def _slowdown(text: str, *, group: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise _group_error(group, f"slowdown {text!r} is not a number") from None
+    if not (math.isfinite(value) and value >= 1.0):
+        raise _group_error(group, f"slowdown {text!r} must be a finite number >= 1")
+    return value
+
+
+def _parse_group(group: str) -> VirtualNode:
+    parts = [part.strip() for part in group.split(":")]
+    head = _COUNT_KIND_RE.match(parts[0])
+    if head is None or len(parts) < 2:
+        raise _group_error(group, "it does not start with COUNTxKIND:MEMORY_MB")
+    count = _bounded_int(head.group(1), 1, MAX_COUNT, group=group, what="count")
+    memory_mb = _bounded_int(parts[1], 1, MAX_MEMORY_MB, group=group, what="memory (MB)")
+    slowdown: float | None = None
+    spot = False
+    for option in parts[2:]:
+        name, sep, value = option.partition("=")
+        if name == "slowdown" and sep and slowdown is None:
+            slowdown = _slowdown(value, group=group)
+        elif option == "spot" and not spot:
+            spot = True
+        elif name in {"slowdown", "spot"}:
+            raise _group_error(group, f"option {name!r} is given twice or malformed")
+        else:
+            raise _group_error(group, f"unknown option {option!r} (known: slowdown=F, spot)")
+    node = VirtualNode(count, head.group(2).strip().lower(), memory_mb, slowdown or 1.0, spot)
+    # Refuse here what the inventory would refuse later, with the same rules.
+    try:
+        node_devices(NodeInfo("local", True, {DEVICE_RESOURCE: count}, node.labels))
+    except InventoryError as exc:
+        raise _group_error(group, str(exc)) from None
+    return node
+
+
+def parse_devices(spec: str) -> list[VirtualNode]:
+    """The Ray nodes a device spec asks for, one per comma-separated group, head first."""
+    groups = [group.strip() for group in spec.split(",")]
+    if not spec.strip():
+        raise DeviceSpecError(
+            f"the device spec is empty; expected {SPEC_FORM}, e.g. {SPEC_EXAMPLE}"
+        )
+    if any(not group for group in groups):
+        raise DeviceSpecError(
+            f"the device spec {spec!r} has an empty group; separate groups with single commas,"
+            f" e.g. {SPEC_EXAMPLE}"
+        )
+    if len(groups) > MAX_GROUPS:
+        raise DeviceSpecError(
+            f"the device spec has {len(groups)} groups, more than {MAX_GROUPS}; raise COUNT"
+            " of a group instead of repeating it"
+        )
+    return [_parse_group(group) for group in groups]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind((_HOST, 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _accepts(port: int) -> bool:
+    try:
+        with socket.create_connection((_HOST, port), timeout=0.5):
+            return True
+    except OSError:
+        return False
+
+
+# Runs in a child process so that the caller's own Ray connection (if any) is left alone.
+_WAIT_SCRIPT = """
+import sys, time
+import ray
+address, want, deadline = sys.argv[1], int(sys.argv[2]), time.monotonic() + float(sys.argv[3])
+ray.init(address=address, log_to_driver=False, logging_level="ERROR")
+while (alive := sum(1 for n in ray.nodes() if n["Alive"])) < want:
+    if time.monotonic() > deadline:
+        sys.exit(f"{alive} of {want} Ray nodes alive")
+    time.sleep(0.25)
+"""
+
+
+@dataclass
+class _Node:
+    spec: VirtualNode
+    log_path: Path
+    log: IO[bytes]
+    process: subprocess.Popen[bytes]
+
+
+class LocalRay:
+    """A local Ray cluster, one ``ray start --block`` process group per node; a context manager."""
+
+    def __init__(
+        self,
+        nodes: Sequence[VirtualNode],
+        log_dir: Path,
+        *,
+        start_timeout_s: float = 120.0,
+        stop_timeout_s: float = 10.0,
+        poll_interval_s: float = 0.25,
+    ) -> None:
+        if not nodes:
+            raise ValueError("a local Ray cluster needs at least one device group")
+        self._specs = tuple(nodes)
+        self._log_dir = log_dir
+        self._start_timeout_s = start_timeout_s
+        self._stop_timeout_s = stop_timeout_s
+        self._poll_interval_s = poll_interval_s
+        self._ray = Path(sys.executable).parent / "ray"
+        self._token = secrets.token_hex(32)
+        self._port: int | None = None
+        self._nodes: list[_Node] = []
+
+    @property
+    def address(self) -> str:
+        """The head's GCS address, ``127.0.0.1:PORT``."""
+        if self._port is None:
+            raise RuntimeError("the local Ray cluster is not started; call start() first")
+        return f"{_HOST}:{self._port}"
+
+    @property
+    def client_env(self) -> dict[str, str]:
+        """Environment a process needs to connect to this cluster (its auth token)."""
+        return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": self._token}
+
+    @property
+    def pids(self) -> list[int]:
+        """Process ids (and process-group ids) of the ``ray start`` processes, head first."""
+        return [node.process.pid for node in self._nodes]
+
+    @property
+    def log_paths(self) -> list[Path]:
+        return [node.log_path for node in self._nodes]
+
+    def start(self) -> LocalRay:
+        """Start every node and return once all are alive; on failure nothing is left running."""
+        if self._nodes:
+            raise RuntimeError("the local Ray cluster is already started")
+        if not self._ray.exists():
+            raise LocalRayError(f"{self._ray} not found; install ray into {sys.prefix}")
+        self._log_dir.mkdir(parents=True, exist_ok=True)
+        self._port = _free_port()
+        atexit.register(self.stop)
+        deadline = time.monotonic() + self._start_timeout_s
+        try:
+            head = self._launch(0, self._specs[0])
+            while not _accepts(self._port):
+                self._check_running(deadline, "the Ray head to accept connections", head)
+                time.sleep(self._poll_interval_s)
+            for index, spec in enumerate(self._specs[1:], start=1):
+                self._launch(index, spec)
+            self._wait_alive(deadline)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _launch(self, index: int, spec: VirtualNode) -> _Node:
+        args = [
+            str(self._ray),
+            "start",
+            "--block",
+            "--disable-usage-stats",
+            f"--node-ip-address={_HOST}",
+            f"--resources={json.dumps({DEVICE_RESOURCE: spec.count})}",
+            "--labels=" + ",".join(f"{key}={value}" for key, value in spec.labels.items()),
+            # Nodes share this machine: give each its own agent and metrics ports.
+            f"--dashboard-agent-listen-port={_free_port()}",
+            f"--metrics-export-port={_free_port()}",
+        ]
+        if index == 0:
+            # One CPU beyond the devices, for the job runner actor and the control plane's work.
+            args += [
+                "--head",
+                f"--port={self._port}",
+                f"--num-cpus={spec.count + 1}",
+                "--include-dashboard=false",
+                f"--ray-client-server-port={_free_port()}",
+            ]
+        else:
+            args += [f"--address={self.address}", f"--num-cpus={spec.count}"]
+        log_path = self._log_dir / f"ray-{index}-{spec.kind}.log"
+        log = log_path.open("ab")
+        log.write(f"$ {' '.join(args)}\n".encode())
+        log.flush()
+        process = subprocess.Popen(
+            args,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=self._child_env(),
+            start_new_session=True,
+        )
+        node = _Node(spec, log_path, log, process)
+        self._nodes.append(node)
+        return node
+
+    def _check_running(self, deadline: float, waiting_for: str, node: _Node) -> None:
+        for each in self._nodes:
+            code = each.process.poll()
+            if code is not None:
+                raise LocalRayError(
+                    f"the Ray node for device group {each.spec.kind} exited with code {code}"
+                    f" while waiting for {waiting_for}; see {each.log_path}"
+                )
+        if time.monotonic() > deadline:
+            raise LocalRayError(
+                f"timed out after {self._start_timeout_s:g} s waiting for {waiting_for};"
+                f" see {node.log_path}"
+            )
+
+    def _wait_alive(self, deadline: float) -> None:
+        waiting_for = f"{len(self._specs)} Ray nodes to be alive"
+        probe_log = self._log_dir / "ray-wait.log"
+        remaining = f"{max(deadline - time.monotonic(), 0.0):.1f}"
+        args = [sys.executable, "-c", _WAIT_SCRIPT, self.address, str(len(self._specs)), remaining]
+        with probe_log.open("wb") as log:
+            probe = subprocess.Popen(
+                args,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self._child_env(),
+            )
+            try:
+                while probe.poll() is None:
+                    self._check_running(deadline + 5.0, waiting_for, self._nodes[-1])
+                    time.sleep(self._poll_interval_s)
+            finally:
+                if probe.poll() is None:
+                    probe.kill()
+                    probe.wait()
+        if probe.returncode != 0:
+            lines = probe_log.read_text(errors="replace").strip().splitlines() or ["no output"]
+            raise LocalRayError(
+                f"the local Ray cluster did not come up ({lines[-1]}) while waiting for"
+                f" {waiting_for}; see {probe_log} and"
+                f" {', '.join(str(path) for path in self.log_paths)}"
+            )
+
+    def _child_env(self) -> dict[str, str]:
+        env = {**os.environ, **self.client_env}
+        # An explicit token wins over these; an inherited address must not redirect `ray`.
+        for name in ("RAY_AUTH_TOKEN_PATH", "RAY_ADDRESS"):
+            env.pop(name, None)
+        return env
+
+    def stop(self) -> None:
+        """Stop every node: SIGTERM its process group, SIGKILL it if it lingers. Idempotent."""
+        nodes, self._nodes = self._nodes, []
+        for node in nodes:
+            _signal_group(node.process, signal.SIGTERM)
+        deadline = time.monotonic() + self._stop_timeout_s
+        for node in nodes:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                node.process.wait(timeout=max(deadline - time.monotonic(), 0.0))
+            # `ray start --block` may exit before its children do: the group is what counts.
+            _signal_group(node.process, signal.SIGKILL)
+            node.process.wait()
+            node.log.close()
+        self._port = None
+        atexit.unregister(self.stop)
+
+    def __enter__(self) -> LocalRay:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
+def _signal_group(process: subprocess.Popen[bytes], signum: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signum)

@@ -1,0 +1,204 @@
+"""The device spec parser and the local Ray cluster of `shoal up`."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from scheduler.devices import (
+    DEVICE_RESOURCE,
+    LABEL_KIND,
+    LABEL_MEMORY_MB,
+    LABEL_SLOWDOWN,
+    LABEL_SPOT,
+    NodeInfo,
+    inventory,
+)
+from service.localray import DeviceSpecError, LocalRay, LocalRayError, VirtualNode, parse_devices
+from service.settings import DEFAULT_DEVICES
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    ("spec", "expected"),
+    [
+        (
+            DEFAULT_DEVICES,
+            [
+                VirtualNode(2, "cpu-fast", 2048),
+                VirtualNode(2, "cpu-slow", 2048, slowdown=2.0),
+            ],
+        ),
+        ("1xcpu:1", [VirtualNode(1, "cpu", 1)]),
+        ("64xt4-16g:10000000", [VirtualNode(64, "t4-16g", 10_000_000)]),
+        ("3xa.b:512:spot", [VirtualNode(3, "a.b", 512, spot=True)]),
+        (
+            " 1xCPU-A:1024 , 2xcpu-b:512:slowdown=1.5:spot ",
+            [
+                VirtualNode(1, "cpu-a", 1024),
+                VirtualNode(2, "cpu-b", 512, slowdown=1.5, spot=True),
+            ],
+        ),
+        ("1xcpu:8:spot:slowdown=4", [VirtualNode(1, "cpu", 8, slowdown=4.0, spot=True)]),
+        ("1xcpu:8:slowdown=1", [VirtualNode(1, "cpu", 8)]),
+    ],
+)
+def test_parse_devices_reads_groups(spec: str, expected: list[VirtualNode]) -> None:
+    assert parse_devices(spec) == expected
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("", "the device spec is empty"),
+        ("   ", "the device spec is empty"),
+        ("1xcpu:8,", "has an empty group"),
+        ("1xcpu:8,,1xcpu:8", "has an empty group"),
+        ("cpu:2048", "'cpu:2048': it does not start with COUNTxKIND:MEMORY_MB"),
+        ("2xcpu", "'2xcpu': it does not start with COUNTxKIND:MEMORY_MB"),
+        ("x cpu:8", "does not start with COUNTxKIND:MEMORY_MB"),
+        ("0xcpu:8", "count 0 is outside 1..64"),
+        ("65xcpu:8", "count 65 is outside 1..64"),
+        ("-1xcpu:8", "does not start with COUNTxKIND:MEMORY_MB"),
+        ("1xcpu:0", "memory (MB) 0 is outside 1..10000000"),
+        ("1xcpu:10000001", "memory (MB) 10000001 is outside 1..10000000"),
+        ("1xcpu:2GB", "memory (MB) '2GB' is not a whole number"),
+        ("1xcpu:", "memory (MB) '' is not a whole number"),
+        ("1xcpu:8:slowdown=0.5", "slowdown '0.5' must be a finite number >= 1"),
+        ("1xcpu:8:slowdown=inf", "slowdown 'inf' must be a finite number >= 1"),
+        ("1xcpu:8:slowdown=nan", "slowdown 'nan' must be a finite number >= 1"),
+        ("1xcpu:8:slowdown=fast", "slowdown 'fast' is not a number"),
+        ("1xcpu:8:slowdown", "option 'slowdown' is given twice or malformed"),
+        ("1xcpu:8:slowdown=2:slowdown=3", "option 'slowdown' is given twice or malformed"),
+        ("1xcpu:8:spot:spot", "option 'spot' is given twice or malformed"),
+        ("1xcpu:8:spot=yes", "option 'spot' is given twice or malformed"),
+        ("1xcpu:8:gpu", "unknown option 'gpu' (known: slowdown=F, spot)"),
+        ("1xcpu_fast:8", "is not a device kind"),
+        ("1x-cpu:8", "is not a device kind"),
+        (",".join(["1xcpu:8"] * 17), "17 groups, more than 16"),
+    ],
+)
+def test_parse_devices_refuses_bad_specs(spec: str, message: str) -> None:
+    with pytest.raises(DeviceSpecError) as caught:
+        parse_devices(spec)
+    assert message in str(caught.value)
+
+
+@pytest.mark.unit
+def test_bad_group_error_names_the_group_and_the_form() -> None:
+    with pytest.raises(DeviceSpecError) as caught:
+        parse_devices("2xcpu-fast:2048,2xcpu-slow:lots")
+    assert str(caught.value) == (
+        "device group '2xcpu-slow:lots': memory (MB) 'lots' is not a whole number;"
+        " expected COUNTxKIND:MEMORY_MB[:slowdown=F][:spot],"
+        " e.g. 2xcpu-fast:2048,2xcpu-slow:2048:slowdown=2"
+    )
+
+
+@pytest.mark.unit
+def test_labels_read_back_as_the_declared_devices() -> None:
+    node = VirtualNode(3, "cpu-b", 512, slowdown=2.5, spot=True)
+    devices = inventory([NodeInfo("n1", True, {DEVICE_RESOURCE: node.count}, node.labels)])
+    assert [(d.kind, d.memory_mb, d.spot, d.emulate_slowdown) for d in devices] == [
+        ("cpu-b", 512, True, 2.5)
+    ] * 3
+
+
+@pytest.mark.unit
+def test_local_ray_needs_a_group(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="at least one device group"):
+        LocalRay([], tmp_path)
+
+
+@pytest.mark.unit
+def test_address_before_start_says_so(tmp_path: Path) -> None:
+    with pytest.raises(RuntimeError, match=r"not started; call start\(\) first"):
+        _ = LocalRay(parse_devices("1xcpu:8"), tmp_path).address
+
+
+# Asks Ray itself, from a child process: this test session may hold its own Ray connection.
+_NODES_SCRIPT = """
+import json, sys
+import ray
+ray.init(address=sys.argv[1], log_to_driver=False, logging_level="ERROR")
+print(json.dumps([
+    {"alive": n["Alive"], "resources": n["Resources"], "labels": n["Labels"]} for n in ray.nodes()
+]))
+"""
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    # Zombies answer signal 0 until reaped; only a running member counts.
+    states = subprocess.run(
+        ["ps", "-o", "stat=", "-g", str(pgid)], capture_output=True, text=True, check=False
+    ).stdout.split()
+    return any(not state.startswith("Z") for state in states)
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_local_ray_starts_labelled_nodes_and_stops_them(tmp_path: Path) -> None:
+    nodes = parse_devices("1xcpu-a:1024,1xcpu-b:512:slowdown=3:spot")
+    local = LocalRay(nodes, tmp_path / "logs")
+    with local:
+        assert local.address.startswith("127.0.0.1:")
+        pids = local.pids
+        listed = subprocess.run(
+            [sys.executable, "-c", _NODES_SCRIPT, local.address],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={**os.environ, **local.client_env},
+            timeout=120,
+        )
+        seen = json.loads(listed.stdout.strip().splitlines()[-1])
+        assert all(node["alive"] for node in seen)
+        by_kind = {node["labels"][LABEL_KIND]: node for node in seen}
+        assert set(by_kind) == {"cpu-a", "cpu-b"}
+        a, b = by_kind["cpu-a"], by_kind["cpu-b"]
+        assert (a["resources"][DEVICE_RESOURCE], a["resources"]["CPU"]) == (1.0, 2.0)
+        assert (b["resources"][DEVICE_RESOURCE], b["resources"]["CPU"]) == (1.0, 1.0)
+        assert {k: a["labels"][k] for k in (LABEL_MEMORY_MB, LABEL_SPOT, LABEL_SLOWDOWN)} == {
+            LABEL_MEMORY_MB: "1024",
+            LABEL_SPOT: "false",
+            LABEL_SLOWDOWN: "1",
+        }
+        assert {k: b["labels"][k] for k in (LABEL_MEMORY_MB, LABEL_SPOT, LABEL_SLOWDOWN)} == {
+            LABEL_MEMORY_MB: "512",
+            LABEL_SPOT: "true",
+            LABEL_SLOWDOWN: "3",
+        }
+        assert [path.name for path in local.log_paths] == ["ray-0-cpu-a.log", "ray-1-cpu-b.log"]
+    assert not [pgid for pgid in pids if _group_alive(pgid)]
+    local.stop()  # idempotent
+    with pytest.raises(RuntimeError, match="not started"):
+        _ = local.address
+
+
+@pytest.mark.integration
+def test_start_timeout_names_the_log_and_leaves_nothing_running(tmp_path: Path) -> None:
+    local = LocalRay(
+        parse_devices("1xcpu:64"), tmp_path / "logs", start_timeout_s=0.1, stop_timeout_s=1.0
+    )
+    with pytest.raises(LocalRayError) as caught:
+        local.start()
+    log = tmp_path / "logs" / "ray-0-cpu.log"
+    assert str(caught.value) == (
+        f"timed out after 0.1 s waiting for the Ray head to accept connections; see {log}"
+    )
+    command = log.read_text().splitlines()[0]
+    port = next(arg for arg in command.split() if arg.startswith("--port="))
+    still_running = subprocess.run(
+        ["pgrep", "-f", "--", f"--head {port} "], capture_output=True, text=True, check=False
+    ).stdout
+    assert still_running == ""
