@@ -58,7 +58,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(JobNotFound)
     async def _missing(_: Request, exc: JobNotFound) -> JSONResponse:
-        return error_response(status.HTTP_404_NOT_FOUND, str(exc).strip("'\""))
+        return error_response(status.HTTP_404_NOT_FOUND, str(exc))
 
     @app.exception_handler(JobConflict)
     @app.exception_handler(InvalidTransition)

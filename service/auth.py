@@ -82,7 +82,7 @@ def authenticate(session: Session, token: str) -> Principal | None:
     ).first()
     if row is None:
         return None
-    api_token, user = row.tuple()
+    api_token, user = row
     if not hmac.compare_digest(api_token.token_hash, digest):
         return None
     return Principal(user_id=user.id, name=user.name, is_admin=user.is_admin)

@@ -205,6 +205,11 @@ def complete_job_spec(spec: JobSpec, allowed_factories: Sequence[str]) -> Accept
                 )
             ]
         )
+    # Factories first: a module outside the allow-list is refused before anything else runs.
+    if spec.data.factory is not None:
+        _check_factory(spec.data.factory, allowed_factories, "data.factory")
+    if spec.model.factory is not None:
+        _check_factory(spec.model.factory, allowed_factories, "model.factory")
     updates: dict[str, Any] = {}
     meta = None
     num_blocks = 0
@@ -222,10 +227,7 @@ def complete_job_spec(spec: JobSpec, allowed_factories: Sequence[str]) -> Accept
             num_blocks = resolved.num_blocks
     except RegistryError as exc:
         raise SpecError([(exc.field, exc.message)]) from None
-    if spec.data.factory is not None:
-        _check_factory(spec.data.factory, allowed_factories, "data.factory")
     if spec.model.factory is not None:
-        _check_factory(spec.model.factory, allowed_factories, "model.factory")
         num_blocks = _count_factory_blocks(spec, allowed_factories)
     _check_stage_count(spec.parallelism.stages, num_blocks)
     return AcceptedSpec(spec.model_copy(update=updates), num_blocks)

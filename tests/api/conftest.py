@@ -1,0 +1,34 @@
+"""An API client over a real database (SQLite and PostgreSQL), without a controller."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+
+from api.app import create_app
+from service.auth import create_token
+from service.db.session import SessionFactory
+from service.settings import Settings
+
+
+@dataclass
+class Api:
+    client: TestClient
+    factory: SessionFactory
+    settings: Settings
+
+    def token(self, user: str, *, admin: bool = False) -> dict[str, str]:
+        return {"Authorization": f"Bearer {create_token(self.factory, user=user, admin=admin)}"}
+
+
+@pytest.fixture
+def api(session_factory: SessionFactory, tmp_path: Path) -> Iterator[Api]:
+    settings = Settings(
+        home=tmp_path, database_url="unused://", max_body_bytes=64 * 1024, max_page_size=100
+    )
+    with TestClient(create_app(settings, session_factory), raise_server_exceptions=False) as c:
+        yield Api(c, session_factory, settings)
