@@ -10,6 +10,7 @@ from pathlib import Path
 import sqlalchemy as sa
 from fastapi import FastAPI
 from fastapi.responses import FileResponse
+from fastapi.staticfiles import StaticFiles
 
 from api.errors import BodyLimit, install_error_handlers
 from api.routes import devices, health, jobs
@@ -63,6 +64,8 @@ def create_app(
     app.include_router(health.router)
     app.include_router(jobs.router, prefix=API_PREFIX)
     app.include_router(devices.router, prefix=API_PREFIX)
+
+    app.mount("/static", StaticFiles(directory=DASHBOARD), name="static")
 
     @app.get("/", include_in_schema=False)
     def dashboard() -> FileResponse:

@@ -6,6 +6,8 @@ contract whether runners live on Ray or not. Every Ray call here has a timeout.
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 from scheduler.devices import NodeInfo
@@ -40,6 +42,7 @@ class RayCluster:
 
     def __init__(self, address: str | None, *, timeout_s: float) -> None:
         import ray
+
         from workers.launch import RUNNER_NAMESPACE
 
         if not ray.is_initialized():
@@ -75,6 +78,7 @@ class RayCluster:
 
     def _call(self, job_id: JobId, method: str, *args: Any) -> Any:
         from ray.exceptions import GetTimeoutError, RayActorError
+
         from workers.launch import find_runner
 
         handle = find_runner(job_id)
@@ -105,3 +109,65 @@ class RayCluster:
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
+
+
+class InProcessCluster:
+    """``Cluster`` whose runners are threads of this process, on in-process stages.
+
+    The same runner code drives ``workers.group.LocalGroup`` instead of Ray actors: the
+    controller's contract tests run against it and against ``RayCluster`` alike.
+    """
+
+    def __init__(self, nodes: Sequence[NodeInfo]) -> None:
+        from workers.runner import JobRunner
+
+        self._nodes = list(nodes)
+        self._runners: dict[JobId, JobRunner] = {}
+        self._threads: dict[JobId, threading.Thread] = {}
+        self._lock = threading.Lock()
+        self.started: list[JobId] = []
+
+    def nodes(self) -> list[NodeInfo]:
+        return list(self._nodes)
+
+    def start_runner(self, snapshot: JobSnapshot) -> None:
+        from workers.group import LocalGroup
+        from workers.runner import JobRunner
+
+        with self._lock:
+            if snapshot.job_id in self._runners:
+                return  # like a named actor: never two runners for one job
+            runner = JobRunner(snapshot, LocalGroup)
+            thread = threading.Thread(target=runner.run, name=f"runner-{snapshot.job_id[:8]}")
+            self._runners[snapshot.job_id] = runner
+            self._threads[snapshot.job_id] = thread
+            self.started.append(snapshot.job_id)
+        thread.start()
+
+    def has_runner(self, job_id: JobId) -> bool:
+        with self._lock:
+            return job_id in self._runners
+
+    def _runner(self, job_id: JobId) -> Any:
+        with self._lock:
+            runner = self._runners.get(job_id)
+        if runner is None:
+            raise RunnerGone(f"runner of job {job_id} is gone (no runner in this process)")
+        return runner
+
+    def poll(self, job_id: JobId, cursor: int) -> RunnerReport:
+        report: RunnerReport = self._runner(job_id).poll(cursor)
+        return report
+
+    def cancel(self, job_id: JobId) -> None:
+        self._runner(job_id).cancel()
+
+    def stop_runner(self, job_id: JobId) -> None:
+        """Forget the runner (it stops at its next step boundary), like killing the actor."""
+        with self._lock:
+            runner = self._runners.pop(job_id, None)
+            thread = self._threads.pop(job_id, None)
+        if runner is not None:
+            runner.cancel()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=60)

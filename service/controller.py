@@ -271,7 +271,7 @@ def _record_checkpoint(session: Session, job_id: str, step: int, data: dict[str,
             job_id=job_id,
             step=step,
             path=str(data.get("path", "")),
-            nbytes=int(str(data.get("nbytes", 0))),
+            nbytes=int(str(data.get("bytes", 0))),
         )
     )
     deleted = data.get("deleted") or []

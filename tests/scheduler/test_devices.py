@@ -83,4 +83,8 @@ def test_inventory_is_ordered_by_node_then_index() -> None:
         NodeInfo(NODE_B, True, {DEVICE_RESOURCE: 2.0}, {}),
         NodeInfo(NODE_A, True, {DEVICE_RESOURCE: 1.0}, {LABEL_KIND: "fast"}),
     ]
-    assert [d.id for d in inventory(nodes)] == ["aaaaaaaa-fast-0", "bbbbbbbb-cpu-0", "bbbbbbbb-cpu-1"]
+    assert [d.id for d in inventory(nodes)] == [
+        "aaaaaaaa-fast-0",
+        "bbbbbbbb-cpu-0",
+        "bbbbbbbb-cpu-1",
+    ]
