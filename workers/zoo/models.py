@@ -92,7 +92,10 @@ class TransformerLayer(nn.Module):
         super().__init__()
         self.n_heads = n_heads
         self.ln1 = nn.LayerNorm(d_model)
-        self.qkv = nn.Linear(d_model, 3 * d_model)
+        # No bias: softmax ignores a shift shared by all keys, so a key bias has a zero
+        # gradient in exact arithmetic, and Adam blows its rounding noise up to full-size
+        # steps that differ with the micro-batching (or the all-reduce order).
+        self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
         self.proj = nn.Linear(d_model, d_model)
         self.ln2 = nn.LayerNorm(d_model)
         self.mlp = nn.Sequential(

@@ -1,0 +1,93 @@
+"""A plain single-process run of a job: the yardstick for exactness.
+
+This is THE contract the pipeline engine must reproduce (DESIGN invariant 1); parameters
+after any number of steps must equal this run's, whatever the partition, the stages, the
+repartitions and the recoveries. One training step ``s`` is:
+
+1. ``inputs, targets = data.batch(s, batch_size)``; the data cursor is the step.
+2. Split the mini-batch into ``micro_batches`` micro-batches of ``mb = batch_size //
+   micro_batches`` rows: micro-batch ``j`` is rows ``[j * mb, (j + 1) * mb)`` (GPipe).
+3. For each micro-batch, in order: run it through all blocks, ``loss_j = loss_fn(out_j,
+   targets_j) * (mb / batch_size)`` with the task's mean-reduced loss, and
+   ``loss_j.backward()``: gradients accumulate, scaled so their sum is the gradient of the
+   mean loss over the whole mini-batch.
+4. After the last micro-batch, every block's optimizer steps once and drops its gradients.
+5. The step's reported loss is ``sum_j loss_j.item()``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from workers.blocks import Block
+from workers.snapshot import DataRef, ModelRef, OptimizerConf
+from workers.zoo.data import loss_fn, make_data
+from workers.zoo.models import build_blocks, count_blocks
+
+
+@dataclass(frozen=True)
+class ReferenceResult:
+    """The loss of every step run, and the blocks as they are after the last one."""
+
+    losses: list[float]
+    blocks: list[Block]
+
+
+def _check_shape(batch_size: int, micro_batches: int, start_step: int, steps: int) -> None:
+    if micro_batches < 1 or batch_size < 1 or batch_size % micro_batches:
+        raise ValueError(
+            f"batch_size ({batch_size}) must be a positive multiple of micro_batches"
+            f" ({micro_batches}); change one of them"
+        )
+    if not 0 <= start_step <= steps:
+        raise ValueError(f"start_step ({start_step}) must be between 0 and steps ({steps})")
+
+
+def train_reference(
+    model: ModelRef,
+    data: DataRef,
+    optimizer: OptimizerConf,
+    *,
+    batch_size: int,
+    micro_batches: int,
+    steps: int,
+    seed: int,
+    allowed: Sequence[str] = (),
+    start_blocks: dict[int, dict[str, Any]] | None = None,
+    start_step: int = 0,
+) -> ReferenceResult:
+    """Train steps ``start_step .. steps - 1`` in one process, as the module docstring says.
+
+    ``start_blocks`` (block index -> ``Block.state()``, every block) resumes a run; without
+    it the blocks are freshly initialized from ``seed``.
+    """
+    _check_shape(batch_size, micro_batches, start_step, steps)
+    source = make_data(data, seed, allowed)
+    count = count_blocks(model, source.meta, allowed)
+    modules = build_blocks(model, source.meta, seed, range(count), allowed)
+    blocks = [Block(i, module, optimizer) for i, module in enumerate(modules)]
+    if start_blocks is not None:
+        missing = sorted(set(range(count)) - set(start_blocks))
+        if missing:
+            raise ValueError(f"start_blocks lacks the states of blocks {missing}")
+        for block in blocks:
+            block.load(start_blocks[block.index])
+    loss = loss_fn(source.meta.task)
+    mb = batch_size // micro_batches
+    losses = []
+    for step in range(start_step, steps):
+        inputs, targets = source.batch(step, batch_size)
+        total = 0.0
+        for j in range(micro_batches):
+            out = inputs[j * mb : (j + 1) * mb]
+            for block in blocks:
+                out = block.module(out)
+            loss_j = loss(out, targets[j * mb : (j + 1) * mb]) * (mb / batch_size)
+            loss_j.backward()  # type: ignore[no-untyped-call]
+            total += loss_j.item()
+        for block in blocks:
+            block.step()
+        losses.append(total)
+    return ReferenceResult(losses, blocks)
