@@ -69,9 +69,11 @@ def train_reference(
     modules = build_blocks(model, source.meta, seed, range(count), allowed)
     blocks = [Block(i, module, optimizer) for i, module in enumerate(modules)]
     if start_blocks is not None:
-        missing = sorted(set(range(count)) - set(start_blocks))
-        if missing:
-            raise ValueError(f"start_blocks lacks the states of blocks {missing}")
+        if set(start_blocks) != set(range(count)):
+            raise ValueError(
+                f"start_blocks holds the states of blocks {sorted(start_blocks)}; the model has"
+                f" blocks 0..{count - 1} and a resumed run needs every one of them"
+            )
         for block in blocks:
             block.load(start_blocks[block.index])
     loss = loss_fn(source.meta.task)

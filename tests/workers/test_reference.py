@@ -115,7 +115,11 @@ def test_factory_model_and_data() -> None:
         ({"batch_size": 10, "micro_batches": 4}, r"batch_size \(10\) must be a positive multiple"),
         ({"micro_batches": 0}, "positive multiple of micro_batches"),
         ({"start_step": 7}, r"start_step \(7\) must be between 0 and steps \(6\)"),
-        ({"start_step": 1, "start_blocks": {0: {}}}, r"lacks the states of blocks \[1, 2\]"),
+        (
+            {"start_step": 1, "start_blocks": {0: {}}},
+            r"holds the states of blocks \[0\]; .* 0\.\.2",
+        ),
+        ({"start_blocks": {0: {}, 1: {}, 2: {}, 3: {}}}, r"blocks \[0, 1, 2, 3\]; the model has"),
     ],
 )
 def test_bad_arguments_are_explained(kw: dict[str, Any], message: str) -> None:
