@@ -347,18 +347,23 @@ class LocalRay:
         return env
 
     def stop(self) -> None:
-        """Stop every node: SIGTERM its process group, SIGKILL it if it lingers. Idempotent."""
-        nodes, self._nodes = self._nodes, []
-        for node in nodes:
+        """Stop every node: SIGTERM its process group, SIGKILL it if it lingers. Idempotent.
+
+        A node leaves the list only once its group is gone, so a stop cut short (a second
+        Ctrl-C) is finished by the one registered for exit.
+        """
+        for node in self._nodes:
             _signal_group(node.process, signal.SIGTERM)
         deadline = time.monotonic() + self._stop_timeout_s
-        for node in nodes:
+        while self._nodes:
+            node = self._nodes[0]
             with contextlib.suppress(subprocess.TimeoutExpired):
                 node.process.wait(timeout=max(deadline - time.monotonic(), 0.0))
             # `ray start --block` may exit before its children do: the group is what counts.
             _signal_group(node.process, signal.SIGKILL)
             node.process.wait()
             node.log.close()
+            self._nodes.pop(0)
         self._port = None
         atexit.unregister(self.stop)
 

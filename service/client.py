@@ -1,0 +1,200 @@
+"""The REST client the CLI uses.
+
+One method per endpoint of ``/api/v1``; answers are the decoded JSON objects. Every failure
+is an ``ApiError`` whose message is ready to show a person: the server's ``detail`` (for a
+422, one ``field: message`` line per error), or what to check when Shoal cannot be reached.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+from urllib.parse import quote
+
+import httpx
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+API_PREFIX = "/api/v1"
+CLIENT_CONFIG = "client.json"
+ADMIN_TOKEN = "admin.token"
+Json = dict[str, Any]
+
+
+class ApiError(Exception):
+    """A request Shoal refused or never answered (``status`` is None then)."""
+
+    def __init__(self, status: int | None, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    url: str
+    token: str | None
+
+
+def resolve_config(url: str | None, token: str | None, home: Path) -> ClientConfig:
+    """Options and ``SHOAL_URL``/``SHOAL_TOKEN`` first, then what `shoal up` wrote."""
+    if url is None:
+        config_path = home / CLIENT_CONFIG
+        try:
+            stored = json.loads(config_path.read_text())
+        except FileNotFoundError:
+            stored = {}
+        except (OSError, ValueError) as exc:
+            raise ApiError(
+                None, f"cannot read {config_path} ({exc}); delete it or set SHOAL_URL"
+            ) from None
+        url = stored.get("url") if isinstance(stored, dict) else None
+    if token is None:
+        token_path = home / ADMIN_TOKEN
+        if token_path.is_file():
+            token = token_path.read_text().strip() or None
+    return ClientConfig(url=str(url or DEFAULT_URL).rstrip("/"), token=token)
+
+
+def write_config(home: Path, url: str) -> Path:
+    """Remember where `shoal up` serves, for the CLI's next commands."""
+    path = home / CLIENT_CONFIG
+    home.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"url": url}) + "\n")
+    return path
+
+
+def _error_message(response: httpx.Response) -> str:
+    try:
+        body = response.json()
+    except ValueError:
+        body = None
+    if not isinstance(body, dict) or "detail" not in body:
+        text = response.text.strip()[:300] or response.reason_phrase
+        return f"HTTP {response.status_code} from {response.request.url}: {text}"
+    detail = body["detail"]
+    message = detail if isinstance(detail, str) else json.dumps(detail)
+    errors = body.get("errors")
+    if response.status_code == 422 and isinstance(errors, list) and errors:
+        lines = []
+        for error in errors:
+            if not isinstance(error, dict):
+                lines.append(str(error))
+            elif error.get("field"):
+                lines.append(f"{error['field']}: {error.get('message', 'invalid')}")
+            else:
+                lines.append(str(error.get("message", "invalid")))
+        message = "\n".join(lines)
+    if response.status_code == 401:
+        message += "; pass --token or set SHOAL_TOKEN (`shoal token create` makes one)"
+    return message
+
+
+def _job(job_id: str, action: str = "") -> str:
+    # Quoted whole: an id typed by a person must not reach another route ("x/../devices").
+    path = f"/jobs/{quote(job_id, safe='')}"
+    return f"{path}/{action}" if action else path
+
+
+class ShoalClient:
+    """A connection to one Shoal API; a context manager."""
+
+    def __init__(
+        self,
+        url: str,
+        token: str | None,
+        *,
+        timeout_s: float = 30.0,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        self.url = url.rstrip("/")
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._http = httpx.Client(
+            base_url=self.url + API_PREFIX,
+            headers=headers,
+            timeout=timeout_s,
+            # Connection failures happen before a request is sent, so retrying them is safe.
+            transport=transport or httpx.HTTPTransport(retries=2),
+        )
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> ShoalClient:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def _request(
+        self,
+        method: str,
+        path: str,
+        *,
+        params: Mapping[str, Any] | None = None,
+        body: Any = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> Json:
+        try:
+            response = self._http.request(method, path, params=params, json=body, headers=headers)
+        except httpx.ConnectError:
+            raise ApiError(
+                None, f"cannot reach Shoal at {self.url}; is `shoal up` running? (set SHOAL_URL)"
+            ) from None
+        except httpx.TimeoutException:
+            raise ApiError(
+                None, f"Shoal at {self.url} did not answer {method} {path} in time; try again"
+            ) from None
+        except httpx.TransportError as exc:
+            raise ApiError(None, f"{method} {self.url}{API_PREFIX}{path} failed: {exc}") from None
+        if not response.is_success:
+            raise ApiError(response.status_code, _error_message(response))
+        try:
+            decoded = response.json()
+        except ValueError:
+            decoded = None
+        if not isinstance(decoded, dict):
+            raise ApiError(
+                response.status_code,
+                f"{method} {path} answered with something other than a JSON object;"
+                f" is {self.url} a Shoal server?",
+            )
+        return decoded
+
+    def submit_job(self, spec: Mapping[str, Any], idempotency_key: str | None = None) -> Json:
+        headers = {"Idempotency-Key": idempotency_key} if idempotency_key else None
+        return self._request("POST", "/jobs", body=spec, headers=headers)
+
+    def list_jobs(self, states: Sequence[str] = (), limit: int = 50, offset: int = 0) -> Json:
+        params = {"state": list(states), "limit": limit, "offset": offset}
+        return self._request("GET", "/jobs", params=params)
+
+    def get_job(self, job_id: str) -> Json:
+        return self._request("GET", _job(job_id))
+
+    def cancel_job(self, job_id: str) -> Json:
+        return self._request("POST", _job(job_id, "cancel"))
+
+    def restart_job(self, job_id: str) -> Json:
+        return self._request("POST", _job(job_id, "restart"))
+
+    def metrics(self, job_id: str, since_step: int | None = None) -> Json:
+        params = {} if since_step is None else {"since_step": since_step}
+        return self._request("GET", _job(job_id, "metrics"), params=params)
+
+    def events(self, job_id: str, since_id: int = 0) -> Json:
+        return self._request("GET", _job(job_id, "events"), params={"since_id": since_id})
+
+    def checkpoints(self, job_id: str) -> Json:
+        return self._request("GET", _job(job_id, "checkpoints"))
+
+    def devices(self) -> Json:
+        return self._request("GET", "/devices")
