@@ -66,18 +66,7 @@ def test_the_chain_maps_inputs_to_outputs_of_the_task(
     assert out.shape == expected
 
 
-def _registry_bug(case: tuple[str, dict[str, Any], DataMeta], reason: str) -> Any:
-    return pytest.param(*case, marks=pytest.mark.xfail(strict=True, reason=reason))
-
-
-@pytest.mark.parametrize(
-    ("name", "config", "meta"),
-    [
-        _registry_bug(CASES[0], "registry._mlp_params misses the output bias (+ out_features)"),
-        CASES[2],
-        _registry_bug(CASES[3], "registry._gpt_params counts a qkv bias (per layer 12d^2 + 10d)"),
-    ],
-)
+@pytest.mark.parametrize(("name", "config", "meta"), CASES)
 def test_parameter_count_matches_the_registry(
     name: str, config: dict[str, Any], meta: DataMeta
 ) -> None:

@@ -168,7 +168,12 @@ def _mlp_complete(c: MLPConfig, meta: DataMeta) -> MLPConfig:
 def _mlp_params(c: MLPConfig) -> int:
     assert c.in_features is not None and c.out_features is not None
     first = c.in_features * c.hidden + c.hidden
-    return first + (c.layers - 1) * (c.hidden * c.hidden + c.hidden) + c.hidden * c.out_features
+    return (
+        first
+        + (c.layers - 1) * (c.hidden * c.hidden + c.hidden)
+        + c.hidden * c.out_features
+        + c.out_features
+    )
 
 
 def _convnet_complete(c: ConvNetConfig, meta: DataMeta) -> ConvNetConfig:
@@ -212,7 +217,9 @@ def _gpt_complete(c: GPTConfig, meta: DataMeta) -> GPTConfig:
 def _gpt_params(c: GPTConfig) -> int:
     assert c.vocab_size and c.seq_len
     d = c.d_model
-    per_layer = 12 * d * d + 13 * d  # attention (4 d^2) + 4x MLP (8 d^2), biases, 2 layer norms
+    per_layer = (
+        12 * d * d + 10 * d
+    )  # attention (4 d^2, bias on the output only), 4x MLP (8 d^2), 2 norms
     return c.vocab_size * d + c.seq_len * d + c.n_layers * per_layer + 2 * d + d * c.vocab_size
 
 
