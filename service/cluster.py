@@ -125,7 +125,6 @@ class InProcessCluster:
         self._runners: dict[JobId, JobRunner] = {}
         self._threads: dict[JobId, threading.Thread] = {}
         self._lock = threading.Lock()
-        self.started: list[JobId] = []
 
     def nodes(self) -> list[NodeInfo]:
         return list(self._nodes)
@@ -141,7 +140,6 @@ class InProcessCluster:
             thread = threading.Thread(target=runner.run, name=f"runner-{snapshot.job_id[:8]}")
             self._runners[snapshot.job_id] = runner
             self._threads[snapshot.job_id] = thread
-            self.started.append(snapshot.job_id)
         thread.start()
 
     def has_runner(self, job_id: JobId) -> bool:

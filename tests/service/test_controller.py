@@ -1,13 +1,14 @@
-"""The controller against a real database and in-process runners: the job lifecycle end to end.
+"""The controller's contract, end to end on a real database (SQLite and PostgreSQL).
 
-The same controller runs against Ray in ``tests/integration``; here runners are threads on
-in-process stages (``InProcessCluster``), so every path is exercised in seconds.
+Every test runs against both ``Cluster`` implementations: runners as threads on in-process
+stages (``InProcessCluster``, seconds) and runners as detached Ray actors driving StageWorker
+actors on the session's local Ray (``RayCluster``).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ import sqlalchemy as sa
 
 from scheduler.devices import DEVICE_RESOURCE, LABEL_KIND, NodeInfo
 from service.auth import Principal
-from service.cluster import InProcessCluster
+from service.cluster import Cluster, InProcessCluster, RayCluster
 from service.controller import Controller, ControllerConfig
 from service.db.models import Checkpoint, DeviceRow, Job, JobEvent, JobMetric, User
 from service.db.session import SessionFactory
@@ -28,9 +29,26 @@ pytestmark = pytest.mark.integration
 NODES = [NodeInfo("f" * 56, True, {DEVICE_RESOURCE: 2.0}, {LABEL_KIND: "cpu"})]
 
 
-def make_controller(
-    factory: SessionFactory, cluster: InProcessCluster, tmp_path: Path
-) -> Controller:
+class TwoDeviceRay(RayCluster):
+    """The session's Ray, showing two of its devices so both backends see the same pool."""
+
+    def nodes(self) -> list[NodeInfo]:
+        return [
+            NodeInfo(n.node_id, n.alive, {**n.resources, DEVICE_RESOURCE: 2.0}, n.labels)
+            for n in super().nodes()
+        ]
+
+
+@pytest.fixture(params=["inprocess", "ray"])
+def cluster(request: pytest.FixtureRequest) -> Iterator[Cluster]:
+    if request.param == "inprocess":
+        yield InProcessCluster(NODES)
+        return
+    address = request.getfixturevalue("ray_address")
+    yield TwoDeviceRay(address, timeout_s=30)
+
+
+def make_controller(factory: SessionFactory, cluster: Cluster, tmp_path: Path) -> Controller:
     return Controller(factory, cluster, ControllerConfig(checkpoint_root=str(tmp_path / "ckpt")))
 
 
@@ -74,9 +92,8 @@ def events(factory: SessionFactory, job_id: str) -> list[JobEvent]:
 
 
 def test_job_trains_to_success_with_metrics_events_and_checkpoints(
-    session_factory: SessionFactory, tmp_path: Path
+    session_factory: SessionFactory, cluster: Cluster, tmp_path: Path
 ) -> None:
-    cluster = InProcessCluster(NODES)
     controller = make_controller(session_factory, cluster, tmp_path)
     who = owner(session_factory)
     job_id = submit(
@@ -86,7 +103,9 @@ def test_job_trains_to_success_with_metrics_events_and_checkpoints(
 
     row = job(session_factory, job_id)
     assert row.step == 30 and row.error is None and len(row.devices) == 2
-    assert [p["blocks"] for p in row.partition] == [[0, 2], [2, 3]]
+    ranges = [p["blocks"] for p in row.partition]
+    assert len(ranges) == 2 and ranges[0][0] == 0 and ranges[0][1] == ranges[1][0]
+    assert ranges[1][1] == 3  # two stages covering the mlp's 3 blocks
     with session_factory() as session:
         losses = [
             m.loss
@@ -104,8 +123,9 @@ def test_job_trains_to_success_with_metrics_events_and_checkpoints(
     assert holders == {None}  # devices released
 
 
-def test_cancel_of_a_running_job(session_factory: SessionFactory, tmp_path: Path) -> None:
-    cluster = InProcessCluster(NODES)
+def test_cancel_of_a_running_job(
+    session_factory: SessionFactory, cluster: Cluster, tmp_path: Path
+) -> None:
     controller = make_controller(session_factory, cluster, tmp_path)
     who = owner(session_factory)
     job_id = submit(session_factory, who, steps=100_000)
@@ -116,9 +136,8 @@ def test_cancel_of_a_running_job(session_factory: SessionFactory, tmp_path: Path
 
 
 def test_runner_death_fails_the_job_with_the_reason(
-    session_factory: SessionFactory, tmp_path: Path
+    session_factory: SessionFactory, cluster: Cluster, tmp_path: Path
 ) -> None:
-    cluster = InProcessCluster(NODES)
     controller = make_controller(session_factory, cluster, tmp_path)
     job_id = submit(session_factory, owner(session_factory), steps=100_000)
     reconcile_until(controller, lambda: job(session_factory, job_id).step > 0)
@@ -128,9 +147,8 @@ def test_runner_death_fails_the_job_with_the_reason(
 
 
 def test_restart_resumes_from_the_latest_checkpoint(
-    session_factory: SessionFactory, tmp_path: Path
+    session_factory: SessionFactory, cluster: Cluster, tmp_path: Path
 ) -> None:
-    cluster = InProcessCluster(NODES)
     controller = make_controller(session_factory, cluster, tmp_path)
     who = owner(session_factory)
     job_id = submit(session_factory, who, steps=40, checkpoint={"every_steps": 10, "keep": 2})
@@ -145,24 +163,23 @@ def test_restart_resumes_from_the_latest_checkpoint(
 
 
 def test_a_new_controller_finds_running_jobs_instead_of_starting_them_again(
-    session_factory: SessionFactory, tmp_path: Path
+    session_factory: SessionFactory, cluster: Cluster, tmp_path: Path
 ) -> None:
-    cluster = InProcessCluster(NODES)
     first = make_controller(session_factory, cluster, tmp_path)
     job_id = submit(session_factory, owner(session_factory), steps=60)
     reconcile_until(first, lambda: job(session_factory, job_id).step > 0)
     second = make_controller(session_factory, cluster, tmp_path)  # a control-plane restart
     reconcile_until(second, lambda: job(session_factory, job_id).state == "SUCCEEDED")
-    assert cluster.started == [job_id]
+    placements = [e for e in events(session_factory, job_id) if e.kind == "placement"]
+    assert len(placements) == 1 and job(session_factory, job_id).attempt == 1
     with session_factory() as session:
         steps = list(session.scalars(sa.select(JobMetric.step).where(JobMetric.job_id == job_id)))
     assert sorted(steps) == list(range(1, 61))  # nothing lost or doubled across the switch
 
 
 def test_jobs_wait_with_a_reason_until_devices_free_up(
-    session_factory: SessionFactory, tmp_path: Path
+    session_factory: SessionFactory, cluster: Cluster, tmp_path: Path
 ) -> None:
-    cluster = InProcessCluster(NODES)
     controller = make_controller(session_factory, cluster, tmp_path)
     who = owner(session_factory)
     big = submit(
