@@ -39,6 +39,7 @@ from rich.table import Table
 
 from service.client import ApiError, ShoalClient, resolve_config, write_config
 from service.lifecycle import JobState
+from service.localray import DeviceSpecError, LocalRay, LocalRayError, parse_devices
 from service.settings import Settings, UnsafeSettings
 
 SPEC_FORMATS = {".yaml": "YAML", ".yml": "YAML", ".json": "JSON"}
@@ -113,7 +114,7 @@ def _settings(**overrides: Any) -> Settings:
 
 
 def _client(url: str | None, token: str | None) -> ShoalClient:
-    config = resolve_config(url, token, _settings().home)
+    config = resolve_config(url, token, _settings())
     return ShoalClient(config.url, config.token)
 
 
@@ -582,7 +583,6 @@ def up(
     """Run Shoal here: database, local Ray cluster, API, dashboard and controller."""
     from service.auth import ensure_admin_token
     from service.db.session import make_engine, make_session_factory
-    from service.localray import DeviceSpecError, LocalRay, LocalRayError, parse_devices
     from service.server import serve
 
     settings = _settings(ray_address=ray_address, devices=devices, host=host, port=port, home=home)
@@ -626,7 +626,7 @@ def up(
 
 
 def _print_banner(
-    console: Console, settings: Settings, url: str, admin_token: str, local: object | None
+    console: Console, settings: Settings, url: str, admin_token: str, local: LocalRay | None
 ) -> None:
     grid = Table.grid(padding=(0, 2))
     grid.add_column(style="bold")

@@ -17,10 +17,11 @@ from urllib.parse import quote
 
 import httpx
 
+from service.settings import Settings
+
 DEFAULT_URL = "http://127.0.0.1:8000"
 API_PREFIX = "/api/v1"
 CLIENT_CONFIG = "client.json"
-ADMIN_TOKEN = "admin.token"
 Json = dict[str, Any]
 
 
@@ -39,10 +40,10 @@ class ClientConfig:
     token: str | None
 
 
-def resolve_config(url: str | None, token: str | None, home: Path) -> ClientConfig:
+def resolve_config(url: str | None, token: str | None, settings: Settings) -> ClientConfig:
     """Options and ``SHOAL_URL``/``SHOAL_TOKEN`` first, then what `shoal up` wrote."""
     if url is None:
-        config_path = home / CLIENT_CONFIG
+        config_path = settings.home / CLIENT_CONFIG
         try:
             stored = json.loads(config_path.read_text())
         except FileNotFoundError:
@@ -52,10 +53,8 @@ def resolve_config(url: str | None, token: str | None, home: Path) -> ClientConf
                 None, f"cannot read {config_path} ({exc}); delete it or set SHOAL_URL"
             ) from None
         url = stored.get("url") if isinstance(stored, dict) else None
-    if token is None:
-        token_path = home / ADMIN_TOKEN
-        if token_path.is_file():
-            token = token_path.read_text().strip() or None
+    if token is None and settings.admin_token_path.is_file():
+        token = settings.admin_token_path.read_text().strip() or None
     return ClientConfig(url=str(url or DEFAULT_URL).rstrip("/"), token=token)
 
 

@@ -362,6 +362,7 @@ class LocalRay:
             # `ray start --block` may exit before its children do: the group is what counts.
             _signal_group(node.process, signal.SIGKILL)
             node.process.wait()
+            _kill_session(node.process.pid, time.monotonic() + self._stop_timeout_s)
             node.log.close()
             self._nodes.pop(0)
         self._port = None
@@ -382,3 +383,30 @@ class LocalRay:
 def _signal_group(process: subprocess.Popen[bytes], signum: signal.Signals) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(process.pid, signum)
+
+
+def _live_session_members(session: int) -> list[int]:
+    listing = subprocess.run(
+        ["ps", "-A", "-o", "pid=,sess=,stat="], capture_output=True, text=True, check=False
+    ).stdout
+    members = []
+    for line in listing.splitlines():
+        pid, sid, state = line.split(maxsplit=2)
+        if int(sid) == session and not state.startswith("Z"):
+            members.append(int(pid))
+    return members
+
+
+def _kill_session(session: int, deadline: float) -> None:
+    """SIGKILL what is left of a node's session until nothing runs there (or the deadline).
+
+    Ray's raylet starts its workers in process groups of their own, inside the session
+    `ray start` was given; they would exit by themselves a while after the raylet, or not.
+    """
+    while members := _live_session_members(session):
+        for pid in members:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        if time.monotonic() > deadline:
+            return
+        time.sleep(0.05)

@@ -20,8 +20,9 @@ from click.testing import CliRunner, Result
 from fastapi import Depends, FastAPI, Header, HTTPException, Query, Request
 from fastapi.responses import JSONResponse
 
-from service.cli import cli
-from service.client import ApiError, ShoalClient, resolve_config, write_config
+from service.cli import cli, load_spec
+from service.client import ApiError, ClientConfig, ShoalClient, resolve_config, write_config
+from service.settings import Settings
 
 TOKEN = "shoal_test-token"
 EPOCH = datetime(2030, 1, 1, tzinfo=UTC)
@@ -365,6 +366,17 @@ def test_bad_spec_files_are_one_line_errors_with_exit_code_2(
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize("name", ["mlp-digits.yaml", "gpt-pysource.yaml"])
+def test_examples_are_valid_job_specs(name: str) -> None:
+    from service.specs import complete_job_spec, parse_job_spec
+
+    spec = load_spec(Path(__file__).parents[2] / "examples" / name)
+    accepted = complete_job_spec(parse_job_spec(spec), allowed_factories=[])
+    assert accepted.spec.name == name.removesuffix(".yaml")
+    assert accepted.num_blocks == 4
+
+
+@pytest.mark.unit
 def test_non_utf8_spec_file_is_refused(home: Path, tmp_path: Path) -> None:
     path = tmp_path / "latin.yaml"
     path.write_bytes("name: caf\xe9\n".encode("latin-1"))
@@ -494,14 +506,13 @@ def test_unreachable_server_is_one_line_and_exit_code_1(home: Path, tmp_path: Pa
 
 @pytest.mark.unit
 def test_config_prefers_explicit_values_then_what_shoal_up_wrote(tmp_path: Path) -> None:
-    assert resolve_config(None, None, tmp_path) == resolve_config(
-        "http://127.0.0.1:8000", None, tmp_path
-    )
+    settings = Settings(home=tmp_path)
+    assert resolve_config(None, None, settings) == ClientConfig("http://127.0.0.1:8000", None)
     write_config(tmp_path, "http://10.0.0.5:9000")
     (tmp_path / "admin.token").write_text("shoal_admin\n")
-    config = resolve_config(None, None, tmp_path)
+    config = resolve_config(None, None, settings)
     assert (config.url, config.token) == ("http://10.0.0.5:9000", "shoal_admin")
-    config = resolve_config("http://other:1/", "shoal_mine", tmp_path)
+    config = resolve_config("http://other:1/", "shoal_mine", settings)
     assert (config.url, config.token) == ("http://other:1", "shoal_mine")
 
 
@@ -511,7 +522,7 @@ def test_unreadable_client_config_says_what_to_do(tmp_path: Path) -> None:
     with pytest.raises(
         ApiError, match=r"cannot read .*client\.json .*; delete it or set SHOAL_URL"
     ):
-        resolve_config(None, None, tmp_path)
+        resolve_config(None, None, Settings(home=tmp_path))
 
 
 # ------------------------------------------------------------------------- job commands
@@ -774,7 +785,6 @@ def test_up_with_a_ray_address_prepares_home_and_serves(
     home: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import service.server
-    from service.settings import Settings
 
     served: list[Settings] = []
 

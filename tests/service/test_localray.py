@@ -133,16 +133,15 @@ print(json.dumps([
 """
 
 
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    # Zombies answer signal 0 until reaped; only a running member counts.
-    states = subprocess.run(
-        ["ps", "-o", "stat=", "-g", str(pgid)], capture_output=True, text=True, check=False
-    ).stdout.split()
-    return any(not state.startswith("Z") for state in states)
+def _running_in_session(session: int) -> list[str]:
+    listing = subprocess.run(
+        ["ps", "-A", "-o", "sess=,stat=,args="], capture_output=True, text=True, check=True
+    ).stdout
+    return [
+        line
+        for line in listing.splitlines()
+        if int(line.split()[0]) == session and not line.split()[1].startswith("Z")
+    ]
 
 
 @pytest.mark.integration
@@ -179,7 +178,8 @@ def test_local_ray_starts_labelled_nodes_and_stops_them(tmp_path: Path) -> None:
             LABEL_SLOWDOWN: "3",
         }
         assert [path.name for path in local.log_paths] == ["ray-0-cpu-a.log", "ray-1-cpu-b.log"]
-    assert not [pgid for pgid in pids if _group_alive(pgid)]
+    # `ray start` leads a session of its own; nothing in it may outlive stop().
+    assert [line for pid in pids for line in _running_in_session(pid)] == []
     local.stop()  # idempotent
     with pytest.raises(RuntimeError, match="not started"):
         _ = local.address
