@@ -1,0 +1,228 @@
+"""One contract, two worker groups: the same tests run in-process and on Ray actors."""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+from typing import Any
+
+import pytest
+import torch
+
+from scheduler.devices import Device
+from scheduler.types import BlockRange
+from workers.group import (
+    GroupFactory,
+    LocalGroup,
+    RayGroup,
+    StageFailed,
+    StageLost,
+    WorkerGroup,
+)
+from workers.reference import train_reference
+from workers.snapshot import DataRef, ModelRef, OptimizerConf, StagePlan
+from workers.stage import StageSetup
+from workers.zoo.data import make_data
+
+MODEL = ModelRef("mlp", None, {"hidden": 16, "layers": 3})
+DATA = DataRef("synthetic-regression", None, {"features": 8, "outputs": 2})
+OPTIMIZER = OptimizerConf("adam", 0.01)
+SEED = 7
+BLOCKS = 4
+
+MakeGroup = Callable[..., WorkerGroup]
+States = dict[int, dict[str, Any]]
+
+
+@pytest.fixture(
+    params=[
+        pytest.param("local", marks=pytest.mark.unit),
+        pytest.param("ray", marks=pytest.mark.integration),
+    ]
+)
+def kind(request: pytest.FixtureRequest) -> str:
+    if request.param == "ray":
+        request.getfixturevalue("ray_address")
+    return str(request.param)
+
+
+@pytest.fixture
+def node_id(kind: str) -> str:
+    if kind == "local":
+        return "n0000000a"
+    import ray
+
+    return str(ray.get_runtime_context().get_node_id())
+
+
+@pytest.fixture
+def setup() -> StageSetup:
+    meta = make_data(DATA, SEED).meta
+    return StageSetup(MODEL, meta, OPTIMIZER, SEED, BLOCKS)
+
+
+@pytest.fixture
+def make_group(kind: str, node_id: str) -> Iterator[MakeGroup]:
+    factory: GroupFactory = LocalGroup if kind == "local" else RayGroup
+    groups: list[WorkerGroup] = []
+
+    def make(ranges: list[BlockRange], setup: StageSetup, *, slowdown: float = 1.0) -> WorkerGroup:
+        group = factory(plans(ranges, node_id, slowdown), setup)
+        groups.append(group)
+        return group
+
+    yield make
+    for group in groups:
+        group.shutdown()
+
+
+def plans(ranges: list[BlockRange], node_id: str, slowdown: float = 1.0) -> list[StagePlan]:
+    return [
+        StagePlan(
+            i,
+            r,
+            Device(f"{node_id[:8]}-cpu-{i}", node_id, i, "cpu", 2048, False, False, slowdown),
+        )
+        for i, r in enumerate(ranges)
+    ]
+
+
+def reference_states(micro_batches: int) -> States:
+    ref = train_reference(
+        MODEL, DATA, OPTIMIZER, batch_size=8, micro_batches=micro_batches, steps=1, seed=SEED
+    )
+    return {b.index: b.state() for b in ref.blocks}
+
+
+def one_step(group: WorkerGroup, micro_batches: int) -> list[float]:
+    """GPipe by hand on a two-stage group: stage 0's outputs go straight to stage 1."""
+    x, y = make_data(DATA, SEED).batch(0, 8)
+    rows = 8 // micro_batches
+    part = [slice(j * rows, (j + 1) * rows) for j in range(micro_batches)]
+    outs = [group.submit(0, "forward", j, x[part[j]].clone()) for j in range(micro_batches)]
+    losses = [
+        group.submit(1, "forward_loss", j, outs[j], y[part[j]].clone(), rows / 8)
+        for j in range(micro_batches)
+    ]
+    grads = [group.submit(1, "backward", j, None) for j in range(micro_batches)]
+    firsts = [group.submit(0, "backward", j, grads[j]) for j in range(micro_batches)]
+    assert group.get(firsts, 60) == [None] * micro_batches
+    group.get([group.submit(s, "apply_step") for s in (0, 1)], 60)
+    return list(group.get(losses, 60))
+
+
+def assert_same_states(actual: States, expected: States) -> None:
+    assert actual.keys() == expected.keys()
+    for i in expected:
+        for name, tensor in expected[i]["module"].items():
+            torch.testing.assert_close(actual[i]["module"][name], tensor, rtol=1e-5, atol=1e-6)
+
+
+def gather(group: WorkerGroup, stages: int) -> States:
+    states: States = {}
+    for part in group.get([group.submit(s, "state") for s in range(stages)], 60):
+        states.update(part)
+    return states
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_two_stages_train_like_one_process(
+    make_group: MakeGroup, setup: StageSetup, recompute: bool
+) -> None:
+    group = make_group([(0, 2), (2, 4)], replace(setup, recompute=recompute))
+    losses = one_step(group, micro_batches=2)
+    assert len(losses) == 2 and all(v > 0 for v in losses)
+    assert_same_states(gather(group, 2), reference_states(micro_batches=2))
+
+
+def test_state_loads_into_another_partition(make_group: MakeGroup, setup: StageSetup) -> None:
+    trained = make_group([(0, 2), (2, 4)], setup)
+    one_step(trained, micro_batches=1)
+    states = gather(trained, 2)
+    trained.shutdown()  # frees its two devices: the test cluster has four
+    other = make_group([(0, 1), (1, 3), (3, 4)], setup)
+    loads = [other.submit(s, "load", states) for s in range(3)]
+    assert other.get(loads, 60) == [None] * 3
+    assert_same_states(gather(other, 3), states)
+
+
+def test_a_stage_error_names_the_stage_and_call(make_group: MakeGroup, setup: StageSetup) -> None:
+    group = make_group([(0, 2), (2, 4)], setup)
+    bad = group.submit(0, "forward", 0, torch.zeros(2, 3))  # 3 features, the model wants 8
+    fed = group.submit(1, "forward", 0, bad)
+    for handle in (bad, fed):  # a call fed by a failed call fails with the original error
+        with pytest.raises(StageFailed, match=r"stage 0 failed in forward: RuntimeError") as e:
+            group.get([handle], 60)
+        assert (e.value.stage, e.value.method) == (0, "forward")
+    with pytest.raises(StageFailed, match=r"stage 1 failed in backward: .*no forward of micro"):
+        group.get([group.submit(1, "backward", 5, None)], 60)
+    with pytest.raises(StageFailed, match="no such stage method 'shutdown'"):
+        group.get([group.submit(1, "shutdown")], 60)
+    # The group is still usable after its stages raised.
+    assert len(one_step(group, micro_batches=1)) == 1
+
+
+def test_a_step_with_work_in_flight_is_refused(make_group: MakeGroup, setup: StageSetup) -> None:
+    group = make_group([(0, 4)], setup)
+    x, y = make_data(DATA, SEED).batch(0, 4)
+    group.get([group.submit(0, "forward_loss", 0, x, y, 1.0)], 60)
+    with pytest.raises(StageFailed, match=r"still holds micro-batches \[0\]"):
+        group.get([group.submit(0, "apply_step")], 60)
+
+
+def test_a_stage_that_cannot_build_fails_the_group(
+    make_group: MakeGroup, setup: StageSetup
+) -> None:
+    broken = replace(setup, model=ModelRef("mlp", None, {"hidden": 0}))
+    with pytest.raises(
+        StageFailed, match=r"stage [01] failed in build: RegistryError: model.config.hidden"
+    ):
+        make_group([(0, 2), (2, 4)], broken)
+
+
+def test_compute_time_is_measured_and_slowed(make_group: MakeGroup, setup: StageSetup) -> None:
+    fast = make_group([(0, 4)], setup)
+    slow = make_group([(0, 4)], setup, slowdown=4.0)
+    fast_speed = fast.get([fast.submit(0, "measure_speed")], 60)[0]
+    slow_speed = slow.get([slow.submit(0, "measure_speed")], 60)[0]
+    assert 0 < slow_speed < 0.6 * fast_speed
+    x, y = make_data(DATA, SEED).batch(0, 4)
+    slow.get([slow.submit(0, "forward_loss", 0, x, y, 1.0)], 60)
+    slow.get([slow.submit(0, "backward", 0, None)], 60)
+    first, second = (slow.get([slow.submit(0, "apply_step")], 60)[0] for _ in range(2))
+    assert first > 0
+    assert second < first  # the count restarts at every step
+
+
+def test_calls_after_shutdown_report_the_stage_lost(
+    make_group: MakeGroup, setup: StageSetup
+) -> None:
+    group = make_group([(0, 2), (2, 4)], setup)
+    group.shutdown()
+    group.shutdown()  # idempotent
+    with pytest.raises(StageLost, match=r"stage 1 on device \w+-cpu-1 was lost") as e:
+        group.get([group.submit(1, "nbytes")], 60)
+    assert e.value.stage == 1
+
+
+@pytest.mark.integration
+def test_a_crashed_stage_worker_is_reported_lost(ray_address: str, setup: StageSetup) -> None:
+    import ray
+
+    node = ray.get_runtime_context().get_node_id()
+    group = RayGroup(plans([(0, 2), (2, 4)], node), setup)
+    try:
+        victim: Any = group._actors[0]
+        pid = ray.get(victim.__ray_call__.remote(lambda _: os.getpid()), timeout=60)
+        os.kill(pid, signal.SIGKILL)
+        x = make_data(DATA, SEED).batch(0, 4)[0]
+        fed = group.submit(1, "forward", 0, group.submit(0, "forward", 0, x))
+        # Waiting on stage 1's call, fed by the dead stage 0: the loss is blamed on stage 0.
+        with pytest.raises(StageLost) as e:
+            group.get([fed], 60)
+        assert (e.value.stage, e.value.device_id) == (0, f"{node[:8]}-cpu-0")
+        assert "died" in e.value.reason
+    finally:
+        group.shutdown()

@@ -1,0 +1,276 @@
+"""The pipeline engine trains exactly like one process, resumes anywhere, and reports."""
+
+from __future__ import annotations
+
+import re
+import tempfile
+from collections.abc import Sequence
+from dataclasses import replace
+from itertools import pairwise
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from scheduler.devices import Device
+from scheduler.partition import even_partition
+from scheduler.types import BlockRange
+from workers.checkpoints import CheckpointStore
+from workers.group import Handle, LocalGroup, RayGroup, WorkerGroup
+from workers.reference import train_reference
+from workers.runner import JobRunner, Trainer
+from workers.snapshot import (
+    DataRef,
+    JobSnapshot,
+    ModelRef,
+    OptimizerConf,
+    RunStatus,
+    StagePlan,
+    StepMetrics,
+)
+from workers.stage import StageSetup
+
+MLP = ModelRef("mlp", None, {"hidden": 16, "layers": 3})
+REGRESSION = DataRef("synthetic-regression", None, {"features": 8, "outputs": 2})
+GPT = ModelRef("gpt", None, {"d_model": 16, "n_layers": 2, "n_heads": 2})
+TOKENS = DataRef("synthetic-lm", None, {"vocab_size": 16, "seq_len": 6})
+ADAM = OptimizerConf("adam", 0.01)
+
+
+def plans(ranges: Sequence[BlockRange], node: str = "n0000000a") -> tuple[StagePlan, ...]:
+    return tuple(
+        StagePlan(i, r, Device(f"{node[:8]}-cpu-{i}", node, i, "cpu", 2048, False))
+        for i, r in enumerate(ranges)
+    )
+
+
+def job(root: Path | str, ranges: Sequence[BlockRange], **fields: Any) -> JobSnapshot:
+    base = JobSnapshot(
+        job_id="job-1",
+        attempt=1,
+        model=MLP,
+        data=REGRESSION,
+        optimizer=ADAM,
+        batch_size=8,
+        micro_batches=2,
+        steps=3,
+        seed=11,
+        schedule="1f1b",
+        recompute=False,
+        stages=plans(ranges),
+        num_blocks=4,
+        checkpoint_root=str(root),
+        checkpoint_every=0,
+        checkpoint_keep=0,
+    )
+    return replace(base, **fields)
+
+
+def final_states(snap: JobSnapshot) -> dict[int, dict[str, Any]]:
+    _, states = CheckpointStore(snap.checkpoint_root).read(snap.job_id, snap.steps)
+    return states
+
+
+def assert_matches_reference(snap: JobSnapshot, losses: Sequence[float]) -> None:
+    ref = train_reference(
+        snap.model,
+        snap.data,
+        snap.optimizer,
+        batch_size=snap.batch_size,
+        micro_batches=snap.micro_batches,
+        steps=snap.steps,
+        seed=snap.seed,
+    )
+    states = final_states(snap)
+    for block in ref.blocks:
+        for name, expected in block.module.state_dict().items():
+            actual = states[block.index]["module"][name]
+            assert torch.allclose(actual, expected, rtol=1e-5, atol=1e-6), (block.index, name)
+    assert losses == pytest.approx(ref.losses[-len(losses) :], rel=1e-5, abs=1e-6)
+
+
+def metrics(trainer: Trainer) -> list[StepMetrics]:
+    return list(trainer.report(0).metrics)
+
+
+@st.composite
+def pipelines(draw: st.DrawFn) -> dict[str, Any]:
+    stages = draw(st.integers(1, 4))
+    cuts = sorted(draw(st.sets(st.integers(1, 3), min_size=stages - 1, max_size=stages - 1)))
+    bounds = [0, *cuts, 4]
+    micro_batches = draw(st.sampled_from([1, 2, 4]))
+    lm = draw(st.booleans())
+    return {
+        "ranges": list(pairwise(bounds)),
+        "schedule": draw(st.sampled_from(["gpipe", "1f1b"])),
+        "recompute": draw(st.booleans()),
+        "micro_batches": micro_batches,
+        "steps": draw(st.integers(1, 3)),
+        "model": GPT if lm else MLP,
+        "data": TOKENS if lm else REGRESSION,
+        "optimizer": draw(st.sampled_from([ADAM, OptimizerConf("sgd", 0.1, {"momentum": 0.9})])),
+    }
+
+
+@pytest.mark.unit
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(pipelines())
+def test_pipelines_train_exactly_like_one_process(config: dict[str, Any]) -> None:
+    ranges = config.pop("ranges")
+    with tempfile.TemporaryDirectory() as root:
+        snap = job(root, ranges, **config)
+        trainer = Trainer(snap, LocalGroup)
+        assert trainer.run() is RunStatus.SUCCEEDED, trainer.report(0).error
+        assert_matches_reference(snap, [m.loss for m in metrics(trainer)])
+
+
+@pytest.mark.unit
+def test_a_resumed_job_continues_exactly_on_another_partition(tmp_path: Path) -> None:
+    first = job(tmp_path, [(0, 1), (1, 4)], steps=2, schedule="gpipe")
+    assert Trainer(first, LocalGroup).run() is RunStatus.SUCCEEDED
+    second = job(tmp_path, [(0, 2), (2, 3), (3, 4)], steps=5, recompute=True, micro_batches=4)
+    trainer = Trainer(second, LocalGroup)
+    assert trainer.run() is RunStatus.SUCCEEDED
+    report = trainer.report(0)
+    resumed = [e for e in report.events if e.kind == "resumed"]
+    assert [(e.step, e.data["step"]) for e in resumed] == [(2, 2)]
+    assert [m.step for m in report.metrics] == [3, 4, 5]
+    # The first two steps ran with 2 micro-batches; the reference runs all five with 4.
+    # Same mini-batches, so the parameters agree (the micro-batch split only reorders sums).
+    assert_matches_reference(second, [m.loss for m in report.metrics])
+
+
+@pytest.mark.unit
+def test_events_metrics_and_checkpoint_retention(tmp_path: Path) -> None:
+    snap = job(tmp_path, [(0, 2), (2, 4)], steps=5, checkpoint_every=2, checkpoint_keep=2)
+    trainer = Trainer(snap, LocalGroup)
+    assert trainer.run() is RunStatus.SUCCEEDED
+    report = trainer.report(0)
+    assert (report.status, report.step, report.error) == (RunStatus.SUCCEEDED, 5, None)
+    kinds = [e.kind for e in report.events]
+    assert kinds == ["placement", "device_speed", "device_speed", *["checkpoint"] * 3]
+    placement = report.events[0].data["stages"]
+    assert [(s["stage"], s["blocks"], s["device_id"]) for s in placement] == [
+        (0, [0, 2], "n0000000-cpu-0"),
+        (1, [2, 4], "n0000000-cpu-1"),
+    ]
+    assert all(s["bytes"] > 0 for s in placement)
+    assert all(e.data["gflops"] > 0 for e in report.events if e.kind == "device_speed")
+    checkpoints = [e.data for e in report.events if e.kind == "checkpoint"]
+    assert [(c["step"], c["deleted"]) for c in checkpoints] == [(2, []), (4, []), (5, [2])]
+    assert all(c["bytes"] > 0 and Path(c["path"]).name for c in checkpoints)
+    assert [i.step for i in CheckpointStore(tmp_path).list("job-1")] == [4, 5]
+    manifest, _ = CheckpointStore(tmp_path).read("job-1", 5)
+    assert manifest["layout"]["stages"][1]["blocks"] == [2, 4]
+    for m in report.metrics:
+        assert m.samples_per_s == pytest.approx(8 / m.step_time_s)
+        assert [t.stage for t in m.stages] == [0, 1]
+        for t in m.stages:
+            assert t.compute_s > 0
+            assert t.compute_s + t.idle_s == pytest.approx(m.step_time_s)
+
+
+@pytest.mark.unit
+def test_report_cursor_returns_only_news(tmp_path: Path) -> None:
+    trainer = Trainer(job(tmp_path, [(0, 4)], steps=2), LocalGroup)
+    before = trainer.report(0)
+    assert (before.status, before.cursor, before.metrics, before.events) == (
+        RunStatus.RUNNING,
+        0,
+        (),
+        (),
+    )
+    trainer.run()
+    everything = trainer.report(0)
+    assert len(everything.metrics) == 2 and everything.cursor == 2 + len(everything.events)
+    tail = trainer.report(everything.cursor - 1)
+    assert (len(tail.metrics), len(tail.events)) == (0, 1)  # the final checkpoint
+    assert trainer.report(everything.cursor).metrics == ()
+
+
+class _CancelOnStep:
+    """A LocalGroup that asks its trainer to cancel when step ``at`` is applied."""
+
+    def __init__(self, trainer: list[Trainer], at: int, *args: Any) -> None:
+        self._inner = LocalGroup(*args)
+        self._trainer, self._at, self._steps = trainer, at, 0
+
+    def submit(self, stage: int, method: str, *args: Any) -> Handle:
+        if method == "apply_step" and stage == 0:
+            self._steps += 1
+            if self._steps == self._at:
+                self._trainer[0].cancel()
+        return self._inner.submit(stage, method, *args)
+
+    def get(self, handles: Sequence[Handle], timeout: float) -> list[Any]:
+        return self._inner.get(handles, timeout)
+
+    def shutdown(self) -> None:
+        self._inner.shutdown()
+
+
+@pytest.mark.unit
+def test_cancel_stops_at_the_next_step_boundary(tmp_path: Path) -> None:
+    holder: list[Trainer] = []
+
+    def make(plans: Sequence[StagePlan], setup: StageSetup) -> WorkerGroup:
+        return _CancelOnStep(holder, 2, plans, setup)
+
+    trainer = Trainer(job(tmp_path, [(0, 2), (2, 4)], steps=5), make)
+    holder.append(trainer)
+    assert trainer.run() is RunStatus.CANCELLED
+    report = trainer.report(0)
+    assert (report.status, report.step) == (RunStatus.CANCELLED, 2)
+    assert CheckpointStore(tmp_path).list("job-1") == []
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    ("fields", "reason"),
+    [
+        ({"schedule": "zero-bubble"}, r"^ScheduleError: unknown schedule 'zero-bubble'"),
+        ({"stages": plans([(0, 1), (2, 4)])}, r"^PlanError: stage block ranges"),
+        (
+            {"model": ModelRef("mlp", None, {"hidden": 4, "layers": 3, "in_features": 5})},
+            r"^stage 0 failed in forward: RuntimeError: mat1 and mat2 shapes cannot be",
+        ),
+        (
+            {"model": ModelRef(None, "evil.module:fn", {})},
+            r"^stage [01] failed in build: FactoryError: factory module 'evil.module' is not",
+        ),
+    ],
+)
+def test_failures_end_the_run_with_a_one_line_reason(
+    tmp_path: Path, fields: dict[str, Any], reason: str
+) -> None:
+    trainer = Trainer(job(tmp_path, [(0, 2), (2, 4)], **fields), LocalGroup)
+    assert trainer.run() is RunStatus.FAILED
+    report = trainer.report(0)
+    assert report.status is RunStatus.FAILED and report.error is not None
+    assert "\n" not in report.error
+    assert re.search(reason, report.error), report.error
+
+
+@pytest.mark.unit
+def test_job_runner_runs_once(tmp_path: Path) -> None:
+    runner = JobRunner(job(tmp_path, [(0, 4)], steps=1), LocalGroup)
+    assert runner.run() is RunStatus.SUCCEEDED
+    assert runner.run() is RunStatus.SUCCEEDED  # a second run trains nothing again
+    assert len(runner.poll(0).metrics) == 1
+    runner.cancel()
+    assert runner.poll(0).status is RunStatus.SUCCEEDED
+
+
+@pytest.mark.integration
+def test_ray_pipeline_trains_exactly_like_one_process(ray_address: str, tmp_path: Path) -> None:
+    import ray
+
+    node = ray.get_runtime_context().get_node_id()
+    snap = job(tmp_path, even_partition(4, 3), stages=plans(even_partition(4, 3), node))
+    snap = replace(snap, micro_batches=4, recompute=True)
+    trainer = Trainer(snap, RayGroup)
+    assert trainer.run() is RunStatus.SUCCEEDED, trainer.report(0).error
+    assert_matches_reference(snap, [m.loss for m in metrics(trainer)])

@@ -1,0 +1,202 @@
+"""The worker group: the seam between the runner and the stages it drives.
+
+A group holds one ``StageWorker`` per stage plan. The runner calls ``submit(stage, method,
+*args)`` and gets a ``Handle``; a handle may be passed as an argument of a later submit,
+which is how stage s's forward output becomes stage s+1's input without the runner seeing
+it. ``get`` waits for handles and raises typed errors: ``StageFailed`` (a stage method
+raised; a call fed by a failed handle fails the same way), ``StageLost`` (the worker is
+gone), ``GroupTimeout``.
+
+Ordering: each stage runs its calls in submission order. ``LocalGroup`` runs each call at
+submit time; ``RayGroup`` relies on Ray's actor task order: a synchronous, single-threaded
+actor without task retries runs the tasks of one submitter in submission order, a task
+waiting for its arguments holding back the later ones (Ray docs, "Actor Task Execution
+Order"). So the runner, the only submitter, submits every stage's actions in a
+dependency-respecting global order (``scheduler.schedules.submission_order``) and the
+per-stage orders are exactly the schedule.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
+
+import ray
+from ray.actor import ActorHandle
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+from workers import launch
+from workers.snapshot import StagePlan
+from workers.stage import StageFailed, StageSetup, StageWorker
+
+__all__ = [
+    "GroupFactory",
+    "GroupTimeout",
+    "Handle",
+    "LocalGroup",
+    "RayGroup",
+    "StageFailed",
+    "StageLost",
+    "WorkerGroup",
+]
+
+
+class StageLost(RuntimeError):
+    """A stage's worker is gone (process, node or device lost); its blocks are lost with it."""
+
+    def __init__(self, stage: int, device_id: str, reason: str) -> None:
+        super().__init__(f"stage {stage} on device {device_id} was lost: {reason}")
+        self.stage = stage
+        self.device_id = device_id
+        self.reason = reason
+
+
+class GroupTimeout(TimeoutError):
+    """The stages did not answer in time."""
+
+
+@dataclass(frozen=True, eq=False)
+class Handle:
+    """The pending result of one submitted call."""
+
+    stage: int
+    method: str
+
+
+class WorkerGroup(Protocol):
+    def submit(self, stage: int, method: str, *args: Any) -> Handle: ...
+
+    def get(self, handles: Sequence[Handle], timeout: float) -> list[Any]:
+        """The handles' values, in order; if some failed, raises one of their errors."""
+        ...
+
+    def shutdown(self) -> None: ...
+
+
+GroupFactory = Callable[[Sequence[StagePlan], StageSetup], WorkerGroup]
+"""How a runner gets a group for its plans: ``LocalGroup`` or ``RayGroup`` themselves."""
+
+
+# --------------------------------------------------------------------------- in-process
+
+
+@dataclass(frozen=True, eq=False)
+class _Done(Handle):
+    value: Any = None
+    error: Exception | None = None
+
+
+class LocalGroup:
+    """Every stage in this process, each call run when submitted (unit tests, no Ray)."""
+
+    def __init__(self, plans: Sequence[StagePlan], setup: StageSetup) -> None:
+        self._plans = list(plans)
+        self._workers: list[StageWorker] | None = [StageWorker(p, setup) for p in plans]
+        _wait_ready(self, self._plans, timeout=0.0)
+
+    def submit(self, stage: int, method: str, *args: Any) -> Handle:
+        if self._workers is None:
+            plan = self._plans[stage]
+            lost = StageLost(stage, plan.device.id, "the group was shut down")
+            return _Done(stage, method, error=lost)
+        failed = next((a.error for a in args if isinstance(a, _Done) and a.error), None)
+        if failed is not None:
+            return _Done(stage, method, error=failed)
+        values = [a.value if isinstance(a, _Done) else a for a in args]
+        try:
+            return _Done(stage, method, value=self._workers[stage].call(method, *values))
+        except StageFailed as exc:
+            return _Done(stage, method, error=exc)
+
+    def get(self, handles: Sequence[Handle], timeout: float) -> list[Any]:
+        done = [_own(h, _Done) for h in handles]
+        for handle in done:
+            if handle.error is not None:
+                raise handle.error
+        return [h.value for h in done]
+
+    def shutdown(self) -> None:
+        self._workers = None
+
+
+# ---------------------------------------------------------------------------------- Ray
+
+
+@dataclass(frozen=True, eq=False)
+class _Ref(Handle):
+    ref: ray.ObjectRef[Any]
+
+
+class RayGroup:
+    """One StageWorker actor per stage; handles are object refs, passed actor to actor."""
+
+    def __init__(
+        self, plans: Sequence[StagePlan], setup: StageSetup, *, start_timeout_s: float = 300.0
+    ) -> None:
+        self._plans = list(plans)
+        self._actors: list[ActorHandle[Any]] = []
+        try:
+            self._actors = [launch.start_stage_worker(p, setup) for p in plans]
+            _wait_ready(self, self._plans, start_timeout_s)
+        except GroupTimeout:
+            self.shutdown()
+            devices = [p.device.id for p in plans]
+            raise GroupTimeout(
+                f"the stage workers did not start within {start_timeout_s:g} s on devices"
+                f" {devices}; they may be taken by another job or gone"
+            ) from None
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def submit(self, stage: int, method: str, *args: Any) -> Handle:
+        refs = [a.ref if isinstance(a, _Ref) else a for a in args]
+        return _Ref(stage, method, self._actors[stage].call.remote(method, *refs))
+
+    def get(self, handles: Sequence[Handle], timeout: float) -> list[Any]:
+        refs = [_own(h, _Ref) for h in handles]
+        try:
+            return list(ray.get([h.ref for h in refs], timeout=timeout))
+        except GetTimeoutError:
+            stages = sorted({h.stage for h in refs})
+            raise GroupTimeout(
+                f"stages {stages} did not answer within {timeout:g} s; a device may be"
+                " overloaded or unreachable"
+            ) from None
+        except RayTaskError as exc:
+            # A call fed by a failed or lost call fails with that call's error as its cause.
+            if isinstance(exc.cause, StageFailed):
+                raise exc.cause from None
+            if isinstance(exc.cause, RayActorError):
+                raise self._lost(exc.cause, refs) from None
+            raise
+        except RayActorError as exc:
+            raise self._lost(exc, refs) from None
+
+    def _lost(self, exc: RayActorError, waited: Sequence[_Ref]) -> StageLost:
+        # The error names the dead actor; when it does not, blame the first stage we waited on.
+        # ``_actor_id`` is the handle's id, the only way to match an error to an actor.
+        ids = [a._actor_id.hex() for a in self._actors]
+        stage = ids.index(exc.actor_id) if exc.actor_id in ids else waited[0].stage
+        reason = "its node was preempted" if exc.preempted else "its worker died or is unreachable"
+        return StageLost(stage, self._plans[stage].device.id, reason)
+
+    def shutdown(self) -> None:
+        # The handles stay: a later call on a killed actor fails as StageLost, as in LocalGroup.
+        for actor in self._actors:
+            launch.kill_stage_worker(actor)
+
+
+H = TypeVar("H", bound=Handle)
+
+
+def _own(handle: Handle, kind: type[H]) -> H:
+    if not isinstance(handle, kind):
+        raise TypeError(f"a {type(handle).__name__} is not a handle of this group")
+    return handle
+
+
+def _wait_ready(group: WorkerGroup, plans: Sequence[StagePlan], timeout: float) -> None:
+    """Wait until every stage is built; a stage that could not build raises StageFailed."""
+    group.get([group.submit(i, "nbytes") for i in range(len(plans))], timeout)

@@ -1,0 +1,104 @@
+"""Actor lifecycles: the one module that creates and kills Shoal's Ray actors.
+
+Two kinds of actors exist. A **JobRunner** per job is detached and named
+``shoal-job-<id>`` in the ``shoal`` namespace, so it outlives the control plane that
+started it and is found again by name after a restart. **StageWorkers** are created by
+their runner (inside the runner actor), which makes the runner their owner: they die with
+it, and nothing else needs to clean them up.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ray
+from ray.actor import ActorHandle
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from scheduler.devices import DEVICE_RESOURCE
+from scheduler.types import JobId
+from workers.snapshot import JobSnapshot, StagePlan
+from workers.stage import StageSetup, StageWorker
+
+RUNNER_NAMESPACE = "shoal"
+RUNNER_CONCURRENCY = 4
+"""Threads of a runner actor: ``run`` holds one for the whole job; ``poll``/``cancel`` use the
+others, so they answer while it trains."""
+
+# Ray's typing of remote classes is partial; the actor classes are used untyped.
+_StageWorkerActor: Any = ray.remote(StageWorker)
+
+
+def runner_name(job_id: JobId) -> str:
+    return f"shoal-job-{job_id}"
+
+
+def find_runner(job_id: JobId) -> ActorHandle[Any] | None:
+    """The job's live runner actor, or None if there is none (never started, or dead)."""
+    try:
+        return ray.get_actor(runner_name(job_id), namespace=RUNNER_NAMESPACE)
+    except ValueError:  # Ray's answer for "no live actor of that name"
+        return None
+
+
+def start_runner(snapshot: JobSnapshot) -> ActorHandle[Any]:
+    """The job's runner, started and set training unless it already exists.
+
+    ``get_if_exists`` makes two racing starts share one actor; ``JobRunner.run`` ignores a
+    second call, so the race at worst sends one no-op.
+    """
+    existing = find_runner(snapshot.job_id)
+    if existing is not None:
+        return existing
+    # Imported here: runner -> group -> launch would otherwise be an import cycle.
+    from workers.runner import JobRunner
+
+    runner_actor: Any = ray.remote(JobRunner)
+    runner: ActorHandle[Any] = runner_actor.options(
+        name=runner_name(snapshot.job_id),
+        namespace=RUNNER_NAMESPACE,
+        lifetime="detached",
+        get_if_exists=True,
+        num_cpus=0,
+        max_concurrency=RUNNER_CONCURRENCY,
+        max_restarts=0,
+    ).remote(snapshot)
+    # Not awaited: ``run`` returns when training ends; progress is read with ``poll``.
+    runner.run.remote()
+    return runner
+
+
+def kill_runner(job_id: JobId) -> bool:
+    """Kill the job's runner (and so its stage workers); False if there was none."""
+    runner = find_runner(job_id)
+    if runner is None:
+        return False
+    ray.kill(runner, no_restart=True)
+    return True
+
+
+def start_stage_worker(plan: StagePlan, setup: StageSetup) -> ActorHandle[Any]:
+    """A StageWorker actor holding ``plan``'s blocks, pinned to its device's node.
+
+    A GPU device takes one ``GPU`` (Ray sets CUDA_VISIBLE_DEVICES for it); a virtual device
+    takes one ``shoal_device``. Single-threaded, never restarted and never retried, so Ray
+    runs the calls from the runner in submission order (see ``workers.group``) and a lost
+    worker is reported, not silently replaced without its state.
+    """
+    device = plan.device
+    accelerator: dict[str, Any] = (
+        {"num_gpus": 1} if device.gpu else {"resources": {DEVICE_RESOURCE: 1}}
+    )
+    worker: ActorHandle[Any] = _StageWorkerActor.options(
+        num_cpus=0,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(device.node_id, soft=False),
+        max_restarts=0,
+        max_task_retries=0,
+        max_concurrency=1,
+        **accelerator,
+    ).remote(plan, setup)
+    return worker
+
+
+def kill_stage_worker(worker: ActorHandle[Any]) -> None:
+    ray.kill(worker, no_restart=True)

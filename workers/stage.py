@@ -1,0 +1,322 @@
+"""One pipeline stage: a contiguous range of blocks on one device, run one micro-batch at a time.
+
+A ``Stage`` is plain Python: ``workers.group`` runs it in-process (``LocalGroup``) or as the
+StageWorker Ray actor (``RayGroup``), unchanged. Per micro-batch it keeps what its backward
+needs: the input and the output (the autograd graph), or, with rematerialization
+(activation checkpointing, as in GPipe), only the input, recomputing the forward under
+autograd in ``backward``. Gradients accumulate over the micro-batches of a mini-batch and
+``apply_step`` applies them once, so the math equals one process training the whole model.
+
+Timing: every compute call is measured; a device's ``emulate_slowdown`` factor f > 1 makes
+the call sleep (f - 1) x its measured time, counted as compute, so a straggler is visible
+only through measured times, as a real slow device would be.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from scheduler.devices import Device
+from workers.blocks import Block
+from workers.snapshot import JobSnapshot, ModelRef, OptimizerConf, StagePlan
+from workers.zoo.data import loss_fn
+from workers.zoo.models import build_blocks
+from workers.zoo.registry import DataMeta
+
+_SPEED_SIZE = 256
+_SPEED_REPEATS = 16
+
+
+class StageStateError(RuntimeError):
+    """A stage was driven out of order (a schedule or runner bug, never user input)."""
+
+
+@dataclass(frozen=True)
+class StageSetup:
+    """What every stage of a job is built from; the plan says which blocks and where."""
+
+    model: ModelRef
+    meta: DataMeta
+    optimizer: OptimizerConf
+    seed: int
+    num_blocks: int
+    recompute: bool = False
+    allowed: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, snapshot: JobSnapshot, meta: DataMeta) -> StageSetup:
+        return cls(
+            model=snapshot.model,
+            meta=meta,
+            optimizer=snapshot.optimizer,
+            seed=snapshot.seed,
+            num_blocks=snapshot.num_blocks,
+            recompute=snapshot.recompute,
+            allowed=snapshot.allowed_factories,
+        )
+
+
+def send(tensor: Tensor) -> Tensor:
+    """The form a tensor leaves a stage in: detached, on the CPU, for Ray's object transport.
+
+    With ``receive`` the only place that knows the transport, so a faster one (CUDA IPC, NCCL,
+    numpy buffers) can replace it here.
+    """
+    return tensor.detach().cpu()
+
+
+def receive(tensor: Tensor, device: torch.device) -> Tensor:
+    """A tensor that arrived from another stage (or the runner), on this stage's device."""
+    return tensor.to(device)
+
+
+@dataclass
+class _Replay:
+    """How to recompute a stage's forward exactly: the function and the RNG it ran under."""
+
+    rerun: Callable[[Tensor], Tensor]
+    device: torch.device
+    cpu_rng: Tensor
+    cuda_rng: Tensor | None
+
+    def run(self, x: Tensor) -> Tensor:
+        cuda = self.device.type == "cuda"
+        with torch.random.fork_rng(devices=[self.device] if cuda else []):
+            torch.set_rng_state(self.cpu_rng)
+            if self.cuda_rng is not None:
+                torch.cuda.set_rng_state(self.cuda_rng, self.device)
+            return self.rerun(x)
+
+
+@dataclass
+class _Kept:
+    """What one micro-batch's backward needs: its input and its output, or how to redo it."""
+
+    input: Tensor
+    output: Tensor | _Replay
+    is_loss: bool
+
+
+def _torch_device(device: Device) -> torch.device:
+    if device.gpu and torch.cuda.is_available():
+        # A Ray actor sees only its own GPU, as index 0; a single process sees all of them.
+        return torch.device("cuda", device.index % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+class Stage:
+    """The blocks ``plan.blocks`` of a model, on ``plan.device``."""
+
+    def __init__(self, plan: StagePlan, setup: StageSetup) -> None:
+        start, stop = plan.blocks
+        if not 0 <= start < stop <= setup.num_blocks:
+            raise ValueError(
+                f"stage {plan.index} holds blocks [{start}, {stop}), not a non-empty range"
+                f" of the model's {setup.num_blocks} blocks"
+            )
+        self.index = plan.index
+        self.device_id = plan.device.id
+        self.first = start == 0
+        self.last = stop == setup.num_blocks
+        self.device = _torch_device(plan.device)
+        if not plan.device.gpu:
+            # Virtual CPU devices share a machine's cores: one thread each keeps them apart.
+            torch.set_num_threads(1)
+        self._slowdown = max(1.0, plan.device.emulate_slowdown)
+        indices = range(start, stop)
+        modules = build_blocks(setup.model, setup.meta, setup.seed, indices, setup.allowed)
+        self.blocks = [
+            Block(i, module, setup.optimizer) for i, module in zip(indices, modules, strict=True)
+        ]
+        for block in self.blocks:
+            block.to(self.device)
+        self._loss = loss_fn(setup.meta.task)
+        self._recompute = setup.recompute
+        self._kept: dict[int, _Kept] = {}
+        self._compute_s = 0.0
+
+    # ----------------------------------------------------------------------- timing
+
+    @contextmanager
+    def _compute(self) -> Iterator[None]:
+        start = time.perf_counter()
+        yield
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        if self._slowdown > 1.0:
+            time.sleep((self._slowdown - 1.0) * (time.perf_counter() - start))
+        self._compute_s += time.perf_counter() - start
+
+    # ---------------------------------------------------------------- forward/backward
+
+    def _run(self, x: Tensor) -> Tensor:
+        for block in self.blocks:
+            x = block.module(x)
+        return x
+
+    def _keep(self, mb: int, x: Tensor, head: Callable[[Tensor], Tensor], is_loss: bool) -> Tensor:
+        if mb in self._kept:
+            raise StageStateError(f"stage {self.index} already holds micro-batch {mb}")
+        x = receive(x, self.device)
+        if not self.first:
+            x.requires_grad_()
+
+        def rerun(inp: Tensor) -> Tensor:
+            return head(self._run(inp))
+
+        if not self._recompute:
+            out = rerun(x)
+            self._kept[mb] = _Kept(x, out, is_loss)
+            return out
+        cuda_rng = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
+        replay = _Replay(rerun, self.device, torch.get_rng_state(), cuda_rng)
+        with torch.no_grad():
+            out = rerun(x)
+        self._kept[mb] = _Kept(x, replay, is_loss)
+        return out
+
+    def forward(self, mb: int, x: Tensor) -> Tensor:
+        """Run micro-batch ``mb`` through the stage; the output goes to the next stage."""
+        with self._compute():
+            out = self._keep(mb, x, lambda y: y, is_loss=False)
+        return send(out)
+
+    def forward_loss(self, mb: int, x: Tensor, target: Tensor, scale: float) -> float:
+        """Last stage: the forward and the loss ``loss_fn(out, target) * scale``, kept for
+        backward. ``scale`` is the micro-batch's share of the mini-batch, so accumulated
+        gradients are those of the mini-batch mean."""
+        with self._compute():
+            target = receive(target, self.device)
+            loss = self._keep(mb, x, lambda y: self._loss(y, target) * scale, is_loss=True)
+            value = float(loss.item())
+        return value
+
+    def backward(self, mb: int, grad: Tensor | None) -> Tensor | None:
+        """Backpropagate micro-batch ``mb`` (from its loss when ``grad`` is None), accumulating
+        parameter gradients; return the gradient w.r.t. the stage input (None on stage 0)."""
+        kept = self._kept.pop(mb, None)
+        if kept is None:
+            raise StageStateError(f"stage {self.index} has no forward of micro-batch {mb}")
+        if grad is None and not kept.is_loss:
+            raise StageStateError(
+                f"stage {self.index} needs the output gradient of micro-batch {mb}"
+            )
+        with self._compute():
+            # Rematerialization: recompute the forward under autograd, RNG as it was.
+            out = kept.output if isinstance(kept.output, Tensor) else kept.output.run(kept.input)
+            torch.autograd.backward(out, None if grad is None else receive(grad, self.device))
+        if self.first or kept.input.grad is None:
+            return None
+        return send(kept.input.grad)
+
+    def apply_step(self) -> float:
+        """Apply the accumulated gradients to every block; return the compute seconds spent
+        since the last step (this step's compute) and restart the count."""
+        if self._kept:
+            raise StageStateError(
+                f"stage {self.index} still holds micro-batches {sorted(self._kept)}; every"
+                " forward needs its backward before the step"
+            )
+        with self._compute():
+            for block in self.blocks:
+                block.step()
+        spent, self._compute_s = self._compute_s, 0.0
+        return spent
+
+    # ------------------------------------------------------------------------- state
+
+    def state(self) -> dict[int, Any]:
+        """Every block's state (parameters and optimizer), by block index."""
+        return {block.index: block.state() for block in self.blocks}
+
+    def load(self, states: Mapping[int, Any]) -> None:
+        """Load this stage's blocks from ``states`` (which may hold other blocks too)."""
+        missing = [b.index for b in self.blocks if b.index not in states]
+        if missing:
+            raise KeyError(f"stage {self.index} got no state for blocks {missing}")
+        for block in self.blocks:
+            block.load(states[block.index])
+
+    def nbytes(self) -> int:
+        """Bytes of the blocks' parameters and optimizer state (memory accounting)."""
+        return sum(block.nbytes() for block in self.blocks)
+
+    def measure_speed(self) -> float:
+        """GFLOP/s of a fixed matmul on this device, slowed like compute (not counted as it)."""
+        a = torch.randn(_SPEED_SIZE, _SPEED_SIZE, device=self.device)
+        a @ a  # warm-up: first-call allocation and kernel selection
+        before = self._compute_s
+        with self._compute():
+            for _ in range(_SPEED_REPEATS):
+                a = torch.tanh(a @ a)
+        elapsed, self._compute_s = self._compute_s - before, before
+        return 2 * _SPEED_SIZE**3 * _SPEED_REPEATS / elapsed / 1e9
+
+
+STAGE_METHODS = frozenset(
+    {
+        "forward",
+        "forward_loss",
+        "backward",
+        "apply_step",
+        "state",
+        "load",
+        "nbytes",
+        "measure_speed",
+    }
+)
+"""The ``Stage`` methods a worker group may call."""
+
+
+class StageFailed(RuntimeError):
+    """A stage method raised: which stage, which call, and the error in one line."""
+
+    def __init__(self, stage: int, method: str, reason: str) -> None:
+        super().__init__(f"stage {stage} failed in {method}: {reason}")
+        self.stage = stage
+        self.method = method
+        self.reason = reason
+
+    def __reduce__(self) -> tuple[type[StageFailed], tuple[int, str, str]]:
+        # Crosses process boundaries inside Ray's error objects; keep the typed fields.
+        return (StageFailed, (self.stage, self.method, self.reason))
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+class StageWorker:
+    """A ``Stage`` behind the worker-group seam: named calls in, typed errors out.
+
+    The same object runs in-process (``LocalGroup``) and as the StageWorker Ray actor
+    (``workers.launch``), so both groups report a stage's own errors identically.
+    """
+
+    def __init__(self, plan: StagePlan, setup: StageSetup) -> None:
+        self.plan = plan
+        self._stage: Stage | StageFailed
+        try:
+            self._stage = Stage(plan, setup)
+        except Exception as exc:  # anything the model or factory raises, reported as typed
+            # Kept and raised by every call: a Ray actor whose constructor raises only says
+            # that it died, and the group must say why.
+            self._stage = StageFailed(plan.index, "build", _one_line(exc))
+
+    def call(self, method: str, *args: Any) -> Any:
+        if isinstance(self._stage, StageFailed):
+            raise self._stage
+        if method not in STAGE_METHODS:
+            raise StageFailed(self.plan.index, method, f"no such stage method {method!r}")
+        try:
+            return getattr(self._stage, method)(*args)
+        except Exception as exc:  # a boundary: every stage error leaves as StageFailed
+            raise StageFailed(self.plan.index, method, _one_line(exc)) from exc
