@@ -15,7 +15,6 @@ import json
 import os
 import secrets
 import signal
-import socket
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -28,18 +27,12 @@ import yaml
 from pydantic import ValidationError
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TextColumn,
-    TimeElapsedColumn,
-)
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from service.client import ApiError, ShoalClient, resolve_config, write_config
 from service.lifecycle import JobState
-from service.localray import DeviceSpecError, LocalRay, LocalRayError, parse_devices
+from service.localray import DeviceSpecError, LocalRay, LocalRayError, free_port, parse_devices
 from service.settings import Settings, UnsafeSettings
 
 SPEC_FORMATS = {".yaml": "YAML", ".yml": "YAML", ".json": "JSON"}
@@ -214,15 +207,20 @@ def submit(
     )
 
 
+def _table(caption: str, *columns: str) -> Table:
+    """A table whose columns named ``>NAME`` are right-aligned; ids never wrap."""
+    table = Table(caption=caption, caption_justify="left")
+    for column in columns:
+        name = column.removeprefix(">")
+        table.add_column(name, justify="right" if column != name else "left", no_wrap=name == "ID")
+    return table
+
+
 def _jobs_table(page: Json) -> Table:
-    table = Table(caption=f"{len(page['items'])} of {page['total']} jobs", caption_justify="left")
-    table.add_column("ID", no_wrap=True)
-    for name in ("NAME", "OWNER", "STATE"):
-        table.add_column(name)
-    table.add_column("STEP", justify="right")
-    table.add_column("LOSS", justify="right")
-    table.add_column("DEVICES", justify="right")
-    table.add_column("CREATED")
+    table = _table(
+        f"{len(page['items'])} of {page['total']} jobs",
+        *("ID", "NAME", "OWNER", "STATE", ">STEP", ">LOSS", ">DEVICES", "CREATED"),
+    )
     for job in page["items"]:
         table.add_row(
             job["id"],
@@ -265,9 +263,8 @@ def _print_job(console: Console, job: Json, checkpoints: list[Json]) -> None:
         details.add_row("error", f"[red]{escape(job['error'])}[/]")
     console.print(details)
     if job["partition"]:
-        partition = Table(title="pipeline partition", title_justify="left")
-        for name in ("STAGE", "DEVICE", "BLOCKS"):
-            partition.add_column(name)
+        stages = len(job["partition"])
+        partition = _table(f"pipeline of {stages} stages", "STAGE", "DEVICE", "BLOCKS")
         for stage in job["partition"]:
             start, stop = stage["blocks"]
             partition.add_row(str(stage["stage"]), stage["device_id"], f"{start}..{stop - 1}")
@@ -330,15 +327,12 @@ class _LogCursor:
             self.event_id = events[-1]["id"]
         while metrics := client.metrics(job_id, since_step=self.step)["items"]:
             for metric in metrics:
-                entries.append(
-                    (
-                        metric["time"],
-                        1,
-                        f"step {metric['step']}/{steps} loss {metric['loss']:.4f}"
-                        f" {metric['samples_per_s']:.1f} samples/s"
-                        f" {metric['step_time_s'] * 1000:.0f} ms/step",
-                    )
+                text = (
+                    f"step {metric['step']}/{steps} loss {metric['loss']:.4f}"
+                    f" {metric['samples_per_s']:.1f} samples/s"
+                    f" {metric['step_time_s'] * 1000:.0f} ms/step"
                 )
+                entries.append((metric["time"], 1, text))
             self.step = metrics[-1]["step"]
             self.last_metric = metrics[-1]
         entries.sort(key=lambda entry: (_sort_time(entry[0]), entry[1]))
@@ -452,15 +446,10 @@ def devices(as_json: bool, url: str | None, token: str | None) -> None:
     if as_json:
         _echo_json(answer)
         return
-    table = Table(caption=f"{len(answer['items'])} devices", caption_justify="left")
-    table.add_column("ID", no_wrap=True)
-    table.add_column("KIND")
-    table.add_column("MEMORY", justify="right")
-    table.add_column("GPU")
-    table.add_column("SPOT")
-    table.add_column("STATE")
-    table.add_column("GFLOP/S", justify="right")
-    table.add_column("JOB", no_wrap=True)
+    table = _table(
+        f"{len(answer['items'])} devices",
+        *("ID", "KIND", ">MEMORY", "GPU", "SPOT", "STATE", ">GFLOP/S", "JOB"),
+    )
     for device in answer["items"]:
         speed = device["speed_gflops"]
         table.add_row(
@@ -555,14 +544,6 @@ def _client_url(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if address.version == 6 else f"http://{host}:{port}"
 
 
-def _free_port(host: str) -> int:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family) as sock:
-        sock.bind((host, 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 def _exit_on_sigterm(signum: int, frame: object) -> None:
     sys.exit(128 + signum)  # unwinds like Ctrl-C, so the local Ray is stopped
 
@@ -592,7 +573,7 @@ def up(
     except (UnsafeSettings, DeviceSpecError) as exc:
         raise InputError(str(exc)) from None
     if settings.port == 0:
-        settings = settings.model_copy(update={"port": _free_port(settings.host)})
+        settings = settings.model_copy(update={"port": free_port(settings.host)})
     with _database(settings) as db_url:
         engine = make_engine(db_url)
         try:

@@ -153,9 +153,11 @@ def parse_devices(spec: str) -> list[VirtualNode]:
     return [_parse_group(group) for group in groups]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind((_HOST, 0))
+def free_port(host: str = _HOST) -> int:
+    """A TCP port nothing listens on right now (another process may still take it)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family) as sock:
+        sock.bind((host, 0))
         port: int = sock.getsockname()[1]
         return port
 
@@ -241,7 +243,7 @@ class LocalRay:
         if not self._ray.exists():
             raise LocalRayError(f"{self._ray} not found; install ray into {sys.prefix}")
         self._log_dir.mkdir(parents=True, exist_ok=True)
-        self._port = _free_port()
+        self._port = free_port()
         atexit.register(self.stop)
         deadline = time.monotonic() + self._start_timeout_s
         try:
@@ -267,8 +269,8 @@ class LocalRay:
             f"--resources={json.dumps({DEVICE_RESOURCE: spec.count})}",
             "--labels=" + ",".join(f"{key}={value}" for key, value in spec.labels.items()),
             # Nodes share this machine: give each its own agent and metrics ports.
-            f"--dashboard-agent-listen-port={_free_port()}",
-            f"--metrics-export-port={_free_port()}",
+            f"--dashboard-agent-listen-port={free_port()}",
+            f"--metrics-export-port={free_port()}",
         ]
         if index == 0:
             # One CPU beyond the devices, for the job runner actor and the control plane's work.
@@ -277,7 +279,7 @@ class LocalRay:
                 f"--port={self._port}",
                 f"--num-cpus={spec.count + 1}",
                 "--include-dashboard=false",
-                f"--ray-client-server-port={_free_port()}",
+                f"--ray-client-server-port={free_port()}",
             ]
         else:
             args += [f"--address={self.address}", f"--num-cpus={spec.count}"]
