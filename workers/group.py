@@ -24,7 +24,14 @@ from typing import Any, Protocol, TypeVar
 
 import ray
 from ray.actor import ActorHandle
-from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.exceptions import (
+    ActorUnavailableError,
+    ActorUnschedulableError,
+    GetTimeoutError,
+    RayActorError,
+    RayError,
+    RayTaskError,
+)
 
 from workers import launch
 from workers.snapshot import StagePlan
@@ -173,13 +180,22 @@ class RayGroup:
             raise
         except RayActorError as exc:
             raise self._lost(exc, refs) from None
+        except ActorUnschedulableError:
+            stage = _failed_stage(refs)
+            device = self._plans[stage].device.id
+            raise StageLost(stage, device, "its node is gone or cannot host it") from None
 
     def _lost(self, exc: RayActorError, waited: Sequence[_Ref]) -> StageLost:
-        # The error names the dead actor; when it does not, blame the first stage we waited on.
-        # ``_actor_id`` is the handle's id, the only way to match an error to an actor.
+        # The error names the dead actor (``_actor_id`` is the only handle-side id to match
+        # it with); when it names none, the first failed call we waited on is to blame.
         ids = [a._actor_id.hex() for a in self._actors]
-        stage = ids.index(exc.actor_id) if exc.actor_id in ids else waited[0].stage
-        reason = "its node was preempted" if exc.preempted else "its worker died or is unreachable"
+        stage = ids.index(exc.actor_id) if exc.actor_id in ids else _failed_stage(waited)
+        if exc.preempted:
+            reason = "its node was preempted"
+        elif isinstance(exc, ActorUnavailableError):
+            reason = "its worker is unreachable (node lost or overloaded)"
+        else:
+            reason = "its worker died"
         return StageLost(stage, self._plans[stage].device.id, reason)
 
     def shutdown(self) -> None:
@@ -189,6 +205,18 @@ class RayGroup:
 
 
 H = TypeVar("H", bound=Handle)
+
+
+def _failed_stage(waited: Sequence[_Ref]) -> int:
+    """The stage of the first call in ``waited`` that has failed (the first call if none)."""
+    for handle in waited:
+        try:
+            ray.get(handle.ref, timeout=0)
+        except GetTimeoutError:
+            continue
+        except RayError:
+            return handle.stage
+    return waited[0].stage
 
 
 def _own(handle: Handle, kind: type[H]) -> H:

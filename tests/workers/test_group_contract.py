@@ -226,3 +226,15 @@ def test_a_crashed_stage_worker_is_reported_lost(ray_address: str, setup: StageS
         assert "died" in e.value.reason
     finally:
         group.shutdown()
+
+
+@pytest.mark.integration
+def test_a_stage_placed_on_a_vanished_node_is_reported_lost(
+    ray_address: str, setup: StageSetup
+) -> None:
+    import ray
+
+    node = ray.get_runtime_context().get_node_id()
+    gone = plans([(2, 4)], "ab" * 28)[0]
+    with pytest.raises(StageLost, match="stage 1 on device abababab-cpu-0 was lost: its node is"):
+        RayGroup([plans([(0, 2)], node)[0], replace(gone, index=1)], setup)
