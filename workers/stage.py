@@ -250,7 +250,8 @@ class Stage:
 
     def measure_speed(self) -> float:
         """GFLOP/s of a fixed matmul on this device, slowed like compute (not counted as it)."""
-        a = torch.randn(_SPEED_SIZE, _SPEED_SIZE, device=self.device)
+        # A constant matrix: drawing a random one would move the RNG that training uses.
+        a = torch.full((_SPEED_SIZE, _SPEED_SIZE), 1.0 / _SPEED_SIZE, device=self.device)
         a @ a  # warm-up: first-call allocation and kernel selection
         before = self._compute_s
         with self._compute():
