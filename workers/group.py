@@ -10,10 +10,11 @@ gone), ``GroupTimeout``.
 Ordering: each stage runs its calls in submission order. ``LocalGroup`` runs each call at
 submit time; ``RayGroup`` relies on Ray's actor task order: a synchronous, single-threaded
 actor without task retries runs the tasks of one submitter in submission order, a task
-waiting for its arguments holding back the later ones (Ray docs, "Actor Task Execution
-Order"). So the runner, the only submitter, submits every stage's actions in a
-dependency-respecting global order (``scheduler.schedules.submission_order``) and the
-per-stage orders are exactly the schedule.
+waiting for its arguments holding back the later ones (Ray 2.60 docs, "Actor Task
+Execution Order", ray-core/actors/task-orders). So the runner, the only submitter, submits
+every stage's actions in a dependency-respecting global order
+(``scheduler.schedules.submission_order``) and the per-stage orders are exactly the
+schedule.
 """
 
 from __future__ import annotations
