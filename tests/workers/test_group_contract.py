@@ -185,8 +185,9 @@ def test_a_stage_that_cannot_build_fails_the_group(
 def test_compute_time_is_measured_and_slowed(make_group: MakeGroup, setup: StageSetup) -> None:
     fast = make_group([(0, 4)], setup)
     slow = make_group([(0, 4)], setup, slowdown=4.0)
-    fast_speed = fast.get([fast.submit(0, "measure_speed")], 60)[0]
-    slow_speed = slow.get([slow.submit(0, "measure_speed")], 60)[0]
+    # Best of three: contention from other processes only ever lowers a measured speed.
+    fast_speed = max(fast.get([fast.submit(0, "measure_speed") for _ in range(3)], 60))
+    slow_speed = max(slow.get([slow.submit(0, "measure_speed") for _ in range(3)], 60))
     assert 0 < slow_speed < 0.6 * fast_speed
     x, y = make_data(DATA, SEED).batch(0, 4)
     slow.get([slow.submit(0, "forward_loss", 0, x, y, 1.0)], 60)
