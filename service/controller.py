@@ -20,7 +20,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
 from scheduler.devices import Device, InventoryError, node_devices
-from scheduler.partition import balanced_partition
+from scheduler.partition import even_partition
 from scheduler.placement import Placement, place
 from service.cluster import Cluster, ClusterUnavailable, RunnerGone
 from service.db.models import Checkpoint, DeviceRow, Job, JobMetric, utcnow
@@ -185,7 +185,7 @@ class Controller:
             job = session.get(Job, placement.job_id)
             if job is None or job.state != JobState.QUEUED.value:
                 return
-            ranges = balanced_partition([1.0] * job.num_blocks, len(placement.devices))
+            ranges = even_partition(job.num_blocks, len(placement.devices))
             partition = [
                 {"stage": i, "device_id": d.id, "blocks": list(r)}
                 for i, (d, r) in enumerate(zip(placement.devices, ranges, strict=True))

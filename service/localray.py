@@ -279,7 +279,6 @@ class LocalRay:
                 f"--port={self._port}",
                 f"--num-cpus={spec.count + 1}",
                 "--include-dashboard=false",
-                f"--ray-client-server-port={free_port()}",
             ]
         else:
             args += [f"--address={self.address}", f"--num-cpus={spec.count}"]
