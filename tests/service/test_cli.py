@@ -20,7 +20,8 @@ from click.testing import CliRunner, Result
 from fastapi import Depends, FastAPI, Header, HTTPException, Query, Request
 from fastapi.responses import JSONResponse
 
-from service.cli import cli, load_spec
+from service.cli import cli
+from service.cli.specfile import load_spec
 from service.client import ApiError, ClientConfig, ShoalClient, resolve_config, write_config
 from service.settings import Settings
 

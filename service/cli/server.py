@@ -1,0 +1,159 @@
+"""The server commands (up, token, db): they act on this machine's database and cluster."""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import os
+import signal
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import click
+
+from service.cli.options import F, InputError, make_settings
+from service.cli.render import make_console, print_banner
+from service.client import write_config
+from service.localray import DeviceSpecError, LocalRay, LocalRayError, free_port, parse_devices
+from service.settings import Settings, UnsafeSettings
+
+
+def _home_option(command: F) -> F:
+    return click.option(
+        "--home",
+        type=click.Path(file_okay=False, path_type=Path),
+        help="State directory [env SHOAL_HOME; default ~/.shoal].",
+    )(command)
+
+
+@contextlib.contextmanager
+def _database(settings: Settings) -> Iterator[str]:
+    """The migrated database URL; a database that cannot be opened is one clear error."""
+    import sqlalchemy as sa
+
+    from service.db.session import migrate
+
+    url = settings.resolved_database_url
+    shown = sa.engine.make_url(url).render_as_string(hide_password=True)
+    try:
+        migrate(url)
+        yield url
+    except (sa.exc.OperationalError, sa.exc.InterfaceError, OSError) as exc:
+        reason = exc.orig if isinstance(exc, sa.exc.DBAPIError) else exc
+        raise click.ClickException(
+            f"cannot use the database {shown} ({reason}); check SHOAL_HOME and SHOAL_DATABASE_URL"
+        ) from None
+
+
+@click.group()
+def token() -> None:
+    """API tokens (acts on the database of this machine's settings)."""
+
+
+@token.command("create")
+@click.option("--user", required=True, help="User name; created if new.")
+@click.option("--admin", is_flag=True, help="Make the user an admin (sees every job).")
+@_home_option
+def token_create(user: str, admin: bool, home: Path | None) -> None:
+    """Create a token for USER and print it (it is shown only once)."""
+    from service.auth import AuthError, create_token
+    from service.db.session import make_engine, make_session_factory
+
+    with _database(make_settings(home=home)) as url:
+        engine = make_engine(url)
+        try:
+            secret = create_token(make_session_factory(engine), user=user, admin=admin)
+        except AuthError as exc:
+            raise InputError(str(exc)) from None
+        finally:
+            engine.dispose()
+    click.echo(secret)
+
+
+@click.group()
+def db() -> None:
+    """The database (acts on the database of this machine's settings)."""
+
+
+@db.command("upgrade")
+@_home_option
+def db_upgrade(home: Path | None) -> None:
+    """Bring the database schema to the latest version."""
+    with _database(make_settings(home=home)):
+        pass
+    click.echo("the database schema is up to date")
+
+
+def _client_url(host: str, port: int) -> str:
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return f"http://{host}:{port}"
+    if address.is_unspecified:
+        return f"http://127.0.0.1:{port}"
+    return f"http://[{host}]:{port}" if address.version == 6 else f"http://{host}:{port}"
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    sys.exit(128 + signum)  # unwinds like Ctrl-C, so the local Ray is stopped
+
+
+@click.command()
+@click.option("--ray-address", help="Join this Ray cluster instead of starting a local one.")
+@click.option("--devices", help="Virtual devices of the local Ray [env SHOAL_DEVICES].")
+@click.option("--host", help="Address the API binds to [env SHOAL_HOST; default 127.0.0.1].")
+@click.option("--port", type=int, help="API port, 0 for any free one [env SHOAL_PORT; 8000].")
+@_home_option
+def up(
+    ray_address: str | None,
+    devices: str | None,
+    host: str | None,
+    port: int | None,
+    home: Path | None,
+) -> None:
+    """Run Shoal here: database, local Ray cluster, API, dashboard and controller."""
+    from service.auth import ensure_admin_token
+    from service.db.session import make_engine, make_session_factory
+    from service.server import serve
+
+    settings = make_settings(
+        ray_address=ray_address, devices=devices, host=host, port=port, home=home
+    )
+    try:
+        settings.check_safe()
+        nodes = None if settings.ray_address else parse_devices(settings.devices)
+    except (UnsafeSettings, DeviceSpecError) as exc:
+        raise InputError(str(exc)) from None
+    if settings.port == 0:
+        settings = settings.model_copy(update={"port": free_port(settings.host)})
+    with _database(settings) as db_url:
+        engine = make_engine(db_url)
+        try:
+            admin_token = ensure_admin_token(settings, make_session_factory(engine))
+        finally:
+            engine.dispose()
+    console = make_console()
+    previous_sigterm = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    local: LocalRay | None = None
+    try:
+        if nodes is not None:
+            with console.status(f"starting a local Ray cluster of {len(nodes)} nodes"):
+                local = LocalRay(nodes, settings.home / "logs").start()
+            # The control plane in this process connects with the cluster's own token.
+            os.environ.update(local.client_env)
+            settings = settings.model_copy(update={"ray_address": local.address})
+        url = _client_url(settings.host, settings.port)
+        write_config(settings.home, url)
+        print_banner(console, settings, url, admin_token, local)
+        serve(settings)
+    except LocalRayError as exc:
+        raise click.ClickException(str(exc)) from None
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if local is not None:
+            with console.status("stopping the local Ray cluster"):
+                local.stop()
+        signal.signal(signal.SIGTERM, previous_sigterm)
+    console.print("Shoal stopped")

@@ -1,0 +1,46 @@
+"""Job spec files as ``shoal submit`` reads them: YAML or JSON, decoded with clear errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from service.cli.options import InputError
+
+SPEC_FORMATS = {".yaml": "YAML", ".yml": "YAML", ".json": "JSON"}
+
+
+def load_spec(path: Path) -> dict[str, Any]:
+    """A job spec file decoded (YAML or JSON by extension); ``InputError`` says where it breaks."""
+    kind = SPEC_FORMATS.get(path.suffix.lower())
+    if kind is None:
+        raise InputError(
+            f"{path}: unknown extension {path.suffix or '(none)'!r}; use .yaml, .yml or .json"
+        )
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise InputError(f"{path}: not UTF-8 text; save the spec as UTF-8") from None
+    try:
+        spec = yaml.safe_load(text) if kind == "YAML" else json.loads(text)
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+        raise InputError(f"{where}: invalid YAML: {exc.problem or exc.context}") from None
+    except yaml.YAMLError as exc:
+        raise InputError(f"{path}: invalid YAML: {exc}") from None
+    except json.JSONDecodeError as exc:
+        raise InputError(f"{path}:{exc.lineno}:{exc.colno}: invalid JSON: {exc.msg}") from None
+    if not isinstance(spec, dict):
+        raise InputError(
+            f"{path}: a job spec is a mapping of fields (name, model, data, steps, ...),"
+            f" not {type(spec).__name__}"
+        )
+    try:
+        json.dumps(spec)
+    except (TypeError, ValueError) as exc:
+        raise InputError(f"{path}: {exc}; quote dates and other special values") from None
+    return spec
