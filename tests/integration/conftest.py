@@ -1,0 +1,169 @@
+"""Fixtures of the process-level tests: `shoal up` as a real subprocess on the session's Ray."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import IO, Any
+
+import httpx
+import pytest
+
+SHOAL = Path(sys.executable).parent / "shoal"
+START_TIMEOUT_S = 60.0
+"""Imports (torch, ray, fastapi), the Ray connection, migrations and the first tick."""
+STOP_TIMEOUT_S = 15.0
+POLL_S = 0.1
+
+
+def wait_until(
+    condition: Callable[[], Any], timeout_s: float, what: str, *, on_timeout: str = ""
+) -> Any:
+    """Poll ``condition`` until it returns something truthy (returned); fail after the timeout."""
+    deadline = time.monotonic() + timeout_s
+    while not (value := condition()):
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout_s:g} s waiting for {what}\n{on_timeout}")
+        time.sleep(POLL_S)
+    return value
+
+
+class ShoalUp:
+    """One ``shoal up`` process (its own process group) serving ``home`` against ``database_url``.
+
+    It joins the session's Ray. ``ray.init`` of that cluster turned on Ray token
+    authentication in the test process (``RAY_AUTH_MODE=token``, the token from
+    ``RAY_AUTH_TOKEN`` or ``~/.ray/auth_token``); the child inherits both from the environment.
+    """
+
+    def __init__(self, home: Path, database_url: str, ray_address: str, log_path: Path) -> None:
+        self.home = home
+        self.database_url = database_url
+        self.ray_address = ray_address
+        self.log_path = log_path
+        self.process: subprocess.Popen[bytes] | None = None
+        self._log: IO[bytes] | None = None
+        self.url = ""
+
+    @property
+    def token_path(self) -> Path:
+        return self.home / "admin.token"
+
+    def start(self) -> ShoalUp:
+        """Start the process and return once its API is ready (``/readyz`` answers 200)."""
+        if not SHOAL.exists():
+            pytest.fail(f"{SHOAL} not found; install the project into the venv (make test does)")
+        # A previous run's address must not be mistaken for this run's.
+        (self.home / "client.json").unlink(missing_ok=True)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SHOAL_")}
+        env.update(
+            SHOAL_HOME=str(self.home),
+            SHOAL_DATABASE_URL=self.database_url,
+            SHOAL_POLL_INTERVAL_S="0.1",
+        )
+        self._log = self.log_path.open("ab")
+        self._log.write(f"\n===== shoal up at {time.strftime('%H:%M:%S')}\n".encode())
+        self._log.flush()
+        args = [str(SHOAL), "up", "--ray-address", self.ray_address, "--port", "0"]
+        self.process = subprocess.Popen(
+            [*args, "--home", str(self.home)],
+            stdin=subprocess.DEVNULL,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+        self.url = wait_until(
+            self._client_url, START_TIMEOUT_S, "client.json", on_timeout=self.tail()
+        )
+        wait_until(self._ready, START_TIMEOUT_S, f"{self.url}/readyz", on_timeout=self.tail())
+        return self
+
+    def _check_alive(self) -> None:
+        assert self.process is not None
+        code = self.process.poll()
+        if code is not None:
+            pytest.fail(f"shoal up exited with code {code}\n{self.tail()}")
+
+    def _client_url(self) -> str | None:
+        self._check_alive()
+        try:
+            url = json.loads((self.home / "client.json").read_text())["url"]
+        except (FileNotFoundError, ValueError):  # not written yet, or half-written
+            return None
+        return str(url)
+
+    def _ready(self) -> bool:
+        self._check_alive()
+        try:
+            return httpx.get(f"{self.url}/readyz", timeout=2.0).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    def kill9(self) -> None:
+        """SIGKILL the whole process group (Ray's processes are not in it) and reap it."""
+        assert self.process is not None
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait(timeout=STOP_TIMEOUT_S)
+        self._close_log()
+
+    def stop(self) -> None:
+        """SIGTERM, a bounded wait, then SIGKILL of the group. Idempotent."""
+        if self.process is None:
+            return
+        if self.process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.wait(timeout=STOP_TIMEOUT_S)
+        with contextlib.suppress(ProcessLookupError):  # stragglers of the group, if any
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait(timeout=STOP_TIMEOUT_S)
+        self._close_log()
+
+    def _close_log(self) -> None:
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def tail(self, lines: int = 60) -> str:
+        text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+        return f"--- last lines of {self.log_path}:\n" + "\n".join(text.splitlines()[-lines:])
+
+
+@pytest.fixture
+def shoal_up(ray_address: str, tmp_path: Path) -> Iterator[Callable[[Path, str], ShoalUp]]:
+    """Starts ``shoal up`` processes; at the end stops them and prints their output."""
+    started: list[ShoalUp] = []
+
+    def start(home: Path, database_url: str) -> ShoalUp:
+        process = ShoalUp(home, database_url, ray_address, tmp_path / "shoal-up.log")
+        started.append(process)
+        return process.start()
+
+    try:
+        yield start
+    finally:
+        for process in started:
+            process.stop()
+        if started:
+            print(started[-1].tail(lines=200))  # shown by pytest when the test failed
+
+
+@pytest.fixture
+def runner_reaper(ray_address: str) -> Iterator[list[str]]:
+    """Job ids whose runner actors (detached, in the session's Ray) are killed at the end."""
+    from workers.launch import kill_runner
+
+    job_ids: list[str] = []
+    yield job_ids
+    for job_id in job_ids:
+        kill_runner(job_id)

@@ -1,0 +1,238 @@
+"""`shoal up` as a user runs it: a real process on the session's Ray, driven with curl and the CLI.
+
+The first test is the README's walk-through: a job submitted with ``curl`` trains to
+SUCCEEDED with a falling loss, and ``shoal status``/``shoal logs``, the metrics, events and
+checkpoints endpoints all show it. The second kills the control plane (``kill -9``) while a
+job trains and starts it again on the same home and database: the job's detached runner
+is found again by name, so the job ends SUCCEEDED with one placement and every step once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+from statistics import mean
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+from tests.integration.conftest import SHOAL, ShoalUp, wait_until
+
+pytestmark = pytest.mark.integration
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "mlp-digits.yaml"
+JOB_TIMEOUT_S = 120.0
+Json = dict[str, Any]
+StartShoal = Callable[[Path, str], ShoalUp]
+
+
+@pytest.fixture
+def empty_database(database_url: str, request: pytest.FixtureRequest) -> str:
+    """The test's database: a new SQLite file, or the session's PostgreSQL database emptied."""
+    if not database_url.startswith("sqlite"):
+        # Shared by the session: jobs other tests left QUEUED would be placed by this Shoal.
+        request.getfixturevalue("session_factory")
+    return database_url
+
+
+def admin_token(shoal: ShoalUp) -> str:
+    mode = stat.S_IMODE(shoal.token_path.stat().st_mode)
+    assert mode == 0o600, f"{shoal.token_path} has mode {mode:o}, not 600"
+    return shoal.token_path.read_text().strip()
+
+
+def curl_submit(shoal: ShoalUp, token: str, spec: Json, tmp_path: Path) -> Json:
+    """POST the spec with the real curl binary, as the README shows; the created job."""
+    body = tmp_path / f"{spec['name']}.json"
+    body.write_text(json.dumps(spec))
+    answer = subprocess.run(
+        [
+            "curl",
+            "-sS",
+            "--max-time",
+            "30",
+            "-X",
+            "POST",
+            f"{shoal.url}/api/v1/jobs",
+            "-H",
+            f"Authorization: Bearer {token}",
+            "-H",
+            "Content-Type: application/json",
+            "--data-binary",
+            f"@{body}",
+            "-w",
+            "\n%{http_code}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert answer.returncode == 0, f"curl failed: {answer.stderr}"
+    text, _, code = answer.stdout.rpartition("\n")
+    assert code == "201", f"POST /jobs answered {code}: {text}"
+    job: Json = json.loads(text)
+    assert job["state"] == "QUEUED" and job["name"] == spec["name"]
+    return job
+
+
+class Api:
+    """GETs against the running Shoal, as the admin."""
+
+    def __init__(self, shoal: ShoalUp, token: str) -> None:
+        self.shoal = shoal
+        self.headers = {"Authorization": f"Bearer {token}"}
+
+    def get(self, path: str, **params: Any) -> Json:
+        response = httpx.get(
+            f"{self.shoal.url}/api/v1{path}", headers=self.headers, params=params, timeout=30.0
+        )
+        assert response.status_code == 200, f"GET {path}: {response.status_code} {response.text}"
+        answer: Json = response.json()
+        return answer
+
+    def job(self, job_id: str) -> Json:
+        return self.get(f"/jobs/{job_id}")
+
+    def items(self, job_id: str, what: str) -> list[Json]:
+        items: list[Json] = self.get(f"/jobs/{job_id}/{what}")["items"]
+        return items
+
+    def wait_state(self, job_id: str, done: Callable[[Json], bool], what: str) -> Json:
+        def check() -> Json | None:
+            job = self.job(job_id)
+            if job["state"] in {"FAILED", "CANCELLED"}:
+                pytest.fail(
+                    f"job {job_id} ended {job['state']}: {job['error']}\n{self.shoal.tail()}"
+                )
+            return job if done(job) else None
+
+        found: Json = wait_until(check, JOB_TIMEOUT_S, what, on_timeout=self.shoal.tail())
+        return found
+
+
+def state_changes(events: list[Json]) -> list[tuple[str | None, str]]:
+    return [(e["data"]["from"], e["data"]["to"]) for e in events if e["kind"] == "state"]
+
+
+def shoal_cli(*args: str, url: str, token: str, home: Path) -> str:
+    """Run the ``shoal`` command with SHOAL_URL/SHOAL_TOKEN; its stdout (exit code 0 asserted)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SHOAL_")}
+    # An empty home: the CLI can only have found the server through the two variables.
+    env.update(SHOAL_URL=url, SHOAL_TOKEN=token, SHOAL_HOME=str(home))
+    done = subprocess.run(
+        [str(SHOAL), *args], capture_output=True, text=True, env=env, timeout=60, check=False
+    )
+    assert done.returncode == 0, f"shoal {' '.join(args)} exited {done.returncode}: {done.stderr}"
+    return done.stdout
+
+
+def example_spec(**overrides: Any) -> Json:
+    spec: Json = yaml.safe_load(EXAMPLE.read_text())
+    spec.update(overrides)
+    return spec
+
+
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+def test_a_job_submitted_with_curl_trains_and_shows_everywhere(
+    shoal_up: StartShoal, empty_database: str, runner_reaper: list[str], tmp_path: Path
+) -> None:
+    shoal = shoal_up(tmp_path / "home", empty_database)
+    token = admin_token(shoal)
+    api = Api(shoal, token)
+    spec = example_spec()
+    submitted = curl_submit(shoal, token, spec, tmp_path)
+    job_id = submitted["id"]
+    runner_reaper.append(job_id)
+
+    job = api.wait_state(job_id, lambda j: j["state"] == "SUCCEEDED", "the job to succeed")
+    steps = spec["steps"]
+    assert job["step"] == steps and job["error"] is None and job["attempt"] == 1
+    assert len(job["devices"]) == spec["resources"]["max_devices"] == 2
+    bounds = [tuple(stage["blocks"]) for stage in job["partition"]]
+    assert bounds[0][0] == 0 and bounds[-1][1] == job["num_blocks"] and len(bounds) == 2
+    assert bounds[0][1] == bounds[1][0]
+
+    metrics = api.items(job_id, "metrics")
+    assert [m["step"] for m in metrics] == list(range(1, steps + 1))
+    losses = [m["loss"] for m in metrics]
+    assert mean(losses[-5:]) < mean(losses[:5]), f"loss did not fall: {losses[:5]} .. {losses[-5:]}"
+    assert job["last_loss"] == losses[-1]
+    assert all(m["samples_per_s"] > 0 and len(m["stages"]) == 2 for m in metrics)
+
+    events = api.items(job_id, "events")
+    assert state_changes(events) == [
+        (None, "QUEUED"),
+        ("QUEUED", "RUNNING"),
+        ("RUNNING", "SUCCEEDED"),
+    ]
+    kinds = [e["kind"] for e in events]
+    assert kinds.count("placement") == 1
+    every = spec["checkpoint"]["every_steps"]
+    written = [e["data"]["step"] for e in events if e["kind"] == "checkpoint"]
+    assert written == list(range(every, steps + 1, every))
+
+    checkpoints = api.items(job_id, "checkpoints")
+    keep = spec["checkpoint"]["keep"]
+    assert [c["step"] for c in checkpoints] == written[-keep:]
+    assert all(c["nbytes"] > 0 and Path(c["path"]).is_dir() for c in checkpoints)
+
+    cli_home = tmp_path / "cli-home"
+    cli_home.mkdir()
+    shown = shoal_cli("status", job_id, url=shoal.url, token=token, home=cli_home)
+    assert "SUCCEEDED" in shown and f"{steps}/{steps}" in shown
+    assert f"{losses[-1]:.4g}" in shown and f"latest at step {steps}" in shown
+    listed = shoal_cli("status", url=shoal.url, token=token, home=cli_home)
+    row = next((line for line in listed.splitlines() if job_id in line), None)
+    assert row is not None, f"job {job_id} missing from `shoal status`:\n{listed}"
+    assert "SUCCEEDED" in row and f"{steps}/{steps}" in row and f"{losses[-1]:.4g}" in row
+    logged = shoal_cli("logs", job_id, url=shoal.url, token=token, home=cli_home)
+    assert f"step 1/{steps} loss {losses[0]:.4f}" in logged
+    assert f"step {steps}/{steps} loss {losses[-1]:.4f}" in logged
+    assert "placement:" in logged and "checkpoint:" in logged
+    assert logged.count("state:") == 3
+
+
+@pytest.mark.parametrize("database_url", ["postgresql"], indirect=True)
+def test_a_restarted_control_plane_adopts_the_running_job(
+    shoal_up: StartShoal, empty_database: str, runner_reaper: list[str], tmp_path: Path
+) -> None:
+    from workers.launch import find_runner
+
+    home = tmp_path / "home"
+    first = shoal_up(home, empty_database)
+    token = admin_token(first)
+    # Long enough to be training still while the second control plane starts (~10 s here).
+    steps = 300
+    spec = example_spec(name="mlp-digits-long", steps=steps, checkpoint={"every_steps": 100})
+    job_id = curl_submit(first, token, spec, tmp_path)["id"]
+    runner_reaper.append(job_id)
+    running = Api(first, token).wait_state(
+        job_id, lambda j: j["state"] == "RUNNING" and j["step"] > 0, "the job to train"
+    )
+
+    first.kill9()
+    assert running["step"] < steps, "the job ended before the control plane was killed"
+    assert find_runner(job_id) is not None, "the detached runner died with the control plane"
+
+    second = shoal_up(home, empty_database)
+    assert admin_token(second) == token  # the stored admin token is still valid
+    api = Api(second, token)
+    job = api.wait_state(job_id, lambda j: j["state"] == "SUCCEEDED", "the job to succeed")
+
+    assert job["attempt"] == 1 and job["step"] == steps and job["error"] is None
+    events = api.items(job_id, "events")
+    assert [e["kind"] for e in events].count("placement") == 1, "a second runner was started"
+    assert state_changes(events) == [
+        (None, "QUEUED"),
+        ("QUEUED", "RUNNING"),
+        ("RUNNING", "SUCCEEDED"),
+    ]
+    metrics = api.items(job_id, "metrics")
+    assert [m["step"] for m in metrics] == list(range(1, steps + 1))
