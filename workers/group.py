@@ -1,11 +1,13 @@
 """The worker group: the seam between the runner and the stages it drives.
 
-A group holds one ``StageWorker`` per stage plan. The runner calls ``submit(stage, method,
-*args)`` and gets a ``Handle``; a handle may be passed as an argument of a later submit,
-which is how stage s's forward output becomes stage s+1's input without the runner seeing
-it. ``get`` waits for handles and raises typed errors: ``StageFailed`` (a stage method
-raised; a call fed by a failed handle fails the same way), ``StageLost`` (the worker is
-gone), ``GroupTimeout``.
+A group holds one ``StageWorker`` per stage plan, addressed by the plan's position in the
+list the group was built from (with one replica per stage, the stage index; with data
+parallelism, ``workers.runner`` lays replicas out replica-major). The runner calls
+``submit(worker, method, *args)`` and gets a ``Handle``; a handle may be passed as an
+argument of a later submit, which is how stage s's forward output becomes stage s+1's
+input without the runner seeing it. ``get`` waits for handles and raises typed errors:
+``StageFailed`` (a stage method raised; a call fed by a failed handle fails the same way),
+``StageLost`` (the worker is gone), ``GroupTimeout``.
 
 Ordering: each stage runs its calls in submission order. ``LocalGroup`` runs each call at
 submit time; ``RayGroup`` relies on Ray's actor task order: a synchronous, single-threaded
@@ -15,6 +17,11 @@ Execution Order", ray-core/actors/task-orders). So the runner, the only submitte
 every stage's actions in a dependency-respecting global order
 (``scheduler.schedules.submission_order``) and the per-stage orders are exactly the
 schedule.
+
+Data parallelism: ``all_reduce(workers)`` sums the accumulated block gradients of the given
+workers (the replicas of one stage, in replica order) into each of them, through
+``workers.collective``: in-process in ``LocalGroup``, over one gloo process group per stage,
+formed when the group starts, in ``RayGroup``.
 """
 
 from __future__ import annotations
@@ -35,8 +42,9 @@ from ray.exceptions import (
 )
 
 from workers import launch
+from workers.collective import sum_in_process
 from workers.snapshot import StagePlan
-from workers.stage import StageFailed, StageSetup, StageWorker
+from workers.stage import StageFailed, StageSetup, StageWorker, one_line
 
 __all__ = [
     "GroupFactory",
@@ -66,7 +74,7 @@ class GroupTimeout(TimeoutError):
 
 @dataclass(frozen=True, eq=False)
 class Handle:
-    """The pending result of one submitted call."""
+    """The pending result of one submitted call; ``stage`` is the worker's position."""
 
     stage: int
     method: str
@@ -74,6 +82,11 @@ class Handle:
 
 class WorkerGroup(Protocol):
     def submit(self, stage: int, method: str, *args: Any) -> Handle: ...
+
+    def all_reduce(self, workers: Sequence[int]) -> list[Handle]:
+        """Sum the block gradients of ``workers`` (replicas of one stage, in replica order)
+        into each of them; one handle per worker, its value the seconds spent."""
+        ...
 
     def get(self, handles: Sequence[Handle], timeout: float) -> list[Any]:
         """The handles' values, in order; if some failed, raises one of their errors."""
@@ -106,7 +119,7 @@ class LocalGroup:
     def submit(self, stage: int, method: str, *args: Any) -> Handle:
         if self._workers is None:
             plan = self._plans[stage]
-            lost = StageLost(stage, plan.device.id, "the group was shut down")
+            lost = StageLost(plan.index, plan.device.id, "the group was shut down")
             return _Done(stage, method, error=lost)
         failed = next((a.error for a in args if isinstance(a, _Done) and a.error), None)
         if failed is not None:
@@ -116,6 +129,20 @@ class LocalGroup:
             return _Done(stage, method, value=self._workers[stage].call(method, *values))
         except StageFailed as exc:
             return _Done(stage, method, error=exc)
+
+    def all_reduce(self, workers: Sequence[int]) -> list[Handle]:
+        first = self._plans[workers[0]]
+        if self._workers is None:
+            lost = StageLost(first.index, first.device.id, "the group was shut down")
+            return [_Done(w, "all_reduce", error=lost) for w in workers]
+        try:
+            sum_in_process([self._workers[w].stage for w in workers])
+        except StageFailed as exc:
+            return [_Done(w, "all_reduce", error=exc) for w in workers]
+        except Exception as exc:  # a boundary, as in StageWorker.call
+            failed = StageFailed(first.index, "all_reduce", one_line(exc))
+            return [_Done(w, "all_reduce", error=failed) for w in workers]
+        return [_Done(w, "all_reduce", value=0.0) for w in workers]
 
     def get(self, handles: Sequence[Handle], timeout: float) -> list[Any]:
         done = [_own(h, _Done) for h in handles]
@@ -147,6 +174,7 @@ class RayGroup:
         try:
             self._actors = [launch.start_stage_worker(p, setup) for p in plans]
             _wait_ready(self, self._plans, start_timeout_s)
+            self._form_collectives(start_timeout_s)
         except GroupTimeout:
             self.shutdown()
             devices = [p.device.id for p in plans]
@@ -158,9 +186,27 @@ class RayGroup:
             self.shutdown()
             raise
 
+    def _form_collectives(self, timeout: float) -> None:
+        """One process group per replicated stage: replica 0 hosts, all replicas join."""
+        replicated = [ws for ws in _replicas_by_stage(self._plans) if len(ws) > 1]
+        if not replicated:
+            return
+        hosts = self.get([self.submit(ws[0], "collective_host") for ws in replicated], timeout)
+        joins = [
+            self.submit(w, "collective_join", address, port, rank, len(ws))
+            for ws, (address, port) in zip(replicated, hosts, strict=True)
+            for rank, w in enumerate(ws)
+        ]
+        self.get(joins, timeout)
+
     def submit(self, stage: int, method: str, *args: Any) -> Handle:
         refs = [a.ref if isinstance(a, _Ref) else a for a in args]
         return _Ref(stage, method, self._actors[stage].call.remote(method, *refs))
+
+    def all_reduce(self, workers: Sequence[int]) -> list[Handle]:
+        # Each replica's call runs after its backwards (actor order) and meets the others in
+        # their stage's process group.
+        return [self.submit(w, "all_reduce") for w in workers]
 
     def get(self, handles: Sequence[Handle], timeout: float) -> list[Any]:
         refs = [_own(h, _Ref) for h in handles]
@@ -182,22 +228,24 @@ class RayGroup:
         except RayActorError as exc:
             raise self._lost(exc, refs) from None
         except ActorUnschedulableError:
-            stage = _failed_stage(refs)
-            device = self._plans[stage].device.id
-            raise StageLost(stage, device, "its node is gone or cannot host it") from None
+            plan = self._plans[_failed_stage(refs)]
+            raise StageLost(
+                plan.index, plan.device.id, "its node is gone or cannot host it"
+            ) from None
 
     def _lost(self, exc: RayActorError, waited: Sequence[_Ref]) -> StageLost:
         # The error names the dead actor (``_actor_id`` is the only handle-side id to match
         # it with); when it names none, the first failed call we waited on is to blame.
         ids = [a._actor_id.hex() for a in self._actors]
-        stage = ids.index(exc.actor_id) if exc.actor_id in ids else _failed_stage(waited)
+        worker = ids.index(exc.actor_id) if exc.actor_id in ids else _failed_stage(waited)
         if exc.preempted:
             reason = "its node was preempted"
         elif isinstance(exc, ActorUnavailableError):
             reason = "its worker is unreachable (node lost or overloaded)"
         else:
             reason = "its worker died"
-        return StageLost(stage, self._plans[stage].device.id, reason)
+        plan = self._plans[worker]
+        return StageLost(plan.index, plan.device.id, reason)
 
     def shutdown(self) -> None:
         # The handles stay: a later call on a killed actor fails as StageLost, as in LocalGroup.
@@ -206,6 +254,14 @@ class RayGroup:
 
 
 H = TypeVar("H", bound=Handle)
+
+
+def _replicas_by_stage(plans: Sequence[StagePlan]) -> list[list[int]]:
+    """Worker positions of each stage's replicas, in replica order, stages in index order."""
+    by_stage: dict[int, list[tuple[int, int]]] = {}
+    for position, plan in enumerate(plans):
+        by_stage.setdefault(plan.index, []).append((plan.replica, position))
+    return [[w for _, w in sorted(by_stage[s])] for s in sorted(by_stage)]
 
 
 def _failed_stage(waited: Sequence[_Ref]) -> int:

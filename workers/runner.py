@@ -46,16 +46,35 @@ class PlanError(ValueError):
     """The snapshot's stages do not form a pipeline over the model's blocks."""
 
 
-def check_plans(stages: Sequence[StagePlan], num_blocks: int) -> list[StagePlan]:
-    """The stage plans in order, if they cover blocks [0, num_blocks) contiguously."""
-    plans = sorted(stages, key=lambda p: p.index)
-    if [p.index for p in plans] != list(range(len(plans))) or not plans:
-        raise PlanError(f"stage indices must be 0..p-1, got {[p.index for p in stages]}")
-    bounds = [p.blocks for p in plans]
-    contiguous = all(a[1] == b[0] for a, b in pairwise(bounds))
-    if bounds[0][0] != 0 or bounds[-1][1] != num_blocks or not contiguous:
-        raise PlanError(f"stage block ranges {bounds} must cover [0, {num_blocks}) in order")
-    return plans
+def check_plans(stages: Sequence[StagePlan], num_blocks: int, replicas: int = 1) -> list[StagePlan]:
+    """The plans laid out replica-major (worker ``r * p + s`` is stage s of replica r), if
+    every replica's stages cover blocks [0, num_blocks) contiguously with the same ranges."""
+    by_replica: dict[int, list[StagePlan]] = {}
+    for plan in stages:
+        by_replica.setdefault(plan.replica, []).append(plan)
+    if sorted(by_replica) != list(range(replicas)):
+        raise PlanError(
+            f"the stages name replicas {sorted(by_replica)}; a job of {replicas} replicas needs"
+            f" each of 0..{replicas - 1}"
+        )
+    layouts: list[list[StagePlan]] = []
+    for r in range(replicas):
+        plans = sorted(by_replica[r], key=lambda p: p.index)
+        if [p.index for p in plans] != list(range(len(plans))) or not plans:
+            raise PlanError(
+                f"stage indices of replica {r} must be 0..p-1, got {[p.index for p in plans]}"
+            )
+        bounds = [p.blocks for p in plans]
+        contiguous = all(a[1] == b[0] for a, b in pairwise(bounds))
+        if bounds[0][0] != 0 or bounds[-1][1] != num_blocks or not contiguous:
+            raise PlanError(f"stage block ranges {bounds} must cover [0, {num_blocks}) in order")
+        if layouts and bounds != [p.blocks for p in layouts[0]]:
+            raise PlanError(
+                f"replica {r} has stage ranges {bounds}, replica 0 has"
+                f" {[p.blocks for p in layouts[0]]}; replicas must hold the same blocks"
+            )
+        layouts.append(plans)
+    return [p for plans in layouts for p in plans]
 
 
 class Trainer:
@@ -121,8 +140,10 @@ class Trainer:
         group: WorkerGroup | None = None
         try:
             snap = self.snapshot
-            plans = check_plans(snap.stages, snap.num_blocks)
-            order = submission_order(build(snap.schedule, len(plans), snap.micro_batches))
+            plans = check_plans(snap.stages, snap.num_blocks, snap.replicas)
+            split = snap.micro_batch_split()
+            depth = len(plans) // snap.replicas
+            orders = {n: submission_order(build(snap.schedule, depth, n)) for n in set(split)}
             data = make_data(snap.data, snap.seed, snap.allowed_factories)
             store = CheckpointStore(snap.checkpoint_root)
             group = self._make_group(plans, StageSetup.of(snap, data.meta))
@@ -132,7 +153,7 @@ class Trainer:
             for step in range(start, snap.steps):
                 if self._cancelled.is_set():
                     return self._finish(RunStatus.CANCELLED)
-                self._record(self._train_step(group, plans, order, data, step))
+                self._record(self._train_step(group, plans, orders, data, step))
                 done = step + 1
                 if done == snap.steps or (
                     snap.checkpoint_every > 0 and done % snap.checkpoint_every == 0
@@ -150,13 +171,14 @@ class Trainer:
 
     def _call_all(self, group: WorkerGroup, method: str, *args: Any) -> list[Any]:
         count = len(self.snapshot.stages)
-        return group.get([group.submit(s, method, *args) for s in range(count)], self._timeout)
+        return group.get([group.submit(w, method, *args) for w in range(count)], self._timeout)
 
     def _announce(self, group: WorkerGroup, plans: list[StagePlan], step: int) -> None:
         sizes = self._call_all(group, "nbytes")
         stages = [
             {
                 "stage": p.index,
+                "replica": p.replica,
                 "device_id": p.device.id,
                 "kind": p.device.kind,
                 "node_id": p.device.node_id,
@@ -166,18 +188,25 @@ class Trainer:
             for p, size in zip(plans, sizes, strict=True)
         ]
         ranges = ", ".join(f"{p.blocks[0]}-{p.blocks[1] - 1}@{p.device.id}" for p in plans)
-        self._record(
-            RunnerEvent("placement", step, f"{len(plans)} stages: {ranges}", {"stages": stages})
+        replicas = self.snapshot.replicas
+        what = f"{len(plans) // replicas} stages" + (
+            f" x {replicas} replicas" if replicas > 1 else ""
         )
+        self._record(RunnerEvent("placement", step, f"{what}: {ranges}", {"stages": stages}))
         # One device at a time: concurrent benchmarks on shared cores would measure contention.
-        for p in plans:
-            (gflops,) = group.get([group.submit(p.index, "measure_speed")], self._timeout)
+        for w, p in enumerate(plans):
+            (gflops,) = group.get([group.submit(w, "measure_speed")], self._timeout)
             self._record(
                 RunnerEvent(
                     "device_speed",
                     step,
                     f"device {p.device.id} ({p.device.kind}): {gflops:.2f} GFLOP/s",
-                    {"device_id": p.device.id, "stage": p.index, "gflops": gflops},
+                    {
+                        "device_id": p.device.id,
+                        "stage": p.index,
+                        "replica": p.replica,
+                        "gflops": gflops,
+                    },
                 )
             )
 
@@ -197,7 +226,8 @@ class Trainer:
                 " it was written for another model"
             )
         loads = [
-            group.submit(p.index, "load", {i: states[i] for i in range(*p.blocks)}) for p in plans
+            group.submit(w, "load", {i: states[i] for i in range(*p.blocks)})
+            for w, p in enumerate(plans)
         ]
         group.get(loads, self._timeout)
         self._record(
@@ -216,58 +246,108 @@ class Trainer:
         self,
         group: WorkerGroup,
         plans: list[StagePlan],
-        order: tuple[Action, ...],
+        orders: dict[int, tuple[Action, ...]],
         data: DataSource,
         step: int,
     ) -> StepMetrics:
+        """One mini-batch: replica r runs its own pipeline schedule over its micro-batches
+        (those after replicas 0..r-1's), then each stage's gradients are summed over its
+        replicas, then every worker steps. The loss scale is the micro-batch's share of the
+        whole mini-batch, so the replicas' summed gradients are the reference's."""
         snap = self.snapshot
         started = self._clock()
         inputs, targets = data.batch(step, snap.batch_size)
         rows = snap.batch_size // snap.micro_batches
         scale = rows / snap.batch_size
-        last = len(plans) - 1
-        # Handles waiting for their one consumer, dropped once passed on, so Ray frees each
-        # activation as soon as the next stage has it (1F1B's memory bound holds).
-        pending: dict[tuple[Op, int, int], Any] = {}
+        depth = len(plans) // snap.replicas
         losses, firsts = [], []
-        for action in order:
-            s, j = action.stage, action.microbatch
-            if action.op is Op.F:
-                x = _rows(inputs, j, rows) if s == 0 else pending.pop((Op.F, s - 1, j))
-                if s == last:
-                    y = _rows(targets, j, rows)
-                    losses.append(group.submit(s, "forward_loss", j, x, y, scale))
-                else:
-                    pending[(Op.F, s, j)] = group.submit(s, "forward", j, x)
-            else:
-                grad = None if s == last else pending.pop((Op.B, s + 1, j))
-                handle = group.submit(s, "backward", j, grad)
-                if s == 0:
-                    firsts.append(handle)
-                else:
-                    pending[(Op.B, s, j)] = handle
-        updates = [group.submit(p.index, "apply_step") for p in plans]
+        offset = 0
+        for r, count in enumerate(snap.micro_batch_split()):
+            part = self._submit_pipeline(
+                group, orders[count], r * depth, depth, offset, inputs, targets, rows, scale
+            )
+            losses += part[0]
+            firsts += part[1]
+            offset += count
+        reduces: list[Any] = []
+        if snap.replicas > 1:
+            for s in range(depth):
+                reduces += group.all_reduce([r * depth + s for r in range(snap.replicas)])
+        updates = [group.submit(w, "apply_step") for w in range(len(plans))]
         # Stage 0's backwards end every dependency chain: waiting on them surfaces any error.
-        values = group.get([*losses, *firsts, *updates], self._timeout)
+        values = group.get([*losses, *firsts, *reduces, *updates], self._timeout)
         elapsed = self._clock() - started
         computes = values[-len(plans) :]
+        reduced = [0.0] * len(plans)
+        if reduces:
+            times = values[-len(plans) - len(reduces) : -len(plans)]
+            for i, seconds in enumerate(times):  # reduces are stage-major
+                s, r = divmod(i, snap.replicas)
+                reduced[r * depth + s] = seconds
         return StepMetrics(
             step=step + 1,
             loss=float(sum(values[: len(losses)])),
             samples_per_s=snap.batch_size / elapsed if elapsed > 0 else 0.0,
             step_time_s=elapsed,
             stages=tuple(
-                StageTiming(p.index, p.device.id, c, max(0.0, elapsed - c))
-                for p, c in zip(plans, computes, strict=True)
+                StageTiming(
+                    p.index,
+                    p.device.id,
+                    c,
+                    max(0.0, elapsed - c - a),
+                    replica=p.replica,
+                    allreduce_s=a,
+                )
+                for p, c, a in zip(plans, computes, reduced, strict=True)
             ),
         )
+
+    def _submit_pipeline(
+        self,
+        group: WorkerGroup,
+        order: tuple[Action, ...],
+        base: int,
+        depth: int,
+        offset: int,
+        inputs: Tensor,
+        targets: Tensor,
+        rows: int,
+        scale: float,
+    ) -> tuple[list[Any], list[Any]]:
+        """Submit one replica's schedule (workers ``base .. base + depth - 1``) over the
+        micro-batches ``offset + j``; the loss handles and stage 0's backward handles."""
+        last = depth - 1
+        # Handles waiting for their one consumer, dropped once passed on, so Ray frees each
+        # activation as soon as the next stage has it (1F1B's memory bound holds).
+        pending: dict[tuple[Op, int, int], Any] = {}
+        losses, firsts = [], []
+        for action in order:
+            s, j = action.stage, action.microbatch
+            w = base + s
+            if action.op is Op.F:
+                x = _rows(inputs, offset + j, rows) if s == 0 else pending.pop((Op.F, s - 1, j))
+                if s == last:
+                    y = _rows(targets, offset + j, rows)
+                    losses.append(group.submit(w, "forward_loss", j, x, y, scale))
+                else:
+                    pending[(Op.F, s, j)] = group.submit(w, "forward", j, x)
+            else:
+                grad = None if s == last else pending.pop((Op.B, s + 1, j))
+                handle = group.submit(w, "backward", j, grad)
+                if s == 0:
+                    firsts.append(handle)
+                else:
+                    pending[(Op.B, s, j)] = handle
+        return losses, firsts
 
     def _checkpoint(
         self, group: WorkerGroup, plans: list[StagePlan], store: CheckpointStore, step: int
     ) -> None:
         snap = self.snapshot
+        # Replicas are identical after every step: replica 0 (workers 0..p-1) speaks for all.
+        depth = len(plans) // snap.replicas
         blocks: dict[int, Any] = {}
-        for states in self._call_all(group, "state"):
+        for states in group.get([group.submit(w, "state") for w in range(depth)], self._timeout):
             blocks.update(states)
         layout = {
             "model": asdict(snap.model),
@@ -275,9 +355,16 @@ class Trainer:
             "optimizer": asdict(snap.optimizer),
             "num_blocks": snap.num_blocks,
             "stages": [
-                {"index": p.index, "blocks": list(p.blocks), "device_id": p.device.id}
+                {
+                    "index": p.index,
+                    "replica": p.replica,
+                    "blocks": list(p.blocks),
+                    "device_id": p.device.id,
+                }
                 for p in plans
             ],
+            "replicas": snap.replicas,
+            "replica_micro_batches": list(snap.micro_batch_split()),
             "step": step,
             "data_cursor": step,
             "seed": snap.seed,

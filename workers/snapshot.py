@@ -42,11 +42,26 @@ class OptimizerConf:
 
 @dataclass(frozen=True)
 class StagePlan:
-    """One pipeline stage: a contiguous block range on one device."""
+    """One pipeline stage (or one data-parallel replica of it): a contiguous block range on
+    one device. Replicas of a stage share ``index`` and ``blocks``; ``replica`` tells them
+    apart."""
 
     index: int
     blocks: BlockRange
     device: Device
+    replica: int = 0
+
+
+def split_micro_batches(micro_batches: int, replicas: int) -> tuple[int, ...]:
+    """The default split of a mini-batch's micro-batches over replicas: equal shares, the
+    remainder to the first replicas (``split_micro_batches(5, 2) == (3, 2)``)."""
+    if replicas < 1 or micro_batches < replicas:
+        raise ValueError(
+            f"{micro_batches} micro-batches cannot be split over {replicas} replicas; every"
+            " replica needs at least one (raise micro_batches or lower replicas)"
+        )
+    share, rest = divmod(micro_batches, replicas)
+    return tuple(share + (1 if r < rest else 0) for r in range(replicas))
 
 
 @dataclass(frozen=True)
@@ -70,6 +85,23 @@ class JobSnapshot:
     checkpoint_every: int
     checkpoint_keep: int
     allowed_factories: tuple[str, ...] = ()
+    replicas: int = 1
+    replica_micro_batches: tuple[int, ...] = ()
+    """Micro-batches per replica, summing to ``micro_batches`` (a faster device may take
+    more); empty means ``split_micro_batches``. Replica r trains the consecutive micro-batches
+    after those of replicas 0..r-1."""
+
+    def micro_batch_split(self) -> tuple[int, ...]:
+        """Micro-batches per replica, checked."""
+        if not self.replica_micro_batches:
+            return split_micro_batches(self.micro_batches, self.replicas)
+        split = self.replica_micro_batches
+        if len(split) != self.replicas or sum(split) != self.micro_batches or min(split) < 1:
+            raise ValueError(
+                f"replica_micro_batches {list(split)} must give each of the {self.replicas}"
+                f" replicas at least one micro-batch and sum to {self.micro_batches}"
+            )
+        return split
 
 
 class RunStatus(StrEnum):
@@ -85,12 +117,15 @@ class RunStatus(StrEnum):
 
 @dataclass(frozen=True)
 class StageTiming:
-    """Seconds one stage spent computing and waiting in one step."""
+    """Seconds one stage (replica) spent computing, all-reducing gradients and waiting in
+    one step."""
 
     stage: int
     device_id: str
     compute_s: float
     idle_s: float
+    replica: int = 0
+    allreduce_s: float = 0.0
 
 
 @dataclass(frozen=True)

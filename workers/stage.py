@@ -25,6 +25,7 @@ from torch import Tensor
 
 from scheduler.devices import Device
 from workers.blocks import Block
+from workers.collective import GlooCollective
 from workers.snapshot import JobSnapshot, ModelRef, OptimizerConf, StagePlan
 from workers.zoo.data import loss_fn
 from workers.zoo.models import build_blocks
@@ -141,6 +142,7 @@ class Stage:
         self._recompute = setup.recompute
         self._kept: dict[int, _Kept] = {}
         self._compute_s = 0.0
+        self._collective: GlooCollective | None = None
 
     # ----------------------------------------------------------------------- timing
 
@@ -230,6 +232,28 @@ class Stage:
         spent, self._compute_s = self._compute_s, 0.0
         return spent
 
+    # ------------------------------------------------------- data parallelism (collective)
+
+    def collective_host(self) -> tuple[str, int]:
+        """Replica 0: start this stage's rendezvous; the address the replicas join at."""
+        self._collective = GlooCollective(self.device)
+        return self._collective.host()
+
+    def collective_join(self, address: str, port: int, rank: int, world: int) -> None:
+        """Join this stage's process group as replica ``rank`` of ``world``."""
+        if self._collective is None:
+            self._collective = GlooCollective(self.device)
+        self._collective.join(address, port, rank, world, f"stage-{self.index}")
+
+    def all_reduce(self) -> float:
+        """Sum the accumulated gradients over this stage's replicas (a no-op without a
+        group); return the seconds it took. Not compute: it is reported on its own."""
+        if self._collective is None:
+            return 0.0
+        start = time.perf_counter()
+        self._collective.all_reduce(self.blocks)
+        return time.perf_counter() - start
+
     # ------------------------------------------------------------------------- state
 
     def state(self) -> dict[int, Any]:
@@ -271,6 +295,9 @@ STAGE_METHODS = frozenset(
         "load",
         "nbytes",
         "measure_speed",
+        "collective_host",
+        "collective_join",
+        "all_reduce",
     }
 )
 """The ``Stage`` methods a worker group may call."""
@@ -290,7 +317,7 @@ class StageFailed(RuntimeError):
         return (StageFailed, (self.stage, self.method, self.reason))
 
 
-def _one_line(exc: BaseException) -> str:
+def one_line(exc: BaseException) -> str:
     text = " ".join(str(exc).split())
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
@@ -310,7 +337,14 @@ class StageWorker:
         except Exception as exc:  # anything the model or factory raises, reported as typed
             # Kept and raised by every call: a Ray actor whose constructor raises only says
             # that it died, and the group must say why.
-            self._stage = StageFailed(plan.index, "build", _one_line(exc))
+            self._stage = StageFailed(plan.index, "build", one_line(exc))
+
+    @property
+    def stage(self) -> Stage:
+        """The stage itself (in-process use); raises the build error if it failed to build."""
+        if isinstance(self._stage, StageFailed):
+            raise self._stage
+        return self._stage
 
     def call(self, method: str, *args: Any) -> Any:
         if isinstance(self._stage, StageFailed):
@@ -320,4 +354,4 @@ class StageWorker:
         try:
             return getattr(self._stage, method)(*args)
         except Exception as exc:  # a boundary: every stage error leaves as StageFailed
-            raise StageFailed(self.plan.index, method, _one_line(exc)) from exc
+            raise StageFailed(self.plan.index, method, one_line(exc)) from exc

@@ -89,9 +89,9 @@ def plans(ranges: list[BlockRange], node_id: str, slowdown: float = 1.0) -> list
     ]
 
 
-def reference_states(micro_batches: int) -> States:
+def reference_states(micro_batches: int, optimizer: OptimizerConf = OPTIMIZER) -> States:
     ref = train_reference(
-        MODEL, DATA, OPTIMIZER, batch_size=8, micro_batches=micro_batches, steps=1, seed=SEED
+        MODEL, DATA, optimizer, batch_size=8, micro_batches=micro_batches, steps=1, seed=SEED
     )
     return {b.index: b.state() for b in ref.blocks}
 
@@ -110,6 +110,37 @@ def one_step(group: WorkerGroup, micro_batches: int) -> list[float]:
     firsts = [group.submit(0, "backward", j, grads[j]) for j in range(micro_batches)]
     assert group.get(firsts, 60) == [None] * micro_batches
     group.get([group.submit(s, "apply_step") for s in (0, 1)], 60)
+    return list(group.get(losses, 60))
+
+
+def replicated(ranges: list[BlockRange], node_id: str, replicas: int) -> list[StagePlan]:
+    """Replica-major plans: worker ``r * len(ranges) + s`` is stage s of replica r."""
+    depth = len(ranges)
+    return [
+        replace(p, index=p.index % depth, blocks=ranges[p.index % depth], replica=p.index // depth)
+        for p in plans(ranges * replicas, node_id)
+    ]
+
+
+def dp_step(group: WorkerGroup, split: list[int]) -> list[float]:
+    """One GPipe step by hand on 2 replicas x 2 stages, replica r taking split[r] of the
+    4 micro-batches, then each stage's gradients summed over its replicas."""
+    x, y = make_data(DATA, SEED).batch(0, 8)
+    rows, losses, firsts, offset = 2, [], [], 0
+    for r, count in enumerate(split):
+        first, last = 2 * r, 2 * r + 1
+        part = [slice((offset + j) * rows, (offset + j + 1) * rows) for j in range(count)]
+        outs = [group.submit(first, "forward", j, x[part[j]].clone()) for j in range(count)]
+        losses += [
+            group.submit(last, "forward_loss", j, outs[j], y[part[j]].clone(), rows / 8)
+            for j in range(count)
+        ]
+        grads = [group.submit(last, "backward", j, None) for j in range(count)]
+        firsts += [group.submit(first, "backward", j, grads[j]) for j in range(count)]
+        offset += count
+    reduces = group.all_reduce([0, 2]) + group.all_reduce([1, 3])
+    group.get([*firsts, *reduces], 60)
+    group.get([group.submit(w, "apply_step") for w in range(4)], 60)
     return list(group.get(losses, 60))
 
 
@@ -135,6 +166,33 @@ def test_two_stages_train_like_one_process(
     losses = one_step(group, micro_batches=2)
     assert len(losses) == 2 and all(v > 0 for v in losses)
     assert_same_states(gather(group, 2), reference_states(micro_batches=2))
+
+
+def test_replicas_sum_their_gradients_and_train_like_one_process(
+    kind: str, node_id: str, setup: StageSetup
+) -> None:
+    """2 stages x 2 replicas (the Ray session's four devices), an uneven 3 + 1 split. SGD:
+    exact to float tolerance, not bitwise (the replicas' partial sums are added in another
+    order than the reference's micro-batch-by-micro-batch accumulation)."""
+    sgd = OptimizerConf("sgd", 0.1)
+    factory: GroupFactory = LocalGroup if kind == "local" else RayGroup
+    group = factory(replicated([(0, 2), (2, 4)], node_id, 2), replace(setup, optimizer=sgd))
+    try:
+        losses = dp_step(group, [3, 1])
+        assert len(losses) == 4
+        expected = reference_states(micro_batches=4, optimizer=sgd)
+        replica_0 = gather(group, 2)
+        replica_1: States = {}
+        for part in group.get([group.submit(w, "state") for w in (2, 3)], 60):
+            replica_1.update(part)
+        assert_same_states(replica_0, expected)
+        for i, state in replica_0.items():  # replicas step identically: bitwise equal
+            for name, tensor in state["module"].items():
+                assert torch.equal(replica_1[i]["module"][name], tensor)
+        seconds = group.get(group.all_reduce([0, 2]), 60)  # no gradients left: a no-op
+        assert len(seconds) == 2 and all(s >= 0 for s in seconds)
+    finally:
+        group.shutdown()
 
 
 def test_state_loads_into_another_partition(make_group: MakeGroup, setup: StageSetup) -> None:
