@@ -1,0 +1,201 @@
+"""``shoal bench``: measure the pipeline engine and its transport on this machine.
+
+Runs locally (no API): it starts its own Ray on free ports, or uses the one this process is
+connected to. ``--json`` prints one JSON object on the last line; otherwise a table.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import click
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from service.cli.options import InputError
+from service.cli.render import make_console
+
+
+@click.group()
+def bench() -> None:
+    """Benchmarks of the engine on this machine (see README, "Benchmarks")."""
+
+
+@contextmanager
+def _phases(console: Console, total: int, quiet: bool) -> Iterator[Any]:
+    """A progress bar advanced once per phase (to stderr's console; silent with --json)."""
+    if quiet:
+        yield lambda _name: None
+        return
+    bar = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+    )
+    with bar:
+        task = bar.add_task("starting", total=total)
+        seen = [0]
+
+        def advance(name: str) -> None:
+            bar.update(task, description=name, completed=seen[0])
+            seen[0] += 1
+
+        yield advance
+        bar.update(task, completed=total)
+
+
+def _f(value: float, digits: int = 1) -> str:
+    return f"{value:,.{digits}f}"
+
+
+@bench.command()
+@click.option("--repeats", default=3, show_default=True, type=click.IntRange(1, 50))
+@click.option(
+    "--steps",
+    default=3,
+    show_default=True,
+    type=click.IntRange(1, 1000),
+    help="Timed steps per repeat.",
+)
+@click.option("--hidden", default=2048, show_default=True, type=click.IntRange(1, 16384))
+@click.option(
+    "--layers",
+    default=7,
+    show_default=True,
+    type=click.IntRange(1, 256),
+    help="Hidden layers of the MLP (blocks = layers + 1).",
+)
+@click.option("--batch-size", default=64, show_default=True, type=click.IntRange(1, 65536))
+@click.option("--micro-batches", default=8, show_default=True, type=click.IntRange(1, 1024))
+@click.option("--schedule", default="1f1b", show_default=True, type=click.Choice(["gpipe", "1f1b"]))
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object on the last line.")
+def pipeline(
+    repeats: int,
+    steps: int,
+    hidden: int,
+    layers: int,
+    batch_size: int,
+    micro_batches: int,
+    schedule: str,
+    as_json: bool,
+) -> None:
+    """Single-process PyTorch vs Shoal (2 stages, 2 devices) vs torch.distributed.pipelining."""
+    from workers.bench.pipeline import PIPELINE_PHASES, run_pipeline
+    from workers.bench.report import PipelineSettings
+
+    try:
+        settings = PipelineSettings(
+            hidden=hidden,
+            layers=layers,
+            batch_size=batch_size,
+            micro_batches=micro_batches,
+            schedule=schedule,
+            steps=steps,
+            repeats=repeats,
+        )
+    except ValueError as exc:
+        raise InputError(str(exc)) from None
+    console = make_console()
+    with _phases(console, len(PIPELINE_PHASES), as_json) as progress:
+        result = run_pipeline(settings, progress)
+    if as_json:
+        click.echo(json.dumps(result))
+        return
+    table = Table(title=f"shoal bench pipeline: {result['model']}", caption=_caption(result))
+    table.add_column("what")
+    table.add_column("samples/s", justify="right")
+    table.add_column("vs ideal", justify="right")
+    ideal = result["ideal_samples_per_s"]
+    rows = [
+        (
+            f"PyTorch, 1 process, {result['single_process_threads']} threads",
+            result["single_process_samples_per_s"],
+        ),
+        ("PyTorch, 1 process, 1 thread (one device)", result["single_thread_samples_per_s"]),
+        (f"ideal: 1 device x {result['devices']} x m/(m+p-1)", ideal),
+        ("Shoal, 2 stages on 2 devices", result["shoal_samples_per_s"]),
+        ("torch.distributed.pipelining (gloo)", result["torch_pipelining_samples_per_s"]),
+    ]
+    for name, value in rows:
+        table.add_row(name, _f(value), _f(value / ideal, 2) if ideal else "-")
+    console.print(table)
+    console.print(
+        f"efficiency {result['efficiency']:.2f} of ideal; framework overhead"
+        f" {result['overhead_ms_per_microbatch']:.2f} ms per micro-batch"
+    )
+
+
+@bench.command()
+@click.option("--repeats", default=3, show_default=True, type=click.IntRange(1, 50))
+@click.option(
+    "--calls",
+    default=40,
+    show_default=True,
+    type=click.IntRange(4, 10000),
+    help="Timed calls per repeat (a quarter of them for the large value).",
+)
+@click.option(
+    "--size",
+    "sizes",
+    multiple=True,
+    type=click.IntRange(1, 64 * 1024 * 1024),
+    help="Floats per value (repeatable) [default: 1024 and 1048576].",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object on the last line.")
+def transport(repeats: int, calls: int, sizes: tuple[int, ...], as_json: bool) -> None:
+    """Ray object refs vs Compiled Graphs between two actors; torch tensors vs numpy arrays."""
+    from workers.bench.transport import TransportSettings, run_transport
+
+    settings = TransportSettings(repeats=repeats, calls=calls)
+    if sizes:
+        settings = TransportSettings(sizes=tuple(sorted(set(sizes))), repeats=repeats, calls=calls)
+    console = make_console()
+    with _phases(console, 2 * len(settings.sizes) + 1, as_json) as progress:
+        result = run_transport(settings, progress)
+    if as_json:
+        click.echo(json.dumps(result))
+        return
+    table = Table(
+        title="shoal bench transport: 2-actor chain, ms per value", caption=_caption(result)
+    )
+    table.add_column("floats", justify="right")
+    for name in (
+        "object refs",
+        "compiled graph",
+        f"refs, {settings.inflight} in flight",
+        f"graph, {settings.inflight} in flight",
+        "graph speedup",
+    ):
+        table.add_column(name, justify="right")
+    for size in settings.sizes:
+        table.add_row(
+            f"{size:,}",
+            _f(result["object_ref_chain_ms"][size], 3),
+            _f(result["compiled_graph_chain_ms"][size], 3),
+            _f(result["object_ref_chain_inflight_ms"][size], 3),
+            _f(result["compiled_graph_chain_inflight_ms"][size], 3),
+            f"{result['compiled_graph_speedup'][size]:.2f}x",
+        )
+    console.print(table)
+    big = max(settings.sizes)
+    console.print(
+        f"one actor call with {big:,} floats: torch tensor"
+        f" {result['torch_tensor_call_ms']:.2f} ms, numpy array"
+        f" {result['numpy_array_call_ms']:.2f} ms ({result['numpy_speedup']:.2f}x);"
+        f" faster chain: {result['faster_chain']}"
+    )
+
+
+def _caption(result: dict[str, Any]) -> str:
+    m = result["machine"]
+    return (
+        f"{m['date']}, {m['cpus']} cpus, load {m['load_average_1m']}, torch {m['torch']},"
+        f" ray {m['ray']}, {result['wall_s']} s"
+    )

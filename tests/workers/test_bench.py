@@ -1,0 +1,152 @@
+"""The benchmarks: their arithmetic and JSON shape, and one tiny run of each (not timed)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from click.testing import CliRunner
+
+from service.cli import cli
+from workers.bench.report import (
+    PIPELINE_KEYS,
+    BenchError,
+    PipelineSettings,
+    efficiency,
+    ideal_samples_per_s,
+    median_throughput,
+    pipeline_result,
+    stage_bounds,
+    windows,
+)
+from workers.bench.transport import TRANSPORT_KEYS, TransportSettings, transport_result
+
+
+@pytest.mark.unit
+def test_ideal_is_one_device_times_devices_less_the_bubble() -> None:
+    # 2 stages, 8 micro-batches: bubble 1/9, so 2 devices give 16/9 of one.
+    assert ideal_samples_per_s(90.0, 2, 8, 2) == pytest.approx(160.0)
+    assert ideal_samples_per_s(50.0, 1, 4, 1) == 50.0
+    assert ideal_samples_per_s(10.0, 4, 1, 4) == pytest.approx(10.0)
+    with pytest.raises(ValueError, match="must be >= 1"):
+        ideal_samples_per_s(10.0, 0, 1, 1)
+
+
+@pytest.mark.unit
+def test_efficiency_is_measured_over_ideal() -> None:
+    assert efficiency(136.0, 160.0) == pytest.approx(0.85)
+    assert efficiency(5.0, 0.0) == 0.0
+
+
+@pytest.mark.unit
+def test_repeats_are_windows_after_the_warmup_and_the_median_is_taken() -> None:
+    times = [9.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0]
+    assert windows(times, warmup=1, repeats=3) == [2.0, 4.0, 8.0]
+    # 10 samples a step, 2 steps a window: 20/2, 20/4, 20/8 -> median 5.
+    assert median_throughput(times, 10, warmup=1, repeats=3) == pytest.approx(5.0)
+    with pytest.raises(BenchError, match="cannot make 3 repeats"):
+        windows([1.0, 1.0], warmup=1, repeats=3)
+
+
+@pytest.mark.unit
+def test_stage_bounds_cover_the_blocks_evenly() -> None:
+    assert stage_bounds(8, 2) == [(0, 4), (4, 8)]
+    assert stage_bounds(5, 2) == [(0, 3), (3, 5)]
+    assert stage_bounds(3, 3) == [(0, 1), (1, 2), (2, 3)]
+
+
+@pytest.mark.unit
+def test_settings_count_parameters_and_refuse_bad_shapes() -> None:
+    s = PipelineSettings()
+    assert 20e6 <= s.parameters <= 50e6  # the issue's "compute dominates" size
+    assert s.timed_steps == s.warmup + s.repeats * s.steps
+    with pytest.raises(ValueError, match="multiple of micro_batches"):
+        PipelineSettings(batch_size=10, micro_batches=4)
+    with pytest.raises(ValueError, match="stages"):
+        PipelineSettings(layers=1, stages=3)
+
+
+@pytest.mark.unit
+def test_pipeline_result_has_the_issue_keys_and_is_json() -> None:
+    s = PipelineSettings(micro_batches=8, stages=2)
+    result = pipeline_result(
+        s,
+        single_process=150.0,
+        single_thread=90.0,
+        shoal=144.0,
+        torch_pipelining=120.0,
+        overhead_ms=1.5,
+        started=0.0,
+    )
+    assert list(result)[: len(PIPELINE_KEYS)] == list(PIPELINE_KEYS)
+    assert result["ideal_samples_per_s"] == pytest.approx(160.0)
+    assert result["efficiency"] == pytest.approx(0.9)
+    assert result["shoal_vs_torch_pipelining"] == pytest.approx(1.2)
+    assert {"cpus", "torch", "ray", "date", "load_average_1m"} <= set(result["machine"])
+    assert json.loads(json.dumps(result))["settings"]["micro_batches"] == 8
+
+
+@pytest.mark.unit
+def test_transport_result_names_the_faster_option() -> None:
+    s = TransportSettings(sizes=(16, 1024))
+    measured = {
+        "object_ref_chain_ms": {16: 2.0, 1024: 6.0},
+        "compiled_graph_chain_ms": {16: 0.5, 1024: 2.0},
+        "object_ref_chain_inflight_ms": {16: 1.0, 1024: 3.0},
+        "compiled_graph_chain_inflight_ms": {16: 0.3, 1024: 1.0},
+        "torch_tensor_call_ms": 20.0,
+        "numpy_array_call_ms": 5.0,
+    }
+    result = transport_result(measured, s, clean=True, started=0.0)
+    assert result["faster_chain"] == "compiled_graph"
+    assert result["compiled_graph_speedup"] == {16: 4.0, 1024: 3.0}
+    assert result["numpy_speedup"] == 4.0
+    assert set(TRANSPORT_KEYS) <= set(result)
+
+
+def _last_json(output: str) -> dict[str, object]:
+    last = output.strip().splitlines()[-1]
+    value: dict[str, object] = json.loads(last)
+    return value
+
+
+def _positive(value: object) -> bool:
+    if isinstance(value, dict):
+        return all(_positive(v) for v in value.values())
+    return isinstance(value, float | int) and math.isfinite(value) and value > 0
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_bench_pipeline_tiny_run_prints_positive_numbers() -> None:
+    args = ["bench", "pipeline", "--json", "--repeats", "1", "--steps", "1"]
+    args += ["--hidden", "16", "--layers", "2", "--batch-size", "8", "--micro-batches", "4"]
+    result = CliRunner().invoke(cli, args, catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    answer = _last_json(result.output)
+    for key in PIPELINE_KEYS:
+        # The overhead is a difference of two timings: positive, though not by construction.
+        if key != "overhead_ms_per_microbatch":
+            assert _positive(answer[key]), (key, answer[key])
+    assert isinstance(answer["overhead_ms_per_microbatch"], float)
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_bench_transport_tiny_run_prints_positive_numbers() -> None:
+    args = ["bench", "transport", "--json", "--repeats", "1", "--calls", "4", "--size", "64"]
+    result = CliRunner().invoke(cli, args, catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    answer = _last_json(result.output)
+    for key in TRANSPORT_KEYS[:-1]:
+        assert _positive(answer[key]), (key, answer[key])
+    assert answer["faster_chain"] in {"compiled_graph", "object_refs"}
+
+
+@pytest.mark.unit
+def test_bench_pipeline_refuses_a_bad_shape_with_exit_code_2() -> None:
+    args = ["bench", "pipeline", "--batch-size", "10", "--micro-batches", "4"]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 2
+    assert "multiple of micro_batches" in result.output

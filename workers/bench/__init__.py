@@ -1,0 +1,7 @@
+"""Benchmarks of the pipeline engine and its transport, measured on the machine at hand.
+
+``settings``/``report`` are pure (sizes, the ideal, efficiency, the JSON shape);
+``pipeline`` measures single-process PyTorch, Shoal's engine and framework overhead;
+``peer`` runs ``torch.distributed.pipelining`` on the same model; ``transport`` measures
+Ray object refs against Compiled Graphs and torch tensors against numpy arrays.
+"""

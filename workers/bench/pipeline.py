@@ -1,0 +1,199 @@
+"""``shoal bench pipeline``: single-process PyTorch against Shoal's engine on the same model.
+
+Every contender trains the same MLP on the same batches with the same micro-batching and
+gradient accumulation (the ``workers.reference`` contract), so they do the same math; only
+where it runs differs. Shoal runs through the real engine (``workers.runner.Trainer`` with a
+``RayGroup`` of StageWorker actors on virtual CPU devices, one thread each); the peer is
+``torch.distributed.pipelining`` (``workers.bench.peer``).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import replace
+from typing import Any
+
+import ray
+import torch
+
+from scheduler.devices import DEVICE_RESOURCE, LABEL_KIND, LABEL_MEMORY_MB, Device
+from workers.bench import peer
+from workers.bench.report import (
+    BenchError,
+    PipelineSettings,
+    Progress,
+    median_step_s,
+    median_throughput,
+    pipeline_result,
+    stage_bounds,
+)
+from workers.blocks import Block
+from workers.group import RayGroup
+from workers.runner import Trainer
+from workers.snapshot import DataRef, JobSnapshot, ModelRef, OptimizerConf, RunStatus, StagePlan
+from workers.zoo.data import loss_fn, make_data
+from workers.zoo.models import build_blocks
+
+BENCH_NAMESPACE = "shoal-bench"
+
+PIPELINE_PHASES = (
+    "single process, all cores",
+    "single process, one thread",
+    "starting Ray",
+    "shoal, 2 stages",
+    "shoal overhead, tiny model",
+    "torch.distributed.pipelining",
+)
+
+
+def refs(s: PipelineSettings) -> tuple[ModelRef, DataRef, OptimizerConf]:
+    model = ModelRef("mlp", None, {"hidden": s.hidden, "layers": s.layers})
+    data = DataRef("synthetic-regression", None, {"features": s.features, "outputs": s.outputs})
+    return model, data, OptimizerConf("sgd", s.lr)
+
+
+@contextmanager
+def ray_session(devices: int) -> Iterator[str]:
+    """This process's Ray (reused if already connected), with ``devices`` virtual devices;
+    yields the node id. A head started here takes free ports and is shut down after."""
+    if ray.is_initialized():
+        have = ray.available_resources().get(  # type: ignore[no-untyped-call]
+            DEVICE_RESOURCE, 0.0
+        )
+        if have < devices:
+            raise BenchError(
+                f"the connected Ray has {have:g} free {DEVICE_RESOURCE} resources, the bench"
+                f" needs {devices}; run it outside a Shoal cluster, or free some devices"
+            )
+        yield ray.get_runtime_context().get_node_id()
+        return
+    ray.init(
+        address="local",
+        num_cpus=os.cpu_count() or 1,
+        resources={DEVICE_RESOURCE: devices},
+        labels={LABEL_KIND: "cpu", LABEL_MEMORY_MB: "8192"},
+        include_dashboard=False,
+        namespace=BENCH_NAMESPACE,
+        log_to_driver=False,
+    )
+    try:
+        yield ray.get_runtime_context().get_node_id()
+    finally:
+        ray.shutdown()
+
+
+def single_process_step_times(s: PipelineSettings, threads: int) -> list[float]:
+    """Seconds of each step of a plain PyTorch run with ``threads`` threads (the reference)."""
+    model, data, opt = refs(s)
+    source = make_data(data, s.seed, ())
+    modules = build_blocks(model, source.meta, s.seed, range(s.num_blocks))
+    blocks = [Block(i, m, opt) for i, m in enumerate(modules)]
+    loss = loss_fn(source.meta.task)
+    rows = s.batch_size // s.micro_batches
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    times = []
+    try:
+        for step in range(s.timed_steps):
+            started = time.perf_counter()
+            inputs, targets = source.batch(step, s.batch_size)
+            for j in range(s.micro_batches):
+                out = inputs[j * rows : (j + 1) * rows]
+                for block in blocks:
+                    out = block.module(out)
+                part = loss(out, targets[j * rows : (j + 1) * rows]) * (rows / s.batch_size)
+                part.backward()  # type: ignore[no-untyped-call]
+            for block in blocks:
+                block.step()
+            times.append(time.perf_counter() - started)
+    finally:
+        torch.set_num_threads(before)
+    return times
+
+
+def shoal_step_times(s: PipelineSettings, node_id: str, steps: int) -> list[float]:
+    """Seconds of each step of Shoal's engine: ``s.stages`` StageWorkers, one per device."""
+    model, data, opt = refs(s)
+    devices = [
+        Device(f"{node_id[:8]}-cpu-{i}", node_id, i, "cpu", 8192, gpu=False)
+        for i in range(s.stages)
+    ]
+    plans = tuple(
+        StagePlan(i, r, devices[i]) for i, r in enumerate(stage_bounds(s.num_blocks, s.stages))
+    )
+    with tempfile.TemporaryDirectory(prefix="shoal-bench-") as root:
+        snapshot = JobSnapshot(
+            job_id=f"bench-{os.getpid()}",
+            attempt=1,
+            model=model,
+            data=data,
+            optimizer=opt,
+            batch_size=s.batch_size,
+            micro_batches=s.micro_batches,
+            steps=steps,
+            seed=s.seed,
+            schedule=s.schedule,
+            recompute=False,
+            stages=plans,
+            num_blocks=s.num_blocks,
+            checkpoint_root=root,
+            checkpoint_every=0,
+            checkpoint_keep=1,
+        )
+        trainer = Trainer(snapshot, RayGroup)
+        if trainer.run() is not RunStatus.SUCCEEDED:
+            raise BenchError(f"the Shoal run failed: {trainer.report(0).error}")
+        metrics = trainer.report(0).metrics
+    return [m.step_time_s for m in metrics]
+
+
+def run_pipeline(s: PipelineSettings, progress: Progress = lambda _: None) -> dict[str, Any]:
+    """Measure everything ``shoal bench pipeline`` reports; see ``report.pipeline_result``."""
+    started = time.perf_counter()
+    cores = os.cpu_count() or 1
+    phases = iter(PIPELINE_PHASES)
+    samples = s.batch_size
+
+    progress(next(phases))
+    all_cores = single_process_step_times(s, cores)
+    progress(next(phases))
+    one_thread = single_process_step_times(s, 1)
+    # The overhead model: negligible compute, so its step is all framework.
+    tiny = replace(s, hidden=8, layers=1, features=8, outputs=1, steps=s.overhead_steps)
+    tiny_local = single_process_step_times(tiny, 1)
+    progress(next(phases))
+    with ray_session(s.stages) as node_id:
+        progress(next(phases))
+        shoal = shoal_step_times(s, node_id, s.timed_steps)
+        progress(next(phases))
+        tiny_shoal = shoal_step_times(tiny, node_id, tiny.timed_steps)
+    progress(next(phases))
+    peer_times = peer.step_times(s)
+
+    tiny_extra = median_step_s(tiny_shoal, tiny.warmup, tiny.repeats) - median_step_s(
+        tiny_local, tiny.warmup, tiny.repeats
+    )
+
+    def rate(times: list[float]) -> float:
+        return median_throughput(times, samples, s.warmup, s.repeats)
+
+    return pipeline_result(
+        s,
+        single_process=rate(all_cores),
+        single_thread=rate(one_thread),
+        shoal=rate(shoal),
+        torch_pipelining=rate(peer_times),
+        overhead_ms=1000 * tiny_extra / s.micro_batches,
+        started=started,
+        extra={
+            "single_process_threads": cores,
+            "shoal_step_s": median_step_s(shoal, s.warmup, s.repeats),
+            "single_thread_step_s": median_step_s(one_thread, s.warmup, s.repeats),
+            "torch_pipelining_step_s": median_step_s(peer_times, s.warmup, s.repeats),
+            "overhead_model": f"mlp {tiny.parameters} parameters, {tiny.overhead_steps} steps",
+        },
+    )

@@ -1,0 +1,203 @@
+"""What the benchmarks report: settings, the pipeline ideal, efficiency, and the JSON shape.
+
+Pure on purpose (no Ray, no torch): the numbers are checked by unit tests and the CLI prints
+them as a table or as one JSON object.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
+from importlib import metadata
+from typing import Any
+
+Progress = Callable[[str], None]
+"""Told the name of each phase as it starts (the CLI's progress bar)."""
+
+PIPELINE_KEYS = (
+    "single_process_samples_per_s",
+    "single_thread_samples_per_s",
+    "shoal_samples_per_s",
+    "ideal_samples_per_s",
+    "efficiency",
+    "torch_pipelining_samples_per_s",
+    "overhead_ms_per_microbatch",
+)
+"""The keys ``shoal bench pipeline --json`` always prints (issue 3)."""
+
+
+class BenchError(RuntimeError):
+    """A benchmark could not run; the message says which part and why."""
+
+
+@dataclass(frozen=True)
+class PipelineSettings:
+    """The model and run sizes of ``shoal bench pipeline``.
+
+    The default MLP has ~26M parameters (7 hidden 2048-wide layers): big enough that compute
+    dominates a micro-batch of 8 rows, small enough that one run takes a minute or two on
+    2 CPU cores. The overhead model has negligible compute, so its step is all framework.
+    """
+
+    hidden: int = 2048
+    layers: int = 7
+    features: int = 512
+    outputs: int = 16
+    batch_size: int = 64
+    micro_batches: int = 8
+    stages: int = 2
+    schedule: str = "1f1b"
+    lr: float = 1e-3
+    steps: int = 3
+    """Timed steps per repeat; each repeat's throughput is its batches over its time."""
+    warmup: int = 1
+    repeats: int = 3
+    overhead_steps: int = 20
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.batch_size % self.micro_batches:
+            raise ValueError(
+                f"batch_size ({self.batch_size}) must be a multiple of micro_batches"
+                f" ({self.micro_batches})"
+            )
+        if not 1 <= self.stages <= self.layers + 1:
+            raise ValueError(f"stages ({self.stages}) must be 1..{self.layers + 1} (the blocks)")
+        if min(self.steps, self.repeats, self.overhead_steps) < 1 or self.warmup < 0:
+            raise ValueError("steps, repeats and overhead_steps must be >= 1, warmup >= 0")
+
+    @property
+    def num_blocks(self) -> int:
+        return self.layers + 1
+
+    @property
+    def parameters(self) -> int:
+        h = self.hidden
+        return (self.features + 1) * h + (self.layers - 1) * (h + 1) * h + (h + 1) * self.outputs
+
+    @property
+    def timed_steps(self) -> int:
+        return self.warmup + self.repeats * self.steps
+
+
+def stage_bounds(num_blocks: int, stages: int) -> list[tuple[int, int]]:
+    """Equal block counts per stage, the remainder to the first stages (the bench's blocks
+    cost the same, so this is the balanced partition; kept here so the bench does not move
+    with the partitioner)."""
+    share, rest = divmod(num_blocks, stages)
+    bounds, start = [], 0
+    for s in range(stages):
+        stop = start + share + (1 if s < rest else 0)
+        bounds.append((start, stop))
+        start = stop
+    return bounds
+
+
+def ideal_samples_per_s(
+    single_device: float, devices: int, micro_batches: int, stages: int
+) -> float:
+    """Single-device throughput x devices x m/(m+p-1): perfect division of the work, less
+    the GPipe/1F1B bubble (p-1)/(m+p-1) (Huang et al., 2019; Narayanan et al., 2021)."""
+    if devices < 1 or micro_batches < 1 or stages < 1:
+        raise ValueError("devices, micro_batches and stages must be >= 1")
+    return single_device * devices * micro_batches / (micro_batches + stages - 1)
+
+
+def efficiency(measured: float, ideal: float) -> float:
+    """Measured throughput as a fraction of the ideal (0 when there is no ideal)."""
+    return measured / ideal if ideal > 0 else 0.0
+
+
+def windows(step_times: Sequence[float], warmup: int, repeats: int) -> list[float]:
+    """The seconds of each repeat: the steps after ``warmup``, cut into ``repeats`` windows."""
+    timed = list(step_times[warmup:])
+    size = len(timed) // repeats
+    if size < 1:
+        raise BenchError(
+            f"{len(step_times)} steps cannot make {repeats} repeats after {warmup} warm-up"
+        )
+    return [sum(timed[r * size : (r + 1) * size]) for r in range(repeats)]
+
+
+def median_throughput(
+    step_times: Sequence[float], samples_per_step: int, warmup: int, repeats: int
+) -> float:
+    """Median over repeats of samples per second (each repeat: its samples over its time)."""
+    seconds = windows(step_times, warmup, repeats)
+    size = (len(step_times) - warmup) // repeats
+    return statistics.median(samples_per_step * size / s for s in seconds)
+
+
+def median_step_s(step_times: Sequence[float], warmup: int, repeats: int) -> float:
+    seconds = windows(step_times, warmup, repeats)
+    size = (len(step_times) - warmup) // repeats
+    return statistics.median(s / size for s in seconds)
+
+
+def _version(package: str) -> str:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return "-"
+
+
+def machine() -> dict[str, Any]:
+    """Where and when the numbers were taken: cores, load, versions."""
+    load = os.getloadavg() if hasattr(os, "getloadavg") else (0.0, 0.0, 0.0)
+    return {
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "cpus": os.cpu_count() or 1,
+        "load_average_1m": round(load[0], 2),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": _version("torch"),
+        "ray": _version("ray"),
+        "numpy": _version("numpy"),
+    }
+
+
+def pipeline_result(
+    settings: PipelineSettings,
+    *,
+    single_process: float,
+    single_thread: float,
+    shoal: float,
+    torch_pipelining: float,
+    overhead_ms: float,
+    started: float,
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The JSON object of ``shoal bench pipeline``; the issue's keys come first.
+
+    A virtual CPU device runs one thread (``workers.stage``), so the single-device
+    throughput of the ideal is the single-thread one.
+    """
+    ideal = ideal_samples_per_s(
+        single_thread, settings.stages, settings.micro_batches, settings.stages
+    )
+    shoal_eff = efficiency(shoal, ideal)
+    return {
+        "single_process_samples_per_s": single_process,
+        "single_thread_samples_per_s": single_thread,
+        "shoal_samples_per_s": shoal,
+        "ideal_samples_per_s": ideal,
+        "efficiency": shoal_eff,
+        "torch_pipelining_samples_per_s": torch_pipelining,
+        "overhead_ms_per_microbatch": overhead_ms,
+        "torch_pipelining_efficiency": efficiency(torch_pipelining, ideal),
+        "shoal_vs_torch_pipelining": efficiency(shoal, torch_pipelining),
+        "devices": settings.stages,
+        "model": f"mlp {settings.parameters / 1e6:.1f}M parameters"
+        f" ({settings.layers} x {settings.hidden} hidden, {settings.features} in,"
+        f" {settings.outputs} out), sgd",
+        "parameters": settings.parameters,
+        "settings": asdict(settings),
+        **(extra or {}),
+        "machine": machine(),
+        "wall_s": round(time.perf_counter() - started, 1),
+    }
