@@ -1,18 +1,776 @@
-"""Partitions: which contiguous block range each pipeline stage holds.
+"""Partitions: which devices hold which contiguous block range, and how many replicas.
 
-The pipeline runs at the pace of its slowest stage ((m + p - 1) x max stage time, GPipe), so
-a partition is judged by its heaviest stage. ``balanced_partition`` is exact for any
-non-negative block weights; heterogeneous devices (weights that depend on the device a stage
-lands on) are a later concern of this module.
+The pipeline runs at the pace of its slowest stage: one mini-batch of ``m`` micro-batches
+takes ``(m + p - 1) x max stage time`` on ``p`` stages (GPipe and 1F1B have the same bubble,
+DESIGN.md). ``plan_partition`` chooses, for devices that differ in speed and memory
+(HetPipe, PipeDream's planner), the ordered devices, the cut of the blocks into contiguous
+stages, and a data-parallel replica count ``r`` that minimize that step time while every
+stage fits its device's memory (``scheduler.memory``).
+
+What is exact and what is a heuristic:
+
+- For a *fixed order* of stage devices the cut is exact: bisection on the bottleneck time,
+  each probe answered by a greedy that gives every stage the most blocks that fit (optimal
+  because a later start never needs more time or memory), or, when that does not hold
+  (rematerialization keeps the stage input, whose size depends on where a stage starts; or an
+  exact stage count is asked for), by a dynamic programme over reachable cut positions.
+  Bisection stops within a relative ``1e-9`` of the optimum.
+- Small single-pipeline problems (few devices, few blocks) are solved exactly over every
+  ordered choice of devices: a dynamic programme over (set of devices used, blocks covered).
+- Otherwise the device order is a heuristic. Devices are ranked fastest first (then largest
+  memory): for a set of devices, the stage times depend on the order only through the
+  block costs' unevenness (with equal blocks any order of the same devices is as good), so a
+  pipeline of ``p`` stages takes the ``p`` fastest devices, and three orders of them are
+  tried: fastest first, slowest first, and largest memory first (1F1B's early stages keep
+  the most micro-batches in flight). The best of these is returned.
+- Replicas: ``r`` copies of the pipeline share one cut; stage ``s`` of every replica runs on
+  the ``s``-th group of ``r`` consecutive devices in the ranking, so replicas are as alike as
+  the devices allow. The cut is made for each stage's slowest, smallest device of its group,
+  and micro-batches are then shared between the replicas to equalize
+  ``(m_g + p - 1) x bottleneck_g`` (a faster replica takes more), exactly for that cut.
+  Gradient all-reduce time is modelled only when ``sync_s_per_byte`` is given.
+
+``balanced_partition`` / ``even_partition`` remain the homogeneous special case.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from bisect import bisect_right
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from itertools import accumulate
 
-from scheduler.types import BlockRange
+from scheduler.memory import format_bytes
+from scheduler.profile import BlockCost, speeds_from_stage_times
+from scheduler.types import BlockRange, DeviceId
+
+_TOLERANCE = 1e-9
+"""Relative gap at which the bisection on the bottleneck time stops."""
+
+_EXACT_WORK = 300_000
+"""Largest exhaustive search (devices subsets x blocks^2 x devices^2) worth its time."""
+
+_SCHEDULES = ("gpipe", "1f1b")
+
+
+class PartitionError(ValueError):
+    """No partition meets the request; the message names the constraint and how to fix it."""
+
+
+@dataclass(frozen=True)
+class DeviceCapacity:
+    """A device as the partitioner sees it: measured relative speed, memory budget in bytes."""
+
+    device_id: DeviceId
+    speed: float
+    memory_bytes: int
+
+
+@dataclass(frozen=True)
+class Workload:
+    """How one mini-batch runs: ``micro_batches`` of ``micro_batch_size`` samples each."""
+
+    micro_batches: int
+    micro_batch_size: int = 1
+    schedule: str = "1f1b"
+    recompute: bool = False
+
+
+@dataclass(frozen=True)
+class StageAssignment:
+    """One pipeline stage: its blocks, and its device in each replica (in replica order)."""
+
+    device_ids: tuple[DeviceId, ...]
+    blocks: BlockRange
+
+
+@dataclass(frozen=True)
+class PartitionPlan:
+    """Stages (same cut in every replica), replicas, each replica's share of the micro-batches
+    (summing to the mini-batch's), the predicted step seconds and why this plan."""
+
+    stages: tuple[StageAssignment, ...]
+    replicas: int
+    micro_batches: tuple[int, ...]
+    predicted_step_s: float
+    bottleneck_s: tuple[float, ...]
+    reason: str
+
+    @property
+    def device_ids(self) -> tuple[DeviceId, ...]:
+        """Every device the plan uses, stage by stage."""
+        return tuple(d for stage in self.stages for d in stage.device_ids)
+
+    def replica(self, index: int) -> tuple[tuple[DeviceId, BlockRange], ...]:
+        """Replica ``index`` as (device, blocks) per stage: what one pipeline runs."""
+        return tuple((stage.device_ids[index], stage.blocks) for stage in self.stages)
+
+
+@dataclass(frozen=True)
+class Keep:
+    """``replan``'s answer when moving blocks would not pay: the current plan stays."""
+
+    reason: str
+    predicted_step_s: float
+
+
+# ------------------------------------------------------------------------ the cost model
+
+
+@dataclass(frozen=True)
+class _Slot:
+    """One stage position: its device in each replica, cut for the slowest and smallest."""
+
+    devices: tuple[DeviceCapacity, ...]
+    speed: float
+    memory: int
+
+    @classmethod
+    def of(cls, devices: Sequence[DeviceCapacity]) -> _Slot:
+        return cls(
+            tuple(devices), min(d.speed for d in devices), min(d.memory_bytes for d in devices)
+        )
+
+
+class _Model:
+    """Prefix sums of the block costs: a range's time and memory in O(1), its largest
+    extension within a budget in O(log n)."""
+
+    def __init__(self, costs: Sequence[BlockCost], workload: Workload) -> None:
+        self.costs = costs
+        self.n = len(costs)
+        self.workload = workload
+        self.time = [0.0, *accumulate(c.fwd_bwd_s for c in costs)]
+        # Without recompute: params + grads + optimizer; activations are added per in-flight.
+        self.static = [0, *accumulate(2 * c.param_bytes + c.optim_bytes for c in costs)]
+        mbs = workload.micro_batch_size
+        self.act = [0, *accumulate(mbs * c.activation_bytes_per_sample for c in costs)]
+        self.inputs = [mbs * c.input_bytes_per_sample for c in costs]
+        self._by_flight: dict[int, list[int]] = {}
+        self._memory_stops: dict[tuple[int, int, int], int] = {}
+        self._worst_growth: float | None = None
+
+    def in_flight(self, stages: int, stage: int, cap: int) -> int:
+        if self.workload.schedule == "gpipe":
+            return cap
+        return min(cap, stages - stage)
+
+    def _memory_prefix(self, flight: int) -> list[int]:
+        prefix = self._by_flight.get(flight)
+        if prefix is None:
+            factor = 1 if self.workload.recompute else flight
+            prefix = [s + factor * a for s, a in zip(self.static, self.act, strict=True)]
+            self._by_flight[flight] = prefix
+        return prefix
+
+    def memory(self, start: int, stop: int, flight: int) -> int:
+        prefix = self._memory_prefix(flight)
+        kept = flight * self.inputs[start] if self.workload.recompute else 0
+        return prefix[stop] - prefix[start] + kept
+
+    def memory_stop(self, start: int, memory: int, flight: int) -> int:
+        """``max_stop`` without a time limit, remembered: it does not change between probes."""
+        key = (start, memory, flight)
+        stop = self._memory_stops.get(key)
+        if stop is None:
+            prefix = self._memory_prefix(flight)
+            room = memory - (flight * self.inputs[start] if self.workload.recompute else 0)
+            stop = (
+                max(start, bisect_right(prefix, prefix[start] + room) - 1) if room >= 0 else start
+            )
+            self._memory_stops[key] = stop
+        return stop
+
+    def max_stop(self, start: int, slot: _Slot, flight: int, limit: float) -> int:
+        """The furthest stop of a stage starting at ``start`` on ``slot`` within ``limit``
+        seconds per micro-batch and the slot's memory (``start`` itself when nothing fits)."""
+        by_memory = self.memory_stop(start, slot.memory, flight)
+        if math.isinf(limit):
+            return by_memory
+        by_time = bisect_right(self.time, self.time[start] + limit * slot.speed * (1 + 1e-12))
+        return max(start, min(by_memory, by_time - 1))
+
+    def monotone(self, flight: int) -> bool:
+        """Whether a later start never needs more memory for the same stop (the greedy's
+        premise). Always without recompute; with it, when no stage input grows by more than
+        the activations it skips: flight x (in[i+1] - in[i]) <= act[i], telescoped."""
+        if not self.workload.recompute:
+            return True
+        if self._worst_growth is None:  # the largest input growth per activation byte skipped
+            growth = [
+                (self.inputs[i + 1] - self.inputs[i], self.act[i + 1] - self.act[i])
+                for i in range(self.n - 1)
+            ]
+            self._worst_growth = max(
+                (math.inf if a == 0 else g / a for g, a in growth if g > 0), default=0.0
+            )
+        return flight * self._worst_growth <= 1
+
+    def stage_time(self, blocks: BlockRange, speed: float) -> float:
+        return (self.time[blocks[1]] - self.time[blocks[0]]) / speed
+
+
+# -------------------------------------------------------------- the cut, for a fixed order
+
+
+_Stops = list[int]
+"""Per slot, the stop of its stage; equal to the previous stop when the slot is unused."""
+
+
+_Probe = Callable[[float], tuple[_Stops | None, float]]
+"""A feasibility test at a bottleneck limit: the cut (None if none) and, when it fails, a
+limit below which it still fails (0 when unknown)."""
+
+
+def _greedy(model: _Model, slots: Sequence[_Slot], flights: Sequence[int]) -> _Probe:
+    """Each slot takes the most blocks it can: optimal when a later start never needs more
+    time or memory, because then covering more blocks early never hurts. On failure, the
+    smallest limit at which some slot could take one more block (the next event)."""
+    time, n = model.time, model.n
+    speeds = [s.speed for s in slots]
+    memories = [s.memory for s in slots]
+
+    def probe(limit: float) -> tuple[_Stops | None, float]:
+        start, stops, event = 0, [], math.inf
+        for k, speed in enumerate(speeds):
+            if start < n:
+                room = model.memory_stop(start, memories[k], flights[k])
+                reach = bisect_right(time, time[start] + limit * speed * (1 + 1e-12)) - 1
+                if reach < room:
+                    event = min(event, (time[reach + 1] - time[start]) / speed)
+                    start = reach
+                else:
+                    start = room
+            stops.append(start)
+        return (stops, 0.0) if start == n else (None, event)
+
+    return probe
+
+
+def _sweep(
+    model: _Model, slots: Sequence[_Slot], flights: Sequence[int], limit: float, skip: bool
+) -> _Stops | None:
+    """Exact feasibility by dynamic programme over the cut positions reachable after each
+    slot (``skip``: a slot may stay unused). O(slots x blocks x log blocks)."""
+    n = model.n
+    reach = [False] * (n + 1)
+    reach[0] = True
+    parents: list[list[int]] = []
+    for slot, flight in zip(slots, flights, strict=True):
+        new = list(reach) if skip else [False] * (n + 1)
+        parent = list(range(n + 1)) if skip else [-1] * (n + 1)
+        furthest, origin = -1, -1
+        for stop in range(1, n + 1):
+            start = stop - 1
+            if reach[start]:
+                end = model.max_stop(start, slot, flight, limit)
+                if end > furthest:
+                    furthest, origin = end, start
+            if furthest >= stop and not new[stop]:
+                new[stop], parent[stop] = True, origin
+        parents.append(parent)
+        reach = new
+    if not reach[n]:
+        return None
+    stops, stop = [], n
+    for parent in reversed(parents):
+        stops.append(stop)
+        stop = parent[stop]
+    return stops[::-1]
+
+
+def _bottleneck(model: _Model, slots: Sequence[_Slot], stops: _Stops) -> float:
+    start, worst = 0, 0.0
+    for slot, stop in zip(slots, stops, strict=True):
+        if stop > start:
+            worst = max(worst, model.stage_time((start, stop), slot.speed))
+        start = stop
+    return worst
+
+
+def _cut(
+    model: _Model, slots: Sequence[_Slot], cap: int, *, exact_count: bool, within: float = math.inf
+) -> tuple[_Stops, float] | None:
+    """The cut minimizing the slowest stage on ``slots`` in this order (each slot a stage;
+    with ``exact_count`` every slot gets at least one block), or None if memory forbids a
+    cut whose slowest stage takes at most ``within`` seconds."""
+    p = len(slots)
+    if exact_count and p > model.n:
+        return None
+    flights = [model.in_flight(p, k, cap) for k in range(p)]
+    monotone = model.monotone(max(flights))
+
+    def probe_sweep(limit: float) -> tuple[_Stops | None, float]:
+        return _sweep(model, slots, flights, limit, skip=not exact_count), 0.0
+
+    if monotone:
+        found = _bisect(model, slots, _greedy(model, slots, flights), within)
+        if found is None or not exact_count or _used(found[0]) == p:
+            return found  # the at-most-p optimum with p stages is the exactly-p optimum
+    return _bisect(model, slots, probe_sweep, within)
+
+
+def _used(stops: _Stops) -> int:
+    return sum(1 for a, b in zip([0, *stops], stops, strict=False) if b > a)
+
+
+def _bisect(
+    model: _Model, slots: Sequence[_Slot], probe: _Probe, within: float
+) -> tuple[_Stops, float] | None:
+    """Bisection on the slowest stage's time. A feasible probe lowers the top to the
+    bottleneck it really found; a failed one raises the bottom to its next event, which is
+    then tried at once (often it is the optimum). Stops within a relative ``_TOLERANCE``."""
+    best, _ = probe(within)
+    if best is None:
+        return None
+    high = _bottleneck(model, slots, best)
+    heaviest = max(c.fwd_bwd_s for c in model.costs)
+    fastest = max(s.speed for s in slots)
+    low = max(model.time[-1] / sum(s.speed for s in slots), heaviest / fastest)
+    while high - low > _TOLERANCE * high:
+        middle = (low + high) / 2
+        if not low < middle < high:
+            break  # the bracket is as narrow as floats allow (tiny, subnormal costs)
+        stops, event = probe(middle)
+        if stops is None and middle < event < high:
+            low = event
+            stops, event = probe(low)
+        if stops is None:
+            low = max(low, middle, event)
+        else:
+            best, high = stops, _bottleneck(model, slots, stops)
+    return best, high
+
+
+# ------------------------------------------------------------- replicas and micro-batches
+
+
+def _share(times: Sequence[float], limits: Sequence[int], total: int, stages: int) -> list[int]:
+    """Micro-batches per replica (each >= 1, at most its memory limit, summing to ``total``)
+    minimizing the slowest replica's (m_g + stages - 1) x time_g. The optimum is one of the
+    values (k + stages - 1) x time_g: bracket it, then binary-search those candidates."""
+    if len(times) == 1:
+        return [total]
+
+    def counts(step: float) -> list[int]:
+        return [
+            min(limit, total if t <= 0 else math.floor(step / t * (1 + 1e-12)) - stages + 1)
+            for t, limit in zip(times, limits, strict=True)
+        ]
+
+    def feasible(step: float) -> bool:
+        trial = counts(step)
+        return min(trial) >= 1 and sum(trial) >= total
+
+    slowest = max(times)
+    rate = sum(1 / t for t in times if t > 0)
+    # Lower bounds: every replica runs >= 1 micro-batch; the continuous relaxation.
+    low = max(stages * slowest, (total + len(times) * (stages - 1)) / rate if rate else 0.0)
+    high, ceiling = low + slowest, (total + stages - 1) * slowest
+    while high < ceiling and not feasible(high):
+        high = min(ceiling, low + 2 * (high - low))
+    candidates = sorted(
+        {
+            (k + stages - 1) * t
+            for t in times
+            if t > 0
+            for k in range(max(1, math.floor(low / t) - stages), math.ceil(high / t) - stages + 2)
+        }
+        | {high}
+    )
+    lo, hi = 0, len(candidates) - 1  # candidates[hi] is feasible
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if feasible(candidates[mid]) else (mid + 1, hi)
+    shares = counts(candidates[hi])
+    while sum(shares) > total:  # drop the surplus where it costs most
+        g = max(
+            (g for g in range(len(shares)) if shares[g] > 1),
+            key=lambda g: (shares[g] + stages - 1) * times[g],
+        )
+        shares[g] -= 1
+    return shares
+
+
+def _flight_limit(model: _Model, blocks: BlockRange, memory: int, stages: int, stage: int) -> int:
+    """The most micro-batches one replica may take before this stage outgrows ``memory``."""
+    base = model.memory(*blocks, flight=0)
+    per = model.memory(*blocks, flight=1) - base
+    if model.workload.schedule == "1f1b" and base + per * (stages - stage) <= memory:
+        return 2**62  # 1F1B never keeps more than p - s in flight
+    return 2**62 if per == 0 else max(0, (memory - base) // per)
+
+
+def _assemble(
+    model: _Model,
+    slots: Sequence[_Slot],
+    stops: _Stops,
+    sync_s_per_byte: float,
+    reason: str,
+    shares: Sequence[int] | None = None,
+    beat: float = math.inf,
+) -> PartitionPlan | None:
+    """The plan of a cut: per-replica bottlenecks on the real device speeds, the micro-batch
+    shares, and the predicted step time; None when it cannot be faster than ``beat``."""
+    used: list[tuple[_Slot, BlockRange]] = []
+    start = 0
+    for slot, stop in zip(slots, stops, strict=True):
+        if stop > start:
+            used.append((slot, (start, stop)))
+        start = stop
+    p, r = len(used), len(used[0][0].devices)
+    times = [max(model.stage_time(b, s.devices[g].speed) for s, b in used) for g in range(r)]
+    if shares is None:
+        rate = sum(1 / t for t in times if t > 0)
+        m = model.workload.micro_batches
+        if rate and max((m + r * (p - 1)) / rate, p * max(times)) >= beat * (1 - 1e-9):
+            return None  # the continuous relaxation of the shares is already too slow
+        limits = [
+            min(
+                _flight_limit(model, b, s.devices[g].memory_bytes, p, k)
+                for k, (s, b) in enumerate(used)
+            )
+            for g in range(r)
+        ]
+        shares = _share(times, limits, model.workload.micro_batches, p)
+    sync = 0.0
+    if r > 1 and sync_s_per_byte > 0:  # ring all-reduce of each stage's gradients, in parallel
+        grads = max(sum(c.param_bytes for c in model.costs[b[0] : b[1]]) for _, b in used)
+        sync = sync_s_per_byte * 2 * (r - 1) / r * grads
+    step = max((m + p - 1) * t for m, t in zip(shares, times, strict=True)) + sync
+    stages = tuple(StageAssignment(tuple(d.device_id for d in s.devices), b) for s, b in used)
+    return PartitionPlan(stages, r, tuple(shares), step, tuple(times), reason)
+
+
+def _whole(plan: PartitionPlan | None) -> PartitionPlan:
+    """``_assemble``'s plan when no ``beat`` was given (it is then never None)."""
+    if plan is None:
+        raise RuntimeError("a plan assembled without a bound to beat came back empty")
+    return plan
+
+
+def _better(a: PartitionPlan, b: PartitionPlan | None) -> bool:
+    """Faster wins; at equal speed, fewer devices, then fewer stages (leave devices free)."""
+    if b is None:
+        return True
+    if not math.isclose(a.predicted_step_s, b.predicted_step_s, rel_tol=1e-9, abs_tol=1e-15):
+        return a.predicted_step_s < b.predicted_step_s
+    return (len(a.device_ids), len(a.stages)) < (len(b.device_ids), len(b.stages))
+
+
+# -------------------------------------------------------------- exhaustive (small) search
+
+
+def _exhaustive(
+    model: _Model, devices: Sequence[DeviceCapacity], stage_counts: Iterable[int]
+) -> PartitionPlan | None:
+    """The best single pipeline over every ordered choice of devices: for each stage count
+    p, a dynamic programme over (set of devices used, blocks covered) -> smallest bottleneck.
+    Exact; O(2^D x D x n^2) per p."""
+    n, count, m = model.n, len(devices), model.workload.micro_batches
+    best_plan: PartitionPlan | None = None
+    for p in stage_counts:
+        best: dict[tuple[int, int], tuple[float, tuple[int, int, int]]] = {
+            (0, 0): (0.0, (0, 0, -1))
+        }
+        for used in range(1 << count):
+            s = used.bit_count()
+            if s >= p:
+                continue
+            flight = model.in_flight(p, s, m)
+            for start in range(n):
+                entry = best.get((used, start))
+                if entry is None:
+                    continue
+                for d, device in enumerate(devices):
+                    if used >> d & 1:
+                        continue
+                    slot = _Slot.of([device])
+                    first = n if s == p - 1 else start + 1
+                    last = min(model.max_stop(start, slot, flight, math.inf), n - (p - s - 1))
+                    for stop in range(first, last + 1):
+                        value = max(entry[0], model.stage_time((start, stop), device.speed))
+                        key = (used | 1 << d, stop)
+                        if key not in best or value < best[key][0]:
+                            best[key] = (value, (used, start, d))
+        finals = [(v[0], k) for k, v in best.items() if k[1] == n and k[0].bit_count() == p]
+        if not finals:
+            continue
+        _, key = min(finals)
+        order: list[tuple[int, int]] = []
+        while key != (0, 0):
+            _, (used, start, d) = best[key]
+            order.append((d, key[1]))
+            key = (used, start)
+        order.reverse()
+        slots = [_Slot.of([devices[d]]) for d, _ in order]
+        plan = _assemble(model, slots, [stop for _, stop in order], 0.0, "exact search")
+        if plan is not None and _better(plan, best_plan):
+            best_plan = plan
+    return best_plan
+
+
+# ------------------------------------------------------------------------------ the API
+
+
+def _check(costs: Sequence[BlockCost], devices: Sequence[DeviceCapacity], w: Workload) -> None:
+    if not costs:
+        raise PartitionError("the model has no blocks; a partition needs at least one")
+    wrong = next((i for i, c in enumerate(costs) if c.index != i), None)
+    if wrong is not None:
+        raise PartitionError(
+            f"block costs must be listed by index 0..{len(costs) - 1}; position {wrong} holds"
+            f" block {costs[wrong].index}"
+        )
+    if not devices:
+        raise PartitionError("no devices to partition over; wait for devices or add some")
+    ids = [d.device_id for d in devices]
+    if len(set(ids)) != len(ids):
+        raise PartitionError(f"device ids must be unique, got {sorted(ids)}")
+    bad = next((d for d in devices if not (math.isfinite(d.speed) and d.speed > 0)), None)
+    if bad is not None:
+        raise PartitionError(f"device {bad.device_id} has speed {bad.speed}; measure it again")
+    if w.schedule not in _SCHEDULES:
+        raise PartitionError(f"unknown schedule {w.schedule!r}; choose one of {list(_SCHEDULES)}")
+    if w.micro_batches < 1 or w.micro_batch_size < 1:
+        raise PartitionError(
+            f"micro_batches ({w.micro_batches}) and micro_batch_size ({w.micro_batch_size})"
+            " must both be >= 1"
+        )
+
+
+def _memory_refusal(model: _Model, devices: Sequence[DeviceCapacity], stages: str) -> str:
+    largest = max(d.memory_bytes for d in devices)
+    single = [model.memory(i, i + 1, 1) for i in range(model.n)]
+    worst = max(range(model.n), key=lambda i: single[i])
+    if single[worst] > largest:
+        return (
+            f"no partition into {stages} fits device memory: block {worst} alone needs"
+            f" {format_bytes(single[worst])} with one micro-batch in flight but the largest"
+            f" device has {format_bytes(largest)}; use more micro_batches (smaller"
+            " micro-batches), recompute, or a smaller model"
+        )
+    need = model.memory(0, model.n, 1)
+    room = sum(d.memory_bytes for d in devices)
+    return (
+        f"no partition into {stages} fits device memory: the model needs at least"
+        f" {format_bytes(need)} and the {len(devices)} device(s) hold {format_bytes(room)}"
+        " together; allow more devices, use recompute or more micro_batches, or a smaller model"
+    )
+
+
+def _orders(slots: list[_Slot]) -> list[list[_Slot]]:
+    """Fastest first, slowest first, largest memory first; duplicates dropped."""
+    candidates = [slots, slots[::-1], sorted(slots, key=lambda s: -s.memory)]
+    seen: set[tuple[tuple[float, int], ...]] = set()
+    unique = []
+    for order in candidates:
+        key = tuple((s.speed, s.memory) for s in order)
+        if key not in seen:
+            seen.add(key)
+            unique.append(order)
+    return unique
+
+
+def _lower_bounds(
+    model: _Model, ranked: Sequence[DeviceCapacity], pairs: Iterable[tuple[int, int]]
+) -> dict[tuple[int, int], float]:
+    """Per (replicas r, stages p), a bound below any step of p stages x r replicas on the
+    r x p fastest devices: all work over their total speed, with each replica's bubble."""
+    m, heaviest = model.workload.micro_batches, max(c.fwd_bwd_s for c in model.costs)
+    speed = [0.0, *accumulate(d.speed for d in ranked)]
+    return {
+        (r, p): max(
+            model.time[-1] * (m + r * (p - 1)) / speed[r * p], p * heaviest / ranked[0].speed
+        )
+        for r, p in pairs
+    }
+
+
+def plan_partition(
+    costs: Sequence[BlockCost],
+    devices: Sequence[DeviceCapacity],
+    workload: Workload,
+    *,
+    stages: int | None = None,
+    replicas: int | None = None,
+    sync_s_per_byte: float = 0.0,
+) -> PartitionPlan:
+    """The fastest plan of ``costs`` on (a subset of) ``devices``: see the module docstring
+    for what is exact. ``stages`` / ``replicas`` None choose them; a number is honoured or
+    refused with ``PartitionError`` naming the constraint (blocks, devices, micro-batches,
+    memory)."""
+    _check(costs, devices, workload)
+    model, n, count, m = _Model(costs, workload), len(costs), len(devices), workload.micro_batches
+    if stages is not None and not 1 <= stages <= n:
+        raise PartitionError(
+            f"cannot cut {n} blocks into {stages} non-empty stages; use 1 to {n} stages"
+        )
+    if replicas is not None and not 1 <= replicas <= m:
+        raise PartitionError(
+            f"{replicas} replicas need at least {replicas} micro-batches (one each) but the"
+            f" mini-batch has {m}; raise micro_batches or use 1 to {m} replicas"
+        )
+    wanted = (stages or 1) * (replicas or 1)
+    if wanted > count:
+        raise PartitionError(
+            f"{stages or 1} stages x {replicas or 1} replicas need {wanted} devices but"
+            f" {count} are available; allow more devices or ask for fewer"
+        )
+    ranked = sorted(devices, key=lambda d: (-d.speed, -d.memory_bytes, d.device_id))
+    pairs = [
+        (r, p)
+        for r in ([replicas] if replicas else range(1, min(count, m) + 1))
+        for p in ([stages] if stages else range(1, min(n, count // r) + 1))
+    ]
+    best: PartitionPlan | None = None
+    exact = (replicas in (None, 1)) and (1 << count) * count**2 * n * n <= _EXACT_WORK
+    if exact:
+        best = _exhaustive(model, ranked, [stages] if stages else range(1, min(n, count) + 1))
+        pairs = [(r, p) for r, p in pairs if r > 1]
+    bounds = _lower_bounds(model, ranked, pairs)
+    for r, p in sorted(pairs, key=bounds.__getitem__):
+        beat = math.inf if best is None else best.predicted_step_s
+        if bounds[(r, p)] >= beat * (1 - 1e-9):
+            break  # sorted by the bound: nothing left can be faster
+        slots = [_Slot.of(ranked[q * r : (q + 1) * r]) for q in range(p)]
+        # A cut can beat the best plan only if its slowest stage, on the slowest device of
+        # each group (spread <= kappa), is below this: the busiest replica runs ceil(m/r).
+        kappa = max(max(d.speed for d in s.devices) / s.speed for s in slots)
+        within = beat * kappa / (math.ceil(m / r) + p - 1) * (1 + 1e-9)
+        for order in _orders(slots):
+            found = _cut(
+                model, order, math.ceil(m / r), exact_count=stages is not None, within=within
+            )
+            if found is not None:
+                plan = _assemble(
+                    model, order, found[0], sync_s_per_byte, "heuristic order", beat=beat
+                )
+                if plan is not None and _better(plan, best):
+                    best = plan
+    if best is None:
+        what = f"{stages} stages" if stages else "any number of stages"
+        raise PartitionError(_memory_refusal(model, devices, what))
+    return _explained(best, count, workload)
+
+
+def _explained(plan: PartitionPlan, available: int, workload: Workload) -> PartitionPlan:
+    p, r = len(plan.stages), plan.replicas
+    bubble = max((p - 1) / (m + p - 1) for m in plan.micro_batches)
+    how = {
+        "exact search": "exact over every device order",
+        "fixed order": "exact cut for this device order",
+    }.get(
+        plan.reason,
+        "exact cut for the best of the fastest-first, slowest-first and memory-first orders",
+    )
+    reason = (
+        f"{p} stage(s) x {r} replica(s) on {len(plan.device_ids)} of {available} device(s),"
+        f" {workload.schedule}, micro-batches per replica {list(plan.micro_batches)}: slowest"
+        f" stage {max(plan.bottleneck_s):.4g} s per micro-batch, step {plan.predicted_step_s:.4g}"
+        f" s, bubble {bubble:.0%}; {how}"
+    )
+    return PartitionPlan(
+        plan.stages,
+        plan.replicas,
+        plan.micro_batches,
+        plan.predicted_step_s,
+        plan.bottleneck_s,
+        reason,
+    )
+
+
+def order_partition(
+    costs: Sequence[BlockCost],
+    stage_devices: Sequence[Sequence[DeviceCapacity]],
+    workload: Workload,
+    *,
+    sync_s_per_byte: float = 0.0,
+) -> PartitionPlan:
+    """The best cut with exactly these devices in this order (``stage_devices[s]``: stage
+    s's device in each replica): exact; what a repartition between running workers uses."""
+    flat = [d for group in stage_devices for d in group]
+    _check(costs, flat, workload)
+    widths = {len(group) for group in stage_devices}
+    if len(widths) != 1:
+        raise PartitionError(
+            f"every stage needs one device per replica; got groups of sizes {sorted(widths)}"
+        )
+    model, p = _Model(costs, workload), len(stage_devices)
+    r = widths.pop()
+    if p > model.n:
+        raise PartitionError(
+            f"cannot cut {model.n} blocks into {p} non-empty stages; use at most {model.n}"
+        )
+    if r > workload.micro_batches:
+        raise PartitionError(
+            f"{r} replicas need at least {r} micro-batches but the mini-batch has"
+            f" {workload.micro_batches}; raise micro_batches or use fewer replicas"
+        )
+    slots = [_Slot.of(group) for group in stage_devices]
+    found = _cut(model, slots, math.ceil(workload.micro_batches / r), exact_count=True)
+    if found is None:
+        raise PartitionError(_memory_refusal(model, flat, f"{p} stages on these devices"))
+    plan = _whole(_assemble(model, slots, found[0], sync_s_per_byte, "fixed order"))
+    return _explained(plan, len(flat), workload)
+
+
+def evaluate(
+    plan: PartitionPlan,
+    costs: Sequence[BlockCost],
+    devices: Sequence[DeviceCapacity],
+    workload: Workload,
+    *,
+    sync_s_per_byte: float = 0.0,
+) -> float:
+    """The predicted step seconds of ``plan`` with the devices' current speeds."""
+    by_id = {d.device_id: d for d in devices}
+    missing = sorted(set(plan.device_ids) - set(by_id))
+    if missing:
+        raise PartitionError(f"the plan uses devices {missing} that are not given; re-plan")
+    model = _Model(costs, workload)
+    slots = [_Slot.of([by_id[d] for d in stage.device_ids]) for stage in plan.stages]
+    stops = [stage.blocks[1] for stage in plan.stages]
+    shares = plan.micro_batches
+    return _whole(_assemble(model, slots, stops, sync_s_per_byte, "", shares)).predicted_step_s
+
+
+def replan(
+    current: PartitionPlan,
+    costs: Sequence[BlockCost],
+    devices: Sequence[DeviceCapacity],
+    workload: Workload,
+    *,
+    measured_s: Mapping[DeviceId, float] | None = None,
+    min_gain: float = 0.05,
+    sync_s_per_byte: float = 0.0,
+) -> Keep | PartitionPlan:
+    """Re-cut the blocks over the plan's own devices (Elasticpipe / PipeTransformer-style
+    dynamic repartitioning): a new plan if it is predicted at least ``min_gain`` faster, else
+    ``Keep``. ``measured_s``: seconds per micro-batch each device really computed (same unit
+    as ``costs``); it replaces the devices' speeds (``speeds_from_stage_times``)."""
+    by_id = {d.device_id: d for d in devices}
+    if measured_s:
+        held = [(d, s.blocks) for s in current.stages for d in s.device_ids if d in measured_s]
+        for speed in speeds_from_stage_times(costs, held, [measured_s[d] for d, _ in held]):
+            old = by_id[speed.device_id]
+            by_id[old.device_id] = DeviceCapacity(
+                old.device_id, speed.relative_speed, old.memory_bytes
+            )
+    now = evaluate(current, costs, list(by_id.values()), workload, sync_s_per_byte=sync_s_per_byte)
+    groups = [[by_id[d] for d in stage.device_ids] for stage in current.stages]
+    candidate = order_partition(costs, groups, workload, sync_s_per_byte=sync_s_per_byte)
+    if candidate.predicted_step_s <= now * (1 - min_gain):
+        return candidate
+    return Keep(
+        f"the current cut predicts {now:.4g} s per step, the best re-cut"
+        f" {candidate.predicted_step_s:.4g} s: less than {min_gain:.0%} faster",
+        now,
+    )
+
+
+# ------------------------------------------------ homogeneous devices (one speed, no memory)
 
 
 def even_partition(num_blocks: int, stages: int) -> list[BlockRange]:
