@@ -17,6 +17,9 @@ What is exact and what is a heuristic:
   Bisection stops within a relative ``1e-9`` of the optimum.
 - Small single-pipeline problems (few devices, few blocks) are solved exactly over every
   ordered choice of devices: a dynamic programme over (set of devices used, blocks covered).
+- ``plan_partition`` on larger problems takes the greedy cut even where the later-start
+  premise fails (rematerialization with stage inputs that grow along the chain): valid, fast,
+  not proven optimal; it looks exactly only when the greedy finds nothing at all.
 - Otherwise the device order is a heuristic. Devices are ranked fastest first (then largest
   memory): for a set of devices, the stage times depend on the order only through the
   block costs' unevenness (with equal blocks any order of the same devices is as good), so a
@@ -29,6 +32,10 @@ What is exact and what is a heuristic:
   and micro-batches are then shared between the replicas to equalize
   ``(m_g + p - 1) x bottleneck_g`` (a faster replica takes more), exactly for that cut.
   Gradient all-reduce time is modelled only when ``sync_s_per_byte`` is given.
+- Not modelled: activation transfer between stages, and the extra forward of recompute
+  (measure ``fwd_bwd_s`` with the job's recompute setting so it is in the costs).
+- Search: (replicas, stages) pairs are tried in order of a lower bound on their step time
+  and the search stops once no bound can beat the best plan found.
 
 ``balanced_partition`` / ``even_partition`` remain the homogeneous special case.
 """
@@ -290,7 +297,13 @@ def _bottleneck(model: _Model, slots: Sequence[_Slot], stops: _Stops) -> float:
 
 
 def _cut(
-    model: _Model, slots: Sequence[_Slot], cap: int, *, exact_count: bool, within: float = math.inf
+    model: _Model,
+    slots: Sequence[_Slot],
+    cap: int,
+    *,
+    exact_count: bool,
+    within: float = math.inf,
+    exact: bool = True,
 ) -> tuple[_Stops, float] | None:
     """The cut minimizing the slowest stage on ``slots`` in this order (each slot a stage;
     with ``exact_count`` every slot gets at least one block), or None if memory forbids a
@@ -299,7 +312,7 @@ def _cut(
     if exact_count and p > model.n:
         return None
     flights = [model.in_flight(p, k, cap) for k in range(p)]
-    monotone = model.monotone(max(flights))
+    monotone = model.monotone(max(flights)) or not exact
 
     def probe_sweep(limit: float) -> tuple[_Stops | None, float]:
         return _sweep(model, slots, flights, limit, skip=not exact_count), 0.0
@@ -623,12 +636,36 @@ def plan_partition(
         (r, p)
         for r in ([replicas] if replicas else range(1, min(count, m) + 1))
         for p in ([stages] if stages else range(1, min(n, count // r) + 1))
+        if r * p <= count
     ]
     best: PartitionPlan | None = None
     exact = (replicas in (None, 1)) and (1 << count) * count**2 * n * n <= _EXACT_WORK
     if exact:
         best = _exhaustive(model, ranked, [stages] if stages else range(1, min(n, count) + 1))
         pairs = [(r, p) for r, p in pairs if r > 1]
+    best = _heuristic(model, ranked, pairs, best, stages, sync_s_per_byte, exact_cut=False)
+    if best is None and workload.recompute:  # the greedy cut may miss one: look exactly
+        best = _heuristic(model, ranked, pairs, best, stages, sync_s_per_byte, exact_cut=True)
+    if best is None:
+        what = f"{stages} stages" if stages else "any number of stages"
+        raise PartitionError(_memory_refusal(model, devices, what))
+    return _explained(best, count, workload)
+
+
+def _heuristic(
+    model: _Model,
+    ranked: Sequence[DeviceCapacity],
+    pairs: Sequence[tuple[int, int]],
+    best: PartitionPlan | None,
+    stages: int | None,
+    sync_s_per_byte: float,
+    *,
+    exact_cut: bool,
+) -> PartitionPlan | None:
+    """The best plan over (replicas, stages) pairs, most promising first, and the three
+    device orders; ``exact_cut`` False takes the greedy cut even where it is not proven
+    optimal (rematerialization with growing stage inputs), which is much faster."""
+    m = model.workload.micro_batches
     bounds = _lower_bounds(model, ranked, pairs)
     for r, p in sorted(pairs, key=bounds.__getitem__):
         beat = math.inf if best is None else best.predicted_step_s
@@ -639,20 +676,22 @@ def plan_partition(
         # each group (spread <= kappa), is below this: the busiest replica runs ceil(m/r).
         kappa = max(max(d.speed for d in s.devices) / s.speed for s in slots)
         within = beat * kappa / (math.ceil(m / r) + p - 1) * (1 + 1e-9)
+        cap = math.ceil(m / r)
+        tag = "heuristic order" if exact_cut or model.monotone(cap) else "greedy cut"
         for order in _orders(slots):
             found = _cut(
-                model, order, math.ceil(m / r), exact_count=stages is not None, within=within
+                model,
+                order,
+                cap,
+                exact_count=stages is not None,
+                within=within,
+                exact=exact_cut,
             )
             if found is not None:
-                plan = _assemble(
-                    model, order, found[0], sync_s_per_byte, "heuristic order", beat=beat
-                )
+                plan = _assemble(model, order, found[0], sync_s_per_byte, tag, beat=beat)
                 if plan is not None and _better(plan, best):
                     best = plan
-    if best is None:
-        what = f"{stages} stages" if stages else "any number of stages"
-        raise PartitionError(_memory_refusal(model, devices, what))
-    return _explained(best, count, workload)
+    return best
 
 
 def _explained(plan: PartitionPlan, available: int, workload: Workload) -> PartitionPlan:
@@ -661,6 +700,8 @@ def _explained(plan: PartitionPlan, available: int, workload: Workload) -> Parti
     how = {
         "exact search": "exact over every device order",
         "fixed order": "exact cut for this device order",
+        "greedy cut": "greedy cut (stage inputs grow along the chain under recompute) for the"
+        " best of the fastest-first, slowest-first and memory-first orders",
     }.get(
         plan.reason,
         "exact cut for the best of the fastest-first, slowest-first and memory-first orders",
