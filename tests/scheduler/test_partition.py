@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Sequence
-from itertools import combinations, permutations
+from itertools import combinations, permutations, product
 
 import pytest
 from hypothesis import given, settings
@@ -469,3 +469,29 @@ def test_200_blocks_on_64_devices_plan_fast(
     check_plan(plan, costs, devices, w)
     assert len(plan.stages) == kwargs.get("stages", len(plan.stages))
     assert elapsed < 0.5, f"planning took {elapsed:.3f} s"
+
+
+@given(
+    st.lists(st.sampled_from([0.5, 1.0, 1.5, 2.0, 3.0, 0.7]), min_size=1, max_size=3),
+    st.integers(1, 9),
+    st.integers(1, 4),
+    st.lists(st.integers(1, 9), min_size=3, max_size=3),
+)
+def test_micro_batch_shares_are_optimal(
+    times: list[float], total: int, stages: int, limits: list[int]
+) -> None:
+    limits = limits[: len(times)]
+    if len(times) > total or sum(limits) < total:
+        return
+    shares = partition._share(times, limits, total, stages)
+    assert sum(shares) == total and all(
+        1 <= s <= lim for s, lim in zip(shares, limits, strict=True)
+    )
+
+    def slowest(split: Sequence[int]) -> float:
+        return max((s + stages - 1) * t for s, t in zip(split, times, strict=True))
+
+    splits = [
+        split for split in product(*(range(1, lim + 1) for lim in limits)) if sum(split) == total
+    ]
+    assert math.isclose(slowest(shares), min(map(slowest, splits)), rel_tol=1e-12)
