@@ -12,6 +12,7 @@ from service.db.models import Checkpoint, DeviceRow, Job, JobEvent, JobMetric
 
 class StageOut(BaseModel):
     stage: int
+    replica: int = 0  # data-parallel replica; jobs placed before replicas existed have none
     device_id: str
     blocks: tuple[int, int]
 

@@ -3,7 +3,12 @@
 Jobs are considered by priority (high first), then age; a job that cannot start yet does not
 hold back smaller ones behind it (backfill). ``stages: auto`` takes as many eligible devices
 as the job allows (``max_devices``) and the model has blocks; an explicit stage count takes
-exactly that many. Devices of one node are kept together to keep activations node-local.
+exactly that many. Data-parallel ``replicas`` multiply the devices: a job of p stages and r
+replicas takes p x r devices (with ``stages: auto``, a multiple of r). Devices of one node are
+kept together to keep activations node-local; the chosen devices are ordered so that
+consecutive runs of p devices, one replica's pipeline, share a node where they can (device
+``r * p + s`` is stage s of replica r), leaving only the once-per-step gradient all-reduce to
+cross nodes.
 """
 
 from __future__ import annotations
@@ -27,12 +32,21 @@ class JobRequest:
     num_blocks: int
     device_kind: str | None = None
     spot_ok: bool = True
+    replicas: int = 1
 
 
 @dataclass(frozen=True)
 class Placement:
+    """The devices a job starts on, replica-major: ``devices[r * stages + s]`` runs stage s of
+    replica r."""
+
     job_id: JobId
     devices: tuple[Device, ...]
+    replicas: int = 1
+
+    @property
+    def stages(self) -> int:
+        return len(self.devices) // self.replicas
 
 
 @dataclass(frozen=True)
@@ -53,11 +67,13 @@ def eligible(request: JobRequest, devices: Sequence[Device]) -> list[Device]:
 
 
 def _wanted(request: JobRequest) -> tuple[int, int]:
-    """(fewest, most) devices the job can start with."""
+    """(fewest, most) devices the job can start with, both multiples of its replicas."""
+    r = request.replicas
     if request.stages is not None:
-        return request.stages, request.stages
-    most = min(request.max_devices, request.num_blocks)
-    return min(request.min_devices, most), most
+        return request.stages * r, request.stages * r
+    most = min(request.max_devices // r, request.num_blocks) * r
+    fewest = -(-request.min_devices // r) * r  # min_devices rounded up to whole replicas
+    return min(max(fewest, r), most), most
 
 
 def _pick(candidates: list[Device], count: int) -> tuple[Device, ...]:
@@ -83,8 +99,9 @@ def place(
         if len(candidates) < fewest:
             waiting.append(Waiting(request.job_id, _reason(request, fewest, len(candidates))))
             continue
-        chosen = _pick(candidates, min(most, len(candidates)))
-        placed.append(Placement(request.job_id, chosen))
+        count = min(most, len(candidates)) // request.replicas * request.replicas
+        chosen = _pick(candidates, count)
+        placed.append(Placement(request.job_id, chosen, request.replicas))
         taken = {d.id for d in chosen}
         available = [d for d in available if d.id not in taken]
     return placed, waiting

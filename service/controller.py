@@ -185,10 +185,17 @@ class Controller:
             job = session.get(Job, placement.job_id)
             if job is None or job.state != JobState.QUEUED.value:
                 return
-            ranges = even_partition(job.num_blocks, len(placement.devices))
+            depth = placement.stages
+            ranges = even_partition(job.num_blocks, depth)
+            # Replica-major, as the placement orders devices: entry r * depth + s.
             partition = [
-                {"stage": i, "device_id": d.id, "blocks": list(r)}
-                for i, (d, r) in enumerate(zip(placement.devices, ranges, strict=True))
+                {
+                    "stage": i % depth,
+                    "replica": i // depth,
+                    "device_id": d.id,
+                    "blocks": list(ranges[i % depth]),
+                }
+                for i, d in enumerate(placement.devices)
             ]
             try:
                 transition(
@@ -210,6 +217,7 @@ class Controller:
                 ranges,
                 checkpoint_root=self._config.checkpoint_root,
                 allowed_factories=self._config.allowed_factories,
+                replicas=placement.replicas,
             )
         try:
             self._cluster.start_runner(snapshot)
@@ -244,9 +252,11 @@ def _persist_report(session: Session, job: Job, report: RunnerReport) -> None:
                     stages=[
                         {
                             "stage": s.stage,
+                            "replica": s.replica,
                             "device_id": s.device_id,
                             "compute_s": s.compute_s,
                             "idle_s": s.idle_s,
+                            "allreduce_s": s.allreduce_s,
                         }
                         for s in m.stages
                     ],

@@ -8,7 +8,7 @@ from scheduler.devices import Device
 from scheduler.placement import JobRequest
 from scheduler.types import BlockRange
 from service.db.models import Job
-from service.specs import JobSpec
+from service.specs import JobSpec, replica_count
 from workers.snapshot import DataRef, JobSnapshot, ModelRef, OptimizerConf, StagePlan
 
 
@@ -19,8 +19,16 @@ def build_snapshot(
     *,
     checkpoint_root: str,
     allowed_factories: Sequence[str],
+    replicas: int = 1,
 ) -> JobSnapshot:
+    """The runner's snapshot; ``devices`` are replica-major (``devices[r * p + s]`` runs stage
+    s of replica r) and ``ranges`` are the p stages' block ranges."""
     spec = JobSpec.model_validate(job.spec)
+    depth = len(ranges)
+    if len(devices) != depth * replicas:
+        raise ValueError(
+            f"{len(devices)} devices for {depth} stages x {replicas} replicas; a placement bug"
+        )
     return JobSnapshot(
         job_id=job.id,
         attempt=job.attempt,
@@ -34,9 +42,10 @@ def build_snapshot(
         schedule=spec.parallelism.schedule,
         recompute=spec.parallelism.recompute,
         stages=tuple(
-            StagePlan(index=i, blocks=r, device=d)
-            for i, (r, d) in enumerate(zip(ranges, devices, strict=True))
+            StagePlan(index=i % depth, blocks=ranges[i % depth], device=d, replica=i // depth)
+            for i, d in enumerate(devices)
         ),
+        replicas=replicas,
         num_blocks=job.num_blocks,
         checkpoint_root=checkpoint_root,
         checkpoint_every=spec.checkpoint.every_steps,
@@ -57,4 +66,5 @@ def job_request(job: Job) -> JobRequest:
         num_blocks=job.num_blocks,
         device_kind=spec.resources.device_kind,
         spot_ok=spec.resources.spot_ok,
+        replicas=replica_count(spec),
     )

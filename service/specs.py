@@ -196,15 +196,7 @@ class AcceptedSpec:
 
 def complete_job_spec(spec: JobSpec, allowed_factories: Sequence[str]) -> AcceptedSpec:
     """Check builtins/factories and fill data-derived model dimensions."""
-    if spec.parallelism.replicas not in ("auto", 1):
-        raise SpecError(
-            [
-                (
-                    "parallelism.replicas",
-                    "data-parallel replicas > 1 are not available yet; use 'auto' or 1",
-                )
-            ]
-        )
+    _check_replicas(spec)
     # Factories first: a module outside the allow-list is refused before anything else runs.
     if spec.data.factory is not None:
         _check_factory(spec.data.factory, allowed_factories, "data.factory")
@@ -250,6 +242,44 @@ def _count_factory_blocks(spec: JobSpec, allowed: Sequence[str]) -> int:
         raise SpecError(
             [("model.factory", f"building {spec.model.factory} failed: {exc}")]
         ) from None
+
+
+def replica_count(spec: JobSpec) -> int:
+    """Data-parallel replicas the job runs with: ``auto`` is 1 until the partitioner picks."""
+    replicas = spec.parallelism.replicas
+    return replicas if isinstance(replicas, int) else 1
+
+
+def _check_replicas(spec: JobSpec) -> None:
+    replicas = replica_count(spec)
+    stages = spec.parallelism.stages
+    per_replica = stages if isinstance(stages, int) else 1
+    needed = per_replica * replicas
+    if needed > spec.resources.max_devices:
+        what = (
+            f"{stages} stages x {replicas} replicas"
+            if isinstance(stages, int)
+            else (f"{replicas} replicas of at least one stage")
+        )
+        raise SpecError(
+            [
+                (
+                    "parallelism.replicas",
+                    f"{what} need {needed} devices but resources.max_devices is"
+                    f" {spec.resources.max_devices}; raise max_devices or lower replicas",
+                )
+            ]
+        )
+    if replicas > spec.micro_batches:
+        raise SpecError(
+            [
+                (
+                    "parallelism.replicas",
+                    f"{replicas} replicas need at least one micro-batch each but micro_batches"
+                    f" is {spec.micro_batches}; raise micro_batches or lower replicas",
+                )
+            ]
+        )
 
 
 def _check_stage_count(stages: str | int, num_blocks: int) -> None:

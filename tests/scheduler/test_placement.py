@@ -67,3 +67,29 @@ def test_no_device_is_given_twice() -> None:
     placed, _ = place([request(str(i), max_devices=2) for i in range(3)], free)
     ids = [d.id for p in placed for d in p.devices]
     assert len(ids) == len(set(ids)) == 3
+
+
+def test_replicas_multiply_the_devices_of_an_explicit_stage_count() -> None:
+    free = [device("n1", i) for i in range(5)]
+    placed, waiting = place([request("a", stages=2, replicas=2, max_devices=4)], free)
+    assert not waiting
+    assert (len(placed[0].devices), placed[0].replicas, placed[0].stages) == (4, 2, 2)
+    _, waiting = place([request("b", stages=2, replicas=3, max_devices=6)], free)
+    assert waiting[0].reason == "needs 6 free devices, 5 available"
+
+
+def test_auto_stages_with_replicas_take_whole_replicas() -> None:
+    free = [device("n1", i) for i in range(5)]
+    placed, _ = place([request("a", replicas=2, max_devices=8, num_blocks=4)], free)
+    assert (len(placed[0].devices), placed[0].stages) == (4, 2)  # 5 free: 2 x 2, not 5
+    placed, _ = place([request("b", replicas=2, max_devices=8, num_blocks=1)], free)
+    assert (len(placed[0].devices), placed[0].stages) == (2, 1)  # one block: one stage each
+    _, waiting = place([request("c", replicas=3, min_devices=4, max_devices=9)], free)
+    assert waiting[0].reason == "needs 6 free devices, 5 available"
+
+
+def test_one_replica_pipeline_stays_on_one_node() -> None:
+    free = [device("n1", 0), device("n1", 1), device("n2", 0), device("n2", 1)]
+    placed, _ = place([request("a", stages=2, replicas=2, max_devices=4)], free)
+    nodes = [d.node_id for d in placed[0].devices]
+    assert nodes[:2] == [nodes[0]] * 2 and nodes[2:] == [nodes[2]] * 2

@@ -190,3 +190,41 @@ def test_jobs_wait_with_a_reason_until_devices_free_up(
     waits = [e for e in events(session_factory, big) if e.kind == "waiting"]
     assert [e.message for e in waits] == ["needs 3 free devices, 2 available"]  # said once
     assert job(session_factory, big).state == "QUEUED"
+
+
+@pytest.fixture(params=["inprocess", "ray"])
+def four_device_cluster(request: pytest.FixtureRequest) -> Iterator[Cluster]:
+    """The same two backends with four devices: the session Ray's, or four in-process ones."""
+    if request.param == "inprocess":
+        yield InProcessCluster([NodeInfo("f" * 56, True, {DEVICE_RESOURCE: 4.0}, NODES[0].labels)])
+        return
+    yield RayCluster(request.getfixturevalue("ray_address"), timeout_s=30)
+
+
+def test_a_two_stage_two_replica_job_trains_to_success(
+    session_factory: SessionFactory, four_device_cluster: Cluster, tmp_path: Path
+) -> None:
+    controller = make_controller(session_factory, four_device_cluster, tmp_path)
+    job_id = submit(
+        session_factory,
+        owner(session_factory),
+        steps=6,
+        micro_batches=4,
+        optimizer={"name": "sgd", "lr": 0.05},
+        parallelism={"stages": 2, "replicas": 2},
+        resources={"min_devices": 4, "max_devices": 4},
+    )
+    reconcile_until(
+        controller, lambda: job(session_factory, job_id).state == "SUCCEEDED", timeout=120
+    )
+    row = job(session_factory, job_id)
+    assert row.step == 6 and row.error is None and len(row.devices) == 4
+    assert [(p["stage"], p["replica"]) for p in row.partition] == [(0, 0), (1, 0), (0, 1), (1, 1)]
+    assert [p["blocks"] for p in row.partition[:2]] == [p["blocks"] for p in row.partition[2:]]
+    assert sorted({p["device_id"] for p in row.partition}) == sorted(row.devices)
+    with session_factory() as session:
+        metric = session.scalars(sa.select(JobMetric).where(JobMetric.job_id == job_id)).first()
+    assert metric is not None
+    assert [(s["stage"], s["replica"]) for s in metric.stages] == [(0, 0), (1, 0), (0, 1), (1, 1)]
+    placement = [e for e in events(session_factory, job_id) if e.kind == "placement"]
+    assert placement[0].message.startswith("2 stages x 2 replicas")

@@ -106,3 +106,39 @@ def test_allowed_factory_that_fails_is_a_spec_error() -> None:
     with pytest.raises(SpecError) as info:
         validate_job_spec(spec, [FACTORIES])
     assert fields(info.value) == ["model.factory"]
+
+
+def test_replicas_are_accepted_when_the_devices_allow_them() -> None:
+    spec = job_spec(
+        parallelism={"stages": 2, "replicas": 2}, resources={"min_devices": 4, "max_devices": 4}
+    )
+    accepted = validate_job_spec(spec, [])
+    assert (accepted.spec.parallelism.stages, accepted.spec.parallelism.replicas) == (2, 2)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            {"parallelism": {"stages": 2, "replicas": 2}, "resources": {"max_devices": 3}},
+            "2 stages x 2 replicas need 4 devices but resources.max_devices is 3; raise"
+            " max_devices or lower replicas",
+        ),
+        (
+            {"parallelism": {"replicas": 3}, "resources": {"max_devices": 2}},
+            "3 replicas of at least one stage need 3 devices but resources.max_devices is 2",
+        ),
+        (
+            {"parallelism": {"replicas": 3}, "resources": {"max_devices": 3}},
+            "3 replicas need at least one micro-batch each but micro_batches is 2",
+        ),
+        ({"parallelism": {"replicas": 4097}}, "must be 'auto' or an integer between 1 and"),
+    ],
+)
+def test_replicas_that_cannot_run_are_refused_with_numbers(
+    overrides: dict[str, object], message: str
+) -> None:
+    with pytest.raises(SpecError) as info:
+        validate_job_spec(job_spec(**overrides), [])
+    assert fields(info.value) == ["parallelism.replicas"]
+    assert message in info.value.errors[0][1], info.value.errors
