@@ -43,17 +43,15 @@ What is exact and what is a heuristic:
 from __future__ import annotations
 
 import math
-from bisect import bisect_right
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 
+from scheduler.cut import Model, Slot, Stops, cut
 from scheduler.memory import format_bytes
 from scheduler.profile import BlockCost, speeds_from_stage_times
+from scheduler.shares import flight_limit, share
 from scheduler.types import BlockRange, DeviceId
-
-_TOLERANCE = 1e-9
-"""Relative gap at which the bisection on the bottleneck time stops."""
 
 _EXACT_WORK = 300_000
 """Largest exhaustive search (devices subsets x blocks^2 x devices^2) worth its time."""
@@ -122,303 +120,13 @@ class Keep:
     predicted_step_s: float
 
 
-# ------------------------------------------------------------------------ the cost model
-
-
-@dataclass(frozen=True)
-class _Slot:
-    """One stage position: its device in each replica, cut for the slowest and smallest."""
-
-    devices: tuple[DeviceCapacity, ...]
-    speed: float
-    memory: int
-
-    @classmethod
-    def of(cls, devices: Sequence[DeviceCapacity]) -> _Slot:
-        return cls(
-            tuple(devices), min(d.speed for d in devices), min(d.memory_bytes for d in devices)
-        )
-
-
-class _Model:
-    """Prefix sums of the block costs: a range's time and memory in O(1), its largest
-    extension within a budget in O(log n)."""
-
-    def __init__(self, costs: Sequence[BlockCost], workload: Workload) -> None:
-        self.costs = costs
-        self.n = len(costs)
-        self.workload = workload
-        self.time = [0.0, *accumulate(c.fwd_bwd_s for c in costs)]
-        # Without recompute: params + grads + optimizer; activations are added per in-flight.
-        self.static = [0, *accumulate(2 * c.param_bytes + c.optim_bytes for c in costs)]
-        mbs = workload.micro_batch_size
-        self.act = [0, *accumulate(mbs * c.activation_bytes_per_sample for c in costs)]
-        self.inputs = [mbs * c.input_bytes_per_sample for c in costs]
-        self._by_flight: dict[int, list[int]] = {}
-        self._memory_stops: dict[tuple[int, int, int], int] = {}
-        self._worst_growth: float | None = None
-
-    def in_flight(self, stages: int, stage: int, cap: int) -> int:
-        if self.workload.schedule == "gpipe":
-            return cap
-        return min(cap, stages - stage)
-
-    def _memory_prefix(self, flight: int) -> list[int]:
-        prefix = self._by_flight.get(flight)
-        if prefix is None:
-            factor = 1 if self.workload.recompute else flight
-            prefix = [s + factor * a for s, a in zip(self.static, self.act, strict=True)]
-            self._by_flight[flight] = prefix
-        return prefix
-
-    def memory(self, start: int, stop: int, flight: int) -> int:
-        prefix = self._memory_prefix(flight)
-        kept = flight * self.inputs[start] if self.workload.recompute else 0
-        return prefix[stop] - prefix[start] + kept
-
-    def memory_stop(self, start: int, memory: int, flight: int) -> int:
-        """``max_stop`` without a time limit, remembered: it does not change between probes."""
-        key = (start, memory, flight)
-        stop = self._memory_stops.get(key)
-        if stop is None:
-            prefix = self._memory_prefix(flight)
-            room = memory - (flight * self.inputs[start] if self.workload.recompute else 0)
-            stop = (
-                max(start, bisect_right(prefix, prefix[start] + room) - 1) if room >= 0 else start
-            )
-            self._memory_stops[key] = stop
-        return stop
-
-    def max_stop(self, start: int, slot: _Slot, flight: int, limit: float) -> int:
-        """The furthest stop of a stage starting at ``start`` on ``slot`` within ``limit``
-        seconds per micro-batch and the slot's memory (``start`` itself when nothing fits)."""
-        by_memory = self.memory_stop(start, slot.memory, flight)
-        if math.isinf(limit):
-            return by_memory
-        by_time = bisect_right(self.time, self.time[start] + limit * slot.speed * (1 + 1e-12))
-        return max(start, min(by_memory, by_time - 1))
-
-    def monotone(self, flight: int) -> bool:
-        """Whether a later start never needs more memory for the same stop (the greedy's
-        premise). Always without recompute; with it, when no stage input grows by more than
-        the activations it skips: flight x (in[i+1] - in[i]) <= act[i], telescoped."""
-        if not self.workload.recompute:
-            return True
-        if self._worst_growth is None:  # the largest input growth per activation byte skipped
-            growth = [
-                (self.inputs[i + 1] - self.inputs[i], self.act[i + 1] - self.act[i])
-                for i in range(self.n - 1)
-            ]
-            self._worst_growth = max(
-                (math.inf if a == 0 else g / a for g, a in growth if g > 0), default=0.0
-            )
-        return flight * self._worst_growth <= 1
-
-    def stage_time(self, blocks: BlockRange, speed: float) -> float:
-        return (self.time[blocks[1]] - self.time[blocks[0]]) / speed
-
-
-# -------------------------------------------------------------- the cut, for a fixed order
-
-
-_Stops = list[int]
-"""Per slot, the stop of its stage; equal to the previous stop when the slot is unused."""
-
-
-_Probe = Callable[[float], tuple[_Stops | None, float]]
-"""A feasibility test at a bottleneck limit: the cut (None if none) and, when it fails, a
-limit below which it still fails (0 when unknown)."""
-
-
-def _greedy(model: _Model, slots: Sequence[_Slot], flights: Sequence[int]) -> _Probe:
-    """Each slot takes the most blocks it can: optimal when a later start never needs more
-    time or memory, because then covering more blocks early never hurts. On failure, the
-    smallest limit at which some slot could take one more block (the next event)."""
-    time, n = model.time, model.n
-    speeds = [s.speed for s in slots]
-    memories = [s.memory for s in slots]
-
-    def probe(limit: float) -> tuple[_Stops | None, float]:
-        start, stops, event = 0, [], math.inf
-        for k, speed in enumerate(speeds):
-            if start < n:
-                room = model.memory_stop(start, memories[k], flights[k])
-                reach = bisect_right(time, time[start] + limit * speed * (1 + 1e-12)) - 1
-                if reach < room:
-                    event = min(event, (time[reach + 1] - time[start]) / speed)
-                    start = reach
-                else:
-                    start = room
-            stops.append(start)
-        return (stops, 0.0) if start == n else (None, event)
-
-    return probe
-
-
-def _sweep(
-    model: _Model, slots: Sequence[_Slot], flights: Sequence[int], limit: float, skip: bool
-) -> _Stops | None:
-    """Exact feasibility by dynamic programme over the cut positions reachable after each
-    slot (``skip``: a slot may stay unused). O(slots x blocks x log blocks)."""
-    n = model.n
-    reach = [False] * (n + 1)
-    reach[0] = True
-    parents: list[list[int]] = []
-    for slot, flight in zip(slots, flights, strict=True):
-        new = list(reach) if skip else [False] * (n + 1)
-        parent = list(range(n + 1)) if skip else [-1] * (n + 1)
-        furthest, origin = -1, -1
-        for stop in range(1, n + 1):
-            start = stop - 1
-            if reach[start]:
-                end = model.max_stop(start, slot, flight, limit)
-                if end > furthest:
-                    furthest, origin = end, start
-            if furthest >= stop and not new[stop]:
-                new[stop], parent[stop] = True, origin
-        parents.append(parent)
-        reach = new
-    if not reach[n]:
-        return None
-    stops, stop = [], n
-    for parent in reversed(parents):
-        stops.append(stop)
-        stop = parent[stop]
-    return stops[::-1]
-
-
-def _bottleneck(model: _Model, slots: Sequence[_Slot], stops: _Stops) -> float:
-    start, worst = 0, 0.0
-    for slot, stop in zip(slots, stops, strict=True):
-        if stop > start:
-            worst = max(worst, model.stage_time((start, stop), slot.speed))
-        start = stop
-    return worst
-
-
-def _cut(
-    model: _Model,
-    slots: Sequence[_Slot],
-    cap: int,
-    *,
-    exact_count: bool,
-    within: float = math.inf,
-    exact: bool = True,
-) -> tuple[_Stops, float] | None:
-    """The cut minimizing the slowest stage on ``slots`` in this order (each slot a stage;
-    with ``exact_count`` every slot gets at least one block), or None if memory forbids a
-    cut whose slowest stage takes at most ``within`` seconds."""
-    p = len(slots)
-    if exact_count and p > model.n:
-        return None
-    flights = [model.in_flight(p, k, cap) for k in range(p)]
-    monotone = model.monotone(max(flights)) or not exact
-
-    def probe_sweep(limit: float) -> tuple[_Stops | None, float]:
-        return _sweep(model, slots, flights, limit, skip=not exact_count), 0.0
-
-    if monotone:
-        found = _bisect(model, slots, _greedy(model, slots, flights), within)
-        if found is None or not exact_count or _used(found[0]) == p:
-            return found  # the at-most-p optimum with p stages is the exactly-p optimum
-    return _bisect(model, slots, probe_sweep, within)
-
-
-def _used(stops: _Stops) -> int:
-    return sum(1 for a, b in zip([0, *stops], stops, strict=False) if b > a)
-
-
-def _bisect(
-    model: _Model, slots: Sequence[_Slot], probe: _Probe, within: float
-) -> tuple[_Stops, float] | None:
-    """Bisection on the slowest stage's time. A feasible probe lowers the top to the
-    bottleneck it really found; a failed one raises the bottom to its next event, which is
-    then tried at once (often it is the optimum). Stops within a relative ``_TOLERANCE``."""
-    best, _ = probe(within)
-    if best is None:
-        return None
-    high = _bottleneck(model, slots, best)
-    heaviest = max(c.fwd_bwd_s for c in model.costs)
-    fastest = max(s.speed for s in slots)
-    low = max(model.time[-1] / sum(s.speed for s in slots), heaviest / fastest)
-    while high - low > _TOLERANCE * high:
-        middle = (low + high) / 2
-        if not low < middle < high:
-            break  # the bracket is as narrow as floats allow (tiny, subnormal costs)
-        stops, event = probe(middle)
-        if stops is None and middle < event < high:
-            low = event
-            stops, event = probe(low)
-        if stops is None:
-            low = max(low, middle, event)
-        else:
-            best, high = stops, _bottleneck(model, slots, stops)
-    return best, high
-
-
-# ------------------------------------------------------------- replicas and micro-batches
-
-
-def _share(times: Sequence[float], limits: Sequence[int], total: int, stages: int) -> list[int]:
-    """Micro-batches per replica (each >= 1, at most its memory limit, summing to ``total``)
-    minimizing the slowest replica's (m_g + stages - 1) x time_g. The optimum is one of the
-    values (k + stages - 1) x time_g: bracket it, then binary-search those candidates."""
-    if len(times) == 1:
-        return [total]
-
-    def counts(step: float) -> list[int]:
-        return [
-            min(limit, total if t <= 0 else math.floor(step / t * (1 + 1e-12)) - stages + 1)
-            for t, limit in zip(times, limits, strict=True)
-        ]
-
-    def feasible(step: float) -> bool:
-        trial = counts(step)
-        return min(trial) >= 1 and sum(trial) >= total
-
-    slowest = max(times)
-    rate = sum(1 / t for t in times if t > 0)
-    # Lower bounds: every replica runs >= 1 micro-batch; the continuous relaxation.
-    low = max(stages * slowest, (total + len(times) * (stages - 1)) / rate if rate else 0.0)
-    high, ceiling = low + slowest, (total + stages - 1) * slowest
-    while high < ceiling and not feasible(high):
-        high = min(ceiling, low + 2 * (high - low))
-    candidates = sorted(
-        {
-            (k + stages - 1) * t
-            for t in times
-            if t > 0
-            for k in range(max(1, math.floor(low / t) - stages), math.ceil(high / t) - stages + 2)
-        }
-        | {high}
-    )
-    lo, hi = 0, len(candidates) - 1  # candidates[hi] is feasible
-    while lo < hi:
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if feasible(candidates[mid]) else (mid + 1, hi)
-    shares = counts(candidates[hi])
-    while sum(shares) > total:  # drop the surplus where it costs most
-        g = max(
-            (g for g in range(len(shares)) if shares[g] > 1),
-            key=lambda g: (shares[g] + stages - 1) * times[g],
-        )
-        shares[g] -= 1
-    return shares
-
-
-def _flight_limit(model: _Model, blocks: BlockRange, memory: int, stages: int, stage: int) -> int:
-    """The most micro-batches one replica may take before this stage outgrows ``memory``."""
-    base = model.memory(*blocks, flight=0)
-    per = model.memory(*blocks, flight=1) - base
-    if model.workload.schedule == "1f1b" and base + per * (stages - stage) <= memory:
-        return 2**62  # 1F1B never keeps more than p - s in flight
-    return 2**62 if per == 0 else max(0, (memory - base) // per)
+# ------------------------------------------------------------------- the plan of a cut
 
 
 def _assemble(
-    model: _Model,
-    slots: Sequence[_Slot],
-    stops: _Stops,
+    model: Model,
+    slots: Sequence[Slot],
+    stops: Stops,
     sync_s_per_byte: float,
     reason: str,
     shares: Sequence[int] | None = None,
@@ -426,7 +134,7 @@ def _assemble(
 ) -> PartitionPlan | None:
     """The plan of a cut: per-replica bottlenecks on the real device speeds, the micro-batch
     shares, and the predicted step time; None when it cannot be faster than ``beat``."""
-    used: list[tuple[_Slot, BlockRange]] = []
+    used: list[tuple[Slot, BlockRange]] = []
     start = 0
     for slot, stop in zip(slots, stops, strict=True):
         if stop > start:
@@ -441,12 +149,12 @@ def _assemble(
             return None  # the continuous relaxation of the shares is already too slow
         limits = [
             min(
-                _flight_limit(model, b, s.devices[g].memory_bytes, p, k)
+                flight_limit(model, b, s.devices[g].memory_bytes, p, k)
                 for k, (s, b) in enumerate(used)
             )
             for g in range(r)
         ]
-        shares = _share(times, limits, model.workload.micro_batches, p)
+        shares = share(times, limits, model.workload.micro_batches, p)
     sync = 0.0
     if r > 1 and sync_s_per_byte > 0:  # ring all-reduce of each stage's gradients, in parallel
         grads = max(sum(c.param_bytes for c in model.costs[b[0] : b[1]]) for _, b in used)
@@ -476,7 +184,7 @@ def _better(a: PartitionPlan, b: PartitionPlan | None) -> bool:
 
 
 def _exhaustive(
-    model: _Model, devices: Sequence[DeviceCapacity], stage_counts: Iterable[int]
+    model: Model, devices: Sequence[DeviceCapacity], stage_counts: Iterable[int]
 ) -> PartitionPlan | None:
     """The best single pipeline over every ordered choice of devices: for each stage count
     p, a dynamic programme over (set of devices used, blocks covered) -> smallest bottleneck.
@@ -499,7 +207,7 @@ def _exhaustive(
                 for d, device in enumerate(devices):
                     if used >> d & 1:
                         continue
-                    slot = _Slot.of([device])
+                    slot = Slot.of([device])
                     first = n if s == p - 1 else start + 1
                     last = min(model.max_stop(start, slot, flight, math.inf), n - (p - s - 1))
                     for stop in range(first, last + 1):
@@ -517,7 +225,7 @@ def _exhaustive(
             order.append((d, key[1]))
             key = (used, start)
         order.reverse()
-        slots = [_Slot.of([devices[d]]) for d, _ in order]
+        slots = [Slot.of([devices[d]]) for d, _ in order]
         plan = _assemble(model, slots, [stop for _, stop in order], 0.0, "exact search")
         if plan is not None and _better(plan, best_plan):
             best_plan = plan
@@ -553,7 +261,7 @@ def _check(costs: Sequence[BlockCost], devices: Sequence[DeviceCapacity], w: Wor
         )
 
 
-def _memory_refusal(model: _Model, devices: Sequence[DeviceCapacity], stages: str) -> str:
+def _memory_refusal(model: Model, devices: Sequence[DeviceCapacity], stages: str) -> str:
     largest = max(d.memory_bytes for d in devices)
     single = [model.memory(i, i + 1, 1) for i in range(model.n)]
     worst = max(range(model.n), key=lambda i: single[i])
@@ -573,7 +281,7 @@ def _memory_refusal(model: _Model, devices: Sequence[DeviceCapacity], stages: st
     )
 
 
-def _orders(slots: list[_Slot]) -> list[list[_Slot]]:
+def _orders(slots: list[Slot]) -> list[list[Slot]]:
     """Fastest first, slowest first, largest memory first; duplicates dropped."""
     candidates = [slots, slots[::-1], sorted(slots, key=lambda s: -s.memory)]
     seen: set[tuple[tuple[float, int], ...]] = set()
@@ -587,7 +295,7 @@ def _orders(slots: list[_Slot]) -> list[list[_Slot]]:
 
 
 def _lower_bounds(
-    model: _Model, ranked: Sequence[DeviceCapacity], pairs: Iterable[tuple[int, int]]
+    model: Model, ranked: Sequence[DeviceCapacity], pairs: Iterable[tuple[int, int]]
 ) -> dict[tuple[int, int], float]:
     """Per (replicas r, stages p), a bound below any step of p stages x r replicas on the
     r x p fastest devices: all work over their total speed, with each replica's bubble."""
@@ -615,7 +323,7 @@ def plan_partition(
     refused with ``PartitionError`` naming the constraint (blocks, devices, micro-batches,
     memory)."""
     _check(costs, devices, workload)
-    model, n, count, m = _Model(costs, workload), len(costs), len(devices), workload.micro_batches
+    model, n, count, m = Model(costs, workload), len(costs), len(devices), workload.micro_batches
     if stages is not None and not 1 <= stages <= n:
         raise PartitionError(
             f"cannot cut {n} blocks into {stages} non-empty stages; use 1 to {n} stages"
@@ -653,7 +361,7 @@ def plan_partition(
 
 
 def _heuristic(
-    model: _Model,
+    model: Model,
     ranked: Sequence[DeviceCapacity],
     pairs: Sequence[tuple[int, int]],
     best: PartitionPlan | None,
@@ -671,7 +379,7 @@ def _heuristic(
         beat = math.inf if best is None else best.predicted_step_s
         if bounds[(r, p)] >= beat * (1 - 1e-9):
             break  # sorted by the bound: nothing left can be faster
-        slots = [_Slot.of(ranked[q * r : (q + 1) * r]) for q in range(p)]
+        slots = [Slot.of(ranked[q * r : (q + 1) * r]) for q in range(p)]
         # A cut can beat the best plan only if its slowest stage, on the slowest device of
         # each group (spread <= kappa), is below this: the busiest replica runs ceil(m/r).
         kappa = max(max(d.speed for d in s.devices) / s.speed for s in slots)
@@ -679,7 +387,7 @@ def _heuristic(
         cap = math.ceil(m / r)
         tag = "heuristic order" if exact_cut or model.monotone(cap) else "greedy cut"
         for order in _orders(slots):
-            found = _cut(
+            found = cut(
                 model,
                 order,
                 cap,
@@ -738,7 +446,7 @@ def order_partition(
         raise PartitionError(
             f"every stage needs one device per replica; got groups of sizes {sorted(widths)}"
         )
-    model, p = _Model(costs, workload), len(stage_devices)
+    model, p = Model(costs, workload), len(stage_devices)
     r = widths.pop()
     if p > model.n:
         raise PartitionError(
@@ -749,8 +457,8 @@ def order_partition(
             f"{r} replicas need at least {r} micro-batches but the mini-batch has"
             f" {workload.micro_batches}; raise micro_batches or use fewer replicas"
         )
-    slots = [_Slot.of(group) for group in stage_devices]
-    found = _cut(model, slots, math.ceil(workload.micro_batches / r), exact_count=True)
+    slots = [Slot.of(group) for group in stage_devices]
+    found = cut(model, slots, math.ceil(workload.micro_batches / r), exact_count=True)
     if found is None:
         raise PartitionError(_memory_refusal(model, flat, f"{p} stages on these devices"))
     plan = _whole(_assemble(model, slots, found[0], sync_s_per_byte, "fixed order"))
@@ -770,8 +478,8 @@ def evaluate(
     missing = sorted(set(plan.device_ids) - set(by_id))
     if missing:
         raise PartitionError(f"the plan uses devices {missing} that are not given; re-plan")
-    model = _Model(costs, workload)
-    slots = [_Slot.of([by_id[d] for d in stage.device_ids]) for stage in plan.stages]
+    model = Model(costs, workload)
+    slots = [Slot.of([by_id[d] for d in stage.device_ids]) for stage in plan.stages]
     stops = [stage.blocks[1] for stage in plan.stages]
     shares = plan.micro_batches
     return _whole(_assemble(model, slots, stops, sync_s_per_byte, "", shares)).predicted_step_s

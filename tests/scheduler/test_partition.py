@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scheduler import partition
+from scheduler import partition, shares
 from scheduler.memory import fits, in_flight
 from scheduler.partition import (
     DeviceCapacity,
@@ -483,10 +483,8 @@ def test_micro_batch_shares_are_optimal(
     limits = limits[: len(times)]
     if len(times) > total or sum(limits) < total:
         return
-    shares = partition._share(times, limits, total, stages)
-    assert sum(shares) == total and all(
-        1 <= s <= lim for s, lim in zip(shares, limits, strict=True)
-    )
+    found = shares.share(times, limits, total, stages)
+    assert sum(found) == total and all(1 <= s <= lim for s, lim in zip(found, limits, strict=True))
 
     def slowest(split: Sequence[int]) -> float:
         return max((s + stages - 1) * t for s, t in zip(split, times, strict=True))
@@ -494,4 +492,4 @@ def test_micro_batch_shares_are_optimal(
     splits = [
         split for split in product(*(range(1, lim + 1) for lim in limits)) if sum(split) == total
     ]
-    assert math.isclose(slowest(shares), min(map(slowest, splits)), rel_tol=1e-12)
+    assert math.isclose(slowest(found), min(map(slowest, splits)), rel_tol=1e-12)
