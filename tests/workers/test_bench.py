@@ -150,3 +150,42 @@ def test_bench_pipeline_refuses_a_bad_shape_with_exit_code_2() -> None:
     result = CliRunner().invoke(cli, args)
     assert result.exit_code == 2
     assert "multiple of micro_batches" in result.output
+
+
+@pytest.mark.unit
+def test_bench_tables_render_without_json(monkeypatch: pytest.MonkeyPatch) -> None:
+    from workers.bench import pipeline as pipeline_bench
+    from workers.bench import transport as transport_bench
+
+    s = PipelineSettings()
+    canned = pipeline_result(
+        s,
+        single_process=150.0,
+        single_thread=90.0,
+        shoal=144.0,
+        torch_pipelining=120.0,
+        overhead_ms=1.5,
+        started=0.0,
+        extra={"single_process_threads": 2},
+    )
+    monkeypatch.setattr(pipeline_bench, "run_pipeline", lambda settings, progress: canned)
+    result = CliRunner().invoke(cli, ["bench", "pipeline"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    assert "Shoal, 2 stages on 2 devices" in result.output
+    assert "efficiency 0.90 of ideal" in result.output
+
+    t = TransportSettings(sizes=(16,))
+    measured = {
+        "object_ref_chain_ms": {16: 2.0},
+        "compiled_graph_chain_ms": {16: 0.5},
+        "object_ref_chain_inflight_ms": {16: 1.0},
+        "compiled_graph_chain_inflight_ms": {16: 0.3},
+        "torch_tensor_call_ms": 20.0,
+        "numpy_array_call_ms": 5.0,
+    }
+    answer = transport_result(measured, t, clean=True, started=0.0)
+    monkeypatch.setattr(transport_bench, "run_transport", lambda settings, progress: answer)
+    result = CliRunner().invoke(cli, ["bench", "transport", "--size", "16"])
+    assert result.exit_code == 0, result.output
+    assert "4.00x" in result.output
+    assert "faster chain: compiled_graph" in result.output
