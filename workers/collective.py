@@ -17,9 +17,10 @@ The order of the sum is fixed and the same in both: a left fold in replica order
 ``((g_0 + g_1) + g_2) + ...``, so results are deterministic and equal across the two. With two
 replicas gloo's all-reduce is that sum (float addition is commutative); with more, gloo's ring
 would add in another order per chunk, so the buffers are all-gathered and folded in replica
-order instead (about 4x the time of an all-reduce for 1M floats, measured; replica counts are
-small). Gradients travel as one flat buffer per stage: one call per step instead of one per
-parameter.
+order instead. Measured among Ray actors on a 2-core box, 1M floats: 2 ranks 4.6 ms raw
+all-reduce, 10 ms with flattening; 3 ranks 10 ms raw all-reduce against 52 ms gathered and
+folded, the price of determinism while replica counts stay small. Gradients travel as one
+flat buffer per stage: one call per step instead of one per parameter.
 """
 
 from __future__ import annotations
