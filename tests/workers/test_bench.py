@@ -189,3 +189,16 @@ def test_bench_tables_render_without_json(monkeypatch: pytest.MonkeyPatch) -> No
     assert result.exit_code == 0, result.output
     assert "4.00x" in result.output
     assert "faster chain: compiled_graph" in result.output
+
+
+@pytest.mark.unit
+def test_busy_fractions_are_median_compute_shares_per_stage() -> None:
+    from workers.bench.pipeline import busy_fractions
+    from workers.snapshot import StageTiming, StepMetrics
+
+    def step(total: float, a: float, b: float) -> StepMetrics:
+        timings = (StageTiming(0, "d0", a, total - a), StageTiming(1, "d1", b, total - b))
+        return StepMetrics(1, 0.0, 1.0, total, timings)
+
+    metrics = [step(9.0, 9.0, 9.0), step(1.0, 0.5, 0.25), step(2.0, 1.0, 0.5), step(4.0, 2.0, 1.0)]
+    assert busy_fractions(metrics, warmup=1) == [0.5, 0.25]

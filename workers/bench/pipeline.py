@@ -10,6 +10,7 @@ where it runs differs. Shoal runs through the real engine (``workers.runner.Trai
 from __future__ import annotations
 
 import os
+import statistics
 import tempfile
 import time
 from collections.abc import Iterator
@@ -34,7 +35,15 @@ from workers.bench.report import (
 from workers.blocks import Block
 from workers.group import RayGroup
 from workers.runner import Trainer
-from workers.snapshot import DataRef, JobSnapshot, ModelRef, OptimizerConf, RunStatus, StagePlan
+from workers.snapshot import (
+    DataRef,
+    JobSnapshot,
+    ModelRef,
+    OptimizerConf,
+    RunStatus,
+    StagePlan,
+    StepMetrics,
+)
 from workers.zoo.data import loss_fn, make_data
 from workers.zoo.models import build_blocks
 
@@ -115,8 +124,8 @@ def single_process_step_times(s: PipelineSettings, threads: int) -> list[float]:
     return times
 
 
-def shoal_step_times(s: PipelineSettings, node_id: str, steps: int) -> list[float]:
-    """Seconds of each step of Shoal's engine: ``s.stages`` StageWorkers, one per device."""
+def shoal_step_times(s: PipelineSettings, node_id: str, steps: int) -> list[StepMetrics]:
+    """Each step's metrics from Shoal's engine: ``s.stages`` StageWorkers, one per device."""
     model, data, opt = refs(s)
     devices = [
         Device(f"{node_id[:8]}-cpu-{i}", node_id, i, "cpu", 8192, gpu=False)
@@ -147,8 +156,20 @@ def shoal_step_times(s: PipelineSettings, node_id: str, steps: int) -> list[floa
         trainer = Trainer(snapshot, RayGroup)
         if trainer.run() is not RunStatus.SUCCEEDED:
             raise BenchError(f"the Shoal run failed: {trainer.report(0).error}")
-        metrics = trainer.report(0).metrics
-    return [m.step_time_s for m in metrics]
+        return list(trainer.report(0).metrics)
+
+
+def busy_fractions(metrics: list[StepMetrics], warmup: int) -> list[float]:
+    """Per stage, the median share of the step it spent computing (the rest: waiting on the
+    bubble, on transfers, or for a core)."""
+    timed = metrics[warmup:]
+    stages = sorted({t.stage for m in timed for t in m.stages})
+    return [
+        statistics.median(
+            sum(t.compute_s for t in m.stages if t.stage == stage) / m.step_time_s for m in timed
+        )
+        for stage in stages
+    ]
 
 
 def run_pipeline(s: PipelineSettings, progress: Progress = lambda _: None) -> dict[str, Any]:
@@ -168,9 +189,10 @@ def run_pipeline(s: PipelineSettings, progress: Progress = lambda _: None) -> di
     progress(next(phases))
     with ray_session(s.stages) as node_id:
         progress(next(phases))
-        shoal = shoal_step_times(s, node_id, s.timed_steps)
+        shoal_metrics = shoal_step_times(s, node_id, s.timed_steps)
         progress(next(phases))
-        tiny_shoal = shoal_step_times(tiny, node_id, tiny.timed_steps)
+        tiny_shoal = [m.step_time_s for m in shoal_step_times(tiny, node_id, tiny.timed_steps)]
+    shoal = [m.step_time_s for m in shoal_metrics]
     progress(next(phases))
     peer_times = peer.step_times(s)
 
@@ -192,6 +214,7 @@ def run_pipeline(s: PipelineSettings, progress: Progress = lambda _: None) -> di
         extra={
             "single_process_threads": cores,
             "shoal_step_s": median_step_s(shoal, s.warmup, s.repeats),
+            "shoal_stage_busy": busy_fractions(shoal_metrics, s.warmup),
             "single_thread_step_s": median_step_s(one_thread, s.warmup, s.repeats),
             "torch_pipelining_step_s": median_step_s(peer_times, s.warmup, s.repeats),
             "overhead_model": f"mlp {tiny.parameters} parameters, {tiny.overhead_steps} steps",
