@@ -72,9 +72,11 @@ class JobPage(BaseModel):
 
 class StageTimingOut(BaseModel):
     stage: int
+    replica: int = 0
     device_id: str
     compute_s: float
     idle_s: float
+    allreduce_s: float = 0.0
 
 
 class MetricOut(BaseModel):

@@ -20,7 +20,8 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
 from scheduler.devices import Device, InventoryError, node_devices
-from scheduler.partition import even_partition
+from scheduler.layout import Layout, plan_layout
+from scheduler.partition import PartitionError, Workload
 from scheduler.placement import Placement, place
 from service.cluster import Cluster, ClusterUnavailable, RunnerGone
 from service.db.models import Checkpoint, DeviceRow, Job, JobMetric, utcnow
@@ -28,6 +29,7 @@ from service.db.session import SessionFactory, transaction
 from service.jobs import JobConflict, add_event, transition
 from service.lifecycle import JobState
 from service.snapshots import build_snapshot, job_request
+from service.specs import JobSpec
 from workers.snapshot import RunnerReport, RunStatus
 
 log = logging.getLogger(__name__)
@@ -185,25 +187,28 @@ class Controller:
             job = session.get(Job, placement.job_id)
             if job is None or job.state != JobState.QUEUED.value:
                 return
-            depth = placement.stages
-            ranges = even_partition(job.num_blocks, depth)
-            # Replica-major, as the placement orders devices: entry r * depth + s.
+            try:
+                layout = self._layout(session, job, placement)
+            except PartitionError as exc:
+                transition(session, job, JobState.FAILED, str(exc), error=str(exc))
+                return
             partition = [
                 {
-                    "stage": i % depth,
-                    "replica": i // depth,
-                    "device_id": d.id,
-                    "blocks": list(ranges[i % depth]),
+                    "stage": s,
+                    "replica": r,
+                    "device_id": device_id,
+                    "blocks": list(blocks),
                 }
-                for i, d in enumerate(placement.devices)
+                for r in range(layout.plan.replicas)
+                for s, (device_id, blocks) in enumerate(layout.plan.replica(r))
             ]
             try:
                 transition(
                     session,
                     job,
                     JobState.RUNNING,
-                    f"placed on {len(placement.devices)} device(s)",
-                    devices=[d.id for d in placement.devices],
+                    f"placed on {len(layout.devices)} device(s): {layout.plan.reason}",
+                    devices=[d.id for d in layout.devices],
                     partition=partition,
                     attempt=job.attempt + 1,
                     runner_cursor=0,
@@ -213,11 +218,12 @@ class Controller:
                 return  # cancelled meanwhile
             snapshot = build_snapshot(
                 job,
-                placement.devices,
-                ranges,
+                layout.devices,
+                layout.ranges,
                 checkpoint_root=self._config.checkpoint_root,
                 allowed_factories=self._config.allowed_factories,
-                replicas=placement.replicas,
+                replicas=layout.plan.replicas,
+                replica_micro_batches=layout.plan.micro_batches,
             )
         try:
             self._cluster.start_runner(snapshot)
@@ -225,6 +231,30 @@ class Controller:
             reason = f"could not start the runner: {exc}"
             log.warning("job %s: %s", placement.job_id, reason)
             self._finish(placement.job_id, JobState.FAILED, reason, error=reason)
+
+    @staticmethod
+    def _layout(session: Session, job: Job, placement: Placement) -> Layout:
+        """Order the placed devices and cut the model over their measured speeds."""
+        spec = JobSpec.model_validate(job.spec)
+        ids = [d.id for d in placement.devices]
+        gflops = {
+            row.id: row.speed_gflops
+            for row in session.scalars(sa.select(DeviceRow).where(DeviceRow.id.in_(ids)))
+            if row.speed_gflops
+        }
+        return plan_layout(
+            placement.devices,
+            gflops,
+            num_blocks=job.num_blocks,
+            stages=placement.stages,
+            replicas=placement.replicas,
+            workload=Workload(
+                micro_batches=spec.micro_batches,
+                micro_batch_size=spec.batch_size // spec.micro_batches,
+                schedule=spec.parallelism.schedule,
+                recompute=spec.parallelism.recompute,
+            ),
+        )
 
 
 def _set_if_changed(row: DeviceRow, **values: object) -> None:

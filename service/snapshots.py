@@ -20,6 +20,7 @@ def build_snapshot(
     checkpoint_root: str,
     allowed_factories: Sequence[str],
     replicas: int = 1,
+    replica_micro_batches: Sequence[int] = (),
 ) -> JobSnapshot:
     """The runner's snapshot; ``devices`` are replica-major (``devices[r * p + s]`` runs stage
     s of replica r) and ``ranges`` are the p stages' block ranges."""
@@ -46,6 +47,7 @@ def build_snapshot(
             for i, d in enumerate(devices)
         ),
         replicas=replicas,
+        replica_micro_batches=tuple(replica_micro_batches),
         num_blocks=job.num_blocks,
         checkpoint_root=checkpoint_root,
         checkpoint_every=spec.checkpoint.every_steps,
