@@ -47,7 +47,9 @@ def format_bytes(size: float) -> str:
         return f"{size / 2**30:.1f} GiB"
     if size >= 2**20:
         return f"{size / 2**20:.1f} MiB"
-    return f"{size / 2**10:.1f} KiB"
+    if size >= 2**10:
+        return f"{size / 2**10:.1f} KiB"
+    return f"{size:.0f} B"
 
 
 def optimizer_state_factor(optimizer: str, *, momentum: bool = False) -> float:

@@ -56,6 +56,11 @@ from scheduler.types import BlockRange, DeviceId
 _EXACT_WORK = 300_000
 """Largest exhaustive search (devices subsets x blocks^2 x devices^2) worth its time."""
 
+_FALLBACK_WORK = 3_000_000
+"""Largest exhaustive search worth running before refusing a job: the three device orders
+of the heuristic can all miss a memory-feasible order (devices of different sizes whose
+right order is none of fastest-, slowest- or largest-first)."""
+
 _SCHEDULES = ("gpipe", "1f1b")
 
 
@@ -354,6 +359,13 @@ def plan_partition(
     best = _heuristic(model, ranked, pairs, best, stages, sync_s_per_byte, exact_cut=False)
     if best is None and workload.recompute:  # the greedy cut may miss one: look exactly
         best = _heuristic(model, ranked, pairs, best, stages, sync_s_per_byte, exact_cut=True)
+    if (
+        best is None
+        and not exact
+        and replicas in (None, 1)
+        and ((1 << count) * count**2 * n * n <= _FALLBACK_WORK)
+    ):  # before refusing, try every device order where that is affordable
+        best = _exhaustive(model, ranked, [stages] if stages else range(1, min(n, count) + 1))
     if best is None:
         what = f"{stages} stages" if stages else "any number of stages"
         raise PartitionError(_memory_refusal(model, devices, what))

@@ -73,7 +73,7 @@ def test_a_model_that_fits_nowhere_is_refused_with_numbers() -> None:
     assert message == (
         "the model needs at least 1.5 GiB per device even split over 2 devices, but the"
         " largest device has 1.0 GiB (200,000,000 parameters with adam: 3.0 GiB of parameters,"
-        " gradients and optimizer state, 0.0 KiB of activations per micro-batch); allow more"
+        " gradients and optimizer state, 0 B of activations per micro-batch); allow more"
         " devices (resources.max_devices) or use a smaller model"
     )
     with pytest.raises(MemoryRefusal, match=r"needs at least 1\.5 GiB per device"):
@@ -118,7 +118,8 @@ def test_activations_heavy_refusals_suggest_smaller_micro_batches() -> None:
 def test_format_bytes() -> None:
     assert format_bytes(3.1 * GiB) == "3.1 GiB"
     assert format_bytes(12 * 2**20) == "12.0 MiB"
-    assert format_bytes(512) == "0.5 KiB"
+    assert format_bytes(1536) == "1.5 KiB"
+    assert format_bytes(512) == "512 B"
 
 
 @given(

@@ -493,3 +493,18 @@ def test_micro_batch_shares_are_optimal(
         split for split in product(*(range(1, lim + 1) for lim in limits)) if sum(split) == total
     ]
     assert math.isclose(slowest(found), min(map(slowest, splits)), rel_tol=1e-12)
+
+
+def test_a_fit_only_an_unusual_device_order_allows_is_found_before_refusing() -> None:
+    """Devices of 10, 11 and 12 bytes fit this chain only as 12, 10, 11: none of the
+    heuristic's fastest/slowest/largest-first orders; the fallback search finds it."""
+    acts = [0, 2, 0, 0, 0, 1, 0]
+    costs = [BlockCost(i, 1.0, 5 if i == 6 else 0, 1 if i == 6 else 0, acts[i]) for i in range(7)]
+    devices = [DeviceCapacity(f"d{i}", 0.5, 10 + i) for i in range(3)]
+    w = Workload(micro_batches=3, micro_batch_size=2, schedule="gpipe")
+    saved, partition._EXACT_WORK = partition._EXACT_WORK, 0
+    try:
+        plan = plan_partition(costs, devices, w, replicas=1)
+    finally:
+        partition._EXACT_WORK = saved
+    assert [s.device_ids for s in plan.stages] == [("d2",), ("d0",), ("d1",)]
