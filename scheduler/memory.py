@@ -23,10 +23,6 @@ _OPTIMIZER_STATE: dict[str, float] = {"sgd": 0.0, "adam": 2.0, "adamw": 2.0}
 _SCHEDULES = ("gpipe", "1f1b")
 
 
-class MemoryRefusal(ValueError):
-    """A job cannot fit on any device it may use; the message has the numbers and the fix."""
-
-
 @dataclass(frozen=True)
 class StageMemory:
     """Bytes one stage needs, by kind."""
@@ -190,31 +186,3 @@ def submission_refusal(
         f" optimizer state, {format_bytes(estimate.activation_bytes)} of activations per"
         f" micro-batch); {' or '.join(fixes)}"
     )
-
-
-def check_submission(
-    *,
-    param_count: int,
-    num_blocks: int,
-    optimizer: str,
-    batch_size: int,
-    micro_batches: int,
-    largest_device_bytes: int,
-    max_devices: int,
-    activation_bytes_per_sample: int = 0,
-    momentum: bool = False,
-) -> None:
-    """``submission_refusal`` as a raise: ``MemoryRefusal`` with its message."""
-    message = submission_refusal(
-        param_count=param_count,
-        num_blocks=num_blocks,
-        optimizer=optimizer,
-        batch_size=batch_size,
-        micro_batches=micro_batches,
-        largest_device_bytes=largest_device_bytes,
-        max_devices=max_devices,
-        activation_bytes_per_sample=activation_bytes_per_sample,
-        momentum=momentum,
-    )
-    if message is not None:
-        raise MemoryRefusal(message)

@@ -17,7 +17,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from service.auth import Principal
-from service.db.models import Checkpoint, Job, JobEvent, JobMetric, utcnow
+from service.db.models import Checkpoint, DeviceRow, Job, JobEvent, JobMetric, utcnow
 from service.db.session import SessionFactory, transaction
 from service.lifecycle import JobState, check_transition
 from service.specs import AcceptedSpec
@@ -152,6 +152,15 @@ def _same_spec(job: Job, spec_json: dict[str, Any]) -> Job:
             "this Idempotency-Key was already used for a different job spec; use a new key"
         )
     return job
+
+
+def largest_device_mb(factory: SessionFactory) -> int | None:
+    """Memory of the largest live device the controller has seen (None before it has seen one)."""
+    with factory() as session:
+        largest: int | None = session.scalar(
+            sa.select(sa.func.max(DeviceRow.memory_mb)).where(DeviceRow.state == "alive")
+        )
+        return largest
 
 
 def request_cancel(factory: SessionFactory, principal: Principal, job_id: str) -> Job:

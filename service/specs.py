@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from scheduler.memory import submission_refusal
 from workers.factories import FactoryError, check_allowed
 from workers.zoo.registry import RegistryError, data_meta, resolve_model
 
@@ -188,10 +189,11 @@ def _check_factory(path: str, allowed: Sequence[str], field: str) -> None:
 
 @dataclass(frozen=True)
 class AcceptedSpec:
-    """A spec that passed every check, with its model's block count."""
+    """A spec that passed every check, with its model's block and (built-in) parameter count."""
 
     spec: JobSpec
     num_blocks: int
+    param_count: int | None = None
 
 
 def complete_job_spec(spec: JobSpec, allowed_factories: Sequence[str]) -> AcceptedSpec:
@@ -205,6 +207,7 @@ def complete_job_spec(spec: JobSpec, allowed_factories: Sequence[str]) -> Accept
     updates: dict[str, Any] = {}
     meta = None
     num_blocks = 0
+    param_count: int | None = None
     try:
         if spec.data.builtin is not None:
             data_config, meta = data_meta(spec.data.builtin, spec.data.config)
@@ -216,13 +219,33 @@ def complete_job_spec(spec: JobSpec, allowed_factories: Sequence[str]) -> Accept
                 )
             resolved = resolve_model(spec.model.builtin, spec.model.config, meta)
             updates["model"] = spec.model.model_copy(update={"config": resolved.config})
-            num_blocks = resolved.num_blocks
+            num_blocks, param_count = resolved.num_blocks, resolved.param_count
     except RegistryError as exc:
         raise SpecError([(exc.field, exc.message)]) from None
     if spec.model.factory is not None:
         num_blocks = _count_factory_blocks(spec, allowed_factories)
     _check_stage_count(spec.parallelism.stages, num_blocks)
-    return AcceptedSpec(spec.model_copy(update=updates), num_blocks)
+    return AcceptedSpec(spec.model_copy(update=updates), num_blocks, param_count)
+
+
+def check_memory(accepted: AcceptedSpec, largest_device_mb: int | None) -> None:
+    """Refuse a built-in model that cannot fit on the devices the job may use, whatever the
+    partition (a lower bound on the memory per device); no devices known: nothing to check."""
+    if accepted.param_count is None or largest_device_mb is None:
+        return
+    spec = accepted.spec
+    message = submission_refusal(
+        param_count=accepted.param_count,
+        num_blocks=accepted.num_blocks,
+        optimizer=spec.optimizer.name,
+        batch_size=spec.batch_size,
+        micro_batches=spec.micro_batches,
+        largest_device_bytes=largest_device_mb * 2**20,
+        max_devices=spec.resources.max_devices,
+        momentum=bool(spec.optimizer.momentum),
+    )
+    if message is not None:
+        raise SpecError([("resources.max_devices", message)])
 
 
 def _count_factory_blocks(spec: JobSpec, allowed: Sequence[str]) -> int:

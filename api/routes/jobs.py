@@ -20,7 +20,7 @@ from api.schemas import (
 )
 from service import jobs
 from service.lifecycle import JobState
-from service.specs import JobSpec, complete_job_spec
+from service.specs import JobSpec, check_memory, complete_job_spec
 
 router = APIRouter(prefix="/jobs", tags=["jobs"])
 
@@ -44,6 +44,7 @@ def submit_job(
 ) -> JobOut:
     """Queue a job. A retry with the same ``Idempotency-Key`` returns the same job (200)."""
     accepted = complete_job_spec(spec, settings.allowed_factories)
+    check_memory(accepted, jobs.largest_device_mb(factory))
     job, created = jobs.submit_job(factory, principal, accepted, idempotency_key)
     if not created:
         response.status_code = status.HTTP_200_OK

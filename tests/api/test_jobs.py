@@ -7,7 +7,7 @@ import json
 import pytest
 import sqlalchemy as sa
 
-from service.db.models import Job, JobEvent
+from service.db.models import DeviceRow, Job, JobEvent
 from service.jobs import transition
 from service.lifecycle import JobState
 from tests.api.conftest import Api
@@ -149,3 +149,28 @@ def test_openapi_is_served_with_the_job_contract(api: Api) -> None:
     schema = api.client.get("/api/v1/openapi.json").json()
     assert "/api/v1/jobs" in schema["paths"]
     assert "JobSpec" in schema["components"]["schemas"]
+
+
+def test_a_model_that_fits_no_known_device_is_refused_with_numbers(api: Api) -> None:
+    alice = api.token("alice")
+    huge = job_spec(model={"builtin": "mlp", "config": {"hidden": 8192, "layers": 40}})
+    assert api.client.post(JOBS, json=huge, headers=alice).status_code == 201  # no devices yet
+    with api.factory() as session, session.begin():
+        session.add(
+            DeviceRow(
+                id="n1-cpu-0",
+                node_id="n1",
+                kind="cpu",
+                memory_mb=2048,
+                gpu=False,
+                spot=False,
+                state="alive",
+            )
+        )
+    r = api.client.post(JOBS, json=huge, headers=alice)
+    assert r.status_code == 422, r.text
+    (error,) = r.json()["errors"]
+    assert error["field"] == "resources.max_devices"
+    assert "largest device has 2.0 GiB" in error["message"]
+    small = api.client.post(JOBS, json=job_spec(), headers=alice)
+    assert small.status_code == 201
