@@ -28,8 +28,6 @@ class Cluster(Protocol):
 
     def start_runner(self, snapshot: JobSnapshot) -> None: ...
 
-    def has_runner(self, job_id: JobId) -> bool: ...
-
     def poll(self, job_id: JobId, cursor: int) -> RunnerReport: ...
 
     def cancel(self, job_id: JobId) -> None: ...
@@ -70,11 +68,6 @@ class RayCluster:
         from workers.launch import start_runner
 
         start_runner(snapshot)
-
-    def has_runner(self, job_id: JobId) -> bool:
-        from workers.launch import find_runner
-
-        return find_runner(job_id) is not None
 
     def _call(self, job_id: JobId, method: str, *args: Any) -> Any:
         from ray.exceptions import GetTimeoutError, RayActorError
@@ -141,10 +134,6 @@ class InProcessCluster:
             self._runners[snapshot.job_id] = runner
             self._threads[snapshot.job_id] = thread
         thread.start()
-
-    def has_runner(self, job_id: JobId) -> bool:
-        with self._lock:
-            return job_id in self._runners
 
     def _runner(self, job_id: JobId) -> Any:
         with self._lock:

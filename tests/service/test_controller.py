@@ -177,7 +177,7 @@ def test_a_new_controller_finds_running_jobs_instead_of_starting_them_again(
     assert sorted(steps) == list(range(1, 61))  # nothing lost or doubled across the switch
 
 
-def test_jobs_wait_with_a_reason_until_devices_free_up(
+def test_a_job_that_does_not_fit_waits_with_its_reason_said_once(
     session_factory: SessionFactory, cluster: Cluster, tmp_path: Path
 ) -> None:
     controller = make_controller(session_factory, cluster, tmp_path)
