@@ -36,6 +36,7 @@ from workers.snapshot import (
     StepMetrics,
 )
 from workers.stage import StageSetup
+from workers.wire import Wire, send
 from workers.zoo.data import DataSource, make_data
 
 DEFAULT_STEP_TIMEOUT_S = 600.0
@@ -385,9 +386,9 @@ class Trainer:
         )
 
 
-def _rows(batch: Tensor, j: int, rows: int) -> Tensor:
-    # A copy, not a view: pickling a view ships its whole base storage to the stage.
-    return batch[j * rows : (j + 1) * rows].clone()
+def _rows(batch: Tensor, j: int, rows: int) -> Wire:
+    # A view's array pickles only its own rows, not the batch's storage.
+    return send(batch[j * rows : (j + 1) * rows])
 
 
 class JobRunner:

@@ -27,6 +27,7 @@ from scheduler.devices import Device
 from workers.blocks import Block
 from workers.collective import GlooCollective
 from workers.snapshot import JobSnapshot, ModelRef, OptimizerConf, StagePlan
+from workers.wire import Wire, receive, send
 from workers.zoo.data import loss_fn
 from workers.zoo.models import build_blocks
 from workers.zoo.registry import DataMeta
@@ -62,20 +63,6 @@ class StageSetup:
             recompute=snapshot.recompute,
             allowed=snapshot.allowed_factories,
         )
-
-
-def send(tensor: Tensor) -> Tensor:
-    """The form a tensor leaves a stage in: detached, on the CPU, for Ray's object transport.
-
-    With ``receive`` the only place that knows the transport, so a faster one (CUDA IPC, NCCL,
-    numpy buffers) can replace it here.
-    """
-    return tensor.detach().cpu()
-
-
-def receive(tensor: Tensor, device: torch.device) -> Tensor:
-    """A tensor that arrived from another stage (or the runner), on this stage's device."""
-    return tensor.to(device)
 
 
 @dataclass
@@ -163,44 +150,44 @@ class Stage:
             x = block.module(x)
         return x
 
-    def _keep(self, mb: int, x: Tensor, head: Callable[[Tensor], Tensor], is_loss: bool) -> Tensor:
+    def _keep(self, mb: int, x: Wire, head: Callable[[Tensor], Tensor], is_loss: bool) -> Tensor:
         if mb in self._kept:
             raise StageStateError(f"stage {self.index} already holds micro-batch {mb}")
-        x = receive(x, self.device)
+        inp = receive(x, self.device)
         if not self.first:
-            x.requires_grad_()
+            inp.requires_grad_()
 
-        def rerun(inp: Tensor) -> Tensor:
-            return head(self._run(inp))
+        def rerun(y: Tensor) -> Tensor:
+            return head(self._run(y))
 
         if not self._recompute:
-            out = rerun(x)
-            self._kept[mb] = _Kept(x, out, is_loss)
+            out = rerun(inp)
+            self._kept[mb] = _Kept(inp, out, is_loss)
             return out
         cuda_rng = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
         replay = _Replay(rerun, self.device, torch.get_rng_state(), cuda_rng)
         with torch.no_grad():
-            out = rerun(x)
-        self._kept[mb] = _Kept(x, replay, is_loss)
+            out = rerun(inp)
+        self._kept[mb] = _Kept(inp, replay, is_loss)
         return out
 
-    def forward(self, mb: int, x: Tensor) -> Tensor:
+    def forward(self, mb: int, x: Wire) -> Wire:
         """Run micro-batch ``mb`` through the stage; the output goes to the next stage."""
         with self._compute():
             out = self._keep(mb, x, lambda y: y, is_loss=False)
         return send(out)
 
-    def forward_loss(self, mb: int, x: Tensor, target: Tensor, scale: float) -> float:
+    def forward_loss(self, mb: int, x: Wire, target: Wire, scale: float) -> float:
         """Last stage: the forward and the loss ``loss_fn(out, target) * scale``, kept for
         backward. ``scale`` is the micro-batch's share of the mini-batch, so accumulated
         gradients are those of the mini-batch mean."""
         with self._compute():
-            target = receive(target, self.device)
-            loss = self._keep(mb, x, lambda y: self._loss(y, target) * scale, is_loss=True)
+            expected = receive(target, self.device)
+            loss = self._keep(mb, x, lambda y: self._loss(y, expected) * scale, is_loss=True)
             value = float(loss.item())
         return value
 
-    def backward(self, mb: int, grad: Tensor | None) -> Tensor | None:
+    def backward(self, mb: int, grad: Wire | None) -> Wire | None:
         """Backpropagate micro-batch ``mb`` (from its loss when ``grad`` is None), accumulating
         parameter gradients; return the gradient w.r.t. the stage input (None on stage 0)."""
         kept = self._kept.pop(mb, None)

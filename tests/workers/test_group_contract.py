@@ -24,6 +24,7 @@ from workers.group import (
 from workers.reference import train_reference
 from workers.snapshot import DataRef, ModelRef, OptimizerConf, StagePlan
 from workers.stage import StageSetup
+from workers.wire import send
 from workers.zoo.data import make_data
 
 MODEL = ModelRef("mlp", None, {"hidden": 16, "layers": 3})
@@ -101,9 +102,9 @@ def one_step(group: WorkerGroup, micro_batches: int) -> list[float]:
     x, y = make_data(DATA, SEED).batch(0, 8)
     rows = 8 // micro_batches
     part = [slice(j * rows, (j + 1) * rows) for j in range(micro_batches)]
-    outs = [group.submit(0, "forward", j, x[part[j]].clone()) for j in range(micro_batches)]
+    outs = [group.submit(0, "forward", j, send(x[part[j]])) for j in range(micro_batches)]
     losses = [
-        group.submit(1, "forward_loss", j, outs[j], y[part[j]].clone(), rows / 8)
+        group.submit(1, "forward_loss", j, outs[j], send(y[part[j]]), rows / 8)
         for j in range(micro_batches)
     ]
     grads = [group.submit(1, "backward", j, None) for j in range(micro_batches)]
@@ -130,9 +131,9 @@ def dp_step(group: WorkerGroup, split: list[int]) -> list[float]:
     for r, count in enumerate(split):
         first, last = 2 * r, 2 * r + 1
         part = [slice((offset + j) * rows, (offset + j + 1) * rows) for j in range(count)]
-        outs = [group.submit(first, "forward", j, x[part[j]].clone()) for j in range(count)]
+        outs = [group.submit(first, "forward", j, send(x[part[j]])) for j in range(count)]
         losses += [
-            group.submit(last, "forward_loss", j, outs[j], y[part[j]].clone(), rows / 8)
+            group.submit(last, "forward_loss", j, outs[j], send(y[part[j]]), rows / 8)
             for j in range(count)
         ]
         grads = [group.submit(last, "backward", j, None) for j in range(count)]
@@ -208,7 +209,7 @@ def test_state_loads_into_another_partition(make_group: MakeGroup, setup: StageS
 
 def test_a_stage_error_names_the_stage_and_call(make_group: MakeGroup, setup: StageSetup) -> None:
     group = make_group([(0, 2), (2, 4)], setup)
-    bad = group.submit(0, "forward", 0, torch.zeros(2, 3))  # 3 features, the model wants 8
+    bad = group.submit(0, "forward", 0, send(torch.zeros(2, 3)))  # 3 features, the model wants 8
     fed = group.submit(1, "forward", 0, bad)
     for handle in (bad, fed):  # a call fed by a failed call fails with the original error
         with pytest.raises(StageFailed, match=r"stage 0 failed in forward: RuntimeError") as e:
@@ -225,7 +226,7 @@ def test_a_stage_error_names_the_stage_and_call(make_group: MakeGroup, setup: St
 def test_a_step_with_work_in_flight_is_refused(make_group: MakeGroup, setup: StageSetup) -> None:
     group = make_group([(0, 4)], setup)
     x, y = make_data(DATA, SEED).batch(0, 4)
-    group.get([group.submit(0, "forward_loss", 0, x, y, 1.0)], 60)
+    group.get([group.submit(0, "forward_loss", 0, send(x), send(y), 1.0)], 60)
     with pytest.raises(StageFailed, match=r"still holds micro-batches \[0\]"):
         group.get([group.submit(0, "apply_step")], 60)
 
@@ -248,7 +249,7 @@ def test_compute_time_is_measured_and_slowed(make_group: MakeGroup, setup: Stage
     slow_speed = max(slow.get([slow.submit(0, "measure_speed") for _ in range(3)], 60))
     assert 0 < slow_speed < 0.6 * fast_speed
     x, y = make_data(DATA, SEED).batch(0, 4)
-    slow.get([slow.submit(0, "forward_loss", 0, x, y, 1.0)], 60)
+    slow.get([slow.submit(0, "forward_loss", 0, send(x), send(y), 1.0)], 60)
     slow.get([slow.submit(0, "backward", 0, None)], 60)
     first, second = (slow.get([slow.submit(0, "apply_step")], 60)[0] for _ in range(2))
     assert first > 0
@@ -276,7 +277,7 @@ def test_a_crashed_stage_worker_is_reported_lost(ray_address: str, setup: StageS
         victim: Any = group._actors[0]
         pid = ray.get(victim.__ray_call__.remote(lambda _: os.getpid()), timeout=60)
         os.kill(pid, signal.SIGKILL)
-        x = make_data(DATA, SEED).batch(0, 4)[0]
+        x = send(make_data(DATA, SEED).batch(0, 4)[0])
         fed = group.submit(1, "forward", 0, group.submit(0, "forward", 0, x))
         # Waiting on stage 1's call, fed by the dead stage 0: the loss is blamed on stage 0.
         with pytest.raises(StageLost) as e:
