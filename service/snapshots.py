@@ -35,13 +35,19 @@ def build_snapshot(
         attempt=job.attempt,
         model=ModelRef(spec.model.builtin, spec.model.factory, dict(spec.model.config)),
         data=DataRef(spec.data.builtin, spec.data.factory, dict(spec.data.config)),
-        optimizer=OptimizerConf(spec.optimizer.name, spec.optimizer.lr, spec.optimizer.params()),
+        optimizer=OptimizerConf(
+            spec.optimizer.name,
+            spec.optimizer.lr,
+            spec.optimizer.params(),
+            clip_grad_norm=spec.optimizer.clip_grad_norm,
+        ),
         batch_size=spec.batch_size,
         micro_batches=spec.micro_batches,
         steps=spec.steps,
         seed=spec.seed,
         schedule=spec.parallelism.schedule,
         recompute=spec.parallelism.recompute,
+        precision=spec.precision,
         stages=tuple(
             StagePlan(index=i % depth, blocks=ranges[i % depth], device=d, replica=i // depth)
             for i, d in enumerate(devices)

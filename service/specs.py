@@ -59,6 +59,12 @@ class OptimizerSpec(_Strict):
     weight_decay: float = Field(0.0, ge=0.0, le=1.0)
     betas: tuple[float, float] | None = Field(None, description="adam/adamw only")
     eps: float | None = Field(None, gt=0.0, le=1.0, description="adam/adamw only")
+    clip_grad_norm: float | None = Field(
+        None,
+        gt=0.0,
+        allow_inf_nan=False,
+        description="clip the L2 norm of the whole model's gradient to this before each step",
+    )
 
     @model_validator(mode="after")
     def _fits_optimizer(self) -> OptimizerSpec:
@@ -131,6 +137,9 @@ class JobSpec(_Strict):
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     priority: int = Field(0, ge=-100, le=100)
+    precision: Literal["fp32", "bf16"] = Field(
+        "fp32", description="bf16: forward and loss under bfloat16 autocast, fp32 weights"
+    )
 
     @field_validator("name")
     @classmethod

@@ -3,8 +3,8 @@
 A block is one link of a model's chain together with its own optimizer: moving, spilling,
 checkpointing and restoring a model are all "move these blocks". One optimizer per block
 gives the same updates as one optimizer over the whole model because SGD, Adam and AdamW
-are element-wise; a global operation (gradient-norm clipping) would need an explicit
-reduction across stages, which is the engine's business, not the block's.
+are element-wise; a global operation (gradient-norm clipping) is an explicit reduction
+across stages, which is the engine's business, not the block's (``workers.clipping``).
 """
 
 from __future__ import annotations

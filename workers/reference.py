@@ -10,18 +10,27 @@ repartitions and the recoveries. One training step ``s`` is:
 3. For each micro-batch, in order: run it through all blocks, ``loss_j = loss_fn(out_j,
    targets_j) * (mb / batch_size)`` with the task's mean-reduced loss, and
    ``loss_j.backward()``: gradients accumulate, scaled so their sum is the gradient of the
-   mean loss over the whole mini-batch.
-4. After the last micro-batch, every block's optimizer steps once and drops its gradients.
-5. The step's reported loss is ``sum_j loss_j.item()``.
+   mean loss over the whole mini-batch. With ``precision="bf16"`` the blocks and the loss
+   run under ``torch.autocast("cpu", dtype=torch.bfloat16)``; the backward does not.
+4. After the last micro-batch, ``torch.nn.utils.clip_grad_norm_`` over every parameter of
+   the model, with ``optimizer.clip_grad_norm`` as ``max_norm`` (infinite when None: for
+   a finite norm, a multiplication by exactly one, so it only measures the norm).
+5. Every block's optimizer steps once and drops its gradients.
+6. The step's reported loss is ``sum_j loss_j.item()``; its gradient norm, the norm
+   ``clip_grad_norm_`` returned (before clipping).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from workers.blocks import Block
+from workers.precision import autocast, autocast_dtype
 from workers.snapshot import DataRef, ModelRef, OptimizerConf
 from workers.zoo.data import loss_fn, make_data
 from workers.zoo.models import build_blocks, count_blocks
@@ -29,10 +38,11 @@ from workers.zoo.models import build_blocks, count_blocks
 
 @dataclass(frozen=True)
 class ReferenceResult:
-    """The loss of every step run, and the blocks as they are after the last one."""
+    """The loss and gradient norm of every step run, and the blocks after the last one."""
 
     losses: list[float]
     blocks: list[Block]
+    grad_norms: list[float]
 
 
 def _check_shape(batch_size: int, micro_batches: int, start_step: int, steps: int) -> None:
@@ -57,6 +67,7 @@ def train_reference(
     allowed: Sequence[str] = (),
     start_blocks: dict[int, dict[str, Any]] | None = None,
     start_step: int = 0,
+    precision: str = "fp32",
 ) -> ReferenceResult:
     """Train steps ``start_step .. steps - 1`` in one process, as the module docstring says.
 
@@ -77,19 +88,24 @@ def train_reference(
         for block in blocks:
             block.load(start_blocks[block.index])
     loss = loss_fn(source.meta.task)
+    amp = autocast_dtype(precision)
+    params = [p for block in blocks for p in block.module.parameters()]
+    max_norm = math.inf if optimizer.clip_grad_norm is None else optimizer.clip_grad_norm
     mb = batch_size // micro_batches
-    losses = []
+    losses, norms = [], []
     for step in range(start_step, steps):
         inputs, targets = source.batch(step, batch_size)
         total = 0.0
         for j in range(micro_batches):
-            out = inputs[j * mb : (j + 1) * mb]
-            for block in blocks:
-                out = block.module(out)
-            loss_j = loss(out, targets[j * mb : (j + 1) * mb]) * (mb / batch_size)
+            with autocast(amp, inputs.device):
+                out = inputs[j * mb : (j + 1) * mb]
+                for block in blocks:
+                    out = block.module(out)
+                loss_j = loss(out, targets[j * mb : (j + 1) * mb]) * (mb / batch_size)
             loss_j.backward()  # type: ignore[no-untyped-call]
             total += loss_j.item()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(params, max_norm)))
         for block in blocks:
             block.step()
         losses.append(total)
-    return ReferenceResult(losses, blocks)
+    return ReferenceResult(losses, blocks, norms)

@@ -25,6 +25,7 @@ from torch import Tensor
 
 from scheduler.schedules import Action, Op, build, submission_order
 from workers.checkpoints import CheckpointInfo, CheckpointStore
+from workers.clipping import clip_coefficient
 from workers.group import GroupFactory, RayGroup, StageFailed, StageLost, WorkerGroup
 from workers.snapshot import (
     JobSnapshot,
@@ -253,8 +254,10 @@ class Trainer:
     ) -> StepMetrics:
         """One mini-batch: replica r runs its own pipeline schedule over its micro-batches
         (those after replicas 0..r-1's), then each stage's gradients are summed over its
-        replicas, then every worker steps. The loss scale is the micro-batch's share of the
-        whole mini-batch, so the replicas' summed gradients are the reference's."""
+        replicas, then the gradient norm is reduced over replica 0's stages (the replicas
+        now hold the same gradients) and every worker steps, clipping first if the job
+        asks (``workers.clipping``). The loss scale is the micro-batch's share of the whole
+        mini-batch, so the replicas' summed gradients are the reference's."""
         snap = self.snapshot
         started = self._clock()
         inputs, targets = data.batch(step, snap.batch_size)
@@ -274,14 +277,16 @@ class Trainer:
         if snap.replicas > 1:
             for s in range(depth):
                 reduces += group.all_reduce([r * depth + s for r in range(snap.replicas)])
-        updates = [group.submit(w, "apply_step") for w in range(len(plans))]
+        norms = [group.submit(w, "grad_norms") for w in range(depth)]
         # Stage 0's backwards end every dependency chain: waiting on them surfaces any error.
-        values = group.get([*losses, *firsts, *reduces, *updates], self._timeout)
+        values = group.get([*losses, *firsts, *reduces, *norms], self._timeout)
+        grad_norm, clip = clip_coefficient(values[-depth:], snap.optimizer.clip_grad_norm)
+        updates = [group.submit(w, "apply_step", clip) for w in range(len(plans))]
+        computes = group.get(updates, self._timeout)
         elapsed = self._clock() - started
-        computes = values[-len(plans) :]
         reduced = [0.0] * len(plans)
         if reduces:
-            times = values[-len(plans) - len(reduces) : -len(plans)]
+            times = values[-depth - len(reduces) : -depth]
             for i, seconds in enumerate(times):  # reduces are stage-major
                 s, r = divmod(i, snap.replicas)
                 reduced[r * depth + s] = seconds
@@ -301,6 +306,7 @@ class Trainer:
                 )
                 for p, c, a in zip(plans, computes, reduced, strict=True)
             ),
+            grad_norm=grad_norm,
         )
 
     def _submit_pipeline(
@@ -354,6 +360,7 @@ class Trainer:
             "model": asdict(snap.model),
             "data": asdict(snap.data),
             "optimizer": asdict(snap.optimizer),
+            "precision": snap.precision,
             "num_blocks": snap.num_blocks,
             "stages": [
                 {

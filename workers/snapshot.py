@@ -33,11 +33,14 @@ class DataRef:
 
 @dataclass(frozen=True)
 class OptimizerConf:
-    """``name`` is sgd, adam or adamw; ``params`` are its keyword arguments besides ``lr``."""
+    """``name`` is sgd, adam or adamw; ``params`` are its keyword arguments besides ``lr``.
+    ``clip_grad_norm`` clips the L2 norm of the whole model's gradient before every step
+    (``workers.clipping``); None: no clipping."""
 
     name: str
     lr: float
     params: dict[str, Any] = field(default_factory=dict)
+    clip_grad_norm: float | None = None
 
 
 @dataclass(frozen=True)
@@ -90,6 +93,8 @@ class JobSnapshot:
     """Micro-batches per replica, summing to ``micro_batches`` (a faster device may take
     more); empty means ``split_micro_batches``. Replica r trains the consecutive micro-batches
     after those of replicas 0..r-1."""
+    precision: str = "fp32"
+    """``fp32``, or ``bf16``: forward and loss under bfloat16 autocast (``workers.precision``)."""
 
     def micro_batch_split(self) -> tuple[int, ...]:
         """Micro-batches per replica, checked."""
@@ -135,6 +140,8 @@ class StepMetrics:
     samples_per_s: float
     step_time_s: float
     stages: tuple[StageTiming, ...]
+    grad_norm: float | None = None
+    """The L2 norm of the mini-batch gradient over the whole model, before any clipping."""
 
 
 @dataclass(frozen=True)

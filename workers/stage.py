@@ -6,6 +6,10 @@ needs: the input and the output (the autograd graph), or, with rematerialization
 (activation checkpointing, as in GPipe), only the input, recomputing the forward under
 autograd in ``backward``. Gradients accumulate over the micro-batches of a mini-batch and
 ``apply_step`` applies them once, so the math equals one process training the whole model.
+With gradient-norm clipping, ``grad_norms`` and ``apply_step``'s coefficient are this
+stage's part of the cross-stage reduction (``workers.clipping``). With mixed precision,
+the forward and the loss, recomputed ones included, run under the job's autocast
+(``workers.precision``).
 
 Timing: every compute call is measured; a device's ``emulate_slowdown`` factor f > 1 makes
 the call sleep (f - 1) x its measured time, counted as compute, so a straggler is visible
@@ -25,7 +29,9 @@ from torch import Tensor
 
 from scheduler.devices import Device
 from workers.blocks import Block
+from workers.clipping import grad_norms, scale_grads
 from workers.collective import GlooCollective
+from workers.precision import autocast, autocast_dtype
 from workers.snapshot import JobSnapshot, ModelRef, OptimizerConf, StagePlan
 from workers.wire import Wire, receive, send
 from workers.zoo.data import loss_fn
@@ -51,6 +57,7 @@ class StageSetup:
     num_blocks: int
     recompute: bool = False
     allowed: tuple[str, ...] = ()
+    precision: str = "fp32"
 
     @classmethod
     def of(cls, snapshot: JobSnapshot, meta: DataMeta) -> StageSetup:
@@ -62,6 +69,7 @@ class StageSetup:
             num_blocks=snapshot.num_blocks,
             recompute=snapshot.recompute,
             allowed=snapshot.allowed_factories,
+            precision=snapshot.precision,
         )
 
 
@@ -127,6 +135,7 @@ class Stage:
             block.to(self.device)
         self._loss = loss_fn(setup.meta.task)
         self._recompute = setup.recompute
+        self._amp_dtype = autocast_dtype(setup.precision)
         self._kept: dict[int, _Kept] = {}
         self._compute_s = 0.0
         self._collective: GlooCollective | None = None
@@ -158,7 +167,9 @@ class Stage:
             inp.requires_grad_()
 
         def rerun(y: Tensor) -> Tensor:
-            return head(self._run(y))
+            # Inside rerun, so a recomputed forward runs under the same autocast.
+            with autocast(self._amp_dtype, self.device):
+                return head(self._run(y))
 
         if not self._recompute:
             out = rerun(inp)
@@ -205,15 +216,24 @@ class Stage:
             return None
         return send(kept.input.grad)
 
-    def apply_step(self) -> float:
-        """Apply the accumulated gradients to every block; return the compute seconds spent
-        since the last step (this step's compute) and restart the count."""
+    def grad_norms(self) -> Wire:
+        """The L2 norm of each accumulated gradient, block and parameter order: this stage's
+        part of the gradient-norm reduction (``workers.clipping``)."""
+        with self._compute():
+            return grad_norms(self.blocks)
+
+    def apply_step(self, clip: float | None = None) -> float:
+        """Apply the accumulated gradients to every block, multiplied first by ``clip`` (the
+        clipping coefficient) when given; return the compute seconds spent since the last
+        step (this step's compute) and restart the count."""
         if self._kept:
             raise StageStateError(
                 f"stage {self.index} still holds micro-batches {sorted(self._kept)}; every"
                 " forward needs its backward before the step"
             )
         with self._compute():
+            if clip is not None:
+                scale_grads(self.blocks, clip)
             for block in self.blocks:
                 block.step()
         spent, self._compute_s = self._compute_s, 0.0
@@ -277,6 +297,7 @@ STAGE_METHODS = frozenset(
         "forward",
         "forward_loss",
         "backward",
+        "grad_norms",
         "apply_step",
         "state",
         "load",

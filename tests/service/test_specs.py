@@ -68,6 +68,11 @@ def test_gpt_on_pysource_takes_vocabulary_and_length_from_data() -> None:
         ({"parallelism": {"replicas": 2}}, "parallelism.replicas"),
         ({"resources": {"min_devices": 3, "max_devices": 2}}, "resources"),
         ({"model": {"builtin": "mlp", "factory": "x:y"}}, "model"),
+        ({"optimizer": {"clip_grad_norm": 0}}, "optimizer.clip_grad_norm"),
+        ({"optimizer": {"clip_grad_norm": -1.0}}, "optimizer.clip_grad_norm"),
+        ({"optimizer": {"clip_grad_norm": float("inf")}}, "optimizer.clip_grad_norm"),
+        ({"optimizer": {"clip_grad_norm": "small"}}, "optimizer.clip_grad_norm"),
+        ({"precision": "fp16"}, "precision"),
     ],
 )
 def test_bad_specs_name_the_field(overrides: dict[str, object], field: str) -> None:

@@ -13,8 +13,10 @@ import torch
 
 from scheduler.devices import Device
 from scheduler.types import BlockRange
+from workers.clipping import clip_coefficient
 from workers.group import (
     GroupFactory,
+    Handle,
     LocalGroup,
     RayGroup,
     StageFailed,
@@ -24,7 +26,7 @@ from workers.group import (
 from workers.reference import train_reference
 from workers.snapshot import DataRef, ModelRef, OptimizerConf, StagePlan
 from workers.stage import StageSetup
-from workers.wire import send
+from workers.wire import Bits, send
 from workers.zoo.data import make_data
 
 MODEL = ModelRef("mlp", None, {"hidden": 16, "layers": 3})
@@ -90,15 +92,19 @@ def plans(ranges: list[BlockRange], node_id: str, slowdown: float = 1.0) -> list
     ]
 
 
-def reference_states(micro_batches: int, optimizer: OptimizerConf = OPTIMIZER) -> States:
+def reference_states(
+    micro_batches: int, optimizer: OptimizerConf = OPTIMIZER, precision: str = "fp32"
+) -> States:
     ref = train_reference(
-        MODEL, DATA, optimizer, batch_size=8, micro_batches=micro_batches, steps=1, seed=SEED
-    )
+        MODEL, DATA, optimizer, batch_size=8, micro_batches=micro_batches, steps=1, seed=SEED,
+        precision=precision,
+    )  # fmt: skip
     return {b.index: b.state() for b in ref.blocks}
 
 
-def one_step(group: WorkerGroup, micro_batches: int) -> list[float]:
-    """GPipe by hand on a two-stage group: stage 0's outputs go straight to stage 1."""
+def gpipe(group: WorkerGroup, micro_batches: int) -> tuple[list[Handle], list[Handle]]:
+    """GPipe by hand on a two-stage group, up to the step: stage 0's outputs go straight to
+    stage 1. The handles of stage 0's outputs and of the losses."""
     x, y = make_data(DATA, SEED).batch(0, 8)
     rows = 8 // micro_batches
     part = [slice(j * rows, (j + 1) * rows) for j in range(micro_batches)]
@@ -110,6 +116,12 @@ def one_step(group: WorkerGroup, micro_batches: int) -> list[float]:
     grads = [group.submit(1, "backward", j, None) for j in range(micro_batches)]
     firsts = [group.submit(0, "backward", j, grads[j]) for j in range(micro_batches)]
     assert group.get(firsts, 60) == [None] * micro_batches
+    return outs, losses
+
+
+def one_step(group: WorkerGroup, micro_batches: int) -> list[float]:
+    """One GPipe step by hand on a two-stage group; the micro-batches' losses."""
+    _, losses = gpipe(group, micro_batches)
     group.get([group.submit(s, "apply_step") for s in (0, 1)], 60)
     return list(group.get(losses, 60))
 
@@ -167,6 +179,41 @@ def test_two_stages_train_like_one_process(
     losses = one_step(group, micro_batches=2)
     assert len(losses) == 2 and all(v > 0 for v in losses)
     assert_same_states(gather(group, 2), reference_states(micro_batches=2))
+
+
+def test_clipping_reduces_the_gradient_norm_over_the_stages(
+    make_group: MakeGroup, setup: StageSetup
+) -> None:
+    """Each stage's per-gradient norms, folded by the caller, give the coefficient every
+    stage applies: torch.nn.utils.clip_grad_norm_ over the whole model in one process."""
+    sgd = OptimizerConf("sgd", 0.1, clip_grad_norm=0.01)
+    group = make_group([(0, 2), (2, 4)], replace(setup, optimizer=sgd))
+    gpipe(group, micro_batches=2)
+    parts = group.get([group.submit(s, "grad_norms") for s in (0, 1)], 60)
+    norm, clip = clip_coefficient(parts, sgd.clip_grad_norm)
+    assert clip is not None and clip < 1.0 and norm > 0.01
+    group.get([group.submit(s, "apply_step", clip) for s in (0, 1)], 60)
+    expected = reference_states(micro_batches=2, optimizer=sgd)
+    assert_same_states(gather(group, 2), expected)
+    unclipped = reference_states(micro_batches=2, optimizer=replace(sgd, clip_grad_norm=None))
+    assert not torch.allclose(expected[0]["module"]["0.weight"], unclipped[0]["module"]["0.weight"])
+
+
+def test_bf16_stages_train_like_a_bf16_process(make_group: MakeGroup, setup: StageSetup) -> None:
+    """Forward, loss and the recomputed forward under bfloat16 autocast; activations cross
+    between the stages as bfloat16. SGD, whose step shows the precision (Adam's first step
+    is about lr times the gradient's sign, whatever its rounding)."""
+    sgd = OptimizerConf("sgd", 0.1)
+    group = make_group(
+        [(0, 2), (2, 4)], replace(setup, optimizer=sgd, precision="bf16", recompute=True)
+    )
+    outs, _ = gpipe(group, micro_batches=2)
+    assert all(isinstance(o, Bits) and o.dtype == torch.bfloat16 for o in group.get(outs, 60))
+    group.get([group.submit(s, "apply_step") for s in (0, 1)], 60)
+    expected = reference_states(micro_batches=2, optimizer=sgd, precision="bf16")
+    assert_same_states(gather(group, 2), expected)
+    fp32 = reference_states(micro_batches=2, optimizer=sgd)
+    assert not torch.allclose(expected[0]["module"]["0.weight"], fp32[0]["module"]["0.weight"])
 
 
 def test_replicas_sum_their_gradients_and_train_like_one_process(

@@ -34,11 +34,40 @@ def parameters(blocks: list[Block]) -> list[torch.Tensor]:
     return [p.detach() for block in blocks for p in block.module.parameters()]
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("pair", [MLP_DIGITS, GPT_LM], ids=["mlp-digits", "gpt-lm"])
-def test_the_loss_falls(pair: tuple[ModelRef, DataRef]) -> None:
-    losses = train(pair, steps=30, batch_size=32).losses
+def test_the_loss_falls(pair: tuple[ModelRef, DataRef], precision: str) -> None:
+    losses = train(pair, steps=30, batch_size=32, precision=precision).losses
     assert len(losses) == 30
     assert sum(losses[-5:]) < 0.7 * sum(losses[:5])
+
+
+def test_bf16_rounds_the_forward_but_keeps_fp32_weights() -> None:
+    fp32, bf16 = train(GPT_LM, SGD), train(GPT_LM, SGD, precision="bf16")
+    assert all(p.dtype == torch.float32 for p in parameters(bf16.blocks))
+    assert bf16.losses == pytest.approx(fp32.losses, rel=1e-2)
+    assert bf16.losses != pytest.approx(fp32.losses, rel=1e-5)
+
+
+def test_clipping_bounds_the_first_sgd_step() -> None:
+    """Plain SGD moves the parameters by lr x the clipped gradient, whose norm is max_norm."""
+    clipped = OptimizerConf("sgd", 0.5, clip_grad_norm=0.01)
+    before = parameters(train(MLP_DIGITS, clipped, steps=0).blocks)
+    after = train(MLP_DIGITS, clipped, steps=1)
+    moved = torch.cat(
+        [(a - b).flatten() for a, b in zip(parameters(after.blocks), before, strict=True)]
+    )
+    assert after.grad_norms[0] > 0.01
+    assert float(moved.norm()) == pytest.approx(0.5 * 0.01, rel=1e-4)
+
+
+def test_a_max_norm_above_every_gradient_norm_changes_nothing() -> None:
+    free = train(GPT_LM, SGD)
+    loose = train(GPT_LM, OptimizerConf("sgd", 0.05, {"momentum": 0.9}, clip_grad_norm=1e6))
+    assert max(free.grad_norms) < 1e6
+    assert (loose.losses, loose.grad_norms) == (free.losses, free.grad_norms)
+    for a, b in zip(parameters(loose.blocks), parameters(free.blocks), strict=True):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("pair", [MLP_DIGITS, GPT_LM, CONVNET], ids=["mlp", "gpt", "convnet"])
@@ -120,6 +149,7 @@ def test_factory_model_and_data() -> None:
             r"holds the states of blocks \[0\]; .* 0\.\.2",
         ),
         ({"start_blocks": {0: {}, 1: {}, 2: {}, 3: {}}}, r"blocks \[0, 1, 2, 3\]; the model has"),
+        ({"precision": "fp16"}, r"precision: unknown precision 'fp16'; choose one of"),
     ],
 )
 def test_bad_arguments_are_explained(kw: dict[str, Any], message: str) -> None:

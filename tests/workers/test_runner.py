@@ -20,7 +20,7 @@ from scheduler.partition import even_partition
 from scheduler.types import BlockRange
 from workers.checkpoints import CheckpointStore
 from workers.group import Handle, LocalGroup, RayGroup, WorkerGroup
-from workers.reference import train_reference
+from workers.reference import ReferenceResult, train_reference
 from workers.runner import JobRunner, Trainer
 from workers.snapshot import (
     DataRef,
@@ -91,8 +91,8 @@ def final_states(snap: JobSnapshot) -> dict[int, dict[str, Any]]:
     return states
 
 
-def assert_matches_reference(snap: JobSnapshot, losses: Sequence[float]) -> None:
-    ref = train_reference(
+def reference(snap: JobSnapshot) -> ReferenceResult:
+    return train_reference(
         snap.model,
         snap.data,
         snap.optimizer,
@@ -100,13 +100,22 @@ def assert_matches_reference(snap: JobSnapshot, losses: Sequence[float]) -> None
         micro_batches=snap.micro_batches,
         steps=snap.steps,
         seed=snap.seed,
+        precision=snap.precision,
     )
+
+
+def assert_matches_reference(snap: JobSnapshot, steps: Sequence[StepMetrics]) -> None:
+    """The final parameters, and the loss and gradient norm of every step in ``steps``
+    (the last ones of the run), equal the reference's to the DESIGN tolerance."""
+    ref = reference(snap)
     states = final_states(snap)
     for block in ref.blocks:
         for name, expected in block.module.state_dict().items():
             actual = states[block.index]["module"][name]
             assert torch.allclose(actual, expected, rtol=1e-5, atol=1e-6), (block.index, name)
-    assert losses == pytest.approx(ref.losses[-len(losses) :], rel=1e-5, abs=1e-6)
+    tail = slice(len(ref.losses) - len(steps), None)
+    assert [m.loss for m in steps] == pytest.approx(ref.losses[tail], rel=1e-5, abs=1e-6)
+    assert [m.grad_norm for m in steps] == pytest.approx(ref.grad_norms[tail], rel=1e-5)
 
 
 def metrics(trainer: Trainer) -> list[StepMetrics]:
@@ -120,6 +129,9 @@ def pipelines(draw: st.DrawFn) -> dict[str, Any]:
     bounds = [0, *cuts, 4]
     micro_batches = draw(st.sampled_from([1, 2, 4]))
     lm = draw(st.booleans())
+    optimizer = draw(st.sampled_from([ADAM, OptimizerConf("sgd", 0.1, {"momentum": 0.9})]))
+    # Gradient norms here are 0.2-1: 0.05 always clips, 10 never does.
+    clip = draw(st.sampled_from([None, 0.05, 10.0]))
     return {
         "ranges": list(pairwise(bounds)),
         "schedule": draw(st.sampled_from(["gpipe", "1f1b"])),
@@ -128,7 +140,8 @@ def pipelines(draw: st.DrawFn) -> dict[str, Any]:
         "steps": draw(st.integers(1, 3)),
         "model": GPT if lm else MLP,
         "data": TOKENS if lm else REGRESSION,
-        "optimizer": draw(st.sampled_from([ADAM, OptimizerConf("sgd", 0.1, {"momentum": 0.9})])),
+        "optimizer": replace(optimizer, clip_grad_norm=clip),
+        "precision": draw(st.sampled_from(["fp32", "bf16"])),
     }
 
 
@@ -141,7 +154,7 @@ def test_pipelines_train_exactly_like_one_process(config: dict[str, Any]) -> Non
         snap = job(root, ranges, **config)
         trainer = Trainer(snap, LocalGroup)
         assert trainer.run() is RunStatus.SUCCEEDED, trainer.report(0).error
-        assert_matches_reference(snap, [m.loss for m in metrics(trainer)])
+        assert_matches_reference(snap, metrics(trainer))
 
 
 SGD = OptimizerConf("sgd", 0.1, {"momentum": 0.9})
@@ -176,7 +189,7 @@ def hybrids(draw: st.DrawFn) -> dict[str, Any]:
         "steps": draw(st.integers(1, 2)),
         "model": GPT if lm else MLP,
         "data": TOKENS if lm else REGRESSION,
-        "optimizer": SGD,
+        "optimizer": replace(SGD, clip_grad_norm=draw(st.sampled_from([None, 0.05]))),
     }
 
 
@@ -186,14 +199,45 @@ def hybrids(draw: st.DrawFn) -> dict[str, Any]:
 def test_replicated_pipelines_train_like_one_process(config: dict[str, Any]) -> None:
     """Exact to rtol=1e-5, atol=1e-6, not bitwise: the replicas' partial gradient sums are
     added after each is accumulated ((g0 + g1) + (g2 + g3)), the reference adds micro-batch
-    by micro-batch (((g0 + g1) + g2) + g3), so float rounding differs. SGD, because Adam's
-    division by sqrt(v) blows the rounding of near-zero gradients up past the tolerance
-    (see tests/workers/test_reference.py)."""
+    by micro-batch (((g0 + g1) + g2) + g3), so float rounding differs, and so does the
+    clipping coefficient computed from them. SGD, because Adam's division by sqrt(v) blows
+    the rounding of near-zero gradients up past the tolerance (see
+    tests/workers/test_reference.py)."""
     with tempfile.TemporaryDirectory() as root:
         snap = job(root, [], **config)
         trainer = Trainer(snap, LocalGroup)
         assert trainer.run() is RunStatus.SUCCEEDED, trainer.report(0).error
-        assert_matches_reference(snap, [m.loss for m in metrics(trainer)])
+        assert_matches_reference(snap, metrics(trainer))
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_clipped_pipeline_is_bitwise_torchs_clip_grad_norm(
+    tmp_path: Path, precision: str
+) -> None:
+    """Pipelines without replicas accumulate the very gradients of one process, and the
+    per-tensor norms are folded as clip_grad_norm_ folds them: the same bits, under bf16
+    autocast too."""
+    snap = job(
+        tmp_path,
+        [(0, 1), (1, 3), (3, 4)],
+        optimizer=replace(SGD, clip_grad_norm=0.05),
+        precision=precision,
+        recompute=True,
+        micro_batches=4,
+    )
+    trainer = Trainer(snap, LocalGroup)
+    assert trainer.run() is RunStatus.SUCCEEDED, trainer.report(0).error
+    ref = reference(snap)
+    norms = [m.grad_norm for m in metrics(trainer)]
+    assert norms == ref.grad_norms
+    assert all(n is not None and n > 0.05 for n in norms)  # the coefficient was below 1
+    unclipped = reference(replace(snap, optimizer=SGD))
+    states = final_states(snap)
+    for block, free in zip(ref.blocks, unclipped.blocks, strict=True):
+        for name, expected in block.module.state_dict().items():
+            assert torch.equal(states[block.index]["module"][name], expected), (block.index, name)
+            assert not torch.equal(expected, free.module.state_dict()[name]), (block.index, name)
 
 
 @pytest.mark.unit
@@ -232,7 +276,7 @@ def test_replicas_report_per_device_timings_and_a_summed_loss(tmp_path: Path) ->
     assert manifest["layout"]["replicas"] == 2
     assert manifest["layout"]["replica_micro_batches"] == [3, 1]
     assert sorted(states) == [0, 1, 2, 3]
-    assert_matches_reference(snap, [m.loss for m in report.metrics])
+    assert_matches_reference(snap, report.metrics)
 
 
 @pytest.mark.unit
@@ -257,7 +301,7 @@ def test_a_checkpoint_restores_onto_another_replica_count(
     trainer = Trainer(second, LocalGroup)
     assert trainer.run() is RunStatus.SUCCEEDED, trainer.report(0).error
     assert [m.step for m in trainer.report(0).metrics] == [3, 4]
-    assert_matches_reference(second, [m.loss for m in trainer.report(0).metrics])
+    assert_matches_reference(second, trainer.report(0).metrics)
 
 
 @pytest.mark.unit
@@ -311,7 +355,7 @@ def test_a_resumed_job_continues_exactly_on_another_partition(tmp_path: Path) ->
     assert [m.step for m in report.metrics] == [3, 4, 5]
     # The first two steps ran with 2 micro-batches; the reference runs all five with 4.
     # Same mini-batches, so the parameters agree (the micro-batch split only reorders sums).
-    assert_matches_reference(second, [m.loss for m in report.metrics])
+    assert_matches_reference(second, report.metrics)
 
 
 @pytest.mark.unit
@@ -447,12 +491,13 @@ def test_ray_pipeline_trains_exactly_like_one_process(ray_address: str, tmp_path
     snap = replace(snap, micro_batches=4, recompute=True)
     trainer = Trainer(snap, RayGroup)
     assert trainer.run() is RunStatus.SUCCEEDED, trainer.report(0).error
-    assert_matches_reference(snap, [m.loss for m in metrics(trainer)])
+    assert_matches_reference(snap, metrics(trainer))
 
 
 @pytest.mark.integration
 def test_ray_replicated_pipeline_trains_like_one_process(ray_address: str, tmp_path: Path) -> None:
-    """2 replicas x 2 stages: four StageWorker actors, two gloo groups (one per stage)."""
+    """2 replicas x 2 stages: four StageWorker actors, two gloo groups (one per stage), the
+    gradient norm reduced over replica 0's stages and every step clipped."""
     import ray
 
     node = ray.get_runtime_context().get_node_id()
@@ -463,14 +508,15 @@ def test_ray_replicated_pipeline_trains_like_one_process(ray_address: str, tmp_p
         replicas=2,
         micro_batches=4,
         replica_micro_batches=(1, 3),
-        optimizer=SGD,
+        optimizer=replace(SGD, clip_grad_norm=0.05),
         recompute=True,
     )
     trainer = Trainer(snap, RayGroup)
     assert trainer.run() is RunStatus.SUCCEEDED, trainer.report(0).error
     report = trainer.report(0)
-    assert_matches_reference(snap, [m.loss for m in report.metrics])
+    assert_matches_reference(snap, report.metrics)
     assert all(t.allreduce_s > 0 for m in report.metrics for t in m.stages)
+    assert all(m.grad_norm is not None and m.grad_norm > 0.05 for m in report.metrics)
     # Same fold order in both groups: the Ray run equals the in-process run bitwise.
     local = replace(snap, job_id="job-local", stages=dp_plans([(0, 2), (2, 4)], 2))
     assert Trainer(local, LocalGroup).run() is RunStatus.SUCCEEDED
