@@ -17,6 +17,15 @@ class StageOut(BaseModel):
     blocks: tuple[int, int]
 
 
+class StageTimingOut(BaseModel):
+    stage: int
+    replica: int = 0
+    device_id: str
+    compute_s: float
+    idle_s: float
+    allreduce_s: float = 0.0
+
+
 class JobOut(BaseModel):
     id: str
     name: str
@@ -27,6 +36,7 @@ class JobOut(BaseModel):
     last_loss: float | None
     devices: list[str]
     partition: list[StageOut]
+    stage_times: list[StageTimingOut] | None  # the latest step's; None before the first
     error: str | None
     cancel_requested: bool
     attempt: int
@@ -50,6 +60,11 @@ class JobOut(BaseModel):
             last_loss=job.last_loss,
             devices=list(job.devices),
             partition=[StageOut.model_validate(p) for p in job.partition],
+            stage_times=(
+                None
+                if job.stage_times is None
+                else [StageTimingOut.model_validate(s) for s in job.stage_times]
+            ),
             error=job.error,
             cancel_requested=job.cancel_requested,
             attempt=job.attempt,
@@ -68,15 +83,6 @@ class JobPage(BaseModel):
     total: int
     limit: int
     offset: int
-
-
-class StageTimingOut(BaseModel):
-    stage: int
-    replica: int = 0
-    device_id: str
-    compute_s: float
-    idle_s: float
-    allreduce_s: float = 0.0
 
 
 class MetricOut(BaseModel):

@@ -2,9 +2,10 @@
 
 Placement chose *which* devices a job gets; this decides their order, each stage's block
 range and each replica's share of the micro-batches, so that a device measured slower gets
-fewer blocks (heterogeneity-aware partitioning). Until blocks are profiled every block costs
-the same; device speeds come from each device's measured GFLOP/s (never its emulation label),
-and a device not measured yet counts as the median of those that are.
+fewer blocks (heterogeneity-aware partitioning). Block costs are the job's traced costs
+(``workers.profiler``: seconds on the reference device), or equal when the model did not trace;
+device speeds come from each device's measured GFLOP/s (never its emulation label) relative to
+the reference device's, and a device not measured yet counts as the median of those that are.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 
 from scheduler.devices import Device
 from scheduler.partition import DeviceCapacity, PartitionPlan, Workload, plan_partition
-from scheduler.profile import uniform_costs
+from scheduler.profile import REFERENCE_GFLOPS, BlockCost
 from scheduler.types import BlockRange, DeviceId
 
 
@@ -31,28 +32,36 @@ class Layout:
 def relative_speeds(
     devices: Sequence[Device], gflops: Mapping[DeviceId, float]
 ) -> dict[DeviceId, float]:
-    """Speeds relative to the fastest measured device; unmeasured ones get the median."""
+    """Speeds relative to the reference device (``REFERENCE_GFLOPS``); unmeasured devices get
+    the median of the measured ones, and with none measured all run at the reference speed."""
     measured = [gflops[d.id] for d in devices if gflops.get(d.id, 0.0) > 0.0]
     if not measured:
         return {d.id: 1.0 for d in devices}
-    fastest, typical = max(measured), statistics.median(measured)
-    return {d.id: (gflops.get(d.id) or typical) / fastest for d in devices}
+    typical = statistics.median(measured)
+    return {d.id: (gflops.get(d.id) or typical) / REFERENCE_GFLOPS for d in devices}
 
 
 def plan_layout(
     devices: Sequence[Device],
     gflops: Mapping[DeviceId, float],
     *,
-    num_blocks: int,
-    stages: int,
-    replicas: int,
+    costs: Sequence[BlockCost],
+    stages: int | None,
+    replicas: int | None,
     workload: Workload,
+    sync_s_per_byte: float = 0.0,
 ) -> Layout:
-    """Cut ``num_blocks`` equal blocks into ``stages`` x ``replicas`` over ``devices``."""
+    """Cut the blocks of ``costs`` into ``stages`` x ``replicas`` over ``devices`` (None: the
+    partitioner chooses)."""
     speeds = relative_speeds(devices, gflops)
     capacities = [DeviceCapacity(d.id, speeds[d.id], d.memory_mb * 2**20) for d in devices]
     plan = plan_partition(
-        uniform_costs(num_blocks), capacities, workload, stages=stages, replicas=replicas
+        costs,
+        capacities,
+        workload,
+        stages=stages,
+        replicas=replicas,
+        sync_s_per_byte=sync_s_per_byte,
     )
     by_id = {d.id: d for d in devices}
     ordered = tuple(

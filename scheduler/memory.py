@@ -113,76 +113,50 @@ def fits(
     return need.total <= budget_bytes
 
 
-@dataclass(frozen=True)
-class ModelMemory:
-    """A model's bytes estimated from its configuration (no torch, nothing built).
-
-    ``static_bytes``: parameters + gradients + optimizer state of the whole model;
-    ``activation_bytes``: one micro-batch's activations through every block.
-    """
-
-    static_bytes: int
-    activation_bytes: int
-
-    def per_device_floor(self, devices: int) -> float:
-        """A lower bound on the busiest device's bytes when the model is cut over
-        ``devices`` stages: every byte lives somewhere, and every block holds at least one
-        micro-batch's activations at some moment, so some device holds the average."""
-        return (self.static_bytes + self.activation_bytes) / devices
-
-
-def estimate_from_config(
-    *,
-    param_count: int,
-    optimizer: str,
-    micro_batch_size: int,
-    activation_bytes_per_sample: int = 0,
-    momentum: bool = False,
-    bytes_per_param: int = FLOAT_BYTES,
-) -> ModelMemory:
-    """The model's memory from the registry's parameter count and a per-sample activation
-    estimate (bytes across all blocks; 0 when unknown, which only makes refusals rarer)."""
-    factor = 2.0 + optimizer_state_factor(optimizer, momentum=momentum)  # params + grads + state
-    return ModelMemory(
-        static_bytes=round(param_count * bytes_per_param * factor),
-        activation_bytes=micro_batch_size * activation_bytes_per_sample,
-    )
+def _block_floor(cost: BlockCost, micro_batch_size: int) -> int:
+    """The least a stage holding this block needs: its state and one micro-batch of it."""
+    state = 2 * cost.param_bytes + cost.optim_bytes  # parameters, gradients, optimizer
+    return state + micro_batch_size * cost.activation_bytes_per_sample
 
 
 def submission_refusal(
+    costs: Sequence[BlockCost],
     *,
-    param_count: int,
-    num_blocks: int,
     optimizer: str,
-    batch_size: int,
-    micro_batches: int,
+    micro_batch_size: int,
     largest_device_bytes: int,
     max_devices: int,
-    activation_bytes_per_sample: int = 0,
-    momentum: bool = False,
 ) -> str | None:
     """None when the job might fit, else why it cannot fit on any ``max_devices`` devices of
-    at most ``largest_device_bytes`` each (a lower bound: never refuses a job that fits)."""
-    devices = max(1, min(max_devices, num_blocks))
-    estimate = estimate_from_config(
-        param_count=param_count,
-        optimizer=optimizer,
-        micro_batch_size=max(1, batch_size // max(1, micro_batches)),
-        activation_bytes_per_sample=activation_bytes_per_sample,
-        momentum=momentum,
-    )
-    floor = estimate.per_device_floor(devices)
+    at most ``largest_device_bytes`` each. A lower bound, so it never refuses a job that
+    fits: every byte of state lives on some device, every stage holds at least one
+    micro-batch's activations of each of its blocks at its peak, so the busiest device holds
+    at least the average; and no device holds less than the largest block it gets."""
+    devices = max(1, min(max_devices, len(costs)))
+    static = sum(2 * c.param_bytes + c.optim_bytes for c in costs)
+    activations = micro_batch_size * sum(c.activation_bytes_per_sample for c in costs)
+    biggest = max(costs, key=lambda c: _block_floor(c, micro_batch_size))
+    even = -(-(static + activations) // devices)
+    floor = max(even, _block_floor(biggest, micro_batch_size))
     if floor <= largest_device_bytes:
         return None
-    split = "on one device" if devices == 1 else f"even split over {devices} devices"
-    fixes = ["allow more devices (resources.max_devices)"] if devices < num_blocks else []
-    if estimate.activation_bytes > estimate.static_bytes:
+    if floor > even:
+        where = f"for block {biggest.index} alone (a block is never split)"
+    else:
+        where = "on one device" if devices == 1 else f"even split over {devices} devices"
+    fixes = []
+    if floor == even and devices < len(costs):
+        fixes.append("allow more devices (resources.max_devices)")
+    activation_part = (
+        activations if floor == even else micro_batch_size * (biggest.activation_bytes_per_sample)
+    )
+    if 2 * activation_part > floor:  # mostly activations: smaller micro-batches help
         fixes.append("use more micro_batches (smaller micro-batches)")
     fixes.append("use a smaller model")
+    params = sum(c.param_bytes for c in costs) // FLOAT_BYTES
     return (
-        f"the model needs at least {format_bytes(floor)} per device {split}, but the largest"
-        f" device has {format_bytes(largest_device_bytes)} ({param_count:,} parameters with"
-        f" {optimizer}: {format_bytes(estimate.static_bytes)} of parameters, gradients and"
-        f" optimizer state, {format_bytes(estimate.activation_bytes)} of activations per"
-        f" micro-batch); {' or '.join(fixes)}"
+        f"the model needs at least {format_bytes(floor)} per device {where}, but the largest"
+        f" device has {format_bytes(largest_device_bytes)} ({params:,} parameters with"
+        f" {optimizer}: {format_bytes(static)} of parameters, gradients and optimizer state,"
+        f" {format_bytes(activations)} of activations per micro-batch); {' or '.join(fixes)}"
     )

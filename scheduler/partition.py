@@ -32,7 +32,11 @@ What is exact and what is a heuristic:
   and micro-batches are then shared between the replicas to equalize
   ``(m_g + p - 1) x bottleneck_g`` (a faster replica takes more), exactly for that cut.
   Gradient all-reduce time is modelled only when ``sync_s_per_byte`` is given.
-- Not modelled: activation transfer between stages, and the extra forward of recompute
+- Framework overhead: ``Workload.stage_overhead_s`` is added to every stage's time per
+  micro-batch. A constant on every stage leaves each cut's optimum where it was, so the cut
+  searches ignore it and only the choice of stage and replica counts sees it (more stages
+  pay it more often in the bubble).
+- Not modelled: activation transfer sizes between stages, and the extra forward of recompute
   (measure ``fwd_bwd_s`` with the job's recompute setting so it is in the costs).
 - Search: (replicas, stages) pairs are tried in order of a lower bound on their step time
   and the search stops once no bound can beat the best plan found.
@@ -85,6 +89,9 @@ class Workload:
     micro_batch_size: int = 1
     schedule: str = "1f1b"
     recompute: bool = False
+    stage_overhead_s: float = 0.0
+    """Seconds a stage spends per micro-batch beyond its blocks' compute (framework calls,
+    transfers): what makes one more stage cost more than it saves on a small model."""
 
 
 @dataclass(frozen=True)
@@ -146,7 +153,10 @@ def _assemble(
             used.append((slot, (start, stop)))
         start = stop
     p, r = len(used), len(used[0][0].devices)
-    times = [max(model.stage_time(b, s.devices[g].speed) for s, b in used) for g in range(r)]
+    overhead = model.workload.stage_overhead_s  # the same on every stage: no cut changes
+    times = [
+        max(model.stage_time(b, s.devices[g].speed) for s, b in used) + overhead for g in range(r)
+    ]
     if shares is None:
         rate = sum(1 / t for t in times if t > 0)
         m = model.workload.micro_batches

@@ -1,14 +1,13 @@
 """Which free devices each queued job gets: a pure function of requests and devices.
 
 Jobs are considered by priority (high first), then age; a job that cannot start yet does not
-hold back smaller ones behind it (backfill). ``stages: auto`` takes as many eligible devices
-as the job allows (``max_devices``) and the model has blocks; an explicit stage count takes
-exactly that many. Data-parallel ``replicas`` multiply the devices: a job of p stages and r
-replicas takes p x r devices (with ``stages: auto``, a multiple of r). Devices of one node are
-kept together to keep activations node-local; the chosen devices are ordered so that
-consecutive runs of p devices, one replica's pipeline, share a node where they can (device
-``r * p + s`` is stage s of replica r), leaving only the once-per-step gradient all-reduce to
-cross nodes.
+hold back smaller ones behind it (backfill). Devices come in whole units: an explicit stage
+count p with explicit replicas r takes exactly p x r devices; with replicas ``auto``, as many
+whole pipelines of p as ``max_devices`` allows (at least one); with ``stages: auto`` and r
+replicas, a multiple of r up to r x the model's blocks; with both ``auto``, up to
+``max_devices``. ``scheduler.layout`` then decides how many of them to use and how (devices it
+leaves out go back to the pool). Devices of one node are kept together; within the placement,
+consecutive devices share a node where they can.
 """
 
 from __future__ import annotations
@@ -32,21 +31,15 @@ class JobRequest:
     num_blocks: int
     device_kind: str | None = None
     spot_ok: bool = True
-    replicas: int = 1
+    replicas: int | None = 1  # None: auto
 
 
 @dataclass(frozen=True)
 class Placement:
-    """The devices a job starts on, replica-major: ``devices[r * stages + s]`` runs stage s of
-    replica r."""
+    """The devices a job may start on (``scheduler.layout`` orders and cuts over them)."""
 
     job_id: JobId
     devices: tuple[Device, ...]
-    replicas: int = 1
-
-    @property
-    def stages(self) -> int:
-        return len(self.devices) // self.replicas
 
 
 @dataclass(frozen=True)
@@ -66,14 +59,18 @@ def eligible(request: JobRequest, devices: Sequence[Device]) -> list[Device]:
     ]
 
 
-def _wanted(request: JobRequest) -> tuple[int, int]:
-    """(fewest, most) devices the job can start with, both multiples of its replicas."""
-    r = request.replicas
-    if request.stages is not None:
-        return request.stages * r, request.stages * r
-    most = min(request.max_devices // r, request.num_blocks) * r
-    fewest = -(-request.min_devices // r) * r  # min_devices rounded up to whole replicas
-    return min(max(fewest, r), most), most
+def _wanted(request: JobRequest) -> tuple[int, int, int]:
+    """(fewest, most, unit): the devices the job can start with, in whole units."""
+    p, r = request.stages, request.replicas
+    if p is not None and r is not None:
+        return p * r, p * r, p * r
+    if p is not None:  # replicas auto: whole pipelines
+        return p, max(p, request.max_devices // p * p), p
+    if r is not None:  # stages auto: whole replicas, at most one stage per block each
+        most = min(request.max_devices // r, request.num_blocks) * r
+        fewest = -(-request.min_devices // r) * r  # min_devices rounded up to whole replicas
+        return min(max(fewest, r), most), most, r
+    return min(max(request.min_devices, 1), request.max_devices), request.max_devices, 1
 
 
 def _pick(candidates: list[Device], count: int) -> tuple[Device, ...]:
@@ -94,14 +91,13 @@ def place(
     placed: list[Placement] = []
     waiting: list[Waiting] = []
     for request in sorted(requests, key=lambda r: -r.priority):  # stable: age order kept
-        fewest, most = _wanted(request)
+        fewest, most, unit = _wanted(request)
         candidates = eligible(request, available)
         if len(candidates) < fewest:
             waiting.append(Waiting(request.job_id, _reason(request, fewest, len(candidates))))
             continue
-        count = min(most, len(candidates)) // request.replicas * request.replicas
-        chosen = _pick(candidates, count)
-        placed.append(Placement(request.job_id, chosen, request.replicas))
+        chosen = _pick(candidates, min(most, len(candidates)) // unit * unit)
+        placed.append(Placement(request.job_id, chosen))
         taken = {d.id for d in chosen}
         available = [d for d in available if d.id not in taken]
     return placed, waiting

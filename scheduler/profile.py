@@ -16,6 +16,10 @@ from dataclasses import dataclass
 
 from scheduler.types import BlockRange, DeviceId
 
+REFERENCE_GFLOPS = 1000.0
+"""The reference device's speed: traced block costs are seconds on a device doing this many
+GFLOP/s, so a device measured at g GFLOP/s has relative speed g / REFERENCE_GFLOPS."""
+
 
 class ProfileError(ValueError):
     """A cost or speed measurement is unusable; the message says which and how to fix it."""

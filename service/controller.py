@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import sqlalchemy as sa
 from sqlalchemy.exc import SQLAlchemyError
@@ -28,7 +28,7 @@ from service.db.models import Checkpoint, DeviceRow, Job, JobMetric, utcnow
 from service.db.session import SessionFactory, transaction
 from service.jobs import JobConflict, add_event, transition
 from service.lifecycle import JobState
-from service.snapshots import build_snapshot, job_request
+from service.snapshots import block_costs, build_snapshot, job_request
 from service.specs import JobSpec
 from workers.snapshot import RunnerReport, RunStatus
 
@@ -47,6 +47,8 @@ class ControllerConfig:
     checkpoint_root: str
     allowed_factories: tuple[str, ...] = ()
     poll_interval_s: float = 0.5
+    stage_overhead_s: float = 0.003  # the partitioner's cost model: see service.settings
+    allreduce_s_per_byte: float = 1 / 0.7e9
 
 
 class Controller:
@@ -210,6 +212,7 @@ class Controller:
                     f"placed on {len(layout.devices)} device(s): {layout.plan.reason}",
                     devices=[d.id for d in layout.devices],
                     partition=partition,
+                    stage_times=None,  # the new partition has no timings yet
                     attempt=job.attempt + 1,
                     runner_cursor=0,
                     started_at=utcnow(),
@@ -232,9 +235,10 @@ class Controller:
             log.warning("job %s: %s", placement.job_id, reason)
             self._finish(placement.job_id, JobState.FAILED, reason, error=reason)
 
-    @staticmethod
-    def _layout(session: Session, job: Job, placement: Placement) -> Layout:
-        """Order the placed devices and cut the model over their measured speeds."""
+    def _layout(self, session: Session, job: Job, placement: Placement) -> Layout:
+        """Order the placed devices and cut the model over their measured speeds: the
+        partitioner picks the stage and replica counts a spec leaves ``auto``, and may leave
+        some placed devices unused (they return to the pool)."""
         spec = JobSpec.model_validate(job.spec)
         ids = [d.id for d in placement.devices]
         gflops = {
@@ -242,18 +246,21 @@ class Controller:
             for row in session.scalars(sa.select(DeviceRow).where(DeviceRow.id.in_(ids)))
             if row.speed_gflops
         }
+        stages, replicas = spec.parallelism.stages, spec.parallelism.replicas
         return plan_layout(
             placement.devices,
             gflops,
-            num_blocks=job.num_blocks,
-            stages=placement.stages,
-            replicas=placement.replicas,
+            costs=block_costs(job),
+            stages=stages if isinstance(stages, int) else None,
+            replicas=replicas if isinstance(replicas, int) else None,
             workload=Workload(
                 micro_batches=spec.micro_batches,
                 micro_batch_size=spec.batch_size // spec.micro_batches,
                 schedule=spec.parallelism.schedule,
                 recompute=spec.parallelism.recompute,
+                stage_overhead_s=self._config.stage_overhead_s,
             ),
+            sync_s_per_byte=self._config.allreduce_s_per_byte,
         )
 
 
@@ -279,20 +286,11 @@ def _persist_report(session: Session, job: Job, report: RunnerReport) -> None:
                     loss=m.loss,
                     samples_per_s=m.samples_per_s,
                     step_time_s=m.step_time_s,
-                    stages=[
-                        {
-                            "stage": s.stage,
-                            "replica": s.replica,
-                            "device_id": s.device_id,
-                            "compute_s": s.compute_s,
-                            "idle_s": s.idle_s,
-                            "allreduce_s": s.allreduce_s,
-                        }
-                        for s in m.stages
-                    ],
+                    stages=[asdict(s) for s in m.stages],
                 )
             )
         job.last_loss = report.metrics[-1].loss
+        job.stage_times = [asdict(s) for s in report.metrics[-1].stages]
     for event in report.events:
         add_event(session, job.id, event.kind, event.message, {"step": event.step, **event.data})
         if event.kind == "checkpoint":

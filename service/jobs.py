@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import sqlalchemy as sa
@@ -129,12 +129,21 @@ def submit_job(
                 idempotency_key=idempotency_key,
                 steps=accepted.spec.steps,
                 num_blocks=accepted.num_blocks,
+                block_costs=None if accepted.costs is None else [asdict(c) for c in accepted.costs],
                 devices=[],
                 partition=[],
             )
             session.add(job)
             session.flush()
             add_event(session, job.id, "state", "submitted", {"from": None, "to": "QUEUED"})
+            if accepted.untraced is not None:
+                add_event(
+                    session,
+                    job.id,
+                    "profile",
+                    "the model did not trace on the meta device, so its blocks count as equal"
+                    f" for the partitioner: {accepted.untraced}",
+                )
         return job, True
     except IntegrityError:
         if idempotency_key is None:

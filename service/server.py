@@ -54,6 +54,8 @@ def serve(settings: Settings) -> None:
             checkpoint_root=settings.resolved_checkpoint_root,
             allowed_factories=tuple(settings.allowed_factories),
             poll_interval_s=settings.poll_interval_s,
+            stage_overhead_s=settings.stage_overhead_ms / 1000,
+            allreduce_s_per_byte=1 / (settings.allreduce_gb_per_s * 1e9),
         ),
     )
     app = create_app(settings, factory, controller)

@@ -54,6 +54,19 @@ class Settings(BaseSettings):
     )
     poll_interval_s: float = Field(0.5, ge=0.0, le=60.0, description="Controller reconcile period.")
     ray_timeout_s: float = Field(30.0, gt=0.0, le=600.0, description="Timeout of every Ray call.")
+    stage_overhead_ms: float = Field(
+        3.0,
+        ge=0.0,
+        le=10_000.0,
+        description="Per stage and micro-batch, the framework's time beyond compute, for the"
+        " partitioner (shoal bench pipeline measures it).",
+    )
+    allreduce_gb_per_s: float = Field(
+        0.7,
+        gt=0.0,
+        le=10_000.0,
+        description="Gradient all-reduce bandwidth between replicas, for the partitioner.",
+    )
     max_body_bytes: int = Field(1_048_576, ge=1024, description="Largest accepted request body.")
     max_page_size: int = Field(500, ge=1, le=10_000, description="Cap on list page sizes.")
     log_json: bool = Field(False, description="Log as JSON lines.")

@@ -6,9 +6,10 @@ from collections.abc import Sequence
 
 from scheduler.devices import Device
 from scheduler.placement import JobRequest
+from scheduler.profile import BlockCost, uniform_costs
 from scheduler.types import BlockRange
 from service.db.models import Job
-from service.specs import JobSpec, replica_count
+from service.specs import JobSpec
 from workers.snapshot import DataRef, JobSnapshot, ModelRef, OptimizerConf, StagePlan
 
 
@@ -64,7 +65,7 @@ def build_snapshot(
 
 def job_request(job: Job) -> JobRequest:
     spec = JobSpec.model_validate(job.spec)
-    stages = spec.parallelism.stages
+    stages, replicas = spec.parallelism.stages, spec.parallelism.replicas
     return JobRequest(
         job_id=job.id,
         priority=job.priority,
@@ -74,5 +75,12 @@ def job_request(job: Job) -> JobRequest:
         num_blocks=job.num_blocks,
         device_kind=spec.resources.device_kind,
         spot_ok=spec.resources.spot_ok,
-        replicas=replica_count(spec),
+        replicas=replicas if isinstance(replicas, int) else None,
     )
+
+
+def block_costs(job: Job) -> tuple[BlockCost, ...]:
+    """The job's traced block costs, or equal ones when its model did not trace."""
+    if job.block_costs is None:
+        return uniform_costs(job.num_blocks)
+    return tuple(BlockCost(**cost) for cost in job.block_costs)

@@ -16,7 +16,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from scheduler.memory import submission_refusal
+from scheduler.profile import BlockCost
 from workers.factories import FactoryError, check_allowed
+from workers.snapshot import DataRef, ModelRef
 from workers.zoo.registry import RegistryError, data_meta, resolve_model
 
 MAX_STEPS = 10_000_000
@@ -198,11 +200,13 @@ def _check_factory(path: str, allowed: Sequence[str], field: str) -> None:
 
 @dataclass(frozen=True)
 class AcceptedSpec:
-    """A spec that passed every check, with its model's block and (built-in) parameter count."""
+    """A spec that passed every check, with its model's block count and, where the model
+    traces on the meta device (every built-in does), each block's cost."""
 
     spec: JobSpec
     num_blocks: int
-    param_count: int | None = None
+    costs: tuple[BlockCost, ...] | None = None
+    untraced: str | None = None  # why there are no costs
 
 
 def complete_job_spec(spec: JobSpec, allowed_factories: Sequence[str]) -> AcceptedSpec:
@@ -215,8 +219,6 @@ def complete_job_spec(spec: JobSpec, allowed_factories: Sequence[str]) -> Accept
         _check_factory(spec.model.factory, allowed_factories, "model.factory")
     updates: dict[str, Any] = {}
     meta = None
-    num_blocks = 0
-    param_count: int | None = None
     try:
         if spec.data.builtin is not None:
             data_config, meta = data_meta(spec.data.builtin, spec.data.config)
@@ -228,52 +230,63 @@ def complete_job_spec(spec: JobSpec, allowed_factories: Sequence[str]) -> Accept
                 )
             resolved = resolve_model(spec.model.builtin, spec.model.config, meta)
             updates["model"] = spec.model.model_copy(update={"config": resolved.config})
-            num_blocks, param_count = resolved.num_blocks, resolved.param_count
     except RegistryError as exc:
         raise SpecError([(exc.field, exc.message)]) from None
-    if spec.model.factory is not None:
-        num_blocks = _count_factory_blocks(spec, allowed_factories)
-    _check_stage_count(spec.parallelism.stages, num_blocks)
-    return AcceptedSpec(spec.model_copy(update=updates), num_blocks, param_count)
+    completed = spec.model_copy(update=updates)
+    accepted = _trace(completed, allowed_factories)
+    _check_stage_count(spec.parallelism.stages, accepted.num_blocks)
+    return accepted
+
+
+def _trace(spec: JobSpec, allowed: Sequence[str]) -> AcceptedSpec:
+    """The spec with its blocks counted and costed by tracing the model on the meta device;
+    a factory model that does not trace there is built once on the CPU to count its blocks."""
+    from workers.profiler import TraceError, trace_costs
+
+    model = ModelRef(spec.model.builtin, spec.model.factory, spec.model.config)
+    data = DataRef(spec.data.builtin, spec.data.factory, spec.data.config)
+    try:
+        costs = trace_costs(
+            model,
+            data,
+            micro_batch_size=spec.batch_size // spec.micro_batches,
+            optimizer=spec.optimizer.name,
+            momentum=bool(spec.optimizer.momentum),
+            allowed=allowed,
+        )
+    except TraceError as exc:
+        if spec.model.factory is None:
+            raise  # every built-in model traces: this is a bug, not a bad spec
+        return AcceptedSpec(spec, _count_factory_blocks(model, data, allowed), untraced=str(exc))
+    return AcceptedSpec(spec, len(costs), costs)
 
 
 def check_memory(accepted: AcceptedSpec, largest_device_mb: int | None) -> None:
-    """Refuse a built-in model that cannot fit on the devices the job may use, whatever the
-    partition (a lower bound on the memory per device); no devices known: nothing to check."""
-    if accepted.param_count is None or largest_device_mb is None:
+    """Refuse a model that cannot fit on the devices the job may use, whatever the partition
+    (a lower bound on the memory per device); no devices known or no costs: nothing to check."""
+    if accepted.costs is None or largest_device_mb is None:
         return
     spec = accepted.spec
     message = submission_refusal(
-        param_count=accepted.param_count,
-        num_blocks=accepted.num_blocks,
+        accepted.costs,
         optimizer=spec.optimizer.name,
-        batch_size=spec.batch_size,
-        micro_batches=spec.micro_batches,
+        micro_batch_size=spec.batch_size // spec.micro_batches,
         largest_device_bytes=largest_device_mb * 2**20,
         max_devices=spec.resources.max_devices,
-        momentum=bool(spec.optimizer.momentum),
     )
     if message is not None:
         raise SpecError([("resources.max_devices", message)])
 
 
-def _count_factory_blocks(spec: JobSpec, allowed: Sequence[str]) -> int:
+def _count_factory_blocks(model: ModelRef, data: DataRef, allowed: Sequence[str]) -> int:
     """Build an allowed factory model once to learn its block count (and that it builds)."""
-    from workers.snapshot import DataRef, ModelRef
     from workers.zoo.data import make_data
     from workers.zoo.models import count_blocks
 
     try:
-        data = make_data(
-            DataRef(spec.data.builtin, spec.data.factory, spec.data.config), 0, allowed
-        )
-        return count_blocks(
-            ModelRef(None, spec.model.factory, spec.model.config), data.meta, allowed
-        )
+        return count_blocks(model, make_data(data, 0, allowed).meta, allowed)
     except Exception as exc:  # user code: any failure is a bad spec, reported, not raised
-        raise SpecError(
-            [("model.factory", f"building {spec.model.factory} failed: {exc}")]
-        ) from None
+        raise SpecError([("model.factory", f"building {model.factory} failed: {exc}")]) from None
 
 
 def replica_count(spec: JobSpec) -> int:

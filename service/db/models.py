@@ -77,6 +77,11 @@ class Job(Base):
     last_loss: Mapped[float | None] = mapped_column(default=None)
     devices: Mapped[list[Any]] = mapped_column(default=list)
     partition: Mapped[list[Any]] = mapped_column(default=list)
+    # Per block, the traced cost at submission (scheduler.profile.BlockCost fields); None when
+    # the model does not trace, and blocks then cost the same.
+    block_costs: Mapped[list[Any] | None] = mapped_column(default=None)
+    # The latest step's per-stage timings (the job_metrics row's ``stages``); None before it.
+    stage_times: Mapped[list[Any] | None] = mapped_column(default=None)
     error: Mapped[str | None] = mapped_column(sa.Text, default=None)
     attempt: Mapped[int] = mapped_column(default=0)
     runner_cursor: Mapped[int] = mapped_column(default=0)

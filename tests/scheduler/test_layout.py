@@ -1,4 +1,4 @@
-"""Turning placed devices into a pipeline: order, cut and shares from measured speeds."""
+"""Turning placed devices into a pipeline: order, cut and shares from costs and speeds."""
 
 from __future__ import annotations
 
@@ -6,24 +6,24 @@ import pytest
 
 from scheduler.layout import plan_layout, relative_speeds
 from scheduler.partition import Workload
+from scheduler.profile import REFERENCE_GFLOPS, BlockCost, uniform_costs
 from tests.factories import device
 
 pytestmark = pytest.mark.unit
 
 
-def test_speeds_are_relative_to_the_fastest_and_unmeasured_take_the_median() -> None:
+def test_speeds_are_relative_to_the_reference_and_unmeasured_take_the_median() -> None:
     devices = [device("n1", 0), device("n1", 1), device("n1", 2), device("n1", 3)]
-    speeds = relative_speeds(
-        devices, {devices[0].id: 40.0, devices[1].id: 10.0, devices[2].id: 20.0}
-    )
-    assert [speeds[d.id] for d in devices] == [1.0, 0.25, 0.5, 0.5]
+    gflops = {devices[0].id: 40.0, devices[1].id: 10.0, devices[2].id: 20.0}
+    speeds = relative_speeds(devices, gflops)
+    assert [speeds[d.id] * REFERENCE_GFLOPS for d in devices] == [40.0, 10.0, 20.0, 20.0]
     assert set(relative_speeds(devices, {}).values()) == {1.0}
 
 
 def test_unmeasured_devices_get_an_even_cut() -> None:
     devices = (device("n1", 0), device("n1", 1))
     layout = plan_layout(
-        devices, {}, num_blocks=4, stages=2, replicas=1, workload=Workload(micro_batches=4)
+        devices, {}, costs=uniform_costs(4), stages=2, replicas=1, workload=Workload(4)
     )
     assert layout.ranges == ((0, 2), (2, 4))
     assert len(layout.devices) == 2
@@ -34,7 +34,7 @@ def test_a_device_measured_slower_gets_fewer_blocks() -> None:
     layout = plan_layout(
         (slow, fast),
         {fast.id: 30.0, slow.id: 10.0},
-        num_blocks=8,
+        costs=uniform_costs(8),
         stages=2,
         replicas=1,
         workload=Workload(micro_batches=4),
@@ -44,10 +44,56 @@ def test_a_device_measured_slower_gets_fewer_blocks() -> None:
     assert sum(sizes.values()) == 8
 
 
+def test_costly_blocks_get_stages_of_their_own() -> None:
+    # A cheap embedding, two costly layers, a cheap head: 2 stages cut between the layers.
+    costs = tuple(BlockCost(i, t, 0, 0, 0) for i, t in enumerate([0.01, 1.0, 1.0, 0.01]))
+    devices = (device("n1", 0), device("n1", 1))
+    layout = plan_layout(devices, {}, costs=costs, stages=2, replicas=1, workload=Workload(4))
+    assert layout.ranges == ((0, 2), (2, 4))
+    skewed = tuple(BlockCost(i, t, 0, 0, 0) for i, t in enumerate([0.01, 0.01, 0.01, 3.0]))
+    layout = plan_layout(devices, {}, costs=skewed, stages=2, replicas=1, workload=Workload(4))
+    assert layout.ranges == ((0, 3), (3, 4))
+
+
+def test_auto_counts_weigh_compute_against_per_stage_overhead() -> None:
+    devices = tuple(device("n1", i) for i in range(4))
+    costs = uniform_costs(4, fwd_bwd_s=0.001)  # a small model: one millisecond per block
+    cheap = plan_layout(devices, {}, costs=costs, stages=None, replicas=1, workload=Workload(8))
+    assert len(cheap.ranges) == 4  # free stages: use every device
+    costly = plan_layout(
+        devices,
+        {},
+        costs=costs,
+        stages=None,
+        replicas=1,
+        workload=Workload(8, stage_overhead_s=0.02),
+    )
+    # (m + p - 1)(4 ms / p + 20 ms): 192 ms on one stage, 198 ms on two, 231 ms on four
+    assert len(costly.ranges) == 1
+    assert len(costly.devices) == 1  # the others go back to the pool
+
+
+def test_auto_replicas_pay_for_their_all_reduce() -> None:
+    devices = tuple(device("n1", i) for i in range(4))
+    costs = tuple(BlockCost(i, 0.01, 10**8, 0, 0) for i in range(2))  # 100 MB per block
+    free = plan_layout(devices, {}, costs=costs, stages=None, replicas=None, workload=Workload(8))
+    assert free.plan.replicas > 1
+    slow_sync = plan_layout(
+        devices,
+        {},
+        costs=costs,
+        stages=None,
+        replicas=None,
+        workload=Workload(8),
+        sync_s_per_byte=1e-8,  # 1 s per 100 MB: never worth it for a 0.2 s step
+    )
+    assert slow_sync.plan.replicas == 1
+
+
 def test_replicas_are_laid_out_replica_major_with_shares() -> None:
     devices = tuple(device("n1", i) for i in range(4))
     layout = plan_layout(
-        devices, {}, num_blocks=3, stages=2, replicas=2, workload=Workload(micro_batches=4)
+        devices, {}, costs=uniform_costs(3), stages=2, replicas=2, workload=Workload(4)
     )
     assert layout.plan.replicas == 2 and sum(layout.plan.micro_batches) == 4
     assert len(set(layout.devices)) == 4 and len(layout.ranges) == 2

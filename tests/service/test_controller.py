@@ -97,7 +97,12 @@ def test_job_trains_to_success_with_metrics_events_and_checkpoints(
     controller = make_controller(session_factory, cluster, tmp_path)
     who = owner(session_factory)
     job_id = submit(
-        session_factory, who, steps=30, resources={"max_devices": 2}, optimizer={"lr": 0.01}
+        session_factory,
+        who,
+        steps=30,
+        resources={"max_devices": 2},
+        parallelism={"stages": 2},
+        optimizer={"lr": 0.01},
     )
     reconcile_until(controller, lambda: job(session_factory, job_id).state == "SUCCEEDED")
 

@@ -106,6 +106,20 @@ def test_allowed_factory_model_is_built_to_count_its_blocks() -> None:
     assert accepted.num_blocks == 3
 
 
+def test_a_factory_model_is_traced_for_its_block_costs() -> None:
+    spec = job_spec(model={"factory": f"{FACTORIES}:tiny_mlp", "config": {"hidden": 8}})
+    accepted = validate_job_spec(spec, [FACTORIES])
+    assert accepted.costs is not None and len(accepted.costs) == 3
+    assert accepted.costs[0].param_bytes > 0 and accepted.costs[1].param_bytes == 0  # Tanh
+
+
+def test_a_factory_model_that_does_not_trace_is_counted_and_says_why() -> None:
+    spec = job_spec(model={"factory": f"{FACTORIES}:data_dependent_mlp", "config": {}})
+    accepted = validate_job_spec(spec, [FACTORIES])
+    assert (accepted.num_blocks, accepted.costs) == (4, None)
+    assert accepted.untraced is not None and "meta" in accepted.untraced
+
+
 def test_allowed_factory_that_fails_is_a_spec_error() -> None:
     spec = job_spec(model={"factory": f"{FACTORIES}:not_a_model", "config": {}})
     with pytest.raises(SpecError) as info:

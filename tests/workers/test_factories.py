@@ -112,6 +112,18 @@ def tiny_mlp_list(config: dict[str, Any], meta: DataMeta) -> list[nn.Module]:
     return list(tiny_mlp(config, meta))
 
 
+class _DataDependent(nn.Module):
+    """Reads a value out of its input: fine on real tensors, impossible on the meta device."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * float(x.abs().max().item() > 0)
+
+
+def data_dependent_mlp(config: dict[str, Any], meta: DataMeta) -> nn.Sequential:
+    """A model that trains but does not trace on the meta device: four blocks."""
+    return nn.Sequential(*tiny_mlp(config, meta), _DataDependent())
+
+
 def not_a_model(config: dict[str, Any], meta: DataMeta) -> str:
     return "a string"
 
