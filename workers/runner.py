@@ -279,14 +279,13 @@ class Trainer:
                 reduces += group.all_reduce([r * depth + s for r in range(snap.replicas)])
         norms = [group.submit(w, "grad_norms") for w in range(depth)]
         # Stage 0's backwards end every dependency chain: waiting on them surfaces any error.
-        values = group.get([*losses, *firsts, *reduces, *norms], self._timeout)
-        grad_norm, clip = clip_coefficient(values[-depth:], snap.optimizer.clip_grad_norm)
-        updates = [group.submit(w, "apply_step", clip) for w in range(len(plans))]
-        computes = group.get(updates, self._timeout)
+        values, grad_norm, computes = self._apply(
+            group, [*losses, *firsts, *reduces], norms, len(plans)
+        )
         elapsed = self._clock() - started
         reduced = [0.0] * len(plans)
         if reduces:
-            times = values[-depth - len(reduces) : -depth]
+            times = values[-len(reduces) :]
             for i, seconds in enumerate(times):  # reduces are stage-major
                 s, r = divmod(i, snap.replicas)
                 reduced[r * depth + s] = seconds
@@ -308,6 +307,23 @@ class Trainer:
             ),
             grad_norm=grad_norm,
         )
+
+    def _apply(
+        self, group: WorkerGroup, waits: list[Any], norms: list[Any], workers: int
+    ) -> tuple[list[Any], float, list[float]]:
+        """Step every worker once ``waits`` and the gradient ``norms`` are done: the values
+        of ``waits``, the gradient norm, and each worker's compute seconds. Clipping needs
+        the norm before the step, one more round trip; without it, all goes at once."""
+        max_norm = self.snapshot.optimizer.clip_grad_norm
+        if max_norm is None:
+            updates = [group.submit(w, "apply_step") for w in range(workers)]
+            values = group.get([*waits, *norms, *updates], self._timeout)
+            grad_norm, _ = clip_coefficient(values[len(waits) : -workers], None)
+            return values[: len(waits)], grad_norm, values[-workers:]
+        values = group.get([*waits, *norms], self._timeout)
+        grad_norm, clip = clip_coefficient(values[len(waits) :], max_norm)
+        updates = [group.submit(w, "apply_step", clip) for w in range(workers)]
+        return values[: len(waits)], grad_norm, group.get(updates, self._timeout)
 
     def _submit_pipeline(
         self,
