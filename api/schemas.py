@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from service.db.models import Checkpoint, DeviceRow, Job, JobEvent, JobMetric
 
@@ -92,6 +92,9 @@ class MetricOut(BaseModel):
     samples_per_s: float
     step_time_s: float
     stages: list[StageTimingOut]
+    grad_norm: float | None = Field(
+        default=None, description="the L2 norm of the step's whole-model gradient, before clipping"
+    )
 
     @classmethod
     def of(cls, row: JobMetric) -> MetricOut:
@@ -102,6 +105,7 @@ class MetricOut(BaseModel):
             samples_per_s=row.samples_per_s,
             step_time_s=row.step_time_s,
             stages=[StageTimingOut.model_validate(s) for s in row.stages],
+            grad_norm=row.grad_norm,
         )
 
 

@@ -287,6 +287,7 @@ def _persist_report(session: Session, job: Job, report: RunnerReport) -> None:
                     samples_per_s=m.samples_per_s,
                     step_time_s=m.step_time_s,
                     stages=[asdict(s) for s in m.stages],
+                    grad_norm=m.grad_norm,
                 )
             )
         job.last_loss = report.metrics[-1].loss

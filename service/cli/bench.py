@@ -119,7 +119,12 @@ def pipeline(
             result["single_process_samples_per_s"],
         ),
         ("PyTorch, 1 process, 1 thread (one device)", result["single_thread_samples_per_s"]),
+        (
+            f"PyTorch, 1 thread each, {result['devices']} side by side",
+            result["side_by_side_thread_samples_per_s"],
+        ),
         (f"ideal: 1 device x {result['devices']} x m/(m+p-1)", ideal),
+        ("ideal from the side-by-side thread", result["side_by_side_ideal_samples_per_s"]),
         ("Shoal, 2 stages on 2 devices", result["shoal_samples_per_s"]),
         ("torch.distributed.pipelining (gloo)", result["torch_pipelining_samples_per_s"]),
     ]
@@ -127,8 +132,9 @@ def pipeline(
         table.add_row(name, _f(value), _f(value / ideal, 2) if ideal else "-")
     console.print(table)
     console.print(
-        f"efficiency {result['efficiency']:.2f} of ideal; framework overhead"
-        f" {result['overhead_ms_per_microbatch']:.2f} ms per micro-batch"
+        f"efficiency {result['efficiency']:.2f} of ideal"
+        f" ({result['side_by_side_efficiency']:.2f} of the side-by-side ideal); framework"
+        f" overhead {result['overhead_ms_per_microbatch']:.2f} ms per micro-batch"
     )
 
 

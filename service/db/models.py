@@ -114,6 +114,9 @@ class JobMetric(Base):
     samples_per_s: Mapped[float]
     step_time_s: Mapped[float]
     stages: Mapped[list[Any]] = mapped_column(default=list)
+    grad_norm: Mapped[float | None] = mapped_column(default=None)
+    """The L2 norm of the step's whole-model gradient before clipping (None in rows written
+    before the runner reported it)."""
 
 
 class Checkpoint(Base):

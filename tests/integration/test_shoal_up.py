@@ -210,7 +210,7 @@ def test_four_stages_train_exactly_like_one_through_the_api(
     token = admin_token(shoal)
     api = Api(shoal, token)
     steps = 12
-    curves, jobs = {}, {}
+    curves, norms, jobs = {}, {}, {}
     for stages in (4, 1):
         spec = example_spec(
             name=f"mlp-digits-{stages}-stages",
@@ -222,9 +222,13 @@ def test_four_stages_train_exactly_like_one_through_the_api(
         job_id = curl_submit(shoal, token, spec, tmp_path)["id"]
         runner_reaper.append(job_id)
         jobs[stages] = api.wait_state(job_id, lambda j: j["state"] == "SUCCEEDED", "success")
-        curves[stages] = [m["loss"] for m in api.items(job_id, "metrics")]
+        metrics = api.items(job_id, "metrics")
+        curves[stages] = [m["loss"] for m in metrics]
+        norms[stages] = [m["grad_norm"] for m in metrics]
 
     assert len(curves[4]) == steps and curves[4] == curves[1]
+    # The norm sums per-stage squares in another order: equal to rounding, not bitwise.
+    assert norms[4] == pytest.approx(norms[1], rel=1e-5)
     four = jobs[4]
     assert [tuple(p["blocks"]) for p in four["partition"]] == [(0, 1), (1, 2), (2, 3), (3, 4)]
     assert len(set(four["devices"])) == 4

@@ -112,15 +112,16 @@ def test_job_trains_to_success_with_metrics_events_and_checkpoints(
     assert len(ranges) == 2 and ranges[0][0] == 0 and ranges[0][1] == ranges[1][0]
     assert ranges[1][1] == 3  # two stages covering the mlp's 3 blocks
     with session_factory() as session:
-        losses = [
-            m.loss
-            for m in session.scalars(
+        metrics = list(
+            session.scalars(
                 sa.select(JobMetric).where(JobMetric.job_id == job_id).order_by(JobMetric.step)
             )
-        ]
+        )
+        losses = [m.loss for m in metrics]
         steps = sorted(c.step for c in session.scalars(sa.select(Checkpoint)))
         holders = set(session.scalars(sa.select(DeviceRow.job_id)))
     assert len(losses) == 30 and sum(losses[-5:]) < 0.5 * sum(losses[:5])
+    assert all(m.grad_norm is not None and m.grad_norm > 0 for m in metrics)
     assert steps == [20, 30]  # every 10 steps, keep 2
     kinds = [e.kind for e in events(session_factory, job_id)]
     assert kinds[:2] == ["state", "state"] and "placement" in kinds and "checkpoint" in kinds

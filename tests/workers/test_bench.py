@@ -74,6 +74,7 @@ def test_pipeline_result_has_the_issue_keys_and_is_json() -> None:
         s,
         single_process=150.0,
         single_thread=90.0,
+        side_by_side_thread=72.0,
         shoal=144.0,
         torch_pipelining=120.0,
         overhead_ms=1.5,
@@ -83,6 +84,9 @@ def test_pipeline_result_has_the_issue_keys_and_is_json() -> None:
     assert result["ideal_samples_per_s"] == pytest.approx(160.0)
     assert result["efficiency"] == pytest.approx(0.9)
     assert result["shoal_vs_torch_pipelining"] == pytest.approx(1.2)
+    # One thread beside the other: 72/s, so the reachable ideal is 128/s, Shoal 144/128.
+    assert result["side_by_side_ideal_samples_per_s"] == pytest.approx(128.0)
+    assert result["side_by_side_efficiency"] == pytest.approx(1.125)
     assert {"cpus", "torch", "ray", "date", "load_average_1m"} <= set(result["machine"])
     assert json.loads(json.dumps(result))["settings"]["micro_batches"] == 8
 
@@ -125,7 +129,7 @@ def test_bench_pipeline_tiny_run_prints_positive_numbers() -> None:
     result = CliRunner().invoke(cli, args, catch_exceptions=False)
     assert result.exit_code == 0, result.output
     answer = _last_json(result.output)
-    for key in PIPELINE_KEYS:
+    for key in (*PIPELINE_KEYS, "side_by_side_thread_samples_per_s"):
         # The overhead is a difference of two timings: positive, though not by construction.
         if key != "overhead_ms_per_microbatch":
             assert _positive(answer[key]), (key, answer[key])
@@ -162,6 +166,7 @@ def test_bench_tables_render_without_json(monkeypatch: pytest.MonkeyPatch) -> No
         s,
         single_process=150.0,
         single_thread=90.0,
+        side_by_side_thread=72.0,
         shoal=144.0,
         torch_pipelining=120.0,
         overhead_ms=1.5,
@@ -173,6 +178,7 @@ def test_bench_tables_render_without_json(monkeypatch: pytest.MonkeyPatch) -> No
     assert result.exit_code == 0, result.output
     assert "Shoal, 2 stages on 2 devices" in result.output
     assert "efficiency 0.90 of ideal" in result.output
+    assert "1.12 of the side-by-side ideal" in result.output
 
     t = TransportSettings(sizes=(16,))
     measured = {

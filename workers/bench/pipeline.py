@@ -9,13 +9,16 @@ where it runs differs. Shoal runs through the real engine (``workers.runner.Trai
 
 from __future__ import annotations
 
+import json
+import multiprocessing
 import os
 import statistics
 import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import asdict, replace
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -52,6 +55,7 @@ BENCH_NAMESPACE = "shoal-bench"
 PIPELINE_PHASES = (
     "single process, all cores",
     "single process, one thread",
+    "one thread per device, side by side",
     "starting Ray",
     "shoal, 2 stages",
     "shoal overhead, tiny model",
@@ -124,6 +128,32 @@ def single_process_step_times(s: PipelineSettings, threads: int) -> list[float]:
     return times
 
 
+def _contender(fields: dict[str, Any], start: Any, out: str) -> None:
+    s = PipelineSettings(**fields)
+    start.wait()
+    Path(out).write_text(json.dumps(single_process_step_times(s, 1)))
+
+
+def side_by_side_step_times(s: PipelineSettings) -> list[list[float]]:
+    """Each step's seconds of ``s.stages`` one-thread plain runs of the whole model, one per
+    process, started together: what one device does while the others also compute. On a
+    CPU the virtual devices share memory bandwidth and caches, so this is the single-device
+    speed the pipeline's stages can actually have; GPUs do not slow each other this way."""
+    spawn = multiprocessing.get_context("spawn")
+    start = spawn.Barrier(s.stages)
+    with tempfile.TemporaryDirectory(prefix="shoal-bench-side-") as tmp:
+        outs = [str(Path(tmp) / f"{i}.json") for i in range(s.stages)]
+        runs = [spawn.Process(target=_contender, args=(asdict(s), start, o)) for o in outs]
+        for run in runs:
+            run.start()
+        for run in runs:
+            run.join()
+        failed = [r.exitcode for r in runs if r.exitcode != 0]
+        if failed:
+            raise BenchError(f"a side-by-side run exited with {failed[0]}")
+        return [json.loads(Path(o).read_text()) for o in outs]
+
+
 def shoal_step_times(s: PipelineSettings, node_id: str, steps: int) -> list[StepMetrics]:
     """Each step's metrics from Shoal's engine: ``s.stages`` StageWorkers, one per device."""
     model, data, opt = refs(s)
@@ -183,6 +213,8 @@ def run_pipeline(s: PipelineSettings, progress: Progress = lambda _: None) -> di
     all_cores = single_process_step_times(s, cores)
     progress(next(phases))
     one_thread = single_process_step_times(s, 1)
+    progress(next(phases))
+    side_by_side = side_by_side_step_times(s)
     # The overhead model: negligible compute, so its step is all framework.
     tiny = replace(s, hidden=8, layers=1, features=8, outputs=1, steps=s.overhead_steps)
     tiny_local = single_process_step_times(tiny, 1)
@@ -207,6 +239,7 @@ def run_pipeline(s: PipelineSettings, progress: Progress = lambda _: None) -> di
         s,
         single_process=rate(all_cores),
         single_thread=rate(one_thread),
+        side_by_side_thread=statistics.median(rate(times) for times in side_by_side),
         shoal=rate(shoal),
         torch_pipelining=rate(peer_times),
         overhead_ms=1000 * tiny_extra / s.micro_batches,

@@ -166,6 +166,7 @@ def pipeline_result(
     *,
     single_process: float,
     single_thread: float,
+    side_by_side_thread: float,
     shoal: float,
     torch_pipelining: float,
     overhead_ms: float,
@@ -175,11 +176,13 @@ def pipeline_result(
     """The JSON object of ``shoal bench pipeline``; the issue's keys come first.
 
     A virtual CPU device runs one thread (``workers.stage``), so the single-device
-    throughput of the ideal is the single-thread one.
+    throughput of the ideal is the single-thread one. The side-by-side ideal takes instead
+    one thread's throughput while the other devices' threads also run (on a CPU they share
+    memory bandwidth; ``pipeline.side_by_side_step_times``).
     """
-    ideal = ideal_samples_per_s(
-        single_thread, settings.stages, settings.micro_batches, settings.stages
-    )
+    p, m = settings.stages, settings.micro_batches
+    ideal = ideal_samples_per_s(single_thread, p, m, p)
+    side_by_side_ideal = ideal_samples_per_s(side_by_side_thread, p, m, p)
     shoal_eff = efficiency(shoal, ideal)
     return {
         "single_process_samples_per_s": single_process,
@@ -191,6 +194,9 @@ def pipeline_result(
         "overhead_ms_per_microbatch": overhead_ms,
         "torch_pipelining_efficiency": efficiency(torch_pipelining, ideal),
         "shoal_vs_torch_pipelining": efficiency(shoal, torch_pipelining),
+        "side_by_side_thread_samples_per_s": side_by_side_thread,
+        "side_by_side_ideal_samples_per_s": side_by_side_ideal,
+        "side_by_side_efficiency": efficiency(shoal, side_by_side_ideal),
         "devices": settings.stages,
         "model": f"mlp {settings.parameters / 1e6:.1f}M parameters"
         f" ({settings.layers} x {settings.hidden} hidden, {settings.features} in,"
