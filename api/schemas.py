@@ -24,6 +24,7 @@ class StageTimingOut(BaseModel):
     compute_s: float
     idle_s: float
     allreduce_s: float = 0.0
+    transfer_s: float = 0.0
 
 
 class JobOut(BaseModel):

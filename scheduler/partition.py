@@ -47,13 +47,13 @@ What is exact and what is a heuristic:
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 
 from scheduler.cut import Model, Slot, Stops, cut
 from scheduler.memory import format_bytes
-from scheduler.profile import BlockCost, speeds_from_stage_times
+from scheduler.profile import BlockCost
 from scheduler.shares import flight_limit, share
 from scheduler.types import BlockRange, DeviceId
 
@@ -122,14 +122,6 @@ class PartitionPlan:
     def replica(self, index: int) -> tuple[tuple[DeviceId, BlockRange], ...]:
         """Replica ``index`` as (device, blocks) per stage: what one pipeline runs."""
         return tuple((stage.device_ids[index], stage.blocks) for stage in self.stages)
-
-
-@dataclass(frozen=True)
-class Keep:
-    """``replan``'s answer when moving blocks would not pay: the current plan stays."""
-
-    reason: str
-    predicted_step_s: float
 
 
 # ------------------------------------------------------------------- the plan of a cut
@@ -505,40 +497,6 @@ def evaluate(
     stops = [stage.blocks[1] for stage in plan.stages]
     shares = plan.micro_batches
     return _whole(_assemble(model, slots, stops, sync_s_per_byte, "", shares)).predicted_step_s
-
-
-def replan(
-    current: PartitionPlan,
-    costs: Sequence[BlockCost],
-    devices: Sequence[DeviceCapacity],
-    workload: Workload,
-    *,
-    measured_s: Mapping[DeviceId, float] | None = None,
-    min_gain: float = 0.05,
-    sync_s_per_byte: float = 0.0,
-) -> Keep | PartitionPlan:
-    """Re-cut the blocks over the plan's own devices (Elasticpipe / PipeTransformer-style
-    dynamic repartitioning): a new plan if it is predicted at least ``min_gain`` faster, else
-    ``Keep``. ``measured_s``: seconds per micro-batch each device really computed (same unit
-    as ``costs``); it replaces the devices' speeds (``speeds_from_stage_times``)."""
-    by_id = {d.device_id: d for d in devices}
-    if measured_s:
-        held = [(d, s.blocks) for s in current.stages for d in s.device_ids if d in measured_s]
-        for speed in speeds_from_stage_times(costs, held, [measured_s[d] for d, _ in held]):
-            old = by_id[speed.device_id]
-            by_id[old.device_id] = DeviceCapacity(
-                old.device_id, speed.relative_speed, old.memory_bytes
-            )
-    now = evaluate(current, costs, list(by_id.values()), workload, sync_s_per_byte=sync_s_per_byte)
-    groups = [[by_id[d] for d in stage.device_ids] for stage in current.stages]
-    candidate = order_partition(costs, groups, workload, sync_s_per_byte=sync_s_per_byte)
-    if candidate.predicted_step_s <= now * (1 - min_gain):
-        return candidate
-    return Keep(
-        f"the current cut predicts {now:.4g} s per step, the best re-cut"
-        f" {candidate.predicted_step_s:.4g} s: less than {min_gain:.0%} faster",
-        now,
-    )
 
 
 # ------------------------------------------------ homogeneous devices (one speed, no memory)

@@ -3,7 +3,8 @@
 A ``BlockCost`` is measured once, on one *reference* device, at the job's micro-batch size:
 the forward+backward seconds of one micro-batch and the block's bytes. A ``DeviceSpeed`` says
 how much faster a device runs the same work (1.0 = the reference), estimated from *measured*
-times only: the stage speed benchmark (GFLOP/s) or the compute a stage really spent. The
+times only: the stage speed benchmark (GFLOP/s) or the compute a stage really spent
+(``scheduler.elastic.measured_speeds``). The
 emulate-slowdown label of a virtual device is never read here; it shows up, as a real slow GPU
 would, in what is measured.
 """
@@ -119,30 +120,3 @@ def speeds_from_gflops(
     if bad is not None:
         raise ProfileError(f"device {bad} measured {gflops[bad]} GFLOP/s; measure it again")
     return tuple(DeviceSpeed(d, g / base) for d, g in gflops.items())
-
-
-def speeds_from_stage_times(
-    costs: Sequence[BlockCost],
-    stages: Sequence[tuple[DeviceId, BlockRange]],
-    measured_s: Sequence[float],
-) -> tuple[DeviceSpeed, ...]:
-    """Relative speeds from the compute each stage really spent (per micro-batch or per step,
-    as long as ``costs`` use the same unit): reference time of its blocks / measured time.
-
-    This is how a device that slowed down (thermal throttling, a noisy neighbour, an emulated
-    straggler) becomes visible to the partitioner between repartitions.
-    """
-    if len(stages) != len(measured_s):
-        raise ProfileError(
-            f"{len(stages)} stages but {len(measured_s)} measured times; give one per stage"
-        )
-    speeds = []
-    for (device, blocks), seconds in zip(stages, measured_s, strict=True):
-        expected = range_time(costs, blocks)
-        if not (math.isfinite(seconds) and seconds > 0) or expected <= 0:
-            raise ProfileError(
-                f"stage on {device} (blocks {blocks[0]}-{blocks[1] - 1}) measured {seconds} s"
-                f" against {expected} s expected; both must be > 0 to estimate a speed"
-            )
-        speeds.append(DeviceSpeed(device, expected / seconds))
-    return tuple(speeds)

@@ -227,6 +227,7 @@ class Controller:
                 allowed_factories=self._config.allowed_factories,
                 replicas=layout.plan.replicas,
                 replica_micro_batches=layout.plan.micro_batches,
+                transfer_bytes_per_s=1 / self._config.allreduce_s_per_byte,
             )
         try:
             self._cluster.start_runner(snapshot)
@@ -296,6 +297,8 @@ def _persist_report(session: Session, job: Job, report: RunnerReport) -> None:
         add_event(session, job.id, event.kind, event.message, {"step": event.step, **event.data})
         if event.kind == "checkpoint":
             _record_checkpoint(session, job.id, event.step, event.data)
+        elif event.kind == "repartition":
+            job.partition = list(event.data["to"])
         elif event.kind == "device_speed" and "device_id" in event.data:
             row = session.get(DeviceRow, event.data["device_id"])
             if row is not None:

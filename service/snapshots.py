@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from scheduler.devices import Device
+from scheduler.elastic import ElasticConfig
 from scheduler.placement import JobRequest
 from scheduler.profile import BlockCost, uniform_costs
 from scheduler.types import BlockRange
@@ -22,6 +23,7 @@ def build_snapshot(
     allowed_factories: Sequence[str],
     replicas: int = 1,
     replica_micro_batches: Sequence[int] = (),
+    transfer_bytes_per_s: float = 0.7e9,
 ) -> JobSnapshot:
     """The runner's snapshot; ``devices`` are replica-major (``devices[r * p + s]`` runs stage
     s of replica r) and ``ranges`` are the p stages' block ranges."""
@@ -60,6 +62,17 @@ def build_snapshot(
         checkpoint_every=spec.checkpoint.every_steps,
         checkpoint_keep=spec.checkpoint.keep,
         allowed_factories=tuple(allowed_factories),
+        block_costs=block_costs(job),
+        elastic=(
+            ElasticConfig(
+                window_steps=spec.elastic.check_every_steps,
+                min_gain=spec.elastic.min_gain,
+                horizon_steps=spec.elastic.horizon_steps,
+                transfer_bytes_per_s=transfer_bytes_per_s,
+            )
+            if spec.elastic.repartition
+            else None
+        ),
     )
 
 

@@ -101,8 +101,14 @@ class ParallelismSpec(_Strict):
 
 
 class ElasticSpec(_Strict):
+    """Runtime rebalancing (``scheduler.elastic``): every ``check_every_steps`` steps the
+    runner re-cuts the blocks over its devices if the measured speeds predict a step at
+    least ``min_gain`` faster that repays the move within ``horizon_steps`` steps."""
+
     repartition: bool = True
     check_every_steps: int = Field(10, ge=1, le=1_000_000)
+    min_gain: float = Field(0.1, ge=0.0, lt=1.0)
+    horizon_steps: int = Field(100, ge=1, le=MAX_STEPS)
 
 
 class ResourcesSpec(_Strict):

@@ -14,6 +14,7 @@ keeps each stage's calls in schedule order (see ``workers.group``).
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -27,6 +28,7 @@ from scheduler.schedules import Action, Op, build, submission_order
 from workers.checkpoints import CheckpointInfo, CheckpointStore
 from workers.clipping import clip_coefficient
 from workers.group import GroupFactory, RayGroup, StageFailed, StageLost, WorkerGroup
+from workers.rebalance import Layout, Policy, Rebalancer, snapshot_policy
 from workers.snapshot import (
     JobSnapshot,
     RunnerEvent,
@@ -36,7 +38,7 @@ from workers.snapshot import (
     StageTiming,
     StepMetrics,
 )
-from workers.stage import StageSetup
+from workers.stage import StageSetup, StepClock
 from workers.wire import Wire, send
 from workers.zoo.data import DataSource, make_data
 
@@ -89,8 +91,10 @@ class Trainer:
         *,
         step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S,
         clock: Callable[[], float] = time.perf_counter,
+        policy: Policy | None = None,
     ) -> None:
         self.snapshot = snapshot
+        self._policy = policy
         self._make_group = make_group
         self._timeout = step_timeout_s
         self._clock = clock
@@ -143,24 +147,28 @@ class Trainer:
         try:
             snap = self.snapshot
             plans = check_plans(snap.stages, snap.num_blocks, snap.replicas)
-            split = snap.micro_batch_split()
-            depth = len(plans) // snap.replicas
-            orders = {n: submission_order(build(snap.schedule, depth, n)) for n in set(split)}
+            layout = Layout(tuple(plans), snap.micro_batch_split())
             data = make_data(snap.data, snap.seed, snap.allowed_factories)
             store = CheckpointStore(snap.checkpoint_root)
             group = self._make_group(plans, StageSetup.of(snap, data.meta))
             latest = store.latest(snap.job_id)
             self._announce(group, plans, latest.step if latest else 0)
             start = self._restore(group, plans, store, latest) if latest else 0
+            rebalancer = (
+                Rebalancer(self._policy, self._timeout, self._record) if self._policy else None
+            )
             for step in range(start, snap.steps):
                 if self._cancelled.is_set():
                     return self._finish(RunStatus.CANCELLED)
-                self._record(self._train_step(group, plans, orders, data, step))
+                metrics = self._train_step(group, layout, data, step)
+                self._record(metrics)
                 done = step + 1
                 if done == snap.steps or (
                     snap.checkpoint_every > 0 and done % snap.checkpoint_every == 0
                 ):
-                    self._checkpoint(group, plans, store, done)
+                    self._checkpoint(group, layout, store, done)
+                if rebalancer is not None and done < snap.steps:
+                    layout = rebalancer.after_step(group, layout, metrics)
             return self._finish(RunStatus.SUCCEEDED)
         except (StageLost, StageFailed) as exc:  # their message names the stage and device
             return self._finish(RunStatus.FAILED, str(exc))
@@ -245,12 +253,7 @@ class Trainer:
         return latest.step
 
     def _train_step(
-        self,
-        group: WorkerGroup,
-        plans: list[StagePlan],
-        orders: dict[int, tuple[Action, ...]],
-        data: DataSource,
-        step: int,
+        self, group: WorkerGroup, layout: Layout, data: DataSource, step: int
     ) -> StepMetrics:
         """One mini-batch: replica r runs its own pipeline schedule over its micro-batches
         (those after replicas 0..r-1's), then each stage's gradients are summed over its
@@ -259,16 +262,25 @@ class Trainer:
         asks (``workers.clipping``). The loss scale is the micro-batch's share of the whole
         mini-batch, so the replicas' summed gradients are the reference's."""
         snap = self.snapshot
+        plans = layout.plans
         started = self._clock()
         inputs, targets = data.batch(step, snap.batch_size)
         rows = snap.batch_size // snap.micro_batches
         scale = rows / snap.batch_size
-        depth = len(plans) // snap.replicas
+        depth = layout.depth
         losses, firsts = [], []
         offset = 0
-        for r, count in enumerate(snap.micro_batch_split()):
+        for r, count in enumerate(layout.split):
             part = self._submit_pipeline(
-                group, orders[count], r * depth, depth, offset, inputs, targets, rows, scale
+                group,
+                _order(snap.schedule, depth, count),
+                r * depth,
+                depth,
+                offset,
+                inputs,
+                targets,
+                rows,
+                scale,
             )
             losses += part[0]
             firsts += part[1]
@@ -279,7 +291,7 @@ class Trainer:
                 reduces += group.all_reduce([r * depth + s for r in range(snap.replicas)])
         norms = [group.submit(w, "grad_norms") for w in range(depth)]
         # Stage 0's backwards end every dependency chain: waiting on them surfaces any error.
-        values, grad_norm, computes = self._apply(
+        values, grad_norm, clocks = self._apply(
             group, [*losses, *firsts, *reduces], norms, len(plans)
         )
         elapsed = self._clock() - started
@@ -298,21 +310,22 @@ class Trainer:
                 StageTiming(
                     p.index,
                     p.device.id,
-                    c,
-                    max(0.0, elapsed - c - a),
+                    c.compute_s,
+                    max(0.0, elapsed - c.compute_s - c.transfer_s - a),
                     replica=p.replica,
                     allreduce_s=a,
+                    transfer_s=c.transfer_s,
                 )
-                for p, c, a in zip(plans, computes, reduced, strict=True)
+                for p, c, a in zip(plans, clocks, reduced, strict=True)
             ),
             grad_norm=grad_norm,
         )
 
     def _apply(
         self, group: WorkerGroup, waits: list[Any], norms: list[Any], workers: int
-    ) -> tuple[list[Any], float, list[float]]:
+    ) -> tuple[list[Any], float, list[StepClock]]:
         """Step every worker once ``waits`` and the gradient ``norms`` are done: the values
-        of ``waits``, the gradient norm, and each worker's compute seconds. Clipping needs
+        of ``waits``, the gradient norm, and each worker's seconds of the step. Clipping needs
         the norm before the step, one more round trip; without it, all goes at once."""
         max_norm = self.snapshot.optimizer.clip_grad_norm
         if max_norm is None:
@@ -364,15 +377,16 @@ class Trainer:
         return losses, firsts
 
     def _checkpoint(
-        self, group: WorkerGroup, plans: list[StagePlan], store: CheckpointStore, step: int
+        self, group: WorkerGroup, layout: Layout, store: CheckpointStore, step: int
     ) -> None:
         snap = self.snapshot
+        plans = layout.plans
         # Replicas are identical after every step: replica 0 (workers 0..p-1) speaks for all.
-        depth = len(plans) // snap.replicas
+        depth = layout.depth
         blocks: dict[int, Any] = {}
         for states in group.get([group.submit(w, "state") for w in range(depth)], self._timeout):
             blocks.update(states)
-        layout = {
+        manifest = {
             "model": asdict(snap.model),
             "data": asdict(snap.data),
             "optimizer": asdict(snap.optimizer),
@@ -388,7 +402,7 @@ class Trainer:
                 for p in plans
             ],
             "replicas": snap.replicas,
-            "replica_micro_batches": list(snap.micro_batch_split()),
+            "replica_micro_batches": list(layout.split),
             "step": step,
             "data_cursor": step,
             "seed": snap.seed,
@@ -397,7 +411,7 @@ class Trainer:
             "schedule": snap.schedule,
             "attempt": snap.attempt,
         }
-        info = store.write(snap.job_id, step, blocks, layout)
+        info = store.write(snap.job_id, step, blocks, manifest)
         deleted = store.retain(snap.job_id, snap.checkpoint_keep) if snap.checkpoint_keep else []
         self._record(
             RunnerEvent(
@@ -407,6 +421,12 @@ class Trainer:
                 {"step": step, "path": info.path, "bytes": info.nbytes, "deleted": list(deleted)},
             )
         )
+
+
+@functools.cache
+def _order(schedule: str, stages: int, micro_batches: int) -> tuple[Action, ...]:
+    """The submission order of one replica's schedule (``workers.group``: ordering)."""
+    return submission_order(build(schedule, stages, micro_batches))
 
 
 def _rows(batch: Tensor, j: int, rows: int) -> Wire:
@@ -424,7 +444,12 @@ class JobRunner:
         *,
         step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S,
     ) -> None:
-        self._trainer = Trainer(snapshot, make_group, step_timeout_s=step_timeout_s)
+        self._trainer = Trainer(
+            snapshot,
+            make_group,
+            step_timeout_s=step_timeout_s,
+            policy=snapshot_policy(snapshot),
+        )
         self._started = False
         self._lock = threading.Lock()
 

@@ -12,6 +12,8 @@ from enum import StrEnum
 from typing import Any
 
 from scheduler.devices import Device
+from scheduler.elastic import ElasticConfig
+from scheduler.profile import BlockCost
 from scheduler.types import BlockRange, JobId
 
 
@@ -95,6 +97,11 @@ class JobSnapshot:
     after those of replicas 0..r-1."""
     precision: str = "fp32"
     """``fp32``, or ``bf16``: forward and loss under bfloat16 autocast (``workers.precision``)."""
+    block_costs: tuple[BlockCost, ...] = ()
+    """Each block's cost (``scheduler.profile``): what the elastic policy weighs measured
+    times against; empty means equal blocks."""
+    elastic: ElasticConfig | None = None
+    """Runtime repartitioning (``scheduler.elastic``); None: the layout never changes."""
 
     def micro_batch_split(self) -> tuple[int, ...]:
         """Micro-batches per replica, checked."""
@@ -122,8 +129,8 @@ class RunStatus(StrEnum):
 
 @dataclass(frozen=True)
 class StageTiming:
-    """Seconds one stage (replica) spent computing, all-reducing gradients and waiting in
-    one step."""
+    """Seconds one stage (replica) spent in one step computing, all-reducing gradients,
+    moving activations and gradients (``transfer_s``), and waiting (``idle_s``: the rest)."""
 
     stage: int
     device_id: str
@@ -131,6 +138,7 @@ class StageTiming:
     idle_s: float
     replica: int = 0
     allreduce_s: float = 0.0
+    transfer_s: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -13,13 +13,18 @@ the forward and the loss, recomputed ones included, run under the job's autocast
 
 Timing: every compute call is measured; a device's ``emulate_slowdown`` factor f > 1 makes
 the call sleep (f - 1) x its measured time, counted as compute, so a straggler is visible
-only through measured times, as a real slow device would be.
+only through measured times, as a real slow device would be. Turning activations and
+gradients into and out of their wire form is timed apart, as transfer.
+
+Blocks move between stages at step boundaries (elastic repartitioning): ``export`` hands
+out the state of some held blocks, ``adopt`` takes a new block range, keeping what it
+holds and building the rest from exported states.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +33,7 @@ import torch
 from torch import Tensor
 
 from scheduler.devices import Device
+from scheduler.types import BlockRange
 from workers.blocks import Block
 from workers.clipping import grad_norms, scale_grads
 from workers.collective import GlooCollective
@@ -44,6 +50,15 @@ _SPEED_REPEATS = 16
 
 class StageStateError(RuntimeError):
     """A stage was driven out of order (a schedule or runner bug, never user input)."""
+
+
+@dataclass(frozen=True)
+class StepClock:
+    """Seconds one stage spent in one step computing and moving activations and gradients
+    (turning them into and out of their wire form)."""
+
+    compute_s: float
+    transfer_s: float
 
 
 @dataclass(frozen=True)
@@ -122,6 +137,7 @@ class Stage:
         self.first = start == 0
         self.last = stop == setup.num_blocks
         self.device = _torch_device(plan.device)
+        self._setup = setup
         if not plan.device.gpu:
             # Virtual CPU devices share a machine's cores: one thread each keeps them apart.
             torch.set_num_threads(1)
@@ -138,6 +154,7 @@ class Stage:
         self._amp_dtype = autocast_dtype(setup.precision)
         self._kept: dict[int, _Kept] = {}
         self._compute_s = 0.0
+        self._transfer_s = 0.0
         self._collective: GlooCollective | None = None
 
     # ----------------------------------------------------------------------- timing
@@ -152,6 +169,18 @@ class Stage:
             time.sleep((self._slowdown - 1.0) * (time.perf_counter() - start))
         self._compute_s += time.perf_counter() - start
 
+    def _receive(self, x: Wire) -> Tensor:
+        start = time.perf_counter()
+        tensor = receive(x, self.device)
+        self._transfer_s += time.perf_counter() - start
+        return tensor
+
+    def _send(self, x: Tensor) -> Wire:
+        start = time.perf_counter()
+        wire = send(x)
+        self._transfer_s += time.perf_counter() - start
+        return wire
+
     # ---------------------------------------------------------------- forward/backward
 
     def _run(self, x: Tensor) -> Tensor:
@@ -159,10 +188,11 @@ class Stage:
             x = block.module(x)
         return x
 
-    def _keep(self, mb: int, x: Wire, head: Callable[[Tensor], Tensor], is_loss: bool) -> Tensor:
+    def _keep(
+        self, mb: int, inp: Tensor, head: Callable[[Tensor], Tensor], is_loss: bool
+    ) -> Tensor:
         if mb in self._kept:
             raise StageStateError(f"stage {self.index} already holds micro-batch {mb}")
-        inp = receive(x, self.device)
         if not self.first:
             inp.requires_grad_()
 
@@ -184,17 +214,18 @@ class Stage:
 
     def forward(self, mb: int, x: Wire) -> Wire:
         """Run micro-batch ``mb`` through the stage; the output goes to the next stage."""
+        inp = self._receive(x)
         with self._compute():
-            out = self._keep(mb, x, lambda y: y, is_loss=False)
-        return send(out)
+            out = self._keep(mb, inp, lambda y: y, is_loss=False)
+        return self._send(out)
 
     def forward_loss(self, mb: int, x: Wire, target: Wire, scale: float) -> float:
         """Last stage: the forward and the loss ``loss_fn(out, target) * scale``, kept for
         backward. ``scale`` is the micro-batch's share of the mini-batch, so accumulated
         gradients are those of the mini-batch mean."""
+        inp, expected = self._receive(x), self._receive(target)
         with self._compute():
-            expected = receive(target, self.device)
-            loss = self._keep(mb, x, lambda y: self._loss(y, expected) * scale, is_loss=True)
+            loss = self._keep(mb, inp, lambda y: self._loss(y, expected) * scale, is_loss=True)
             value = float(loss.item())
         return value
 
@@ -208,13 +239,14 @@ class Stage:
             raise StageStateError(
                 f"stage {self.index} needs the output gradient of micro-batch {mb}"
             )
+        upstream = None if grad is None else self._receive(grad)
         with self._compute():
             # Rematerialization: recompute the forward under autograd, RNG as it was.
             out = kept.output if isinstance(kept.output, Tensor) else kept.output.run(kept.input)
-            torch.autograd.backward(out, None if grad is None else receive(grad, self.device))
+            torch.autograd.backward(out, upstream)
         if self.first or kept.input.grad is None:
             return None
-        return send(kept.input.grad)
+        return self._send(kept.input.grad)
 
     def grad_norms(self) -> Wire:
         """The L2 norm of each accumulated gradient, block and parameter order: this stage's
@@ -222,10 +254,10 @@ class Stage:
         with self._compute():
             return grad_norms(self.blocks)
 
-    def apply_step(self, clip: float | None = None) -> float:
+    def apply_step(self, clip: float | None = None) -> StepClock:
         """Apply the accumulated gradients to every block, multiplied first by ``clip`` (the
-        clipping coefficient) when given; return the compute seconds spent since the last
-        step (this step's compute) and restart the count."""
+        clipping coefficient) when given; return the compute and transfer seconds spent
+        since the last step (this step's) and restart the counts."""
         if self._kept:
             raise StageStateError(
                 f"stage {self.index} still holds micro-batches {sorted(self._kept)}; every"
@@ -236,7 +268,8 @@ class Stage:
                 scale_grads(self.blocks, clip)
             for block in self.blocks:
                 block.step()
-        spent, self._compute_s = self._compute_s, 0.0
+        spent = StepClock(self._compute_s, self._transfer_s)
+        self._compute_s = self._transfer_s = 0.0
         return spent
 
     # ------------------------------------------------------- data parallelism (collective)
@@ -275,6 +308,43 @@ class Stage:
         for block in self.blocks:
             block.load(states[block.index])
 
+    def export(self, indices: Sequence[int]) -> dict[int, Any]:
+        """The state of the given blocks, which this stage holds (for ``adopt`` elsewhere)."""
+        held = {block.index: block for block in self.blocks}
+        missing = [i for i in indices if i not in held]
+        if missing:
+            raise StageStateError(f"stage {self.index} does not hold blocks {missing}")
+        return {i: held[i].state() for i in indices}
+
+    def adopt(self, blocks: BlockRange, *parts: Mapping[int, Any]) -> int:
+        """Hold blocks ``[start, stop)`` from now on, between two steps: keep the held ones,
+        build the others from their states in ``parts`` (``export``s of their holders), drop
+        the rest. The stage's bytes after the move."""
+        if self._kept:
+            raise StageStateError(
+                f"stage {self.index} still holds micro-batches {sorted(self._kept)}; blocks"
+                " move only between steps"
+            )
+        start, stop = blocks
+        if not 0 <= start < stop <= self._setup.num_blocks:
+            raise ValueError(f"stage {self.index} cannot hold blocks [{start}, {stop})")
+        states = {i: state for part in parts for i, state in part.items()}
+        held = {block.index: block for block in self.blocks}
+        new = [i for i in range(start, stop) if i not in held]
+        missing = [i for i in new if i not in states]
+        if missing:
+            raise StageStateError(f"stage {self.index} got no state for blocks {missing}")
+        s = self._setup
+        modules = build_blocks(s.model, s.meta, s.seed, new, s.allowed)
+        for i, module in zip(new, modules, strict=True):
+            block = Block(i, module, s.optimizer)
+            block.to(self.device)
+            block.load(states[i])
+            held[i] = block
+        self.blocks = [held[i] for i in range(start, stop)]
+        self.first, self.last = start == 0, stop == s.num_blocks
+        return self.nbytes()
+
     def nbytes(self) -> int:
         """Bytes of the blocks' parameters and optimizer state (memory accounting)."""
         return sum(block.nbytes() for block in self.blocks)
@@ -301,6 +371,8 @@ STAGE_METHODS = frozenset(
         "apply_step",
         "state",
         "load",
+        "export",
+        "adopt",
         "nbytes",
         "measure_speed",
         "collective_host",

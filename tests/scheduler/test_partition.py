@@ -16,7 +16,6 @@ from scheduler import partition, shares
 from scheduler.memory import fits, in_flight
 from scheduler.partition import (
     DeviceCapacity,
-    Keep,
     PartitionError,
     PartitionPlan,
     Workload,
@@ -25,7 +24,6 @@ from scheduler.partition import (
     even_partition,
     order_partition,
     plan_partition,
-    replan,
 )
 from scheduler.profile import BlockCost, range_time, uniform_costs
 from scheduler.types import BlockRange
@@ -404,26 +402,6 @@ def test_bad_inputs_say_why(bad: dict[str, object], message: str) -> None:
     args.update(bad)
     with pytest.raises(PartitionError, match=message):
         plan_partition(**args)  # type: ignore[arg-type]
-
-
-# ------------------------------------------------------------------ repartitioning (Keep)
-
-
-def test_replan_keeps_a_balanced_cut_and_recuts_around_a_straggler() -> None:
-    costs = uniform_costs(6)
-    devices = [DeviceCapacity(f"d{i}", 1.0, GiB) for i in range(3)]
-    w = Workload(micro_batches=6)
-    plan = plan_partition(costs, devices, w, stages=3, replicas=1)
-    kept = replan(plan, costs, devices, w, measured_s={"d0": 2.0, "d1": 2.0, "d2": 2.0})
-    assert isinstance(kept, Keep)
-    assert math.isclose(kept.predicted_step_s, (6 + 2) * 2.0)
-    # d1 now takes 4 s for its 2 blocks (half speed): 8 x 4 s per step as cut. Give it one
-    # block and the others the rest: 8 x 3 s.
-    moved = replan(plan, costs, devices, w, measured_s={"d0": 2.0, "d1": 4.0, "d2": 2.0})
-    assert isinstance(moved, PartitionPlan)
-    assert [s.device_ids for s in moved.stages] == [("d0",), ("d1",), ("d2",)]
-    assert [s.blocks for s in moved.stages] == [(0, 3), (3, 4), (4, 6)]
-    assert math.isclose(moved.predicted_step_s, 24.0)
 
 
 # ----------------------------------------------------------------------------- speed

@@ -13,7 +13,6 @@ from scheduler.profile import (
     range_time,
     scaled_time,
     speeds_from_gflops,
-    speeds_from_stage_times,
     uniform_costs,
 )
 
@@ -33,12 +32,6 @@ def test_speeds_from_the_micro_benchmark_are_relative_to_the_reference() -> None
     assert speeds == (DeviceSpeed("ref", 1.0), DeviceSpeed("fast", 2.5), DeviceSpeed("slow", 0.5))
 
 
-def test_speeds_from_measured_stage_compute() -> None:
-    costs = uniform_costs(4, fwd_bwd_s=1.0)
-    speeds = speeds_from_stage_times(costs, [("a", (0, 2)), ("b", (2, 4))], [1.0, 4.0])
-    assert speeds == (DeviceSpeed("a", 2.0), DeviceSpeed("b", 0.5))
-
-
 @pytest.mark.parametrize(
     ("make", "message"),
     [
@@ -52,14 +45,6 @@ def test_speeds_from_measured_stage_compute() -> None:
         (
             lambda: speeds_from_gflops({"a": 1.0, "b": math.nan}, reference="a"),
             "device b measured nan GFLOP/s",
-        ),
-        (
-            lambda: speeds_from_stage_times(uniform_costs(2), [("a", (0, 2))], [0.0]),
-            r"stage on a \(blocks 0-1\) measured 0.0 s",
-        ),
-        (
-            lambda: speeds_from_stage_times(uniform_costs(2), [("a", (0, 2))], []),
-            "1 stages but 0 measured times",
         ),
     ],
 )

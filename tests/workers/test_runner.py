@@ -385,7 +385,7 @@ def test_events_metrics_and_checkpoint_retention(tmp_path: Path) -> None:
         assert [t.stage for t in m.stages] == [0, 1]
         for t in m.stages:
             assert t.compute_s > 0
-            assert t.compute_s + t.idle_s == pytest.approx(m.step_time_s)
+            assert t.compute_s + t.transfer_s + t.idle_s == pytest.approx(m.step_time_s)
 
 
 @pytest.mark.unit

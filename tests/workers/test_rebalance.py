@@ -1,0 +1,216 @@
+"""Runtime repartitioning: blocks move between running stages and the math does not change."""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Sequence
+from dataclasses import replace
+from itertools import pairwise
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from scheduler.devices import Device
+from scheduler.elastic import (
+    Decision,
+    ElasticConfig,
+    Keep,
+    Repartition,
+    StageSample,
+    current_plan,
+)
+from scheduler.partition import PartitionPlan
+from scheduler.types import BlockRange
+from tests.workers.test_runner import (
+    SGD,
+    assert_matches_reference,
+    dp_plans,
+    final_states,
+    job,
+    metrics,
+    plans,
+)
+from workers.group import LocalGroup, RayGroup
+from workers.rebalance import Layout, snapshot_policy
+from workers.runner import Trainer
+from workers.snapshot import JobSnapshot, RunStatus
+
+
+class ForcedMoves:
+    """A policy that re-cuts at given steps, whatever the measurements: ``moves[k]`` is the
+    (stage ranges, micro-batch split) to move to after the k-th step of the run."""
+
+    def __init__(self, moves: dict[int, tuple[Sequence[BlockRange], Sequence[int]]]) -> None:
+        self._moves = moves
+        self._calls = 0
+
+    def __call__(self, plan: PartitionPlan, history: Sequence[Sequence[StageSample]]) -> Decision:
+        self._calls += 1
+        move = self._moves.get(self._calls)
+        if move is None:
+            return Keep("not asked to move")
+        ranges, split = move
+        target = current_plan(
+            [(s.device_ids, r) for s, r in zip(plan.stages, ranges, strict=True)], split
+        )
+        return Repartition(target, 1.0, 0.5, (), 0, 0.0, {}, "forced by the test")
+
+
+@st.composite
+def cut_of(draw: st.DrawFn, stages: int, blocks: int = 4) -> list[BlockRange]:
+    cuts = sorted(
+        draw(st.sets(st.integers(1, blocks - 1), min_size=stages - 1, max_size=stages - 1))
+    )
+    return list(pairwise([0, *cuts, blocks]))
+
+
+@st.composite
+def split_of(draw: st.DrawFn, micro_batches: int, replicas: int) -> tuple[int, ...]:
+    if replicas == 1:
+        return (micro_batches,)
+    bars = sorted(
+        draw(
+            st.sets(st.integers(1, micro_batches - 1), min_size=replicas - 1, max_size=replicas - 1)
+        )
+    )
+    return tuple(b - a for a, b in pairwise([0, *bars, micro_batches]))
+
+
+@st.composite
+def elastic_runs(draw: st.DrawFn) -> dict[str, Any]:
+    """1-2 replicas of 1-4 stages, re-cut (and re-split) after random steps."""
+    replicas = draw(st.integers(1, 2))
+    stages = draw(st.integers(1, 4 if replicas == 1 else 2))
+    micro_batches = draw(st.sampled_from([2, 4]))
+    steps = draw(st.integers(2, 4))
+    at = draw(st.sets(st.integers(1, steps - 1), min_size=1))
+    moves = {k: (draw(cut_of(stages)), draw(split_of(micro_batches, replicas))) for k in sorted(at)}
+    return {
+        "snapshot": {
+            "stages": dp_plans(draw(cut_of(stages)), replicas),
+            "replicas": replicas,
+            "replica_micro_batches": draw(split_of(micro_batches, replicas)),
+            "micro_batches": micro_batches,
+            "steps": steps,
+            "schedule": draw(st.sampled_from(["gpipe", "1f1b"])),
+            "recompute": draw(st.booleans()),
+            "optimizer": replace(SGD, clip_grad_norm=draw(st.sampled_from([None, 0.05]))),
+            "checkpoint_every": draw(st.sampled_from([0, 1])),
+        },
+        "moves": moves,
+    }
+
+
+def run(snap: JobSnapshot, policy: Any = None) -> Trainer:
+    trainer = Trainer(snap, LocalGroup, policy=policy)
+    assert trainer.run() is RunStatus.SUCCEEDED, trainer.report(0).error
+    return trainer
+
+
+@pytest.mark.unit
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(elastic_runs())
+def test_forced_repartitions_leave_the_math_unchanged(config: dict[str, Any]) -> None:
+    """Against the single-process reference to rtol=1e-5, atol=1e-6 (replicas sum partial
+    gradients in another order: tests/workers/test_runner.py); and a pipeline that is only
+    re-cut, never re-split, equals the same run without moves *bitwise*."""
+    with tempfile.TemporaryDirectory() as root, tempfile.TemporaryDirectory() as still_root:
+        snap = job(root, [], **config["snapshot"])
+        moved = run(snap, ForcedMoves(config["moves"]))
+        events = [e for e in moved.report(0).events if e.kind == "repartition"]
+        assert len(events) == len(config["moves"])
+        assert_matches_reference(snap, metrics(moved))
+        if snap.replicas == 1:
+            still = run(replace(snap, checkpoint_root=still_root))
+            assert [m.loss for m in metrics(moved)] == [m.loss for m in metrics(still)]
+            a, b = final_states(snap), final_states(replace(snap, checkpoint_root=still_root))
+            for i in b:
+                for name, tensor in b[i]["module"].items():
+                    assert torch.equal(a[i]["module"][name], tensor), (i, name)
+
+
+@pytest.mark.unit
+def test_a_repartition_is_an_event_with_both_layouts_and_the_checkpoint_follows(
+    tmp_path: Path,
+) -> None:
+    snap = job(tmp_path, [(0, 1), (1, 4)], steps=3, checkpoint_every=1, checkpoint_keep=0)
+    trainer = run(snap, ForcedMoves({1: ([(0, 3), (3, 4)], [2])}))
+    (event,) = [e for e in trainer.report(0).events if e.kind == "repartition"]
+    assert event.step == 1
+    assert [r["blocks"] for r in event.data["from"]] == [[0, 1], [1, 4]]
+    assert [r["blocks"] for r in event.data["to"]] == [[0, 3], [3, 4]]
+    assert event.data["migration_s"] > 0 and event.data["predicted_gain"] == 0.5
+    assert "re-cut 0-0@" in event.message and "forced by the test" in event.message
+    from workers.checkpoints import CheckpointStore
+
+    manifest, _ = CheckpointStore(tmp_path).read("job-1", 3)
+    assert [s["blocks"] for s in manifest["layout"]["stages"]] == [[0, 3], [3, 4]]
+
+
+@pytest.mark.unit
+def test_a_straggler_is_measured_and_given_fewer_blocks(tmp_path: Path) -> None:
+    """Stage 1's device is emulated 6x slower: after one window the policy moves blocks off
+    it, the result is measured, and the parameters still equal the reference's."""
+    node = "n0000000a"
+    devices = [
+        Device(f"{node}-cpu-{i}", node, i, "cpu", 2048, False, False, 6.0 if i == 1 else 1.0)
+        for i in range(2)
+    ]
+    snap = job(
+        tmp_path,
+        [],
+        stages=tuple(
+            replace(p, device=d) for p, d in zip(plans([(0, 2), (2, 4)]), devices, strict=True)
+        ),
+        steps=8,
+        micro_batches=4,
+        elastic=ElasticConfig(window_steps=2, min_gain=0.1, horizon_steps=1000),
+    )
+    policy = snapshot_policy(snap)
+    assert policy is not None
+    trainer = run(snap, policy)
+    events = trainer.report(0).events
+    moves = [e for e in events if e.kind == "repartition"]
+    assert moves, [e.message for e in events]
+    first = moves[0]
+    assert first.step == 2 and first.data["to"][1]["blocks"][0] > 2  # stage 1 holds fewer
+    assert first.data["speeds"][devices[1].id] < first.data["speeds"][devices[0].id]
+    assert "computes at" in first.message
+    results = [e for e in events if e.kind == "repartition_result"]
+    assert results and results[0].data["moved_at"] == 2
+    assert_matches_reference(snap, metrics(trainer))
+
+
+@pytest.mark.unit
+def test_elastic_off_means_no_policy(tmp_path: Path) -> None:
+    assert snapshot_policy(job(tmp_path, [(0, 4)])) is None
+
+
+@pytest.mark.unit
+def test_a_layout_only_takes_a_plan_over_its_own_devices() -> None:
+    layout = Layout(plans([(0, 2), (2, 4)]), (2,))
+    assert layout.plan().device_ids == ("n0000000-cpu-0", "n0000000-cpu-1")
+    other = current_plan([(("x",), (0, 2)), (("y",), (2, 4))], [2])
+    with pytest.raises(ValueError, match="only a re-cut over the same devices"):
+        layout.with_plan(other)
+    moved = layout.with_plan(
+        current_plan([(("n0000000-cpu-0",), (0, 1)), (("n0000000-cpu-1",), (1, 4))], [2])
+    )
+    assert [p.blocks for p in moved.plans] == [(0, 1), (1, 4)]
+
+
+@pytest.mark.integration
+def test_ray_stages_move_blocks_and_train_exactly(ray_address: str, tmp_path: Path) -> None:
+    import ray
+
+    node = ray.get_runtime_context().get_node_id()
+    snap = job(tmp_path, [], stages=plans([(0, 1), (1, 2), (2, 4)], node), steps=4, micro_batches=4)
+    moves = {1: ([(0, 2), (2, 3), (3, 4)], [4]), 2: ([(0, 1), (1, 3), (3, 4)], [4])}
+    trainer = Trainer(snap, RayGroup, policy=ForcedMoves(moves))
+    assert trainer.run() is RunStatus.SUCCEEDED, trainer.report(0).error
+    assert len([e for e in trainer.report(0).events if e.kind == "repartition"]) == 2
+    assert_matches_reference(snap, metrics(trainer))

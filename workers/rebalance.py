@@ -1,0 +1,227 @@
+"""Runtime repartitioning in the runner: the running layout, when to ask the elastic policy,
+moving blocks between workers, and the events that tell the story.
+
+The decision is ``scheduler.elastic`` (pure); this module feeds it the measured times of
+the layout now running and carries out a ``Repartition`` at a step boundary: every worker
+whose block range changes ``adopt``s its new range, built from the ``export``ed states of
+the blocks' current holders in its own replica, actor to actor (the handles of the exports
+are the adopts' arguments, so the states never pass through the runner). Moving a block
+moves its parameters and optimizer state bit for bit, so the math is unchanged.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from scheduler.elastic import Decision, Keep, Repartition, StageSample, current_plan, decide
+from scheduler.partition import DeviceCapacity, PartitionPlan, Workload
+from scheduler.profile import uniform_costs
+from workers.group import Handle, WorkerGroup
+from workers.snapshot import JobSnapshot, RunnerEvent, StagePlan, StepMetrics
+
+Policy = Callable[[PartitionPlan, Sequence[Sequence[StageSample]]], Decision]
+"""Asked after a step: the running layout and the samples measured since it began."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What runs now: the workers' plans, replica-major, and each replica's micro-batches."""
+
+    plans: tuple[StagePlan, ...]
+    split: tuple[int, ...]
+
+    @property
+    def depth(self) -> int:
+        return len(self.plans) // len(self.split)
+
+    def plan(self) -> PartitionPlan:
+        depth = self.depth
+        return current_plan(
+            [
+                (
+                    [self.plans[r * depth + s].device.id for r in range(len(self.split))],
+                    self.plans[s].blocks,
+                )
+                for s in range(depth)
+            ],
+            self.split,
+        )
+
+    def rows(self) -> list[dict[str, Any]]:
+        """The partition as the API shows it: stage, replica, device and blocks per worker."""
+        return [
+            {
+                "stage": p.index,
+                "replica": p.replica,
+                "device_id": p.device.id,
+                "blocks": list(p.blocks),
+            }
+            for p in self.plans
+        ]
+
+    def with_plan(self, plan: PartitionPlan) -> Layout:
+        """This layout's workers holding ``plan``'s cut and micro-batch shares."""
+        if plan.device_ids != self.plan().device_ids:
+            raise ValueError(
+                f"the new plan uses devices {list(plan.device_ids)}, the workers are on"
+                f" {list(self.plan().device_ids)}; only a re-cut over the same devices moves"
+                " blocks between running workers"
+            )
+        plans = tuple(replace(p, blocks=plan.stages[p.index].blocks) for p in self.plans)
+        return Layout(plans, tuple(plan.micro_batches))
+
+    def samples(self, metrics: StepMetrics) -> list[StageSample]:
+        return [
+            StageSample(p.device.id, p.blocks, self.split[p.replica], t.compute_s)
+            for p, t in zip(self.plans, metrics.stages, strict=True)
+        ]
+
+    def describe(self) -> str:
+        return ", ".join(f"{p.blocks[0]}-{p.blocks[1] - 1}@{p.device.id}" for p in self.plans)
+
+
+def snapshot_policy(snapshot: JobSnapshot) -> Policy | None:
+    """The job's elastic policy: ``scheduler.elastic.decide`` every ``window_steps`` steps
+    of the running layout, on the job's block costs and its devices' memory; None if off."""
+    conf = snapshot.elastic
+    if conf is None:
+        return None
+    costs = snapshot.block_costs or uniform_costs(snapshot.num_blocks)
+    devices = [
+        DeviceCapacity(p.device.id, 1.0, p.device.memory_mb * 2**20) for p in snapshot.stages
+    ]
+    workload = Workload(
+        micro_batches=snapshot.micro_batches,
+        micro_batch_size=snapshot.batch_size // snapshot.micro_batches,
+        schedule=snapshot.schedule,
+        recompute=snapshot.recompute,
+    )
+
+    def policy(plan: PartitionPlan, history: Sequence[Sequence[StageSample]]) -> Decision:
+        if not history or len(history) % conf.window_steps:
+            return Keep("not due")
+        return decide(
+            plan,
+            costs,
+            devices,
+            workload,
+            history,
+            conf,
+            sync_s_per_byte=1 / conf.transfer_bytes_per_s,
+        )
+
+    return policy
+
+
+def migrate(group: WorkerGroup, old: Layout, new: Layout, timeout: float) -> None:
+    """Move blocks so that every worker holds its range in ``new``: all exports are submitted
+    before any adopt, so each worker hands out its blocks before it drops them."""
+    depth = old.depth
+    sources: dict[int, list[Handle]] = {}
+    for w, plan in enumerate(new.plans):
+        held = set(range(*old.plans[w].blocks))
+        wanted: dict[int, list[int]] = {}
+        for block in range(*plan.blocks):
+            if block in held:
+                continue
+            base = plan.replica * depth
+            holder = next(
+                base + s
+                for s in range(depth)
+                if old.plans[base + s].blocks[0] <= block < old.plans[base + s].blocks[1]
+            )
+            wanted.setdefault(holder, []).append(block)
+        sources[w] = [group.submit(u, "export", blocks) for u, blocks in wanted.items()]
+    adopts = [
+        group.submit(w, "adopt", plan.blocks, *sources[w])
+        for w, plan in enumerate(new.plans)
+        if plan.blocks != old.plans[w].blocks
+    ]
+    group.get(adopts, timeout)
+
+
+class Rebalancer:
+    """Collects each step's samples for the layout running, asks the policy, and moves."""
+
+    def __init__(self, policy: Policy, timeout: float, record: Callable[[RunnerEvent], None]):
+        self._policy = policy
+        self._timeout = timeout
+        self._record = record
+        self._history: list[list[StageSample]] = []
+        self._step_times: list[float] = []
+        self._pending: tuple[int, float, float] | None = None
+        """After a move: its step, the median step seconds before it, the predicted gain."""
+
+    def after_step(self, group: WorkerGroup, layout: Layout, metrics: StepMetrics) -> Layout:
+        """The layout to run the next step on (``layout`` unless the policy moved blocks)."""
+        self._history.append(layout.samples(metrics))
+        self._step_times.append(metrics.step_time_s)
+        if len(self._history) >= _RESULT_STEPS:
+            self._report_result(metrics.step)
+        decision = self._policy(layout.plan(), self._history)
+        if not isinstance(decision, Repartition):
+            return layout
+        self._report_result(metrics.step)  # a move before the result's steps: what there is
+        new = layout.with_plan(decision.plan)
+        started = time.perf_counter()
+        migrate(group, layout, new, self._timeout)
+        seconds = time.perf_counter() - started
+        self._record(_moved_event(metrics.step, layout, new, decision, seconds))
+        before = statistics.median(self._step_times)
+        self._pending = (metrics.step, before, decision.predicted_gain)
+        self._history, self._step_times = [], []
+        return new
+
+    def _report_result(self, step: int) -> None:
+        if self._pending is None or not self._step_times:
+            return
+        moved_at, before, predicted = self._pending
+        after = statistics.median(self._step_times)
+        measured = 1.0 - after / before if before > 0 else 0.0
+        self._record(
+            RunnerEvent(
+                "repartition_result",
+                step,
+                f"the re-cut at step {moved_at}: step {before:.3g} s -> {after:.3g} s"
+                f" ({measured:.0%} faster measured, {predicted:.0%} predicted)",
+                {
+                    "moved_at": moved_at,
+                    "step_s_before": before,
+                    "step_s_after": after,
+                    "measured_gain": measured,
+                    "predicted_gain": predicted,
+                },
+            )
+        )
+        self._pending = None
+
+
+_RESULT_STEPS = 3
+"""Steps on a new layout whose median step time is its measured result."""
+
+
+def _moved_event(
+    step: int, old: Layout, new: Layout, decision: Repartition, seconds: float
+) -> RunnerEvent:
+    return RunnerEvent(
+        "repartition",
+        step,
+        f"re-cut {old.describe()} -> {new.describe()} in {seconds:.2f} s: {decision.reason}",
+        {
+            "from": old.rows(),
+            "to": new.rows(),
+            "micro_batches": list(new.split),
+            "moved_blocks": list(decision.moved_blocks),
+            "moved_bytes": decision.moved_bytes,
+            "current_step_s": decision.current_step_s,
+            "predicted_step_s": decision.predicted_step_s,
+            "predicted_gain": decision.predicted_gain,
+            "estimated_migration_s": decision.migration_s,
+            "migration_s": seconds,
+            "speeds": dict(decision.speeds),
+        },
+    )
