@@ -43,10 +43,21 @@ class ShoalUp:
     ``RAY_AUTH_TOKEN`` or ``~/.ray/auth_token``); the child inherits both from the environment.
     """
 
-    def __init__(self, home: Path, database_url: str, ray_address: str, log_path: Path) -> None:
+    def __init__(
+        self,
+        home: Path,
+        database_url: str,
+        ray_address: str | None,
+        log_path: Path,
+        *,
+        devices: str | None = None,
+        start_timeout_s: float = START_TIMEOUT_S,
+    ) -> None:
         self.home = home
         self.database_url = database_url
         self.ray_address = ray_address
+        self.devices = devices
+        self.start_timeout_s = start_timeout_s
         self.log_path = log_path
         self.process: subprocess.Popen[bytes] | None = None
         self._log: IO[bytes] | None = None
@@ -68,10 +79,14 @@ class ShoalUp:
             SHOAL_DATABASE_URL=self.database_url,
             SHOAL_POLL_INTERVAL_S="0.1",
         )
+        if self.devices is not None:
+            env["SHOAL_DEVICES"] = self.devices
         self._log = self.log_path.open("ab")
         self._log.write(f"\n===== shoal up at {time.strftime('%H:%M:%S')}\n".encode())
         self._log.flush()
-        args = [str(SHOAL), "up", "--ray-address", self.ray_address, "--port", "0"]
+        # Without an address, `shoal up` starts its own local Ray, one node per device group.
+        where = ["--ray-address", self.ray_address] if self.ray_address else []
+        args = [str(SHOAL), "up", *where, "--port", "0"]
         self.process = subprocess.Popen(
             [*args, "--home", str(self.home)],
             stdin=subprocess.DEVNULL,
@@ -81,9 +96,9 @@ class ShoalUp:
             start_new_session=True,
         )
         self.url = wait_until(
-            self._client_url, START_TIMEOUT_S, "client.json", on_timeout=self.tail()
+            self._client_url, self.start_timeout_s, "client.json", on_timeout=self.tail()
         )
-        wait_until(self._ready, START_TIMEOUT_S, f"{self.url}/readyz", on_timeout=self.tail())
+        wait_until(self._ready, self.start_timeout_s, f"{self.url}/readyz", on_timeout=self.tail())
         return self
 
     def _check_alive(self) -> None:
@@ -156,6 +171,28 @@ def shoal_up(ray_address: str, tmp_path: Path) -> Iterator[Callable[[Path, str],
             process.stop()
         if started:
             print(started[-1].tail(lines=200))  # shown by pytest when the test failed
+
+
+@pytest.fixture
+def shoal_cluster(tmp_path: Path) -> Iterator[Callable[[Path, str, str], ShoalUp]]:
+    """Starts ``shoal up`` processes that run their own multi-node local Ray (``SHOAL_DEVICES``
+    groups, one node each); stopping them stops those clusters and every actor on them."""
+    started: list[ShoalUp] = []
+
+    def start(home: Path, database_url: str, devices: str) -> ShoalUp:
+        log = tmp_path / "shoal-up.log"
+        # Each node of the cluster is a `ray start` of its own: a few seconds apiece.
+        process = ShoalUp(home, database_url, None, log, devices=devices, start_timeout_s=180.0)
+        started.append(process)
+        return process.start()
+
+    try:
+        yield start
+    finally:
+        for process in started:
+            process.stop()
+        if started:
+            print(started[-1].tail(lines=200))
 
 
 @pytest.fixture
