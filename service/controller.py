@@ -77,7 +77,7 @@ class Controller:
         with self._factory() as session:
             active = list(session.scalars(sa.select(Job.id).where(Job.state.in_(_ACTIVE))))
         for job_id in active:
-            self._follow(job_id)
+            self._follow(job_id, devices)
         self._sync_devices(devices)
         self._place_queued(devices)
         self.last_tick = time.monotonic()
@@ -120,7 +120,7 @@ class Controller:
 
     # ------------------------------------------------------------------ running jobs
 
-    def _follow(self, job_id: str) -> None:
+    def _follow(self, job_id: str, devices: Sequence[Device]) -> None:
         with self._factory() as session:
             job = session.get(Job, job_id)
             if job is None or job.state not in _ACTIVE:
@@ -139,7 +139,9 @@ class Controller:
             if job is None:
                 return
             _persist_report(session, job, report)
-        if report.status.is_final:
+        if report.status is RunStatus.LOST:
+            self._recover(job_id, report, devices)
+        elif report.status.is_final:
             message = report.error or f"runner finished: {report.status.value}"
             self._finish(job_id, _FINAL_STATE[report.status], message, error=report.error)
         elif cancel:
@@ -155,6 +157,52 @@ class Controller:
                 transition(session, job, target, message, error=error)
         self._cluster.stop_runner(job_id)
 
+    # ------------------------------------------------------------------ lost devices
+
+    def _recover(self, job_id: str, report: RunnerReport, devices: Sequence[Device]) -> None:
+        """A stage's device is gone: the job turns RECOVERING, its runner (and every stage
+        worker with it) is stopped, and it is placed again on the devices that remain, its
+        own among them, resuming from its latest checkpoint on the new layout; with too few
+        devices for ``min_devices`` it waits QUEUED for devices to return."""
+        lost = sorted(report.lost_devices)
+        with transaction(self._factory) as session:
+            job = session.get(Job, job_id)
+            if job is None or job.state != JobState.RUNNING.value:
+                return
+            resume = session.scalar(
+                sa.select(sa.func.max(Checkpoint.step)).where(Checkpoint.job_id == job_id)
+            )
+            resume_step = int(resume or 0)
+            transition(session, job, JobState.RECOVERING, report.error or f"lost devices {lost}")
+            add_event(
+                session,
+                job_id,
+                "device_lost",
+                f"lost {', '.join(lost)} at step {job.step}; resuming from step {resume_step}"
+                f" ({job.step - resume_step} steps replayed)",
+                {
+                    "devices": lost,
+                    "step": job.step,
+                    "resume_step": resume_step,
+                    "steps_replayed": job.step - resume_step,
+                },
+            )
+            request = job_request(job)
+            held = _held_devices(session, exclude=job_id)
+        self._cluster.stop_runner(job_id)
+        free = [d for d in devices if d.id not in held and d.id not in lost]
+        placements, waiting = place([request], free)
+        if placements:
+            self._start(placements[0])
+            return
+        reason = waiting[0].reason if waiting else "no devices"
+        with transaction(self._factory) as session:
+            job = session.get(Job, job_id)
+            if job is not None and job.state == JobState.RECOVERING.value:
+                transition(
+                    session, job, JobState.QUEUED, f"waiting for devices: {reason}", devices=[]
+                )
+
     # ------------------------------------------------------------------ queued jobs
 
     def _place_queued(self, devices: Sequence[Device]) -> None:
@@ -166,11 +214,7 @@ class Controller:
                     .order_by(Job.created_at, Job.id)
                 )
             )
-            busy = {
-                d
-                for devs in session.scalars(sa.select(Job.devices).where(Job.state.in_(_ACTIVE)))
-                for d in devs
-            }
+            busy = _held_devices(session)
         if not queued:
             return
         free = [d for d in devices if d.id not in busy]
@@ -187,7 +231,7 @@ class Controller:
         self._waiting_reason.pop(placement.job_id, None)
         with transaction(self._factory) as session:
             job = session.get(Job, placement.job_id)
-            if job is None or job.state != JobState.QUEUED.value:
+            if job is None or job.state not in (JobState.QUEUED.value, JobState.RECOVERING.value):
                 return
             try:
                 layout = self._layout(session, job, placement)
@@ -263,6 +307,14 @@ class Controller:
             ),
             sync_s_per_byte=self._config.allreduce_s_per_byte,
         )
+
+
+def _held_devices(session: Session, *, exclude: str | None = None) -> set[str]:
+    """Devices held by active jobs (other than ``exclude``)."""
+    query = sa.select(Job.devices).where(Job.state.in_(_ACTIVE))
+    if exclude is not None:
+        query = query.where(Job.id != exclude)
+    return {d for devs in session.scalars(query) for d in devs}
 
 
 def _set_if_changed(row: DeviceRow, **values: object) -> None:

@@ -9,6 +9,7 @@ it, and nothing else needs to clean them up.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import ray
@@ -68,12 +69,19 @@ def start_runner(snapshot: JobSnapshot) -> ActorHandle[Any]:
     return runner
 
 
-def kill_runner(job_id: JobId) -> bool:
-    """Kill the job's runner (and so its stage workers); False if there was none."""
+def kill_runner(job_id: JobId, *, wait_s: float = 30.0) -> bool:
+    """Kill the job's runner (and so its stage workers); False if there was none.
+
+    ``ray.kill`` is asynchronous: this waits (up to ``wait_s``) until the name is free, so
+    a runner started for the job's next attempt is a new actor, not the dying one.
+    """
     runner = find_runner(job_id)
     if runner is None:
         return False
     ray.kill(runner, no_restart=True)
+    deadline = time.monotonic() + wait_s
+    while find_runner(job_id) is not None and time.monotonic() < deadline:
+        time.sleep(0.05)
     return True
 
 

@@ -103,6 +103,7 @@ class Trainer:
         self._log: list[StepMetrics | RunnerEvent] = []
         self._status = RunStatus.RUNNING
         self._error: str | None = None
+        self._lost: tuple[str, ...] = ()
         self._step = 0
 
     # ------------------------------------------------------------------ thread-safe API
@@ -126,6 +127,7 @@ class Trainer:
                 metrics=tuple(m for m in news if isinstance(m, StepMetrics)),
                 events=tuple(e for e in news if isinstance(e, RunnerEvent)),
                 error=self._error,
+                lost_devices=self._lost,
             )
 
     def _record(self, item: StepMetrics | RunnerEvent) -> None:
@@ -134,9 +136,11 @@ class Trainer:
             if isinstance(item, StepMetrics):
                 self._step = item.step
 
-    def _finish(self, status: RunStatus, error: str | None = None) -> RunStatus:
+    def _finish(
+        self, status: RunStatus, error: str | None = None, *, lost: tuple[str, ...] = ()
+    ) -> RunStatus:
         with self._lock:
-            self._status, self._error = status, error
+            self._status, self._error, self._lost = status, error, lost
         return status
 
     # ------------------------------------------------------------------------- training
@@ -170,7 +174,9 @@ class Trainer:
                 if rebalancer is not None and done < snap.steps:
                     layout = rebalancer.after_step(group, layout, metrics)
             return self._finish(RunStatus.SUCCEEDED)
-        except (StageLost, StageFailed) as exc:  # their message names the stage and device
+        except StageLost as exc:  # the message names the stage and device
+            return self._finish(RunStatus.LOST, str(exc), lost=(exc.device_id,))
+        except StageFailed as exc:
             return self._finish(RunStatus.FAILED, str(exc))
         except Exception as exc:  # the run's boundary: whatever broke, the job reports why
             text = " ".join(str(exc).split())
@@ -185,6 +191,7 @@ class Trainer:
 
     def _announce(self, group: WorkerGroup, plans: list[StagePlan], step: int) -> None:
         sizes = self._call_all(group, "nbytes")
+        pids = self._call_all(group, "pid")
         stages = [
             {
                 "stage": p.index,
@@ -194,8 +201,9 @@ class Trainer:
                 "node_id": p.device.node_id,
                 "blocks": list(p.blocks),
                 "bytes": size,
+                "pid": pid,
             }
-            for p, size in zip(plans, sizes, strict=True)
+            for p, size, pid in zip(plans, sizes, pids, strict=True)
         ]
         ranges = ", ".join(f"{p.blocks[0]}-{p.blocks[1] - 1}@{p.device.id}" for p in plans)
         replicas = self.snapshot.replicas

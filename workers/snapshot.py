@@ -121,6 +121,8 @@ class RunStatus(StrEnum):
     SUCCEEDED = "succeeded"
     FAILED = "failed"
     CANCELLED = "cancelled"
+    LOST = "lost"
+    """A stage's device (or its worker) is gone: the job can resume elsewhere."""
 
     @property
     def is_final(self) -> bool:
@@ -172,3 +174,5 @@ class RunnerReport:
     metrics: tuple[StepMetrics, ...]
     events: tuple[RunnerEvent, ...]
     error: str | None = None
+    lost_devices: tuple[str, ...] = ()
+    """With ``LOST``: the devices whose workers are gone."""

@@ -23,6 +23,7 @@ holds and building the rest from exported states.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -349,6 +350,10 @@ class Stage:
         """Bytes of the blocks' parameters and optimizer state (memory accounting)."""
         return sum(block.nbytes() for block in self.blocks)
 
+    def pid(self) -> int:
+        """The worker's process id (shown in the placement event, for operators)."""
+        return os.getpid()
+
     def measure_speed(self) -> float:
         """GFLOP/s of a fixed matmul on this device, slowed like compute (not counted as it)."""
         # A constant matrix: drawing a random one would move the RNG that training uses.
@@ -374,6 +379,7 @@ STAGE_METHODS = frozenset(
         "export",
         "adopt",
         "nbytes",
+        "pid",
         "measure_speed",
         "collective_host",
         "collective_join",

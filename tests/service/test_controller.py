@@ -234,3 +234,60 @@ def test_a_two_stage_two_replica_job_trains_to_success(
     assert [(s["stage"], s["replica"]) for s in metric.stages] == [(0, 0), (1, 0), (0, 1), (1, 1)]
     placement = [e for e in events(session_factory, job_id) if e.kind == "placement"]
     assert placement[0].message.startswith("2 stages x 2 replicas")
+
+
+def test_a_lost_stage_worker_recovers_on_the_devices_left_and_stays_exact(
+    session_factory: SessionFactory, ray_address: str, tmp_path: Path
+) -> None:
+    """A stage worker's process is killed (as a node loss would): the job turns RECOVERING,
+    is placed again (without the lost device), resumes from its latest checkpoint and
+    succeeds; every step is recorded once and the losses are those of one process."""
+    import os
+    import signal
+
+    from workers.reference import train_reference
+    from workers.snapshot import DataRef, ModelRef, OptimizerConf
+
+    controller = make_controller(session_factory, RayCluster(ray_address, timeout_s=30), tmp_path)
+    spec = {
+        "steps": 40,
+        "parallelism": {"stages": 2, "replicas": 1},
+        "resources": {"min_devices": 1, "max_devices": 2},
+        "checkpoint": {"every_steps": 10, "keep": 2},
+    }
+    job_id = submit(session_factory, owner(session_factory), **spec)
+    reconcile_until(controller, lambda: job(session_factory, job_id).step >= 14, timeout=120)
+    (placement,) = [e for e in events(session_factory, job_id) if e.kind == "placement"]
+    os.kill(placement.data["stages"][1]["pid"], signal.SIGKILL)
+    reconcile_until(
+        controller, lambda: job(session_factory, job_id).state == "SUCCEEDED", timeout=180
+    )
+
+    history = events(session_factory, job_id)
+    (lost,) = [e for e in history if e.kind == "device_lost"]
+    assert lost.data["resume_step"] in (10, 20, 30) and lost.data["steps_replayed"] >= 0
+    assert lost.data["step"] - lost.data["resume_step"] == lost.data["steps_replayed"]
+    moves = [(e.data["from"], e.data["to"]) for e in history if e.kind == "state"]
+    assert ("RUNNING", "RECOVERING") in moves and ("RECOVERING", "RUNNING") in moves
+    (resumed,) = [e for e in history if e.kind == "resumed"]
+    assert resumed.data["step"] == lost.data["resume_step"]
+    row = job(session_factory, job_id)
+    assert row.attempt == 2 and not set(lost.data["devices"]) & set(row.devices)
+    with session_factory() as session:
+        metrics = list(
+            session.scalars(
+                sa.select(JobMetric).where(JobMetric.job_id == job_id).order_by(JobMetric.step)
+            )
+        )
+    assert [m.step for m in metrics] == list(range(1, 41))
+    base = job_spec()
+    reference = train_reference(
+        ModelRef("mlp", None, base["model"]["config"]),
+        DataRef("digits", None, {}),
+        OptimizerConf("adam", base["optimizer"]["lr"]),
+        batch_size=base["batch_size"],
+        micro_batches=base["micro_batches"],
+        steps=40,
+        seed=row.spec.get("seed", 0),
+    )
+    assert [m.loss for m in metrics] == pytest.approx(reference.losses, rel=1e-5, abs=1e-6)
