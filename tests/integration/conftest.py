@@ -154,45 +154,53 @@ class ShoalUp:
         return f"--- last lines of {self.log_path}:\n" + "\n".join(text.splitlines()[-lines:])
 
 
-@pytest.fixture
-def shoal_up(ray_address: str, tmp_path: Path) -> Iterator[Callable[[Path, str], ShoalUp]]:
-    """Starts ``shoal up`` processes; at the end stops them and prints their output."""
+@contextlib.contextmanager
+def _shoals() -> Iterator[list[ShoalUp]]:
+    """The ``shoal up`` processes a fixture starts: stopped at the end, the last one's output
+    printed (pytest shows it when the test failed)."""
     started: list[ShoalUp] = []
-
-    def start(home: Path, database_url: str) -> ShoalUp:
-        process = ShoalUp(home, database_url, ray_address, tmp_path / "shoal-up.log")
-        started.append(process)
-        return process.start()
-
     try:
-        yield start
+        yield started
     finally:
         for process in started:
             process.stop()
         if started:
-            print(started[-1].tail(lines=200))  # shown by pytest when the test failed
+            print(started[-1].tail(lines=200))
+
+
+@pytest.fixture
+def shoal_up(ray_address: str, tmp_path: Path) -> Iterator[Callable[[Path, str], ShoalUp]]:
+    """Starts ``shoal up`` processes on the session's Ray."""
+    with _shoals() as started:
+
+        def start(home: Path, database_url: str) -> ShoalUp:
+            process = ShoalUp(home, database_url, ray_address, tmp_path / "shoal-up.log")
+            started.append(process)
+            return process.start()
+
+        yield start
 
 
 @pytest.fixture
 def shoal_cluster(tmp_path: Path) -> Iterator[Callable[[Path, str, str], ShoalUp]]:
     """Starts ``shoal up`` processes that run their own multi-node local Ray (``SHOAL_DEVICES``
     groups, one node each); stopping them stops those clusters and every actor on them."""
-    started: list[ShoalUp] = []
+    with _shoals() as started:
 
-    def start(home: Path, database_url: str, devices: str) -> ShoalUp:
-        log = tmp_path / "shoal-up.log"
-        # Each node of the cluster is a `ray start` of its own: a few seconds apiece.
-        process = ShoalUp(home, database_url, None, log, devices=devices, start_timeout_s=180.0)
-        started.append(process)
-        return process.start()
+        def start(home: Path, database_url: str, devices: str) -> ShoalUp:
+            # Each node of the cluster is a `ray start` of its own: a few seconds apiece.
+            process = ShoalUp(
+                home,
+                database_url,
+                None,
+                tmp_path / "shoal-up.log",
+                devices=devices,
+                start_timeout_s=180.0,
+            )
+            started.append(process)
+            return process.start()
 
-    try:
         yield start
-    finally:
-        for process in started:
-            process.stop()
-        if started:
-            print(started[-1].tail(lines=200))
 
 
 @pytest.fixture
