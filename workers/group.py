@@ -26,7 +26,7 @@ formed when the group starts, in ``RayGroup``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
@@ -92,6 +92,16 @@ class WorkerGroup(Protocol):
         """The handles' values, in order; if some failed, raises one of their errors."""
         ...
 
+    def regroup(self, plans: Sequence[StagePlan], keep: Mapping[int, int]) -> None:
+        """Become the group of ``plans``: position ``new`` is the old worker ``keep[new]``
+        where given, a new worker (blocks freshly built, to be loaded) otherwise. Old workers
+        not kept stay alive, answering what was submitted to them, until ``retire``."""
+        ...
+
+    def retire(self) -> None:
+        """Stop the workers the last ``regroup`` left out."""
+        ...
+
     def shutdown(self) -> None: ...
 
 
@@ -113,8 +123,22 @@ class LocalGroup:
 
     def __init__(self, plans: Sequence[StagePlan], setup: StageSetup) -> None:
         self._plans = list(plans)
+        self._setup = setup
         self._workers: list[StageWorker] | None = [StageWorker(p, setup) for p in plans]
         _wait_ready(self, self._plans, timeout=0.0)
+
+    def regroup(self, plans: Sequence[StagePlan], keep: Mapping[int, int]) -> None:
+        if self._workers is None:
+            raise StageLost(plans[0].index, plans[0].device.id, "the group was shut down")
+        old = self._workers
+        self._workers = [
+            old[keep[w]] if w in keep else StageWorker(p, self._setup) for w, p in enumerate(plans)
+        ]
+        self._plans = list(plans)
+        _wait_ready(self, self._plans, timeout=0.0)
+
+    def retire(self) -> None:
+        """Nothing to stop: left-out in-process workers are dropped by ``regroup``."""
 
     def submit(self, stage: int, method: str, *args: Any) -> Handle:
         if self._workers is None:
@@ -170,7 +194,10 @@ class RayGroup:
         self, plans: Sequence[StagePlan], setup: StageSetup, *, start_timeout_s: float = 300.0
     ) -> None:
         self._plans = list(plans)
+        self._setup = setup
+        self._start_timeout_s = start_timeout_s
         self._actors: list[ActorHandle[Any]] = []
+        self._parked: list[ActorHandle[Any]] = []
         self._shut = False
         try:
             self._actors = [launch.start_stage_worker(p, setup) for p in plans]
@@ -199,6 +226,30 @@ class RayGroup:
             for rank, w in enumerate(ws)
         ]
         self.get(joins, timeout)
+
+    def regroup(self, plans: Sequence[StagePlan], keep: Mapping[int, int]) -> None:
+        old, kept = self._actors, set(keep.values())
+        started = {
+            w: launch.start_stage_worker(p, self._setup)
+            for w, p in enumerate(plans)
+            if w not in keep
+        }
+        self._parked += [a for i, a in enumerate(old) if i not in kept]
+        self._actors = [old[keep[w]] if w in keep else started[w] for w in range(len(plans))]
+        self._plans = list(plans)
+        try:
+            _wait_ready(self, self._plans, self._start_timeout_s)
+        except GroupTimeout:
+            raise GroupTimeout(
+                f"new stage workers did not start within {self._start_timeout_s:g} s on"
+                f" devices {[plans[w].device.id for w in started]}"
+            ) from None
+        self._form_collectives(self._start_timeout_s)
+
+    def retire(self) -> None:
+        parked, self._parked = self._parked, []
+        for actor in parked:
+            launch.kill_stage_worker(actor)
 
     def submit(self, stage: int, method: str, *args: Any) -> Handle:
         refs = [a.ref if isinstance(a, _Ref) else a for a in args]
@@ -256,7 +307,7 @@ class RayGroup:
         # ray.kill is asynchronous, and a killed actor may still answer a call submitted
         # right after it (measured: 4 times in 15).
         self._shut = True
-        for actor in self._actors:
+        for actor in [*self._actors, *self._parked]:
             launch.kill_stage_worker(actor)
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -23,7 +23,7 @@ from scheduler.profile import uniform_costs
 from workers.group import Handle, WorkerGroup
 from workers.snapshot import JobSnapshot, RunnerEvent, StagePlan, StepMetrics
 
-Policy = Callable[[PartitionPlan, Sequence[Sequence[StageSample]]], Decision]
+Policy = Callable[["Layout", Sequence[Sequence[StageSample]]], Decision]
 """Asked after a step: the running layout and the samples measured since it began."""
 
 
@@ -74,6 +74,16 @@ class Layout:
         plans = tuple(replace(p, blocks=plan.stages[p.index].blocks) for p in self.plans)
         return Layout(plans, tuple(plan.micro_batches))
 
+    def holder(self, block: int, replica: int) -> int:
+        """The worker holding ``block`` in ``replica`` (replica 0 if there is no such one)."""
+        r = replica if replica < len(self.split) else 0
+        depth = self.depth
+        return next(
+            r * depth + s
+            for s in range(depth)
+            if self.plans[r * depth + s].blocks[0] <= block < self.plans[r * depth + s].blocks[1]
+        )
+
     def samples(self, metrics: StepMetrics) -> list[StageSample]:
         return [
             StageSample(p.device.id, p.blocks, self.split[p.replica], t.compute_s)
@@ -91,9 +101,6 @@ def snapshot_policy(snapshot: JobSnapshot) -> Policy | None:
     if conf is None:
         return None
     costs = snapshot.block_costs or uniform_costs(snapshot.num_blocks)
-    devices = [
-        DeviceCapacity(p.device.id, 1.0, p.device.memory_mb * 2**20) for p in snapshot.stages
-    ]
     workload = Workload(
         micro_batches=snapshot.micro_batches,
         micro_batch_size=snapshot.batch_size // snapshot.micro_batches,
@@ -101,11 +108,14 @@ def snapshot_policy(snapshot: JobSnapshot) -> Policy | None:
         recompute=snapshot.recompute,
     )
 
-    def policy(plan: PartitionPlan, history: Sequence[Sequence[StageSample]]) -> Decision:
+    def policy(layout: Layout, history: Sequence[Sequence[StageSample]]) -> Decision:
         if not history or len(history) % conf.window_steps:
             return Keep("not due")
+        devices = [
+            DeviceCapacity(p.device.id, 1.0, p.device.memory_mb * 2**20) for p in layout.plans
+        ]
         return decide(
-            plan,
+            layout.plan(),
             costs,
             devices,
             workload,
@@ -117,31 +127,46 @@ def snapshot_policy(snapshot: JobSnapshot) -> Policy | None:
     return policy
 
 
-def migrate(group: WorkerGroup, old: Layout, new: Layout, timeout: float) -> None:
-    """Move blocks so that every worker holds its range in ``new``: all exports are submitted
-    before any adopt, so each worker hands out its blocks before it drops them."""
-    depth = old.depth
+def move_blocks(
+    group: WorkerGroup,
+    old: Layout,
+    new: Layout,
+    timeout: float,
+    keep: Mapping[int, int] | None = None,
+) -> None:
+    """Make the group run ``new``, every block's state carried over from ``old``.
+
+    ``keep[w]``: the old worker that becomes worker ``w`` (by default each worker stays
+    where it is and only block ranges change). Every block a worker lacks is ``export``ed by
+    its holder in the same replica (replica 0 for a replica the old layout did not have:
+    replicas are identical after a step), all exports submitted before anything else, so a
+    worker hands its blocks out before it drops or leaves them; kept workers ``adopt`` their
+    new range, new ones ``load``. Workers left out are stopped once all is loaded.
+    """
+    kept = dict(keep) if keep is not None else {w: w for w in range(len(new.plans))}
     sources: dict[int, list[Handle]] = {}
     for w, plan in enumerate(new.plans):
-        held = set(range(*old.plans[w].blocks))
+        held = set(range(*old.plans[kept[w]].blocks)) if w in kept else set()
         wanted: dict[int, list[int]] = {}
         for block in range(*plan.blocks):
-            if block in held:
-                continue
-            base = plan.replica * depth
-            holder = next(
-                base + s
-                for s in range(depth)
-                if old.plans[base + s].blocks[0] <= block < old.plans[base + s].blocks[1]
-            )
-            wanted.setdefault(holder, []).append(block)
+            if block not in held:
+                wanted.setdefault(old.holder(block, plan.replica), []).append(block)
         sources[w] = [group.submit(u, "export", blocks) for u, blocks in wanted.items()]
-    adopts = [
-        group.submit(w, "adopt", plan.blocks, *sources[w])
+    same_workers = kept == {w: w for w in range(len(old.plans))} and len(new.plans) == len(
+        old.plans
+    )
+    if not same_workers or len(new.split) != len(old.split):
+        group.regroup(new.plans, kept)
+    calls = [
+        group.submit(w, "adopt", plan.index, plan.blocks, *sources[w])
+        if w in kept
+        else group.submit(w, "load", *sources[w])
         for w, plan in enumerate(new.plans)
-        if plan.blocks != old.plans[w].blocks
+        if w not in kept
+        or (plan.index, plan.blocks) != (old.plans[kept[w]].index, old.plans[kept[w]].blocks)
     ]
-    group.get(adopts, timeout)
+    group.get(calls, timeout)
+    group.retire()
 
 
 class Rebalancer:
@@ -162,19 +187,23 @@ class Rebalancer:
         self._step_times.append(metrics.step_time_s)
         if len(self._history) >= _RESULT_STEPS:
             self._report_result(metrics.step)
-        decision = self._policy(layout.plan(), self._history)
+        decision = self._policy(layout, self._history)
         if not isinstance(decision, Repartition):
             return layout
         self._report_result(metrics.step)  # a move before the result's steps: what there is
         new = layout.with_plan(decision.plan)
         started = time.perf_counter()
-        migrate(group, layout, new, self._timeout)
+        move_blocks(group, layout, new, self._timeout)
         seconds = time.perf_counter() - started
         self._record(_moved_event(metrics.step, layout, new, decision, seconds))
         before = statistics.median(self._step_times)
         self._pending = (metrics.step, before, decision.predicted_gain)
         self._history, self._step_times = [], []
         return new
+
+    def restart(self) -> None:
+        """The layout changed by other means (a relayout): measure it from scratch."""
+        self._history, self._step_times, self._pending = [], [], None
 
     def _report_result(self, step: int) -> None:
         if self._pending is None or not self._step_times:

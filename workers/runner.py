@@ -28,7 +28,7 @@ from scheduler.schedules import Action, Op, build, submission_order
 from workers.checkpoints import CheckpointInfo, CheckpointStore
 from workers.clipping import clip_coefficient
 from workers.group import GroupFactory, RayGroup, StageFailed, StageLost, WorkerGroup
-from workers.rebalance import Layout, Policy, Rebalancer, snapshot_policy
+from workers.rebalance import Layout, Policy, Rebalancer, move_blocks, snapshot_policy
 from workers.snapshot import (
     JobSnapshot,
     RunnerEvent,
@@ -104,6 +104,7 @@ class Trainer:
         self._status = RunStatus.RUNNING
         self._error: str | None = None
         self._lost: tuple[str, ...] = ()
+        self._relayout: tuple[tuple[StagePlan, ...], tuple[int, ...]] | None = None
         self._step = 0
 
     # ------------------------------------------------------------------ thread-safe API
@@ -111,6 +112,13 @@ class Trainer:
     def cancel(self) -> None:
         """Stop at the next step boundary."""
         self._cancelled.set()
+
+    def relayout(self, plans: Sequence[StagePlan], split: Sequence[int]) -> None:
+        """Move to ``plans`` (replica-major, on any devices, any number of stages and
+        replicas) with ``split`` micro-batches per replica at the next step boundary; a
+        later request replaces one not yet carried out."""
+        with self._lock:
+            self._relayout = (tuple(plans), tuple(split))
 
     @property
     def status(self) -> RunStatus:
@@ -173,6 +181,12 @@ class Trainer:
                     self._checkpoint(group, layout, store, done)
                 if rebalancer is not None and done < snap.steps:
                     layout = rebalancer.after_step(group, layout, metrics)
+                with self._lock:
+                    request, self._relayout = self._relayout, None
+                if request is not None and done < snap.steps:
+                    layout = self._move(group, layout, Layout(*request), done)
+                    if rebalancer is not None:
+                        rebalancer.restart()
             return self._finish(RunStatus.SUCCEEDED)
         except StageLost as exc:  # the message names the stage and device
             return self._finish(RunStatus.LOST, str(exc), lost=(exc.device_id,))
@@ -184,6 +198,40 @@ class Trainer:
         finally:
             if group is not None:
                 group.shutdown()
+
+    def _move(self, group: WorkerGroup, old: Layout, new: Layout, step: int) -> Layout:
+        """Carry out a relayout: workers on devices of both layouts stay (their blocks move
+        as needed), the others start or stop; the blocks' state moves actor to actor."""
+        snap = self.snapshot
+        checked = Layout(tuple(check_plans(new.plans, snap.num_blocks, len(new.split))), new.split)
+        if sum(checked.split) != snap.micro_batches or min(checked.split) < 1:
+            raise PlanError(
+                f"replica micro-batches {list(checked.split)} must each be >= 1 and sum to"
+                f" {snap.micro_batches}"
+            )
+        where = {p.device.id: w for w, p in enumerate(old.plans)}
+        keep = {w: where[p.device.id] for w, p in enumerate(checked.plans) if p.device.id in where}
+        started = time.perf_counter()
+        move_blocks(group, old, checked, self._timeout, keep)
+        seconds = time.perf_counter() - started
+        before = {p.device.id for p in old.plans}
+        after = {p.device.id for p in checked.plans}
+        self._record(
+            RunnerEvent(
+                "relayout",
+                step,
+                f"{old.describe()} -> {checked.describe()} in {seconds:.2f} s",
+                {
+                    "from": old.rows(),
+                    "to": checked.rows(),
+                    "micro_batches": list(checked.split),
+                    "added": sorted(after - before),
+                    "removed": sorted(before - after),
+                    "seconds": seconds,
+                },
+            )
+        )
+        return checked
 
     def _call_all(self, group: WorkerGroup, method: str, *args: Any) -> list[Any]:
         count = len(self.snapshot.stages)
@@ -293,10 +341,11 @@ class Trainer:
             losses += part[0]
             firsts += part[1]
             offset += count
+        replicas = len(layout.split)
         reduces: list[Any] = []
-        if snap.replicas > 1:
+        if replicas > 1:
             for s in range(depth):
-                reduces += group.all_reduce([r * depth + s for r in range(snap.replicas)])
+                reduces += group.all_reduce([r * depth + s for r in range(replicas)])
         norms = [group.submit(w, "grad_norms") for w in range(depth)]
         # Stage 0's backwards end every dependency chain: waiting on them surfaces any error.
         values, grad_norm, clocks = self._apply(
@@ -307,7 +356,7 @@ class Trainer:
         if reduces:
             times = values[-len(reduces) :]
             for i, seconds in enumerate(times):  # reduces are stage-major
-                s, r = divmod(i, snap.replicas)
+                s, r = divmod(i, replicas)
                 reduced[r * depth + s] = seconds
         return StepMetrics(
             step=step + 1,
@@ -409,7 +458,7 @@ class Trainer:
                 }
                 for p in plans
             ],
-            "replicas": snap.replicas,
+            "replicas": len(layout.split),
             "replica_micro_batches": list(layout.split),
             "step": step,
             "data_cursor": step,
@@ -474,3 +523,6 @@ class JobRunner:
 
     def cancel(self) -> None:
         self._trainer.cancel()
+
+    def relayout(self, plans: Sequence[StagePlan], split: Sequence[int]) -> None:
+        self._trainer.relayout(plans, split)

@@ -301,8 +301,10 @@ class Stage:
         """Every block's state (parameters and optimizer), by block index."""
         return {block.index: block.state() for block in self.blocks}
 
-    def load(self, states: Mapping[int, Any]) -> None:
-        """Load this stage's blocks from ``states`` (which may hold other blocks too)."""
+    def load(self, *parts: Mapping[int, Any]) -> None:
+        """Load this stage's blocks from ``parts`` (block states by index, such as ``state``
+        or ``export`` answers; they may hold other blocks too)."""
+        states = {i: state for part in parts for i, state in part.items()}
         missing = [b.index for b in self.blocks if b.index not in states]
         if missing:
             raise KeyError(f"stage {self.index} got no state for blocks {missing}")
@@ -317,10 +319,10 @@ class Stage:
             raise StageStateError(f"stage {self.index} does not hold blocks {missing}")
         return {i: held[i].state() for i in indices}
 
-    def adopt(self, blocks: BlockRange, *parts: Mapping[int, Any]) -> int:
-        """Hold blocks ``[start, stop)`` from now on, between two steps: keep the held ones,
-        build the others from their states in ``parts`` (``export``s of their holders), drop
-        the rest. The stage's bytes after the move."""
+    def adopt(self, index: int, blocks: BlockRange, *parts: Mapping[int, Any]) -> int:
+        """Be stage ``index`` holding blocks ``[start, stop)`` from now on, between two steps:
+        keep the held blocks, build the others from their states in ``parts`` (``export``s of
+        their holders), drop the rest. The stage's bytes after the move."""
         if self._kept:
             raise StageStateError(
                 f"stage {self.index} still holds micro-batches {sorted(self._kept)}; blocks"
@@ -343,6 +345,7 @@ class Stage:
             block.load(states[i])
             held[i] = block
         self.blocks = [held[i] for i in range(start, stop)]
+        self.index = index
         self.first, self.last = start == 0, stop == s.num_blocks
         return self.nbytes()
 
@@ -435,9 +438,10 @@ class StageWorker:
     def call(self, method: str, *args: Any) -> Any:
         if isinstance(self._stage, StageFailed):
             raise self._stage
+        stage = self._stage
         if method not in STAGE_METHODS:
-            raise StageFailed(self.plan.index, method, f"no such stage method {method!r}")
+            raise StageFailed(stage.index, method, f"no such stage method {method!r}")
         try:
-            return getattr(self._stage, method)(*args)
+            return getattr(stage, method)(*args)
         except Exception as exc:  # a boundary: every stage error leaves as StageFailed
-            raise StageFailed(self.plan.index, method, one_line(exc)) from exc
+            raise StageFailed(stage.index, method, one_line(exc)) from exc

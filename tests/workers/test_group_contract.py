@@ -192,7 +192,7 @@ def test_blocks_move_between_stages_bit_for_bit_and_train_on(
     before = gather(group, 2)
     moved = group.submit(1, "export", [1])
     sizes = group.get(
-        [group.submit(0, "adopt", (0, 2), moved), group.submit(1, "adopt", (2, 4))], 60
+        [group.submit(0, "adopt", 0, (0, 2), moved), group.submit(1, "adopt", 1, (2, 4))], 60
     )
     assert all(size > 0 for size in sizes)
     after = group.get([group.submit(s, "state") for s in (0, 1)], 60)
@@ -218,7 +218,7 @@ def test_a_stage_refuses_to_adopt_blocks_it_has_no_state_for(
 ) -> None:
     group = make_group([(0, 2), (2, 4)], setup)
     with pytest.raises(StageFailed, match=r"stage 0 failed in adopt: .*no state for blocks \[2\]"):
-        group.get([group.submit(0, "adopt", (0, 3))], 60)
+        group.get([group.submit(0, "adopt", 0, (0, 3))], 60)
     with pytest.raises(
         StageFailed, match=r"stage 1 failed in export: .*does not hold blocks \[0\]"
     ):

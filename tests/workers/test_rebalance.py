@@ -23,7 +23,6 @@ from scheduler.elastic import (
     StageSample,
     current_plan,
 )
-from scheduler.partition import PartitionPlan
 from scheduler.types import BlockRange
 from tests.workers.test_runner import (
     SGD,
@@ -37,7 +36,7 @@ from tests.workers.test_runner import (
 from workers.group import LocalGroup, RayGroup
 from workers.rebalance import Layout, snapshot_policy
 from workers.runner import Trainer
-from workers.snapshot import JobSnapshot, RunStatus
+from workers.snapshot import JobSnapshot, RunStatus, StagePlan
 
 
 class ForcedMoves:
@@ -48,7 +47,8 @@ class ForcedMoves:
         self._moves = moves
         self._calls = 0
 
-    def __call__(self, plan: PartitionPlan, history: Sequence[Sequence[StageSample]]) -> Decision:
+    def __call__(self, layout: Layout, history: Sequence[Sequence[StageSample]]) -> Decision:
+        plan = layout.plan()
         self._calls += 1
         move = self._moves.get(self._calls)
         if move is None:
@@ -203,6 +203,79 @@ def test_a_layout_only_takes_a_plan_over_its_own_devices() -> None:
     assert [p.blocks for p in moved.plans] == [(0, 1), (1, 4)]
 
 
+def on_devices(
+    ranges: Sequence[BlockRange], replicas: int, first_device: int
+) -> tuple[StagePlan, ...]:
+    """``dp_plans`` on devices ``first_device ..``: a layout sharing some devices with another."""
+    node = "n0000000a"
+    depth = len(ranges)
+    return tuple(
+        StagePlan(
+            s,
+            r,
+            Device(
+                f"{node[:8]}-cpu-{first_device + k}", node, first_device + k, "cpu", 2048, False
+            ),
+            replica=k // depth,
+        )
+        for k, (s, r) in enumerate((s, r) for _ in range(replicas) for s, r in enumerate(ranges))
+    )
+
+
+@st.composite
+def relayouts(draw: st.DrawFn) -> dict[str, Any]:
+    """A run that moves, after its first step, to other devices (some shared), stages and
+    replicas."""
+    micro_batches = draw(st.sampled_from([2, 4]))
+    layouts = []
+    for _ in range(2):
+        replicas = draw(st.integers(1, 2))
+        stages = draw(st.integers(1, 4 if replicas == 1 else 2))
+        layouts.append(
+            (
+                on_devices(draw(cut_of(stages)), replicas, draw(st.integers(0, 3))),
+                draw(split_of(micro_batches, replicas)),
+            )
+        )
+    return {"layouts": layouts, "micro_batches": micro_batches, "steps": draw(st.integers(2, 3))}
+
+
+@pytest.mark.unit
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(relayouts())
+def test_a_relayout_onto_other_devices_stages_and_replicas_keeps_the_math(
+    config: dict[str, Any],
+) -> None:
+    (first, split), (second, new_split) = config["layouts"]
+    with tempfile.TemporaryDirectory() as root:
+        snap = job(
+            root,
+            [],
+            stages=first,
+            replicas=len(split),
+            replica_micro_batches=split,
+            micro_batches=config["micro_batches"],
+            steps=config["steps"],
+            optimizer=SGD,
+        )
+        trainer = Trainer(snap, LocalGroup)
+        trainer.relayout(second, new_split)  # carried out after the first step
+        assert trainer.run() is RunStatus.SUCCEEDED, trainer.report(0).error
+        (event,) = [e for e in trainer.report(0).events if e.kind == "relayout"]
+        assert event.step == 1 and len(event.data["to"]) == len(second)
+        added = {p.device.id for p in second} - {p.device.id for p in first}
+        assert event.data["added"] == sorted(added)
+        assert_matches_reference(snap, metrics(trainer))
+
+
+@pytest.mark.unit
+def test_a_relayout_that_does_not_cover_the_model_fails_the_run_with_why(tmp_path: Path) -> None:
+    trainer = Trainer(job(tmp_path, [(0, 2), (2, 4)], steps=2), LocalGroup)
+    trainer.relayout(on_devices([(0, 3)], 1, 5), (2,))
+    assert trainer.run() is RunStatus.FAILED
+    assert "must cover [0, 4)" in (trainer.report(0).error or "")
+
+
 @pytest.mark.integration
 def test_ray_stages_move_blocks_and_train_exactly(ray_address: str, tmp_path: Path) -> None:
     import ray
@@ -214,3 +287,28 @@ def test_ray_stages_move_blocks_and_train_exactly(ray_address: str, tmp_path: Pa
     assert trainer.run() is RunStatus.SUCCEEDED, trainer.report(0).error
     assert len([e for e in trainer.report(0).events if e.kind == "repartition"]) == 2
     assert_matches_reference(snap, metrics(trainer))
+
+
+@pytest.mark.integration
+def test_ray_job_grows_onto_new_workers_and_replicas(ray_address: str, tmp_path: Path) -> None:
+    """2 stages on 2 actors, then 2 stages x 2 replicas on 4: two actors start, the kept
+    ones hand blocks over, the replicas form their gloo groups; the math holds."""
+    import ray
+
+    node = ray.get_runtime_context().get_node_id()
+    snap = job(
+        tmp_path,
+        [],
+        stages=dp_plans([(0, 2), (2, 4)], 1, node),
+        steps=3,
+        micro_batches=4,
+        optimizer=SGD,
+    )
+    trainer = Trainer(snap, RayGroup)
+    trainer.relayout(dp_plans([(0, 1), (1, 4)], 2, node), (2, 2))
+    assert trainer.run() is RunStatus.SUCCEEDED, trainer.report(0).error
+    report = trainer.report(0)
+    (event,) = [e for e in report.events if e.kind == "relayout"]
+    assert len(event.data["added"]) == 2 and event.data["removed"] == []
+    assert all(t.allreduce_s > 0 for t in report.metrics[-1].stages)
+    assert_matches_reference(snap, report.metrics)
