@@ -155,6 +155,7 @@ class DeviceOut(BaseModel):
     state: str
     speed_gflops: float | None
     job_id: str | None
+    draining: bool = False
 
     @classmethod
     def of(cls, row: DeviceRow) -> DeviceOut:
@@ -168,6 +169,7 @@ class DeviceOut(BaseModel):
             state=row.state,
             speed_gflops=row.speed_gflops,
             job_id=row.job_id,
+            draining=row.draining,
         )
 
 

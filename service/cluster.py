@@ -12,7 +12,7 @@ from typing import Any, Protocol
 
 from scheduler.devices import NodeInfo
 from scheduler.types import JobId
-from workers.snapshot import JobSnapshot, RunnerReport
+from workers.snapshot import JobSnapshot, RunnerReport, StagePlan
 
 
 class RunnerGone(RuntimeError):
@@ -31,6 +31,10 @@ class Cluster(Protocol):
     def poll(self, job_id: JobId, cursor: int) -> RunnerReport: ...
 
     def cancel(self, job_id: JobId) -> None: ...
+
+    def relayout(self, job_id: JobId, plans: Sequence[StagePlan], split: Sequence[int]) -> None:
+        """Ask the job's runner to move to ``plans`` at its next step boundary."""
+        ...
 
     def stop_runner(self, job_id: JobId) -> None: ...
 
@@ -93,6 +97,9 @@ class RayCluster:
     def cancel(self, job_id: JobId) -> None:
         self._call(job_id, "cancel")
 
+    def relayout(self, job_id: JobId, plans: Sequence[StagePlan], split: Sequence[int]) -> None:
+        self._call(job_id, "relayout", tuple(plans), tuple(split))
+
     def stop_runner(self, job_id: JobId) -> None:
         from workers.launch import kill_runner
 
@@ -148,6 +155,9 @@ class InProcessCluster:
 
     def cancel(self, job_id: JobId) -> None:
         self._runner(job_id).cancel()
+
+    def relayout(self, job_id: JobId, plans: Sequence[StagePlan], split: Sequence[int]) -> None:
+        self._runner(job_id).relayout(plans, split)
 
     def stop_runner(self, job_id: JobId) -> None:
         """Forget the runner (it stops at its next step boundary), like killing the actor."""

@@ -23,12 +23,13 @@ from scheduler.devices import Device, InventoryError, node_devices
 from scheduler.layout import Layout, plan_layout
 from scheduler.partition import PartitionError, Workload
 from scheduler.placement import Placement, place
+from scheduler.resize import Candidate, candidate, worth_growing
 from service.cluster import Cluster, ClusterUnavailable, RunnerGone
 from service.db.models import Checkpoint, DeviceRow, Job, JobMetric, utcnow
 from service.db.session import SessionFactory, transaction
 from service.jobs import JobConflict, add_event, transition
 from service.lifecycle import JobState
-from service.snapshots import block_costs, build_snapshot, job_request
+from service.snapshots import block_costs, build_snapshot, job_request, stage_plans
 from service.specs import JobSpec
 from workers.snapshot import RunnerReport, RunStatus
 
@@ -57,6 +58,8 @@ class Controller:
         self._cluster = cluster
         self._config = config
         self._waiting_reason: dict[str, str] = {}
+        self._resizing: dict[str, str] = {}
+        """Jobs asked to relayout, not yet reported done, and the last reason said."""
         self.last_tick: float | None = None
 
     # ------------------------------------------------------------------ the loop
@@ -80,6 +83,7 @@ class Controller:
             self._follow(job_id, devices)
         self._sync_devices(devices)
         self._place_queued(devices)
+        self._resize_running(devices)
         self.last_tick = time.monotonic()
 
     # ------------------------------------------------------------------ inventory
@@ -114,6 +118,8 @@ class Controller:
                         state="alive",
                     )
                     session.add(row)
+                elif row.state == "lost":  # back after being lost: a new node, not draining
+                    _set_if_changed(row, draining=False)
                 _set_if_changed(row, state="alive", job_id=holders.get(device.id))
             for row in rows.values():  # known before, absent now
                 _set_if_changed(row, state="lost", job_id=holders.get(row.id))
@@ -139,6 +145,8 @@ class Controller:
             if job is None:
                 return
             _persist_report(session, job, report)
+        if any(e.kind == "relayout" for e in report.events):
+            self._resizing.pop(job_id, None)
         if report.status is RunStatus.LOST:
             self._recover(job_id, report, devices)
         elif report.status.is_final:
@@ -151,6 +159,7 @@ class Controller:
                 log.warning("cancel of %s not delivered yet: %s", job_id, exc)
 
     def _finish(self, job_id: str, target: JobState, message: str, *, error: str | None) -> None:
+        self._resizing.pop(job_id, None)
         with transaction(self._factory) as session:
             job = session.get(Job, job_id)
             if job is not None and job.state in _ACTIVE:
@@ -188,7 +197,7 @@ class Controller:
                 },
             )
             request = job_request(job)
-            held = _held_devices(session, exclude=job_id)
+            held = _held_devices(session, exclude=job_id) | _draining(session)
         self._cluster.stop_runner(job_id)
         free = [d for d in devices if d.id not in held and d.id not in lost]
         placements, waiting = place([request], free)
@@ -203,6 +212,91 @@ class Controller:
                     session, job, JobState.QUEUED, f"waiting for devices: {reason}", devices=[]
                 )
 
+    # ------------------------------------------------------------------ resizing
+
+    def _resize_running(self, devices: Sequence[Device]) -> None:
+        """Move running jobs off draining devices and grow them onto free ones
+        (``scheduler.resize``), oldest first; the runner carries the move out at its next
+        step boundary (``relayout``), and its ``relayout`` event commits the new devices."""
+        with self._factory() as session:
+            running = list(
+                session.scalars(
+                    sa.select(Job)
+                    .where(Job.state == JobState.RUNNING.value)
+                    .order_by(Job.started_at, Job.id)
+                )
+            )
+            draining = _draining(session)
+            held = _held_devices(session)
+        by_id = {d.id: d for d in devices}
+        free = [d for d in devices if d.id not in held and d.id not in draining]
+        for job in running:
+            current = [by_id[i] for i in job.devices if i in by_id]
+            if job.id in self._resizing or job.cancel_requested or len(current) < len(job.devices):
+                continue  # a move under way, a cancel, or a lost device (the LOST path)
+            found = candidate(job_request(job), current, free, draining)
+            if found is None:
+                continue
+            taken = self._resize(job, current, found)
+            free = [d for d in free if d.id not in taken]
+
+    def _resize(self, job: Job, current: Sequence[Device], found: Candidate) -> set[str]:
+        """Lay ``job`` out on ``found`` and ask its runner to move; the devices taken."""
+        spec = JobSpec.model_validate(job.spec)
+        try:
+            with self._factory() as session:
+                layout = self._layout(session, job, found.devices)
+                now = None if found.draining else self._layout(session, job, current)
+        except PartitionError as exc:
+            if found.draining:
+                self._say_once(job.id, f"cannot leave draining devices yet: {exc}")
+            return set()
+        used = {d.id for d in layout.devices}
+        if now is not None and (
+            not used & set(found.added)
+            or not worth_growing(now.plan.predicted_step_s, layout.plan.predicted_step_s, 0.1)
+        ):
+            return set()
+        if len(used) < spec.resources.min_devices:
+            self._say_once(
+                job.id,
+                f"cannot leave draining devices yet: {len(used)} devices would remain,"
+                f" min_devices is {spec.resources.min_devices}",
+            )
+            return set()
+        try:
+            self._cluster.relayout(
+                job.id, stage_plans(layout.devices, layout.ranges), layout.plan.micro_batches
+            )
+        except (RunnerGone, ClusterUnavailable) as exc:
+            log.warning("relayout of %s not delivered: %s", job.id, exc)
+            return set()
+        self._resizing[job.id] = found.reason
+        with transaction(self._factory) as session:
+            row = session.get(Job, job.id)
+            if row is not None:
+                # Held from now on, old and new, until the runner reports the move done.
+                row.devices = sorted(set(row.devices) | used)
+                add_event(
+                    session,
+                    job.id,
+                    "resize",
+                    f"{found.reason}: {layout.plan.reason}",
+                    {
+                        "devices": [d.id for d in layout.devices],
+                        "added": sorted(used - {d.id for d in current}),
+                        "draining": list(found.draining),
+                        "predicted_step_s": layout.plan.predicted_step_s,
+                    },
+                )
+        return used
+
+    def _say_once(self, job_id: str, reason: str) -> None:
+        if self._waiting_reason.get(job_id) != reason:
+            self._waiting_reason[job_id] = reason
+            with transaction(self._factory) as session:
+                add_event(session, job_id, "waiting", reason)
+
     # ------------------------------------------------------------------ queued jobs
 
     def _place_queued(self, devices: Sequence[Device]) -> None:
@@ -214,7 +308,7 @@ class Controller:
                     .order_by(Job.created_at, Job.id)
                 )
             )
-            busy = _held_devices(session)
+            busy = _held_devices(session) | _draining(session)
         if not queued:
             return
         free = [d for d in devices if d.id not in busy]
@@ -229,12 +323,13 @@ class Controller:
 
     def _start(self, placement: Placement) -> None:
         self._waiting_reason.pop(placement.job_id, None)
+        self._resizing.pop(placement.job_id, None)
         with transaction(self._factory) as session:
             job = session.get(Job, placement.job_id)
             if job is None or job.state not in (JobState.QUEUED.value, JobState.RECOVERING.value):
                 return
             try:
-                layout = self._layout(session, job, placement)
+                layout = self._layout(session, job, placement.devices)
             except PartitionError as exc:
                 transition(session, job, JobState.FAILED, str(exc), error=str(exc))
                 return
@@ -280,12 +375,12 @@ class Controller:
             log.warning("job %s: %s", placement.job_id, reason)
             self._finish(placement.job_id, JobState.FAILED, reason, error=reason)
 
-    def _layout(self, session: Session, job: Job, placement: Placement) -> Layout:
+    def _layout(self, session: Session, job: Job, devices: Sequence[Device]) -> Layout:
         """Order the placed devices and cut the model over their measured speeds: the
         partitioner picks the stage and replica counts a spec leaves ``auto``, and may leave
         some placed devices unused (they return to the pool)."""
         spec = JobSpec.model_validate(job.spec)
-        ids = [d.id for d in placement.devices]
+        ids = [d.id for d in devices]
         gflops = {
             row.id: row.speed_gflops
             for row in session.scalars(sa.select(DeviceRow).where(DeviceRow.id.in_(ids)))
@@ -293,7 +388,7 @@ class Controller:
         }
         stages, replicas = spec.parallelism.stages, spec.parallelism.replicas
         return plan_layout(
-            placement.devices,
+            devices,
             gflops,
             costs=block_costs(job),
             stages=stages if isinstance(stages, int) else None,
@@ -315,6 +410,10 @@ def _held_devices(session: Session, *, exclude: str | None = None) -> set[str]:
     if exclude is not None:
         query = query.where(Job.id != exclude)
     return {d for devs in session.scalars(query) for d in devs}
+
+
+def _draining(session: Session) -> set[str]:
+    return set(session.scalars(sa.select(DeviceRow.id).where(DeviceRow.draining)))
 
 
 def _set_if_changed(row: DeviceRow, **values: object) -> None:
@@ -351,6 +450,9 @@ def _persist_report(session: Session, job: Job, report: RunnerReport) -> None:
             _record_checkpoint(session, job.id, event.step, event.data)
         elif event.kind == "repartition":
             job.partition = list(event.data["to"])
+        elif event.kind == "relayout":
+            job.partition = list(event.data["to"])
+            job.devices = [row["device_id"] for row in event.data["to"]]
         elif event.kind == "device_speed" and "device_id" in event.data:
             row = session.get(DeviceRow, event.data["device_id"])
             if row is not None:

@@ -51,10 +51,7 @@ def build_snapshot(
         schedule=spec.parallelism.schedule,
         recompute=spec.parallelism.recompute,
         precision=spec.precision,
-        stages=tuple(
-            StagePlan(index=i % depth, blocks=ranges[i % depth], device=d, replica=i // depth)
-            for i, d in enumerate(devices)
-        ),
+        stages=stage_plans(devices, ranges),
         replicas=replicas,
         replica_micro_batches=tuple(replica_micro_batches),
         num_blocks=job.num_blocks,
@@ -73,6 +70,15 @@ def build_snapshot(
             if spec.elastic.repartition
             else None
         ),
+    )
+
+
+def stage_plans(devices: Sequence[Device], ranges: Sequence[BlockRange]) -> tuple[StagePlan, ...]:
+    """Replica-major plans: ``devices[r * p + s]`` runs stage s (``ranges[s]``) of replica r."""
+    depth = len(ranges)
+    return tuple(
+        StagePlan(index=i % depth, blocks=ranges[i % depth], device=d, replica=i // depth)
+        for i, d in enumerate(devices)
     )
 
 

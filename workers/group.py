@@ -221,7 +221,7 @@ class RayGroup:
             return
         hosts = self.get([self.submit(ws[0], "collective_host") for ws in replicated], timeout)
         joins = [
-            self.submit(w, "collective_join", address, port, rank, len(ws))
+            self.submit(w, "collective_join", address, port, rank, len(ws), self._plans[w].index)
             for ws, (address, port) in zip(replicated, hosts, strict=True)
             for rank, w in enumerate(ws)
         ]

@@ -280,11 +280,12 @@ class Stage:
         self._collective = GlooCollective(self.device)
         return self._collective.host()
 
-    def collective_join(self, address: str, port: int, rank: int, world: int) -> None:
-        """Join this stage's process group as replica ``rank`` of ``world``."""
+    def collective_join(self, address: str, port: int, rank: int, world: int, stage: int) -> None:
+        """Join the process group of stage ``stage`` (the one this worker is becoming, during
+        a relayout) as replica ``rank`` of ``world``."""
         if self._collective is None:
             self._collective = GlooCollective(self.device)
-        self._collective.join(address, port, rank, world, f"stage-{self.index}")
+        self._collective.join(address, port, rank, world, f"stage-{stage}")
 
     def all_reduce(self) -> float:
         """Sum the accumulated gradients over this stage's replicas (a no-op without a

@@ -143,4 +143,7 @@ class DeviceRow(Base):
     state: Mapped[str] = mapped_column(sa.String(16))
     speed_gflops: Mapped[float | None] = mapped_column(default=None)
     job_id: Mapped[str | None] = mapped_column(sa.String(32), default=None)
+    draining: Mapped[bool] = mapped_column(default=False, server_default=sa.false())
+    """Jobs must leave it and none is placed on it (cleared when the device comes back
+    after being lost: a new node)."""
     updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)

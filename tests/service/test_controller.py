@@ -291,3 +291,131 @@ def test_a_lost_stage_worker_recovers_on_the_devices_left_and_stays_exact(
         seed=row.spec.get("seed", 0),
     )
     assert [m.loss for m in metrics] == pytest.approx(reference.losses, rel=1e-5, abs=1e-6)
+
+
+class Resizable:
+    """A cluster whose node shows ``devices`` devices (a node growing or new capacity)."""
+
+    def __init__(self, inner: Cluster, devices: int) -> None:
+        self.inner = inner
+        self.devices = devices
+
+    def nodes(self) -> list[NodeInfo]:
+        return [
+            NodeInfo(
+                n.node_id, n.alive, {**n.resources, DEVICE_RESOURCE: float(self.devices)}, n.labels
+            )
+            for n in self.inner.nodes()
+        ]
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+
+@pytest.fixture(params=["inprocess", "ray"])
+def resizable(request: pytest.FixtureRequest) -> Iterator[Resizable]:
+    if request.param == "inprocess":
+        inner: Cluster = InProcessCluster(
+            [NodeInfo("f" * 56, True, {DEVICE_RESOURCE: 4.0}, NODES[0].labels)]
+        )
+    else:
+        inner = RayCluster(request.getfixturevalue("ray_address"), timeout_s=30)
+    yield Resizable(inner, 2)
+
+
+def losses_of(factory: SessionFactory, job_id: str) -> list[tuple[int, float]]:
+    with factory() as session:
+        return [
+            (m.step, m.loss)
+            for m in session.scalars(
+                sa.select(JobMetric).where(JobMetric.job_id == job_id).order_by(JobMetric.step)
+            )
+        ]
+
+
+def reference_losses(steps: int, micro_batches: int) -> list[float]:
+    from workers.reference import train_reference
+    from workers.snapshot import DataRef, ModelRef, OptimizerConf
+
+    base = job_spec()
+    return train_reference(
+        ModelRef("mlp", None, base["model"]["config"]),
+        DataRef("digits", None, {}),
+        OptimizerConf("sgd", 0.05),
+        batch_size=base["batch_size"],
+        micro_batches=micro_batches,
+        steps=steps,
+        seed=0,
+    ).losses
+
+
+STEPS = 300
+"""Enough that in-process runners (a few ms a step) are still running when devices change."""
+
+
+def test_a_running_job_grows_onto_devices_that_appear(
+    session_factory: SessionFactory, resizable: Resizable, tmp_path: Path
+) -> None:
+    """Two devices, a job that could use four: two more appear mid-run and the job grows
+    from one pipeline of 2 stages to two replicas, in place, every step once and exact."""
+    controller = make_controller(session_factory, resizable, tmp_path)  # type: ignore[arg-type]
+    job_id = submit(
+        session_factory,
+        owner(session_factory),
+        steps=STEPS,
+        micro_batches=4,
+        optimizer={"name": "sgd", "lr": 0.05},
+        parallelism={"stages": 2, "replicas": "auto"},
+        resources={"min_devices": 2, "max_devices": 4},
+    )
+    reconcile_until(controller, lambda: job(session_factory, job_id).step >= 5, timeout=120)
+    assert len(job(session_factory, job_id).devices) == 2
+    resizable.devices = 4
+    reconcile_until(
+        controller, lambda: job(session_factory, job_id).state == "SUCCEEDED", timeout=180
+    )
+    history = events(session_factory, job_id)
+    (resize,) = [e for e in history if e.kind == "resize"]
+    (moved,) = [e for e in history if e.kind == "relayout"]
+    assert len(resize.data["added"]) == 2 and moved.data["removed"] == []
+    assert sorted(moved.data["added"]) == resize.data["added"]
+    assert len(moved.data["to"]) == 4 and moved.data["micro_batches"] == [2, 2]
+    row = job(session_factory, job_id)
+    assert row.attempt == 1 and len(row.partition) == 4
+    steps, losses = zip(*losses_of(session_factory, job_id), strict=True)
+    assert list(steps) == list(range(1, STEPS + 1))
+    assert list(losses) == pytest.approx(reference_losses(STEPS, 4), rel=1e-5, abs=1e-6)
+
+
+def test_a_drained_device_is_left_at_a_step_boundary_without_losing_a_step(
+    session_factory: SessionFactory, resizable: Resizable, tmp_path: Path
+) -> None:
+    resizable.devices = 3
+    controller = make_controller(session_factory, resizable, tmp_path)  # type: ignore[arg-type]
+    job_id = submit(
+        session_factory,
+        owner(session_factory),
+        steps=STEPS,
+        micro_batches=4,
+        optimizer={"name": "sgd", "lr": 0.05},
+        parallelism={"stages": 2, "replicas": 1},
+        resources={"min_devices": 2, "max_devices": 2},
+    )
+    reconcile_until(controller, lambda: job(session_factory, job_id).step >= 5, timeout=120)
+    drained = job(session_factory, job_id).devices[1]
+    with session_factory() as session, session.begin():
+        row = session.get(DeviceRow, drained)
+        assert row is not None
+        row.draining = True
+    reconcile_until(
+        controller, lambda: job(session_factory, job_id).state == "SUCCEEDED", timeout=180
+    )
+    history = events(session_factory, job_id)
+    (moved,) = [e for e in history if e.kind == "relayout"]
+    assert moved.data["removed"] == [drained] and len(moved.data["added"]) == 1
+    assert not [e for e in history if e.kind in ("device_lost", "resumed")]
+    row = job(session_factory, job_id)
+    assert drained not in row.devices and row.attempt == 1
+    steps, losses = zip(*losses_of(session_factory, job_id), strict=True)
+    assert list(steps) == list(range(1, STEPS + 1))
+    assert list(losses) == pytest.approx(reference_losses(STEPS, 4), rel=1e-5, abs=1e-6)

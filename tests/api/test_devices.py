@@ -1,0 +1,51 @@
+"""``/api/v1/devices``: the pool, and draining a device (admins only)."""
+
+from __future__ import annotations
+
+import pytest
+
+from service.db.models import DeviceRow
+from tests.api.conftest import Api
+
+pytestmark = pytest.mark.integration
+
+DEVICES = "/api/v1/devices"
+
+
+def add_device(api: Api, device_id: str = "n1-cpu-0") -> None:
+    with api.factory() as session, session.begin():
+        session.add(
+            DeviceRow(
+                id=device_id,
+                node_id="n1",
+                kind="cpu",
+                memory_mb=2048,
+                gpu=False,
+                spot=True,
+                state="alive",
+            )
+        )
+
+
+def test_an_admin_drains_a_device_and_the_pool_shows_it(api: Api) -> None:
+    add_device(api)
+    admin = api.token("root", admin=True)
+    assert api.client.get(DEVICES, headers=admin).json()["items"][0]["draining"] is False
+    answer = api.client.post(f"{DEVICES}/n1-cpu-0/drain", headers=admin)
+    assert answer.status_code == 200 and answer.json()["draining"] is True
+    again = api.client.post(f"{DEVICES}/n1-cpu-0/drain", headers=admin)
+    assert again.status_code == 200  # idempotent
+    assert api.client.get(DEVICES, headers=admin).json()["items"][0]["draining"] is True
+
+
+def test_draining_needs_an_admin_and_a_known_device(api: Api) -> None:
+    add_device(api)
+    user = api.token("alice")
+    refused = api.client.post(f"{DEVICES}/n1-cpu-0/drain", headers=user)
+    assert refused.status_code == 403 and "admin" in refused.json()["detail"]
+    missing = api.client.post(f"{DEVICES}/nope/drain", headers=api.token("root", admin=True))
+    assert missing.status_code == 404 and "GET /api/v1/devices" in missing.json()["detail"]
+    assert api.client.post(f"{DEVICES}/n1-cpu-0/drain").status_code == 401
+    with api.factory() as session:
+        row = session.get(DeviceRow, "n1-cpu-0")
+        assert row is not None and row.draining is False
