@@ -29,9 +29,9 @@ from service.db.models import Checkpoint, DeviceRow, Job, JobMetric, utcnow
 from service.db.session import SessionFactory, transaction
 from service.jobs import JobConflict, add_event, transition
 from service.lifecycle import JobState
-from service.snapshots import block_costs, build_snapshot, job_request, stage_plans
+from service.snapshots import block_costs, build_snapshot, job_request
 from service.specs import JobSpec
-from workers.snapshot import RunnerReport, RunStatus
+from workers.snapshot import RunnerReport, RunStatus, stage_plans
 
 log = logging.getLogger(__name__)
 
@@ -145,6 +145,7 @@ class Controller:
             if job is None:
                 return
             _persist_report(session, job, report)
+            _follow_recovery(session, job, report)
         if any(e.kind == "relayout" for e in report.events):
             self._resizing.pop(job_id, None)
         if report.status is RunStatus.LOST:
@@ -176,13 +177,16 @@ class Controller:
         lost = sorted(report.lost_devices)
         with transaction(self._factory) as session:
             job = session.get(Job, job_id)
-            if job is None or job.state != JobState.RUNNING.value:
+            if job is None or job.state not in _ACTIVE:
                 return
             resume = session.scalar(
                 sa.select(sa.func.max(Checkpoint.step)).where(Checkpoint.job_id == job_id)
             )
             resume_step = int(resume or 0)
-            transition(session, job, JobState.RECOVERING, report.error or f"lost devices {lost}")
+            if job.state == JobState.RUNNING.value:
+                transition(
+                    session, job, JobState.RECOVERING, report.error or f"lost devices {lost}"
+                )
             add_event(
                 session,
                 job_id,
@@ -412,6 +416,16 @@ def _held_devices(session: Session, *, exclude: str | None = None) -> set[str]:
     return {d for devs in session.scalars(query) for d in devs}
 
 
+def _follow_recovery(session: Session, job: Job, report: RunnerReport) -> None:
+    """A runner that recovers in place reports ``device_lost`` then ``recovered``: the job
+    is RECOVERING in between."""
+    for event in report.events:
+        if event.kind == "device_lost" and job.state == JobState.RUNNING.value:
+            transition(session, job, JobState.RECOVERING, event.message)
+        elif event.kind == "recovered" and job.state == JobState.RECOVERING.value:
+            transition(session, job, JobState.RUNNING, f"recovered in place: {event.message}")
+
+
 def _draining(session: Session) -> set[str]:
     return set(session.scalars(sa.select(DeviceRow.id).where(DeviceRow.draining)))
 
@@ -450,7 +464,7 @@ def _persist_report(session: Session, job: Job, report: RunnerReport) -> None:
             _record_checkpoint(session, job.id, event.step, event.data)
         elif event.kind == "repartition":
             job.partition = list(event.data["to"])
-        elif event.kind == "relayout":
+        elif event.kind in ("relayout", "recovered"):
             job.partition = list(event.data["to"])
             job.devices = [row["device_id"] for row in event.data["to"]]
         elif event.kind == "device_speed" and "device_id" in event.data:

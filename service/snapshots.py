@@ -11,7 +11,7 @@ from scheduler.profile import BlockCost, uniform_costs
 from scheduler.types import BlockRange
 from service.db.models import Job
 from service.specs import JobSpec
-from workers.snapshot import DataRef, JobSnapshot, ModelRef, OptimizerConf, StagePlan
+from workers.snapshot import DataRef, JobSnapshot, ModelRef, OptimizerConf, stage_plans
 
 
 def build_snapshot(
@@ -60,6 +60,8 @@ def build_snapshot(
         checkpoint_keep=spec.checkpoint.keep,
         allowed_factories=tuple(allowed_factories),
         block_costs=block_costs(job),
+        keep_copies=spec.elastic.keep_copies,
+        min_devices=spec.resources.min_devices,
         elastic=(
             ElasticConfig(
                 window_steps=spec.elastic.check_every_steps,
@@ -70,15 +72,6 @@ def build_snapshot(
             if spec.elastic.repartition
             else None
         ),
-    )
-
-
-def stage_plans(devices: Sequence[Device], ranges: Sequence[BlockRange]) -> tuple[StagePlan, ...]:
-    """Replica-major plans: ``devices[r * p + s]`` runs stage s (``ranges[s]``) of replica r."""
-    depth = len(ranges)
-    return tuple(
-        StagePlan(index=i % depth, blocks=ranges[i % depth], device=d, replica=i // depth)
-        for i, d in enumerate(devices)
     )
 
 

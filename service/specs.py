@@ -109,6 +109,11 @@ class ElasticSpec(_Strict):
     check_every_steps: int = Field(10, ge=1, le=1_000_000)
     min_gain: float = Field(0.1, ge=0.0, lt=1.0)
     horizon_steps: int = Field(100, ge=1, le=MAX_STEPS)
+    keep_copies: bool = Field(
+        True,
+        description="keep each worker's state of the last two steps in host memory on another"
+        " node: a lost device costs at most one step, without a restart",
+    )
 
 
 class ResourcesSpec(_Strict):

@@ -29,6 +29,7 @@ from workers.checkpoints import CheckpointInfo, CheckpointStore
 from workers.clipping import clip_coefficient
 from workers.group import GroupFactory, RayGroup, StageFailed, StageLost, WorkerGroup
 from workers.rebalance import Layout, Policy, Rebalancer, move_blocks, snapshot_policy
+from workers.recovery import Copies, recover
 from workers.snapshot import (
     JobSnapshot,
     RunnerEvent,
@@ -105,6 +106,7 @@ class Trainer:
         self._error: str | None = None
         self._lost: tuple[str, ...] = ()
         self._relayout: tuple[tuple[StagePlan, ...], tuple[int, ...]] | None = None
+        self._gflops: dict[str, float] = {}
         self._step = 0
 
     # ------------------------------------------------------------------ thread-safe API
@@ -169,24 +171,23 @@ class Trainer:
             rebalancer = (
                 Rebalancer(self._policy, self._timeout, self._record) if self._policy else None
             )
-            for step in range(start, snap.steps):
+            copies = Copies() if snap.keep_copies else None
+            if copies is not None:
+                copies.refresh(group, layout, start)
+            step = start
+            while step < snap.steps:
                 if self._cancelled.is_set():
                     return self._finish(RunStatus.CANCELLED)
-                metrics = self._train_step(group, layout, data, step)
-                self._record(metrics)
-                done = step + 1
-                if done == snap.steps or (
-                    snap.checkpoint_every > 0 and done % snap.checkpoint_every == 0
-                ):
-                    self._checkpoint(group, layout, store, done)
-                if rebalancer is not None and done < snap.steps:
-                    layout = rebalancer.after_step(group, layout, metrics)
-                with self._lock:
-                    request, self._relayout = self._relayout, None
-                if request is not None and done < snap.steps:
-                    layout = self._move(group, layout, Layout(*request), done)
+                try:
+                    layout = self._boundary(group, layout, data, store, step, rebalancer, copies)
+                except StageLost as exc:
+                    if copies is None:
+                        raise
+                    layout, step = self._recover(group, layout, exc, step, copies)
                     if rebalancer is not None:
                         rebalancer.restart()
+                    continue
+                step += 1
             return self._finish(RunStatus.SUCCEEDED)
         except StageLost as exc:  # the message names the stage and device
             return self._finish(RunStatus.LOST, str(exc), lost=(exc.device_id,))
@@ -198,6 +199,82 @@ class Trainer:
         finally:
             if group is not None:
                 group.shutdown()
+
+    def _boundary(
+        self,
+        group: WorkerGroup,
+        layout: Layout,
+        data: DataSource,
+        store: CheckpointStore,
+        step: int,
+        rebalancer: Rebalancer | None,
+        copies: Copies | None,
+    ) -> Layout:
+        """Train step ``step`` and do what follows it: checkpoint, rebalance, relayout, copy.
+        The layout the next step runs on."""
+        snap = self.snapshot
+        metrics = self._train_step(group, layout, data, step)
+        if copies is not None:
+            copies.confirm(group, self._timeout)  # the previous boundary's copies
+        self._record(metrics)
+        done = step + 1
+        if done == snap.steps or (snap.checkpoint_every > 0 and done % snap.checkpoint_every == 0):
+            self._checkpoint(group, layout, store, done)
+        if done == snap.steps:
+            return layout
+        if rebalancer is not None:
+            layout = rebalancer.after_step(group, layout, metrics)
+        with self._lock:
+            request, self._relayout = self._relayout, None
+        if request is not None:
+            layout = self._move(group, layout, Layout(*request), done)
+            if rebalancer is not None:
+                rebalancer.restart()
+        if copies is not None:
+            copies.refresh(group, layout, done)
+        return layout
+
+    def _recover(
+        self, group: WorkerGroup, layout: Layout, cause: StageLost, step: int, copies: Copies
+    ) -> tuple[Layout, int]:
+        """A worker was lost during step ``step + 1``: re-form the job from the survivors'
+        in-memory copies (``workers.recovery``); the layout and the step to run next."""
+        copies.drop()
+        started = time.perf_counter()
+        found = recover(group, layout, self.snapshot, self._gflops, self._timeout)
+        seconds = time.perf_counter() - started
+        lost = sorted({cause.device_id, *found.lost})
+        replayed = step - found.restore_step
+        self._record(
+            RunnerEvent(
+                "device_lost",
+                step,
+                f"lost {', '.join(lost)} ({cause.reason}) during step {step + 1}; restoring"
+                f" step {found.restore_step} from in-memory copies ({replayed} steps replayed)",
+                {
+                    "devices": lost,
+                    "step": step,
+                    "resume_step": found.restore_step,
+                    "steps_replayed": replayed,
+                },
+            )
+        )
+        self._record(
+            RunnerEvent(
+                "recovered",
+                found.restore_step,
+                f"{layout.describe()} -> {found.layout.describe()} in {seconds:.2f} s",
+                {
+                    "from": layout.rows(),
+                    "to": found.layout.rows(),
+                    "micro_batches": list(found.layout.split),
+                    "seconds": seconds,
+                    "steps_replayed": replayed,
+                },
+            )
+        )
+        copies.refresh(group, found.layout, found.restore_step)
+        return found.layout, found.restore_step
 
     def _move(self, group: WorkerGroup, old: Layout, new: Layout, step: int) -> Layout:
         """Carry out a relayout: workers on devices of both layouts stay (their blocks move
@@ -262,6 +339,7 @@ class Trainer:
         # One device at a time: concurrent benchmarks on shared cores would measure contention.
         for w, p in enumerate(plans):
             (gflops,) = group.get([group.submit(w, "measure_speed")], self._timeout)
+            self._gflops[p.device.id] = gflops
             self._record(
                 RunnerEvent(
                     "device_speed",

@@ -7,6 +7,7 @@ object or a pydantic model, so actors never touch the database or the settings.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -57,6 +58,15 @@ class StagePlan:
     replica: int = 0
 
 
+def stage_plans(devices: Sequence[Device], ranges: Sequence[BlockRange]) -> tuple[StagePlan, ...]:
+    """Replica-major plans: ``devices[r * p + s]`` runs stage s (``ranges[s]``) of replica r."""
+    depth = len(ranges)
+    return tuple(
+        StagePlan(index=i % depth, blocks=ranges[i % depth], device=d, replica=i // depth)
+        for i, d in enumerate(devices)
+    )
+
+
 def split_micro_batches(micro_batches: int, replicas: int) -> tuple[int, ...]:
     """The default split of a mini-batch's micro-batches over replicas: equal shares, the
     remainder to the first replicas (``split_micro_batches(5, 2) == (3, 2)``)."""
@@ -102,6 +112,11 @@ class JobSnapshot:
     times against; empty means equal blocks."""
     elastic: ElasticConfig | None = None
     """Runtime repartitioning (``scheduler.elastic``); None: the layout never changes."""
+    keep_copies: bool = False
+    """Keep every worker's state of the last steps in host memory on another node, so that
+    a lost device is recovered in the runner (``workers.recovery``)."""
+    min_devices: int = 1
+    """The fewest devices the job may run on (a recovery with fewer gives the job back)."""
 
     def micro_batch_split(self) -> tuple[int, ...]:
         """Micro-batches per replica, checked."""

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -45,6 +46,8 @@ from workers.zoo.data import loss_fn
 from workers.zoo.models import build_blocks
 from workers.zoo.registry import DataMeta
 
+_GENERATIONS = 2
+"""Steps of in-memory copies kept: the last one may be incomplete when a device is lost."""
 _SPEED_SIZE = 256
 _SPEED_REPEATS = 16
 
@@ -157,6 +160,8 @@ class Stage:
         self._compute_s = 0.0
         self._transfer_s = 0.0
         self._collective: GlooCollective | None = None
+        self._saved: deque[tuple[int, dict[int, Any]]] = deque(maxlen=_GENERATIONS)
+        self._copies: dict[str, deque[tuple[int, dict[int, Any]]]] = {}
 
     # ----------------------------------------------------------------------- timing
 
@@ -305,12 +310,20 @@ class Stage:
     def load(self, *parts: Mapping[int, Any]) -> None:
         """Load this stage's blocks from ``parts`` (block states by index, such as ``state``
         or ``export`` answers; they may hold other blocks too)."""
-        states = {i: state for part in parts for i, state in part.items()}
+        self._forget()
+        self._load({i: state for part in parts for i, state in part.items()})
+
+    def _load(self, states: Mapping[int, Any]) -> None:
         missing = [b.index for b in self.blocks if b.index not in states]
         if missing:
             raise KeyError(f"stage {self.index} got no state for blocks {missing}")
         for block in self.blocks:
             block.load(states[block.index])
+
+    def _forget(self) -> None:
+        """Drop the in-memory copies: they are of a layout that no longer runs."""
+        self._saved.clear()
+        self._copies.clear()
 
     def export(self, indices: Sequence[int]) -> dict[int, Any]:
         """The state of the given blocks, which this stage holds (for ``adopt`` elsewhere)."""
@@ -346,9 +359,55 @@ class Stage:
             block.load(states[i])
             held[i] = block
         self.blocks = [held[i] for i in range(start, stop)]
+        self._forget()
         self.index = index
         self.first, self.last = start == 0, stop == s.num_blocks
         return self.nbytes()
+
+    # ------------------------------------------------- in-memory copies (lost devices)
+
+    def snapshot(self, step: int) -> dict[int, Any]:
+        """Keep the blocks' state after ``step`` steps (the last two are kept) and return it,
+        for the worker's buddy on another node to ``hold``."""
+        states = self.state()
+        self._saved.append((step, states))
+        return states
+
+    def hold(self, owner: str, step: int, states: Mapping[int, Any]) -> None:
+        """Keep another worker's ``snapshot`` (the last two steps of each owner)."""
+        self._copies.setdefault(owner, deque(maxlen=_GENERATIONS)).append((step, dict(states)))
+
+    def saved_steps(self) -> dict[str, Any]:
+        """The steps this worker can restore: its own blocks, and each held owner's."""
+        return {
+            "own": {step: sorted(states) for step, states in self._saved},
+            "copies": {
+                owner: {step: sorted(states) for step, states in kept}
+                for owner, kept in self._copies.items()
+            },
+        }
+
+    def rollback(self, step: int) -> None:
+        """Back to the blocks' state after ``step`` steps, as if the step after it never
+        began: micro-batches in flight and accumulated gradients are dropped."""
+        states = dict(self._saved).get(step)
+        if states is None:
+            raise StageStateError(f"stage {self.index} kept no state of step {step}")
+        self._kept.clear()
+        for block in self.blocks:
+            block.optimizer.zero_grad(set_to_none=True)
+        self._load(states)
+        self._compute_s = self._transfer_s = 0.0
+
+    def export_copy(self, owner: str, step: int, indices: Sequence[int]) -> dict[int, Any]:
+        """The given blocks' states after ``step`` from the copy held for ``owner``."""
+        states = dict(self._copies.get(owner, ())).get(step)
+        if states is None or any(i not in states for i in indices):
+            raise StageStateError(
+                f"stage {self.index} holds no copy of blocks {list(indices)} of {owner} at"
+                f" step {step}"
+            )
+        return {i: states[i] for i in indices}
 
     def nbytes(self) -> int:
         """Bytes of the blocks' parameters and optimizer state (memory accounting)."""
@@ -382,6 +441,11 @@ STAGE_METHODS = frozenset(
         "load",
         "export",
         "adopt",
+        "snapshot",
+        "hold",
+        "saved_steps",
+        "rollback",
+        "export_copy",
         "nbytes",
         "pid",
         "measure_speed",

@@ -33,7 +33,7 @@ from tests.workers.test_runner import (
     metrics,
     plans,
 )
-from workers.group import LocalGroup, RayGroup
+from workers.group import LocalGroup, RayGroup, StageLost
 from workers.rebalance import Layout, snapshot_policy
 from workers.runner import Trainer
 from workers.snapshot import JobSnapshot, RunStatus, StagePlan
@@ -312,3 +312,75 @@ def test_ray_job_grows_onto_new_workers_and_replicas(ray_address: str, tmp_path:
     assert len(event.data["added"]) == 2 and event.data["removed"] == []
     assert all(t.allreduce_s > 0 for t in report.metrics[-1].stages)
     assert_matches_reference(snap, report.metrics)
+
+
+class LoseDevice(LocalGroup):
+    """A LocalGroup whose worker on ``device`` dies once ``after`` steps were applied (every
+    call to it fails as StageLost from then on, as a lost node's would)."""
+
+    def __init__(self, device: str, after: int, *args: Any) -> None:
+        self.device, self.after, self.steps = device, after, 0
+        super().__init__(*args)
+
+    def submit(self, stage: int, method: str, *args: Any) -> Any:
+        plan = self._plans[stage]
+        if method == "apply_step" and stage == 0:
+            self.steps += 1
+        if plan.device.id == self.device and self.steps > self.after:
+            from workers.group import _Done
+
+            return _Done(stage, method, error=StageLost(plan.index, plan.device.id, "node lost"))
+        return super().submit(stage, method, *args)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    ("ranges", "replicas", "lose"),
+    [([(0, 2), (2, 4)], 1, 1), ([(0, 1), (1, 2), (2, 4)], 1, 0), ([(0, 2), (2, 4)], 2, 3)],
+)
+def test_a_lost_worker_is_recovered_in_place_from_memory_copies(
+    tmp_path: Path, ranges: list[BlockRange], replicas: int, lose: int
+) -> None:
+    """Mid-step, the worker at position ``lose`` dies: the survivors roll back to the last
+    step, the lost blocks come from their buddies' copies, the blocks are re-cut over the
+    devices left, and the run ends exactly like one process, no step replayed."""
+    stages = dp_plans(ranges, replicas)
+    snap = job(
+        tmp_path,
+        [],
+        stages=stages,
+        replicas=replicas,
+        micro_batches=4,
+        steps=5,
+        optimizer=SGD,
+        keep_copies=True,
+    )
+    dead = stages[lose].device.id
+    trainer = Trainer(snap, lambda plans, setup: LoseDevice(dead, 2, plans, setup))
+    assert trainer.run() is RunStatus.SUCCEEDED, trainer.report(0).error
+    events = trainer.report(0).events
+    (lost,) = [e for e in events if e.kind == "device_lost"]
+    assert lost.data["devices"] == [dead] and lost.data["steps_replayed"] == 0
+    assert lost.data["resume_step"] == 2
+    (back,) = [e for e in events if e.kind == "recovered"]
+    assert dead not in {row["device_id"] for row in back.data["to"]}
+    assert [m.step for m in metrics(trainer)] == [1, 2, 3, 4, 5]
+    assert_matches_reference(snap, metrics(trainer))
+
+
+@pytest.mark.unit
+def test_without_copies_a_lost_worker_ends_the_run_as_lost(tmp_path: Path) -> None:
+    stages = plans([(0, 2), (2, 4)])
+    snap = job(tmp_path, [], stages=stages, steps=4, keep_copies=False)
+    trainer = Trainer(snap, lambda p, s: LoseDevice(stages[1].device.id, 1, p, s))
+    assert trainer.run() is RunStatus.LOST
+    assert trainer.report(0).lost_devices == (stages[1].device.id,)
+
+
+@pytest.mark.unit
+def test_too_few_devices_left_gives_the_job_back(tmp_path: Path) -> None:
+    stages = plans([(0, 2), (2, 4)])
+    snap = job(tmp_path, [], stages=stages, steps=4, keep_copies=True, min_devices=2)
+    trainer = Trainer(snap, lambda p, s: LoseDevice(stages[0].device.id, 1, p, s))
+    assert trainer.run() is RunStatus.LOST
+    assert "1 devices left, min_devices is 2" in (trainer.report(0).error or "")

@@ -1,0 +1,200 @@
+"""Surviving a lost device inside the runner, from in-memory copies: no restart, no
+checkpoint read, at most one step replayed.
+
+Every step boundary each worker keeps a snapshot of its blocks (parameters and optimizer
+state, in host memory; the last two steps) and sends it to its *buddy*, a worker on another
+node where there is one, which holds it (``Copies``). When a worker is lost mid-step:
+
+1. The others are asked what they hold (``saved_steps``); a worker that does not answer is
+   lost too.
+2. The restore step is the latest step for which every survivor has its own snapshot and
+   every block is in some survivor's snapshot or in a copy held for a lost worker (the copy
+   of the step just finished may not have arrived: then the step before, one step replayed).
+3. The blocks are re-cut over the surviving devices (``scheduler.layout``: the partitioner
+   picks stages and replicas); survivors roll back to the restore step and keep their
+   worker, adopting their new blocks; lost blocks come from the copies, actor to actor.
+
+The result is the same model state a single process would have after the restore step, so
+the run continues exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from scheduler.layout import plan_layout
+from scheduler.partition import Workload
+from scheduler.profile import uniform_costs
+from workers.group import GroupTimeout, Handle, StageLost, WorkerGroup
+from workers.rebalance import Layout
+from workers.snapshot import JobSnapshot, stage_plans
+from workers.stage import StageFailed
+
+PING_TIMEOUT_S = 30.0
+"""How long a survivor may take to answer after a loss (its failed calls drain first)."""
+
+
+def buddies(layout: Layout) -> list[int | None]:
+    """Where each worker's copy goes: the next worker, cyclically, on another node if any
+    is (else the next one); None for a lone worker."""
+    count = len(layout.plans)
+    if count == 1:
+        return [None]
+    out: list[int | None] = []
+    for w, plan in enumerate(layout.plans):
+        others = [(w + k) % count for k in range(1, count)]
+        elsewhere = [b for b in others if layout.plans[b].device.node_id != plan.device.node_id]
+        out.append((elsewhere or others)[0])
+    return out
+
+
+class Copies:
+    """Each step boundary: every worker snapshots, its buddy holds the copy. Not waited for
+    (it overlaps the next step); ``confirm`` surfaces its errors one step later."""
+
+    def __init__(self) -> None:
+        self._pending: list[Handle] = []
+
+    def refresh(self, group: WorkerGroup, layout: Layout, step: int) -> None:
+        pending = []
+        for w, buddy in enumerate(buddies(layout)):
+            snap = group.submit(w, "snapshot", step)
+            owner = layout.plans[w].device.id
+            pending.append(
+                snap if buddy is None else group.submit(buddy, "hold", owner, step, snap)
+            )
+        self._pending = pending
+
+    def confirm(self, group: WorkerGroup, timeout: float) -> None:
+        pending, self._pending = self._pending, []
+        group.get(pending, timeout)
+
+    def drop(self) -> None:
+        self._pending = []
+
+
+@dataclass(frozen=True)
+class Recovery:
+    layout: Layout
+    restore_step: int
+    lost: tuple[str, ...]
+    keep: Mapping[int, int]
+
+
+def survey(group: WorkerGroup, layout: Layout) -> dict[int, dict[str, Any]]:
+    """What each answering worker holds (``saved_steps``), by position."""
+    answers: dict[int, dict[str, Any]] = {}
+    for w in range(len(layout.plans)):
+        try:
+            (answers[w],) = group.get([group.submit(w, "saved_steps")], PING_TIMEOUT_S)
+        except (StageLost, GroupTimeout, StageFailed):
+            continue
+    return answers
+
+
+def restore_step(
+    layout: Layout, answers: Mapping[int, Mapping[str, Any]], num_blocks: int
+) -> int | None:
+    """The latest step every survivor can roll back to and every block is held at."""
+    lost = {layout.plans[w].device.id for w in range(len(layout.plans)) if w not in answers}
+    common: set[int] = (
+        set.intersection(*(set(a["own"]) for a in answers.values())) if answers else set()
+    )
+    for step in sorted(common, reverse=True):
+        held: set[int] = set()
+        for answer in answers.values():
+            held.update(answer["own"][step])
+            for owner, copies in answer["copies"].items():
+                if owner in lost and step in copies:
+                    held.update(copies[step])
+        if held >= set(range(num_blocks)):
+            return step
+    return None
+
+
+def plan_survivors(
+    snapshot: JobSnapshot, layout: Layout, alive: Sequence[int], gflops: Mapping[str, float]
+) -> tuple[Layout, dict[int, int]]:
+    """The new layout over the survivors' devices and which survivor becomes which worker."""
+    devices = [layout.plans[w].device for w in alive]
+    planned = plan_layout(
+        devices,
+        gflops,
+        costs=snapshot.block_costs or uniform_costs(snapshot.num_blocks),
+        stages=None,
+        replicas=None,
+        workload=Workload(
+            micro_batches=snapshot.micro_batches,
+            micro_batch_size=snapshot.batch_size // snapshot.micro_batches,
+            schedule=snapshot.schedule,
+            recompute=snapshot.recompute,
+        ),
+    )
+    new = Layout(stage_plans(planned.devices, planned.ranges), tuple(planned.plan.micro_batches))
+    where = {layout.plans[w].device.id: w for w in alive}
+    keep = {w: where[p.device.id] for w, p in enumerate(new.plans) if p.device.id in where}
+    return new, keep
+
+
+def recover(
+    group: WorkerGroup,
+    layout: Layout,
+    snapshot: JobSnapshot,
+    gflops: Mapping[str, float],
+    timeout: float,
+) -> Recovery:
+    """Re-form the job on the workers that answer, from the restore step's state; raises
+    ``StageLost`` when that cannot be done (too few devices left for ``min_devices``, or
+    no step every block was kept at): the job then resumes from its checkpoint elsewhere."""
+    answers = survey(group, layout)
+    alive = sorted(answers)
+    lost = tuple(layout.plans[w].device.id for w in range(len(layout.plans)) if w not in answers)
+    first_lost = next(w for w in range(len(layout.plans)) if w not in answers) if lost else 0
+    plan = layout.plans[first_lost]
+    if len(alive) < max(1, snapshot.min_devices):
+        raise StageLost(
+            plan.index,
+            plan.device.id,
+            f"{len(alive)} devices left, min_devices is {snapshot.min_devices}",
+        )
+    step = restore_step(layout, answers, snapshot.num_blocks)
+    if step is None:
+        raise StageLost(plan.index, plan.device.id, "no step whose state every block kept")
+    new, keep = plan_survivors(snapshot, layout, alive, gflops)
+    group.get([group.submit(w, "rollback", step) for w in alive], timeout)
+    holders = {block: w for w in alive for block in range(*layout.plans[w].blocks)}
+    copies = {
+        block: (w, owner)
+        for w in alive
+        for owner, kept in answers[w]["copies"].items()
+        if owner in lost and step in kept
+        for block in kept[step]
+    }
+    sources: dict[int, list[Handle]] = {}
+    for w, p in enumerate(new.plans):
+        held = set(range(*layout.plans[keep[w]].blocks)) if w in keep else set()
+        live: dict[int, list[int]] = {}
+        kept_copies: dict[tuple[int, str], list[int]] = {}
+        for block in range(*p.blocks):
+            if block in held:
+                continue
+            if block in holders:
+                live.setdefault(holders[block], []).append(block)
+            else:
+                kept_copies.setdefault(copies[block], []).append(block)
+        sources[w] = [group.submit(u, "export", blocks) for u, blocks in live.items()] + [
+            group.submit(u, "export_copy", owner, step, blocks)
+            for (u, owner), blocks in kept_copies.items()
+        ]
+    group.regroup(new.plans, keep)
+    calls = [
+        group.submit(w, "adopt", p.index, p.blocks, *sources[w])
+        if w in keep
+        else group.submit(w, "load", *sources[w])
+        for w, p in enumerate(new.plans)
+    ]
+    group.get(calls, timeout)
+    group.retire()
+    return Recovery(new, step, lost, keep)
