@@ -48,6 +48,16 @@ MAX_MEMORY_MB = 10_000_000
 MAX_GROUPS = 16
 """Each group is one Ray node (a handful of processes); more does not fit on one machine."""
 
+HEALTH_CHECKS = {
+    "RAY_health_check_initial_delay_ms": "1000",
+    "RAY_health_check_period_ms": "1000",
+    "RAY_health_check_timeout_ms": "1000",
+    "RAY_health_check_failure_threshold": "3",
+}
+"""A node that stops answering is declared dead after ~3 s instead of Ray's default ~15 s
+(5 missed checks, 3 s apart): a lost spot node's workers are given up on, and recovered,
+that much sooner. Set the same variables on a real cluster's head to get the same."""
+
 _COUNT_KIND_RE = re.compile(r"^(\d+)x(.+)$")
 _HOST = "127.0.0.1"
 
@@ -251,13 +261,35 @@ class LocalRay:
             while not _accepts(self._port):
                 self._check_running(deadline, "the Ray head to accept connections", head)
                 time.sleep(self._poll_interval_s)
+            # One node at a time: nodes joining together pick the same socket names in the
+            # session directory and one raylet dies ("bind: Address already in use").
             for index, spec in enumerate(self._specs[1:], start=1):
                 self._launch(index, spec)
-            self._wait_alive(deadline)
+                self._wait_alive(deadline)
+            if len(self._specs) == 1:
+                self._wait_alive(deadline)
         except BaseException:
             self.stop()
             raise
         return self
+
+    def add_node(self, spec: VirtualNode) -> None:
+        """Start one more node (a new machine joining); returns once Ray sees it alive."""
+        if not self._nodes:
+            raise RuntimeError("the local Ray cluster is not started; call start() first")
+        self._launch(len(self._nodes), spec)
+        self._wait_alive(time.monotonic() + self._start_timeout_s)
+
+    def kill_node(self, index: int) -> None:
+        """SIGKILL node ``index`` (not the head) and every process it started: a node lost
+        without notice, as a preempted spot machine is."""
+        if index == 0:
+            raise ValueError("the head holds the cluster's state; kill another node")
+        node = self._nodes.pop(index)
+        _signal_group(node.process, signal.SIGKILL)
+        node.process.wait()
+        _kill_session(node.process.pid, time.monotonic() + self._stop_timeout_s)
+        node.log.close()
 
     def _launch(self, index: int, spec: VirtualNode) -> _Node:
         args = [
@@ -313,10 +345,10 @@ class LocalRay:
             )
 
     def _wait_alive(self, deadline: float) -> None:
-        waiting_for = f"{len(self._specs)} Ray nodes to be alive"
+        waiting_for = f"{len(self._nodes)} Ray nodes to be alive"
         probe_log = self._log_dir / "ray-wait.log"
         remaining = f"{max(deadline - time.monotonic(), 0.0):.1f}"
-        args = [sys.executable, "-c", _WAIT_SCRIPT, self.address, str(len(self._specs)), remaining]
+        args = [sys.executable, "-c", _WAIT_SCRIPT, self.address, str(len(self._nodes)), remaining]
         with probe_log.open("wb") as log:
             probe = subprocess.Popen(
                 args,
@@ -341,7 +373,7 @@ class LocalRay:
             )
 
     def _child_env(self) -> dict[str, str]:
-        env = {**os.environ, **self.client_env}
+        env = {**os.environ, **HEALTH_CHECKS, **self.client_env}
         # An explicit token wins over these; an inherited address must not redirect `ray`.
         for name in ("RAY_AUTH_TOKEN_PATH", "RAY_ADDRESS"):
             env.pop(name, None)

@@ -63,6 +63,11 @@ def start_runner(snapshot: JobSnapshot) -> ActorHandle[Any]:
         num_cpus=0,
         max_concurrency=RUNNER_CONCURRENCY,
         max_restarts=0,
+        # Beside the control plane (the head, in a cluster of spot workers): losing a stage's
+        # node must not take the runner that recovers it along.
+        scheduling_strategy=NodeAffinitySchedulingStrategy(
+            ray.get_runtime_context().get_node_id(), soft=True
+        ),
     ).remote(snapshot)
     # Not awaited: ``run`` returns when training ends; progress is read with ``poll``.
     runner.run.remote()

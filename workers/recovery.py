@@ -20,6 +20,7 @@ the run continues exactly.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -32,8 +33,10 @@ from workers.rebalance import Layout
 from workers.snapshot import JobSnapshot, stage_plans
 from workers.stage import StageFailed
 
-PING_TIMEOUT_S = 30.0
-"""How long a survivor may take to answer after a loss (its failed calls drain first)."""
+MIN_PING_S = 30.0
+"""The least a survivor is given to answer after a loss. Its calls of the broken step that
+wait on the lost worker's outputs hold its queue until Ray declares that worker dead (node
+health checks: ``service.localray.HEALTH_CHECKS`` sets them for a local cluster)."""
 
 
 def buddies(layout: Layout) -> list[int | None]:
@@ -83,12 +86,15 @@ class Recovery:
     keep: Mapping[int, int]
 
 
-def survey(group: WorkerGroup, layout: Layout) -> dict[int, dict[str, Any]]:
-    """What each answering worker holds (``saved_steps``), by position."""
+def survey(group: WorkerGroup, layout: Layout, timeout: float) -> dict[int, dict[str, Any]]:
+    """What each worker answering within ``timeout`` holds (``saved_steps``), by position;
+    a live worker answers once the calls of the broken step have failed."""
+    handles = {w: group.submit(w, "saved_steps") for w in range(len(layout.plans))}
+    deadline = time.monotonic() + timeout
     answers: dict[int, dict[str, Any]] = {}
-    for w in range(len(layout.plans)):
+    for w, handle in handles.items():
         try:
-            (answers[w],) = group.get([group.submit(w, "saved_steps")], PING_TIMEOUT_S)
+            (answers[w],) = group.get([handle], max(0.0, deadline - time.monotonic()))
         except (StageLost, GroupTimeout, StageFailed):
             continue
     return answers
@@ -144,11 +150,13 @@ def recover(
     snapshot: JobSnapshot,
     gflops: Mapping[str, float],
     timeout: float,
+    *,
+    ping_timeout: float = MIN_PING_S,
 ) -> Recovery:
     """Re-form the job on the workers that answer, from the restore step's state; raises
     ``StageLost`` when that cannot be done (too few devices left for ``min_devices``, or
     no step every block was kept at): the job then resumes from its checkpoint elsewhere."""
-    answers = survey(group, layout)
+    answers = survey(group, layout, max(MIN_PING_S, ping_timeout))
     alive = sorted(answers)
     lost = tuple(layout.plans[w].device.id for w in range(len(layout.plans)) if w not in answers)
     first_lost = next(w for w in range(len(layout.plans)) if w not in answers) if lost else 0

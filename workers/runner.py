@@ -241,7 +241,13 @@ class Trainer:
         in-memory copies (``workers.recovery``); the layout and the step to run next."""
         copies.drop()
         started = time.perf_counter()
-        found = recover(group, layout, self.snapshot, self._gflops, self._timeout)
+        with self._lock:
+            last = next((m for m in reversed(self._log) if isinstance(m, StepMetrics)), None)
+        # A survivor busy with a long micro-batch still answers within a few step times.
+        ping = 3 * last.step_time_s if last is not None else 0.0
+        found = recover(
+            group, layout, self.snapshot, self._gflops, self._timeout, ping_timeout=ping
+        )
         seconds = time.perf_counter() - started
         lost = sorted({cause.device_id, *found.lost})
         replayed = step - found.restore_step

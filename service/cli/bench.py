@@ -7,8 +7,11 @@ connected to. ``--json`` prints one JSON object on the last line; otherwise a ta
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import click
@@ -205,3 +208,77 @@ def _caption(result: dict[str, Any]) -> str:
         f"{m['date']}, {m['cpus']} cpus, load {m['load_average_1m']}, torch {m['torch']},"
         f" ray {m['ray']}, {result['wall_s']} s"
     )
+
+
+@bench.command()
+@click.option("--hidden", default=1024, show_default=True, type=click.IntRange(1, 16384))
+@click.option(
+    "--layers",
+    default=5,
+    show_default=True,
+    type=click.IntRange(2, 256),
+    help="Hidden layers of the MLP (blocks = layers + 1; 3 stages need 3).",
+)
+@click.option(
+    "--slowdown",
+    default=3.0,
+    show_default=True,
+    type=click.FloatRange(1.0, 100.0),
+    help="How much slower the emulated straggler is.",
+)
+@click.option(
+    "--steps",
+    default=24,
+    show_default=True,
+    type=click.IntRange(3, 10000),
+    help="Steps of each heterogeneity run (at least 3 x the window).",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object on the last line.")
+def elastic(hidden: int, layers: int, slowdown: float, steps: int, as_json: bool) -> None:
+    """Rebalancing around a straggler, recovery from a killed node, growth onto a new one,
+    on a local multi-node Ray cluster."""
+    from service.localray import LocalRay, LocalRayError, parse_devices
+    from workers.bench.report import ELASTIC_PHASES, ElasticSettings
+
+    try:
+        settings = ElasticSettings(hidden=hidden, layers=layers, slowdown=slowdown, steps=steps)
+    except ValueError as exc:
+        raise InputError(str(exc)) from None
+    console = make_console()
+    with (
+        _phases(console, len(ELASTIC_PHASES), as_json) as progress,
+        tempfile.TemporaryDirectory(prefix="shoal-bench-elastic-") as tmp,
+    ):
+        progress(ELASTIC_PHASES[0])
+        cluster = LocalRay(parse_devices(settings.devices), Path(tmp) / "logs")
+        try:
+            cluster.start()
+        except LocalRayError as exc:
+            raise click.ClickException(str(exc)) from None
+        try:
+            # Ray reads its token when first imported: the cluster's must be set before.
+            os.environ.update(cluster.client_env)
+            from workers.bench.elastic import run_elastic
+
+            result = run_elastic(settings, cluster, Path(tmp), progress)
+        finally:
+            cluster.stop()
+    if as_json:
+        click.echo(json.dumps(result))
+        return
+    table = Table(title="shoal bench elastic", caption=_caption(result))
+    table.add_column("what")
+    table.add_column("value", justify="right")
+    rows = [
+        ("static even cut, samples/s", _f(result["static_samples_per_s"])),
+        ("Shoal with rebalancing, samples/s", _f(result["shoal_samples_per_s"])),
+        ("best cut for the measured speeds, samples/s", _f(result["best_samples_per_s"])),
+        ("Shoal / best", _f(result["shoal_over_best"], 2)),
+        ("steps until the first re-cut", str(result["steps_to_rebalance"])),
+        ("node killed: seconds to the next step", _f(result["recovery_seconds"], 2)),
+        ("steps replayed", str(result["steps_replayed"])),
+        ("node added: seconds until used", _f(result["growth_seconds"], 2)),
+    ]
+    for name, value in rows:
+        table.add_row(name, value)
+    console.print(table)

@@ -208,3 +208,27 @@ def test_busy_fractions_are_median_compute_shares_per_stage() -> None:
 
     metrics = [step(9.0, 9.0, 9.0), step(1.0, 0.5, 0.25), step(2.0, 1.0, 0.5), step(4.0, 2.0, 1.0)]
     assert busy_fractions(metrics, warmup=1) == [0.5, 0.25]
+
+
+@pytest.mark.unit
+def test_elastic_best_cut_is_the_exhaustive_optimum() -> None:
+    from scheduler.profile import uniform_costs
+    from workers.bench.elastic import best_cut
+
+    # 6 equal blocks; "slow" runs at a third of the speed: it gets 1 block, the others
+    # 2.5 on average: a 3-2-1 or 2-3-1 cut, (8 + 2) x 3 block-times per step.
+    order, bounds, step = best_cut(uniform_costs(6), {"a": 1.0, "b": 1.0, "slow": 1 / 3}, 8)
+    sizes = {d: b[1] - b[0] for d, b in zip(order, bounds, strict=True)}
+    assert sizes["slow"] == 1 and sorted(sizes.values()) == [1, 2, 3]
+    assert step == pytest.approx(10 * 3.0)
+
+
+@pytest.mark.unit
+def test_elastic_settings_refuse_what_cannot_run() -> None:
+    from workers.bench.report import ElasticSettings
+
+    assert ElasticSettings().devices.endswith("slowdown=3")
+    with pytest.raises(ValueError, match="at least 3 blocks"):
+        ElasticSettings(layers=1)
+    with pytest.raises(ValueError, match="3 x window"):
+        ElasticSettings(steps=5, window=3)

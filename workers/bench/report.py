@@ -31,6 +31,61 @@ PIPELINE_KEYS = (
 """The keys ``shoal bench pipeline --json`` always prints (issue 3)."""
 
 
+ELASTIC_KEYS = (
+    "static_samples_per_s",
+    "shoal_samples_per_s",
+    "best_samples_per_s",
+    "shoal_over_best",
+    "steps_to_rebalance",
+    "recovery_seconds",
+    "steps_replayed",
+    "growth_seconds",
+)
+"""The keys ``shoal bench elastic --json`` always prints (issue 4)."""
+
+ELASTIC_PHASES = (
+    "starting a 3-node local Ray",
+    "static even cut",
+    "shoal, rebalancing",
+    "best cut for the measured speeds",
+    "preemption",
+    "growth",
+)
+
+
+@dataclass(frozen=True)
+class ElasticSettings:
+    hidden: int = 1024
+    layers: int = 5
+    features: int = 256
+    outputs: int = 16
+    batch_size: int = 64
+    micro_batches: int = 8
+    slowdown: float = 3.0
+    steps: int = 24
+    """Steps of each heterogeneity run; the steady state is the median of the last third."""
+    window: int = 3
+    """The elastic policy's window (``elastic.check_every_steps``)."""
+    seed: int = 0
+
+    @property
+    def devices(self) -> str:
+        """The local cluster: three nodes of one device each, the third one slowed."""
+        return f"1xcpu-a:4096,1xcpu-b:4096,1xcpu-slow:4096:slowdown={self.slowdown:g}"
+
+    def __post_init__(self) -> None:
+        if self.batch_size % self.micro_batches:
+            raise ValueError("batch_size must be a multiple of micro_batches")
+        if self.layers + 1 < 3:
+            raise ValueError("the model needs at least 3 blocks (layers >= 2) for 3 stages")
+        if self.steps < 3 * self.window or self.slowdown < 1.0:
+            raise ValueError("steps must be >= 3 x window and slowdown >= 1")
+
+    @property
+    def num_blocks(self) -> int:
+        return self.layers + 1
+
+
 class BenchError(RuntimeError):
     """A benchmark could not run; the message says which part and why."""
 
