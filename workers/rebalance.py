@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -155,15 +155,37 @@ def move_blocks(
     same_workers = kept == {w: w for w in range(len(old.plans))} and len(new.plans) == len(
         old.plans
     )
-    if not same_workers or len(new.split) != len(old.split):
-        group.regroup(new.plans, kept)
+    unchanged = {
+        w
+        for w, plan in enumerate(new.plans)
+        if w in kept
+        and (plan.index, plan.blocks) == (old.plans[kept[w]].index, old.plans[kept[w]].blocks)
+    }
+    regroup = not same_workers or len(new.split) != len(old.split)
+    settle(group, new, kept, sources, timeout, regroup=regroup, skip=unchanged)
+
+
+def settle(
+    group: WorkerGroup,
+    new: Layout,
+    keep: Mapping[int, int],
+    sources: Mapping[int, Sequence[Handle]],
+    timeout: float,
+    *,
+    regroup: bool,
+    skip: Collection[int] = (),
+) -> None:
+    """The second half of a move, once the ``sources`` (exports) are submitted: the group
+    becomes ``new`` (``regroup``), kept workers adopt their range and new ones load theirs
+    from their sources (workers in ``skip`` have nothing to do), then the left-out ones stop."""
+    if regroup:
+        group.regroup(new.plans, keep)
     calls = [
         group.submit(w, "adopt", plan.index, plan.blocks, *sources[w])
-        if w in kept
+        if w in keep
         else group.submit(w, "load", *sources[w])
         for w, plan in enumerate(new.plans)
-        if w not in kept
-        or (plan.index, plan.blocks) != (old.plans[kept[w]].index, old.plans[kept[w]].blocks)
+        if w not in skip
     ]
     group.get(calls, timeout)
     group.retire()

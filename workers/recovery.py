@@ -29,7 +29,7 @@ from scheduler.layout import plan_layout
 from scheduler.partition import Workload
 from scheduler.profile import uniform_costs
 from workers.group import GroupTimeout, Handle, StageLost, WorkerGroup
-from workers.rebalance import Layout
+from workers.rebalance import Layout, settle
 from workers.snapshot import JobSnapshot, stage_plans
 from workers.stage import StageFailed
 
@@ -196,13 +196,5 @@ def recover(
             group.submit(u, "export_copy", owner, step, blocks)
             for (u, owner), blocks in kept_copies.items()
         ]
-    group.regroup(new.plans, keep)
-    calls = [
-        group.submit(w, "adopt", p.index, p.blocks, *sources[w])
-        if w in keep
-        else group.submit(w, "load", *sources[w])
-        for w, p in enumerate(new.plans)
-    ]
-    group.get(calls, timeout)
-    group.retire()
+    settle(group, new, keep, sources, timeout, regroup=True)
     return Recovery(new, step, lost, keep)
