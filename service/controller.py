@@ -41,6 +41,7 @@ _FINAL_STATE = {
     RunStatus.CANCELLED: JobState.CANCELLED,
 }
 _ACTIVE = (JobState.RUNNING.value, JobState.RECOVERING.value)
+MAX_RUNNER_RESTARTS = 3
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,8 @@ class Controller:
         self._config = config
         self._waiting_reason: dict[str, str] = {}
         self._resizing: dict[str, str] = {}
+        self._runner_deaths: dict[str, tuple[int, int]] = {}
+        """Per job: the step of its runner's last death, and how many in a row there."""
         """Jobs asked to relayout, not yet reported done, and the last reason said."""
         self.last_tick: float | None = None
 
@@ -135,7 +138,7 @@ class Controller:
         try:
             report = self._cluster.poll(job_id, cursor)
         except RunnerGone as exc:
-            self._finish(job_id, JobState.FAILED, str(exc), error=str(exc))
+            self._runner_lost(job_id, str(exc), devices)
             return
         except ClusterUnavailable as exc:
             log.warning("%s", exc)
@@ -149,7 +152,8 @@ class Controller:
         if any(e.kind == "relayout" for e in report.events):
             self._resizing.pop(job_id, None)
         if report.status is RunStatus.LOST:
-            self._recover(job_id, report, devices)
+            reason = report.error or f"lost devices {list(report.lost_devices)}"
+            self._recover(job_id, reason, report.lost_devices, devices)
         elif report.status.is_final:
             message = report.error or f"runner finished: {report.status.value}"
             self._finish(job_id, _FINAL_STATE[report.status], message, error=report.error)
@@ -169,12 +173,30 @@ class Controller:
 
     # ------------------------------------------------------------------ lost devices
 
-    def _recover(self, job_id: str, report: RunnerReport, devices: Sequence[Device]) -> None:
-        """A stage's device is gone: the job turns RECOVERING, its runner (and every stage
-        worker with it) is stopped, and it is placed again on the devices that remain, its
-        own among them, resuming from its latest checkpoint on the new layout; with too few
-        devices for ``min_devices`` it waits QUEUED for devices to return."""
-        lost = sorted(report.lost_devices)
+    def _runner_lost(self, job_id: str, reason: str, devices: Sequence[Device]) -> None:
+        """The runner died (its process, its node, or a kill): the job starts again from its
+        latest checkpoint like after a lost device, none excluded. A runner that dies
+        ``MAX_RUNNER_RESTARTS`` times in a row without the job passing a step fails it."""
+        with self._factory() as session:
+            job = session.get(Job, job_id)
+            step = job.step if job is not None else 0
+        last, count = self._runner_deaths.get(job_id, (-1, 0))
+        count = count + 1 if step <= last else 1
+        self._runner_deaths[job_id] = (step, count)
+        if count > MAX_RUNNER_RESTARTS:
+            message = f"{reason}; it died {count} times without the job passing step {step}"
+            self._finish(job_id, JobState.FAILED, message, error=message)
+            return
+        self._recover(job_id, reason, (), devices)
+
+    def _recover(
+        self, job_id: str, reason: str, lost_devices: Sequence[str], devices: Sequence[Device]
+    ) -> None:
+        """A stage's device or the runner is gone: the job turns RECOVERING, its runner (and
+        every stage worker with it) is stopped, and it is placed again on the devices that
+        remain, its own among them, resuming from its latest checkpoint on the new layout;
+        with too few devices for ``min_devices`` it waits QUEUED for devices to return."""
+        lost = sorted(lost_devices)
         with transaction(self._factory) as session:
             job = session.get(Job, job_id)
             if job is None or job.state not in _ACTIVE:
@@ -184,14 +206,13 @@ class Controller:
             )
             resume_step = int(resume or 0)
             if job.state == JobState.RUNNING.value:
-                transition(
-                    session, job, JobState.RECOVERING, report.error or f"lost devices {lost}"
-                )
+                transition(session, job, JobState.RECOVERING, reason)
+            what = f"lost {', '.join(lost)}" if lost else "lost the runner"
             add_event(
                 session,
                 job_id,
-                "device_lost",
-                f"lost {', '.join(lost)} at step {job.step}; resuming from step {resume_step}"
+                "device_lost" if lost else "runner_lost",
+                f"{what} at step {job.step}; resuming from step {resume_step}"
                 f" ({job.step - resume_step} steps replayed)",
                 {
                     "devices": lost,
@@ -459,7 +480,11 @@ def _persist_report(session: Session, job: Job, report: RunnerReport) -> None:
         job.last_loss = report.metrics[-1].loss
         job.stage_times = [asdict(s) for s in report.metrics[-1].stages]
     for event in report.events:
-        add_event(session, job.id, event.kind, event.message, {"step": event.step, **event.data})
+        data = {"step": event.step, **event.data}
+        if event.kind == "resumed":
+            # job.step is still the progress before this report: what the resume repeats.
+            data["steps_replayed"] = max(0, job.step - event.step)
+        add_event(session, job.id, event.kind, event.message, data)
         if event.kind == "checkpoint":
             _record_checkpoint(session, job.id, event.step, event.data)
         elif event.kind == "repartition":
@@ -471,7 +496,9 @@ def _persist_report(session: Session, job: Job, report: RunnerReport) -> None:
             row = session.get(DeviceRow, event.data["device_id"])
             if row is not None:
                 row.speed_gflops = float(event.data.get("gflops", 0.0))
-    job.step = report.step
+    if report.metrics or report.status.is_final:
+        # Not before: a new attempt reports step 0 until it has restored.
+        job.step = report.step
     job.runner_cursor = report.cursor
 
 

@@ -20,7 +20,8 @@ from service.cluster import Cluster, InProcessCluster, RayCluster
 from service.controller import Controller, ControllerConfig
 from service.db.models import Checkpoint, DeviceRow, Job, JobEvent, JobMetric, User
 from service.db.session import SessionFactory
-from service.jobs import request_cancel, restart_job, submit_job
+from service.jobs import request_cancel, restart_job, submit_job, transition
+from service.lifecycle import JobState
 from service.specs import validate_job_spec
 from tests.factories import job_spec
 
@@ -141,15 +142,52 @@ def test_cancel_of_a_running_job(
     assert job(session_factory, job_id).step < 100_000
 
 
-def test_runner_death_fails_the_job_with_the_reason(
+def test_a_dead_runner_is_restarted_from_the_latest_checkpoint(
+    session_factory: SessionFactory, cluster: Cluster, tmp_path: Path
+) -> None:
+    """The runner disappears under the controller (its process or node died): the job goes
+    RECOVERING and a new runner resumes from the latest checkpoint. Every step is recorded
+    once; steps the dead runner trained past the controller's last poll and checkpointed are
+    not trained again, so their metrics are the ones missing."""
+    controller = make_controller(session_factory, cluster, tmp_path)
+    job_id = submit(
+        session_factory, owner(session_factory), steps=40, checkpoint={"every_steps": 10, "keep": 2}
+    )
+    reconcile_until(controller, lambda: job(session_factory, job_id).step >= 12)
+    cluster.stop_runner(job_id)
+    reconcile_until(controller, lambda: job(session_factory, job_id).state == "SUCCEEDED")
+    history = events(session_factory, job_id)
+    (lost,) = [e for e in history if e.kind == "runner_lost"]
+    assert lost.data["resume_step"] >= 10
+    # The dying runner may have written a checkpoint the controller had not read yet: the
+    # new one resumes from the latest on disk, and its event says what it replays.
+    (resumed,) = [e for e in history if e.kind == "resumed"]
+    assert resumed.data["step"] >= lost.data["resume_step"]
+    assert resumed.data["steps_replayed"] == max(0, lost.data["step"] - resumed.data["step"])
+    states = [(e.data["from"], e.data["to"]) for e in history if e.kind == "state"]
+    assert ("RUNNING", "RECOVERING") in states and ("RECOVERING", "RUNNING") in states
+    assert job(session_factory, job_id).attempt == 2
+    with session_factory() as session:
+        steps = list(session.scalars(sa.select(JobMetric.step).where(JobMetric.job_id == job_id)))
+    recorded = set(steps)
+    assert len(recorded) == len(steps) and job(session_factory, job_id).step == 40
+    assert set(range(1, lost.data["step"] + 1)) <= recorded
+    assert set(range(resumed.data["step"] + 1, 41)) <= recorded
+
+
+def test_a_runner_that_keeps_dying_fails_the_job_with_the_reason(
     session_factory: SessionFactory, cluster: Cluster, tmp_path: Path
 ) -> None:
     controller = make_controller(session_factory, cluster, tmp_path)
     job_id = submit(session_factory, owner(session_factory), steps=100_000)
     reconcile_until(controller, lambda: job(session_factory, job_id).step > 0)
-    cluster.stop_runner(job_id)  # the runner disappears under the controller
+    for _ in range(10):  # killed as soon as it is up, before it can pass a step
+        if job(session_factory, job_id).state == "FAILED":
+            break
+        cluster.stop_runner(job_id)
+        controller.reconcile_once()
     reconcile_until(controller, lambda: job(session_factory, job_id).state == "FAILED")
-    assert "runner of job" in (job(session_factory, job_id).error or "")
+    assert "times without the job passing step" in (job(session_factory, job_id).error or "")
 
 
 def test_restart_resumes_from_the_latest_checkpoint(
@@ -160,7 +198,10 @@ def test_restart_resumes_from_the_latest_checkpoint(
     job_id = submit(session_factory, who, steps=40, checkpoint={"every_steps": 10, "keep": 2})
     reconcile_until(controller, lambda: job(session_factory, job_id).step >= 12)
     cluster.stop_runner(job_id)
-    reconcile_until(controller, lambda: job(session_factory, job_id).state == "FAILED")
+    with session_factory() as session, session.begin():  # failed, as a crash would leave it
+        row = session.get(Job, job_id)
+        assert row is not None
+        transition(session, row, JobState.FAILED, "the test failed it", error="failed")
     restart_job(session_factory, who, job_id)
     reconcile_until(controller, lambda: job(session_factory, job_id).state == "SUCCEEDED")
     resumed = [e for e in events(session_factory, job_id) if e.kind == "resumed"]
