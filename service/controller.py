@@ -496,8 +496,8 @@ def _persist_report(session: Session, job: Job, report: RunnerReport) -> None:
             row = session.get(DeviceRow, event.data["device_id"])
             if row is not None:
                 row.speed_gflops = float(event.data.get("gflops", 0.0))
-    if report.metrics or report.status.is_final:
-        # Not before: a new attempt reports step 0 until it has restored.
+    if report.metrics or report.status is RunStatus.SUCCEEDED:
+        # Not otherwise: a new attempt reports step 0 until it has restored.
         job.step = report.step
     job.runner_cursor = report.cursor
 

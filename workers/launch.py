@@ -63,15 +63,26 @@ def start_runner(snapshot: JobSnapshot) -> ActorHandle[Any]:
         num_cpus=0,
         max_concurrency=RUNNER_CONCURRENCY,
         max_restarts=0,
-        # Beside the control plane (the head, in a cluster of spot workers): losing a stage's
-        # node must not take the runner that recovers it along.
-        scheduling_strategy=NodeAffinitySchedulingStrategy(
-            ray.get_runtime_context().get_node_id(), soft=True
-        ),
+        # On the head (on-demand, beside the control plane, in a cluster of spot workers):
+        # losing a stage's node must not take the runner that recovers it along.
+        scheduling_strategy=NodeAffinitySchedulingStrategy(_head_node_id(), soft=True),
     ).remote(snapshot)
     # Not awaited: ``run`` returns when training ends; progress is read with ``poll``.
     runner.run.remote()
     return runner
+
+
+def _head_node_id() -> str:
+    """The head node's id (Ray marks it with the ``node:__internal_head__`` resource); this
+    process's node if none is marked."""
+    for node in ray.nodes():  # type: ignore[no-untyped-call]
+        if node.get("Alive") and HEAD_RESOURCE in (node.get("Resources") or {}):
+            return str(node["NodeID"])
+    return str(ray.get_runtime_context().get_node_id())
+
+
+HEAD_RESOURCE = "node:__internal_head__"
+"""The resource Ray gives only the head node."""
 
 
 def kill_runner(job_id: JobId, *, wait_s: float = 30.0) -> bool:

@@ -119,6 +119,7 @@ def test_a_node_killed_mid_run_is_recovered_in_place_and_the_losses_stay_exact(
         "parallelism": {"stages": 2, "replicas": 1, "schedule": "1f1b"},
         "resources": {"min_devices": 1, "max_devices": 2},
         "elastic": {"repartition": False, "keep_copies": True},
+        "checkpoint": {"every_steps": 1000, "keep": 1},  # recovered from memory, not disk
     }
     job_id = curl_submit(shoal, token, spec, tmp_path)["id"]
     api.wait_state(job_id, lambda j: j["step"] >= 10, "ten steps")
