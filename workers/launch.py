@@ -64,8 +64,9 @@ def start_runner(snapshot: JobSnapshot) -> ActorHandle[Any]:
         max_concurrency=RUNNER_CONCURRENCY,
         max_restarts=0,
         # On the head (on-demand, beside the control plane, in a cluster of spot workers):
-        # losing a stage's node must not take the runner that recovers it along.
-        scheduling_strategy=NodeAffinitySchedulingStrategy(_head_node_id(), soft=True),
+        # losing a stage's node must not take the runner that recovers it along. Hard: with
+        # soft=True, Ray 2.60 placed it on another node of a 2-node local cluster (measured).
+        scheduling_strategy=NodeAffinitySchedulingStrategy(_head_node_id(), soft=False),
     ).remote(snapshot)
     # Not awaited: ``run`` returns when training ends; progress is read with ``poll``.
     runner.run.remote()
