@@ -83,7 +83,6 @@ class Recovery:
     layout: Layout
     restore_step: int
     lost: tuple[str, ...]
-    keep: Mapping[int, int]
 
 
 def survey(group: WorkerGroup, layout: Layout, timeout: float) -> dict[int, dict[str, Any]]:
@@ -197,4 +196,4 @@ def recover(
             for (u, owner), blocks in kept_copies.items()
         ]
     settle(group, new, keep, sources, timeout, regroup=True)
-    return Recovery(new, step, lost, keep)
+    return Recovery(new, step, lost)
