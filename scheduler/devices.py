@@ -52,6 +52,9 @@ class NodeInfo:
     alive: bool
     resources: Mapping[str, float]
     labels: Mapping[str, str] = field(default_factory=dict)
+    draining: bool = False
+    """Ray is draining the node (a spot preemption notice, an autoscaler's scale-down,
+    ``ray drain-node``): it still runs, but jobs must leave its devices before it goes."""
 
 
 @dataclass(frozen=True)

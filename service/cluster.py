@@ -32,6 +32,10 @@ class Cluster(Protocol):
 
     def cancel(self, job_id: JobId) -> None: ...
 
+    def suspend(self, job_id: JobId) -> None:
+        """Ask the job's runner to checkpoint at its next step boundary and stop there."""
+        ...
+
     def relayout(self, job_id: JobId, plans: Sequence[StagePlan], split: Sequence[int]) -> None:
         """Ask the job's runner to move to ``plans`` at its next step boundary."""
         ...
@@ -58,12 +62,16 @@ class RayCluster:
         self._timeout_s = timeout_s
 
     def nodes(self) -> list[NodeInfo]:
+        # Ray keeps drain requests (node id -> deadline) apart from the node table; Ray
+        # Train's own preemption watcher reads them through the same call.
+        draining = self._ray._private.state.state.get_draining_nodes()
         return [
             NodeInfo(
                 node_id=str(node["NodeID"]),
                 alive=bool(node["Alive"]),
                 resources=dict(node.get("Resources") or {}),
                 labels=dict(node.get("Labels") or {}),
+                draining=str(node["NodeID"]) in draining,
             )
             for node in self._ray.nodes()  # type: ignore[no-untyped-call]
         ]
@@ -96,6 +104,9 @@ class RayCluster:
 
     def cancel(self, job_id: JobId) -> None:
         self._call(job_id, "cancel")
+
+    def suspend(self, job_id: JobId) -> None:
+        self._call(job_id, "suspend")
 
     def relayout(self, job_id: JobId, plans: Sequence[StagePlan], split: Sequence[int]) -> None:
         self._call(job_id, "relayout", tuple(plans), tuple(split))
@@ -155,6 +166,9 @@ class InProcessCluster:
 
     def cancel(self, job_id: JobId) -> None:
         self._runner(job_id).cancel()
+
+    def suspend(self, job_id: JobId) -> None:
+        self._runner(job_id).suspend()
 
     def relayout(self, job_id: JobId, plans: Sequence[StagePlan], split: Sequence[int]) -> None:
         self._runner(job_id).relayout(plans, split)

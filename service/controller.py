@@ -19,7 +19,7 @@ import sqlalchemy as sa
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
-from scheduler.devices import Device, InventoryError, node_devices
+from scheduler.devices import Device, InventoryError, NodeInfo, node_devices
 from scheduler.layout import Layout, plan_layout
 from scheduler.partition import PartitionError, Workload
 from scheduler.placement import Placement, place
@@ -60,9 +60,9 @@ class Controller:
         self._config = config
         self._waiting_reason: dict[str, str] = {}
         self._resizing: dict[str, str] = {}
+        """Jobs asked to relayout or suspend, not yet reported done, and why."""
         self._runner_deaths: dict[str, tuple[int, int]] = {}
         """Per job: the step of its runner's last death, and how many in a row there."""
-        """Jobs asked to relayout, not yet reported done, and the last reason said."""
         self.last_tick: float | None = None
 
     # ------------------------------------------------------------------ the loop
@@ -79,28 +79,23 @@ class Controller:
             stop.wait(self._config.poll_interval_s)
 
     def reconcile_once(self) -> None:
-        devices = self._inventory()
+        nodes = self._cluster.nodes()
+        devices = _inventory(nodes)
         with self._factory() as session:
             active = list(session.scalars(sa.select(Job.id).where(Job.state.in_(_ACTIVE))))
         for job_id in active:
             self._follow(job_id, devices)
-        self._sync_devices(devices)
+        self._sync_devices(devices, {n.node_id for n in nodes if n.draining})
         self._place_queued(devices)
         self._resize_running(devices)
         self.last_tick = time.monotonic()
 
     # ------------------------------------------------------------------ inventory
 
-    def _inventory(self) -> list[Device]:
-        devices: list[Device] = []
-        for node in self._cluster.nodes():
-            try:
-                devices.extend(node_devices(node))
-            except InventoryError as exc:
-                log.warning("node %s ignored: %s", node.node_id[:8], exc)
-        return devices
-
-    def _sync_devices(self, devices: Sequence[Device]) -> None:
+    def _sync_devices(self, devices: Sequence[Device], draining_nodes: set[str]) -> None:
+        """Mirror the inventory into the devices table: new devices, lost ones, the job
+        holding each, and the devices of nodes Ray is draining (a preemption notice), which
+        then count as drained like an admin's ``POST /devices/{id}/drain``."""
         with transaction(self._factory) as session:
             holders = {
                 device_id: job.id
@@ -124,6 +119,9 @@ class Controller:
                 elif row.state == "lost":  # back after being lost: a new node, not draining
                     _set_if_changed(row, draining=False)
                 _set_if_changed(row, state="alive", job_id=holders.get(device.id))
+                if device.node_id in draining_nodes and not row.draining:
+                    log.info("device %s: its node is draining; jobs will leave it", device.id)
+                    row.draining = True
             for row in rows.values():  # known before, absent now
                 _set_if_changed(row, state="lost", job_id=holders.get(row.id))
 
@@ -154,6 +152,8 @@ class Controller:
         if report.status is RunStatus.LOST:
             reason = report.error or f"lost devices {list(report.lost_devices)}"
             self._recover(job_id, reason, report.lost_devices, devices)
+        elif report.status is RunStatus.SUSPENDED:
+            self._requeue(job_id, report.step)
         elif report.status.is_final:
             message = report.error or f"runner finished: {report.status.value}"
             self._finish(job_id, _FINAL_STATE[report.status], message, error=report.error)
@@ -169,6 +169,22 @@ class Controller:
             job = session.get(Job, job_id)
             if job is not None and job.state in _ACTIVE:
                 transition(session, job, target, message, error=error)
+        self._cluster.stop_runner(job_id)
+
+    def _requeue(self, job_id: str, step: int) -> None:
+        """A suspended runner checkpointed ``step`` and stopped: the job waits QUEUED for
+        devices and resumes from that checkpoint, replaying nothing."""
+        self._resizing.pop(job_id, None)
+        with transaction(self._factory) as session:
+            job = session.get(Job, job_id)
+            if job is not None and job.state in _ACTIVE:
+                transition(
+                    session,
+                    job,
+                    JobState.QUEUED,
+                    f"suspended at step {step} (checkpointed); waiting for devices",
+                    devices=[],
+                )
         self._cluster.stop_runner(job_id)
 
     # ------------------------------------------------------------------ lost devices
@@ -274,7 +290,7 @@ class Controller:
                 now = None if found.draining else self._layout(session, job, current)
         except PartitionError as exc:
             if found.draining:
-                self._say_once(job.id, f"cannot leave draining devices yet: {exc}")
+                self._suspend(job.id, found, str(exc))
             return set()
         used = {d.id for d in layout.devices}
         if now is not None and (
@@ -283,10 +299,10 @@ class Controller:
         ):
             return set()
         if len(used) < spec.resources.min_devices:
-            self._say_once(
+            self._suspend(
                 job.id,
-                f"cannot leave draining devices yet: {len(used)} devices would remain,"
-                f" min_devices is {spec.resources.min_devices}",
+                found,
+                f"{len(used)} devices would remain, min_devices is {spec.resources.min_devices}",
             )
             return set()
         try:
@@ -316,11 +332,25 @@ class Controller:
                 )
         return used
 
-    def _say_once(self, job_id: str, reason: str) -> None:
-        if self._waiting_reason.get(job_id) != reason:
-            self._waiting_reason[job_id] = reason
-            with transaction(self._factory) as session:
-                add_event(session, job_id, "waiting", reason)
+    def _suspend(self, job_id: str, found: Candidate, why: str) -> None:
+        """The job cannot leave its draining devices for others: rather than lose the steps
+        since its last checkpoint when they go, its runner checkpoints at the next step
+        boundary and stops, and the job waits QUEUED for devices (``_requeue``)."""
+        try:
+            self._cluster.suspend(job_id)
+        except (RunnerGone, ClusterUnavailable) as exc:
+            log.warning("suspend of %s not delivered: %s", job_id, exc)
+            return
+        self._resizing[job_id] = "suspending"
+        with transaction(self._factory) as session:
+            add_event(
+                session,
+                job_id,
+                "suspend",
+                f"cannot leave draining devices {list(found.draining)} ({why}): checkpointing"
+                " at the next step boundary, then waiting for devices",
+                {"draining": list(found.draining)},
+            )
 
     # ------------------------------------------------------------------ queued jobs
 
@@ -427,6 +457,16 @@ class Controller:
             ),
             sync_s_per_byte=self._config.allreduce_s_per_byte,
         )
+
+
+def _inventory(nodes: Sequence[NodeInfo]) -> list[Device]:
+    devices: list[Device] = []
+    for node in nodes:
+        try:
+            devices.extend(node_devices(node))
+        except InventoryError as exc:
+            log.warning("node %s ignored: %s", node.node_id[:8], exc)
+    return devices
 
 
 def _held_devices(session: Session, *, exclude: str | None = None) -> set[str]:

@@ -101,6 +101,7 @@ class Trainer:
         self._clock = clock
         self._lock = threading.Lock()
         self._cancelled = threading.Event()
+        self._suspending = threading.Event()
         self._log: list[StepMetrics | RunnerEvent] = []
         self._status = RunStatus.RUNNING
         self._error: str | None = None
@@ -114,6 +115,10 @@ class Trainer:
     def cancel(self) -> None:
         """Stop at the next step boundary."""
         self._cancelled.set()
+
+    def suspend(self) -> None:
+        """Checkpoint at the next step boundary and stop there (``RunStatus.SUSPENDED``)."""
+        self._suspending.set()
 
     def relayout(self, plans: Sequence[StagePlan], split: Sequence[int]) -> None:
         """Move to ``plans`` (replica-major, on any devices, any number of stages and
@@ -178,6 +183,8 @@ class Trainer:
             while step < snap.steps:
                 if self._cancelled.is_set():
                     return self._finish(RunStatus.CANCELLED)
+                if self._suspending.is_set():
+                    return self._suspend(group, layout, store, step)
                 try:
                     layout = self._boundary(group, layout, data, store, step, rebalancer, copies)
                 except StageLost as exc:
@@ -233,6 +240,22 @@ class Trainer:
         if copies is not None:
             copies.refresh(group, layout, done)
         return layout
+
+    def _suspend(
+        self, group: WorkerGroup, layout: Layout, store: CheckpointStore, step: int
+    ) -> RunStatus:
+        latest = store.latest(self.snapshot.job_id)
+        if latest is None or latest.step != step:
+            self._checkpoint(group, layout, store, step)
+        self._record(
+            RunnerEvent(
+                "suspended",
+                step,
+                f"suspended at step {step}, checkpointed: resumes from there",
+                {"step": step},
+            )
+        )
+        return self._finish(RunStatus.SUSPENDED)
 
     def _recover(
         self, group: WorkerGroup, layout: Layout, cause: StageLost, step: int, copies: Copies
@@ -607,6 +630,9 @@ class JobRunner:
 
     def cancel(self) -> None:
         self._trainer.cancel()
+
+    def suspend(self) -> None:
+        self._trainer.suspend()
 
     def relayout(self, plans: Sequence[StagePlan], split: Sequence[int]) -> None:
         self._trainer.relayout(plans, split)

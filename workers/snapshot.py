@@ -138,6 +138,9 @@ class RunStatus(StrEnum):
     CANCELLED = "cancelled"
     LOST = "lost"
     """A stage's device (or its worker) is gone: the job can resume elsewhere."""
+    SUSPENDED = "suspended"
+    """Stopped on request at a step boundary, that step checkpointed: the job resumes from
+    it elsewhere with no step replayed (a drain it could not move away from)."""
 
     @property
     def is_final(self) -> bool:

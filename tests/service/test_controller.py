@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -468,6 +469,105 @@ def test_a_drained_device_is_left_at_a_step_boundary_without_losing_a_step(
     assert not [e for e in history if e.kind in ("device_lost", "resumed")]
     row = job(session_factory, job_id)
     assert drained not in row.devices and row.attempt == 1
+    steps, losses = zip(*losses_of(session_factory, job_id), strict=True)
+    assert list(steps) == list(range(1, STEPS + 1))
+    assert list(losses) == pytest.approx(reference_losses(STEPS, 4), rel=1e-5, abs=1e-6)
+
+
+def test_a_drained_device_with_nowhere_to_go_suspends_the_job_which_resumes_replaying_nothing(
+    session_factory: SessionFactory, resizable: Resizable, tmp_path: Path
+) -> None:
+    """Both of the job's devices are needed (min_devices 2) and no other is free: draining
+    one makes the runner checkpoint at its next step boundary and stop, the job waits
+    QUEUED, and when a device appears it resumes from that very step."""
+    controller = make_controller(session_factory, resizable, tmp_path)  # type: ignore[arg-type]
+    job_id = submit(
+        session_factory,
+        owner(session_factory),
+        steps=STEPS,
+        micro_batches=4,
+        optimizer={"name": "sgd", "lr": 0.05},
+        parallelism={"stages": 2, "replicas": 1},
+        resources={"min_devices": 2, "max_devices": 2},
+        checkpoint={"every_steps": 1000, "keep": 2},
+    )
+    reconcile_until(controller, lambda: job(session_factory, job_id).step >= 5, timeout=120)
+    drained = job(session_factory, job_id).devices[1]
+    with session_factory() as session, session.begin():
+        row = session.get(DeviceRow, drained)
+        assert row is not None
+        row.draining = True
+    reconcile_until(controller, lambda: job(session_factory, job_id).state == "QUEUED")
+    suspended_at = job(session_factory, job_id).step
+    controller.reconcile_once()
+    assert job(session_factory, job_id).state == "QUEUED"  # no device to go to yet
+    resizable.devices = 3
+    reconcile_until(
+        controller, lambda: job(session_factory, job_id).state == "SUCCEEDED", timeout=180
+    )
+    history = events(session_factory, job_id)
+    (suspend,) = [e for e in history if e.kind == "suspend"]
+    assert suspend.data["draining"] == [drained]
+    (stopped,) = [e for e in history if e.kind == "suspended"]
+    (resumed,) = [e for e in history if e.kind == "resumed"]
+    assert stopped.data["step"] == resumed.data["step"] == suspended_at
+    assert resumed.data["steps_replayed"] == 0
+    assert not [e for e in history if e.kind in ("device_lost", "runner_lost")]
+    states = [(e.data["from"], e.data["to"]) for e in history if e.kind == "state"]
+    assert ("RUNNING", "QUEUED") in states
+    row = job(session_factory, job_id)
+    assert drained not in row.devices and row.attempt == 2
+    steps, losses = zip(*losses_of(session_factory, job_id), strict=True)
+    assert list(steps) == list(range(1, STEPS + 1))
+    assert list(losses) == pytest.approx(reference_losses(STEPS, 4), rel=1e-5, abs=1e-6)
+
+
+class Draining(InProcessCluster):
+    """In-process runners on two nodes of two devices; Ray drains the nodes in ``drained``."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            [NodeInfo(c * 56, True, {DEVICE_RESOURCE: 2.0}, NODES[0].labels) for c in "ab"]
+        )
+        self.drained: set[str] = set()
+
+    def nodes(self) -> list[NodeInfo]:
+        return [replace(n, draining=n.node_id in self.drained) for n in super().nodes()]
+
+
+def test_a_node_ray_drains_is_left_by_its_jobs_without_losing_a_step(
+    session_factory: SessionFactory, tmp_path: Path
+) -> None:
+    """A preemption notice through Ray (the node is draining): the devices of that node,
+    and only those, are marked draining, and the job moves to the other node in place."""
+    cluster = Draining()
+    controller = make_controller(session_factory, cluster, tmp_path)
+    job_id = submit(
+        session_factory,
+        owner(session_factory),
+        steps=STEPS,
+        micro_batches=4,
+        optimizer={"name": "sgd", "lr": 0.05},
+        parallelism={"stages": 2, "replicas": 1},
+        resources={"min_devices": 2, "max_devices": 2},
+    )
+    reconcile_until(controller, lambda: job(session_factory, job_id).step >= 5, timeout=120)
+    with session_factory() as session:
+        nodes = {row.id: row.node_id for row in session.scalars(sa.select(DeviceRow))}
+    (node,) = {nodes[d] for d in job(session_factory, job_id).devices}
+    cluster.drained.add(node)
+    reconcile_until(
+        controller, lambda: job(session_factory, job_id).state == "SUCCEEDED", timeout=180
+    )
+    with session_factory() as session:
+        flags = {row.id: row.draining for row in session.scalars(sa.select(DeviceRow))}
+    assert flags == {device: nodes[device] == node for device in nodes}
+    history = events(session_factory, job_id)
+    (moved,) = [e for e in history if e.kind == "relayout"]
+    assert {nodes[d] for d in moved.data["removed"]} == {node} and len(moved.data["added"]) == 2
+    assert not [e for e in history if e.kind in ("device_lost", "resumed", "suspend")]
+    row = job(session_factory, job_id)
+    assert {nodes[d] for d in row.devices} == {"ab"[node == "a" * 56] * 56} and row.attempt == 1
     steps, losses = zip(*losses_of(session_factory, job_id), strict=True)
     assert list(steps) == list(range(1, STEPS + 1))
     assert list(losses) == pytest.approx(reference_losses(STEPS, 4), rel=1e-5, abs=1e-6)

@@ -406,18 +406,19 @@ def test_report_cursor_returns_only_news(tmp_path: Path) -> None:
     assert trainer.report(everything.cursor).metrics == ()
 
 
-class _CancelOnStep:
-    """A LocalGroup that asks its trainer to cancel when step ``at`` is applied."""
+class _AskOnStep:
+    """A LocalGroup that asks its trainer to ``request`` (cancel, suspend) when step ``at``
+    is applied."""
 
-    def __init__(self, trainer: list[Trainer], at: int, *args: Any) -> None:
+    def __init__(self, trainer: list[Trainer], at: int, request: str, *args: Any) -> None:
         self._inner = LocalGroup(*args)
-        self._trainer, self._at, self._steps = trainer, at, 0
+        self._trainer, self._at, self._request, self._steps = trainer, at, request, 0
 
     def submit(self, stage: int, method: str, *args: Any) -> Handle:
         if method == "apply_step" and stage == 0:
             self._steps += 1
             if self._steps == self._at:
-                self._trainer[0].cancel()
+                getattr(self._trainer[0], self._request)()
         return self._inner.submit(stage, method, *args)
 
     def get(self, handles: Sequence[Handle], timeout: float) -> list[Any]:
@@ -431,18 +432,48 @@ class _CancelOnStep:
 
 
 @pytest.mark.unit
-def test_cancel_stops_at_the_next_step_boundary(tmp_path: Path) -> None:
+def asking(request: str, at: int, snap: JobSnapshot) -> Trainer:
+    """A trainer of ``snap`` that is asked to ``request`` while step ``at`` runs."""
     holder: list[Trainer] = []
 
     def make(plans: Sequence[StagePlan], setup: StageSetup) -> WorkerGroup:
-        return _CancelOnStep(holder, 2, plans, setup)
+        return _AskOnStep(holder, at, request, plans, setup)
 
-    trainer = Trainer(job(tmp_path, [(0, 2), (2, 4)], steps=5), make)
-    holder.append(trainer)
+    holder.append(Trainer(snap, make))
+    return holder[0]
+
+
+@pytest.mark.unit
+def test_cancel_stops_at_the_next_step_boundary(tmp_path: Path) -> None:
+    trainer = asking("cancel", 2, job(tmp_path, [(0, 2), (2, 4)], steps=5))
     assert trainer.run() is RunStatus.CANCELLED
     report = trainer.report(0)
     assert (report.status, report.step) == (RunStatus.CANCELLED, 2)
     assert CheckpointStore(tmp_path).list("job-1") == []
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("every", [0, 2])
+def test_suspend_checkpoints_the_step_it_stops_at_and_a_new_run_replays_nothing(
+    tmp_path: Path, every: int
+) -> None:
+    """Asked to suspend during step 2 (a checkpoint due there or not), the runner stops
+    after it with step 2 checkpointed once; a runner on another partition goes on from step
+    3, and the whole run equals one process's."""
+    first = asking("suspend", 2, job(tmp_path, [(0, 2), (2, 4)], steps=5, checkpoint_every=every))
+    assert first.run() is RunStatus.SUSPENDED
+    report = first.report(0)
+    assert (report.status, report.step) == (RunStatus.SUSPENDED, 2)
+    assert [e.step for e in report.events if e.kind == "checkpoint"] == [2]
+    assert [e.kind for e in report.events][-2:] == ["checkpoint", "suspended"]
+    assert [i.step for i in CheckpointStore(tmp_path).list("job-1")] == [2]
+    again = job(tmp_path, [(0, 1), (1, 4)], steps=5, attempt=2)
+    second = Trainer(again, LocalGroup)
+    assert second.run() is RunStatus.SUCCEEDED
+    resumed = second.report(0)
+    assert [e.data["step"] for e in resumed.events if e.kind == "resumed"] == [2]
+    assert [m.step for m in resumed.metrics] == [3, 4, 5]
+    assert_matches_reference(again, [*report.metrics, *resumed.metrics])
 
 
 @pytest.mark.unit
