@@ -58,6 +58,9 @@ HEALTH_CHECKS = {
 (5 missed checks, 3 s apart): a lost spot node's workers are given up on, and recovered,
 that much sooner. Set the same variables on a real cluster's head to get the same."""
 
+RAY_ENV = "ray.env"
+"""The file in ``SHOAL_HOME`` where `shoal up` leaves its local cluster's address and token."""
+
 _COUNT_KIND_RE = re.compile(r"^(\d+)x(.+)$")
 _HOST = "127.0.0.1"
 
@@ -224,6 +227,7 @@ class LocalRay:
         self._token = secrets.token_hex(32)
         self._port: int | None = None
         self._nodes: list[_Node] = []
+        self._env_path: Path | None = None
 
     @property
     def address(self) -> str:
@@ -236,6 +240,23 @@ class LocalRay:
     def client_env(self) -> dict[str, str]:
         """Environment a process needs to connect to this cluster (its auth token)."""
         return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": self._token}
+
+    def write_env(self, path: Path) -> None:
+        """Write what a ``ray`` command needs to reach this cluster (``RAY_ADDRESS`` and
+        the token) as ``NAME=value`` lines, readable by the owner only; removed on stop."""
+        text = "".join(
+            f"{k}={v}\n" for k, v in {"RAY_ADDRESS": self.address, **self.client_env}.items()
+        )
+        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(descriptor, "w") as handle:
+            handle.write(text)
+        self._env_path = path
+
+    @staticmethod
+    def read_env(path: Path) -> dict[str, str]:
+        """The variables ``write_env`` wrote to ``path``."""
+        lines = path.read_text().splitlines()
+        return dict(line.split("=", 1) for line in lines if "=" in line)
 
     @property
     def pids(self) -> list[int]:
@@ -288,32 +309,14 @@ class LocalRay:
         node = self._nodes.pop(index)
         _signal_group(node.process, signal.SIGKILL)
         node.process.wait()
-        _kill_session(node.process.pid, time.monotonic() + self._stop_timeout_s)
+        kill_session(node.process.pid, time.monotonic() + self._stop_timeout_s)
         node.log.close()
 
     def _launch(self, index: int, spec: VirtualNode) -> _Node:
-        args = [
-            str(self._ray),
-            "start",
-            "--block",
-            "--disable-usage-stats",
-            f"--node-ip-address={_HOST}",
-            f"--resources={json.dumps({DEVICE_RESOURCE: spec.count})}",
-            "--labels=" + ",".join(f"{key}={value}" for key, value in spec.labels.items()),
-            # Nodes share this machine: give each its own agent and metrics ports.
-            f"--dashboard-agent-listen-port={free_port()}",
-            f"--metrics-export-port={free_port()}",
-        ]
         if index == 0:
-            # One CPU beyond the devices, for the job runner actor and the control plane's work.
-            args += [
-                "--head",
-                f"--port={self._port}",
-                f"--num-cpus={spec.count + 1}",
-                "--include-dashboard=false",
-            ]
+            args = node_command(self._ray, spec, head_port=self._port)
         else:
-            args += [f"--address={self.address}", f"--num-cpus={spec.count}"]
+            args = node_command(self._ray, spec, address=self.address)
         log_path = self._log_dir / f"ray-{index}-{spec.kind}.log"
         log = log_path.open("ab")
         log.write(f"$ {' '.join(args)}\n".encode())
@@ -395,10 +398,13 @@ class LocalRay:
             # `ray start --block` may exit before its children do: the group is what counts.
             _signal_group(node.process, signal.SIGKILL)
             node.process.wait()
-            _kill_session(node.process.pid, time.monotonic() + self._stop_timeout_s)
+            kill_session(node.process.pid, time.monotonic() + self._stop_timeout_s)
             node.log.close()
             self._nodes.pop(0)
         self._port = None
+        if self._env_path is not None:
+            self._env_path.unlink(missing_ok=True)
+            self._env_path = None
         atexit.unregister(self.stop)
 
     def __enter__(self) -> LocalRay:
@@ -411,6 +417,37 @@ class LocalRay:
         traceback: TracebackType | None,
     ) -> None:
         self.stop()
+
+
+def node_command(
+    ray: Path, spec: VirtualNode, *, address: str | None = None, head_port: int | None = None
+) -> list[str]:
+    """The ``ray start --block`` command of one local node declaring ``spec``'s devices:
+    the head (``head_port``) or a node joining the cluster at ``address``."""
+    args = [
+        str(ray),
+        "start",
+        "--block",
+        "--disable-usage-stats",
+        f"--node-ip-address={_HOST}",
+        f"--resources={json.dumps({DEVICE_RESOURCE: spec.count})}",
+        "--labels=" + ",".join(f"{key}={value}" for key, value in spec.labels.items()),
+        # Nodes share this machine: give each its own agent and metrics ports.
+        f"--dashboard-agent-listen-port={free_port()}",
+        f"--metrics-export-port={free_port()}",
+    ]
+    if head_port is not None:
+        # One CPU beyond the devices, for the job runner actor and the control plane's work.
+        return [
+            *args,
+            "--head",
+            f"--port={head_port}",
+            f"--num-cpus={spec.count + 1}",
+            "--include-dashboard=false",
+        ]
+    if address is None:
+        raise ValueError("a node either is the head (head_port) or joins one (address)")
+    return [*args, f"--address={address}", f"--num-cpus={spec.count}"]
 
 
 def _signal_group(process: subprocess.Popen[bytes], signum: signal.Signals) -> None:
@@ -430,7 +467,7 @@ def _live_session_members(session: int) -> list[int]:
     return members
 
 
-def _kill_session(session: int, deadline: float) -> None:
+def kill_session(session: int, deadline: float) -> None:
     """SIGKILL what is left of a node's session until nothing runs there (or the deadline).
 
     Ray's raylet starts its workers in process groups of their own, inside the session

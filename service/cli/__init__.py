@@ -8,7 +8,7 @@ import click
 
 from service.cli.bench import bench
 from service.cli.jobs import cancel, devices, logs, restart, status, submit
-from service.cli.server import db, token, up
+from service.cli.server import db, node, token, up
 from service.client import ApiError
 
 
@@ -32,7 +32,7 @@ def cli() -> None:
 
 
 # Job commands talk to the REST API; server commands act on this machine's database.
-for _command in (submit, status, logs, cancel, restart, devices, up, token, db):
+for _command in (submit, status, logs, cancel, restart, devices, up, node, token, db):
     cli.add_command(_command)
 cli.add_command(bench)  # runs on this machine, no API: see service.cli.bench
 

@@ -13,6 +13,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from service.lifecycle import JobState
+from service.localray import RAY_ENV
 
 if TYPE_CHECKING:
     from service.localray import LocalRay
@@ -170,6 +171,9 @@ def print_banner(
     if local is not None:
         ray += f"  (local: {settings.devices}; logs in {settings.home / 'logs'})"
     grid.add_row("Ray", escape(ray))
+    if local is not None:
+        env = settings.home / RAY_ENV
+        grid.add_row("", escape(f"`ray` commands reach it with the variables in {env}"))
     grid.add_row("admin token", admin_token)
     grid.add_row("", f"saved in {settings.admin_token_path} (mode 0600); the CLI reads it there")
     grid.add_row("try", "shoal submit examples/mlp-digits.yaml")

@@ -15,7 +15,16 @@ import click
 from service.cli.options import F, InputError, make_settings
 from service.cli.render import make_console, print_banner
 from service.client import write_config
-from service.localray import DeviceSpecError, LocalRay, LocalRayError, free_port, parse_devices
+from service.localray import (
+    HEALTH_CHECKS,
+    RAY_ENV,
+    DeviceSpecError,
+    LocalRay,
+    LocalRayError,
+    free_port,
+    node_command,
+    parse_devices,
+)
 from service.settings import Settings, UnsafeSettings
 
 
@@ -140,6 +149,8 @@ def up(
         if nodes is not None:
             with console.status(f"starting a local Ray cluster of {len(nodes)} nodes"):
                 local = LocalRay(nodes, settings.home / "logs").start()
+            # `ray` commands (status, drain-node, start --address) reach it with these.
+            local.write_env(settings.home / RAY_ENV)
             # The control plane in this process connects with the cluster's own token.
             os.environ.update(local.client_env)
             settings = settings.model_copy(update={"ray_address": local.address})
@@ -157,3 +168,31 @@ def up(
                 local.stop()
         signal.signal(signal.SIGTERM, previous_sigterm)
     console.print("Shoal stopped")
+
+
+@click.command()
+@click.argument("group")
+@_home_option
+def node(group: str, home: Path | None) -> None:
+    """Join one more node to the local Ray cluster of `shoal up`, declaring the virtual
+    devices GROUP (COUNTxKIND:MEMORY_MB[:slowdown=F][:spot], as in SHOAL_DEVICES): a
+    machine arriving. It runs until stopped; a SIGTERM (kill PID) drains it first, so
+    jobs move off it before it goes, as on a spot node's notice."""
+    settings = make_settings(home=home)
+    try:
+        nodes = parse_devices(group)
+    except DeviceSpecError as exc:
+        raise InputError(str(exc)) from None
+    if len(nodes) != 1:
+        raise InputError(f"GROUP {group!r} names {len(nodes)} nodes; give one group per node")
+    path = settings.home / RAY_ENV
+    if not path.exists():
+        raise InputError(
+            f"{path} not found: is `shoal up` running here with its own local cluster?"
+            " (a cluster it joined with --ray-address is joined with `ray start` instead)"
+        )
+    env = LocalRay.read_env(path)
+    command = node_command(
+        Path(sys.executable).parent / "ray", nodes[0], address=env.pop("RAY_ADDRESS")
+    )
+    os.execve(command[0], command, {**os.environ, **HEALTH_CHECKS, **env})

@@ -16,6 +16,13 @@ from typing import IO, Any
 import httpx
 import pytest
 
+from service.localray import (
+    HEALTH_CHECKS,
+    RAY_ENV,
+    LocalRay,
+    kill_session,
+)
+
 SHOAL = Path(sys.executable).parent / "shoal"
 START_TIMEOUT_S = 60.0
 """Imports (torch, ray, fastapi), the Ray connection, migrations and the first tick."""
@@ -212,3 +219,45 @@ def runner_reaper(ray_address: str) -> Iterator[list[str]]:
     yield job_ids
     for job_id in job_ids:
         kill_runner(job_id)
+
+
+def ray_env(shoal: ShoalUp) -> dict[str, str]:
+    """The environment of a ``ray`` command reaching the cluster ``shoal`` started."""
+    return {**os.environ, **HEALTH_CHECKS, **LocalRay.read_env(shoal.home / RAY_ENV)}
+
+
+def ray_cli(shoal: ShoalUp, *args: str) -> str:
+    """Run Ray's own ``ray`` command against ``shoal``'s cluster; its stdout."""
+    done = subprocess.run(
+        [str(SHOAL.parent / "ray"), *args],
+        capture_output=True,
+        text=True,
+        env=ray_env(shoal),
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, f"ray {' '.join(args)}: {done.stdout}{done.stderr}"
+    return done.stdout
+
+
+@contextlib.contextmanager
+def joined_node(shoal: ShoalUp, group: str, log_path: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """``shoal node GROUP``: a node declaring the device group ``group`` joins ``shoal``'s
+    cluster, as a new machine does; SIGKILLed with all it started at the end."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SHOAL_")}
+    with log_path.open("ab") as log:
+        process = subprocess.Popen(
+            [str(SHOAL), "node", group, "--home", str(shoal.home)],
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+        try:
+            yield process
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait(timeout=STOP_TIMEOUT_S)
+            kill_session(process.pid, time.monotonic() + STOP_TIMEOUT_S)

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from tests.integration.conftest import ShoalUp
+from tests.integration.conftest import ShoalUp, joined_node, ray_cli, wait_until
 from tests.integration.test_shoal_up import Api, admin_token, curl_submit
 from workers.reference import train_reference
 from workers.snapshot import DataRef, ModelRef, OptimizerConf
@@ -75,22 +75,14 @@ def test_a_straggler_loses_blocks_and_the_losses_stay_exact(
     results = [e["data"] for e in events if e["kind"] == "repartition_result"]
     assert results and results[0]["measured_gain"] > 0, results
 
-    reference = train_reference(
-        ModelRef("mlp", None, SPEC["model"]["config"]),
-        DataRef("synthetic-regression", None, SPEC["data"]["config"]),
-        OptimizerConf("sgd", 0.01),
-        batch_size=SPEC["batch_size"],
-        micro_batches=SPEC["micro_batches"],
-        steps=SPEC["steps"],
-        seed=SPEC["seed"],
-    )
-    losses = [m["loss"] for m in api.items(job_id, "metrics")]
-    assert losses == pytest.approx(reference.losses, rel=1e-5, abs=1e-6)
+    assert_exact(api, job_id, SPEC)
 
 
-def kill_node(kind: str) -> None:
-    """SIGKILL the local Ray node declaring device kind ``kind``, and everything it started
-    (its session): a machine gone without notice."""
+def stop_node(kind: str, *, graceful: bool) -> None:
+    """Stop the local Ray node declaring device kind ``kind``: gracefully, a SIGTERM to its
+    ``ray start`` (what Kubernetes sends a pod; Ray takes the node down and its actors die
+    at once), or hard, a SIGKILL of every process it started (a machine gone without
+    notice: its actors answer nothing until Ray's health checks give up on the node)."""
     listing = subprocess.run(
         ["ps", "-ww", "-A", "-o", "pid=,sess=,args="], capture_output=True, text=True, check=True
     ).stdout
@@ -98,10 +90,38 @@ def kill_node(kind: str) -> None:
     (node,) = [
         int(pid) for pid, _, args in rows if "ray start" in args and f"device-kind={kind}," in args
     ]
+    if graceful:
+        os.kill(node, signal.SIGTERM)
+        return
     for pid, session, _ in rows:
         if int(session) == node:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(int(pid), signal.SIGKILL)
+
+
+def device(api: Api, device_id: str) -> Json:
+    found: Json = next(d for d in api.get("/devices")["items"] if d["id"] == device_id)
+    return found
+
+
+def reference_losses(spec: Json) -> list[float]:
+    return train_reference(
+        ModelRef("mlp", None, spec["model"]["config"]),
+        DataRef("synthetic-regression", None, spec["data"]["config"]),
+        OptimizerConf("sgd", spec["optimizer"]["lr"]),
+        batch_size=spec["batch_size"],
+        micro_batches=spec["micro_batches"],
+        steps=spec["steps"],
+        seed=spec["seed"],
+    ).losses
+
+
+def assert_exact(api: Api, job_id: str, spec: Json) -> None:
+    """Every step recorded once, each loss that of one plain process."""
+    metrics = api.items(job_id, "metrics")
+    assert [m["step"] for m in metrics] == list(range(1, spec["steps"] + 1))
+    losses = [m["loss"] for m in metrics]
+    assert losses == pytest.approx(reference_losses(spec), rel=1e-5, abs=1e-6)
 
 
 @pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
@@ -123,7 +143,7 @@ def test_a_node_killed_mid_run_is_recovered_in_place_and_the_losses_stay_exact(
     }
     job_id = curl_submit(shoal, token, spec, tmp_path)["id"]
     api.wait_state(job_id, lambda j: j["step"] >= 10, "ten steps")
-    kill_node("cpu-b")
+    stop_node("cpu-b", graceful=False)
     job = api.wait_state(job_id, lambda j: j["state"] == "SUCCEEDED", "the job to succeed")
 
     events = api.items(job_id, "events")
@@ -135,15 +155,119 @@ def test_a_node_killed_mid_run_is_recovered_in_place_and_the_losses_stay_exact(
     assert job["attempt"] == 1 and gone not in job["devices"]
     states = [(e["data"]["from"], e["data"]["to"]) for e in events if e["kind"] == "state"]
     assert ("RUNNING", "RECOVERING") in states and ("RECOVERING", "RUNNING") in states
-    metrics = api.items(job_id, "metrics")
-    assert [m["step"] for m in metrics] == list(range(1, 61))
-    reference = train_reference(
-        ModelRef("mlp", None, spec["model"]["config"]),
-        DataRef("synthetic-regression", None, spec["data"]["config"]),
-        OptimizerConf("sgd", 0.01),
-        batch_size=spec["batch_size"],
-        micro_batches=spec["micro_batches"],
-        steps=60,
-        seed=spec["seed"],
-    )
-    assert [m["loss"] for m in metrics] == pytest.approx(reference.losses, rel=1e-5, abs=1e-6)
+    assert_exact(api, job_id, spec)
+
+
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+def test_a_node_added_mid_run_is_grown_onto_and_left_when_it_is_stopped_gracefully(
+    shoal_cluster: Callable[[Path, str, str], ShoalUp], database_url: str, tmp_path: Path
+) -> None:
+    """A one-node cluster: a job that may use two devices runs on the one there is; a
+    second machine joins (``ray start --address``) and the job grows onto it at a step
+    boundary. Then that machine is stopped gracefully (SIGTERM to ``ray start``, what
+    Kubernetes sends a pod): Ray drains the node first, the job leaves it at a step
+    boundary, and the node, idle, shuts down. Every step once, each loss exact."""
+    shoal = shoal_cluster(tmp_path / "home", database_url, "1xcpu-a:2048")
+    token = admin_token(shoal)
+    api = Api(shoal, token)
+    spec = {
+        **SPEC,
+        "name": "grows",
+        "batch_size": 256,  # enough compute per step that two devices beat one clearly
+        "steps": 150,
+        "parallelism": {"stages": "auto", "replicas": "auto", "schedule": "1f1b"},
+        "resources": {"min_devices": 1, "max_devices": 2},
+        "elastic": {"repartition": False, "keep_copies": True},
+        "checkpoint": {"every_steps": 1000, "keep": 1},
+    }
+    job_id = curl_submit(shoal, token, spec, tmp_path)["id"]
+    first = api.wait_state(job_id, lambda j: j["step"] >= 5, "five steps")
+    with joined_node(shoal, "1xcpu-b:2048", tmp_path / "ray-joined.log"):
+        grown = api.wait_state(job_id, lambda j: len(j["devices"]) == 2, "the job to grow")
+        (new,) = set(grown["devices"]) - set(first["devices"])
+        api.wait_state(job_id, lambda j: j["step"] >= grown["step"] + 5, "steps on two devices")
+        stop_node("cpu-b", graceful=True)
+        job = api.wait_state(job_id, lambda j: j["state"] == "SUCCEEDED", "the job to succeed")
+        wait_until(lambda: device(api, new)["state"] == "lost", 60, "the node to shut down")
+
+    events = api.items(job_id, "events")
+    resizes = [e["data"] for e in events if e["kind"] == "resize"]
+    assert [(r["added"], r["draining"]) for r in resizes] == [([new], []), ([], [new])]
+    moves = [e["data"] for e in events if e["kind"] == "relayout"]
+    assert [(m["added"], m["removed"]) for m in moves] == [([new], []), ([], [new])]
+    assert not [e for e in events if e["kind"] in ("device_lost", "runner_lost", "resumed")]
+    assert job["attempt"] == 1 and job["devices"] == first["devices"]
+    assert_exact(api, job_id, spec)
+
+
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+def test_nodes_ray_drains_are_left_before_they_go_and_nothing_is_replayed(
+    shoal_cluster: Callable[[Path, str, str], ShoalUp], database_url: str, tmp_path: Path
+) -> None:
+    """Spot notices through Ray's own drain (``ray drain-node``, as an autoscaler or a
+    Kubernetes preStop hook sends it). First the job has a free node to go to: it moves
+    there at a step boundary and the drained node is then killed without the job noticing.
+    Then a node it needs is drained with no other free: the job checkpoints, waits QUEUED,
+    and resumes from that step on a machine that joins. Nothing is lost or replayed."""
+    shoal = shoal_cluster(tmp_path / "home", database_url, "1xcpu-a:2048,1xcpu-b:2048,1xcpu-c:2048")
+    token = admin_token(shoal)
+    api = Api(shoal, token)
+    spec = {
+        **SPEC,
+        "name": "drained",
+        "model": {"builtin": "mlp", "config": {"hidden": 256, "layers": 3}},
+        "steps": 300,
+        "parallelism": {"stages": 2, "replicas": 1, "schedule": "1f1b"},
+        "resources": {"min_devices": 2, "max_devices": 2},
+        "elastic": {"repartition": False, "keep_copies": True},
+        "checkpoint": {"every_steps": 1000, "keep": 1},
+    }
+    devices = {d["id"]: d for d in api.get("/devices")["items"]}
+
+    def drain(device_id: str) -> None:
+        ray_cli(
+            shoal,
+            "drain-node",
+            f"--node-id={devices[device_id]['node_id']}",
+            "--reason=DRAIN_NODE_REASON_PREEMPTION",
+            "--reason-message=spot notice",
+            "--deadline-remaining-seconds=120",
+        )
+
+    def off_the_head(job: Json) -> str:
+        """One of the job's devices not on the head node (which holds the runner and the
+        cluster: a spot notice never comes for it)."""
+        return str(next(d for d in job["devices"] if devices[d]["kind"] != "cpu-a"))
+
+    job_id = curl_submit(shoal, token, spec, tmp_path)["id"]
+    first = api.wait_state(job_id, lambda j: j["step"] >= 10, "ten steps")
+    (spare,) = set(devices) - set(first["devices"])
+    leaving = off_the_head(first)
+    drain(leaving)
+    moved = api.wait_state(job_id, lambda j: leaving not in j["devices"], "leaving the node")
+    assert set(moved["devices"]) == set(first["devices"]) - {leaving} | {spare}
+    assert device(api, leaving)["draining"]
+    stop_node(devices[leaving]["kind"], graceful=False)  # the notice's deadline, come early
+    api.wait_state(job_id, lambda j: j["step"] >= moved["step"] + 10, "steps after the move")
+
+    needed = off_the_head(moved)
+    drain(needed)
+    queued = api.wait_state(job_id, lambda j: j["state"] == "QUEUED", "the job to suspend")
+    with joined_node(shoal, "1xcpu-d:2048", tmp_path / "ray-joined.log"):
+        job = api.wait_state(job_id, lambda j: j["state"] == "SUCCEEDED", "the job to succeed")
+
+    events = api.items(job_id, "events")
+    relayouts = [e["data"] for e in events if e["kind"] == "relayout"]
+    assert [(r["removed"], r["added"]) for r in relayouts] == [([leaving], [spare])]
+    (suspend,) = [e for e in events if e["kind"] == "suspend"]
+    assert suspend["data"]["draining"] == [needed]
+    (stopped,) = [e for e in events if e["kind"] == "suspended"]
+    (resumed,) = [e for e in events if e["kind"] == "resumed"]
+    assert stopped["data"]["step"] == resumed["data"]["step"] == queued["step"]
+    assert resumed["data"]["steps_replayed"] == 0
+    assert not [e for e in events if e["kind"] in ("device_lost", "runner_lost")]
+    kinds = {d["id"]: d["kind"] for d in api.get("/devices")["items"]}
+    (joined,) = [d for d in job["devices"] if kinds[d] == "cpu-d"]
+    assert set(job["devices"]) == set(moved["devices"]) - {needed} | {joined}
+    assert job["attempt"] == 2
+    assert_exact(api, job_id, spec)

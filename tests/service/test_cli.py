@@ -812,3 +812,21 @@ def test_up_with_a_ray_address_prepares_home_and_serves(
     # A second `up` keeps the admin token.
     assert shoal("up", "--ray-address", "10.0.0.9:6379").exit_code == 0
     assert token_path.read_text().strip() == admin_token
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    ("group", "message"),
+    [
+        ("2xcpu", "device group '2xcpu': it does not start with COUNTxKIND:MEMORY_MB"),
+        ("1xcpu:64,1xgpu:64", "GROUP '1xcpu:64,1xgpu:64' names 2 nodes; give one group per node"),
+        ("1xcpu:64", "ray.env not found: is `shoal up` running here with its own local cluster?"),
+    ],
+)
+def test_node_refuses_bad_groups_and_a_home_without_a_local_cluster(
+    home: Path, group: str, message: str
+) -> None:
+    result = shoal("node", group, "--home", str(home))
+    assert result.exit_code == 2
+    assert message in result.stderr
+    assert "Traceback" not in result.output

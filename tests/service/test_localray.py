@@ -149,15 +149,20 @@ def _running_in_session(session: int) -> list[str]:
 def test_local_ray_starts_labelled_nodes_and_stops_them(tmp_path: Path) -> None:
     nodes = parse_devices("1xcpu-a:1024,1xcpu-b:512:slowdown=3:spot")
     local = LocalRay(nodes, tmp_path / "logs")
+    env_path = tmp_path / "ray.env"
     with local:
         assert local.address.startswith("127.0.0.1:")
         pids = local.pids
+        local.write_env(env_path)
+        assert env_path.stat().st_mode & 0o777 == 0o600
+        env = LocalRay.read_env(env_path)
+        assert env == {"RAY_ADDRESS": local.address, **local.client_env}
         listed = subprocess.run(
-            [sys.executable, "-c", _NODES_SCRIPT, local.address],
+            [sys.executable, "-c", _NODES_SCRIPT, env.pop("RAY_ADDRESS")],
             capture_output=True,
             text=True,
             check=True,
-            env={**os.environ, **local.client_env},
+            env={**os.environ, **env},
             timeout=120,
         )
         seen = json.loads(listed.stdout.strip().splitlines()[-1])
@@ -178,6 +183,7 @@ def test_local_ray_starts_labelled_nodes_and_stops_them(tmp_path: Path) -> None:
             LABEL_SLOWDOWN: "3",
         }
         assert [path.name for path in local.log_paths] == ["ray-0-cpu-a.log", "ray-1-cpu-b.log"]
+    assert not env_path.exists()
     # `ray start` leads a session of its own; nothing in it may outlive stop().
     assert [line for pid in pids for line in _running_in_session(pid)] == []
     local.stop()  # idempotent
