@@ -346,6 +346,45 @@ def test_a_lost_stage_worker_recovers_on_the_devices_left_and_stays_exact(
     assert [m.loss for m in metrics] == pytest.approx(reference.losses, rel=1e-5, abs=1e-6)
 
 
+def test_a_job_left_with_too_few_devices_waits_queued_and_resumes_when_they_return(
+    session_factory: SessionFactory, ray_address: str, tmp_path: Path
+) -> None:
+    """A job that needs both devices of the pool loses a stage worker (no in-memory copies):
+    with one device left it cannot run, so it waits QUEUED; the lost device answers again
+    (only its worker died), and the job resumes from its latest checkpoint on both."""
+    import os
+    import signal
+
+    controller = make_controller(session_factory, TwoDeviceRay(ray_address, timeout_s=30), tmp_path)
+    job_id = submit(
+        session_factory,
+        owner(session_factory),
+        steps=40,
+        micro_batches=4,
+        optimizer={"name": "sgd", "lr": 0.05},
+        parallelism={"stages": 2, "replicas": 1},
+        resources={"min_devices": 2, "max_devices": 2},
+        checkpoint={"every_steps": 10, "keep": 2},
+        elastic={"keep_copies": False},
+    )
+    reconcile_until(controller, lambda: job(session_factory, job_id).step >= 14, timeout=120)
+    (placement,) = [e for e in events(session_factory, job_id) if e.kind == "placement"]
+    os.kill(placement.data["stages"][1]["pid"], signal.SIGKILL)
+    reconcile_until(
+        controller, lambda: job(session_factory, job_id).state == "SUCCEEDED", timeout=180
+    )
+    history = events(session_factory, job_id)
+    states = [(e.data["from"], e.data["to"]) for e in history if e.kind == "state"]
+    assert ("RECOVERING", "QUEUED") in states and ("QUEUED", "RUNNING") in states
+    (lost,) = [e for e in history if e.kind == "device_lost"]
+    (resumed,) = [e for e in history if e.kind == "resumed"]
+    assert resumed.data["step"] == lost.data["resume_step"] in (10, 20, 30)
+    assert job(session_factory, job_id).attempt == 2
+    steps, losses = zip(*losses_of(session_factory, job_id), strict=True)
+    assert list(steps) == list(range(1, 41))
+    assert list(losses) == pytest.approx(reference_losses(40, 4), rel=1e-5, abs=1e-6)
+
+
 class Resizable:
     """A cluster whose node shows ``devices`` devices (a node growing or new capacity)."""
 
