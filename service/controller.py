@@ -51,6 +51,7 @@ class ControllerConfig:
     poll_interval_s: float = 0.5
     stage_overhead_s: float = 0.003  # the partitioner's cost model: see service.settings
     allreduce_s_per_byte: float = 1 / 0.7e9
+    growth_min_gain: float = 0.1
 
 
 class Controller:
@@ -295,7 +296,11 @@ class Controller:
         used = {d.id for d in layout.devices}
         if now is not None and (
             not used & set(found.added)
-            or not worth_growing(now.plan.predicted_step_s, layout.plan.predicted_step_s, 0.1)
+            or not worth_growing(
+                now.plan.predicted_step_s,
+                layout.plan.predicted_step_s,
+                self._config.growth_min_gain,
+            )
         ):
             return set()
         if len(used) < spec.resources.min_devices:

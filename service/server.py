@@ -56,6 +56,7 @@ def serve(settings: Settings) -> None:
             poll_interval_s=settings.poll_interval_s,
             stage_overhead_s=settings.stage_overhead_ms / 1000,
             allreduce_s_per_byte=1 / (settings.allreduce_gb_per_s * 1e9),
+            growth_min_gain=settings.growth_min_gain,
         ),
     )
     app = create_app(settings, factory, controller)

@@ -67,6 +67,13 @@ class Settings(BaseSettings):
         le=10_000.0,
         description="Gradient all-reduce bandwidth between replicas, for the partitioner.",
     )
+    growth_min_gain: float = Field(
+        0.1,
+        ge=0.0,
+        lt=1.0,
+        description="A running job grows onto free devices only if its predicted step gets at"
+        " least this much faster (0.1: 10%).",
+    )
     max_body_bytes: int = Field(1_048_576, ge=1024, description="Largest accepted request body.")
     max_page_size: int = Field(500, ge=1, le=10_000, description="Cap on list page sizes.")
     log_json: bool = Field(False, description="Log as JSON lines.")

@@ -479,6 +479,34 @@ def test_a_running_job_grows_onto_devices_that_appear(
     assert list(losses) == pytest.approx(reference_losses(STEPS, 4), rel=1e-5, abs=1e-6)
 
 
+def test_a_job_does_not_grow_for_less_than_the_configured_gain(
+    session_factory: SessionFactory, tmp_path: Path
+) -> None:
+    """Two more devices appear, but no layout on them is predicted 99% faster: the job
+    finishes where it started."""
+    cluster = Resizable(
+        InProcessCluster([NodeInfo("f" * 56, True, {DEVICE_RESOURCE: 4.0}, NODES[0].labels)]), 2
+    )
+    config = ControllerConfig(checkpoint_root=str(tmp_path / "ckpt"), growth_min_gain=0.99)
+    controller = Controller(session_factory, cluster, config)  # type: ignore[arg-type]
+    job_id = submit(
+        session_factory,
+        owner(session_factory),
+        steps=STEPS,
+        micro_batches=4,
+        optimizer={"name": "sgd", "lr": 0.05},
+        parallelism={"stages": 2, "replicas": "auto"},
+        resources={"min_devices": 2, "max_devices": 4},
+    )
+    reconcile_until(controller, lambda: job(session_factory, job_id).step >= 5, timeout=120)
+    cluster.devices = 4
+    reconcile_until(
+        controller, lambda: job(session_factory, job_id).state == "SUCCEEDED", timeout=180
+    )
+    assert not [e for e in events(session_factory, job_id) if e.kind in ("resize", "relayout")]
+    assert len(job(session_factory, job_id).devices) == 2
+
+
 def test_a_drained_device_is_left_at_a_step_boundary_without_losing_a_step(
     session_factory: SessionFactory, resizable: Resizable, tmp_path: Path
 ) -> None:
