@@ -2,7 +2,9 @@
 
 Each tick it reads the device inventory, follows every running job's runner (persisting its
 metrics, events and checkpoints — the control plane is the only database writer), carries
-out cancel requests, fails jobs whose runner died, and places queued jobs on free devices.
+out cancel requests, recovers jobs whose devices or runner were lost, runs sweeps
+(``service.sweeper``: their trials are jobs), places queued jobs on free devices, and moves
+running jobs off draining devices and onto free ones.
 It starts nothing for a job that already has a runner: runners are found again by name, so a
 restarted control plane picks up where the last one stopped.
 """
@@ -31,6 +33,7 @@ from service.jobs import JobConflict, add_event, transition
 from service.lifecycle import JobState
 from service.snapshots import block_costs, build_snapshot, job_request
 from service.specs import JobSpec
+from service.sweeper import Sweeper
 from workers.snapshot import RunnerReport, RunStatus, stage_plans
 
 log = logging.getLogger(__name__)
@@ -64,6 +67,7 @@ class Controller:
         """Jobs asked to relayout or suspend, not yet reported done, and why."""
         self._runner_deaths: dict[str, tuple[int, int]] = {}
         """Per job: the step of its runner's last death, and how many in a row there."""
+        self._sweeper = Sweeper(factory, config.checkpoint_root, config.allowed_factories)
         self.last_tick: float | None = None
 
     # ------------------------------------------------------------------ the loop
@@ -87,6 +91,7 @@ class Controller:
         for job_id in active:
             self._follow(job_id, devices)
         self._sync_devices(devices, {n.node_id for n in nodes if n.draining})
+        self._sweeper.reconcile_once()
         self._place_queued(devices)
         self._resize_running(devices)
         self.last_tick = time.monotonic()

@@ -119,31 +119,7 @@ def submit_job(
             return _same_spec(existing, spec_json), False
     try:
         with transaction(factory) as session:
-            job = Job(
-                id=uuid.uuid4().hex,
-                name=accepted.spec.name,
-                owner_id=principal.user_id,
-                spec=spec_json,
-                state=JobState.QUEUED.value,
-                priority=accepted.spec.priority,
-                idempotency_key=idempotency_key,
-                steps=accepted.spec.steps,
-                num_blocks=accepted.num_blocks,
-                block_costs=None if accepted.costs is None else [asdict(c) for c in accepted.costs],
-                devices=[],
-                partition=[],
-            )
-            session.add(job)
-            session.flush()
-            add_event(session, job.id, "state", "submitted", {"from": None, "to": "QUEUED"})
-            if accepted.untraced is not None:
-                add_event(
-                    session,
-                    job.id,
-                    "profile",
-                    "the model did not trace on the meta device, so its blocks count as equal"
-                    f" for the partitioner: {accepted.untraced}",
-                )
+            job = add_job(session, principal, accepted, idempotency_key)
         return job, True
     except IntegrityError:
         if idempotency_key is None:
@@ -153,6 +129,41 @@ def submit_job(
         if existing is None:
             raise
         return _same_spec(existing, spec_json), False
+
+
+def add_job(
+    session: Session,
+    principal: Principal,
+    accepted: AcceptedSpec,
+    idempotency_key: str | None = None,
+) -> Job:
+    """Add a new QUEUED job of ``principal`` to ``session``'s transaction, with its events."""
+    job = Job(
+        id=uuid.uuid4().hex,
+        name=accepted.spec.name,
+        owner_id=principal.user_id,
+        spec=accepted.spec.model_dump(mode="json"),
+        state=JobState.QUEUED.value,
+        priority=accepted.spec.priority,
+        idempotency_key=idempotency_key,
+        steps=accepted.spec.steps,
+        num_blocks=accepted.num_blocks,
+        block_costs=None if accepted.costs is None else [asdict(c) for c in accepted.costs],
+        devices=[],
+        partition=[],
+    )
+    session.add(job)
+    session.flush()
+    add_event(session, job.id, "state", "submitted", {"from": None, "to": "QUEUED"})
+    if accepted.untraced is not None:
+        add_event(
+            session,
+            job.id,
+            "profile",
+            "the model did not trace on the meta device, so its blocks count as equal"
+            f" for the partitioner: {accepted.untraced}",
+        )
+    return job
 
 
 def _same_spec(job: Job, spec_json: dict[str, Any]) -> Job:

@@ -27,6 +27,15 @@ MAX_DEVICES = 4_096
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,99}$")
 
 
+def check_name(value: str) -> str:
+    """A job's or sweep's name: 1-100 letters, digits, '_', '.', '-'."""
+    if not _NAME_RE.match(value):
+        raise ValueError(
+            "use 1-100 letters, digits, '_', '.', '-', starting with a letter or digit"
+        )
+    return value
+
+
 class SpecError(ValueError):
     """A spec is invalid. ``errors`` lists (dotted field, message) pairs."""
 
@@ -35,11 +44,13 @@ class SpecError(ValueError):
         super().__init__("; ".join(f"{f}: {m}" if f else m for f, m in self.errors))
 
 
-class _Strict(BaseModel):
+class StrictModel(BaseModel):
+    """A spec section: unknown fields are refused."""
+
     model_config = ConfigDict(extra="forbid")
 
 
-class ComponentSpec(_Strict):
+class ComponentSpec(StrictModel):
     """A built-in (``builtin``) or a factory ``pkg.module:function``, with its config."""
 
     builtin: str | None = Field(None, max_length=100)
@@ -53,7 +64,7 @@ class ComponentSpec(_Strict):
         return self
 
 
-class OptimizerSpec(_Strict):
+class OptimizerSpec(StrictModel):
     name: Literal["sgd", "adam", "adamw"] = "adam"
     lr: float = Field(1e-3, gt=0.0, le=10.0)
     momentum: float | None = Field(None, ge=0.0, lt=1.0, description="sgd only")
@@ -86,7 +97,7 @@ class OptimizerSpec(_Strict):
         return {f: getattr(self, f) for f in fields if getattr(self, f) is not None}
 
 
-class ParallelismSpec(_Strict):
+class ParallelismSpec(StrictModel):
     stages: Literal["auto"] | int = "auto"
     replicas: Literal["auto"] | int = "auto"
     schedule: Literal["gpipe", "1f1b"] = "1f1b"
@@ -100,7 +111,7 @@ class ParallelismSpec(_Strict):
         return value
 
 
-class ElasticSpec(_Strict):
+class ElasticSpec(StrictModel):
     """Runtime rebalancing (``scheduler.elastic``): every ``check_every_steps`` steps the
     runner re-cuts the blocks over its devices if the measured speeds predict a step at
     least ``min_gain`` faster that repays the move within ``horizon_steps`` steps."""
@@ -116,7 +127,7 @@ class ElasticSpec(_Strict):
     )
 
 
-class ResourcesSpec(_Strict):
+class ResourcesSpec(StrictModel):
     min_devices: int = Field(1, ge=1, le=MAX_DEVICES)
     max_devices: int = Field(1, ge=1, le=MAX_DEVICES)
     device_kind: str | None = Field(None, max_length=63, description="only this kind")
@@ -131,12 +142,12 @@ class ResourcesSpec(_Strict):
         return self
 
 
-class CheckpointSpec(_Strict):
+class CheckpointSpec(StrictModel):
     every_steps: int = Field(50, ge=1, le=MAX_STEPS)
     keep: int = Field(3, ge=1, le=1_000)
 
 
-class JobSpec(_Strict):
+class JobSpec(StrictModel):
     name: str = Field(..., max_length=100)
     model: ComponentSpec
     data: ComponentSpec
@@ -157,11 +168,7 @@ class JobSpec(_Strict):
     @field_validator("name")
     @classmethod
     def _name(cls, value: str) -> str:
-        if not _NAME_RE.match(value):
-            raise ValueError(
-                "use 1-100 letters, digits, '_', '.', '-', starting with a letter or digit"
-            )
-        return value
+        return check_name(value)
 
     @model_validator(mode="after")
     def _batch_split(self) -> JobSpec:
@@ -183,7 +190,7 @@ class JobSpec(_Strict):
         return self
 
 
-def _pydantic_errors(exc: ValidationError) -> list[tuple[str, str]]:
+def pydantic_errors(exc: ValidationError) -> list[tuple[str, str]]:
     errors = []
     for err in exc.errors():
         loc = [str(p) for p in err["loc"] if not str(p).startswith("function-after")]
@@ -199,7 +206,7 @@ def parse_job_spec(payload: Any) -> JobSpec:
     try:
         return JobSpec.model_validate(payload)
     except ValidationError as exc:
-        raise SpecError(_pydantic_errors(exc)) from None
+        raise SpecError(pydantic_errors(exc)) from None
 
 
 def _check_factory(path: str, allowed: Sequence[str], field: str) -> None:

@@ -43,3 +43,21 @@ def device(
         gpu=False,
         spot=spot,
     )
+
+
+def sweep_spec(**overrides: Any) -> dict[str, Any]:
+    """A small, valid sweep spec (dict) over ``job_spec()``'s learning rate."""
+    spec: dict[str, Any] = {
+        "name": "lr-sweep",
+        "base": job_spec(optimizer={"name": "sgd", "lr": 0.05}, steps=30),
+        "space": {"optimizer.lr": {"type": "log_uniform", "low": 0.001, "high": 0.5}},
+        "algorithm": "random",
+        "seed": 7,
+        "max_trials": 8,
+        "max_concurrent": 1,
+        "objective": {"metric": "loss", "direction": "minimize", "every_steps": 5},
+        "early_stopping": {"rule": "asha", "min_steps": 5, "reduction_factor": 2},
+        "retention": {"keep_best": 2},
+    }
+    spec.update(copy.deepcopy(overrides))
+    return spec

@@ -147,3 +147,44 @@ class DeviceRow(Base):
     """Jobs must leave it and none is placed on it (cleared when the device comes back
     after being lost: a new node)."""
     updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
+
+
+class Sweep(Base):
+    """A hyperparameter sweep: its spec, its state (the job states' names) and progress."""
+
+    __tablename__ = "sweeps"
+
+    id: Mapped[str] = mapped_column(sa.String(32), primary_key=True)
+    name: Mapped[str] = mapped_column(sa.String(100))
+    owner_id: Mapped[int] = mapped_column(sa.ForeignKey("users.id"), index=True)
+    owner: Mapped[User] = relationship(lazy="joined")
+    spec: Mapped[dict[str, Any]]
+    state: Mapped[str] = mapped_column(sa.String(16), index=True)
+    cancel_requested: Mapped[bool] = mapped_column(default=False)
+    max_trials: Mapped[int]
+    """How many trials the sweep runs (``max_trials``, or a smaller grid's size)."""
+    error: Mapped[str | None] = mapped_column(sa.Text, default=None)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
+    finished_at: Mapped[datetime | None] = mapped_column(default=None)
+
+
+class Trial(Base):
+    """One trial of a sweep: the parameters it was given and the job that trains them."""
+
+    __tablename__ = "trials"
+
+    sweep_id: Mapped[str] = mapped_column(
+        sa.ForeignKey("sweeps.id", ondelete="CASCADE"), primary_key=True
+    )
+    number: Mapped[int] = mapped_column(primary_key=True)
+    job_id: Mapped[str] = mapped_column(sa.ForeignKey("jobs.id"), unique=True)
+    job: Mapped[Job] = relationship(lazy="joined")
+    params: Mapped[dict[str, Any]]
+    intermediate: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    """The objective at every reported step (keys are steps, as strings)."""
+    objective: Mapped[float | None] = mapped_column(default=None)
+    pruned: Mapped[bool] = mapped_column(default=False)
+    told: Mapped[bool] = mapped_column(default=False)
+    """Its outcome has been given to the sampler (it is finished for the sweep)."""
+    checkpoints_dropped: Mapped[bool] = mapped_column(default=False)

@@ -442,6 +442,16 @@ def reference_losses(steps: int, micro_batches: int) -> list[float]:
 
 
 STEPS = 300
+
+
+def drain(factory: SessionFactory, device_id: str) -> None:
+    """What ``POST /devices/{id}/drain`` does."""
+    with factory() as session, session.begin():
+        row = session.get(DeviceRow, device_id)
+        assert row is not None
+        row.draining = True
+
+
 """Enough that in-process runners (a few ms a step) are still running when devices change."""
 
 
@@ -523,10 +533,7 @@ def test_a_drained_device_is_left_at_a_step_boundary_without_losing_a_step(
     )
     reconcile_until(controller, lambda: job(session_factory, job_id).step >= 5, timeout=120)
     drained = job(session_factory, job_id).devices[1]
-    with session_factory() as session, session.begin():
-        row = session.get(DeviceRow, drained)
-        assert row is not None
-        row.draining = True
+    drain(session_factory, drained)
     reconcile_until(
         controller, lambda: job(session_factory, job_id).state == "SUCCEEDED", timeout=180
     )
@@ -560,10 +567,7 @@ def test_a_drained_device_with_nowhere_to_go_suspends_the_job_which_resumes_repl
     )
     reconcile_until(controller, lambda: job(session_factory, job_id).step >= 5, timeout=120)
     drained = job(session_factory, job_id).devices[1]
-    with session_factory() as session, session.begin():
-        row = session.get(DeviceRow, drained)
-        assert row is not None
-        row.draining = True
+    drain(session_factory, drained)
     reconcile_until(controller, lambda: job(session_factory, job_id).state == "QUEUED")
     suspended_at = job(session_factory, job_id).step
     controller.reconcile_once()

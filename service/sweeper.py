@@ -1,0 +1,185 @@
+"""The sweeper: the controller's part that runs sweeps, one reconcile tick at a time.
+
+For every active sweep it reports each running trial's objective to the sweep's study
+(``service.tuner``) every ``objective.every_steps`` steps and cancels the trials the pruner
+stops (PRUNED), tells the study how finished trials ended, starts new trials — each a job of
+its own, with the base spec and the sampled parameters, placed like any job — up to
+``max_concurrent`` at once and ``max_trials`` in all, keeps only the best trials'
+checkpoints, and ends the sweep when its last trial has ended. Cancelling a sweep cancels its
+trials. It writes only what the control plane writes: jobs, trials, sweeps.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import sqlalchemy as sa
+from sqlalchemy.orm import Session
+
+from service.auth import Principal
+from service.db.models import Checkpoint, Job, JobMetric, Sweep, Trial
+from service.db.session import SessionFactory, transaction
+from service.jobs import add_event, add_job, transition
+from service.lifecycle import JobState
+from service.specs import SpecError, validate_job_spec
+from service.sweeps import list_trials, move_sweep
+from service.sweepspec import SweepSpec, trial_spec
+from service.tuner import Outcome, Tuner
+from workers.checkpoints import CheckpointStore
+
+log = logging.getLogger(__name__)
+
+_ACTIVE = (JobState.QUEUED.value, JobState.RUNNING.value)
+
+
+class Sweeper:
+    def __init__(
+        self, factory: SessionFactory, checkpoint_root: str, allowed_factories: Sequence[str]
+    ) -> None:
+        self._factory = factory
+        self._store = CheckpointStore(checkpoint_root)
+        self._allowed = tuple(allowed_factories)
+        self._tuners: dict[str, Tuner] = {}
+
+    def reconcile_once(self) -> None:
+        with self._factory() as session:
+            active = list(session.scalars(sa.select(Sweep.id).where(Sweep.state.in_(_ACTIVE))))
+        for sweep_id in active:
+            self._follow(sweep_id)
+        for sweep_id in set(self._tuners) - set(active):
+            del self._tuners[sweep_id]
+
+    def _follow(self, sweep_id: str) -> None:
+        with transaction(self._factory) as session:
+            sweep = session.get(Sweep, sweep_id)
+            if sweep is None or sweep.state not in _ACTIVE:
+                return
+            spec = SweepSpec.model_validate(sweep.spec)
+            trials = list(list_trials(session, sweep_id))
+            tuner = self._tuner(session, sweep, spec, trials)
+            for trial in trials:
+                if not trial.told:
+                    self._progress(session, tuner, spec, trial)
+            if sweep.cancel_requested:
+                for trial in trials:
+                    _stop(session, trial.job, "its sweep was cancelled")
+                if all(t.told for t in trials):
+                    move_sweep(sweep, JobState.CANCELLED, error="cancelled")
+                return
+            self._drop_checkpoints(session, spec, trials)
+            self._launch(session, tuner, spec, sweep, trials)
+            if len(trials) >= sweep.max_trials and all(t.told for t in trials):
+                done = [t for t in trials if t.objective is not None and not t.pruned]
+                if done:
+                    move_sweep(sweep, JobState.SUCCEEDED)
+                else:
+                    move_sweep(sweep, JobState.FAILED, error="no trial completed")
+
+    def _tuner(
+        self, session: Session, sweep: Sweep, spec: SweepSpec, trials: Sequence[Trial]
+    ) -> Tuner:
+        """The sweep's study, rebuilt from its trials when this process has none yet."""
+        tuner = self._tuners.get(sweep.id)
+        if tuner is None:
+            tuner = Tuner(spec)
+            for trial in trials:
+                tuner.restore(
+                    trial.number,
+                    trial.params,
+                    {int(step): value for step, value in trial.intermediate.items()},
+                    _outcome(trial) if trial.told else None,
+                    trial.objective,
+                )
+            self._tuners[sweep.id] = tuner
+        return tuner
+
+    def _progress(self, session: Session, tuner: Tuner, spec: SweepSpec, trial: Trial) -> None:
+        """Report the trial's new objective values; tell the study once its job has ended."""
+        every = spec.objective.every_steps
+        reported = max((int(s) for s in trial.intermediate), default=0)
+        rows = session.execute(
+            sa.select(JobMetric.step, JobMetric.loss)
+            .where(JobMetric.job_id == trial.job_id, JobMetric.step > reported)
+            .order_by(JobMetric.step)
+        ).all()
+        values = dict(trial.intermediate)
+        for step, loss in rows:
+            if step % every or trial.pruned:
+                continue
+            values[str(step)] = loss
+            if tuner.report(trial.number, step, loss):
+                trial.pruned = True
+                add_event(
+                    session,
+                    trial.job_id,
+                    "pruned",
+                    f"stopped early by the sweep's {spec.early_stopping.rule} rule at step"
+                    f" {step} (objective {loss:.6g})",
+                    {"step": step, "objective": loss},
+                )
+                _stop(session, trial.job, f"pruned at step {step}")
+        trial.intermediate = values
+        job = trial.job
+        if not JobState(job.state).is_terminal:
+            return
+        if job.state == JobState.SUCCEEDED.value and not trial.pruned:
+            trial.objective = job.last_loss
+        outcome = _outcome(trial)
+        tuner.tell(trial.number, outcome, trial.objective)
+        trial.told = True
+
+    def _launch(
+        self, session: Session, tuner: Tuner, spec: SweepSpec, sweep: Sweep, trials: list[Trial]
+    ) -> None:
+        running = sum(1 for t in trials if not t.told)
+        owner = Principal(sweep.owner.id, sweep.owner.name, sweep.owner.is_admin)
+        base = spec.base.model_dump(mode="json")
+        while running < spec.max_concurrent and len(trials) < sweep.max_trials:
+            number = len(trials)
+            params = tuner.ask(number)
+            payload = trial_spec(base, params, f"{spec.name}-{number}")
+            try:
+                accepted = validate_job_spec(payload, self._allowed)
+            except SpecError as exc:  # validated at submission: a sampler's value cannot fail
+                tuner.tell(number, "failed")
+                move_sweep(sweep, JobState.FAILED, error=f"trial {number} {params}: {exc}")
+                return
+            job = add_job(session, owner, accepted)
+            add_event(session, job.id, "trial", f"trial {number} of sweep {sweep.name}: {params}")
+            trial = Trial(sweep_id=sweep.id, number=number, job_id=job.id, params=params)
+            session.add(trial)
+            session.flush()
+            trials.append(trial)
+            running += 1
+            if sweep.state == JobState.QUEUED.value:
+                move_sweep(sweep, JobState.RUNNING)
+
+    def _drop_checkpoints(self, session: Session, spec: SweepSpec, trials: Sequence[Trial]) -> None:
+        """Keep the checkpoints of the ``retention.keep_best`` best completed trials; delete
+        those of every other ended trial (pruned and failed ones included)."""
+        done = [t for t in trials if t.told and t.objective is not None and not t.pruned]
+        sign = 1.0 if spec.objective.direction == "minimize" else -1.0
+        best = sorted(done, key=lambda t: (sign * (t.objective or 0.0), t.number))
+        keep = {t.number for t in best[: spec.retention.keep_best]}
+        for trial in trials:
+            if trial.told and not trial.checkpoints_dropped and trial.number not in keep:
+                self._store.retain(trial.job_id, 0)
+                session.execute(sa.delete(Checkpoint).where(Checkpoint.job_id == trial.job_id))
+                trial.checkpoints_dropped = True
+
+
+def _outcome(trial: Trial) -> Outcome:
+    if trial.pruned:
+        return "pruned"
+    return "complete" if trial.objective is not None else "failed"
+
+
+def _stop(session: Session, job: Job, why: str) -> None:
+    """Cancel a trial's job: a queued one at once, a running one at its next step boundary."""
+    state = JobState(job.state)
+    if state is JobState.QUEUED:
+        transition(session, job, JobState.CANCELLED, why)
+    elif not state.is_terminal and not job.cancel_requested:
+        job.cancel_requested = True
+        add_event(session, job.id, "cancel", why)

@@ -1,0 +1,113 @@
+"""Sweeps in the database: submit, read, list, cancel; and each trial's state as users see it.
+
+A sweep's state uses the job states' names. The API creates sweeps QUEUED and cancels QUEUED
+ones at once (RUNNING ones only get ``cancel_requested``); the controller's sweeper moves
+QUEUED -> RUNNING when it starts the first trial and on to SUCCEEDED, FAILED or CANCELLED
+(``SWEEP_TRANSITIONS``). A trial's state is its job's, or PRUNED when early stopping ended it.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import sqlalchemy as sa
+from sqlalchemy.orm import Session
+
+from service.auth import Principal
+from service.db.models import Sweep, Trial, utcnow
+from service.db.session import SessionFactory, transaction
+from service.jobs import JobConflict
+from service.lifecycle import JobState
+from service.sweepspec import AcceptedSweep
+
+PRUNED = "PRUNED"
+SWEEP_TRANSITIONS: dict[JobState, frozenset[JobState]] = {
+    JobState.QUEUED: frozenset({JobState.RUNNING, JobState.FAILED, JobState.CANCELLED}),
+    JobState.RUNNING: frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED}),
+}
+"""A sweep runs once, and is never restarted (submit it again)."""
+
+
+class SweepNotFound(LookupError):
+    def __init__(self, sweep_id: str) -> None:
+        super().__init__(f"no sweep {sweep_id!r}")
+
+
+@dataclass(frozen=True)
+class SweepPage:
+    items: list[Sweep]
+    total: int
+
+
+def trial_state(trial: Trial) -> str:
+    """What a trial is now: PRUNED once early stopping chose it, else its job's state."""
+    return PRUNED if trial.pruned else trial.job.state
+
+
+def move_sweep(sweep: Sweep, target: JobState, *, error: str | None = None) -> None:
+    """Change a sweep's state, checked against ``SWEEP_TRANSITIONS``."""
+    current = JobState(sweep.state)
+    if target not in SWEEP_TRANSITIONS.get(current, frozenset()):
+        raise JobConflict(f"a {current} sweep cannot become {target}")
+    sweep.state = target.value
+    if target.is_terminal:
+        sweep.finished_at = utcnow()
+        sweep.error = error
+
+
+def submit_sweep(factory: SessionFactory, principal: Principal, accepted: AcceptedSweep) -> Sweep:
+    """Persist a new QUEUED sweep; the controller asks its trials and starts their jobs."""
+    with transaction(factory) as session:
+        sweep = Sweep(
+            id=uuid.uuid4().hex,
+            name=accepted.spec.name,
+            owner_id=principal.user_id,
+            spec=accepted.spec.model_dump(mode="json"),
+            state=JobState.QUEUED.value,
+            max_trials=accepted.trials,
+        )
+        session.add(sweep)
+        session.flush()
+        return sweep
+
+
+def _visible(principal: Principal) -> sa.ColumnElement[bool]:
+    return sa.true() if principal.is_admin else Sweep.owner_id == principal.user_id
+
+
+def get_sweep(session: Session, principal: Principal, sweep_id: str) -> Sweep:
+    """The sweep, if the principal may see it; others' sweeps are as absent as unknown ones."""
+    sweep = session.scalar(sa.select(Sweep).where(Sweep.id == sweep_id, _visible(principal)))
+    if sweep is None:
+        raise SweepNotFound(sweep_id)
+    return sweep
+
+
+def list_trials(session: Session, sweep_id: str) -> Sequence[Trial]:
+    return session.scalars(
+        sa.select(Trial).where(Trial.sweep_id == sweep_id).order_by(Trial.number)
+    ).all()
+
+
+def list_sweeps(session: Session, principal: Principal, *, limit: int, offset: int) -> SweepPage:
+    query = sa.select(Sweep).where(_visible(principal))
+    total = session.scalar(sa.select(sa.func.count()).select_from(query.subquery())) or 0
+    items = session.scalars(
+        query.order_by(Sweep.created_at.desc(), Sweep.id).limit(limit).offset(offset)
+    ).all()
+    return SweepPage(list(items), total)
+
+
+def request_cancel(factory: SessionFactory, principal: Principal, sweep_id: str) -> Sweep:
+    """Cancel a queued sweep at once; a running one's trials are cancelled by the controller."""
+    with transaction(factory) as session:
+        sweep = get_sweep(session, principal, sweep_id)
+        state = JobState(sweep.state)
+        if state.is_terminal:
+            raise JobConflict(f"sweep {sweep_id} is already {state}; there is nothing to cancel")
+        if state is JobState.QUEUED:
+            move_sweep(sweep, JobState.CANCELLED, error=f"cancelled by {principal.name}")
+        sweep.cancel_requested = True
+        return sweep

@@ -1,0 +1,238 @@
+"""The sweep contract: ``SweepSpec`` (a base job, a search space, an algorithm, early stopping),
+validated once, and ``trial_spec``, which turns one trial's parameters into its job's spec.
+
+A search space maps dotted field paths of the base job (``optimizer.lr``,
+``model.config.hidden``, ``batch_size``) to a distribution. Validation applies each
+distribution's extremes (and each categorical choice) to the base job and validates the
+result as a job, so a space that could produce an invalid trial is refused at submission,
+with the error under ``space.<path>``.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import Field, ValidationError, field_validator, model_validator
+
+from service.specs import (
+    AcceptedSpec,
+    JobSpec,
+    SpecError,
+    StrictModel,
+    check_name,
+    pydantic_errors,
+)
+from service.specs import validate_job_spec as _validate_job
+
+MAX_PARAMS = 16
+MAX_CHOICES = 32
+MAX_TRIALS = 1000
+MAX_GRID = 10_000
+ParamValue = float | int | str | bool
+
+
+class ParamSpec(StrictModel):
+    """One dimension of the search space."""
+
+    type: Literal["uniform", "log_uniform", "int", "categorical"]
+    low: float | None = Field(None, allow_inf_nan=False)
+    high: float | None = Field(None, allow_inf_nan=False)
+    step: int | None = Field(None, ge=1, description="int only: the grid's spacing")
+    choices: list[ParamValue] | None = Field(None, min_length=1, max_length=MAX_CHOICES)
+
+    @model_validator(mode="after")
+    def _complete(self) -> ParamSpec:
+        if self.type == "categorical":
+            if self.choices is None or self.low is not None or self.high is not None:
+                raise ValueError("a categorical parameter takes 'choices' (and no low/high)")
+            return self
+        if self.choices is not None or self.low is None or self.high is None:
+            raise ValueError(f"a {self.type} parameter takes 'low' and 'high' (and no choices)")
+        if not self.low < self.high:
+            raise ValueError(f"low ({self.low:g}) must be below high ({self.high:g})")
+        if self.type == "log_uniform" and self.low <= 0:
+            raise ValueError(f"log_uniform needs low > 0, got {self.low:g}")
+        if self.type == "int" and not (self.low.is_integer() and self.high.is_integer()):
+            raise ValueError("an int parameter needs whole numbers for low and high")
+        if self.step is not None and self.type != "int":
+            raise ValueError("step applies to int parameters only")
+        return self
+
+    def extremes(self) -> list[ParamValue]:
+        """The values that bound what a trial may get: low and high, or every choice."""
+        if self.choices is not None:
+            return list(self.choices)
+        assert self.low is not None and self.high is not None  # checked in _complete
+        if self.type == "int":
+            return [int(self.low), int(self.high)]
+        return [self.low, self.high]
+
+    def grid(self) -> list[ParamValue] | None:
+        """Every value of a finite dimension (categorical, int); None for continuous ones."""
+        if self.choices is not None:
+            return list(self.choices)
+        if self.type != "int":
+            return None
+        assert self.low is not None and self.high is not None
+        return list(range(int(self.low), int(self.high) + 1, self.step or 1))
+
+
+class ObjectiveSpec(StrictModel):
+    metric: Literal["loss"] = Field(
+        "loss", description="the training loss: the metric every job reports each step"
+    )
+    direction: Literal["minimize", "maximize"] = "minimize"
+    every_steps: int = Field(
+        10, ge=1, le=1_000_000, description="report the objective to the pruner this often"
+    )
+
+
+class EarlyStoppingSpec(StrictModel):
+    """Pruning rules from Optuna: asynchronous successive halving (ASHA) or the median rule."""
+
+    rule: Literal["none", "asha", "median"] = "asha"
+    min_steps: int = Field(
+        10, ge=1, le=1_000_000, description="ASHA's minimum resource; the median rule's warm-up"
+    )
+    reduction_factor: int = Field(3, ge=2, le=10, description="ASHA: keep 1 in this many")
+
+
+class RetentionSpec(StrictModel):
+    keep_best: int = Field(
+        3, ge=0, le=MAX_TRIALS, description="trials whose checkpoints are kept; others' deleted"
+    )
+
+
+class SweepSpec(StrictModel):
+    name: str = Field(..., max_length=100)
+    base: JobSpec
+    space: dict[str, ParamSpec] = Field(..., min_length=1, max_length=MAX_PARAMS)
+    algorithm: Literal["grid", "random", "tpe"] = "tpe"
+    seed: int = Field(0, ge=0, le=2**31 - 1, description="the sampler's seed")
+    max_trials: int = Field(16, ge=1, le=MAX_TRIALS)
+    max_concurrent: int = Field(4, ge=1, le=64)
+    objective: ObjectiveSpec = Field(default_factory=ObjectiveSpec)
+    early_stopping: EarlyStoppingSpec = Field(default_factory=EarlyStoppingSpec)
+    retention: RetentionSpec = Field(default_factory=RetentionSpec)
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        return check_name(value)
+
+    @field_validator("space")
+    @classmethod
+    def _paths(cls, space: dict[str, ParamSpec]) -> dict[str, ParamSpec]:
+        for path in space:
+            parts = path.split(".")
+            if not all(p.isidentifier() for p in parts) or parts[0] == "name":
+                raise ValueError(
+                    f"{path!r} is not a field path of the base job; use dotted names such as"
+                    " optimizer.lr or model.config.hidden"
+                )
+        return space
+
+
+@dataclass(frozen=True)
+class AcceptedSweep:
+    """A sweep that passed every check, with its completed base job."""
+
+    spec: SweepSpec
+    base: AcceptedSpec
+
+    @property
+    def grid_size(self) -> int | None:
+        """How many trials a grid search has (None for other algorithms)."""
+        if self.spec.algorithm != "grid":
+            return None
+        return math.prod(len(p.grid() or ()) for p in self.spec.space.values())
+
+    @property
+    def trials(self) -> int:
+        """How many trials the sweep runs: ``max_trials``, or fewer for a smaller grid."""
+        grid = self.grid_size
+        return self.spec.max_trials if grid is None else min(grid, self.spec.max_trials)
+
+
+def parse_sweep_spec(payload: Any) -> SweepSpec:
+    if not isinstance(payload, dict):
+        raise SpecError([("", "a sweep spec must be a JSON/YAML object (mapping)")])
+    try:
+        return SweepSpec.model_validate(payload)
+    except ValidationError as exc:
+        raise SpecError(pydantic_errors(exc)) from None
+
+
+def trial_spec(
+    base: Mapping[str, Any], params: Mapping[str, ParamValue], name: str
+) -> dict[str, Any]:
+    """The base job with ``params`` applied (dotted paths) and the trial's ``name``."""
+    spec = copy.deepcopy(dict(base))
+    for path, value in params.items():
+        *parents, leaf = path.split(".")
+        node = spec
+        for part in parents:
+            node = node[part]
+        node[leaf] = value
+    spec["name"] = name
+    return spec
+
+
+def _check_path(base: Mapping[str, Any], path: str) -> None:
+    node: Any = base
+    *parents, leaf = path.split(".")
+    for depth, part in enumerate(parents):
+        if not isinstance(node, Mapping) or part not in node:
+            where = ".".join(parents[:depth]) or "the job"
+            raise SpecError([(f"space.{path}", f"{where} has no section {part!r}")])
+        node = node[part]
+    if not isinstance(node, Mapping) or leaf not in node:
+        known = ", ".join(sorted(node)) if isinstance(node, Mapping) else "none"
+        where = ".".join(parents) or "the job"
+        raise SpecError([(f"space.{path}", f"{where} has no field {leaf!r} (its fields: {known})")])
+    if isinstance(node[leaf], Mapping):
+        raise SpecError([(f"space.{path}", "names a section, not a field; search its fields")])
+
+
+def complete_sweep_spec(spec: SweepSpec, allowed_factories: Sequence[str]) -> AcceptedSweep:
+    """Check that every trial the space can produce is a valid job: each path names a field
+    of the completed base job and each extreme value validates; a grid is finite."""
+    base = _validate_job(spec.base.model_dump(mode="json"), allowed_factories)
+    base_json = base.spec.model_dump(mode="json")
+    for path, param in spec.space.items():
+        _check_path(base_json, path)
+        if spec.algorithm == "grid" and param.grid() is None:
+            raise SpecError(
+                [
+                    (
+                        f"space.{path}",
+                        f"grid search needs finite values; {param.type} has none: use"
+                        " categorical choices or an int range",
+                    )
+                ]
+            )
+        for value in param.extremes():
+            try:
+                _validate_job(
+                    trial_spec(base_json, {path: value}, spec.base.name), allowed_factories
+                )
+            except SpecError as exc:
+                problems = "; ".join(f"{f}: {m}" if f else m for f, m in exc.errors)
+                raise SpecError(
+                    [(f"space.{path}", f"the value {value!r} makes an invalid job ({problems})")]
+                ) from None
+    accepted = AcceptedSweep(spec, base)
+    if (accepted.grid_size or 0) > MAX_GRID:
+        raise SpecError(
+            [("space", f"the grid has {accepted.grid_size} points, more than {MAX_GRID}")]
+        )
+    return accepted
+
+
+def validate_sweep_spec(payload: Any, allowed_factories: Sequence[str]) -> AcceptedSweep:
+    """Parse and complete a sweep spec; the one entry point used by the API and the CLI."""
+    return complete_sweep_spec(parse_sweep_spec(payload), allowed_factories)

@@ -1,0 +1,134 @@
+"""Sweeps end to end through the controller, on a real database (SQLite and PostgreSQL),
+with in-process runners: trials are jobs, Optuna samples and prunes, the best checkpoints
+stay, a cancel reaches every trial, and a restarted control plane carries a sweep on."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+
+from service.auth import Principal
+from service.cluster import InProcessCluster
+from service.controller import Controller
+from service.db.models import Checkpoint, JobMetric, Sweep, Trial
+from service.db.session import SessionFactory
+from service.sweeps import list_trials, request_cancel, submit_sweep, trial_state
+from service.sweepspec import validate_sweep_spec
+from tests.factories import sweep_spec
+from tests.service.test_controller import NODES, make_controller, owner, reconcile_until
+from workers.reference import train_reference
+from workers.snapshot import DataRef, ModelRef, OptimizerConf
+
+pytestmark = pytest.mark.integration
+
+
+def sweep_of(factory: SessionFactory, sweep_id: str) -> tuple[Sweep, list[Trial]]:
+    with factory() as session:
+        sweep = session.get(Sweep, sweep_id)
+        assert sweep is not None
+        return sweep, list(list_trials(session, sweep_id))
+
+
+def ended(factory: SessionFactory, sweep_id: str) -> bool:
+    return sweep_of(factory, sweep_id)[0].state in ("SUCCEEDED", "FAILED", "CANCELLED")
+
+
+def standalone_losses(spec: dict[str, object], lr: float) -> list[float]:
+    base = spec["base"]
+    assert isinstance(base, dict)
+    return train_reference(
+        ModelRef("mlp", None, base["model"]["config"]),
+        DataRef("digits", None, {}),
+        OptimizerConf("sgd", lr),
+        batch_size=base["batch_size"],
+        micro_batches=base["micro_batches"],
+        steps=base["steps"],
+        seed=0,
+    ).losses
+
+
+def submit(
+    factory: SessionFactory, who: Principal, **overrides: object
+) -> tuple[str, dict[str, object]]:
+    spec = sweep_spec(**overrides)
+    return submit_sweep(factory, who, validate_sweep_spec(spec, [])).id, spec
+
+
+@pytest.fixture
+def alice(session_factory: SessionFactory) -> Principal:
+    return owner(session_factory)
+
+
+def test_a_sweep_samples_prunes_keeps_the_best_and_each_trial_trains_like_alone(
+    session_factory: SessionFactory, alice: Principal, tmp_path: Path
+) -> None:
+    controller = make_controller(session_factory, InProcessCluster(NODES), tmp_path)
+    sweep_id, spec = submit(session_factory, alice)
+    reconcile_until(controller, lambda: ended(session_factory, sweep_id), timeout=240)
+
+    sweep, trials = sweep_of(session_factory, sweep_id)
+    assert sweep.state == "SUCCEEDED" and len(trials) == 8
+    states = [trial_state(t) for t in trials]
+    assert set(states) <= {"SUCCEEDED", "PRUNED"} and "PRUNED" in states, states
+    lrs = [t.params["optimizer.lr"] for t in trials]
+    assert len(set(lrs)) == 8 and all(0.001 <= lr <= 0.5 for lr in lrs)
+    with session_factory() as session:
+        for trial in trials:
+            assert trial.job.spec["optimizer"]["lr"] == trial.params["optimizer.lr"]
+            losses = list(
+                session.scalars(
+                    sa.select(JobMetric.loss)
+                    .where(JobMetric.job_id == trial.job_id)
+                    .order_by(JobMetric.step)
+                )
+            )
+            alone = standalone_losses(spec, trial.params["optimizer.lr"])
+            if trial.pruned:
+                # Cancelled at its next step boundary: a fast trial may have ended first.
+                assert trial.objective is None and len(losses) <= len(alone)
+                assert losses == pytest.approx(alone[: len(losses)], rel=1e-5, abs=1e-6)
+            else:
+                assert losses == pytest.approx(alone, rel=1e-5, abs=1e-6)
+                assert trial.objective == losses[-1]
+            steps = sorted(int(s) for s in trial.intermediate)
+            assert steps and all(s % 5 == 0 for s in steps)
+        kept = set(session.scalars(sa.select(Checkpoint.job_id).distinct()))
+    completed = sorted((t for t in trials if not t.pruned), key=lambda t: t.objective or 0.0)
+    assert kept == {t.job_id for t in completed[:2]}
+    assert all(t.checkpoints_dropped == (t.job_id not in kept) for t in trials)
+
+
+def test_cancelling_a_sweep_cancels_its_trials(
+    session_factory: SessionFactory, alice: Principal, tmp_path: Path
+) -> None:
+    controller = make_controller(session_factory, InProcessCluster(NODES), tmp_path)
+    sweep_id, _ = submit(
+        session_factory,
+        alice,
+        max_concurrent=2,
+        early_stopping={"rule": "none"},
+        base={**sweep_spec()["base"], "steps": 100_000},
+    )
+    reconcile_until(controller, lambda: len(sweep_of(session_factory, sweep_id)[1]) == 2)
+    request_cancel(session_factory, alice, sweep_id)
+    reconcile_until(controller, lambda: ended(session_factory, sweep_id), timeout=120)
+    sweep, trials = sweep_of(session_factory, sweep_id)
+    assert sweep.state == "CANCELLED" and len(trials) == 2
+    assert [trial_state(t) for t in trials] == ["CANCELLED", "CANCELLED"]
+
+
+def test_a_restarted_control_plane_carries_the_sweep_on(
+    session_factory: SessionFactory, alice: Principal, tmp_path: Path
+) -> None:
+    cluster = InProcessCluster(NODES)
+    first = make_controller(session_factory, cluster, tmp_path)
+    sweep_id, _ = submit(session_factory, alice, max_trials=6, early_stopping={"rule": "none"})
+    reconcile_until(first, lambda: sum(t.told for t in sweep_of(session_factory, sweep_id)[1]) >= 3)
+    second: Controller = make_controller(session_factory, cluster, tmp_path)
+    reconcile_until(second, lambda: ended(session_factory, sweep_id), timeout=240)
+    sweep, trials = sweep_of(session_factory, sweep_id)
+    assert sweep.state == "SUCCEEDED"
+    assert [t.number for t in trials] == list(range(6))
+    assert all(trial_state(t) == "SUCCEEDED" and t.objective is not None for t in trials)
