@@ -1,0 +1,124 @@
+"""The sweep contract: what a search space may say, and the errors that name the field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from service.specs import SpecError
+from service.sweepspec import trial_spec, validate_sweep_spec
+from tests.factories import job_spec, sweep_spec
+
+pytestmark = pytest.mark.unit
+
+
+def refusal(**overrides: Any) -> list[tuple[str, str]]:
+    with pytest.raises(SpecError) as caught:
+        validate_sweep_spec(sweep_spec(**overrides), [])
+    return caught.value.errors
+
+
+def test_a_valid_sweep_is_accepted_with_its_completed_base_job() -> None:
+    accepted = validate_sweep_spec(sweep_spec(), [])
+    assert accepted.trials == 8 and accepted.grid_size is None
+    assert accepted.base.spec.model.config["in_features"] == 64  # filled in from the data
+
+
+def test_a_grid_runs_each_point_once_at_most_max_trials() -> None:
+    space = {
+        "optimizer.lr": {"type": "categorical", "choices": [0.01, 0.1]},
+        "model.config.hidden": {"type": "int", "low": 16, "high": 48, "step": 16},
+    }
+    accepted = validate_sweep_spec(sweep_spec(algorithm="grid", space=space, max_trials=100), [])
+    assert (accepted.grid_size, accepted.trials) == (6, 6)
+    small = validate_sweep_spec(sweep_spec(algorithm="grid", space=space, max_trials=4), [])
+    assert small.trials == 4
+
+
+@pytest.mark.parametrize(
+    ("space", "field", "message"),
+    [
+        (
+            {"optimizer.lrr": {"type": "uniform", "low": 0.1, "high": 0.2}},
+            "space.optimizer.lrr",
+            "optimizer has no field 'lrr' (its fields: betas, clip_grad_norm, eps, lr,",
+        ),
+        (
+            {"model.conf.hidden": {"type": "int", "low": 1, "high": 4}},
+            "space.model.conf.hidden",
+            "model has no section 'conf'",
+        ),
+        (
+            {"optimizer": {"type": "categorical", "choices": [1]}},
+            "space.optimizer",
+            "names a section, not a field",
+        ),
+        (
+            {"batch_size": {"type": "categorical", "choices": [32, 33]}},
+            "space.batch_size",
+            "the value 33 makes an invalid job (batch_size (33) must be divisible by",
+        ),
+        (
+            {"optimizer.lr": {"type": "uniform", "low": 0.1, "high": 20.0}},
+            "space.optimizer.lr",
+            "the value 20.0 makes an invalid job (optimizer.lr: Input should be less than",
+        ),
+    ],
+)
+def test_a_space_that_could_make_an_invalid_trial_is_refused_naming_the_path(
+    space: dict[str, Any], field: str, message: str
+) -> None:
+    ((where, text),) = refusal(space=space)
+    assert where == field and text.startswith(message), text
+
+
+@pytest.mark.parametrize(
+    ("param", "message"),
+    [
+        ({"type": "log_uniform", "low": 0.0, "high": 1.0}, "log_uniform needs low > 0"),
+        ({"type": "uniform", "low": 0.2, "high": 0.1}, "low (0.2) must be below high (0.1)"),
+        ({"type": "uniform", "choices": [1, 2]}, "a uniform parameter takes 'low' and 'high'"),
+        ({"type": "categorical", "low": 1.0}, "a categorical parameter takes 'choices'"),
+        ({"type": "int", "low": 1.5, "high": 4}, "an int parameter needs whole numbers"),
+        ({"type": "uniform", "low": 0.1, "high": 0.2, "step": 2}, "step applies to int"),
+    ],
+)
+def test_bad_distributions_are_refused(param: dict[str, Any], message: str) -> None:
+    ((where, text),) = refusal(space={"optimizer.lr": param})
+    assert where == "space.optimizer.lr" and message in text, (where, text)
+
+
+def test_grid_search_needs_finite_dimensions() -> None:
+    ((where, text),) = refusal(algorithm="grid")
+    assert where == "space.optimizer.lr"
+    assert text.startswith("grid search needs finite values; log_uniform has none")
+
+
+def test_the_base_job_is_validated_like_any_job() -> None:
+    ((where, text),) = refusal(base=job_spec(batch_size=30, micro_batches=4))
+    assert where == "base" and "batch_size (30) must be divisible" in text
+
+
+def test_space_keys_must_be_field_paths_other_than_the_name() -> None:
+    ((where, text),) = refusal(space={"name": {"type": "categorical", "choices": ["a"]}})
+    assert where == "space" and "is not a field path of the base job" in text
+
+
+def test_a_trial_spec_is_the_base_with_the_values_set_and_its_own_name() -> None:
+    base = job_spec()
+    spec = trial_spec(base, {"optimizer.lr": 0.3, "model.config.hidden": 8}, "s-3")
+    assert spec["optimizer"]["lr"] == 0.3 and spec["model"]["config"]["hidden"] == 8
+    assert spec["name"] == "s-3" and base["optimizer"]["lr"] == 0.01  # the base is untouched
+
+
+def test_the_example_sweep_is_valid() -> None:
+    example = Path(__file__).resolve().parents[2] / "examples" / "sweep-digits.yaml"
+    accepted = validate_sweep_spec(yaml.safe_load(example.read_text()), [])
+    assert accepted.trials == 8 and set(accepted.spec.space) == {
+        "optimizer.lr",
+        "optimizer.momentum",
+        "model.config.hidden",
+    }
