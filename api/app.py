@@ -13,7 +13,7 @@ from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
 
 from api.errors import BodyLimit, install_error_handlers
-from api.routes import devices, health, jobs
+from api.routes import devices, health, jobs, sweeps
 from service.auth import ADMIN_USER, Principal
 from service.controller import Controller
 from service.db.models import User
@@ -63,6 +63,7 @@ def create_app(
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     app.include_router(health.router)
     app.include_router(jobs.router, prefix=API_PREFIX)
+    app.include_router(sweeps.router, prefix=API_PREFIX)
     app.include_router(devices.router, prefix=API_PREFIX)
 
     app.mount("/static", StaticFiles(directory=DASHBOARD), name="static")

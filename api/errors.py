@@ -14,6 +14,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from service.jobs import JobConflict, JobNotFound
 from service.lifecycle import InvalidTransition
 from service.specs import SpecError
+from service.sweeps import SweepNotFound
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +58,8 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(status.HTTP_422_UNPROCESSABLE_CONTENT, str(exc), exc.errors)
 
     @app.exception_handler(JobNotFound)
-    async def _missing(_: Request, exc: JobNotFound) -> JSONResponse:
+    @app.exception_handler(SweepNotFound)
+    async def _missing(_: Request, exc: LookupError) -> JSONResponse:
         return error_response(status.HTTP_404_NOT_FOUND, str(exc))
 
     @app.exception_handler(JobConflict)

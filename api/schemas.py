@@ -1,13 +1,17 @@
-"""Response models of the REST API (requests are ``service.specs.JobSpec``)."""
+"""Response models of the REST API (requests are ``service.specs.JobSpec`` and
+``service.sweepspec.SweepSpec``)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import datetime
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from service.db.models import Checkpoint, DeviceRow, Job, JobEvent, JobMetric
+from service.db.models import Checkpoint, DeviceRow, Job, JobEvent, JobMetric, Sweep, Trial
+from service.lifecycle import JobState
+from service.sweeps import PRUNED, ranked, trial_state
 
 
 class StageOut(BaseModel):
@@ -175,6 +179,113 @@ class DeviceOut(BaseModel):
 
 class DeviceList(BaseModel):
     items: list[DeviceOut]
+
+
+class IntermediateOut(BaseModel):
+    step: int
+    value: float
+
+
+class TrialOut(BaseModel):
+    number: int
+    job_id: str
+    state: str = Field(description="its job's state, or PRUNED once early stopping ended it")
+    params: dict[str, Any]
+    objective: float | None = Field(description="the final objective of a completed trial")
+    intermediate: list[IntermediateOut] = Field(
+        description="the objective as reported to the pruner, by step"
+    )
+    checkpoints_kept: bool = Field(
+        description="false once retention deleted its checkpoints (not among the best)"
+    )
+
+    @classmethod
+    def of(cls, trial: Trial) -> TrialOut:
+        steps = sorted((int(step), float(value)) for step, value in trial.intermediate.items())
+        return cls(
+            number=trial.number,
+            job_id=trial.job_id,
+            state=trial_state(trial),
+            params=trial.params,
+            objective=trial.objective,
+            intermediate=[IntermediateOut(step=s, value=v) for s, v in steps],
+            checkpoints_kept=not trial.checkpoints_dropped,
+        )
+
+
+class ObjectiveOut(BaseModel):
+    metric: str
+    direction: Literal["minimize", "maximize"]
+
+
+TRIAL_STATES = (*(s.value for s in JobState), PRUNED)
+
+
+def _sweep_fields(sweep: Sweep, trials: Sequence[Trial]) -> dict[str, Any]:
+    objective = ObjectiveOut.model_validate(sweep.spec["objective"])
+    counts = dict.fromkeys(TRIAL_STATES, 0)
+    for trial in trials:
+        state = trial_state(trial)
+        counts[state] = counts.get(state, 0) + 1
+    best = ranked(trials, objective.direction)
+    return {
+        "id": sweep.id,
+        "name": sweep.name,
+        "owner": sweep.owner.name,
+        "state": sweep.state,
+        "cancel_requested": sweep.cancel_requested,
+        "max_trials": sweep.max_trials,
+        "error": sweep.error,
+        "created_at": sweep.created_at,
+        "updated_at": sweep.updated_at,
+        "finished_at": sweep.finished_at,
+        "objective": objective,
+        "trial_counts": counts,
+        "best": TrialOut.of(best[0]) if best else None,
+    }
+
+
+class SweepSummaryOut(BaseModel):
+    """A sweep as listed: its state and progress, without its spec and trials."""
+
+    id: str
+    name: str
+    owner: str
+    state: str
+    cancel_requested: bool
+    max_trials: int = Field(description="how many trials it runs (fewer for a small grid)")
+    error: str | None
+    created_at: datetime
+    updated_at: datetime
+    finished_at: datetime | None
+    objective: ObjectiveOut
+    trial_counts: dict[str, int] = Field(
+        description="started trials by state (the job states and PRUNED), zeros included"
+    )
+    best: TrialOut | None = Field(description="the best completed trial; None before one ends")
+
+    @classmethod
+    def of(cls, sweep: Sweep, trials: Sequence[Trial]) -> SweepSummaryOut:
+        return cls(**_sweep_fields(sweep, trials))
+
+
+class SweepOut(SweepSummaryOut):
+    """One sweep in full: its spec and every trial started so far, by number."""
+
+    spec: dict[str, Any]
+    trials: list[TrialOut]
+
+    @classmethod
+    def of(cls, sweep: Sweep, trials: Sequence[Trial]) -> SweepOut:
+        shown = [TrialOut.of(t) for t in trials]
+        return cls(**_sweep_fields(sweep, trials), spec=sweep.spec, trials=shown)
+
+
+class SweepPage(BaseModel):
+    items: list[SweepSummaryOut]
+    total: int
+    limit: int
+    offset: int
 
 
 class FieldError(BaseModel):

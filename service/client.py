@@ -98,6 +98,11 @@ def _job(job_id: str, action: str = "") -> str:
     return f"{path}/{action}" if action else path
 
 
+def _sweep(sweep_id: str, action: str = "") -> str:
+    path = f"/sweeps/{quote(sweep_id, safe='')}"
+    return f"{path}/{action}" if action else path
+
+
 class ShoalClient:
     """A connection to one Shoal API; a context manager."""
 
@@ -197,3 +202,15 @@ class ShoalClient:
 
     def devices(self) -> Json:
         return self._request("GET", "/devices")
+
+    def submit_sweep(self, spec: Mapping[str, Any]) -> Json:
+        return self._request("POST", "/sweeps", body=spec)
+
+    def list_sweeps(self, limit: int = 50, offset: int = 0) -> Json:
+        return self._request("GET", "/sweeps", params={"limit": limit, "offset": offset})
+
+    def get_sweep(self, sweep_id: str) -> Json:
+        return self._request("GET", _sweep(sweep_id))
+
+    def cancel_sweep(self, sweep_id: str) -> Json:
+        return self._request("POST", _sweep(sweep_id, "cancel"))

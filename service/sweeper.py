@@ -12,6 +12,7 @@ trials. It writes only what the control plane writes: jobs, trials, sweeps.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Sequence
 
 import sqlalchemy as sa
@@ -23,7 +24,7 @@ from service.db.session import SessionFactory, transaction
 from service.jobs import add_event, add_job, transition
 from service.lifecycle import JobState
 from service.specs import SpecError, validate_job_spec
-from service.sweeps import list_trials, move_sweep
+from service.sweeps import list_trials, move_sweep, ranked
 from service.sweepspec import SweepSpec, trial_spec
 from service.tuner import Outcome, Tuner
 from workers.checkpoints import CheckpointStore
@@ -107,27 +108,29 @@ class Sweeper:
         for step, loss in rows:
             if step % every or trial.pruned:
                 continue
+            if not math.isfinite(loss):  # diverged: no sampler or pruner learns from NaN
+                self._prune(session, trial, step, f"its loss is {loss} at step {step}")
+                continue
             values[str(step)] = loss
             if tuner.report(trial.number, step, loss):
-                trial.pruned = True
-                add_event(
-                    session,
-                    trial.job_id,
-                    "pruned",
-                    f"stopped early by the sweep's {spec.early_stopping.rule} rule at step"
-                    f" {step} (objective {loss:.6g})",
-                    {"step": step, "objective": loss},
-                )
-                _stop(session, trial.job, f"pruned at step {step}")
+                why = f"the sweep's {spec.early_stopping.rule} rule at step {step}"
+                self._prune(session, trial, step, f"{why} (objective {loss:.6g})")
         trial.intermediate = values
         job = trial.job
         if not JobState(job.state).is_terminal:
             return
-        if job.state == JobState.SUCCEEDED.value and not trial.pruned:
-            trial.objective = job.last_loss
+        final = job.last_loss
+        if job.state == JobState.SUCCEEDED.value and not trial.pruned and final is not None:
+            trial.objective = final if math.isfinite(final) else None
         outcome = _outcome(trial)
         tuner.tell(trial.number, outcome, trial.objective)
         trial.told = True
+
+    @staticmethod
+    def _prune(session: Session, trial: Trial, step: int, why: str) -> None:
+        trial.pruned = True
+        add_event(session, trial.job_id, "pruned", f"stopped early: {why}", {"step": step})
+        _stop(session, trial.job, f"pruned at step {step}")
 
     def _launch(
         self, session: Session, tuner: Tuner, spec: SweepSpec, sweep: Sweep, trials: list[Trial]
@@ -158,9 +161,7 @@ class Sweeper:
     def _drop_checkpoints(self, session: Session, spec: SweepSpec, trials: Sequence[Trial]) -> None:
         """Keep the checkpoints of the ``retention.keep_best`` best completed trials; delete
         those of every other ended trial (pruned and failed ones included)."""
-        done = [t for t in trials if t.told and t.objective is not None and not t.pruned]
-        sign = 1.0 if spec.objective.direction == "minimize" else -1.0
-        best = sorted(done, key=lambda t: (sign * (t.objective or 0.0), t.number))
+        best = ranked((t for t in trials if t.told), spec.objective.direction)
         keep = {t.number for t in best[: spec.retention.keep_best]}
         for trial in trials:
             if trial.told and not trial.checkpoints_dropped and trial.number not in keep:

@@ -8,8 +8,10 @@ QUEUED -> RUNNING when it starts the first trial and on to SUCCEEDED, FAILED or 
 
 from __future__ import annotations
 
+import math
 import uuid
-from collections.abc import Sequence
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import sqlalchemy as sa
@@ -89,6 +91,25 @@ def list_trials(session: Session, sweep_id: str) -> Sequence[Trial]:
     return session.scalars(
         sa.select(Trial).where(Trial.sweep_id == sweep_id).order_by(Trial.number)
     ).all()
+
+
+def trials_of(session: Session, sweep_ids: Sequence[str]) -> dict[str, list[Trial]]:
+    """The trials of several sweeps in one query, by sweep, in number order."""
+    found: dict[str, list[Trial]] = defaultdict(list)
+    query = sa.select(Trial).where(Trial.sweep_id.in_(sweep_ids)).order_by(Trial.number)
+    for trial in session.scalars(query):
+        found[trial.sweep_id].append(trial)
+    return found
+
+
+def ranked(trials: Iterable[Trial], direction: str) -> list[Trial]:
+    """The completed trials (not pruned, a finite objective), best first (the earlier trial
+    on a tie): what the API shows as best and what checkpoint retention keeps."""
+    done = [
+        t for t in trials if not t.pruned and t.objective is not None and math.isfinite(t.objective)
+    ]
+    sign = 1.0 if direction == "minimize" else -1.0
+    return sorted(done, key=lambda t: (sign * (t.objective or 0.0), t.number))
 
 
 def list_sweeps(session: Session, principal: Principal, *, limit: int, offset: int) -> SweepPage:

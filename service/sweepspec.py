@@ -23,6 +23,7 @@ from service.specs import (
     JobSpec,
     SpecError,
     StrictModel,
+    check_memory,
     check_name,
     pydantic_errors,
 )
@@ -198,10 +199,22 @@ def _check_path(base: Mapping[str, Any], path: str) -> None:
         raise SpecError([(f"space.{path}", "names a section, not a field; search its fields")])
 
 
-def complete_sweep_spec(spec: SweepSpec, allowed_factories: Sequence[str]) -> AcceptedSweep:
-    """Check that every trial the space can produce is a valid job: each path names a field
-    of the completed base job and each extreme value validates; a grid is finite."""
-    base = _validate_job(spec.base.model_dump(mode="json"), allowed_factories)
+def complete_sweep_spec(
+    spec: SweepSpec, allowed_factories: Sequence[str], largest_device_mb: int | None = None
+) -> AcceptedSweep:
+    """Check that every trial the space can produce is a valid job that fits the largest
+    device (when one is known): each path names a field of the completed base job and each
+    extreme value validates; a grid is finite."""
+
+    def job(payload: dict[str, Any]) -> AcceptedSpec:
+        accepted = _validate_job(payload, allowed_factories)
+        check_memory(accepted, largest_device_mb)
+        return accepted
+
+    try:
+        base = job(spec.base.model_dump(mode="json"))
+    except SpecError as exc:  # the base job's fields, as the sweep's body names them
+        raise SpecError([(f"base.{f}" if f else "base", m) for f, m in exc.errors]) from None
     base_json = base.spec.model_dump(mode="json")
     for path, param in spec.space.items():
         _check_path(base_json, path)
@@ -217,9 +230,7 @@ def complete_sweep_spec(spec: SweepSpec, allowed_factories: Sequence[str]) -> Ac
             )
         for value in param.extremes():
             try:
-                _validate_job(
-                    trial_spec(base_json, {path: value}, spec.base.name), allowed_factories
-                )
+                job(trial_spec(base_json, {path: value}, spec.base.name))
             except SpecError as exc:
                 problems = "; ".join(f"{f}: {m}" if f else m for f, m in exc.errors)
                 raise SpecError(
@@ -234,5 +245,5 @@ def complete_sweep_spec(spec: SweepSpec, allowed_factories: Sequence[str]) -> Ac
 
 
 def validate_sweep_spec(payload: Any, allowed_factories: Sequence[str]) -> AcceptedSweep:
-    """Parse and complete a sweep spec; the one entry point used by the API and the CLI."""
+    """Parse and complete a sweep spec (no device known, so memory is not checked)."""
     return complete_sweep_spec(parse_sweep_spec(payload), allowed_factories)

@@ -9,6 +9,7 @@ import click
 from service.cli.bench import bench
 from service.cli.jobs import cancel, devices, logs, restart, status, submit
 from service.cli.server import db, node, token, up
+from service.cli.sweeps import sweep, sweep_cancel, sweeps
 from service.client import ApiError
 
 
@@ -31,8 +32,10 @@ def cli() -> None:
     """Shoal: elastic training on heterogeneous, preemptible Ray clusters."""
 
 
-# Job commands talk to the REST API; server commands act on this machine's database.
-for _command in (submit, status, logs, cancel, restart, devices, up, node, token, db):
+# Job and sweep commands talk to the REST API; server commands act on this machine's database.
+for _command in (submit, status, logs, cancel, restart, devices, sweep, sweeps, sweep_cancel):
+    cli.add_command(_command)
+for _command in (up, node, token, db):
     cli.add_command(_command)
 cli.add_command(bench)  # runs on this machine, no API: see service.cli.bench
 

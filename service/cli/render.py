@@ -26,6 +26,7 @@ STATE_STYLES = {
     "SUCCEEDED": "green",
     "FAILED": "bold red",
     "CANCELLED": "dim",
+    "PRUNED": "dim yellow",
 }
 Json = dict[str, Any]
 
@@ -125,6 +126,89 @@ def print_job(console: Console, job: Json, checkpoints: list[Json]) -> None:
             start, stop = stage["blocks"]
             partition.add_row(str(stage["stage"]), stage["device_id"], f"{start}..{stop - 1}")
         console.print(partition)
+
+
+def format_params(params: Json) -> str:
+    """A trial's parameters as ``path=value`` pairs, floats to 4 significant digits."""
+    shown = (f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in params.items())
+    return escape(", ".join(shown))
+
+
+def _trials_started(sweep: Json) -> str:
+    return f"{sum(sweep['trial_counts'].values())}/{sweep['max_trials']}"
+
+
+def _best_objective(sweep: Json) -> str:
+    best = sweep["best"]
+    return "-" if best is None else format_loss(best["objective"])
+
+
+def sweeps_table(page: Json) -> Table:
+    table = _table(
+        f"{len(page['items'])} of {page['total']} sweeps",
+        *("ID", "NAME", "OWNER", "STATE", ">TRIALS", ">BEST", "CREATED"),
+    )
+    for sweep in page["items"]:
+        table.add_row(
+            sweep["id"],
+            escape(sweep["name"]),
+            escape(sweep["owner"]),
+            styled_state(sweep["state"]),
+            _trials_started(sweep),
+            _best_objective(sweep),
+            format_when(sweep["created_at"]),
+        )
+    return table
+
+
+def print_sweep(console: Console, sweep: Json) -> None:
+    """A sweep's details, its trials by number and its best trial."""
+    details = Table.grid(padding=(0, 2))
+    details.add_column(style="bold")
+    details.add_column()
+    cancelling = sweep["cancel_requested"] and not is_terminal(sweep["state"])
+    objective = sweep["objective"]
+    counts = ", ".join(f"{n} {styled_state(s)}" for s, n in sweep["trial_counts"].items() if n)
+    rows = [
+        ("id", sweep["id"]),
+        ("name", escape(sweep["name"])),
+        ("owner", escape(sweep["owner"])),
+        ("state", styled_state(sweep["state"]) + (" (cancel requested)" if cancelling else "")),
+        ("objective", escape(f"{objective['direction']} {objective['metric']}")),
+        ("trials", _trials_started(sweep) + (f" ({counts})" if counts else "")),
+        ("created", format_when(sweep["created_at"])),
+        ("finished", format_when(sweep["finished_at"])),
+    ]
+    for name, value in rows:
+        details.add_row(name, value)
+    if sweep["error"]:
+        details.add_row("error", f"[red]{escape(sweep['error'])}[/]")
+    console.print(details)
+    if not sweep["trials"]:
+        console.print("no trials yet")
+        return
+    trials = _table(
+        f"{len(sweep['trials'])} trials",
+        *("#", "STATE", "PARAMS", ">OBJECTIVE", ">LAST REPORT", "JOB"),
+    )
+    for trial in sweep["trials"]:
+        last = trial["intermediate"][-1] if trial["intermediate"] else None
+        trials.add_row(
+            str(trial["number"]),
+            styled_state(trial["state"]),
+            format_params(trial["params"]),
+            format_loss(trial["objective"]),
+            "-" if last is None else f"{format_loss(last['value'])} @ {last['step']}",
+            trial["job_id"],
+        )
+    console.print(trials)
+    best = sweep["best"]
+    if best is not None:
+        console.print(
+            f"best: trial {best['number']}, {escape(objective['metric'])}"
+            f" {format_loss(best['objective'])}, {format_params(best['params'])}"
+            f" (job {best['job_id']})"
+        )
 
 
 def devices_table(answer: Json) -> Table:

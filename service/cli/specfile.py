@@ -1,20 +1,22 @@
-"""Job spec files as ``shoal submit`` reads them: YAML or JSON, decoded with clear errors."""
+"""Spec files as ``shoal submit`` and ``shoal sweep`` read them: YAML or JSON, decoded with
+clear errors."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 
 from service.cli.options import InputError
 
 SPEC_FORMATS = {".yaml": "YAML", ".yml": "YAML", ".json": "JSON"}
+SPEC_FIELDS = {"job": "name, model, data, steps, ...", "sweep": "name, base, space, ..."}
 
 
-def load_spec(path: Path) -> dict[str, Any]:
-    """A job spec file decoded (YAML or JSON by extension); ``InputError`` says where it breaks."""
+def load_spec(path: Path, what: Literal["job", "sweep"] = "job") -> dict[str, Any]:
+    """A spec file decoded (YAML or JSON by extension); ``InputError`` says where it breaks."""
     kind = SPEC_FORMATS.get(path.suffix.lower())
     if kind is None:
         raise InputError(
@@ -36,7 +38,7 @@ def load_spec(path: Path) -> dict[str, Any]:
         raise InputError(f"{path}:{exc.lineno}:{exc.colno}: invalid JSON: {exc.msg}") from None
     if not isinstance(spec, dict):
         raise InputError(
-            f"{path}: a job spec is a mapping of fields (name, model, data, steps, ...),"
+            f"{path}: a {what} spec is a mapping of fields ({SPEC_FIELDS[what]}),"
             f" not {type(spec).__name__}"
         )
     try:
