@@ -1,0 +1,527 @@
+"""Shard alternator parallelism (SHARP): shards, shard tasks, their order and their devices.
+
+Hydra (Nagrecha & Kumar, "Hydra: A System for Large Multi-Model Deep Learning") trains many
+models at once on a few devices: each model is cut into *shards* that fit one device, the
+inactive shards wait in host memory, and every device runs whichever runnable shard task
+comes next, whatever its model, while the shard it will most likely run next is copied in
+(double buffering: a shard may use half a device, the prefetched one the other half). One
+model's step is a sequential chain, forward shards 0..k-1 then backward k-1..0 (backward
+recomputes the shard's activations from its saved input, as GPipe's rematerialization does),
+so a model has at most one task in flight; the parallelism is across models. The order is
+Hydra's Sharded-LRTF (longest remaining time first), with FIFO and round-robin to compare.
+
+Everything here is a pure function of plain data; the shard pool carries the decisions out
+and ``scheduler.simulate`` runs the same code on a modelled cluster.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import TypeAlias
+
+from scheduler.cut import Model, Slot, cut
+from scheduler.memory import format_bytes, stage_memory
+from scheduler.partition import DeviceCapacity, Workload
+from scheduler.profile import BlockCost
+from scheduler.types import BlockRange, DeviceId, NodeId
+
+ModelId: TypeAlias = str
+"""A model trained under SHARP (a sweep's trial): unique among the models sharing devices."""
+
+Priority: TypeAlias = tuple[float, float, ModelId]
+"""A policy's sort key for a runnable model: the smallest goes first; the id breaks ties."""
+
+FORWARD_FRACTION = 1 / 3
+"""A forward is ~1/3 of forward+backward: the backward computes gradients of both the inputs
+and the weights, ~2x the forward's FLOPs (2N vs 4N FLOPs per token, Kaplan et al., 2020)."""
+
+RATIO_WEIGHT = 0.3
+"""Weight of the newest measurement in a model's moving average of measured / estimated."""
+
+
+class ShardError(ValueError):
+    """A model cannot be cut into SHARP shards; the message names the block and the fix."""
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Blocks ``[start, stop)`` of a model: reference seconds of its forward and backward
+    tasks, the bytes of its state (parameters, gradients, optimizer state: what a promotion
+    copies in) and of one micro-batch's activations (allocated on the device, not copied)."""
+
+    index: int
+    blocks: BlockRange
+    forward_s: float
+    backward_s: float
+    state_bytes: int
+    activation_bytes: int
+
+    @property
+    def bytes(self) -> int:
+        """What the shard occupies on a device while it runs."""
+        return self.state_bytes + self.activation_bytes
+
+
+def shard_model(
+    costs: Sequence[BlockCost],
+    budget_bytes: int,
+    micro_batch_size: int,
+    *,
+    recompute: bool = True,
+    forward_fraction: float = FORWARD_FRACTION,
+) -> tuple[Shard, ...]:
+    """The fewest contiguous shards whose state and activations each fit half of
+    ``budget_bytes`` (the smallest device the model may run on), balanced by compute.
+
+    The other half of a device holds the prefetched next shard (Hydra's double buffering).
+    The count is a jump game over the furthest stop each start can reach (exact); among
+    cuts into that many shards, the slowest shard is minimized (``scheduler.cut``, exact),
+    then the shards are made as alike as that allows (``_even_out``, exact). A shard's
+    forward is ``forward_fraction`` of its blocks' forward+backward seconds; its backward
+    is the rest plus, under ``recompute``, the forward again (GPipe's rematerialization:
+    only the shard's input is kept between its forward and its backward)."""
+    if not costs:
+        raise ShardError("the model has no blocks; SHARP needs at least one")
+    wrong = next((i for i, c in enumerate(costs) if c.index != i), None)
+    if wrong is not None:
+        raise ShardError(
+            f"block costs must be listed by index; position {wrong} holds"
+            f" block {costs[wrong].index}"
+        )
+    if budget_bytes < 2 or micro_batch_size < 1 or not 0 < forward_fraction < 1:
+        raise ShardError(
+            f"budget_bytes ({budget_bytes}) must be >= 2, micro_batch_size ({micro_batch_size})"
+            f" >= 1 and forward_fraction ({forward_fraction}) between 0 and 1"
+        )
+    half = budget_bytes // 2
+    workload = Workload(1, micro_batch_size, schedule="gpipe", recompute=recompute)
+    model = Model(costs, workload)
+    count = _fewest_shards(model, half, budget_bytes)
+    slots = [Slot.of([DeviceCapacity(f"shard-{i}", 1.0, half)]) for i in range(count)]
+    found = cut(model, slots, 1, exact_count=True)
+    if found is None:  # the jump game proved `count` shards fit
+        raise RuntimeError(f"no cut into {count} shards although one exists")
+    stops = _even_out(model, count, half, found[1]) or found[0]
+    return tuple(
+        _shard(costs, i, (start, stop), micro_batch_size, recompute, forward_fraction)
+        for i, (start, stop) in enumerate(zip([0, *stops], stops, strict=False))
+    )
+
+
+def _shard(
+    costs: Sequence[BlockCost],
+    index: int,
+    blocks: BlockRange,
+    micro_batch_size: int,
+    recompute: bool,
+    forward_fraction: float,
+) -> Shard:
+    need = stage_memory(
+        costs, blocks, micro_batch_size=micro_batch_size, in_flight=1, recompute=recompute
+    )
+    work = sum(c.fwd_bwd_s for c in costs[blocks[0] : blocks[1]])
+    forward = forward_fraction * work
+    backward = work - forward + (forward if recompute else 0.0)
+    state = need.params + need.grads + need.optimizer
+    return Shard(index, blocks, forward, backward, state, need.activations)
+
+
+def _even_out(model: Model, count: int, half: int, slowest: float) -> list[int] | None:
+    """The stops of the ``count``-shard cut, none slower than ``slowest``, with the least
+    sum of squared shard times: among the cuts whose slowest shard is optimal, the one whose
+    shards are most alike (so every shard's compute can hide the next one's copy-in). A
+    dynamic programme over (shards, stop), O(count x blocks x blocks per shard)."""
+    n, time = model.n, model.time
+    limit = slowest * (1 + 1e-9) + 1e-12
+    cost = [[math.inf] * (n + 1) for _ in range(count + 1)]
+    back = [[0] * (n + 1) for _ in range(count + 1)]
+    cost[0][0] = 0.0
+    for j in range(1, count + 1):
+        for stop in range(j, n - (count - j) + 1):
+            start = stop - 1
+            while start >= j - 1 and time[stop] - time[start] <= limit:
+                previous = cost[j - 1][start]
+                if previous < math.inf and model.memory(start, stop, 1) <= half:
+                    value = previous + (time[stop] - time[start]) ** 2
+                    if value < cost[j][stop]:
+                        cost[j][stop], back[j][stop] = value, start
+                start -= 1
+    if cost[count][n] == math.inf:  # only float rounding can get here: keep the cut
+        return None
+    stops, stop = [], n
+    for j in range(count, 0, -1):
+        stops.append(stop)
+        stop = back[j][stop]
+    return stops[::-1]
+
+
+def _fewest_shards(model: Model, half: int, budget: int) -> int:
+    """Shards in the shortest cover of the blocks, each start reaching its furthest stop
+    within ``half`` (a breadth-first jump game, O(blocks log blocks))."""
+    count, end, furthest, start = 0, 0, 0, 0
+    while end < model.n:
+        while start <= end:
+            furthest = max(furthest, model.memory_stop(start, half, 1))
+            start += 1
+        if furthest <= end:
+            need = model.memory(end, end + 1, 1)
+            raise ShardError(
+                f"block {end} needs {format_bytes(need)} (parameters, gradients, optimizer"
+                f" state and one micro-batch of {model.workload.micro_batch_size} samples'"
+                f" activations) but a SHARP shard may use at most {format_bytes(half)}, half"
+                f" of the smallest device's {format_bytes(budget)} (the other half holds the"
+                " prefetched next shard); use a smaller micro_batch_size or devices with"
+                " more memory"
+            )
+        count, end = count + 1, furthest
+    return count
+
+
+# ------------------------------------------------------------------ tasks and progress
+
+
+class Op(StrEnum):
+    FORWARD = "forward"
+    BACKWARD = "backward"
+
+
+@dataclass(frozen=True)
+class ShardTask:
+    """One unit of SHARP work: a shard's forward or backward in one step of one model."""
+
+    model: ModelId
+    shard: int
+    op: Op
+    step: int
+
+    def __str__(self) -> str:
+        return f"{self.model}:{self.op.value[0].upper()}{self.shard}@{self.step}"
+
+
+@dataclass(frozen=True)
+class ModelPlan:
+    """A model's SHARP work: ``steps`` times forward shards 0..k-1 then backward k-1..0.
+
+    A task is named by its *position* in that chain (0 .. ``tasks`` - 1); ``order`` is the
+    submission order FIFO reads."""
+
+    model: ModelId
+    shards: tuple[Shard, ...]
+    steps: int
+    order: int = 0
+    _suffix: tuple[float, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not self.shards or self.steps < 1:
+            raise ValueError(
+                f"model {self.model}: needs at least one shard and one step, got"
+                f" {len(self.shards)} shard(s) and {self.steps} step(s)"
+            )
+        if [s.index for s in self.shards] != list(range(len(self.shards))):
+            raise ValueError(f"model {self.model}: shards must be indexed 0..k-1 in order")
+        times = [self.task_s(r) for r in range(2 * len(self.shards))]
+        suffix = [0.0] * (len(times) + 1)
+        for r in range(len(times) - 1, -1, -1):
+            suffix[r] = suffix[r + 1] + times[r]
+        object.__setattr__(self, "_suffix", tuple(suffix))
+
+    @property
+    def tasks(self) -> int:
+        return 2 * len(self.shards) * self.steps
+
+    @property
+    def work_s(self) -> float:
+        """Reference seconds of all the model's tasks."""
+        return self.steps * self._suffix[0]
+
+    def shard_at(self, position: int) -> Shard:
+        k = len(self.shards)
+        r = position % (2 * k)
+        return self.shards[r if r < k else 2 * k - 1 - r]
+
+    def task(self, position: int) -> ShardTask:
+        k = len(self.shards)
+        step, r = divmod(position, 2 * k)
+        op = Op.FORWARD if r < k else Op.BACKWARD
+        return ShardTask(self.model, self.shard_at(position).index, op, step)
+
+    def task_s(self, position: int) -> float:
+        """Reference seconds of the task at ``position``."""
+        shard = self.shard_at(position)
+        return (
+            shard.forward_s
+            if position % (2 * len(self.shards)) < len(self.shards)
+            else (shard.backward_s)
+        )
+
+    def remaining_s(self, done: int) -> float:
+        """Reference seconds of the tasks after the first ``done``; O(1)."""
+        if done >= self.tasks:
+            return 0.0
+        step, r = divmod(done, 2 * len(self.shards))
+        return self._suffix[r] + (self.steps - step - 1) * self._suffix[0]
+
+
+@dataclass(frozen=True)
+class Progress:
+    """Where one model stands: all the ordering policies read. ``remaining_s`` is the
+    estimate, ``ratio`` its correction from measurements, ``last_run`` the dispatch number of
+    the model's last task (-1: never ran)."""
+
+    model: ModelId
+    order: int
+    done: int
+    remaining_s: float
+    ratio: float = 1.0
+    last_run: int = -1
+
+
+def progress(plan: ModelPlan, done: int, *, ratio: float = 1.0, last_run: int = -1) -> Progress:
+    """A model's progress after ``done`` tasks, its remaining time scaled by ``ratio``."""
+    return Progress(plan.model, plan.order, done, plan.remaining_s(done) * ratio, ratio, last_run)
+
+
+def refine_ratio(
+    ratio: float, estimated_s: float, measured_s: float, *, weight: float = RATIO_WEIGHT
+) -> float:
+    """The moving average of measured / estimated task time after one more measurement, so
+    that Sharded-LRTF's remaining-time estimates follow what the model really takes."""
+    if estimated_s <= 0 or not math.isfinite(measured_s):
+        return ratio
+    return (1 - weight) * ratio + weight * measured_s / estimated_s
+
+
+# ------------------------------------------------------------------------- the policies
+
+
+class Policy(StrEnum):
+    LRTF = "lrtf"
+    FIFO = "fifo"
+    ROUND_ROBIN = "round-robin"
+
+
+def priority(policy: Policy, model: Progress) -> Priority:
+    """The sort key of a runnable model under ``policy``; the smallest runs first.
+
+    Sharded-LRTF (Hydra): the longest estimated remaining time first, so the models that
+    bound the makespan are never left for last. FIFO: submission order. Round-robin: the
+    model that ran least recently, so the order rotates after every task."""
+    if policy is Policy.LRTF:
+        return (-model.remaining_s, 0.0, model.model)
+    if policy is Policy.FIFO:
+        return (float(model.order), 0.0, model.model)
+    return (float(model.last_run), float(model.order), model.model)
+
+
+def next_model(policy: Policy, runnable: Iterable[Progress]) -> ModelId | None:
+    """The model an idle device should run next, or None when nothing is runnable."""
+    best = min(runnable, key=lambda p: priority(policy, p), default=None)
+    return None if best is None else best.model
+
+
+# ------------------------------------------------------------------------ the assignment
+
+
+@dataclass(frozen=True)
+class IdleDevice:
+    """A device free to take a task: relative speed, memory budget, host<->device GB/s."""
+
+    device: DeviceId
+    node: NodeId
+    speed: float
+    budget_bytes: int
+    bandwidth_gbps: float = math.inf
+
+
+@dataclass(frozen=True)
+class Residence:
+    """Where a model's next shard is: on ``device`` (no copy needed) and in the host memory
+    of ``node``; None where unknown (not loaded yet: any node is as good)."""
+
+    device: DeviceId | None = None
+    node: NodeId | None = None
+
+
+class Locality(StrEnum):
+    RESIDENT = "resident"
+    """The shard is already on the device: it stays, nothing moves."""
+    LOCAL = "local"
+    """Copied in from the host memory of the device's own node."""
+    REMOTE = "remote"
+    """Copied from another node's host memory, over the network."""
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """Run ``task`` on ``device`` now. ``prefetch`` is the device's likeliest next task as
+    seen now (``lookahead``), whose shard can be copied in while ``task`` computes; an
+    executor whose copies are shorter than its tasks may ask ``lookahead`` again later."""
+
+    device: DeviceId
+    task: ShardTask
+    locality: Locality
+    prefetch: ShardTask | None
+
+
+def transfer_s(size: int, device: IdleDevice, remote: bool, network_gbps: float) -> float:
+    """Seconds to copy ``size`` bytes onto ``device``, through the network when ``remote``."""
+    rate = min(device.bandwidth_gbps, network_gbps) if remote else device.bandwidth_gbps
+    return 0.0 if size == 0 or math.isinf(rate) else size / (rate * 1e9)
+
+
+class _Pool:
+    """Idle devices indexed so that one model's best device costs O(classes + node size):
+    devices of one class (speed, bandwidth, budget) differ only by node and id."""
+
+    def __init__(self, idle: Sequence[IdleDevice], network_gbps: float) -> None:
+        ordered = sorted(idle, key=lambda d: d.device)
+        self.by_id = {d.device: d for d in ordered}
+        if len(self.by_id) != len(ordered):
+            raise ValueError("idle devices must be listed once each")
+        self.classes: dict[tuple[float, float, int], list[IdleDevice]] = {}
+        self.nodes: dict[NodeId, list[IdleDevice]] = {}
+        for d in ordered:
+            self.classes.setdefault((d.speed, d.bandwidth_gbps, d.budget_bytes), []).append(d)
+            self.nodes.setdefault(d.node, []).append(d)
+        self.front = dict.fromkeys(self.classes, 0)
+        self.used: set[DeviceId] = set()
+        self.network_gbps = network_gbps
+
+    def __len__(self) -> int:
+        return len(self.by_id)
+
+    def _first_away(self, key: tuple[float, float, int], node: NodeId | None) -> IdleDevice | None:
+        devices, i = self.classes[key], self.front[key]
+        while i < len(devices) and devices[i].device in self.used:
+            i += 1
+        self.front[key] = i
+        return next((d for d in devices[i:] if d.device not in self.used and d.node != node), None)
+
+    def take(
+        self, fit: int, move: int, compute_s: float, home: Residence
+    ) -> tuple[IdleDevice, Locality] | None:
+        """The unused device that finishes the task first (copy-in + compute), ties going to
+        the resident device, then the same node, then the lowest id; marked used."""
+        options: list[tuple[float, int, DeviceId, Locality]] = []
+        own = self.by_id.get(home.device) if home.device is not None else None
+        if own is not None and own.device not in self.used and own.budget_bytes >= fit:
+            options.append((compute_s / own.speed, 0, own.device, Locality.RESIDENT))
+        for d in self.nodes.get(home.node, []) if home.node is not None else []:
+            if d.device not in self.used and d.budget_bytes >= fit and d is not own:
+                finish = transfer_s(move, d, False, self.network_gbps) + compute_s / d.speed
+                options.append((finish, 1, d.device, Locality.LOCAL))
+        remote = home.node is not None
+        for key in self.classes:
+            away = self._first_away(key, home.node) if key[2] >= fit else None
+            if away is not None:
+                finish = transfer_s(move, away, remote, self.network_gbps) + compute_s / away.speed
+                where = Locality.REMOTE if remote else Locality.LOCAL
+                options.append((finish, 2 if remote else 1, away.device, where))
+        if not options:
+            return None
+        _, _, best, where = min(options)
+        self.used.add(best)
+        return self.by_id[best], where
+
+
+def assign(
+    policy: Policy,
+    idle: Sequence[IdleDevice],
+    runnable: Sequence[Progress],
+    plans: Mapping[ModelId, ModelPlan],
+    residency: Mapping[ModelId, Residence],
+    *,
+    sequence: int = 0,
+    network_gbps: float = math.inf,
+) -> tuple[Assignment, ...]:
+    """Tasks for idle devices, at most one per model and per device.
+
+    Runnable models go in ``policy`` order, each to the unused idle device that would finish
+    its task first, copy-in included (earliest finish time, as HEFT places tasks): among
+    equal devices that is where its shard already is (it stays, nothing moves), then a
+    device on the node whose host memory holds it, then the lowest id. A device takes a
+    shard only within its memory budget; a model no idle device can hold waits. Each
+    assignment carries its device's likeliest next task (``lookahead``; a waiting model is
+    promised to one device only). ``sequence`` is the dispatch number of the first
+    assignment (round-robin's clock)."""
+    seen: set[ModelId] = set()
+    for p in runnable:
+        if p.model in seen:
+            raise ValueError(
+                f"model {p.model} is listed twice as runnable; a model has at most one task"
+                " in flight"
+            )
+        seen.add(p.model)
+    pool = _Pool(idle, network_gbps)
+    placed: list[tuple[Progress, IdleDevice, Locality]] = []
+    waiting: list[Progress] = []
+    for p in sorted(runnable, key=lambda p: priority(policy, p)):
+        plan = plans[p.model]
+        if p.done >= plan.tasks:
+            raise ValueError(f"model {p.model} has finished its {plan.tasks} tasks; not runnable")
+        got = None
+        if len(placed) < len(pool):
+            shard = plan.shard_at(p.done)
+            home = residency.get(p.model, Residence())
+            got = pool.take(shard.bytes, shard.state_bytes, plan.task_s(p.done) * p.ratio, home)
+        if got is None:
+            waiting.append(p)
+        else:
+            placed.append((p, *got))
+    return _with_prefetch(policy, placed, waiting, plans, sequence)
+
+
+def lookahead(
+    policy: Policy,
+    device: IdleDevice,
+    current: Progress,
+    plans: Mapping[ModelId, ModelPlan],
+    waiting: Iterable[Progress],
+    *,
+    stamp: int,
+) -> ShardTask | None:
+    """The task ``device`` should run once ``current``'s task on it is done, chosen while it
+    computes so that its shard is copied in meanwhile (Hydra's double buffering).
+
+    The candidates are ``current``'s own next task, ranked as it will be once this task is
+    done (and, for round-robin, dispatched as number ``stamp``), and the policy's first
+    ``waiting`` model; the policy's first of the two wins. Only a shard that fits beside the
+    current one counts; None when none does. An executor asks as late as the copy allows,
+    when its queue is freshest."""
+    plan = plans[current.model]
+    shard = plan.shard_at(current.done)
+    room = device.budget_bytes - shard.bytes
+    best: tuple[Priority, ShardTask] | None = None
+    if current.done + 1 < plan.tasks:
+        nxt = plan.shard_at(current.done + 1)
+        if nxt.index == shard.index or nxt.bytes <= room:
+            after = progress(plan, current.done + 1, ratio=current.ratio, last_run=stamp)
+            best = (priority(policy, after), plan.task(current.done + 1))
+    fitting = (w for w in waiting if plans[w.model].shard_at(w.done).bytes <= room)
+    other = min(fitting, key=lambda w: priority(policy, w), default=None)
+    if other is not None and (best is None or priority(policy, other) < best[0]):
+        best = (priority(policy, other), plans[other.model].task(other.done))
+    return None if best is None else best[1]
+
+
+def _with_prefetch(
+    policy: Policy,
+    placed: Sequence[tuple[Progress, IdleDevice, Locality]],
+    waiting: Sequence[Progress],
+    plans: Mapping[ModelId, ModelPlan],
+    sequence: int,
+) -> tuple[Assignment, ...]:
+    """Each placed task with its device's next task (``lookahead``); a waiting model is
+    promised to one device only."""
+    claimed: set[ModelId] = set()
+    out = []
+    for i, (p, device, where) in enumerate(placed):
+        free = [w for w in waiting if w.model not in claimed]
+        nxt = lookahead(policy, device, p, plans, free, stamp=sequence + i)
+        if nxt is not None and nxt.model != p.model:
+            claimed.add(nxt.model)
+        out.append(Assignment(device.device, plans[p.model].task(p.done), where, nxt))
+    return tuple(out)

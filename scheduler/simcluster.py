@@ -1,0 +1,223 @@
+"""Modelled clusters for the SHARP simulator: device kinds, nodes, spot outages, workloads.
+
+A cluster is device kinds and counts, ``per_node`` devices to a node, a network between
+nodes and a trace of spot outages. A *setting* is a cluster and the models to train on it;
+the builders here make the benchmark's settings: Hydra's own (8 identical devices, 12 models
+each needing 2-4 devices' memory), a heterogeneous spot cluster, and a sweep of sizes.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from scheduler.profile import REFERENCE_GFLOPS, BlockCost
+from scheduler.sharp import ModelId, ModelPlan, shard_model
+from scheduler.types import DeviceId, NodeId
+
+GiB = 2**30
+
+SEQUENCE_TOKENS = 512
+"""Tokens per sample of the synthetic transformer models (their FLOPs scale with it)."""
+
+MICRO_BATCH_SIZE = 4
+"""Samples per micro-batch of the synthetic models."""
+
+
+@dataclass(frozen=True)
+class DeviceKind:
+    """A kind of device: speed relative to the reference device, memory budget in bytes,
+    host<->device copy bandwidth in GB/s, and whether it is a spot (preemptible) device."""
+
+    name: str
+    speed: float
+    budget_bytes: int
+    bandwidth_gbps: float
+    spot: bool = False
+
+    def __post_init__(self) -> None:
+        if not (self.speed > 0 and self.budget_bytes > 0 and self.bandwidth_gbps > 0):
+            raise ValueError(
+                f"device kind {self.name}: speed ({self.speed}), budget_bytes"
+                f" ({self.budget_bytes}) and bandwidth_gbps ({self.bandwidth_gbps}) must be > 0"
+            )
+
+
+@dataclass(frozen=True)
+class Outage:
+    """Spot device ``device`` is lost at ``lost_s`` and, unless ``back_s`` is None, returns
+    (empty) at ``back_s``."""
+
+    device: DeviceId
+    lost_s: float
+    back_s: float | None = None
+
+
+@dataclass(frozen=True)
+class SimDevice:
+    id: DeviceId
+    node: NodeId
+    kind: DeviceKind
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """Devices of ``kinds`` (kind, count), ``per_node`` to a node; ``network_gbps`` between
+    nodes (a copy from another node's host memory runs at the slower of it and the device's
+    own bandwidth)."""
+
+    kinds: tuple[tuple[DeviceKind, int], ...]
+    per_node: int = 8
+    network_gbps: float = 12.5
+    outages: tuple[Outage, ...] = ()
+
+    def __post_init__(self) -> None:
+        names = [kind.name for kind, _ in self.kinds]
+        if len(set(names)) != len(names) or any(count < 0 for _, count in self.kinds):
+            raise ValueError(f"cluster kinds {names} must have distinct names and counts >= 0")
+        if self.per_node < 1 or not self.network_gbps > 0:
+            raise ValueError(
+                f"per_node ({self.per_node}) must be >= 1 and network_gbps"
+                f" ({self.network_gbps}) > 0"
+            )
+
+    def devices(self) -> tuple[SimDevice, ...]:
+        """Every device, named ``<kind>-<index>`` on node ``<kind>-n<index // per_node>``."""
+        return tuple(
+            SimDevice(f"{kind.name}-{i:04d}", f"{kind.name}-n{i // self.per_node:03d}", kind)
+            for kind, count in self.kinds
+            for i in range(count)
+        )
+
+
+@dataclass(frozen=True)
+class Setting:
+    """A cluster and the models to train on it together."""
+
+    name: str
+    cluster: Cluster
+    plans: tuple[ModelPlan, ...]
+
+
+def lower_bound(
+    cluster: Cluster, plans: Sequence[ModelPlan], truth: Mapping[ModelId, float] | None = None
+) -> float:
+    """No schedule finishes sooner (DESIGN.md's SHARP ideal): all the work over the devices'
+    total speed, as if perfectly divisible with no copies and every device always up. A
+    model's tasks are sequential, so it is never below the longest model's chain on the
+    fastest device, and at most one device per model computes at a time, so the capacity is
+    that of the ``len(plans)`` fastest devices. ``truth`` scales a model's real times."""
+    speeds = sorted(
+        (kind.speed for kind, count in cluster.kinds for _ in range(count)), reverse=True
+    )
+    if not speeds or not plans:
+        return 0.0
+    scale = truth or {}
+    work = [p.work_s * scale.get(p.model, 1.0) for p in plans]
+    return max(sum(work) / sum(speeds[: len(plans)]), max(work) / speeds[0])
+
+
+# ----------------------------------------------------------------- synthetic workloads
+
+
+def transformer_costs(
+    layers: int, params_per_layer: float, micro_batch_size: int
+) -> tuple[BlockCost, ...]:
+    """Blocks of a transformer-like model trained with Adam: 6 FLOPs per parameter per token
+    for forward+backward (Kaplan et al., 2020) at the reference device's speed; fp32
+    parameters and two Adam moments; for backward a block keeps ~16 bytes per hidden unit
+    per token (four fp32 tensors of its width), its input 4."""
+    params = int(params_per_layer)
+    tokens = micro_batch_size * SEQUENCE_TOKENS
+    seconds = 6 * params * tokens / (REFERENCE_GFLOPS * 1e9)
+    width = int(math.sqrt(params / 12))  # a layer of width h holds ~12 h^2 parameters
+    activation = 16 * width * SEQUENCE_TOKENS
+    return tuple(
+        BlockCost(i, seconds, 4 * params, 8 * params, activation, 4 * width * SEQUENCE_TOKENS)
+        for i in range(layers)
+    )
+
+
+def _model(
+    rng: random.Random, name: str, order: int, memory: float, budget: int, steps: int
+) -> ModelPlan:
+    """A model whose state takes about ``memory`` bytes, cut into shards for ``budget``."""
+    layers = rng.randint(24, 48)
+    params = memory / layers / 16  # parameters, gradients, two Adam moments: 16 B each
+    costs = transformer_costs(layers, params, MICRO_BATCH_SIZE)
+    return ModelPlan(name, shard_model(costs, budget, MICRO_BATCH_SIZE), steps, order)
+
+
+def hydra_setting(*, steps: int = 6, seed: int = 0) -> Setting:
+    """Hydra's setting: 8 identical 16 GiB devices on one node (PCIe 3, 12 GB/s) and 12
+    models, each needing 2-4 devices' worth of memory."""
+    kind = DeviceKind("v100-16g", 1.0, 16 * GiB, 12.0)
+    rng = random.Random(seed)
+    budget = kind.budget_bytes
+    plans = tuple(
+        _model(rng, f"hydra-{i:02d}", i, rng.uniform(2, 4) * budget, budget, steps)
+        for i in range(12)
+    )
+    return Setting("hydra-8x12", Cluster(((kind, 8),)), plans)
+
+
+_FLEET = (
+    (DeviceKind("h100-80g", 3.0, 80 * GiB, 25.0), 0.125),
+    (DeviceKind("a100-40g", 1.5, 40 * GiB, 25.0, spot=True), 0.25),
+    (DeviceKind("a10g-24g", 0.6, 24 * GiB, 12.0, spot=True), 0.3125),
+    (DeviceKind("t4-16g", 0.25, 16 * GiB, 12.0, spot=True), 0.3125),
+)
+"""The heterogeneous fleet: a few fast on-demand devices and many spot ones (fractions);
+the smallest kind takes what rounding leaves."""
+
+
+def fleet(devices: int) -> tuple[tuple[DeviceKind, int], ...]:
+    """``devices`` of the heterogeneous fleet, as (kind, count)."""
+    counts = [int(devices * share) for _, share in _FLEET]
+    counts[-1] += devices - sum(counts)
+    return tuple((kind, c) for (kind, _), c in zip(_FLEET, counts, strict=True) if c > 0)
+
+
+def mixed_setting(
+    devices: int, models: int, *, steps: int = 4, lost_fraction: float = 0.1, seed: int = 0
+) -> Setting:
+    """``devices`` of the heterogeneous fleet and ``models`` needing 1.5-5x the smallest
+    device's memory (about 8 shards each, cut for the smallest device so that any device
+    runs any shard); ``lost_fraction`` of the spot devices are lost during the run (at a
+    uniform time before the lower bound), every other one coming back later."""
+    rng = random.Random(seed)
+    kinds = fleet(devices)
+    budget = min(kind.budget_bytes for kind, _ in kinds)
+    plans = tuple(
+        _model(rng, f"m{i:04d}", i, rng.uniform(1.5, 5) * budget, budget, steps)
+        for i in range(models)
+    )
+    horizon = lower_bound(Cluster(kinds), plans)
+    spot = [d.id for d in Cluster(kinds).devices() if d.kind.spot]
+    outages = []
+    for k, device in enumerate(sorted(rng.sample(spot, int(len(spot) * lost_fraction)))):
+        lost = rng.uniform(0, horizon)
+        back = lost + rng.uniform(0.1, 0.5) * horizon if k % 2 == 0 else None
+        outages.append(Outage(device, lost, back))
+    return Setting(f"mixed-{devices}x{models}", Cluster(kinds, outages=tuple(outages)), plans)
+
+
+def spot_setting(
+    *, devices: int = 512, models: int = 300, steps: int = 4, seed: int = 0
+) -> Setting:
+    """The benchmark's heterogeneous spot cluster: 512 devices of four kinds (the three spot
+    kinds losing 10% of their devices during the run) and 300 models of varying sizes."""
+    return mixed_setting(devices, models, steps=steps, seed=seed)
+
+
+def sweep_settings(
+    devices: Sequence[int] = (8, 32, 128, 512, 1024),
+    models: Sequence[int] = (4, 16, 64, 256, 1000),
+    *,
+    steps: int = 4,
+    seed: int = 0,
+) -> tuple[Setting, ...]:
+    """Every (devices, models) pair of the sweep, on the heterogeneous fleet."""
+    return tuple(mixed_setting(d, m, steps=steps, seed=seed) for d in devices for m in models)

@@ -1,0 +1,333 @@
+"""The cluster simulator: SHARP's policies and the baselines on modelled clusters, with copies,
+prefetch and spot outages; the invariants of every schedule it produces."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from collections import defaultdict
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from scheduler.sharp import ModelPlan, Shard
+from scheduler.simcluster import (
+    Cluster,
+    DeviceKind,
+    Outage,
+    hydra_setting,
+    lower_bound,
+    mixed_setting,
+    spot_setting,
+    sweep_settings,
+)
+from scheduler.simresult import SimResult, SimulationError
+from scheduler.simulate import Strategy, compare, simulate
+
+pytestmark = pytest.mark.unit
+
+GiB = 2**30
+SHARP = (Strategy.LRTF, Strategy.FIFO, Strategy.ROUND_ROBIN)
+
+
+def chain(
+    model: str,
+    shards: int = 2,
+    steps: int = 1,
+    order: int = 0,
+    *,
+    forward: float = 1.0,
+    backward: float = 2.0,
+    state: int = GiB,
+) -> ModelPlan:
+    parts = tuple(Shard(i, (i, i + 1), forward, backward, state, 0) for i in range(shards))
+    return ModelPlan(model, parts, steps, order)
+
+
+def cluster(
+    count: int = 1,
+    *,
+    speed: float = 1.0,
+    budget: int = 16 * GiB,
+    gbps: float = math.inf,
+    spot: bool = False,
+    outages: tuple[Outage, ...] = (),
+) -> Cluster:
+    return Cluster(((DeviceKind("k", speed, budget, gbps, spot), count),), outages=outages)
+
+
+# ------------------------------------------------------------------- single-model cases
+
+
+def test_one_model_on_one_device_takes_the_sum_of_its_tasks() -> None:
+    plan = chain("m", shards=3, steps=2)
+    result = simulate(cluster(), [plan])
+    assert result.makespan_s == pytest.approx(plan.work_s) and result.tasks == plan.tasks
+
+
+def test_without_prefetch_every_change_of_shard_is_a_copy_in() -> None:
+    plan = chain("m", shards=3, steps=2, state=10**9)  # 1 s per copy at 1 GB/s
+    changes = sum(
+        1 for p in range(plan.tasks) if p == 0 or plan.shard_at(p) != plan.shard_at(p - 1)
+    )
+    result = simulate(cluster(gbps=1.0), [plan], prefetch=False)
+    assert changes == 9  # F0 F1 F2 (B2 stays) B1 B0 | (F0 stays) F1 F2 (B2) B1 B0
+    assert result.makespan_s == pytest.approx(plan.work_s + changes)
+    assert result.exposed_transfer_s == pytest.approx(changes)
+
+
+def test_prefetch_hides_copies_behind_compute() -> None:
+    plan = chain("m", shards=3, steps=2, state=10**9)
+    hidden = simulate(cluster(gbps=1.0), [plan])
+    assert hidden.makespan_s == pytest.approx(plan.work_s + 1)  # only the very first copy
+    assert hidden.makespan_s <= simulate(cluster(gbps=1.0), [plan], prefetch=False).makespan_s
+
+
+def test_measured_slowness_scales_the_run() -> None:
+    plan = chain("m")
+    result = simulate(cluster(), [plan], truth={"m": 2.0})
+    assert result.makespan_s == pytest.approx(2 * plan.work_s) == result.lower_bound_s
+
+
+# --------------------------------------------------------------------------- the policies
+
+
+def test_lrtf_beats_fifo_when_fifo_leaves_the_long_model_for_last() -> None:
+    plans = [chain("a", 1, 2, 0), chain("b", 1, 2, 1), chain("c", 1, 4, 2)]  # 6, 6, 12 s
+    lrtf = simulate(cluster(2), plans, Strategy.LRTF)
+    fifo = simulate(cluster(2), plans, Strategy.FIFO)
+    assert fifo.makespan_s == pytest.approx(18.0) and lrtf.makespan_s < fifo.makespan_s
+
+
+def test_hydra_setting_lrtf_is_near_the_lower_bound() -> None:
+    setting = hydra_setting()
+    results = {r.strategy: r for r in compare(setting)}
+    assert results["sharp-lrtf"].ratio <= 1.1
+    assert min(r.ratio for r in results.values()) >= 1.0
+    assert results["sharp-lrtf"].makespan_s <= results["sharp-fifo"].makespan_s
+    assert results["sharp-lrtf"].makespan_s < results["task-parallel"].makespan_s
+    assert results["task-parallel"].makespan_s < results["model-parallel"].makespan_s
+
+
+def test_prefetch_never_slows_sharp_down() -> None:
+    for setting in (hydra_setting(steps=2), mixed_setting(16, 24, steps=2, lost_fraction=0)):
+        for strategy in SHARP:
+            on = simulate(setting.cluster, setting.plans, strategy)
+            off = simulate(setting.cluster, setting.plans, strategy, prefetch=False)
+            assert on.makespan_s <= off.makespan_s * (1 + 1e-9), (setting.name, strategy)
+
+
+def test_results_are_deterministic() -> None:
+    setting = mixed_setting(16, 24, steps=2)
+    for strategy in Strategy:
+        first = simulate(setting.cluster, setting.plans, strategy, record=True)
+        assert first == simulate(setting.cluster, setting.plans, strategy, record=True)
+
+
+def test_compare_runs_each_strategy_in_order() -> None:
+    setting = hydra_setting(steps=1)
+    assert [r.strategy for r in compare(setting)] == [s.value for s in Strategy]
+
+
+# ---------------------------------------------------------------------------- spot losses
+
+
+def test_a_spot_loss_costs_only_the_in_flight_task() -> None:
+    plan = chain("m", forward=10.0, backward=20.0, state=10**9)  # 1 s copies at 1 GB/s
+    base = simulate(cluster(2, gbps=1.0, spot=True), [plan], record=True)
+    assert base.records[1].start_s < 15.0 < base.records[1].end_s  # F1 runs at 15 s
+    lost = simulate(
+        cluster(2, gbps=1.0, spot=True, outages=(Outage("k-0000", 15.0),)), [plan], record=True
+    )
+    assert (lost.lost_tasks, lost.tasks) == (1, plan.tasks)
+    assert lost.makespan_s <= base.makespan_s + plan.task_s(1) + 1.0
+    assert [r.position for r in lost.records if not r.completed] == [1]
+
+
+def test_a_device_may_come_back() -> None:
+    plan = chain("m", forward=10.0, backward=20.0)
+    outage = Outage("k-0000", 15.0, back_s=30.0)
+    result = simulate(cluster(1, spot=True, outages=(outage,)), [plan])
+    assert result.lost_tasks == 1 and result.makespan_s == pytest.approx(30.0 + 10.0 + 40.0)
+
+
+def test_losing_every_device_for_good_is_a_clear_error() -> None:
+    outage = Outage("k-0000", 5.0)
+    for strategy in Strategy:
+        with pytest.raises(SimulationError, match="cannot"):
+            simulate(cluster(1, spot=True, outages=(outage,)), [chain("m", steps=3)], strategy)
+
+
+def test_bad_inputs_are_refused() -> None:
+    with pytest.raises(SimulationError, match="unique"):
+        simulate(cluster(), [chain("m"), chain("m")])
+    with pytest.raises(SimulationError, match="unknown device"):
+        simulate(cluster(outages=(Outage("nope", 1.0),)), [chain("m")])
+    with pytest.raises(SimulationError, match="truth factor"):
+        simulate(cluster(), [chain("m")], truth={"m": 0.0})
+    with pytest.raises(SimulationError, match="largest device"):
+        simulate(cluster(budget=GiB // 2), [chain("m")])
+
+
+# ------------------------------------------------------------------------- the baselines
+
+
+def test_model_parallel_keeps_one_device_busy_at_a_time() -> None:
+    plans = [chain("a", 4, 2, 0, state=6 * GiB), chain("b", 4, 2, 1, state=6 * GiB)]
+    result = simulate(cluster(4), plans, Strategy.MODEL_PARALLEL, record=True)
+    spans = sorted((r.start_s, r.end_s) for r in result.records)
+    assert all(b[0] >= a[1] - 1e-9 for a, b in itertools.pairwise(spans))
+    assert result.makespan_s == pytest.approx(sum(p.work_s for p in plans))
+    assert len({r.device for r in result.records if r.model == "a"}) == 2  # 4 x 6 GiB
+
+
+def test_task_parallel_puts_a_model_alone_on_one_device_where_it_fits() -> None:
+    plans = [chain("a", 2, 1, 0), chain("b", 2, 1, 1), chain("big", 4, 1, 2, state=6 * GiB)]
+    result = simulate(cluster(4), plans, Strategy.TASK_PARALLEL, record=True)
+    devices = defaultdict(set)
+    for r in result.records:
+        devices[r.model].add(r.device)
+    assert [len(devices[m]) for m in ("a", "b", "big")] == [1, 1, 2]
+    assert result.makespan_s == pytest.approx(max(p.work_s for p in plans))
+
+
+def test_a_model_no_gang_can_hold_is_a_clear_error() -> None:
+    huge = chain("huge", 8, 1, state=6 * GiB)  # 48 GiB of state
+    with pytest.raises(SimulationError, match="cannot be placed"):
+        simulate(cluster(2), [huge], Strategy.MODEL_PARALLEL)
+    assert simulate(cluster(2), [huge]).tasks == huge.tasks  # SHARP spills to host memory
+
+
+# ------------------------------------------------------------------- bound and settings
+
+
+def test_the_lower_bound() -> None:
+    fleet = Cluster(
+        ((DeviceKind("fast", 3.0, GiB, 1.0), 1), (DeviceKind("slow", 1.0, GiB, 1.0), 1))
+    )
+    one = chain("a", 1, 4)  # 12 s of work
+    assert lower_bound(fleet, [one]) == pytest.approx(4.0)  # its chain on the fast device
+    assert lower_bound(fleet, [one, chain("b", 1, 4)]) == pytest.approx(6.0)  # 24 s over 4
+    assert lower_bound(fleet, [one], {"a": 2.0}) == pytest.approx(8.0)
+
+
+def test_hydra_setting_is_eight_devices_and_twelve_big_models() -> None:
+    setting = hydra_setting()
+    ((kind, count),) = setting.cluster.kinds
+    states = [sum(s.state_bytes for s in p.shards) / kind.budget_bytes for p in setting.plans]
+    assert (count, len(setting.plans)) == (8, 12)
+    assert all(1.9 <= s <= 4.1 for s in states)
+    assert all(s.bytes <= kind.budget_bytes // 2 for p in setting.plans for s in p.shards)
+
+
+def test_spot_setting_is_a_heterogeneous_cluster_losing_spot_devices() -> None:
+    setting = spot_setting()
+    devices = {d.id: d for d in setting.cluster.devices()}
+    spot = [d for d in devices.values() if d.kind.spot]
+    assert len(devices) == 512 and len(setting.cluster.kinds) == 4 and len(setting.plans) == 300
+    assert all(devices[o.device].kind.spot for o in setting.cluster.outages)
+    assert len(setting.cluster.outages) == len(spot) // 10
+    assert any(o.back_s is not None for o in setting.cluster.outages)
+
+
+def test_sweep_settings_cover_every_size_pair() -> None:
+    settings_ = sweep_settings(devices=(8, 16), models=(4, 6), steps=1)
+    sizes = [(sum(c for _, c in s.cluster.kinds), len(s.plans)) for s in settings_]
+    assert sizes == [(8, 4), (8, 6), (16, 4), (16, 6)]
+
+
+# ---------------------------------------------------------------------- the invariants
+
+
+@st.composite
+def worlds(draw: st.DrawFn, max_shards: int = 3) -> tuple[Cluster, list[ModelPlan]]:
+    kinds = []
+    for k in range(draw(st.integers(1, 2))):
+        kind = DeviceKind(
+            f"k{k}",
+            draw(st.sampled_from([0.5, 1.0, 2.0])),
+            draw(st.sampled_from([8, 12])) * GiB,
+            draw(st.sampled_from([2.0, 20.0])),
+            spot=k > 0 and draw(st.booleans()),
+        )
+        kinds.append((kind, draw(st.integers(1, 3))))
+    sizes = st.integers(GiB // 8, 3 * GiB)
+    plans = []
+    for m in range(draw(st.integers(1, 4))):
+        shards = tuple(
+            Shard(
+                i,
+                (i, i + 1),
+                draw(st.floats(0.1, 5.0)),
+                draw(st.floats(0.1, 5.0)),
+                draw(sizes),
+                draw(st.integers(0, GiB)),
+            )
+            for i in range(draw(st.integers(1, max_shards)))
+        )
+        plans.append(ModelPlan(f"m{m}", shards, draw(st.integers(1, 2)), draw(st.integers(0, 3))))
+    cluster_ = Cluster(tuple(kinds), per_node=draw(st.sampled_from([1, 2, 8])))
+    spot = [d.id for d in cluster_.devices() if d.kind.spot]
+    outages = tuple(
+        Outage(d, draw(st.floats(0.0, 20.0)), draw(st.none() | st.floats(20.0, 40.0)))
+        for d in spot
+        if draw(st.booleans())
+    )
+    return Cluster(cluster_.kinds, cluster_.per_node, 5.0, outages), plans
+
+
+def check_schedule(world: Cluster, plans: list[ModelPlan], result: SimResult) -> None:
+    by_model = defaultdict(list)
+    by_device = defaultdict(list)
+    for r in result.records:
+        by_model[r.model].append(r)
+        by_device[r.device].append(r)
+    for plan in plans:
+        runs = sorted(by_model[plan.model], key=lambda r: (r.start_s, r.end_s))
+        done = [r.position for r in runs if r.completed]
+        assert done == list(range(plan.tasks)), plan.model  # in order, each exactly once
+        assert all(b.start_s >= a.end_s - 1e-9 for a, b in itertools.pairwise(runs))
+    budgets = {d.id: d.kind.budget_bytes for d in world.devices()}
+    for device, runs in by_device.items():
+        runs.sort(key=lambda r: (r.start_s, r.end_s))
+        assert all(b.start_s >= a.end_s - 1e-9 for a, b in itertools.pairwise(runs))
+        assert all(r.device_bytes <= budgets[device] for r in runs)
+    assert all(peak <= budgets[d] for d, peak in result.peak_bytes)
+    assert result.tasks == sum(p.tasks for p in plans)
+    assert result.makespan_s >= result.lower_bound_s * (1 - 1e-9)
+
+
+@settings(max_examples=120, deadline=None)
+@given(worlds(), st.sampled_from(SHARP), st.booleans())
+def test_every_sharp_schedule_keeps_the_invariants(
+    world: tuple[Cluster, list[ModelPlan]], strategy: Strategy, prefetch: bool
+) -> None:
+    cluster_, plans = world
+    result = simulate(cluster_, plans, strategy, prefetch=prefetch, record=True)
+    check_schedule(cluster_, plans, result)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    worlds(max_shards=2),
+    st.sampled_from([Strategy.MODEL_PARALLEL, Strategy.TASK_PARALLEL]),
+    st.booleans(),
+)
+def test_every_baseline_schedule_keeps_the_invariants(
+    world: tuple[Cluster, list[ModelPlan]], strategy: Strategy, prefetch: bool
+) -> None:
+    cluster_, plans = world
+    result = simulate(cluster_, plans, strategy, prefetch=prefetch, record=True)
+    check_schedule(cluster_, plans, result)
+
+
+@pytest.mark.slow
+def test_a_thousand_models_on_a_thousand_devices() -> None:
+    setting = mixed_setting(1024, 1000)
+    began = time.perf_counter()
+    result = simulate(setting.cluster, setting.plans, Strategy.LRTF)
+    print(f"1,024 devices x 1,000 models: {time.perf_counter() - began:.1f} s wall")
+    assert result.tasks == sum(p.tasks for p in setting.plans)
+    assert 1.0 <= result.ratio < 3.0 and 0.0 < result.mean_utilization <= 1.0
