@@ -249,7 +249,7 @@ class RayGroup:
     def retire(self) -> None:
         parked, self._parked = self._parked, []
         for actor in parked:
-            launch.kill_stage_worker(actor)
+            launch.kill_worker(actor)
 
     def submit(self, stage: int, method: str, *args: Any) -> Handle:
         refs = [a.ref if isinstance(a, _Ref) else a for a in args]
@@ -308,7 +308,7 @@ class RayGroup:
         # right after it (measured: 4 times in 15).
         self._shut = True
         for actor in [*self._actors, *self._parked]:
-            launch.kill_stage_worker(actor)
+            launch.kill_worker(actor)
 
 
 H = TypeVar("H", bound=Handle)

@@ -1,10 +1,12 @@
 """Actor lifecycles: the one module that creates and kills Shoal's Ray actors.
 
-Two kinds of actors exist. A **JobRunner** per job is detached and named
+Three kinds of actors exist. A **JobRunner** per job is detached and named
 ``shoal-job-<id>`` in the ``shoal`` namespace, so it outlives the control plane that
 started it and is found again by name after a restart. **StageWorkers** are created by
 their runner (inside the runner actor), which makes the runner their owner: they die with
-it, and nothing else needs to clean them up.
+it, and nothing else needs to clean them up. **ShardWorkers** (one per device of the SHARP
+executor, ``workers.shard_host``) are owned the same way by the runner that trains their
+models.
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ import ray
 from ray.actor import ActorHandle
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from scheduler.devices import DEVICE_RESOURCE
+from scheduler.devices import DEVICE_RESOURCE, Device
 from scheduler.types import JobId
+from workers.shard_host import ShardWorker
 from workers.snapshot import JobSnapshot, StagePlan
 from workers.stage import StageSetup, StageWorker
 
@@ -28,6 +31,7 @@ others, so they answer while it trains."""
 
 # Ray's typing of remote classes is partial; the actor classes are used untyped.
 _StageWorkerActor: Any = ray.remote(StageWorker)
+_ShardWorkerActor: Any = ray.remote(ShardWorker)
 
 
 def runner_name(job_id: JobId) -> str:
@@ -110,20 +114,35 @@ def start_stage_worker(plan: StagePlan, setup: StageSetup) -> ActorHandle[Any]:
     runs the calls from the runner in submission order (see ``workers.group``) and a lost
     worker is reported, not silently replaced without its state.
     """
-    device = plan.device
-    accelerator: dict[str, Any] = (
-        {"num_gpus": 1} if device.gpu else {"resources": {DEVICE_RESOURCE: 1}}
+    worker: ActorHandle[Any] = _StageWorkerActor.options(**_on_device(plan.device)).remote(
+        plan, setup
     )
-    worker: ActorHandle[Any] = _StageWorkerActor.options(
-        num_cpus=0,
-        scheduling_strategy=NodeAffinitySchedulingStrategy(device.node_id, soft=False),
-        max_restarts=0,
-        max_task_retries=0,
-        max_concurrency=1,
-        **accelerator,
-    ).remote(plan, setup)
     return worker
 
 
-def kill_stage_worker(worker: ActorHandle[Any]) -> None:
+def _on_device(device: Device) -> dict[str, Any]:
+    """Actor options that take ``device``: one ``GPU`` (Ray sets CUDA_VISIBLE_DEVICES) or
+    one ``shoal_device``, on its node; single-threaded, never restarted or retried."""
+    accelerator: dict[str, Any] = (
+        {"num_gpus": 1} if device.gpu else {"resources": {DEVICE_RESOURCE: 1}}
+    )
+    return {
+        "num_cpus": 0,
+        "scheduling_strategy": NodeAffinitySchedulingStrategy(device.node_id, soft=False),
+        "max_restarts": 0,
+        "max_task_retries": 0,
+        "max_concurrency": 1,
+        **accelerator,
+    }
+
+
+def start_shard_worker(device: Device, budget_bytes: int) -> ActorHandle[Any]:
+    """A ShardWorker actor on ``device``, holding up to ``budget_bytes`` of shards there."""
+    worker: ActorHandle[Any] = _ShardWorkerActor.options(**_on_device(device)).remote(
+        device, budget_bytes
+    )
+    return worker
+
+
+def kill_worker(worker: ActorHandle[Any]) -> None:
     ray.kill(worker, no_restart=True)

@@ -543,48 +543,59 @@ class Trainer:
     def _checkpoint(
         self, group: WorkerGroup, layout: Layout, store: CheckpointStore, step: int
     ) -> None:
-        snap = self.snapshot
-        plans = layout.plans
         # Replicas are identical after every step: replica 0 (workers 0..p-1) speaks for all.
-        depth = layout.depth
         blocks: dict[int, Any] = {}
-        for states in group.get([group.submit(w, "state") for w in range(depth)], self._timeout):
-            blocks.update(states)
-        manifest = {
-            "model": asdict(snap.model),
-            "data": asdict(snap.data),
-            "optimizer": asdict(snap.optimizer),
-            "precision": snap.precision,
-            "num_blocks": snap.num_blocks,
-            "stages": [
-                {
-                    "index": p.index,
-                    "replica": p.replica,
-                    "blocks": list(p.blocks),
-                    "device_id": p.device.id,
-                }
-                for p in plans
-            ],
-            "replicas": len(layout.split),
-            "replica_micro_batches": list(layout.split),
-            "step": step,
-            "data_cursor": step,
-            "seed": snap.seed,
-            "batch_size": snap.batch_size,
-            "micro_batches": snap.micro_batches,
-            "schedule": snap.schedule,
-            "attempt": snap.attempt,
-        }
-        info = store.write(snap.job_id, step, blocks, manifest)
-        deleted = store.retain(snap.job_id, snap.checkpoint_keep) if snap.checkpoint_keep else []
-        self._record(
-            RunnerEvent(
-                "checkpoint",
-                step,
-                f"checkpoint at step {step} ({info.nbytes} bytes)",
-                {"step": step, "path": info.path, "bytes": info.nbytes, "deleted": list(deleted)},
-            )
-        )
+        states = group.get([group.submit(w, "state") for w in range(layout.depth)], self._timeout)
+        for part in states:
+            blocks.update(part)
+        stages = [
+            {
+                "index": p.index,
+                "replica": p.replica,
+                "blocks": list(p.blocks),
+                "device_id": p.device.id,
+            }
+            for p in layout.plans
+        ]
+        self._record(write_checkpoint(store, self.snapshot, step, blocks, stages, layout.split))
+
+
+def write_checkpoint(
+    store: CheckpointStore,
+    snap: JobSnapshot,
+    step: int,
+    blocks: dict[int, Any],
+    stages: list[dict[str, Any]],
+    split: Sequence[int],
+) -> RunnerEvent:
+    """Write the job's checkpoint of ``step`` (every block's state, and the layout it ran
+    under: ``stages`` rows and the replicas' micro-batch ``split``), apply the retention,
+    and return the event that says so."""
+    manifest = {
+        "model": asdict(snap.model),
+        "data": asdict(snap.data),
+        "optimizer": asdict(snap.optimizer),
+        "precision": snap.precision,
+        "num_blocks": snap.num_blocks,
+        "stages": stages,
+        "replicas": len(split),
+        "replica_micro_batches": list(split),
+        "step": step,
+        "data_cursor": step,
+        "seed": snap.seed,
+        "batch_size": snap.batch_size,
+        "micro_batches": snap.micro_batches,
+        "schedule": snap.schedule,
+        "attempt": snap.attempt,
+    }
+    info = store.write(snap.job_id, step, blocks, manifest)
+    deleted = store.retain(snap.job_id, snap.checkpoint_keep) if snap.checkpoint_keep else []
+    return RunnerEvent(
+        "checkpoint",
+        step,
+        f"checkpoint at step {step} ({info.nbytes} bytes)",
+        {"step": step, "path": info.path, "bytes": info.nbytes, "deleted": list(deleted)},
+    )
 
 
 @functools.cache

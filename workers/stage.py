@@ -119,7 +119,7 @@ class _Kept:
     is_loss: bool
 
 
-def _torch_device(device: Device) -> torch.device:
+def torch_device(device: Device) -> torch.device:
     if device.gpu and torch.cuda.is_available():
         # A Ray actor sees only its own GPU, as index 0; a single process sees all of them.
         return torch.device("cuda", device.index % torch.cuda.device_count())
@@ -140,7 +140,7 @@ class Stage:
         self.device_id = plan.device.id
         self.first = start == 0
         self.last = stop == setup.num_blocks
-        self.device = _torch_device(plan.device)
+        self.device = torch_device(plan.device)
         self._setup = setup
         if not plan.device.gpu:
             # Virtual CPU devices share a machine's cores: one thread each keeps them apart.
@@ -274,6 +274,10 @@ class Stage:
                 scale_grads(self.blocks, clip)
             for block in self.blocks:
                 block.step()
+        return self.lap()
+
+    def lap(self) -> StepClock:
+        """The compute and transfer seconds spent since the last step or lap; restart them."""
         spent = StepClock(self._compute_s, self._transfer_s)
         self._compute_s = self._transfer_s = 0.0
         return spent

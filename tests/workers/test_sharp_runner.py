@@ -1,0 +1,165 @@
+"""The SHARP executor: several models trained at once on shared devices, shards spilled to
+host memory, each model's losses and parameters those of its run alone."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from scheduler.devices import Device
+from scheduler.sharp import Policy
+from workers.checkpoints import CheckpointStore
+from workers.profiler import trace_costs
+from workers.reference import train_reference
+from workers.shard_pool import LocalPool, PoolFactory, RayPool
+from workers.sharp_runner import SharpTrainer
+from workers.snapshot import DataRef, JobSnapshot, ModelRef, OptimizerConf, RunStatus
+
+MLP = ModelRef("mlp", None, {"in_features": 16, "hidden": 48, "layers": 5, "out_features": 4})
+DATA = DataRef("synthetic-regression", None, {"features": 16, "outputs": 4})
+
+
+def model(root: Path, job_id: str, **fields: Any) -> JobSnapshot:
+    snap = JobSnapshot(
+        job_id=job_id,
+        attempt=1,
+        model=fields.pop("model", MLP),
+        data=DATA,
+        optimizer=fields.pop("optimizer", OptimizerConf("adam", 0.01)),
+        batch_size=16,
+        micro_batches=4,
+        steps=fields.pop("steps", 4),
+        seed=fields.pop("seed", 3),
+        schedule="gpipe",
+        recompute=True,
+        stages=(),
+        num_blocks=6,
+        checkpoint_root=str(root),
+        checkpoint_every=0,
+        checkpoint_keep=2,
+    )
+    snap = replace(snap, **fields)
+    costs = trace_costs(snap.model, snap.data, micro_batch_size=4, optimizer=snap.optimizer.name)
+    return replace(snap, block_costs=costs, num_blocks=len(costs))
+
+
+def assert_alone(snap: JobSnapshot, losses: list[float]) -> None:
+    """The model's losses and final parameters equal its plain single-process run."""
+    ref = train_reference(
+        snap.model,
+        snap.data,
+        snap.optimizer,
+        batch_size=snap.batch_size,
+        micro_batches=snap.micro_batches,
+        steps=snap.steps,
+        seed=snap.seed,
+    )
+    assert losses == ref.losses  # bitwise: the same sums in the same order
+    _, states = CheckpointStore(snap.checkpoint_root).read(snap.job_id, snap.steps)
+    for block in ref.blocks:
+        for name, expected in block.module.state_dict().items():
+            assert torch.equal(states[block.index]["module"][name], expected), (block.index, name)
+
+
+def budget_for_shards(snap: JobSnapshot, shards: int) -> int:
+    """A device budget under which the model needs about ``shards`` shards."""
+    total = sum(c.param_bytes * 2 + c.optim_bytes for c in snap.block_costs)
+    return 2 * (total // shards + max(c.activation_bytes_per_sample for c in snap.block_costs) * 8)
+
+
+def devices(node: str = "n0000000a") -> list[Device]:
+    return [Device(f"{node[:8]}-cpu-{i}", node, i, "cpu", 2048, False) for i in range(2)]
+
+
+def train(
+    snaps: list[JobSnapshot],
+    make_pool: PoolFactory,
+    budget: int,
+    node: str = "n0000000a",
+    **options: Any,
+) -> SharpTrainer:
+    pool = devices(node)
+    trainer = SharpTrainer(snaps, pool, make_pool, budgets={d.id: budget for d in pool}, **options)
+    statuses = trainer.run()
+    errors = {s.job_id: trainer.report(s.job_id, 0).error for s in snaps}
+    assert statuses == {s.job_id: RunStatus.SUCCEEDED for s in snaps}, errors
+    return trainer
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("policy", list(Policy))
+def test_models_larger_than_a_device_train_together_exactly_as_alone(
+    tmp_path: Path, policy: Policy
+) -> None:
+    snaps = [
+        model(tmp_path, "a"),
+        model(tmp_path, "b", seed=9, steps=6, optimizer=OptimizerConf("sgd", 0.05)),
+        model(tmp_path, "c", seed=5, steps=3),
+    ]
+    budget = budget_for_shards(snaps[0], 3)
+    trainer = train(snaps, LocalPool, budget, policy=policy)
+    for snap in snaps:
+        report = trainer.report(snap.job_id, 0)
+        (placement,) = [e for e in report.events if e.kind == "placement"]
+        assert len(placement.data["stages"]) >= 2  # it does not fit one device
+        assert [m.step for m in report.metrics] == list(range(1, snap.steps + 1))
+        assert_alone(snap, [m.loss for m in report.metrics])
+
+
+@pytest.mark.unit
+def test_prefetch_moves_the_same_bytes_earlier_and_a_resumed_model_goes_on_exactly(
+    tmp_path: Path,
+) -> None:
+    first = [model(tmp_path, "a", steps=2, checkpoint_every=1)]
+    budget = budget_for_shards(first[0], 3)
+    train(first, LocalPool, budget, prefetch=False)
+    again = [model(tmp_path, "a", steps=5, attempt=2)]
+    trainer = train(again, LocalPool, budget)
+    report = trainer.report("a", 0)
+    assert [e.data["step"] for e in report.events if e.kind == "resumed"] == [2]
+    assert [m.step for m in report.metrics] == [3, 4, 5]
+    ref = train_reference(
+        MLP, DATA, OptimizerConf("adam", 0.01), batch_size=16, micro_batches=4, steps=5, seed=3
+    )
+    assert [m.loss for m in report.metrics] == ref.losses[2:]
+
+
+@pytest.mark.integration
+def test_ray_shard_workers_train_models_together_exactly(ray_address: str, tmp_path: Path) -> None:
+    import ray
+
+    node = ray.get_runtime_context().get_node_id()
+    snaps = [model(tmp_path, "a", steps=3), model(tmp_path, "b", seed=9, steps=3)]
+    trainer = train(snaps, RayPool, budget_for_shards(snaps[0], 2), node)
+    for snap in snaps:
+        assert_alone(snap, [m.loss for m in trainer.report(snap.job_id, 0).metrics])
+
+
+@pytest.mark.unit
+def test_a_host_keeps_within_its_budget_and_a_shard_run_again_stays(tmp_path: Path) -> None:
+    from workers.shard_host import BudgetError, ShardHost
+    from workers.stage import StageSetup
+    from workers.wire import send
+    from workers.zoo.data import make_data
+
+    snap = model(tmp_path, "a")
+    data = make_data(snap.data, snap.seed)
+    setup = StageSetup.of(snap, data.meta)
+    host = ShardHost(devices()[0], budget_bytes=0)
+    sizes = [host.add(("a", i), setup, (i, i + 1)) for i in range(3)]
+    host.budget_bytes = max(sizes[0] + sizes[1], sizes[1] + sizes[2])  # two shards at a time
+    x = [send(data.batch(0, 4)[0])]
+    first = host.forward(("a", 0), x, prefetch=("a", 1))
+    assert first.promoted_bytes == sizes[0] + sizes[1]
+    again = host.forward(("a", 1), first.outputs)  # prefetched: nothing to copy
+    assert again.promoted_bytes == 0 and host.held()["resident"] == [("a", 0), ("a", 1)]
+    host.forward(("a", 2), again.outputs)  # the least recently used one makes room
+    assert host.held()["resident"] == [("a", 1), ("a", 2)]
+    assert host.held()["resident_bytes"] <= host.budget_bytes
+    host.budget_bytes = sizes[0] - 1
+    with pytest.raises(BudgetError, match="more than n0000000-cpu-0's budget"):
+        host.forward(("a", 0), x)

@@ -1,0 +1,242 @@
+"""One device of the SHARP executor: many models' shards in host memory, a few on the device.
+
+Hydra's shard alternator parallelism (Nagrecha & Kumar): every model is cut into shards
+that fit a device; a device runs one shard task at a time — the forward of a shard over
+every micro-batch of a mini-batch, or its backward — of whichever model the scheduler picks
+(``scheduler.sharp``), while the shards it is not running wait in host memory. A
+``ShardHost`` is that device: each shard it holds is a ``workers.stage.Stage`` (the same
+blocks, per-block optimizers and rematerialization as a pipeline stage) living in host
+memory until a task *promotes* it onto the device; it is *demoted* back when room is needed.
+The device holds at most ``budget_bytes`` of shards: by accounting on a CPU device, in CUDA
+memory on a GPU, where promotion and demotion are copies to and from pinned host memory.
+
+Double buffering: a task may name the shard expected next on this device; it is promoted
+before the task computes (on a GPU, on a side stream, so the copy overlaps the compute).
+A shard promoted and run again stays where it is. Between its forward and backward task a
+shard keeps its micro-batches' inputs (the stage boundary activations, which its backward
+recomputes from), so its backward runs on the host that ran its forward.
+
+After its backward a shard applies its optimizer step at once: its gradients are complete
+(every micro-batch went through), and the shards before it already have the gradients they
+need, so the math is one process's (gradient-norm clipping, a cross-shard reduction, is not
+supported here).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from scheduler.devices import Device
+from workers.snapshot import StagePlan
+from workers.stage import Stage, StageSetup, StageStateError, one_line, torch_device
+from workers.wire import Wire
+
+ShardKey = tuple[str, int]
+"""(model id, shard index)."""
+
+
+class BudgetError(RuntimeError):
+    """A shard cannot fit the device's budget even alone (a planning bug, never user input)."""
+
+
+@dataclass(frozen=True)
+class TaskResult:
+    """What a shard task gives back: the tensors for the model's next task, the losses of a
+    last shard's micro-batches, the compute seconds it took and the bytes it promoted."""
+
+    outputs: list[Wire | None]
+    losses: list[float]
+    compute_s: float
+    promoted_bytes: int
+
+
+class ShardHost:
+    """The shards one device holds for the SHARP executor."""
+
+    def __init__(self, device: Device, budget_bytes: int) -> None:
+        self.device = device
+        self.budget_bytes = budget_bytes
+        self._target = torch_device(device)
+        self._host = torch.device("cpu")
+        self._shards: dict[ShardKey, Stage] = {}
+        self._resident: OrderedDict[ShardKey, int] = OrderedDict()
+        """Shards on the device and their bytes, least recently used first."""
+        self._side = (
+            torch.cuda.Stream(self._target)  # type: ignore[no-untyped-call]
+            if self._target.type == "cuda"
+            else None
+        )
+
+    # ------------------------------------------------------------------ holding shards
+
+    def add(
+        self,
+        key: ShardKey,
+        setup: StageSetup,
+        blocks: tuple[int, int],
+        state: Mapping[int, Any] | None = None,
+    ) -> int:
+        """Hold shard ``key`` (blocks ``[start, stop)`` of the model ``setup`` builds) in host
+        memory, from ``state`` (block states by index) or freshly initialised; its bytes."""
+        if key in self._shards:
+            raise StageStateError(f"shard {key} is already held on {self.device.id}")
+        # Built in host memory; promoted onto the device when a task needs it.
+        host = replace(self.device, index=0, gpu=False)
+        stage = Stage(StagePlan(key[1], blocks, host), replace(setup, recompute=True))
+        if state is not None:
+            stage.load(state)
+        self._shards[key] = stage
+        return stage.nbytes()
+
+    def export(self, key: ShardKey) -> dict[int, Any]:
+        """Shard ``key``'s block states (parameters and optimizer), to move or checkpoint it."""
+        return self._stage(key).state()
+
+    def drop(self, key: ShardKey) -> None:
+        """Forget shard ``key`` (it moved to another host, or its model ended)."""
+        self._stage(key)
+        self._demote(key)
+        del self._shards[key]
+
+    def held(self) -> dict[str, Any]:
+        """What this host holds: every shard, and those on the device (accounting)."""
+        return {
+            "shards": sorted(self._shards),
+            "resident": list(self._resident),
+            "resident_bytes": sum(self._resident.values()),
+            "budget_bytes": self.budget_bytes,
+        }
+
+    # ------------------------------------------------------------------------ tasks
+
+    def forward(
+        self,
+        key: ShardKey,
+        inputs: Sequence[Wire],
+        targets: Sequence[Wire] | None = None,
+        scale: float = 1.0,
+        prefetch: ShardKey | None = None,
+    ) -> TaskResult:
+        """Run every micro-batch through shard ``key``, keeping their inputs for its
+        backward: the outputs are the next shard's inputs; on the model's last shard
+        (``targets`` given) the losses, ``scale`` times the mean, are the result."""
+        stage, promoted = self._begin(key, prefetch)
+        if targets is None:
+            outputs: list[Wire | None] = [stage.forward(j, x) for j, x in enumerate(inputs)]
+            return TaskResult(outputs, [], stage.lap().compute_s, promoted)
+        pairs = zip(inputs, targets, strict=True)
+        losses = [stage.forward_loss(j, x, y, scale) for j, (x, y) in enumerate(pairs)]
+        return TaskResult([], losses, stage.lap().compute_s, promoted)
+
+    def backward(
+        self, key: ShardKey, grads: Sequence[Wire | None], prefetch: ShardKey | None = None
+    ) -> TaskResult:
+        """Backpropagate every micro-batch through shard ``key`` from its output gradients
+        (None on the last shard: from the losses), recomputing its forward from the kept
+        inputs, then apply the shard's step; the gradients of its inputs go back."""
+        stage, promoted = self._begin(key, prefetch)
+        outputs = [stage.backward(j, g) for j, g in enumerate(grads)]
+        return TaskResult(outputs, [], stage.apply_step().compute_s, promoted)
+
+    # ------------------------------------------------------------ promotion (spilling)
+
+    def _stage(self, key: ShardKey) -> Stage:
+        stage = self._shards.get(key)
+        if stage is None:
+            raise StageStateError(f"shard {key} is not held on {self.device.id}")
+        return stage
+
+    def _begin(self, key: ShardKey, prefetch: ShardKey | None) -> tuple[Stage, int]:
+        """Promote ``key`` (and start promoting ``prefetch``, which must leave room for it)."""
+        promoted = self._promote(key, keep=())
+        if self._side is not None:
+            torch.cuda.current_stream(self._target).wait_stream(self._side)
+        if prefetch is not None and prefetch in self._shards and prefetch != key:
+            promoted += self._promote(prefetch, keep=(key,))
+        return self._shards[key], promoted
+
+    def _promote(self, key: ShardKey, keep: Sequence[ShardKey]) -> int:
+        """Shard ``key`` onto the device, demoting the least recently used others (never
+        those in ``keep``) until it fits; the bytes copied (0 when it was there)."""
+        stage = self._stage(key)
+        if key in self._resident:
+            self._resident.move_to_end(key)
+            return 0
+        size = stage.nbytes()
+        if size > self.budget_bytes:
+            raise BudgetError(
+                f"shard {key} needs {size} bytes, more than {self.device.id}'s budget of"
+                f" {self.budget_bytes}"
+            )
+        for other in list(self._resident):
+            if sum(self._resident.values()) + size <= self.budget_bytes:
+                break
+            if other not in keep:
+                self._demote(other)
+        if sum(self._resident.values()) + size > self.budget_bytes:
+            return 0  # a prefetch with no room: the shard is promoted when its task comes
+        self._move(stage, self._target)
+        self._resident[key] = size
+        return size
+
+    def _demote(self, key: ShardKey) -> None:
+        if self._resident.pop(key, None) is not None:
+            self._move(self._shards[key], self._host)
+
+    def _move(self, stage: Stage, device: torch.device) -> None:
+        if device == stage.device:
+            return  # a CPU device: host and device memory are one, the budget is accounting
+        if self._side is not None and device.type == "cuda":
+            with torch.cuda.stream(self._side):
+                for block in stage.blocks:
+                    block.to(device)
+        else:
+            for block in stage.blocks:
+                block.to(device)
+                if device.type == "cpu" and self._side is not None:
+                    _pin(block.module)
+        stage.device = device
+
+
+def _pin(module: torch.nn.Module) -> None:
+    """Page-lock a demoted shard's tensors, so its next promotion is an asynchronous copy."""
+    for param in module.parameters():
+        param.data = param.data.pin_memory()
+
+
+SHARD_METHODS = frozenset({"add", "export", "drop", "held", "forward", "backward"})
+"""The ``ShardHost`` methods the executor may call."""
+
+
+class ShardFailed(RuntimeError):
+    """A shard host's method raised: which device, which call, and the error in one line."""
+
+    def __init__(self, device_id: str, method: str, reason: str) -> None:
+        super().__init__(f"device {device_id} failed in {method}: {reason}")
+        self.device_id = device_id
+        self.method = method
+        self.reason = reason
+
+    def __reduce__(self) -> tuple[type[ShardFailed], tuple[str, str, str]]:
+        return (ShardFailed, (self.device_id, self.method, self.reason))
+
+
+class ShardWorker:
+    """A ``ShardHost`` behind named calls with typed errors: the same object runs in-process
+    and as the ShardWorker Ray actor (``workers.launch``)."""
+
+    def __init__(self, device: Device, budget_bytes: int) -> None:
+        self.host = ShardHost(device, budget_bytes)
+
+    def call(self, method: str, *args: Any) -> Any:
+        if method not in SHARD_METHODS:
+            raise ShardFailed(self.host.device.id, method, f"no such method {method!r}")
+        try:
+            return getattr(self.host, method)(*args)
+        except Exception as exc:  # a boundary: every host error leaves as ShardFailed
+            raise ShardFailed(self.host.device.id, method, one_line(exc)) from exc

@@ -1,0 +1,160 @@
+"""The SHARP executor's devices: one ``ShardWorker`` per device, behind one seam.
+
+``LocalPool`` runs each worker in this process on a thread of its own (unit tests, no Ray);
+``RayPool`` runs each as a ShardWorker actor on its device (``workers.launch``). Both run a
+worker's calls one at a time in submission order and different workers' calls at once, and
+both pass the same contract: ``submit`` returns a ``Call``, ``wait`` returns the calls that
+have finished, ``result`` gives a call's value or raises ``ShardFailed`` (the worker's method
+raised) or ``HostLost`` (the worker, its device or its node is gone).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import ray
+from ray.actor import ActorHandle
+from ray.exceptions import ActorUnschedulableError, RayActorError, RayTaskError
+
+from scheduler.devices import Device
+from scheduler.types import DeviceId
+from workers import launch
+from workers.shard_host import ShardFailed, ShardWorker
+
+
+class HostLost(RuntimeError):
+    """A device's worker is gone with every shard it held."""
+
+    def __init__(self, device_id: str, reason: str) -> None:
+        super().__init__(f"device {device_id} was lost: {reason}")
+        self.device_id = device_id
+        self.reason = reason
+
+
+class PoolTimeout(TimeoutError):
+    """No call finished in time."""
+
+
+@dataclass(frozen=True, eq=False)
+class Call:
+    """One submitted call; ``host`` is the worker's position in the pool."""
+
+    host: int
+    method: str
+
+
+class HostPool(Protocol):
+    devices: list[Device]
+
+    def submit(self, host: int, method: str, *args: Any) -> Call: ...
+
+    def wait(self, calls: Sequence[Call], timeout: float) -> list[Call]:
+        """The calls of ``calls`` that have finished, once at least one has."""
+        ...
+
+    def result(self, call: Call) -> Any:
+        """A finished call's value, or its error (``ShardFailed``, ``HostLost``)."""
+        ...
+
+    def shutdown(self) -> None: ...
+
+
+PoolFactory = Callable[[Sequence[Device], Mapping[DeviceId, int]], "HostPool"]
+"""How a SHARP runner gets its pool: devices and each one's budget in bytes."""
+
+
+@dataclass(frozen=True, eq=False)
+class _Local(Call):
+    future: Future[Any]
+
+
+class LocalPool:
+    """Every device's worker in this process, each on a thread of its own. The threads take
+    turns computing: they share torch's global RNG (blocks are initialised under a seed,
+    recomputation replays the RNG state), which two at once would interleave."""
+
+    def __init__(self, devices: Sequence[Device], budgets: Mapping[DeviceId, int]) -> None:
+        self.devices = list(devices)
+        self._workers = [ShardWorker(d, budgets[d.id]) for d in devices]
+        self._threads = [ThreadPoolExecutor(1, f"shard-{d.id}") for d in devices]
+        self._turn = threading.Lock()
+
+    def submit(self, host: int, method: str, *args: Any) -> Call:
+        future = self._threads[host].submit(self._call, host, method, *args)
+        return _Local(host, method, future)
+
+    def _call(self, host: int, method: str, *args: Any) -> Any:
+        with self._turn:
+            return self._workers[host].call(method, *args)
+
+    def wait(self, calls: Sequence[Call], timeout: float) -> list[Call]:
+        by_future = {_own(c, _Local).future: c for c in calls}
+        done, _ = wait_futures(by_future, timeout=timeout, return_when=FIRST_COMPLETED)
+        if not done and calls:
+            raise PoolTimeout(f"no shard task finished within {timeout:g} s")
+        return [by_future[f] for f in done]
+
+    def result(self, call: Call) -> Any:
+        return _own(call, _Local).future.result(timeout=0)
+
+    def shutdown(self) -> None:
+        for thread in self._threads:
+            thread.shutdown(wait=True, cancel_futures=True)
+
+
+@dataclass(frozen=True, eq=False)
+class _Remote(Call):
+    ref: Any
+
+
+class RayPool:
+    """One ShardWorker actor per device, on the device's node."""
+
+    def __init__(self, devices: Sequence[Device], budgets: Mapping[DeviceId, int]) -> None:
+        self.devices = list(devices)
+        self._actors: list[ActorHandle[Any]] = [
+            launch.start_shard_worker(d, budgets[d.id]) for d in devices
+        ]
+
+    def submit(self, host: int, method: str, *args: Any) -> Call:
+        return _Remote(host, method, self._actors[host].call.remote(method, *args))
+
+    def wait(self, calls: Sequence[Call], timeout: float) -> list[Call]:
+        by_ref = {_own(c, _Remote).ref: c for c in calls}
+        done, _ = ray.wait(list(by_ref), num_returns=1, timeout=timeout, fetch_local=False)
+        if not done and calls:
+            raise PoolTimeout(f"no shard task finished within {timeout:g} s")
+        ready, _ = ray.wait(list(by_ref), num_returns=len(by_ref), timeout=0)
+        return [by_ref[r] for r in ready]
+
+    def result(self, call: Call) -> Any:
+        remote = _own(call, _Remote)
+        device = self.devices[remote.host].id
+        try:
+            return ray.get(remote.ref, timeout=0)
+        except RayTaskError as exc:
+            if isinstance(exc.cause, ShardFailed):
+                raise exc.cause from None
+            if isinstance(exc.cause, RayActorError):
+                raise HostLost(device, "its worker died") from None
+            raise
+        except RayActorError as exc:
+            reason = "its node was preempted" if exc.preempted else "its worker died"
+            raise HostLost(device, reason) from None
+        except ActorUnschedulableError:
+            raise HostLost(device, "its node is gone or cannot host it") from None
+
+    def shutdown(self) -> None:
+        for actor in self._actors:
+            launch.kill_worker(actor)
+
+
+def _own(call: Call, kind: type[Any]) -> Any:
+    if not isinstance(call, kind):
+        raise TypeError(f"a {type(call).__name__} is not a call of this pool")
+    return call

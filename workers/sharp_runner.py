@@ -1,0 +1,383 @@
+"""The SHARP executor: trains several models at once on a pool of devices by shard alternation.
+
+Hydra's shard alternator parallelism (Nagrecha & Kumar): each model is cut into shards that
+fit half of the smallest device (``scheduler.sharp.shard_model``; the other half holds the
+prefetched next shard), its shards are spread over the devices' host memory
+(``workers.shard_host``), and whenever a device is free it runs the next task of one of the
+models whose next shard it holds, chosen by the policy (Sharded-LRTF by default:
+``scheduler.sharp.assign``), prefetching the shard it will likely run after. A model's step
+is the chain forward 0..k-1, backward k-1..0, one task in flight; the parallelism is across
+models. A shard stays on the device that holds it: its backward needs the inputs its forward
+kept there.
+
+Each model trains exactly as it would alone: the same micro-batches, gradients accumulated
+in the same order, each shard stepping once its backward is done (``workers.shard_host``).
+Its metrics, events and checkpoints are those of a job (``RunnerReport``), so the control
+plane follows every model like a job. ``SharpTrainer`` is plain Python over a ``HostPool``
+(threads in-process, or ShardWorker actors on Ray).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from scheduler.devices import Device
+from scheduler.profile import BlockCost
+from scheduler.sharp import (
+    IdleDevice,
+    ModelPlan,
+    Op,
+    Policy,
+    Residence,
+    ShardTask,
+    assign,
+    progress,
+    refine_ratio,
+    shard_model,
+)
+from scheduler.types import DeviceId
+from workers.checkpoints import CheckpointStore
+from workers.runner import write_checkpoint
+from workers.shard_host import ShardFailed, ShardKey, TaskResult
+from workers.shard_pool import Call, HostLost, HostPool, PoolFactory
+from workers.snapshot import JobSnapshot, RunnerEvent, RunnerReport, RunStatus, StepMetrics
+from workers.stage import StageSetup
+from workers.wire import Wire, send
+from workers.zoo.data import DataSource, make_data
+
+DEFAULT_TASK_TIMEOUT_S = 600.0
+
+
+@dataclass
+class _Model:
+    """One model's training state in the executor."""
+
+    snap: JobSnapshot
+    plan: ModelPlan
+    data: DataSource
+    homes: list[int]
+    """The pool position of the device holding each shard."""
+    done: int = 0
+    ratio: float = 1.0
+    last_run: int = -1
+    carry: list[Wire | None] = field(default_factory=list)
+    targets: list[Wire] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
+    step_started: float = 0.0
+    status: RunStatus = RunStatus.RUNNING
+    error: str | None = None
+    log: list[StepMetrics | RunnerEvent] = field(default_factory=list)
+    step: int = 0
+
+    @property
+    def active(self) -> bool:
+        return self.status is RunStatus.RUNNING and self.done < self.plan.tasks
+
+
+class SharpTrainer:
+    """Trains ``models`` together on ``devices``; ``report`` is thread-safe."""
+
+    def __init__(
+        self,
+        models: Sequence[JobSnapshot],
+        devices: Sequence[Device],
+        make_pool: PoolFactory,
+        *,
+        budgets: Mapping[DeviceId, int],
+        policy: Policy = Policy.LRTF,
+        prefetch: bool = True,
+        task_timeout_s: float = DEFAULT_TASK_TIMEOUT_S,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        if not models or not devices:
+            raise ValueError("the SHARP executor needs at least one model and one device")
+        ids = [m.job_id for m in models]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"model ids must be unique, got {ids}")
+        missing = [m.job_id for m in models if not m.block_costs]
+        if missing:
+            raise ValueError(f"models {missing} have no block costs to cut their shards by")
+        self._snaps = list(models)
+        self._devices = list(devices)
+        self._make_pool = make_pool
+        self._budgets = dict(budgets)
+        self._policy = policy
+        self._prefetch = prefetch
+        self._timeout = task_timeout_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._models: dict[str, _Model] = {}
+        self._dispatched = 0
+        self.promoted_bytes = 0
+        """Bytes copied onto devices (promotions and prefetches), for the benchmark."""
+
+    # ---------------------------------------------------------------- thread-safe API
+
+    def report(self, job_id: str, cursor: int) -> RunnerReport:
+        """Model ``job_id``'s metrics and events after ``cursor``, like a job runner's."""
+        with self._lock:
+            model = self._models.get(job_id)
+            if model is None:
+                return RunnerReport(RunStatus.RUNNING, 0, 0, (), (), None)
+            news = model.log[max(0, cursor) :]
+            return RunnerReport(
+                status=model.status,
+                cursor=len(model.log),
+                step=model.step,
+                metrics=tuple(m for m in news if isinstance(m, StepMetrics)),
+                events=tuple(e for e in news if isinstance(e, RunnerEvent)),
+                error=model.error,
+            )
+
+    def _record(self, model: _Model, item: StepMetrics | RunnerEvent) -> None:
+        with self._lock:
+            model.log.append(item)
+            if isinstance(item, StepMetrics):
+                model.step = item.step
+
+    def _end(self, model: _Model, status: RunStatus, error: str | None = None) -> None:
+        with self._lock:
+            model.status, model.error = status, error
+
+    # ----------------------------------------------------------------------- training
+
+    def run(self) -> dict[str, RunStatus]:
+        """Train every model to its steps; each ends SUCCEEDED, or FAILED/LOST with why."""
+        pool = self._make_pool(self._devices, self._budgets)
+        try:
+            self._place(pool)
+            in_flight: dict[Call, tuple[_Model, int]] = {}
+            while any(m.active for m in self._models.values()):
+                self._dispatch(pool, in_flight)
+                if not in_flight:
+                    break  # nothing runnable: every remaining model has ended
+                for call in pool.wait(list(in_flight), self._timeout):
+                    model, host = in_flight.pop(call)
+                    self._complete(pool, model, host, call)
+            for model in self._models.values():
+                if model.status is RunStatus.RUNNING:
+                    self._end(model, RunStatus.SUCCEEDED)
+            return {job_id: m.status for job_id, m in self._models.items()}
+        finally:
+            pool.shutdown()
+
+    def _place(self, pool: HostPool) -> None:
+        """Cut every model into shards and spread them over the devices' host memory, each
+        to the device with the least reference work so far; restore any checkpoint."""
+        smallest = min(self._budgets[d.id] for d in self._devices)
+        load = [0.0] * len(self._devices)
+        adds: list[Call] = []
+        for order, snap in enumerate(self._snaps):
+            rows = snap.batch_size // snap.micro_batches
+            shards = shard_model(_costs(snap.block_costs), smallest, rows)
+            plan = ModelPlan(snap.job_id, shards, snap.steps, order)
+            homes = []
+            for shard in sorted(shards, key=lambda s: -(s.forward_s + s.backward_s)):
+                host = min(range(len(load)), key=lambda h: (load[h], h))
+                load[host] += snap.steps * (shard.forward_s + shard.backward_s)
+                homes.append((shard.index, host))
+            data = make_data(snap.data, snap.seed, snap.allowed_factories)
+            model = _Model(snap, plan, data, [h for _, h in sorted(homes)])
+            store = CheckpointStore(snap.checkpoint_root)
+            latest = store.latest(snap.job_id)
+            states = store.read(snap.job_id, latest.step)[1] if latest else {}
+            setup = StageSetup.of(snap, data.meta)
+            for shard in shards:
+                start, stop = shard.blocks
+                state = {i: states[i] for i in range(start, stop)} if states else None
+                host = model.homes[shard.index]
+                key = (snap.job_id, shard.index)
+                adds.append(pool.submit(host, "add", key, setup, shard.blocks, state))
+            self._models[snap.job_id] = model
+            if latest is not None:
+                model.done = latest.step * 2 * len(shards)
+                self._record(
+                    model,
+                    RunnerEvent(
+                        "resumed",
+                        latest.step,
+                        f"resumed from the checkpoint at step {latest.step}",
+                        {"step": latest.step, "path": latest.path},
+                    ),
+                )
+                with self._lock:
+                    model.step = latest.step
+            where = ", ".join(
+                f"{s.blocks[0]}-{s.blocks[1] - 1}@{self._devices[h].id}"
+                for s, h in zip(shards, model.homes, strict=True)
+            )
+            self._record(
+                model,
+                RunnerEvent(
+                    "placement",
+                    model.step,
+                    f"SHARP: {len(shards)} shards: {where}",
+                    {
+                        "executor": "sharp",
+                        "stages": [
+                            {
+                                "stage": s.index,
+                                "replica": 0,
+                                "device_id": self._devices[h].id,
+                                "blocks": list(s.blocks),
+                                "bytes": s.state_bytes,
+                            }
+                            for s, h in zip(shards, model.homes, strict=True)
+                        ],
+                    },
+                ),
+            )
+        self._await_all(pool, adds)
+
+    def _await_all(self, pool: HostPool, calls: Sequence[Call]) -> list[Any]:
+        pending, values = list(calls), {}
+        while pending:
+            for call in pool.wait(pending, self._timeout):
+                values[call] = pool.result(call)
+                pending.remove(call)
+        return [values[c] for c in calls]
+
+    # ----------------------------------------------------------------------- dispatch
+
+    def _dispatch(self, pool: HostPool, in_flight: dict[Call, tuple[_Model, int]]) -> None:
+        """Give every idle device a task of a model whose next shard it holds."""
+        busy_models = {m.snap.job_id for m, _ in in_flight.values()}
+        busy_hosts = {h for _, h in in_flight.values()}
+        plans = {m.snap.job_id: m.plan for m in self._models.values()}
+        for host, device in enumerate(self._devices):
+            if host in busy_hosts:
+                continue
+            here = [
+                m
+                for m in self._models.values()
+                if m.active
+                and m.snap.job_id not in busy_models
+                and m.homes[m.plan.shard_at(m.done).index] == host
+            ]
+            if not here:
+                continue
+            idle = IdleDevice(device.id, device.node_id, 1.0, self._budgets[device.id])
+            runnable = [progress(m.plan, m.done, ratio=m.ratio, last_run=m.last_run) for m in here]
+            residency = {m.snap.job_id: Residence(device.id, device.node_id) for m in here}
+            chosen = assign(
+                self._policy, [idle], runnable, plans, residency, sequence=self._dispatched
+            )
+            if not chosen:
+                continue
+            (picked,) = chosen
+            model = self._models[picked.task.model]
+            nxt = picked.prefetch if self._prefetch else None
+            prefetch = self._prefetch_key(nxt, host)
+            in_flight[self._submit(pool, model, host, picked.task, prefetch)] = (model, host)
+            model.last_run = self._dispatched
+            self._dispatched += 1
+
+    def _prefetch_key(self, task: ShardTask | None, host: int) -> ShardKey | None:
+        if task is None:
+            return None
+        model = self._models[task.model]
+        return (task.model, task.shard) if model.homes[task.shard] == host else None
+
+    def _submit(
+        self,
+        pool: HostPool,
+        model: _Model,
+        host: int,
+        task: ShardTask,
+        prefetch: ShardKey | None,
+    ) -> Call:
+        key = (model.snap.job_id, task.shard)
+        last = task.shard == len(model.plan.shards) - 1
+        if task.op is Op.FORWARD:
+            if task.shard == 0:
+                self._load_batch(model, task.step)
+            if last:
+                snap = model.snap
+                scale = (snap.batch_size // snap.micro_batches) / snap.batch_size
+                return pool.submit(
+                    host, "forward", key, model.carry, model.targets, scale, prefetch
+                )
+            return pool.submit(host, "forward", key, model.carry, None, 1.0, prefetch)
+        grads = [None] * model.snap.micro_batches if last else model.carry
+        return pool.submit(host, "backward", key, grads, prefetch)
+
+    def _load_batch(self, model: _Model, step: int) -> None:
+        snap = model.snap
+        inputs, targets = model.data.batch(step, snap.batch_size)
+        rows = snap.batch_size // snap.micro_batches
+        model.carry = [send(inputs[j * rows : (j + 1) * rows]) for j in range(snap.micro_batches)]
+        model.targets = [
+            send(targets[j * rows : (j + 1) * rows]) for j in range(snap.micro_batches)
+        ]
+        model.losses = []
+        model.step_started = self._clock()
+
+    # --------------------------------------------------------------------- completion
+
+    def _complete(self, pool: HostPool, model: _Model, host: int, call: Call) -> None:
+        task = model.plan.task(model.done)
+        try:
+            result: TaskResult = pool.result(call)
+        except ShardFailed as exc:
+            self._end(model, RunStatus.FAILED, str(exc))
+            return
+        except HostLost as exc:
+            self._end(model, RunStatus.LOST, str(exc))
+            return
+        self.promoted_bytes += result.promoted_bytes
+        estimated = model.plan.task_s(model.done)
+        model.ratio = refine_ratio(model.ratio, estimated, result.compute_s)
+        if result.losses:
+            model.losses = result.losses
+        model.carry = result.outputs
+        model.done += 1
+        if task.op is Op.BACKWARD and task.shard == 0:
+            self._finish_step(pool, model, task.step + 1)
+
+    def _finish_step(self, pool: HostPool, model: _Model, step: int) -> None:
+        snap = model.snap
+        elapsed = self._clock() - model.step_started
+        self._record(
+            model,
+            StepMetrics(
+                step=step,
+                loss=float(sum(model.losses)),
+                samples_per_s=snap.batch_size / elapsed if elapsed > 0 else 0.0,
+                step_time_s=elapsed,
+                stages=(),
+            ),
+        )
+        every = snap.checkpoint_every
+        if step == snap.steps or (every > 0 and step % every == 0):
+            self._checkpoint(pool, model, step)
+
+    def _checkpoint(self, pool: HostPool, model: _Model, step: int) -> None:
+        """Gather the model's shards (each host answers after its current task) and write."""
+        snap = model.snap
+        calls = [
+            pool.submit(model.homes[s.index], "export", (snap.job_id, s.index))
+            for s in model.plan.shards
+        ]
+        blocks: dict[int, Any] = {}
+        for states in self._await_all(pool, calls):
+            blocks.update(states)
+        stages = [
+            {
+                "index": s.index,
+                "replica": 0,
+                "blocks": list(s.blocks),
+                "device_id": self._devices[model.homes[s.index]].id,
+            }
+            for s in model.plan.shards
+        ]
+        store = CheckpointStore(snap.checkpoint_root)
+        event = write_checkpoint(store, snap, step, blocks, stages, (snap.micro_batches,))
+        self._record(model, event)
+
+
+def _costs(costs: Sequence[BlockCost]) -> list[BlockCost]:
+    return sorted(costs, key=lambda c: c.index)
