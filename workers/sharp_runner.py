@@ -90,18 +90,12 @@ class SharpTrainer:
         budgets: Mapping[DeviceId, int],
         policy: Policy = Policy.LRTF,
         prefetch: bool = True,
+        keep_open: bool = False,
         task_timeout_s: float = DEFAULT_TASK_TIMEOUT_S,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
-        if not models or not devices:
-            raise ValueError("the SHARP executor needs at least one model and one device")
-        ids = [m.job_id for m in models]
-        if len(set(ids)) != len(ids):
-            raise ValueError(f"model ids must be unique, got {ids}")
-        missing = [m.job_id for m in models if not m.block_costs]
-        if missing:
-            raise ValueError(f"models {missing} have no block costs to cut their shards by")
-        self._snaps = list(models)
+        if not devices:
+            raise ValueError("the SHARP executor needs at least one device")
         self._devices = list(devices)
         self._make_pool = make_pool
         self._budgets = dict(budgets)
@@ -111,11 +105,41 @@ class SharpTrainer:
         self._clock = clock
         self._lock = threading.Lock()
         self._models: dict[str, _Model] = {}
+        self._incoming: list[JobSnapshot] = []
+        self._cancelled: set[str] = set()
+        self._open = keep_open
+        self._wakeup = threading.Event()
+        self._load = [0.0] * len(self._devices)
+        """Reference seconds of the shards each device holds: new shards go to the least."""
         self._dispatched = 0
+        for snap in models:
+            self.add(snap)
         self.promoted_bytes = 0
         """Bytes copied onto devices (promotions and prefetches), for the benchmark."""
 
     # ---------------------------------------------------------------- thread-safe API
+
+    def add(self, snap: JobSnapshot) -> None:
+        """Train ``snap`` too, from now on (a sweep's new trial)."""
+        if not snap.block_costs:
+            raise ValueError(f"model {snap.job_id} has no block costs to cut its shards by")
+        with self._lock:
+            known = {s.job_id for s in self._incoming} | set(self._models)
+            if snap.job_id in known:
+                raise ValueError(f"model {snap.job_id} is already trained here")
+            self._incoming.append(snap)
+        self._wakeup.set()
+
+    def cancel(self, job_id: str) -> None:
+        """Stop training ``job_id`` once its task in flight is done (CANCELLED)."""
+        with self._lock:
+            self._cancelled.add(job_id)
+        self._wakeup.set()
+
+    def close(self) -> None:
+        """No more models come: ``run`` returns once those it has end."""
+        self._open = False
+        self._wakeup.set()
 
     def report(self, job_id: str, cursor: int) -> RunnerReport:
         """Model ``job_id``'s metrics and events after ``cursor``, like a job runner's."""
@@ -146,92 +170,118 @@ class SharpTrainer:
     # ----------------------------------------------------------------------- training
 
     def run(self) -> dict[str, RunStatus]:
-        """Train every model to its steps; each ends SUCCEEDED, or FAILED/LOST with why."""
+        """Train every model to its steps (each ends SUCCEEDED, or FAILED, LOST or CANCELLED
+        with why), taking new ones as they are added until ``close`` when ``keep_open``."""
         pool = self._make_pool(self._devices, self._budgets)
         try:
-            self._place(pool)
             in_flight: dict[Call, tuple[_Model, int]] = {}
-            while any(m.active for m in self._models.values()):
+            while True:
+                self._wakeup.clear()
+                self._admit(pool)
+                self._reap(pool, in_flight)
                 self._dispatch(pool, in_flight)
-                if not in_flight:
-                    break  # nothing runnable: every remaining model has ended
-                for call in pool.wait(list(in_flight), self._timeout):
-                    model, host = in_flight.pop(call)
-                    self._complete(pool, model, host, call)
-            for model in self._models.values():
-                if model.status is RunStatus.RUNNING:
-                    self._end(model, RunStatus.SUCCEEDED)
+                if in_flight:
+                    for call in pool.wait(list(in_flight), self._timeout):
+                        model, host = in_flight.pop(call)
+                        self._complete(pool, model, host, call)
+                elif self._open or self._incoming:
+                    self._wakeup.wait(timeout=1.0)
+                else:
+                    break  # every model has ended and no more come
             return {job_id: m.status for job_id, m in self._models.items()}
         finally:
             pool.shutdown()
 
-    def _place(self, pool: HostPool) -> None:
-        """Cut every model into shards and spread them over the devices' host memory, each
-        to the device with the least reference work so far; restore any checkpoint."""
+    def _admit(self, pool: HostPool) -> None:
+        with self._lock:
+            arriving, self._incoming = self._incoming, []
+        if arriving:
+            self._await_all(pool, [c for snap in arriving for c in self._place(pool, snap)])
+
+    def _reap(self, pool: HostPool, in_flight: Mapping[Call, tuple[_Model, int]]) -> None:
+        """End the cancelled models with no task in flight and free their shards."""
+        busy = {m.snap.job_id for m, _ in in_flight.values()}
+        with self._lock:
+            ready = [self._models[j] for j in self._cancelled - busy if j in self._models]
+            self._cancelled -= {m.snap.job_id for m in ready}
+        for model in ready:
+            if model.status is RunStatus.RUNNING:
+                self._end(model, RunStatus.CANCELLED)
+            self._drop(pool, model)
+
+    def _drop(self, pool: HostPool, model: _Model) -> None:
+        job_id = model.snap.job_id
+        calls = [
+            pool.submit(model.homes[s.index], "drop", (job_id, s.index)) for s in model.plan.shards
+        ]
+        self._await_all(pool, calls)
+        for shard, host in zip(model.plan.shards, model.homes, strict=True):
+            self._load[host] -= model.snap.steps * (shard.forward_s + shard.backward_s)
+
+    def _place(self, pool: HostPool, snap: JobSnapshot) -> list[Call]:
+        """Cut a model into shards and spread them over the devices' host memory, each to
+        the device with the least reference work so far; restore its latest checkpoint.
+        The calls that load the shards."""
         smallest = min(self._budgets[d.id] for d in self._devices)
-        load = [0.0] * len(self._devices)
-        adds: list[Call] = []
-        for order, snap in enumerate(self._snaps):
-            rows = snap.batch_size // snap.micro_batches
-            shards = shard_model(_costs(snap.block_costs), smallest, rows)
-            plan = ModelPlan(snap.job_id, shards, snap.steps, order)
-            homes = []
-            for shard in sorted(shards, key=lambda s: -(s.forward_s + s.backward_s)):
-                host = min(range(len(load)), key=lambda h: (load[h], h))
-                load[host] += snap.steps * (shard.forward_s + shard.backward_s)
-                homes.append((shard.index, host))
-            data = make_data(snap.data, snap.seed, snap.allowed_factories)
-            model = _Model(snap, plan, data, [h for _, h in sorted(homes)])
-            store = CheckpointStore(snap.checkpoint_root)
-            latest = store.latest(snap.job_id)
-            states = store.read(snap.job_id, latest.step)[1] if latest else {}
-            setup = StageSetup.of(snap, data.meta)
-            for shard in shards:
-                start, stop = shard.blocks
-                state = {i: states[i] for i in range(start, stop)} if states else None
-                host = model.homes[shard.index]
-                key = (snap.job_id, shard.index)
-                adds.append(pool.submit(host, "add", key, setup, shard.blocks, state))
+        rows = snap.batch_size // snap.micro_batches
+        shards = shard_model(_costs(snap.block_costs), smallest, rows)
+        plan = ModelPlan(snap.job_id, shards, snap.steps, len(self._models))
+        homes = {}
+        for shard in sorted(shards, key=lambda s: -(s.forward_s + s.backward_s)):
+            host = min(range(len(self._load)), key=lambda h: (self._load[h], h))
+            self._load[host] += snap.steps * (shard.forward_s + shard.backward_s)
+            homes[shard.index] = host
+        data = make_data(snap.data, snap.seed, snap.allowed_factories)
+        model = _Model(snap, plan, data, [homes[s.index] for s in shards])
+        store = CheckpointStore(snap.checkpoint_root)
+        latest = store.latest(snap.job_id)
+        states = store.read(snap.job_id, latest.step)[1] if latest else {}
+        setup = StageSetup.of(snap, data.meta)
+        adds = []
+        for shard, host in zip(shards, model.homes, strict=True):
+            start, stop = shard.blocks
+            state = {i: states[i] for i in range(start, stop)} if states else None
+            key = (snap.job_id, shard.index)
+            adds.append(pool.submit(host, "add", key, setup, shard.blocks, state))
+        with self._lock:
             self._models[snap.job_id] = model
-            if latest is not None:
-                model.done = latest.step * 2 * len(shards)
-                self._record(
-                    model,
-                    RunnerEvent(
-                        "resumed",
-                        latest.step,
-                        f"resumed from the checkpoint at step {latest.step}",
-                        {"step": latest.step, "path": latest.path},
-                    ),
-                )
-                with self._lock:
-                    model.step = latest.step
-            where = ", ".join(
-                f"{s.blocks[0]}-{s.blocks[1] - 1}@{self._devices[h].id}"
-                for s, h in zip(shards, model.homes, strict=True)
-            )
+        if latest is not None:
+            model.done = latest.step * 2 * len(shards)
             self._record(
                 model,
                 RunnerEvent(
-                    "placement",
-                    model.step,
-                    f"SHARP: {len(shards)} shards: {where}",
-                    {
-                        "executor": "sharp",
-                        "stages": [
-                            {
-                                "stage": s.index,
-                                "replica": 0,
-                                "device_id": self._devices[h].id,
-                                "blocks": list(s.blocks),
-                                "bytes": s.state_bytes,
-                            }
-                            for s, h in zip(shards, model.homes, strict=True)
-                        ],
-                    },
+                    "resumed",
+                    latest.step,
+                    f"resumed from the checkpoint at step {latest.step}",
+                    {"step": latest.step, "path": latest.path},
                 ),
             )
-        self._await_all(pool, adds)
+            with self._lock:
+                model.step = latest.step
+        where = ", ".join(
+            f"{s.blocks[0]}-{s.blocks[1] - 1}@{self._devices[h].id}"
+            for s, h in zip(shards, model.homes, strict=True)
+        )
+        rows_out = [
+            {
+                "stage": s.index,
+                "replica": 0,
+                "device_id": self._devices[h].id,
+                "blocks": list(s.blocks),
+                "bytes": s.state_bytes,
+            }
+            for s, h in zip(shards, model.homes, strict=True)
+        ]
+        self._record(
+            model,
+            RunnerEvent(
+                "placement",
+                model.step,
+                f"SHARP: {len(shards)} shards: {where}",
+                {"executor": "sharp", "stages": rows_out},
+            ),
+        )
+        return adds
 
     def _await_all(self, pool: HostPool, calls: Sequence[Call]) -> list[Any]:
         pending, values = list(calls), {}
@@ -354,6 +404,9 @@ class SharpTrainer:
         every = snap.checkpoint_every
         if step == snap.steps or (every > 0 and step % every == 0):
             self._checkpoint(pool, model, step)
+        if step == snap.steps:
+            self._end(model, RunStatus.SUCCEEDED)
+            self._drop(pool, model)
 
     def _checkpoint(self, pool: HostPool, model: _Model, step: int) -> None:
         """Gather the model's shards (each host answers after its current task) and write."""
@@ -381,3 +434,45 @@ class SharpTrainer:
 
 def _costs(costs: Sequence[BlockCost]) -> list[BlockCost]:
     return sorted(costs, key=lambda c: c.index)
+
+
+class SharpRunner:
+    """A sweep's SHARP executor as the control plane drives it; ``workers.launch`` runs it as
+    a detached, threaded Ray actor: ``run`` trains (one thread), the others answer. Trials
+    come and go while it runs (``add``, ``cancel``); ``close`` lets it end."""
+
+    def __init__(
+        self, devices: Sequence[Device], make_pool: PoolFactory | None = None, policy: str = "lrtf"
+    ) -> None:
+        from workers.shard_pool import RayPool
+
+        self._trainer = SharpTrainer(
+            (),
+            devices,
+            make_pool or RayPool,
+            budgets={d.id: d.memory_mb * 2**20 for d in devices},
+            policy=Policy(policy),
+            keep_open=True,
+        )
+        self._started = False
+        self._lock = threading.Lock()
+
+    def run(self) -> dict[str, RunStatus]:
+        """Train until closed and every trial has ended; a second call returns at once."""
+        with self._lock:
+            if self._started:
+                return {}
+            self._started = True
+        return self._trainer.run()
+
+    def add(self, snap: JobSnapshot) -> None:
+        self._trainer.add(snap)
+
+    def cancel(self, job_id: str) -> None:
+        self._trainer.cancel(job_id)
+
+    def close(self) -> None:
+        self._trainer.close()
+
+    def poll(self, job_id: str, cursor: int) -> RunnerReport:
+        return self._trainer.report(job_id, cursor)

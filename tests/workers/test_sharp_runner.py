@@ -163,3 +163,33 @@ def test_a_host_keeps_within_its_budget_and_a_shard_run_again_stays(tmp_path: Pa
     host.budget_bytes = sizes[0] - 1
     with pytest.raises(BudgetError, match="more than n0000000-cpu-0's budget"):
         host.forward(("a", 0), x)
+
+
+@pytest.mark.unit
+def test_a_running_pool_takes_new_models_cancels_others_and_ends_when_closed(
+    tmp_path: Path,
+) -> None:
+    """A sweep's pool: trials arrive while others train, a pruned one is cancelled, and
+    the pool ends once closed and empty. The trials that ran to the end are exact."""
+    import threading
+
+    from workers.sharp_runner import SharpRunner
+
+    pool = devices()
+    runner = SharpRunner([replace(d, memory_mb=1) for d in pool], LocalPool)
+    thread = threading.Thread(target=runner.run)
+    thread.start()
+    first = model(tmp_path, "a", steps=30)
+    runner.add(first)
+    while runner.poll("a", 0).step < 2:
+        thread.join(0.01)
+    second = model(tmp_path, "b", seed=9, steps=4)
+    runner.add(second)
+    runner.cancel("a")
+    runner.close()
+    thread.join(120)
+    assert not thread.is_alive()
+    stopped, done = runner.poll("a", 0), runner.poll("b", 0)
+    assert stopped.status is RunStatus.CANCELLED and 2 <= stopped.step < 30
+    assert done.status is RunStatus.SUCCEEDED and done.step == 4
+    assert_alone(second, [m.loss for m in done.metrics])
