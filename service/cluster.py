@@ -10,7 +10,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from scheduler.devices import NodeInfo
+from scheduler.devices import Device, NodeInfo
 from scheduler.types import JobId
 from workers.snapshot import JobSnapshot, RunnerReport, StagePlan
 
@@ -41,6 +41,24 @@ class Cluster(Protocol):
         ...
 
     def stop_runner(self, job_id: JobId) -> None: ...
+
+    # A sweep's SHARP executor ("pool"): its trials are trained together on its devices.
+
+    def start_pool(self, sweep_id: str, devices: Sequence[Device], policy: str) -> None:
+        """Start the sweep's executor on ``devices`` unless it runs already."""
+        ...
+
+    def has_pool(self, sweep_id: str) -> bool: ...
+
+    def add_trial(self, sweep_id: str, snapshot: JobSnapshot) -> None: ...
+
+    def poll_trial(self, sweep_id: str, job_id: JobId, cursor: int) -> RunnerReport: ...
+
+    def cancel_trial(self, sweep_id: str, job_id: JobId) -> None: ...
+
+    def close_pool(self, sweep_id: str) -> None:
+        """No more trials: the executor ends once its trials have (and is then stopped)."""
+        ...
 
 
 class RayCluster:
@@ -116,6 +134,53 @@ class RayCluster:
 
         kill_runner(job_id)
 
+    def start_pool(self, sweep_id: str, devices: Sequence[Device], policy: str) -> None:
+        from workers.launch import start_pool
+
+        start_pool(sweep_id, devices, policy)
+
+    def has_pool(self, sweep_id: str) -> bool:
+        from workers.launch import find_pool
+
+        return find_pool(sweep_id) is not None
+
+    def _pool_call(self, sweep_id: str, method: str, *args: Any) -> Any:
+        from ray.exceptions import GetTimeoutError, RayActorError
+
+        from workers.launch import find_pool
+
+        handle = find_pool(sweep_id)
+        if handle is None:
+            raise RunnerGone(f"the executor of sweep {sweep_id} is gone (no live actor)")
+        try:
+            return self._ray.get(getattr(handle, method).remote(*args), timeout=self._timeout_s)
+        except RayActorError as exc:
+            raise RunnerGone(f"the executor of sweep {sweep_id} died: {_first_line(exc)}") from None
+        except GetTimeoutError:
+            raise ClusterUnavailable(
+                f"the executor of sweep {sweep_id} did not answer {method} within"
+                f" {self._timeout_s:g} s"
+            ) from None
+
+    def add_trial(self, sweep_id: str, snapshot: JobSnapshot) -> None:
+        self._pool_call(sweep_id, "add", snapshot)
+
+    def poll_trial(self, sweep_id: str, job_id: JobId, cursor: int) -> RunnerReport:
+        report: RunnerReport = self._pool_call(sweep_id, "poll", job_id, cursor)
+        return report
+
+    def cancel_trial(self, sweep_id: str, job_id: JobId) -> None:
+        self._pool_call(sweep_id, "cancel", job_id)
+
+    def close_pool(self, sweep_id: str) -> None:
+        from workers.launch import kill_pool
+
+        try:
+            self._pool_call(sweep_id, "close")
+        except RunnerGone:
+            return
+        kill_pool(sweep_id)
+
 
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
@@ -135,6 +200,7 @@ class InProcessCluster:
         self._nodes = list(nodes)
         self._runners: dict[JobId, JobRunner] = {}
         self._threads: dict[JobId, threading.Thread] = {}
+        self._pools: dict[str, Any] = {}
         self._lock = threading.Lock()
 
     def nodes(self) -> list[NodeInfo]:
@@ -172,6 +238,44 @@ class InProcessCluster:
 
     def relayout(self, job_id: JobId, plans: Sequence[StagePlan], split: Sequence[int]) -> None:
         self._runner(job_id).relayout(plans, split)
+
+    def start_pool(self, sweep_id: str, devices: Sequence[Device], policy: str) -> None:
+        from workers.shard_pool import LocalPool
+        from workers.sharp_runner import SharpRunner
+
+        with self._lock:
+            if sweep_id in self._pools:
+                return
+            pool = SharpRunner(devices, LocalPool, policy)
+            self._pools[sweep_id] = pool
+        threading.Thread(target=pool.run, name=f"sweep-{sweep_id[:8]}").start()
+
+    def has_pool(self, sweep_id: str) -> bool:
+        with self._lock:
+            return sweep_id in self._pools
+
+    def _pool(self, sweep_id: str) -> Any:
+        with self._lock:
+            pool = self._pools.get(sweep_id)
+        if pool is None:
+            raise RunnerGone(f"the executor of sweep {sweep_id} is gone (none in this process)")
+        return pool
+
+    def add_trial(self, sweep_id: str, snapshot: JobSnapshot) -> None:
+        self._pool(sweep_id).add(snapshot)
+
+    def poll_trial(self, sweep_id: str, job_id: JobId, cursor: int) -> RunnerReport:
+        report: RunnerReport = self._pool(sweep_id).poll(job_id, cursor)
+        return report
+
+    def cancel_trial(self, sweep_id: str, job_id: JobId) -> None:
+        self._pool(sweep_id).cancel(job_id)
+
+    def close_pool(self, sweep_id: str) -> None:
+        with self._lock:
+            pool = self._pools.pop(sweep_id, None)
+        if pool is not None:
+            pool.close()
 
     def stop_runner(self, job_id: JobId) -> None:
         """Forget the runner (it stops at its next step boundary), like killing the actor."""

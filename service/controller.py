@@ -29,6 +29,7 @@ from scheduler.resize import Candidate, candidate, worth_growing
 from service.cluster import Cluster, ClusterUnavailable, RunnerGone
 from service.db.models import Checkpoint, DeviceRow, Job, JobMetric, utcnow
 from service.db.session import SessionFactory, transaction
+from service.holdings import ACTIVE_JOBS, draining_devices, held_devices
 from service.jobs import JobConflict, add_event, transition
 from service.lifecycle import JobState
 from service.snapshots import block_costs, build_snapshot, job_request
@@ -43,7 +44,7 @@ _FINAL_STATE = {
     RunStatus.FAILED: JobState.FAILED,
     RunStatus.CANCELLED: JobState.CANCELLED,
 }
-_ACTIVE = (JobState.RUNNING.value, JobState.RECOVERING.value)
+_ACTIVE = ACTIVE_JOBS
 MAX_RUNNER_RESTARTS = 3
 
 
@@ -67,7 +68,7 @@ class Controller:
         """Jobs asked to relayout or suspend, not yet reported done, and why."""
         self._runner_deaths: dict[str, tuple[int, int]] = {}
         """Per job: the step of its runner's last death, and how many in a row there."""
-        self._sweeper = Sweeper(factory, config.checkpoint_root, config.allowed_factories)
+        self._sweeper = Sweeper(factory, cluster, config.checkpoint_root, config.allowed_factories)
         self.last_tick: float | None = None
 
     # ------------------------------------------------------------------ the loop
@@ -91,7 +92,7 @@ class Controller:
         for job_id in active:
             self._follow(job_id, devices)
         self._sync_devices(devices, {n.node_id for n in nodes if n.draining})
-        self._sweeper.reconcile_once()
+        self._sweeper.reconcile_once(devices)
         self._place_queued(devices)
         self._resize_running(devices)
         self.last_tick = time.monotonic()
@@ -138,11 +139,17 @@ class Controller:
             job = session.get(Job, job_id)
             if job is None or job.state not in _ACTIVE:
                 return
-            cursor, cancel = job.runner_cursor, job.cancel_requested
+            cursor, cancel, pool = job.runner_cursor, job.cancel_requested, job.pool
         try:
-            report = self._cluster.poll(job_id, cursor)
+            if pool is None:
+                report = self._cluster.poll(job_id, cursor)
+            else:
+                report = self._cluster.poll_trial(pool, job_id, cursor)
         except RunnerGone as exc:
-            self._runner_lost(job_id, str(exc), devices)
+            if pool is None:
+                self._runner_lost(job_id, str(exc), devices)
+            else:  # a trial is not moved to another executor: the sweep goes on without it
+                self._finish(job_id, JobState.FAILED, str(exc), error=str(exc))
             return
         except ClusterUnavailable as exc:
             log.warning("%s", exc)
@@ -155,7 +162,10 @@ class Controller:
             _follow_recovery(session, job, report)
         if any(e.kind == "relayout" for e in report.events):
             self._resizing.pop(job_id, None)
-        if report.status is RunStatus.LOST:
+        if report.status is RunStatus.LOST and pool is not None:
+            reason = f"lost a device of its sweep's executor: {report.error}"
+            self._finish(job_id, JobState.FAILED, reason, error=reason)
+        elif report.status is RunStatus.LOST:
             reason = report.error or f"lost devices {list(report.lost_devices)}"
             self._recover(job_id, reason, report.lost_devices, devices)
         elif report.status is RunStatus.SUSPENDED:
@@ -165,7 +175,10 @@ class Controller:
             self._finish(job_id, _FINAL_STATE[report.status], message, error=report.error)
         elif cancel:
             try:
-                self._cluster.cancel(job_id)
+                if pool is None:
+                    self._cluster.cancel(job_id)
+                else:
+                    self._cluster.cancel_trial(pool, job_id)
             except (RunnerGone, ClusterUnavailable) as exc:
                 log.warning("cancel of %s not delivered yet: %s", job_id, exc)
 
@@ -244,7 +257,7 @@ class Controller:
                 },
             )
             request = job_request(job)
-            held = _held_devices(session, exclude=job_id) | _draining(session)
+            held = held_devices(session, exclude=job_id) | draining_devices(session)
         self._cluster.stop_runner(job_id)
         free = [d for d in devices if d.id not in held and d.id not in lost]
         placements, waiting = place([request], free)
@@ -269,12 +282,12 @@ class Controller:
             running = list(
                 session.scalars(
                     sa.select(Job)
-                    .where(Job.state == JobState.RUNNING.value)
+                    .where(Job.state == JobState.RUNNING.value, Job.pool.is_(None))
                     .order_by(Job.started_at, Job.id)
                 )
             )
-            draining = _draining(session)
-            held = _held_devices(session)
+            draining = draining_devices(session)
+            held = held_devices(session)
         by_id = {d.id: d for d in devices}
         free = [d for d in devices if d.id not in held and d.id not in draining]
         for job in running:
@@ -369,11 +382,11 @@ class Controller:
             queued = list(
                 session.scalars(
                     sa.select(Job)
-                    .where(Job.state == JobState.QUEUED.value)
+                    .where(Job.state == JobState.QUEUED.value, Job.pool.is_(None))
                     .order_by(Job.created_at, Job.id)
                 )
             )
-            busy = _held_devices(session) | _draining(session)
+            busy = held_devices(session) | draining_devices(session)
         if not queued:
             return
         free = [d for d in devices if d.id not in busy]
@@ -479,14 +492,6 @@ def _inventory(nodes: Sequence[NodeInfo]) -> list[Device]:
     return devices
 
 
-def _held_devices(session: Session, *, exclude: str | None = None) -> set[str]:
-    """Devices held by active jobs (other than ``exclude``)."""
-    query = sa.select(Job.devices).where(Job.state.in_(_ACTIVE))
-    if exclude is not None:
-        query = query.where(Job.id != exclude)
-    return {d for devs in session.scalars(query) for d in devs}
-
-
 def _follow_recovery(session: Session, job: Job, report: RunnerReport) -> None:
     """A runner that recovers in place reports ``device_lost`` then ``recovered``: the job
     is RECOVERING in between."""
@@ -495,10 +500,6 @@ def _follow_recovery(session: Session, job: Job, report: RunnerReport) -> None:
             transition(session, job, JobState.RECOVERING, event.message)
         elif event.kind == "recovered" and job.state == JobState.RECOVERING.value:
             transition(session, job, JobState.RUNNING, f"recovered in place: {event.message}")
-
-
-def _draining(session: Session) -> set[str]:
-    return set(session.scalars(sa.select(DeviceRow.id).where(DeviceRow.draining)))
 
 
 def _set_if_changed(row: DeviceRow, **values: object) -> None:

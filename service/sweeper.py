@@ -18,11 +18,16 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
+from scheduler.devices import Device
+from scheduler.placement import JobRequest, place
 from service.auth import Principal
-from service.db.models import Checkpoint, Job, JobMetric, Sweep, Trial
+from service.cluster import Cluster, ClusterUnavailable, RunnerGone
+from service.db.models import Checkpoint, Job, JobMetric, Sweep, Trial, utcnow
 from service.db.session import SessionFactory, transaction
+from service.holdings import draining_devices, held_devices
 from service.jobs import add_event, add_job, transition
 from service.lifecycle import JobState
+from service.snapshots import build_snapshot
 from service.specs import SpecError, validate_job_spec
 from service.sweeps import list_trials, move_sweep, ranked
 from service.sweepspec import SweepSpec, trial_spec
@@ -36,22 +41,32 @@ _ACTIVE = (JobState.QUEUED.value, JobState.RUNNING.value)
 
 class Sweeper:
     def __init__(
-        self, factory: SessionFactory, checkpoint_root: str, allowed_factories: Sequence[str]
+        self,
+        factory: SessionFactory,
+        cluster: Cluster,
+        checkpoint_root: str,
+        allowed_factories: Sequence[str],
     ) -> None:
         self._factory = factory
+        self._cluster = cluster
+        self._root = checkpoint_root
         self._store = CheckpointStore(checkpoint_root)
         self._allowed = tuple(allowed_factories)
         self._tuners: dict[str, Tuner] = {}
 
-    def reconcile_once(self) -> None:
+    def reconcile_once(self, devices: Sequence[Device]) -> None:
+        """One tick over every active sweep; ``devices`` is the live inventory."""
         with self._factory() as session:
             active = list(session.scalars(sa.select(Sweep.id).where(Sweep.state.in_(_ACTIVE))))
         for sweep_id in active:
-            self._follow(sweep_id)
+            try:
+                self._follow(sweep_id, devices)
+            except (RunnerGone, ClusterUnavailable) as exc:
+                log.warning("sweep %s: its executor did not answer, retrying: %s", sweep_id, exc)
         for sweep_id in set(self._tuners) - set(active):
             del self._tuners[sweep_id]
 
-    def _follow(self, sweep_id: str) -> None:
+    def _follow(self, sweep_id: str, devices: Sequence[Device]) -> None:
         with transaction(self._factory) as session:
             sweep = session.get(Sweep, sweep_id)
             if sweep is None or sweep.state not in _ACTIVE:
@@ -66,16 +81,47 @@ class Sweeper:
                 for trial in trials:
                     _stop(session, trial.job, "its sweep was cancelled")
                 if all(t.told for t in trials):
-                    move_sweep(sweep, JobState.CANCELLED, error="cancelled")
+                    self._close(sweep, JobState.CANCELLED, "cancelled")
                 return
             self._drop_checkpoints(session, spec, trials)
-            self._launch(session, tuner, spec, sweep, trials)
+            if spec.executor == "sharp" and not self._pool(session, sweep, spec, devices):
+                return  # waiting for devices
+            self._launch(session, tuner, spec, sweep, trials, devices)
             if len(trials) >= sweep.max_trials and all(t.told for t in trials):
                 done = [t for t in trials if t.objective is not None and not t.pruned]
                 if done:
-                    move_sweep(sweep, JobState.SUCCEEDED)
+                    self._close(sweep, JobState.SUCCEEDED, None)
                 else:
-                    move_sweep(sweep, JobState.FAILED, error="no trial completed")
+                    self._close(sweep, JobState.FAILED, "no trial completed")
+
+    def _close(self, sweep: Sweep, target: JobState, error: str | None) -> None:
+        """End the sweep and stop its executor, freeing its devices."""
+        move_sweep(sweep, target, error=error)
+        if sweep.devices:
+            self._cluster.close_pool(sweep.id)
+            sweep.devices = []
+
+    def _pool(
+        self, session: Session, sweep: Sweep, spec: SweepSpec, devices: Sequence[Device]
+    ) -> bool:
+        """The sweep's SHARP executor runs on its devices (placed now if it has none);
+        False while no devices are free for it."""
+        if sweep.devices:
+            by_id = {d.id: d for d in devices}
+            held = [by_id[i] for i in sweep.devices if i in by_id]
+            if len(held) == len(sweep.devices) and not self._cluster.has_pool(sweep.id):
+                self._cluster.start_pool(sweep.id, held, "lrtf")  # the control plane restarted
+            return True
+        busy = held_devices(session) | draining_devices(session)
+        free = [d for d in devices if d.id not in busy]
+        request = JobRequest(sweep.id, 0, spec.devices, spec.devices, None, 1, replicas=None)
+        placements, _ = place([request], free)
+        if not placements:
+            return False
+        chosen = list(placements[0].devices)
+        self._cluster.start_pool(sweep.id, chosen, "lrtf")
+        sweep.devices = [d.id for d in chosen]
+        return True
 
     def _tuner(
         self, session: Session, sweep: Sweep, spec: SweepSpec, trials: Sequence[Trial]
@@ -133,7 +179,13 @@ class Sweeper:
         _stop(session, trial.job, f"pruned at step {step}")
 
     def _launch(
-        self, session: Session, tuner: Tuner, spec: SweepSpec, sweep: Sweep, trials: list[Trial]
+        self,
+        session: Session,
+        tuner: Tuner,
+        spec: SweepSpec,
+        sweep: Sweep,
+        trials: list[Trial],
+        devices: Sequence[Device],
     ) -> None:
         running = sum(1 for t in trials if not t.told)
         owner = Principal(sweep.owner.id, sweep.owner.name, sweep.owner.is_admin)
@@ -150,6 +202,8 @@ class Sweeper:
                 return
             job = add_job(session, owner, accepted)
             add_event(session, job.id, "trial", f"trial {number} of sweep {sweep.name}: {params}")
+            if spec.executor == "sharp":
+                self._start_trial(session, sweep, job, devices)
             trial = Trial(sweep_id=sweep.id, number=number, job_id=job.id, params=params)
             session.add(trial)
             session.flush()
@@ -157,6 +211,31 @@ class Sweeper:
             running += 1
             if sweep.state == JobState.QUEUED.value:
                 move_sweep(sweep, JobState.RUNNING)
+
+    def _start_trial(
+        self, session: Session, sweep: Sweep, job: Job, devices: Sequence[Device]
+    ) -> None:
+        """Hand a new trial's job to the sweep's executor: RUNNING on the sweep's devices."""
+        by_id = {d.id: d for d in devices}
+        pool = [by_id[i] for i in sweep.devices if i in by_id]
+        transition(
+            session,
+            job,
+            JobState.RUNNING,
+            f"trained by sweep {sweep.name}'s SHARP executor on {len(pool)} shared device(s)",
+            pool=sweep.id,
+            devices=list(sweep.devices),
+            attempt=job.attempt + 1,
+            started_at=utcnow(),
+        )
+        snapshot = build_snapshot(
+            job,
+            pool[:1],
+            [(0, job.num_blocks)],
+            checkpoint_root=self._root,
+            allowed_factories=self._allowed,
+        )
+        self._cluster.add_trial(sweep.id, snapshot)
 
     def _drop_checkpoints(self, session: Session, spec: SweepSpec, trials: Sequence[Trial]) -> None:
         """Keep the checkpoints of the ``retention.keep_best`` best completed trials; delete

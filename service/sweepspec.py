@@ -19,6 +19,7 @@ from typing import Any, Literal
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from service.specs import (
+    MAX_DEVICES,
     AcceptedSpec,
     JobSpec,
     SpecError,
@@ -116,6 +117,12 @@ class SweepSpec(StrictModel):
     seed: int = Field(0, ge=0, le=2**31 - 1, description="the sampler's seed")
     max_trials: int = Field(16, ge=1, le=MAX_TRIALS)
     max_concurrent: int = Field(4, ge=1, le=64)
+    executor: Literal["sharp", "jobs"] = Field(
+        "sharp",
+        description="sharp: the running trials share `devices` devices, their shards taking"
+        " turns (Hydra's shard alternation); jobs: each trial is placed as a job of its own",
+    )
+    devices: int = Field(2, ge=1, le=MAX_DEVICES, description="sharp: the devices trials share")
     objective: ObjectiveSpec = Field(default_factory=ObjectiveSpec)
     early_stopping: EarlyStoppingSpec = Field(default_factory=EarlyStoppingSpec)
     retention: RetentionSpec = Field(default_factory=RetentionSpec)
@@ -236,6 +243,16 @@ def complete_sweep_spec(
                 raise SpecError(
                     [(f"space.{path}", f"the value {value!r} makes an invalid job ({problems})")]
                 ) from None
+    if spec.executor == "sharp" and base.spec.optimizer.clip_grad_norm is not None:
+        raise SpecError(
+            [
+                (
+                    "base.optimizer.clip_grad_norm",
+                    "the sharp executor steps each shard on its own, so it cannot clip the"
+                    " whole model's gradient; drop it or use executor: jobs",
+                )
+            ]
+        )
     accepted = AcceptedSweep(spec, base)
     if (accepted.grid_size or 0) > MAX_GRID:
         raise SpecError(

@@ -12,6 +12,7 @@ models.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import ray
@@ -75,6 +76,48 @@ def start_runner(snapshot: JobSnapshot) -> ActorHandle[Any]:
     # Not awaited: ``run`` returns when training ends; progress is read with ``poll``.
     runner.run.remote()
     return runner
+
+
+def pool_name(sweep_id: str) -> str:
+    return f"shoal-sweep-{sweep_id}"
+
+
+def find_pool(sweep_id: str) -> ActorHandle[Any] | None:
+    """The sweep's live SHARP executor actor, or None."""
+    try:
+        return ray.get_actor(pool_name(sweep_id), namespace=RUNNER_NAMESPACE)
+    except ValueError:
+        return None
+
+
+def start_pool(sweep_id: str, devices: Sequence[Device], policy: str) -> ActorHandle[Any]:
+    """The sweep's SHARP executor (``workers.sharp_runner.SharpRunner``) on ``devices``,
+    started and running unless it exists: detached and named, on the head node, like a
+    job's runner, so it outlives the control plane and is found again."""
+    existing = find_pool(sweep_id)
+    if existing is not None:
+        return existing
+    from workers.sharp_runner import SharpRunner
+
+    pool_actor: Any = ray.remote(SharpRunner)
+    pool: ActorHandle[Any] = pool_actor.options(
+        name=pool_name(sweep_id),
+        namespace=RUNNER_NAMESPACE,
+        lifetime="detached",
+        get_if_exists=True,
+        num_cpus=0,
+        max_concurrency=RUNNER_CONCURRENCY,
+        max_restarts=0,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(_head_node_id(), soft=False),
+    ).remote(list(devices), None, policy)
+    pool.run.remote()
+    return pool
+
+
+def kill_pool(sweep_id: str) -> None:
+    pool = find_pool(sweep_id)
+    if pool is not None:
+        ray.kill(pool, no_restart=True)
 
 
 def _head_node_id() -> str:

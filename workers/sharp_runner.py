@@ -45,7 +45,7 @@ from workers.runner import write_checkpoint
 from workers.shard_host import ShardFailed, ShardKey, TaskResult
 from workers.shard_pool import Call, HostLost, HostPool, PoolFactory
 from workers.snapshot import JobSnapshot, RunnerEvent, RunnerReport, RunStatus, StepMetrics
-from workers.stage import StageSetup
+from workers.stage import StageSetup, one_line
 from workers.wire import Wire, send
 from workers.zoo.data import DataSource, make_data
 
@@ -174,23 +174,33 @@ class SharpTrainer:
         with why), taking new ones as they are added until ``close`` when ``keep_open``."""
         pool = self._make_pool(self._devices, self._budgets)
         try:
-            in_flight: dict[Call, tuple[_Model, int]] = {}
-            while True:
-                self._wakeup.clear()
-                self._admit(pool)
-                self._reap(pool, in_flight)
-                self._dispatch(pool, in_flight)
-                if in_flight:
-                    for call in pool.wait(list(in_flight), self._timeout):
-                        model, host = in_flight.pop(call)
-                        self._complete(pool, model, host, call)
-                elif self._open or self._incoming:
-                    self._wakeup.wait(timeout=1.0)
-                else:
-                    break  # every model has ended and no more come
-            return {job_id: m.status for job_id, m in self._models.items()}
+            self._loop(pool)
+        except Exception as exc:  # the executor's boundary: its models fail with the reason
+            reason = f"the SHARP executor failed: {one_line(exc)}"
+            with self._lock:
+                self._open = False
+                for model in self._models.values():
+                    if model.status is RunStatus.RUNNING:
+                        model.status, model.error = RunStatus.FAILED, reason
         finally:
             pool.shutdown()
+        return {job_id: m.status for job_id, m in self._models.items()}
+
+    def _loop(self, pool: HostPool) -> None:
+        in_flight: dict[Call, tuple[_Model, int]] = {}
+        while True:
+            self._wakeup.clear()
+            self._admit(pool)
+            self._reap(pool, in_flight)
+            self._dispatch(pool, in_flight)
+            if in_flight:
+                for call in pool.wait(list(in_flight), self._timeout):
+                    model, host = in_flight.pop(call)
+                    self._complete(pool, model, host, call)
+            elif self._open or self._incoming:
+                self._wakeup.wait(timeout=1.0)
+            else:
+                return  # every model has ended and no more come
 
     def _admit(self, pool: HostPool) -> None:
         with self._lock:
@@ -205,9 +215,9 @@ class SharpTrainer:
             ready = [self._models[j] for j in self._cancelled - busy if j in self._models]
             self._cancelled -= {m.snap.job_id for m in ready}
         for model in ready:
-            if model.status is RunStatus.RUNNING:
+            if model.status is RunStatus.RUNNING:  # one that has ended freed its shards
                 self._end(model, RunStatus.CANCELLED)
-            self._drop(pool, model)
+                self._drop(pool, model)
 
     def _drop(self, pool: HostPool, model: _Model) -> None:
         job_id = model.snap.job_id

@@ -84,6 +84,8 @@ class Job(Base):
     stage_times: Mapped[list[Any] | None] = mapped_column(default=None)
     error: Mapped[str | None] = mapped_column(sa.Text, default=None)
     attempt: Mapped[int] = mapped_column(default=0)
+    pool: Mapped[str | None] = mapped_column(sa.String(32), default=None)
+    """The sweep whose SHARP executor trains this job (a trial); None: a runner of its own."""
     runner_cursor: Mapped[int] = mapped_column(default=0)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
@@ -163,6 +165,8 @@ class Sweep(Base):
     cancel_requested: Mapped[bool] = mapped_column(default=False)
     max_trials: Mapped[int]
     """How many trials the sweep runs (``max_trials``, or a smaller grid's size)."""
+    devices: Mapped[list[Any]] = mapped_column(default=list)
+    """The devices its SHARP executor holds (none before it is placed and after it ends)."""
     error: Mapped[str | None] = mapped_column(sa.Text, default=None)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)

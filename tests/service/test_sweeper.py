@@ -12,7 +12,7 @@ import sqlalchemy as sa
 from service.auth import Principal
 from service.cluster import InProcessCluster
 from service.controller import Controller
-from service.db.models import Checkpoint, JobMetric, Sweep, Trial
+from service.db.models import Checkpoint, JobEvent, JobMetric, Sweep, Trial
 from service.db.session import SessionFactory
 from service.sweeps import list_trials, request_cancel, submit_sweep, trial_state
 from service.sweepspec import validate_sweep_spec
@@ -61,11 +61,13 @@ def alice(session_factory: SessionFactory) -> Principal:
     return owner(session_factory)
 
 
+@pytest.mark.parametrize("executor", ["sharp", "jobs"])
 def test_a_sweep_samples_prunes_keeps_the_best_and_each_trial_trains_like_alone(
-    session_factory: SessionFactory, alice: Principal, tmp_path: Path
+    session_factory: SessionFactory, alice: Principal, tmp_path: Path, executor: str
 ) -> None:
+    """Trials on the sweep's SHARP executor (two shared devices) or each a job of its own."""
     controller = make_controller(session_factory, InProcessCluster(NODES), tmp_path)
-    sweep_id, spec = submit(session_factory, alice)
+    sweep_id, spec = submit(session_factory, alice, executor=executor)
     reconcile_until(controller, lambda: ended(session_factory, sweep_id), timeout=240)
 
     sweep, trials = sweep_of(session_factory, sweep_id)
@@ -94,6 +96,13 @@ def test_a_sweep_samples_prunes_keeps_the_best_and_each_trial_trains_like_alone(
                 assert trial.objective == losses[-1]
             steps = sorted(int(s) for s in trial.intermediate)
             assert steps and all(s % 5 == 0 for s in steps)
+            (placement,) = session.scalars(
+                sa.select(JobEvent.data).where(
+                    JobEvent.job_id == trial.job_id, JobEvent.kind == "placement"
+                )
+            )
+            assert placement.get("executor") == ("sharp" if executor == "sharp" else None)
+            assert (trial.job.pool == sweep_id) == (executor == "sharp")
         kept = set(session.scalars(sa.select(Checkpoint.job_id).distinct()))
     completed = sorted((t for t in trials if not t.pruned), key=lambda t: t.objective or 0.0)
     assert kept == {t.job_id for t in completed[:2]}

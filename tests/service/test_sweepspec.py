@@ -122,3 +122,10 @@ def test_the_example_sweep_is_valid() -> None:
         "optimizer.momentum",
         "model.config.hidden",
     }
+
+
+def test_the_sharp_executor_refuses_gradient_clipping_and_names_the_way_out() -> None:
+    base = job_spec(optimizer={"name": "sgd", "lr": 0.1, "clip_grad_norm": 1.0})
+    ((where, text),) = refusal(base=base)
+    assert where == "base.optimizer.clip_grad_norm" and text.endswith("use executor: jobs")
+    assert validate_sweep_spec(sweep_spec(base=base, executor="jobs"), []).trials == 8

@@ -193,3 +193,24 @@ def test_a_running_pool_takes_new_models_cancels_others_and_ends_when_closed(
     assert stopped.status is RunStatus.CANCELLED and 2 <= stopped.step < 30
     assert done.status is RunStatus.SUCCEEDED and done.step == 4
     assert_alone(second, [m.loss for m in done.metrics])
+
+
+@pytest.mark.unit
+def test_cancelling_a_model_that_has_ended_changes_nothing(tmp_path: Path) -> None:
+    """A pruning decision may arrive after the trial's last step, while others train."""
+    import threading
+
+    from workers.sharp_runner import SharpRunner
+
+    runner = SharpRunner(devices(), LocalPool)
+    thread = threading.Thread(target=runner.run)
+    thread.start()
+    runner.add(model(tmp_path, "a", steps=2))
+    runner.add(model(tmp_path, "b", seed=9, steps=40))
+    while runner.poll("a", 0).status is RunStatus.RUNNING:
+        thread.join(0.01)
+    runner.cancel("a")
+    runner.close()
+    thread.join(120)
+    assert runner.poll("a", 0).status is RunStatus.SUCCEEDED
+    assert runner.poll("b", 0).status is RunStatus.SUCCEEDED, runner.poll("b", 0).error

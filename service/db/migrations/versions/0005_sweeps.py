@@ -1,4 +1,4 @@
-"""sweeps and their trials
+"""sweeps and their trials; jobs.pool (the sweep whose SHARP executor trains the job)
 
 Revision ID: 0005
 Revises: 0004
@@ -24,6 +24,7 @@ def upgrade() -> None:
         sa.Column("state", sa.String(16), nullable=False),
         sa.Column("cancel_requested", sa.Boolean(), nullable=False),
         sa.Column("max_trials", sa.Integer(), nullable=False),
+        sa.Column("devices", sa.JSON(), nullable=False),
         sa.Column("error", sa.Text(), nullable=True),
         sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
         sa.Column("updated_at", sa.DateTime(timezone=True), nullable=False),
@@ -50,7 +51,11 @@ def upgrade() -> None:
     )
 
 
+    op.add_column("jobs", sa.Column("pool", sa.String(32), nullable=True))
+
+
 def downgrade() -> None:
+    op.drop_column("jobs", "pool")
     op.drop_table("trials")
     op.drop_index("ix_sweeps_state", table_name="sweeps")
     op.drop_index("ix_sweeps_owner_id", table_name="sweeps")
