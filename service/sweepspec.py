@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
+from scheduler.sharp import ShardError, shard_model
 from service.specs import (
     MAX_DEVICES,
     AcceptedSpec,
@@ -215,7 +216,10 @@ def complete_sweep_spec(
 
     def job(payload: dict[str, Any]) -> AcceptedSpec:
         accepted = _validate_job(payload, allowed_factories)
-        check_memory(accepted, largest_device_mb)
+        if spec.executor == "jobs":
+            check_memory(accepted, largest_device_mb)
+        else:
+            check_shards(accepted, largest_device_mb)
         return accepted
 
     try:
@@ -259,6 +263,18 @@ def complete_sweep_spec(
             [("space", f"the grid has {accepted.grid_size} points, more than {MAX_GRID}")]
         )
     return accepted
+
+
+def check_shards(accepted: AcceptedSpec, largest_device_mb: int | None) -> None:
+    """Under SHARP a trial's model is cut into shards that fit half a device: refuse one
+    with a block too big for that on the largest known device (nothing known: no check)."""
+    if accepted.costs is None or largest_device_mb is None:
+        return
+    rows = accepted.spec.batch_size // accepted.spec.micro_batches
+    try:
+        shard_model(accepted.costs, largest_device_mb * 2**20, rows)
+    except ShardError as exc:
+        raise SpecError([("micro_batches", str(exc))]) from None
 
 
 def validate_sweep_spec(payload: Any, allowed_factories: Sequence[str]) -> AcceptedSweep:

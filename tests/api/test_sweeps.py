@@ -121,7 +121,7 @@ def test_a_base_job_too_big_for_every_device_is_refused(api: Api) -> None:
             )
         )
     huge = job_spec(model={"builtin": "mlp", "config": {"hidden": 8192, "layers": 40}})
-    r = api.client.post(SWEEPS, json=sweep_spec(base=huge), headers=alice)
+    r = api.client.post(SWEEPS, json=sweep_spec(base=huge, executor="jobs"), headers=alice)
     assert r.status_code == 422, r.text
     (error,) = r.json()["errors"]
     assert error["field"] == "base.resources.max_devices"
@@ -142,14 +142,26 @@ def test_a_space_value_too_big_for_every_device_is_refused_naming_the_path(api: 
                 state="alive",
             )
         )
-    space = {"model.config.hidden": {"type": "categorical", "choices": [32, 8192]}}
+    space = {"model.config.hidden": {"type": "categorical", "choices": [32, 4096]}}
     base = job_spec(model={"builtin": "mlp", "config": {"hidden": 32, "layers": 40}})
-    r = api.client.post(SWEEPS, json=sweep_spec(base=base, space=space), headers=alice)
+    jobs = sweep_spec(base=base, space=space, executor="jobs")
+    r = api.client.post(SWEEPS, json=jobs, headers=alice)
     assert r.status_code == 422, r.text
     (error,) = r.json()["errors"]
     assert error["field"] == "space.model.config.hidden"
-    assert error["message"].startswith("the value 8192 makes an invalid job (resources.max_")
+    assert error["message"].startswith("the value 4096 makes an invalid job (resources.max_")
     assert "largest device has 2.0 GiB" in error["message"]
+    # Under SHARP a model only needs each block to fit half a device: 40 layers of 4096 do,
+    # a layer of 65536 does not.
+    sharp = sweep_spec(base=base, space=space)
+    assert api.client.post(SWEEPS, json=sharp, headers=alice).status_code == 201
+    wide = {"model.config.hidden": {"type": "categorical", "choices": [32, 65536]}}
+    short = job_spec(model={"builtin": "mlp", "config": {"hidden": 32, "layers": 2}})
+    r = api.client.post(SWEEPS, json=sweep_spec(base=short, space=wide), headers=alice)
+    assert r.status_code == 422, r.text
+    (error,) = r.json()["errors"]
+    assert error["field"] == "space.model.config.hidden"
+    assert error["message"].startswith("the value 65536 makes an invalid job (micro_batches: ")
 
 
 def test_others_sweeps_are_404_admins_see_all(api: Api) -> None:
