@@ -24,6 +24,7 @@ supported here).
 
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -64,6 +65,7 @@ class ShardHost:
         self._target = torch_device(device)
         self._host = torch.device("cpu")
         self._shards: dict[ShardKey, Stage] = {}
+        self._built: dict[ShardKey, tuple[StageSetup, tuple[int, int]]] = {}
         self._resident: OrderedDict[ShardKey, int] = OrderedDict()
         """Shards on the device and their bytes, least recently used first."""
         self._side = (
@@ -91,7 +93,15 @@ class ShardHost:
         if state is not None:
             stage.load(state)
         self._shards[key] = stage
+        self._built[key] = (setup, blocks)
         return stage.nbytes()
+
+    def load(self, key: ShardKey, state: Mapping[int, Any]) -> int:
+        """Back to ``state`` (a copy kept elsewhere), as if shard ``key`` had just been added
+        with it: kept micro-batches and gradients are dropped (a rollback)."""
+        setup, blocks = self._built[key]
+        self.drop(key)
+        return self.add(key, setup, blocks, state)
 
     def export(self, key: ShardKey) -> dict[int, Any]:
         """Shard ``key``'s block states (parameters and optimizer), to move or checkpoint it."""
@@ -102,6 +112,11 @@ class ShardHost:
         self._stage(key)
         self._demote(key)
         del self._shards[key]
+        del self._built[key]
+
+    def pid(self) -> int:
+        """The worker's process id (for operators, and tests that kill it)."""
+        return os.getpid()
 
     def held(self) -> dict[str, Any]:
         """What this host holds: every shard, and those on the device (accounting)."""
@@ -209,7 +224,7 @@ def _pin(module: torch.nn.Module) -> None:
         param.data = param.data.pin_memory()
 
 
-SHARD_METHODS = frozenset({"add", "export", "drop", "held", "forward", "backward"})
+SHARD_METHODS = frozenset({"add", "load", "export", "drop", "held", "forward", "backward", "pid"})
 """The ``ShardHost`` methods the executor may call."""
 
 

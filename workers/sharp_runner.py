@@ -72,10 +72,19 @@ class _Model:
     error: str | None = None
     log: list[StepMetrics | RunnerEvent] = field(default_factory=list)
     step: int = 0
+    saved: tuple[int, dict[int, Any]] | None = None
+    """Every block's state at the last step boundary (``keep_copies``), in this process:
+    what the model rolls back to when a device holding one of its shards is lost."""
+    lost: str | None = None
+    """Why the model must roll back (a device holding a shard was lost), until it does."""
 
     @property
     def active(self) -> bool:
         return self.status is RunStatus.RUNNING and self.done < self.plan.tasks
+
+    @property
+    def runnable(self) -> bool:
+        return self.active and self.lost is None
 
 
 class SharpTrainer:
@@ -112,6 +121,8 @@ class SharpTrainer:
         self._load = [0.0] * len(self._devices)
         """Reference seconds of the shards each device holds: new shards go to the least."""
         self._dispatched = 0
+        self._dead: set[int] = set()
+        """Pool positions of devices that were lost."""
         for snap in models:
             self.add(snap)
         self.promoted_bytes = 0
@@ -196,7 +207,7 @@ class SharpTrainer:
             if in_flight:
                 for call in pool.wait(list(in_flight), self._timeout):
                     model, host = in_flight.pop(call)
-                    self._complete(pool, model, host, call)
+                    self._complete(pool, model, host, call, in_flight)
             elif self._open or self._incoming:
                 self._wakeup.wait(timeout=1.0)
             else:
@@ -207,6 +218,10 @@ class SharpTrainer:
             arriving, self._incoming = self._incoming, []
         if arriving:
             self._await_all(pool, [c for snap in arriving for c in self._place(pool, snap)])
+            for snap in arriving:
+                model = self._models[snap.job_id]
+                if snap.keep_copies:
+                    model.saved = (model.step, self._gather(pool, model))
 
     def _reap(self, pool: HostPool, in_flight: Mapping[Call, tuple[_Model, int]]) -> None:
         """End the cancelled models with no task in flight and free their shards."""
@@ -222,7 +237,9 @@ class SharpTrainer:
     def _drop(self, pool: HostPool, model: _Model) -> None:
         job_id = model.snap.job_id
         calls = [
-            pool.submit(model.homes[s.index], "drop", (job_id, s.index)) for s in model.plan.shards
+            pool.submit(host, "drop", (job_id, s.index))
+            for s, host in zip(model.plan.shards, model.homes, strict=True)
+            if host not in self._dead
         ]
         self._await_all(pool, calls)
         for shard, host in zip(model.plan.shards, model.homes, strict=True):
@@ -238,7 +255,8 @@ class SharpTrainer:
         plan = ModelPlan(snap.job_id, shards, snap.steps, len(self._models))
         homes = {}
         for shard in sorted(shards, key=lambda s: -(s.forward_s + s.backward_s)):
-            host = min(range(len(self._load)), key=lambda h: (self._load[h], h))
+            live = [h for h in range(len(self._load)) if h not in self._dead]
+            host = min(live, key=lambda h: (self._load[h], h))
             self._load[host] += snap.steps * (shard.forward_s + shard.backward_s)
             homes[shard.index] = host
         data = make_data(snap.data, snap.seed, snap.allowed_factories)
@@ -309,12 +327,12 @@ class SharpTrainer:
         busy_hosts = {h for _, h in in_flight.values()}
         plans = {m.snap.job_id: m.plan for m in self._models.values()}
         for host, device in enumerate(self._devices):
-            if host in busy_hosts:
+            if host in busy_hosts or host in self._dead:
                 continue
             here = [
                 m
                 for m in self._models.values()
-                if m.active
+                if m.runnable
                 and m.snap.job_id not in busy_models
                 and m.homes[m.plan.shard_at(m.done).index] == host
             ]
@@ -378,7 +396,14 @@ class SharpTrainer:
 
     # --------------------------------------------------------------------- completion
 
-    def _complete(self, pool: HostPool, model: _Model, host: int, call: Call) -> None:
+    def _complete(
+        self,
+        pool: HostPool,
+        model: _Model,
+        host: int,
+        call: Call,
+        in_flight: Mapping[Call, tuple[_Model, int]],
+    ) -> None:
         task = model.plan.task(model.done)
         try:
             result: TaskResult = pool.result(call)
@@ -386,7 +411,10 @@ class SharpTrainer:
             self._end(model, RunStatus.FAILED, str(exc))
             return
         except HostLost as exc:
-            self._end(model, RunStatus.LOST, str(exc))
+            self._lose(pool, host, str(exc), in_flight)
+            return
+        if model.lost is not None:  # the result of a step that is rolled back
+            self._roll_back(pool, model)
             return
         self.promoted_bytes += result.promoted_bytes
         estimated = model.plan.task_s(model.done)
@@ -412,22 +440,35 @@ class SharpTrainer:
             ),
         )
         every = snap.checkpoint_every
-        if step == snap.steps or (every > 0 and step % every == 0):
-            self._checkpoint(pool, model, step)
+        due = step == snap.steps or (every > 0 and step % every == 0)
+        if due or snap.keep_copies:
+            try:
+                blocks = self._gather(pool, model)
+            except HostLost as exc:  # a shard's device went between the step and the copy
+                self._lose(pool, self._host_of(exc), str(exc), {})
+                return
+            if snap.keep_copies:
+                model.saved = (step, blocks)
+            if due:
+                self._checkpoint(model, step, blocks)
         if step == snap.steps:
             self._end(model, RunStatus.SUCCEEDED)
             self._drop(pool, model)
 
-    def _checkpoint(self, pool: HostPool, model: _Model, step: int) -> None:
-        """Gather the model's shards (each host answers after its current task) and write."""
-        snap = model.snap
+    def _gather(self, pool: HostPool, model: _Model) -> dict[int, Any]:
+        """Every block's state, from the model's shards (each host answers after its task)."""
+        job_id = model.snap.job_id
         calls = [
-            pool.submit(model.homes[s.index], "export", (snap.job_id, s.index))
+            pool.submit(model.homes[s.index], "export", (job_id, s.index))
             for s in model.plan.shards
         ]
         blocks: dict[int, Any] = {}
         for states in self._await_all(pool, calls):
             blocks.update(states)
+        return blocks
+
+    def _checkpoint(self, model: _Model, step: int, blocks: dict[int, Any]) -> None:
+        snap = model.snap
         stages = [
             {
                 "index": s.index,
@@ -440,6 +481,96 @@ class SharpTrainer:
         store = CheckpointStore(snap.checkpoint_root)
         event = write_checkpoint(store, snap, step, blocks, stages, (snap.micro_batches,))
         self._record(model, event)
+
+    # ------------------------------------------------------------------- lost devices
+
+    def _host_of(self, exc: HostLost) -> int:
+        return next(h for h, d in enumerate(self._devices) if d.id == exc.device_id)
+
+    def _lose(
+        self, pool: HostPool, host: int, reason: str, in_flight: Mapping[Call, tuple[_Model, int]]
+    ) -> None:
+        """Device ``host`` is gone with the shards it held: every model with one there rolls
+        back to its last copy (now, or once its task in flight elsewhere is done); only the
+        work since that step boundary is lost."""
+        self._dead.add(host)
+        busy = {m.snap.job_id for m, _ in in_flight.values()}
+        for model in list(self._models.values()):
+            if model.status is not RunStatus.RUNNING or host not in model.homes:
+                continue
+            model.lost = reason
+            if model.snap.job_id not in busy:
+                self._roll_back(pool, model)
+
+    def _roll_back(self, pool: HostPool, model: _Model) -> None:
+        """Re-form ``model`` from its last copy: the shards of lost devices move to the
+        least loaded live ones, every shard reloads its state of that step, and the model
+        runs on from there (Hydra's promise: a lost device costs its in-flight task; here
+        the steps since the copy, at most the step under way)."""
+        reason, model.lost = model.lost, None
+        live = [h for h in range(len(self._devices)) if h not in self._dead]
+        if model.saved is None or not live:
+            why = "no copy was kept (keep_copies is off)" if live else "no device is left"
+            self._end(model, RunStatus.LOST, f"{reason}; {why}")
+            return
+        step, blocks = model.saved
+        job_id = model.snap.job_id
+        gone = sorted({self._devices[h].id for h in model.homes if h in self._dead})
+        calls = []
+        data = make_data(model.snap.data, model.snap.seed, model.snap.allowed_factories)
+        setup = StageSetup.of(model.snap, data.meta)
+        for shard in model.plan.shards:
+            key, host = (job_id, shard.index), model.homes[shard.index]
+            state = {i: blocks[i] for i in range(*shard.blocks)}
+            if host in self._dead:
+                host = min(live, key=lambda h: (self._load[h], h))
+                self._load[host] += model.snap.steps * (shard.forward_s + shard.backward_s)
+                model.homes[shard.index] = host
+                calls.append(pool.submit(host, "add", key, setup, shard.blocks, state))
+            else:
+                calls.append(pool.submit(host, "load", key, state))
+        try:
+            self._await_all(pool, calls)
+        except HostLost as exc:  # another device went meanwhile: roll back again
+            model.lost = str(exc)
+            self._dead.add(self._host_of(exc))
+            self._roll_back(pool, model)
+            return
+        replayed = model.step - step
+        model.done, model.carry, model.losses = step * 2 * len(model.plan.shards), [], []
+        self._record(
+            model,
+            RunnerEvent(
+                "device_lost",
+                model.step,
+                f"lost {', '.join(gone)} ({reason}); restoring step {step} from the copy in"
+                f" host memory ({replayed} steps replayed)",
+                {
+                    "devices": gone,
+                    "step": model.step,
+                    "resume_step": step,
+                    "steps_replayed": replayed,
+                },
+            ),
+        )
+        rows = [
+            {
+                "stage": s.index,
+                "replica": 0,
+                "device_id": self._devices[h].id,
+                "blocks": list(s.blocks),
+            }
+            for s, h in zip(model.plan.shards, model.homes, strict=True)
+        ]
+        self._record(
+            model,
+            RunnerEvent(
+                "recovered",
+                step,
+                f"shards re-homed off {', '.join(gone)}",
+                {"to": rows, "steps_replayed": replayed},
+            ),
+        )
 
 
 def _costs(costs: Sequence[BlockCost]) -> list[BlockCost]:

@@ -214,3 +214,99 @@ def test_cancelling_a_model_that_has_ended_changes_nothing(tmp_path: Path) -> No
     thread.join(120)
     assert runner.poll("a", 0).status is RunStatus.SUCCEEDED
     assert runner.poll("b", 0).status is RunStatus.SUCCEEDED, runner.poll("b", 0).error
+
+
+class LosingPool(LocalPool):
+    """A LocalPool whose device 1 is lost at its 12th call: it and every later one fail."""
+
+    def __init__(self, devices: Any, budgets: Any) -> None:
+        super().__init__(devices, budgets)
+        self.calls = 0
+
+    def submit(self, host: int, method: str, *args: Any) -> Any:
+        from concurrent.futures import Future
+
+        from workers.shard_pool import HostLost, _Local
+
+        if host == 1:
+            self.calls += 1
+            if self.calls >= 12:
+                gone: Future[Any] = Future()
+                gone.set_exception(HostLost(self.devices[1].id, "its node was preempted"))
+                return _Local(host, method, gone)
+        return super().submit(host, method, *args)
+
+
+@pytest.mark.unit
+def test_a_lost_device_costs_only_the_step_under_way_and_the_math_stays_exact(
+    tmp_path: Path,
+) -> None:
+    """Mid-run one of the two devices is lost with the shards it held: each model with a
+    shard there rolls back to its copy of the last step boundary, its shards move to the
+    device left, and every model still trains exactly as alone, each step recorded once."""
+    snaps = [
+        model(tmp_path, "a", steps=6, keep_copies=True),
+        model(tmp_path, "b", seed=9, steps=6, keep_copies=True),
+    ]
+    trainer = train(snaps, LosingPool, budget_for_shards(snaps[0], 3))
+    dead = devices()[1].id
+    hit = 0
+    for snap in snaps:
+        report = trainer.report(snap.job_id, 0)
+        lost = [e for e in report.events if e.kind == "device_lost"]
+        if lost:
+            hit += 1
+            assert lost[0].data["devices"] == [dead] and lost[0].data["steps_replayed"] == 0
+            (back,) = [e for e in report.events if e.kind == "recovered"]
+            assert dead not in {row["device_id"] for row in back.data["to"]}
+        assert [m.step for m in report.metrics] == list(range(1, 7))
+        assert_alone(snap, [m.loss for m in report.metrics])
+    assert hit >= 1
+
+
+@pytest.mark.unit
+def test_without_copies_a_lost_device_ends_its_models_as_lost(tmp_path: Path) -> None:
+    snaps = [model(tmp_path, "a", steps=6)]
+    trainer = SharpTrainer(
+        snaps,
+        devices(),
+        LosingPool,
+        budgets={d.id: budget_for_shards(snaps[0], 3) for d in devices()},
+    )
+    assert trainer.run() == {"a": RunStatus.LOST}
+    assert "keep_copies is off" in (trainer.report("a", 0).error or "")
+
+
+@pytest.mark.integration
+def test_a_killed_ray_shard_worker_is_survived_exactly(ray_address: str, tmp_path: Path) -> None:
+    import os
+    import signal
+    import threading
+
+    import ray
+
+    node = ray.get_runtime_context().get_node_id()
+    pools: list[RayPool] = []
+
+    def make(devs: Any, budgets: Any) -> RayPool:
+        pools.append(RayPool(devs, budgets))
+        return pools[-1]
+
+    snaps = [model(tmp_path, "a", steps=40, keep_copies=True)]
+    pool_devices = devices(node)
+    budget = budget_for_shards(snaps[0], 3)
+    trainer = SharpTrainer(snaps, pool_devices, make, budgets={d.id: budget for d in pool_devices})
+    thread = threading.Thread(target=trainer.run)
+    thread.start()
+    while trainer.report("a", 0).step < 3:
+        thread.join(0.05)
+    pool = pools[0]
+    (pid,) = [pool.result(c) for c in pool.wait([pool.submit(1, "pid")], 60)]
+    os.kill(pid, signal.SIGKILL)
+    thread.join(300)
+    report = trainer.report("a", 0)
+    assert report.status is RunStatus.SUCCEEDED, report.error
+    (lost,) = [e for e in report.events if e.kind == "device_lost"]
+    assert lost.data["devices"] == [pool_devices[1].id] and lost.data["steps_replayed"] == 0
+    assert [m.step for m in report.metrics] == list(range(1, 41))
+    assert_alone(snaps[0], [m.loss for m in report.metrics])
