@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from tests.integration.conftest import ShoalUp, joined_node, ray_cli, wait_until
+from tests.integration.conftest import ShoalUp, joined_node, ray_cli, ray_env, wait_until
 from tests.integration.test_shoal_up import Api, admin_token, curl_submit
 from workers.reference import train_reference
 from workers.snapshot import DataRef, ModelRef, OptimizerConf
@@ -78,17 +78,22 @@ def test_a_straggler_loses_blocks_and_the_losses_stay_exact(
     assert_exact(api, job_id, SPEC)
 
 
-def stop_node(kind: str, *, graceful: bool) -> None:
-    """Stop the local Ray node declaring device kind ``kind``: gracefully, a SIGTERM to its
-    ``ray start`` (what Kubernetes sends a pod; Ray takes the node down and its actors die
-    at once), or hard, a SIGKILL of every process it started (a machine gone without
+def stop_node(shoal: ShoalUp, kind: str, *, graceful: bool) -> None:
+    """Stop the node of ``shoal``'s cluster declaring device kind ``kind``: gracefully, a
+    SIGTERM to its ``ray start`` (what Kubernetes sends a pod; Ray drains the node, then
+    takes it down), or hard, a SIGKILL of every process it started (a machine gone without
     notice: its actors answer nothing until Ray's health checks give up on the node)."""
+    address = ray_env(shoal)["RAY_ADDRESS"]
     listing = subprocess.run(
         ["ps", "-ww", "-A", "-o", "pid=,sess=,args="], capture_output=True, text=True, check=True
     ).stdout
     rows = [line.split(maxsplit=2) for line in listing.splitlines()]
     (node,) = [
-        int(pid) for pid, _, args in rows if "ray start" in args and f"device-kind={kind}," in args
+        int(pid)
+        for pid, _, args in rows
+        if "ray start" in args
+        and f"device-kind={kind}," in args
+        and f"--address={address}" in args  # this cluster's, not another's on the machine
     ]
     if graceful:
         os.kill(node, signal.SIGTERM)
@@ -143,7 +148,7 @@ def test_a_node_killed_mid_run_is_recovered_in_place_and_the_losses_stay_exact(
     }
     job_id = curl_submit(shoal, token, spec, tmp_path)["id"]
     api.wait_state(job_id, lambda j: j["step"] >= 10, "ten steps")
-    stop_node("cpu-b", graceful=False)
+    stop_node(shoal, "cpu-b", graceful=False)
     job = api.wait_state(job_id, lambda j: j["state"] == "SUCCEEDED", "the job to succeed")
 
     events = api.items(job_id, "events")
@@ -186,7 +191,7 @@ def test_a_node_added_mid_run_is_grown_onto_and_left_when_it_is_stopped_graceful
         grown = api.wait_state(job_id, lambda j: len(j["devices"]) == 2, "the job to grow")
         (new,) = set(grown["devices"]) - set(first["devices"])
         api.wait_state(job_id, lambda j: j["step"] >= grown["step"] + 5, "steps on two devices")
-        stop_node("cpu-b", graceful=True)
+        stop_node(shoal, "cpu-b", graceful=True)
         job = api.wait_state(job_id, lambda j: j["state"] == "SUCCEEDED", "the job to succeed")
         wait_until(lambda: device(api, new)["state"] == "lost", 60, "the node to shut down")
 
@@ -247,7 +252,7 @@ def test_nodes_ray_drains_are_left_before_they_go_and_nothing_is_replayed(
     moved = api.wait_state(job_id, lambda j: leaving not in j["devices"], "leaving the node")
     assert set(moved["devices"]) == set(first["devices"]) - {leaving} | {spare}
     assert device(api, leaving)["draining"]
-    stop_node(devices[leaving]["kind"], graceful=False)  # the notice's deadline, come early
+    stop_node(shoal, devices[leaving]["kind"], graceful=False)  # the notice's deadline, come early
     api.wait_state(job_id, lambda j: j["step"] >= moved["step"] + 10, "steps after the move")
 
     needed = off_the_head(moved)

@@ -1,7 +1,7 @@
 """A sweep through the CLI and the API on a local 2-node Ray that `shoal up` starts: its
 trials' models are larger than one device's memory budget, so the sweep's SHARP executor
-alternates their shards on the two devices; ASHA prunes; every completed trial's losses
-are those of its run alone."""
+alternates their shards on the two devices; one device's node is killed mid-sweep and the
+trials go on on the other; ASHA prunes; every trial's losses are those of its run alone."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from tests.integration.conftest import ShoalUp, wait_until
+from tests.integration.test_elastic import stop_node
 from tests.integration.test_shoal_up import Api, admin_token, shoal_cli
 from workers.reference import train_reference
 from workers.snapshot import DataRef, ModelRef, OptimizerConf
@@ -64,12 +65,22 @@ def test_a_sweep_of_models_larger_than_a_device_runs_on_shared_devices_and_prune
         sweep: Json = api.get(f"/sweeps/{sweep_id}")
         return sweep if sweep["state"] in ("SUCCEEDED", "FAILED", "CANCELLED") else None
 
+    def training() -> bool:
+        trials = api.get(f"/sweeps/{sweep_id}")["trials"]
+        return any(api.job(t["job_id"])["step"] >= 4 for t in trials)
+
+    wait_until(training, 300, "a trial to train", on_timeout=shoal.tail())
+    stop_node(shoal, "cpu-b", graceful=False)  # a spot machine gone without notice, mid-sweep
     sweep = wait_until(ended, 600, "the sweep to end", on_timeout=shoal.tail())
     assert sweep["state"] == "SUCCEEDED", sweep
     trials = sweep["trials"]
     states = [t["state"] for t in trials]
-    assert len(trials) == 8 and "PRUNED" in states and set(states) <= {"SUCCEEDED", "PRUNED"}
+    why = [(t["state"], api.job(t["job_id"])["error"]) for t in trials]
+    assert len(trials) == 8 and "PRUNED" in states, why
+    assert set(states) <= {"SUCCEEDED", "PRUNED"}, why
     budget = 40 * 2**20
+    pool = {d["id"] for d in api.get("/devices")["items"]}
+    recoveries = 0
     for trial in trials:
         job = api.job(trial["job_id"])
         assert job["spec"]["optimizer"]["lr"] == trial["params"]["optimizer.lr"]
@@ -77,7 +88,10 @@ def test_a_sweep_of_models_larger_than_a_device_runs_on_shared_devices_and_prune
         assert placement["data"]["executor"] == "sharp"
         shards = placement["data"]["stages"]
         assert len(shards) >= 2 and sum(s["bytes"] for s in shards) > budget
-        assert {s["device_id"] for s in shards} == set(job["devices"])
+        assert {s["device_id"] for s in shards} <= pool
+        lost = [e for e in api.items(job["id"], "events") if e["kind"] == "device_lost"]
+        recoveries += len(lost)
+        assert all(e["data"]["steps_replayed"] <= 1 for e in lost), [e["message"] for e in lost]
         losses = [m["loss"] for m in api.items(job["id"], "metrics")]
         alone = train_reference(
             ModelRef("mlp", None, MODEL),
@@ -91,6 +105,7 @@ def test_a_sweep_of_models_larger_than_a_device_runs_on_shared_devices_and_prune
         assert losses == pytest.approx(alone, rel=1e-5, abs=1e-6)
         if trial["state"] == "SUCCEEDED":
             assert len(losses) == 16 and trial["objective"] == losses[-1]
+    assert recoveries >= 1  # trials with shards on the lost device rolled back and went on
     kept = [t for t in trials if t["checkpoints_kept"]]
     assert [t["number"] for t in kept] == sorted(
         t["number"]
