@@ -99,22 +99,25 @@ class RayCluster:
 
         start_runner(snapshot)
 
-    def _call(self, job_id: JobId, method: str, *args: Any) -> Any:
+    def _ask(self, handle: Any, what: str, method: str, *args: Any) -> Any:
+        """Call ``method`` of the actor ``handle`` (``what`` names it in errors) and wait."""
         from ray.exceptions import GetTimeoutError, RayActorError
 
-        from workers.launch import find_runner
-
-        handle = find_runner(job_id)
         if handle is None:
-            raise RunnerGone(f"runner of job {job_id} is gone (no live actor with its name)")
+            raise RunnerGone(f"{what} is gone (no live actor with its name)")
         try:
             return self._ray.get(getattr(handle, method).remote(*args), timeout=self._timeout_s)
         except RayActorError as exc:
-            raise RunnerGone(f"runner of job {job_id} died: {_first_line(exc)}") from None
+            raise RunnerGone(f"{what} died: {_first_line(exc)}") from None
         except GetTimeoutError:
             raise ClusterUnavailable(
-                f"runner of job {job_id} did not answer {method} within {self._timeout_s:g} s"
+                f"{what} did not answer {method} within {self._timeout_s:g} s"
             ) from None
+
+    def _call(self, job_id: JobId, method: str, *args: Any) -> Any:
+        from workers.launch import find_runner
+
+        return self._ask(find_runner(job_id), f"runner of job {job_id}", method, *args)
 
     def poll(self, job_id: JobId, cursor: int) -> RunnerReport:
         report: RunnerReport = self._call(job_id, "poll", cursor)
@@ -145,22 +148,9 @@ class RayCluster:
         return find_pool(sweep_id) is not None
 
     def _pool_call(self, sweep_id: str, method: str, *args: Any) -> Any:
-        from ray.exceptions import GetTimeoutError, RayActorError
-
         from workers.launch import find_pool
 
-        handle = find_pool(sweep_id)
-        if handle is None:
-            raise RunnerGone(f"the executor of sweep {sweep_id} is gone (no live actor)")
-        try:
-            return self._ray.get(getattr(handle, method).remote(*args), timeout=self._timeout_s)
-        except RayActorError as exc:
-            raise RunnerGone(f"the executor of sweep {sweep_id} died: {_first_line(exc)}") from None
-        except GetTimeoutError:
-            raise ClusterUnavailable(
-                f"the executor of sweep {sweep_id} did not answer {method} within"
-                f" {self._timeout_s:g} s"
-            ) from None
+        return self._ask(find_pool(sweep_id), f"the executor of sweep {sweep_id}", method, *args)
 
     def add_trial(self, sweep_id: str, snapshot: JobSnapshot) -> None:
         self._pool_call(sweep_id, "add", snapshot)

@@ -455,22 +455,28 @@ def drain(factory: SessionFactory, device_id: str) -> None:
 """Enough that in-process runners (a few ms a step) are still running when devices change."""
 
 
-def test_a_running_job_grows_onto_devices_that_appear(
-    session_factory: SessionFactory, resizable: Resizable, tmp_path: Path
-) -> None:
-    """Two devices, a job that could use four: two more appear mid-run and the job grows
-    from one pipeline of 2 stages to two replicas, in place, every step once and exact."""
-    controller = make_controller(session_factory, resizable, tmp_path)  # type: ignore[arg-type]
+def growing_job(factory: SessionFactory, controller: Controller) -> str:
+    """A 2-stage job on 2 devices that could use 4, five steps in."""
     job_id = submit(
-        session_factory,
-        owner(session_factory),
+        factory,
+        owner(factory),
         steps=STEPS,
         micro_batches=4,
         optimizer={"name": "sgd", "lr": 0.05},
         parallelism={"stages": 2, "replicas": "auto"},
         resources={"min_devices": 2, "max_devices": 4},
     )
-    reconcile_until(controller, lambda: job(session_factory, job_id).step >= 5, timeout=120)
+    reconcile_until(controller, lambda: job(factory, job_id).step >= 5, timeout=120)
+    return job_id
+
+
+def test_a_running_job_grows_onto_devices_that_appear(
+    session_factory: SessionFactory, resizable: Resizable, tmp_path: Path
+) -> None:
+    """Two devices, a job that could use four: two more appear mid-run and the job grows
+    from one pipeline of 2 stages to two replicas, in place, every step once and exact."""
+    controller = make_controller(session_factory, resizable, tmp_path)  # type: ignore[arg-type]
+    job_id = growing_job(session_factory, controller)
     assert len(job(session_factory, job_id).devices) == 2
     resizable.devices = 4
     reconcile_until(
@@ -499,16 +505,7 @@ def test_a_job_does_not_grow_for_less_than_the_configured_gain(
     )
     config = ControllerConfig(checkpoint_root=str(tmp_path / "ckpt"), growth_min_gain=0.99)
     controller = Controller(session_factory, cluster, config)  # type: ignore[arg-type]
-    job_id = submit(
-        session_factory,
-        owner(session_factory),
-        steps=STEPS,
-        micro_batches=4,
-        optimizer={"name": "sgd", "lr": 0.05},
-        parallelism={"stages": 2, "replicas": "auto"},
-        resources={"min_devices": 2, "max_devices": 4},
-    )
-    reconcile_until(controller, lambda: job(session_factory, job_id).step >= 5, timeout=120)
+    job_id = growing_job(session_factory, controller)
     cluster.devices = 4
     reconcile_until(
         controller, lambda: job(session_factory, job_id).state == "SUCCEEDED", timeout=180
