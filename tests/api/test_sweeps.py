@@ -106,20 +106,19 @@ def test_base_job_completion_errors_are_named_under_base(api: Api) -> None:
     assert [e["field"] for e in r.json()["errors"]] == ["base.model.config.layers"]
 
 
+def one_device(api: Api, *, memory_mb: int) -> None:
+    """The controller has seen one live device of ``memory_mb``."""
+    with api.factory() as session, session.begin():
+        row = DeviceRow(
+            id="n1-cpu-0", node_id="n1", kind="cpu", memory_mb=memory_mb, gpu=False, spot=False
+        )
+        row.state = "alive"
+        session.add(row)
+
+
 def test_a_base_job_too_big_for_every_device_is_refused(api: Api) -> None:
     alice = api.token("alice")
-    with api.factory() as session, session.begin():
-        session.add(
-            DeviceRow(
-                id="n1-cpu-0",
-                node_id="n1",
-                kind="cpu",
-                memory_mb=2048,
-                gpu=False,
-                spot=False,
-                state="alive",
-            )
-        )
+    one_device(api, memory_mb=2048)
     huge = job_spec(model={"builtin": "mlp", "config": {"hidden": 8192, "layers": 40}})
     r = api.client.post(SWEEPS, json=sweep_spec(base=huge, executor="jobs"), headers=alice)
     assert r.status_code == 422, r.text
@@ -130,18 +129,7 @@ def test_a_base_job_too_big_for_every_device_is_refused(api: Api) -> None:
 
 def test_a_space_value_too_big_for_every_device_is_refused_naming_the_path(api: Api) -> None:
     alice = api.token("alice")
-    with api.factory() as session, session.begin():
-        session.add(
-            DeviceRow(
-                id="n1-cpu-0",
-                node_id="n1",
-                kind="cpu",
-                memory_mb=2048,
-                gpu=False,
-                spot=False,
-                state="alive",
-            )
-        )
+    one_device(api, memory_mb=2048)
     space = {"model.config.hidden": {"type": "categorical", "choices": [32, 4096]}}
     base = job_spec(model={"builtin": "mlp", "config": {"hidden": 32, "layers": 40}})
     jobs = sweep_spec(base=base, space=space, executor="jobs")
