@@ -282,3 +282,132 @@ def elastic(hidden: int, layers: int, slowdown: float, steps: int, as_json: bool
     for name, value in rows:
         table.add_row(name, value)
     console.print(table)
+
+
+@bench.command()
+@click.option(
+    "--steps",
+    default=24,
+    show_default=True,
+    type=click.IntRange(1, 10000),
+    help="Training steps of every model in every variant.",
+)
+@click.option("--models", default=4, show_default=True, type=click.IntRange(1, 32))
+@click.option("--hidden", default=2048, show_default=True, type=click.IntRange(1, 16384))
+@click.option(
+    "--layers",
+    default=8,
+    show_default=True,
+    type=click.IntRange(1, 256),
+    help="Hidden layers of each MLP (blocks = layers + 1).",
+)
+@click.option("--batch-size", default=128, show_default=True, type=click.IntRange(1, 65536))
+@click.option(
+    "--budget-fraction",
+    default=0.75,
+    show_default=True,
+    type=float,
+    help="Each device's memory budget as a fraction of one model's state (0.5-1).",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object on the last line.")
+def sharp(
+    steps: int,
+    models: int,
+    hidden: int,
+    layers: int,
+    batch_size: int,
+    budget_fraction: float,
+    as_json: bool,
+) -> None:
+    """SHARP vs one model after another on 2 local devices; simulated SHARP orderings on
+    Hydra's setting and a 512-device spot cluster against the lower bound."""
+    import time
+
+    from service.localray import LocalRay, LocalRayError, parse_devices
+    from workers.bench.report import SHARP_PHASES, SharpSettings
+    from workers.bench.simulation import run_simulated
+
+    try:
+        settings = SharpSettings(
+            steps=steps,
+            models=models,
+            hidden=hidden,
+            layers=layers,
+            batch_size=batch_size,
+            budget_fraction=budget_fraction,
+        )
+    except ValueError as exc:
+        raise InputError(str(exc)) from None
+    console = make_console()
+    started = time.perf_counter()
+    with (
+        _phases(console, len(SHARP_PHASES), as_json) as progress,
+        tempfile.TemporaryDirectory(prefix="shoal-bench-sharp-") as tmp,
+    ):
+        # Simulated first, with no Ray processes beside it to slow the timed simulation.
+        simulated = run_simulated(settings, progress)
+        progress(SHARP_PHASES[3])
+        cluster = LocalRay(parse_devices(settings.devices), Path(tmp) / "logs")
+        try:
+            cluster.start()
+        except LocalRayError as exc:
+            raise click.ClickException(str(exc)) from None
+        try:
+            # Ray reads its token when first imported: the cluster's must be set before.
+            os.environ.update(cluster.client_env)
+            from workers.bench.sharp import run_sharp
+
+            result = run_sharp(settings, simulated, cluster, Path(tmp), progress, started)
+        finally:
+            cluster.stop()
+    if as_json:
+        click.echo(json.dumps(result))
+        return
+    _sharp_tables(console, result)
+
+
+def _sharp_tables(console: Console, result: dict[str, Any]) -> None:
+    total, train = result["sequential_seconds"], result["sequential_train_seconds"]
+    real = Table(title=f"shoal bench sharp: {result['model']}", caption=_caption(result))
+    real.add_column("on 2 devices")
+    real.add_column("seconds", justify="right")
+    real.add_column("speedup", justify="right")
+    real.add_column("training only", justify="right")
+    real.add_column("speedup", justify="right")
+    for name, key in (
+        ("one after another, plain model parallelism", "sequential"),
+        ("SHARP, Sharded-LRTF", "sharp"),
+        ("SHARP, prefetch off", "no_prefetch"),
+    ):
+        seconds, training = result[f"{key}_seconds"], result[f"{key}_train_seconds"]
+        real.add_row(
+            name,
+            _f(seconds, 2),
+            f"{total / seconds:.2f}x" if seconds > 0 else "-",
+            _f(training, 2),
+            f"{train / training:.2f}x" if training > 0 else "-",
+        )
+    console.print(real)
+    local, busy = result["sim_two_devices"], result["sharp_device_busy"]
+    console.print(
+        f"SHARP's devices computing {' and '.join(f'{b:.2f}' for b in busy)} of the time;"
+        f" the simulator, same shards with free copies and no overhead:"
+        f" {local['lrtf_mean_utilization']:.2f} busy,"
+        f" {local['speedup_vs_model_parallel']:.2f}x over model parallelism"
+    )
+    rows = result["sim_settings"]
+    strategies = list(rows[0]["results"])
+    sim = Table(title="simulated: makespan / lower bound")
+    sim.add_column("setting")
+    for strategy in strategies:
+        sim.add_column(strategy, justify="right")
+    for row in rows:
+        name = f"{row['name']} ({row['devices']} devices, {row['models']} models)"
+        sim.add_row(name, *(_f(row["results"][s]["ratio"], 3) for s in strategies))
+    console.print(sim)
+    scale = result["sim_scale"]
+    console.print(
+        f"{scale['devices']:,} devices x {scale['models']:,} models simulated with"
+        f" Sharded-LRTF in {result['sim_1024_devices_seconds']:.2f} s"
+        f" ({scale['lrtf_ratio']:.3f}x the lower bound)"
+    )

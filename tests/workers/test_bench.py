@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
+from typing import Any
 
 import pytest
 from click.testing import CliRunner
@@ -232,3 +234,158 @@ def test_elastic_settings_refuse_what_cannot_run() -> None:
         ElasticSettings(layers=1)
     with pytest.raises(ValueError, match="3 x window"):
         ElasticSettings(steps=5, window=3)
+
+
+def _sharp_canned() -> tuple[dict[str, Any], dict[str, Any]]:
+    """A real half and a simulated half of ``shoal bench sharp``, as the bench makes them."""
+    real = {
+        "sharp_seconds": 20.0,
+        "sequential_seconds": 38.0,
+        "no_prefetch_seconds": 21.0,
+        "sharp_train_seconds": 10.0,
+        "sequential_train_seconds": 15.0,
+        "no_prefetch_train_seconds": 12.0,
+        "sharp_device_busy": [0.5, 0.25],
+        "sim_two_devices": {"lrtf_mean_utilization": 0.99, "speedup_vs_model_parallel": 2.0},
+        "model": "4 x mlp",
+        "shards_per_model": [4, 4, 4, 4],
+    }
+    row = {"ratio": 1.0, "makespan_s": 1.0, "lower_bound_s": 1.0, "mean_utilization": 1.0}
+    settings = [
+        {"name": "a", "devices": 8, "models": 12, "results": {"sharp-lrtf": row}},
+        {"name": "b", "devices": 512, "models": 300, "results": {"sharp-lrtf": row}},
+    ]
+    sim = {
+        "sim_lrtf_over_lower_bound": 1.05,
+        "sim_fifo_over_lower_bound": 1.4,
+        "sim_1024_devices_seconds": 7.5,
+        "sim_settings": settings,
+        "sim_scale": {"name": "c", "devices": 1024, "models": 1000, "lrtf_ratio": 1.2},
+    }
+    return real, sim
+
+
+@pytest.mark.unit
+def test_sharp_result_has_the_issue_keys_first_and_is_json() -> None:
+    from workers.bench.report import SHARP_KEYS, SharpSettings, sharp_result
+
+    real, sim = _sharp_canned()
+    result = sharp_result(SharpSettings(), real, sim, started=0.0)
+    assert list(result)[: len(SHARP_KEYS)] == list(SHARP_KEYS)
+    assert result["speedup_vs_sequential"] == pytest.approx(1.9)
+    assert result["shards_per_model"] == [4, 4, 4, 4]
+    assert result["sim_settings"][1]["devices"] == 512
+    answer = json.loads(json.dumps(result))
+    assert answer["settings"]["models"] == 4 and "cpus" in answer["machine"]
+
+
+@pytest.mark.unit
+def test_sharp_settings_refuse_a_budget_that_fits_a_model_or_not_half() -> None:
+    from workers.bench.report import SharpSettings
+
+    assert SharpSettings().devices.count("1xcpu-") == 2
+    with pytest.raises(ValueError, match="a whole model would fit one device"):
+        SharpSettings(budget_fraction=1.0)
+    with pytest.raises(ValueError, match="must fit"):
+        SharpSettings(budget_fraction=0.5)
+    with pytest.raises(ValueError, match=">= 1"):
+        SharpSettings(steps=0)
+
+
+@pytest.mark.unit
+def test_same_losses_names_the_first_model_and_step_that_differ() -> None:
+    from workers.bench.report import same_losses
+
+    same_losses({"a": [[1.0, 0.5], [2.0]], "b": [[1.0, 0.5], [2.0]]})
+    with pytest.raises(BenchError, match="model 1: b differs from a at step 2"):
+        same_losses({"a": [[1.0], [2.0, 1.0]], "b": [[1.0], [2.0, 1.5]]})
+    with pytest.raises(BenchError, match=r"at step 2 \(no such step"):
+        same_losses({"a": [[1.0, 0.5]], "b": [[1.0]]})
+    with pytest.raises(BenchError, match="trained 1 models"):
+        same_losses({"a": [[1.0], [1.0]], "b": [[1.0]]})
+
+
+@pytest.mark.unit
+def test_simulated_half_runs_every_strategy_and_takes_the_worst_setting() -> None:
+    from scheduler.simulate import Strategy
+    from workers.bench.report import SHARP_PHASES, SharpSettings
+    from workers.bench.simulation import NO_PREFETCH, run_simulated
+
+    s = SharpSettings(spot_devices=8, spot_models=3, scale_devices=8, scale_models=3)
+    phases: list[str] = []
+    result = run_simulated(s, phases.append)
+    assert phases == list(SHARP_PHASES[:3])
+    hydra, spot = result["sim_settings"]
+    assert (hydra["devices"], hydra["models"]) == (8, 12)
+    assert (spot["devices"], spot["models"]) == (8, 3)
+    assert set(hydra["results"]) == {*(x.value for x in Strategy), NO_PREFETCH}
+    for row in (hydra, spot):
+        for strategy in row["results"].values():
+            assert strategy["ratio"] >= 1.0 - 1e-9  # no schedule beats the lower bound
+    lrtf = [row["results"]["sharp-lrtf"]["ratio"] for row in (hydra, spot)]
+    assert result["sim_lrtf_over_lower_bound"] == max(lrtf)
+    # Hydra's own claim, reproduced by the simulator: LRTF near the bound, FIFO well above.
+    assert hydra["results"]["sharp-lrtf"]["ratio"] < 1.1
+    assert hydra["results"]["sharp-fifo"]["ratio"] > hydra["results"]["sharp-lrtf"]["ratio"]
+    assert result["sim_1024_devices_seconds"] > 0 and result["sim_scale"]["models"] == 3
+
+
+@pytest.mark.unit
+def test_sharp_bench_in_process_trains_every_variant_to_the_same_losses(tmp_path: Path) -> None:
+    from scheduler.devices import Device
+    from workers.bench.report import SharpSettings
+    from workers.bench.sharp import measure
+    from workers.group import LocalGroup
+    from workers.shard_pool import LocalPool
+
+    # In-process the threads take turns: the plumbing and the exactness check, not timing.
+    s = SharpSettings(models=2, hidden=16, layers=6, features=8, outputs=2, batch_size=8, steps=3)
+    devices = [Device(f"n0000000a-cpu-{i}", "n0000000a", i, "cpu", 2048, False) for i in range(2)]
+    result = measure(s, devices, tmp_path, LocalPool, LocalGroup)
+    assert result["model_state_bytes"] > result["budget_bytes"]  # no model fits one device
+    assert len(result["shards_per_model"]) == 2 and min(result["shards_per_model"]) >= 2
+    for key in ("sharp_seconds", "sequential_seconds", "no_prefetch_seconds"):
+        assert result[key] > 0
+    assert result["promoted_bytes"] > 0 and len(result["final_losses"]) == 2
+    # Two models on two devices, no overhead: the simulator keeps both devices busy.
+    assert result["sim_two_devices"]["speedup_vs_model_parallel"] > 1.5
+    with pytest.raises(BenchError, match="needs 2 devices"):
+        measure(s, devices[:1], tmp_path, LocalPool, LocalGroup)
+
+
+@pytest.mark.unit
+def test_bench_sharp_prints_a_table_or_json(monkeypatch: pytest.MonkeyPatch) -> None:
+    import service.localray
+    from workers.bench import sharp as sharp_bench
+    from workers.bench import simulation
+    from workers.bench.report import SharpSettings, sharp_result
+
+    class NoCluster:
+        """Stands in for the local Ray cluster the command starts."""
+
+        client_env: dict[str, str] = {}
+
+        def __init__(self, *args: Any) -> None: ...
+
+        def start(self) -> None: ...
+
+        def stop(self) -> None: ...
+
+    real, sim = _sharp_canned()
+    monkeypatch.setattr(service.localray, "LocalRay", NoCluster)
+    monkeypatch.setattr(simulation, "run_simulated", lambda s, progress: sim)
+    monkeypatch.setattr(
+        sharp_bench,
+        "run_sharp",
+        lambda s, simulated, *args: sharp_result(SharpSettings(), real, simulated, 0.0),
+    )
+    result = CliRunner().invoke(cli, ["bench", "sharp"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    assert "SHARP, Sharded-LRTF" in result.output and "1.90x" in result.output
+    assert "1.50x" in result.output  # training only: 15 s against 10 s
+    assert "devices computing 0.50 and 0.25 of the time" in result.output
+    assert "simulated with Sharded-LRTF in 7.50 s" in result.output
+    result = CliRunner().invoke(cli, ["bench", "sharp", "--json"], catch_exceptions=False)
+    assert _last_json(result.output)["speedup_vs_sequential"] == pytest.approx(1.9)
+    result = CliRunner().invoke(cli, ["bench", "sharp", "--budget-fraction", "1.5"])
+    assert result.exit_code == 2 and "budget_fraction" in result.output

@@ -70,7 +70,8 @@ def _refs(s: ElasticSettings) -> tuple[ModelRef, DataRef, OptimizerConf]:
     return model, data, OptimizerConf("sgd", 1e-3)
 
 
-def _devices() -> list[Device]:
+def cluster_devices() -> list[Device]:
+    """Every virtual device of the connected Ray cluster, sorted by kind."""
     nodes = [
         NodeInfo(str(n["NodeID"]), bool(n["Alive"]), dict(n["Resources"]), dict(n["Labels"]))
         for n in ray.nodes()  # type: ignore[no-untyped-call]
@@ -153,7 +154,7 @@ def best_cut(
 
 
 def _heterogeneity(s: ElasticSettings, root: Path, progress: Progress) -> dict[str, Any]:
-    devices = _devices()
+    devices = cluster_devices()
     if len(devices) != 3:
         raise BenchError(f"the local cluster shows {len(devices)} devices, not 3")
     even = stage_bounds(s.num_blocks, 3)
@@ -225,8 +226,8 @@ def _preemption_and_growth(
     s: ElasticSettings, root: Path, cluster: LocalRay, progress: Progress
 ) -> dict[str, Any]:
     progress(ELASTIC_PHASES[4])
-    devices = [d for d in _devices() if d.kind != "cpu-slow"] + [
-        d for d in _devices() if d.kind == "cpu-slow"
+    devices = [d for d in cluster_devices() if d.kind != "cpu-slow"] + [
+        d for d in cluster_devices() if d.kind == "cpu-slow"
     ]
     ranges = stage_bounds(s.num_blocks, 3)
     snap = _snapshot(
@@ -255,7 +256,7 @@ def _preemption_and_growth(
         progress(ELASTIC_PHASES[5])
         joined = time.monotonic()
         cluster.add_node(parse_devices("1xcpu-new:4096")[0])
-        by_id = {d.id: d for d in _devices()}
+        by_id = {d.id: d for d in cluster_devices()}
         new = next(d for d in by_id.values() if d.kind == "cpu-new")
         running = [by_id[row["device_id"]] for row in _latest_rows(job.trainer)]
         request = JobRequest("bench", 0, 1, 3, None, s.num_blocks, None, True, None)

@@ -262,3 +262,124 @@ def pipeline_result(
         "machine": machine(),
         "wall_s": round(time.perf_counter() - started, 1),
     }
+
+
+SHARP_KEYS = (
+    "sharp_seconds",
+    "sequential_seconds",
+    "speedup_vs_sequential",
+    "no_prefetch_seconds",
+    "sim_lrtf_over_lower_bound",
+    "sim_fifo_over_lower_bound",
+    "sim_1024_devices_seconds",
+)
+"""The keys ``shoal bench sharp --json`` always prints (the SHARP issue)."""
+
+SHARP_PHASES = (
+    "simulated: Hydra's 8 devices x 12 models",
+    "simulated: heterogeneous spot cluster",
+    "simulated: 1,024 devices x 1,000 models",
+    "starting a 2-node local Ray",
+    "one after another, model parallel",
+    "SHARP, Sharded-LRTF",
+    "SHARP, prefetch off",
+)
+
+
+@dataclass(frozen=True)
+class SharpSettings:
+    """The sizes of ``shoal bench sharp``: ``models`` identical MLPs (seeds differ) on two
+    devices for the real part, and the simulated clusters.
+
+    The default MLP has ~30M parameters (8 hidden 2048-wide layers): a shard task computes
+    for ~50 ms on one core, large against Ray's ~10-40 ms per task round trip on 2 cores.
+    """
+
+    models: int = 4
+    hidden: int = 2048
+    layers: int = 8
+    features: int = 256
+    outputs: int = 16
+    batch_size: int = 128
+    steps: int = 24
+    lr: float = 1e-3
+    budget_fraction: float = 0.75
+    """One device's memory budget as a fraction of one model's state (parameters, gradients,
+    optimizer state): below 1, no model fits one device; SHARP cuts it into shards of at
+    most half the budget."""
+    seed: int = 0
+    spot_devices: int = 512
+    spot_models: int = 300
+    scale_devices: int = 1024
+    scale_models: int = 1000
+
+    def __post_init__(self) -> None:
+        if self.models < 1 or self.steps < 1 or self.batch_size < 1 or self.layers < 1:
+            raise ValueError("models, steps, batch_size and layers must be >= 1")
+        if not 0.5 < self.budget_fraction < 1.0:
+            raise ValueError(
+                f"budget_fraction ({self.budget_fraction}) must be between 0.5 (half a model"
+                " per device: the plain model-parallel baseline must fit) and 1 (a whole"
+                " model would fit one device)"
+            )
+        if min(self.spot_devices, self.spot_models, self.scale_devices, self.scale_models) < 1:
+            raise ValueError("the simulated clusters need at least one device and one model")
+
+    @property
+    def num_blocks(self) -> int:
+        return self.layers + 1
+
+    @property
+    def devices(self) -> str:
+        """The local cluster: two nodes of one device each."""
+        return "1xcpu-a:4096,1xcpu-b:4096"
+
+
+def sharp_result(
+    s: SharpSettings, real: dict[str, Any], sim: dict[str, Any], started: float
+) -> dict[str, Any]:
+    """The JSON object of ``shoal bench sharp``; the issue's keys come first. ``real`` has
+    the three variants' seconds, ``sim`` the simulated settings (``bench.simulation``)."""
+    sharp, sequential = real["sharp_seconds"], real["sequential_seconds"]
+    return {
+        "sharp_seconds": sharp,
+        "sequential_seconds": sequential,
+        "speedup_vs_sequential": sequential / sharp if sharp > 0 else 0.0,
+        "no_prefetch_seconds": real["no_prefetch_seconds"],
+        "sim_lrtf_over_lower_bound": sim["sim_lrtf_over_lower_bound"],
+        "sim_fifo_over_lower_bound": sim["sim_fifo_over_lower_bound"],
+        "sim_1024_devices_seconds": sim["sim_1024_devices_seconds"],
+        **{k: v for k, v in real.items() if k not in SHARP_KEYS},
+        **{k: v for k, v in sim.items() if k not in SHARP_KEYS},
+        "settings": asdict(s),
+        "machine": machine(),
+        "wall_s": round(time.perf_counter() - started, 1),
+    }
+
+
+def same_losses(variants: dict[str, Sequence[Sequence[float]]]) -> None:
+    """Every variant trained every model to the same losses, bit for bit (SHARP does the
+    same math as a plain run: ``workers.sharp_runner``); raises ``BenchError`` naming the
+    first model and step where two differ."""
+    names = list(variants)
+    first = variants[names[0]]
+    for name in names[1:]:
+        other = variants[name]
+        if len(other) != len(first):
+            raise BenchError(f"{name} trained {len(other)} models, {names[0]} {len(first)}")
+        for model, (want, got) in enumerate(zip(first, other, strict=True)):
+            if list(want) == list(got):
+                continue
+            step = next(
+                (i for i, (a, b) in enumerate(zip(want, got, strict=False)) if a != b),
+                min(len(want), len(got)),
+            )
+            raise BenchError(
+                f"model {model}: {name} differs from {names[0]} at step {step + 1}"
+                f" ({_at(got, step)} vs {_at(want, step)}); the executors must train"
+                " exactly alike, so the timings are not comparable"
+            )
+
+
+def _at(losses: Sequence[float], index: int) -> str:
+    return repr(losses[index]) if index < len(losses) else "no such step"

@@ -1,0 +1,285 @@
+"""``shoal bench sharp``: SHARP against training the models one after another, on 2 devices.
+
+Several identical MLPs (their seeds differ), each larger than one device's memory budget,
+train on the same two devices three ways, every one through Shoal's own engine:
+
+1. One after another with plain model parallelism: ``workers.runner.Trainer`` with two
+   stages over the two devices and one micro-batch, so one device computes at a time.
+2. Together under SHARP (``workers.sharp_runner.SharpTrainer``, Sharded-LRTF, prefetch on):
+   each model cut into shards of at most half a device's budget, the devices running shard
+   tasks of different models at once.
+3. SHARP with prefetch off.
+
+Every variant trains the same models on the same batches to the same losses, bit for bit
+(``report.same_losses``), so their wall times compare like for like. The pools and groups are
+parameters: the bench runs them on Ray actors, the unit tests in-process.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from scheduler.devices import Device
+from scheduler.profile import BlockCost
+from scheduler.sharp import ShardError, shard_model
+from scheduler.types import DeviceId
+from service.localray import LocalRay
+from workers.bench.elastic import cluster_devices
+from workers.bench.report import (
+    SHARP_PHASES,
+    BenchError,
+    Progress,
+    SharpSettings,
+    same_losses,
+    sharp_result,
+    stage_bounds,
+)
+from workers.bench.simulation import simulate_local
+from workers.group import GroupFactory, RayGroup
+from workers.profiler import trace_costs
+from workers.runner import Trainer
+from workers.shard_host import TaskResult
+from workers.shard_pool import Call, HostPool, PoolFactory, RayPool
+from workers.sharp_runner import SharpTrainer
+from workers.snapshot import (
+    DataRef,
+    JobSnapshot,
+    ModelRef,
+    OptimizerConf,
+    RunStatus,
+    stage_plans,
+)
+
+
+def refs(s: SharpSettings) -> tuple[ModelRef, DataRef, OptimizerConf]:
+    model = ModelRef("mlp", None, {"hidden": s.hidden, "layers": s.layers})
+    data = DataRef("synthetic-regression", None, {"features": s.features, "outputs": s.outputs})
+    return model, data, OptimizerConf("sgd", s.lr)
+
+
+def model_costs(s: SharpSettings) -> tuple[BlockCost, ...]:
+    """The blocks' costs for the whole batch (one micro-batch: plain model parallelism)."""
+    model, data, _ = refs(s)
+    return trace_costs(model, data, micro_batch_size=s.batch_size, optimizer="sgd")
+
+
+def state_bytes(costs: Sequence[BlockCost]) -> int:
+    """One model's state: parameters, gradients and optimizer state."""
+    return sum(2 * c.param_bytes + c.optim_bytes for c in costs)
+
+
+def snapshots(
+    s: SharpSettings,
+    root: Path,
+    variant: str,
+    costs: tuple[BlockCost, ...],
+    devices: Sequence[Device] = (),
+) -> list[JobSnapshot]:
+    """The models, as jobs of ``variant``; with ``devices``, two stages over them (the
+    model-parallel baseline), else none (SHARP places shards itself)."""
+    model, data, optimizer = refs(s)
+    stages = stage_plans(devices, stage_bounds(s.num_blocks, len(devices))) if devices else ()
+    return [
+        JobSnapshot(
+            job_id=f"bench-sharp-{variant}-{i}-{os.getpid()}",
+            attempt=1,
+            model=model,
+            data=data,
+            optimizer=optimizer,
+            batch_size=s.batch_size,
+            micro_batches=1,
+            steps=s.steps,
+            seed=s.seed + i,
+            schedule="gpipe",
+            recompute=False,
+            stages=stages,
+            num_blocks=s.num_blocks,
+            checkpoint_root=str(root / variant),
+            checkpoint_every=0,
+            checkpoint_keep=1,
+            block_costs=costs,
+        )
+        for i in range(s.models)
+    ]
+
+
+class _Watched:
+    """A host pool that notes when the first shard task went out and each device's
+    compute seconds, for the bench's breakdown of where SHARP's time goes."""
+
+    def __init__(self, inner: HostPool) -> None:
+        self.inner = inner
+        self.devices = inner.devices
+        self.first_task: float | None = None
+        self.compute_s = [0.0] * len(inner.devices)
+
+    def submit(self, host: int, method: str, *args: Any) -> Call:
+        if self.first_task is None and method in ("forward", "backward"):
+            self.first_task = time.perf_counter()
+        return self.inner.submit(host, method, *args)
+
+    def wait(self, calls: Sequence[Call], timeout: float) -> list[Call]:
+        return self.inner.wait(calls, timeout)
+
+    def result(self, call: Call) -> Any:
+        value = self.inner.result(call)
+        if isinstance(value, TaskResult):
+            self.compute_s[call.host] += value.compute_s
+        return value
+
+    def shutdown(self) -> None:
+        self.inner.shutdown()
+
+
+def train_sharp(
+    snaps: Sequence[JobSnapshot],
+    devices: Sequence[Device],
+    budget: int,
+    make_pool: PoolFactory,
+    *,
+    prefetch: bool,
+) -> dict[str, Any]:
+    """Train ``snaps`` together under SHARP: wall seconds (from starting the workers), the
+    seconds from the first shard task, each device's busy share of those, every loss."""
+    pools: list[_Watched] = []
+
+    def watched(devs: Sequence[Device], budgets: Mapping[DeviceId, int]) -> HostPool:
+        pools.append(_Watched(make_pool(devs, budgets)))
+        return pools[-1]
+
+    budgets = {d.id: budget for d in devices}
+    trainer = SharpTrainer(snaps, devices, watched, budgets=budgets, prefetch=prefetch)
+    started, cpu = time.perf_counter(), time.process_time()
+    statuses = trainer.run()
+    ended, cpu = time.perf_counter(), time.process_time() - cpu
+    failed = {
+        k: trainer.report(k, 0).error for k, v in statuses.items() if v != RunStatus.SUCCEEDED
+    }
+    if failed:
+        raise BenchError(f"SHARP (prefetch {'on' if prefetch else 'off'}) failed: {failed}")
+    (pool,) = pools
+    train_s = ended - (pool.first_task or started)
+    reports = [trainer.report(snap.job_id, 0) for snap in snaps]
+    placements = [e for r in reports for e in r.events if e.kind == "placement"]
+    return {
+        "seconds": ended - started,
+        "train_seconds": train_s,
+        "device_busy": [c / train_s for c in pool.compute_s],
+        "driver_cpu_seconds": cpu,
+        "losses": [[m.loss for m in r.metrics] for r in reports],
+        "promoted_bytes": trainer.promoted_bytes,
+        "shards_per_model": [len(e.data["stages"]) for e in placements],
+    }
+
+
+def train_one_after_another(
+    snaps: Sequence[JobSnapshot], make_group: GroupFactory
+) -> dict[str, Any]:
+    """Train ``snaps`` one after another, each with its own stage workers: wall seconds,
+    the sum of their step times, each device's busy share of that, every loss."""
+    started = time.perf_counter()
+    losses, step_s, busy = [], 0.0, dict.fromkeys((p.device.id for p in snaps[0].stages), 0.0)
+    for snap in snaps:
+        trainer = Trainer(snap, make_group)
+        if trainer.run() is not RunStatus.SUCCEEDED:
+            raise BenchError(
+                f"the model-parallel run {snap.job_id} failed: {trainer.report(0).error}"
+            )
+        metrics = trainer.report(0).metrics
+        losses.append([m.loss for m in metrics])
+        step_s += sum(m.step_time_s for m in metrics)
+        for m in metrics:
+            for t in m.stages:
+                busy[t.device_id] += t.compute_s
+    return {
+        "seconds": time.perf_counter() - started,
+        "train_seconds": step_s,
+        "device_busy": [b / step_s for b in busy.values()] if step_s > 0 else [],
+        "losses": losses,
+    }
+
+
+def measure(
+    s: SharpSettings,
+    devices: Sequence[Device],
+    root: Path,
+    make_pool: PoolFactory,
+    make_group: GroupFactory,
+    progress: Progress = lambda _: None,
+) -> dict[str, Any]:
+    """The real half of the bench on ``devices`` (two): the three variants' seconds and
+    breakdowns, after checking that they trained every model alike."""
+    if len(devices) != 2:
+        raise BenchError(f"the bench needs 2 devices, the cluster shows {len(devices)}")
+    costs = model_costs(s)
+    state = state_bytes(costs)
+    budget = int(s.budget_fraction * state)
+    try:
+        shards = shard_model(costs, budget, s.batch_size)
+    except ShardError as exc:
+        raise BenchError(f"{exc} (here: raise budget_fraction or add layers)") from None
+    if len(shards) < 2:
+        raise BenchError(f"one model fits half of a {budget}-byte device; lower budget_fraction")
+    progress(SHARP_PHASES[4])
+    plain = train_one_after_another(snapshots(s, root, "sequential", costs, devices), make_group)
+    progress(SHARP_PHASES[5])
+    sharp = train_sharp(
+        snapshots(s, root, "sharp", costs), devices, budget, make_pool, prefetch=True
+    )
+    progress(SHARP_PHASES[6])
+    lazy = train_sharp(
+        snapshots(s, root, "no-prefetch", costs), devices, budget, make_pool, prefetch=False
+    )
+    same_losses(
+        {
+            "one after another": plain["losses"],
+            "SHARP": sharp["losses"],
+            "SHARP without prefetch": lazy["losses"],
+        }
+    )
+    return {
+        "sharp_seconds": sharp["seconds"],
+        "sequential_seconds": plain["seconds"],
+        "no_prefetch_seconds": lazy["seconds"],
+        "sharp_train_seconds": sharp["train_seconds"],
+        "sequential_train_seconds": plain["train_seconds"],
+        "no_prefetch_train_seconds": lazy["train_seconds"],
+        "sharp_device_busy": sharp["device_busy"],
+        "sequential_device_busy": plain["device_busy"],
+        "sharp_driver_cpu_seconds": sharp["driver_cpu_seconds"],
+        "sim_two_devices": simulate_local(shards, s.models, s.steps, budget),
+        "promoted_bytes": sharp["promoted_bytes"],
+        "no_prefetch_promoted_bytes": lazy["promoted_bytes"],
+        "shards_per_model": sharp["shards_per_model"],
+        "model_state_bytes": state,
+        "budget_bytes": budget,
+        "final_losses": [losses[-1] for losses in sharp["losses"]],
+        "model": f"{s.models} x mlp {s.num_blocks} blocks ({s.layers} x {s.hidden} hidden,"
+        f" {s.features} in, {s.outputs} out), sgd, batch {s.batch_size}, {s.steps} steps",
+    }
+
+
+def run_sharp(
+    s: SharpSettings,
+    simulated: dict[str, Any],
+    cluster: LocalRay,
+    root: Path,
+    progress: Progress = lambda _: None,
+    started: float | None = None,
+) -> dict[str, Any]:
+    """Measure on ``cluster`` (started from ``s.devices``, its token in this process's
+    environment before Ray was imported: ``service.cli.bench``) and add the ``simulated``
+    numbers (``bench.simulation``); files go under ``root``."""
+    began = time.perf_counter() if started is None else started
+    ray.init(address=cluster.address, log_to_driver=False, namespace="shoal-bench")
+    try:
+        real = measure(s, cluster_devices(), root, RayPool, RayGroup, progress)
+    finally:
+        ray.shutdown()
+    return sharp_result(s, real, simulated, began)

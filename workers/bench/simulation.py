@@ -1,0 +1,100 @@
+"""The simulated half of ``shoal bench sharp``: SHARP's orderings on modelled clusters.
+
+Pure (no Ray, no torch): ``scheduler.simulate`` runs the executor's own ordering and
+assignment code on Hydra's setting (8 devices, 12 models of 2-4 devices' memory) and on a
+heterogeneous spot cluster, against the lower bound no schedule can beat
+(``scheduler.simcluster.lower_bound``), and is timed on a 1,024-device, 1,000-model run.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from scheduler.sharp import ModelPlan, Shard
+from scheduler.simcluster import (
+    Cluster,
+    DeviceKind,
+    Setting,
+    hydra_setting,
+    mixed_setting,
+    spot_setting,
+)
+from scheduler.simulate import Strategy, simulate
+from workers.bench.report import SHARP_PHASES, Progress, SharpSettings
+
+NO_PREFETCH = "sharp-lrtf-no-prefetch"
+"""Sharded-LRTF with every shard copied in only when its task starts."""
+
+
+def simulate_setting(setting: Setting) -> dict[str, Any]:
+    """Every strategy on ``setting`` (and Sharded-LRTF without prefetch): each one's
+    makespan, the lower bound, their ratio and the mean device utilization."""
+    rows: dict[str, dict[str, float]] = {}
+    runs = [(s.value, s, True) for s in Strategy] + [(NO_PREFETCH, Strategy.LRTF, False)]
+    for name, strategy, prefetch in runs:
+        result = simulate(setting.cluster, setting.plans, strategy, prefetch=prefetch)
+        rows[name] = {
+            "ratio": result.ratio,
+            "makespan_s": result.makespan_s,
+            "lower_bound_s": result.lower_bound_s,
+            "mean_utilization": result.mean_utilization,
+        }
+    return {
+        "name": setting.name,
+        "devices": len(setting.cluster.devices()),
+        "models": len(setting.plans),
+        "outages": len(setting.cluster.outages),
+        "results": rows,
+    }
+
+
+def simulate_local(
+    shards: Sequence[Shard], models: int, steps: int, budget: int, devices: int = 2
+) -> dict[str, float]:
+    """The real half's run as the simulator sees it: ``models`` models of ``shards`` on
+    ``devices`` devices of one node whose copies cost nothing (CPU devices share host
+    memory). What scheduling alone leaves idle, before any framework overhead."""
+    kind = DeviceKind("local-cpu", 1.0, budget, 1e6)
+    cluster = Cluster(((kind, devices),), per_node=devices)
+    plans = [ModelPlan(f"model-{i}", tuple(shards), steps, i) for i in range(models)]
+    sharp = simulate(cluster, plans, Strategy.LRTF)
+    plain = simulate(cluster, plans, Strategy.MODEL_PARALLEL)
+    return {
+        "lrtf_ratio": sharp.ratio,
+        "lrtf_mean_utilization": sharp.mean_utilization,
+        "speedup_vs_model_parallel": plain.makespan_s / sharp.makespan_s,
+    }
+
+
+def worst_ratio(settings: Sequence[dict[str, Any]], strategy: str) -> float:
+    """The largest makespan / lower bound of ``strategy`` over the simulated settings."""
+    return max(float(row["results"][strategy]["ratio"]) for row in settings)
+
+
+def run_simulated(s: SharpSettings, progress: Progress = lambda _: None) -> dict[str, Any]:
+    """The simulated numbers of ``shoal bench sharp`` (its first three phases)."""
+    progress(SHARP_PHASES[0])
+    hydra = simulate_setting(hydra_setting(seed=s.seed))
+    progress(SHARP_PHASES[1])
+    spot = simulate_setting(spot_setting(devices=s.spot_devices, models=s.spot_models, seed=s.seed))
+    progress(SHARP_PHASES[2])
+    scale = mixed_setting(s.scale_devices, s.scale_models, seed=s.seed)
+    started = time.perf_counter()
+    big = simulate(scale.cluster, scale.plans, Strategy.LRTF)
+    seconds = time.perf_counter() - started
+    settings = [hydra, spot]
+    return {
+        "sim_lrtf_over_lower_bound": worst_ratio(settings, Strategy.LRTF.value),
+        "sim_fifo_over_lower_bound": worst_ratio(settings, Strategy.FIFO.value),
+        "sim_1024_devices_seconds": seconds,
+        "sim_settings": settings,
+        "sim_scale": {
+            "name": scale.name,
+            "devices": len(scale.cluster.devices()),
+            "models": len(scale.plans),
+            "lrtf_ratio": big.ratio,
+            "tasks": big.tasks,
+        },
+    }
