@@ -231,12 +231,12 @@ class InProcessCluster:
 
     def start_pool(self, sweep_id: str, devices: Sequence[Device], policy: str) -> None:
         from workers.shard_pool import LocalPool
-        from workers.sharp_runner import SharpRunner
+        from workers.sweep_executor import SweepExecutor
 
         with self._lock:
             if sweep_id in self._pools:
                 return
-            pool = SharpRunner(devices, LocalPool, policy)
+            pool = SweepExecutor(devices, LocalPool, policy)
             self._pools[sweep_id] = pool
         threading.Thread(target=pool.run, name=f"sweep-{sweep_id[:8]}").start()
 

@@ -91,15 +91,15 @@ def find_pool(sweep_id: str) -> ActorHandle[Any] | None:
 
 
 def start_pool(sweep_id: str, devices: Sequence[Device], policy: str) -> ActorHandle[Any]:
-    """The sweep's SHARP executor (``workers.sharp_runner.SharpRunner``) on ``devices``,
+    """The sweep's SHARP executor (``workers.sweep_executor.SweepExecutor``) on ``devices``,
     started and running unless it exists: detached and named, on the head node, like a
     job's runner, so it outlives the control plane and is found again."""
     existing = find_pool(sweep_id)
     if existing is not None:
         return existing
-    from workers.sharp_runner import SharpRunner
+    from workers.sweep_executor import SweepExecutor
 
-    pool_actor: Any = ray.remote(SharpRunner)
+    pool_actor: Any = ray.remote(SweepExecutor)
     pool: ActorHandle[Any] = pool_actor.options(
         name=pool_name(sweep_id),
         namespace=RUNNER_NAMESPACE,

@@ -173,10 +173,10 @@ def test_a_running_pool_takes_new_models_cancels_others_and_ends_when_closed(
     the pool ends once closed and empty. The trials that ran to the end are exact."""
     import threading
 
-    from workers.sharp_runner import SharpRunner
+    from workers.sweep_executor import SweepExecutor
 
     pool = devices()
-    runner = SharpRunner([replace(d, memory_mb=1) for d in pool], LocalPool)
+    runner = SweepExecutor([replace(d, memory_mb=1) for d in pool], LocalPool)
     thread = threading.Thread(target=runner.run)
     thread.start()
     first = model(tmp_path, "a", steps=30)
@@ -200,9 +200,9 @@ def test_cancelling_a_model_that_has_ended_changes_nothing(tmp_path: Path) -> No
     """A pruning decision may arrive after the trial's last step, while others train."""
     import threading
 
-    from workers.sharp_runner import SharpRunner
+    from workers.sweep_executor import SweepExecutor
 
-    runner = SharpRunner(devices(), LocalPool)
+    runner = SweepExecutor(devices(), LocalPool)
     thread = threading.Thread(target=runner.run)
     thread.start()
     runner.add(model(tmp_path, "a", steps=2))

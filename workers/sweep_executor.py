@@ -1,0 +1,57 @@
+"""A sweep's SHARP executor as the control plane drives it: the actor around ``SharpTrainer``.
+
+``workers.launch`` runs ``SweepExecutor`` as a detached, threaded Ray actor named after the
+sweep (an in-process cluster runs it on a thread): ``run`` trains on one thread while the
+others add trials, cancel pruned ones, and answer polls; ``close`` lets it end.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+from scheduler.devices import Device
+from scheduler.sharp import Policy
+from workers.shard_pool import PoolFactory
+from workers.sharp_runner import SharpTrainer
+from workers.snapshot import JobSnapshot, RunnerReport, RunStatus
+
+
+class SweepExecutor:
+    """One sweep's trials on its devices; trials come and go while it runs."""
+
+    def __init__(
+        self, devices: Sequence[Device], make_pool: PoolFactory | None = None, policy: str = "lrtf"
+    ) -> None:
+        from workers.shard_pool import RayPool
+
+        self._trainer = SharpTrainer(
+            (),
+            devices,
+            make_pool or RayPool,
+            budgets={d.id: d.memory_mb * 2**20 for d in devices},
+            policy=Policy(policy),
+            keep_open=True,
+        )
+        self._started = False
+        self._lock = threading.Lock()
+
+    def run(self) -> dict[str, RunStatus]:
+        """Train until closed and every trial has ended; a second call returns at once."""
+        with self._lock:
+            if self._started:
+                return {}
+            self._started = True
+        return self._trainer.run()
+
+    def add(self, snap: JobSnapshot) -> None:
+        self._trainer.add(snap)
+
+    def cancel(self, job_id: str) -> None:
+        self._trainer.cancel(job_id)
+
+    def close(self) -> None:
+        self._trainer.close()
+
+    def poll(self, job_id: str, cursor: int) -> RunnerReport:
+        return self._trainer.report(job_id, cursor)
