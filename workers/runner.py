@@ -403,14 +403,7 @@ class Trainer:
             for w, p in enumerate(plans)
         ]
         group.get(loads, self._timeout)
-        self._record(
-            RunnerEvent(
-                "resumed",
-                latest.step,
-                f"resumed from the checkpoint at step {latest.step}",
-                {"step": latest.step, "path": latest.path},
-            )
-        )
+        self._record(resumed_event(latest))
         with self._lock:
             self._step = latest.step
         return latest.step
@@ -558,6 +551,16 @@ class Trainer:
             for p in layout.plans
         ]
         self._record(write_checkpoint(store, self.snapshot, step, blocks, stages, layout.split))
+
+
+def resumed_event(latest: CheckpointInfo) -> RunnerEvent:
+    """The event of a run that restored the checkpoint ``latest``."""
+    return RunnerEvent(
+        "resumed",
+        latest.step,
+        f"resumed from the checkpoint at step {latest.step}",
+        {"step": latest.step, "path": latest.path},
+    )
 
 
 def write_checkpoint(

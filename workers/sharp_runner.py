@@ -41,7 +41,7 @@ from scheduler.sharp import (
 )
 from scheduler.types import DeviceId
 from workers.checkpoints import CheckpointStore
-from workers.runner import write_checkpoint
+from workers.runner import resumed_event, write_checkpoint
 from workers.shard_host import ShardFailed, ShardKey, TaskResult
 from workers.shard_pool import Call, HostLost, HostPool, PoolFactory
 from workers.snapshot import JobSnapshot, RunnerEvent, RunnerReport, RunStatus, StepMetrics
@@ -275,15 +275,7 @@ class SharpTrainer:
             self._models[snap.job_id] = model
         if latest is not None:
             model.done = latest.step * 2 * len(shards)
-            self._record(
-                model,
-                RunnerEvent(
-                    "resumed",
-                    latest.step,
-                    f"resumed from the checkpoint at step {latest.step}",
-                    {"step": latest.step, "path": latest.path},
-                ),
-            )
+            self._record(model, resumed_event(latest))
             with self._lock:
                 model.step = latest.step
         where = ", ".join(
