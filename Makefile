@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.shoal-installed
 
-.PHONY: run test lint typecheck unit clean
+.PHONY: run test lint typecheck unit screenshots clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +33,12 @@ unit: $(STAMP)
 
 test: lint typecheck
 	$(BIN)/pytest -q
+
+# The README's dashboard pictures: the browser tests take them (needs chromium).
+screenshots: $(STAMP)
+	SHOAL_TEST_ARTIFACTS=build/test-artifacts SHOAL_REQUIRE_BROWSER=1 $(BIN)/pytest -q tests/dashboard
+	mkdir -p docs/screenshots
+	cp build/test-artifacts/dashboard/pages/*.png docs/screenshots/
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

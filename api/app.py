@@ -12,8 +12,12 @@ from fastapi import FastAPI
 from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
 
+from api import stream
 from api.errors import BodyLimit, install_error_handlers
-from api.routes import devices, health, jobs, sweeps
+from api.metrics import install_metrics
+from api.ratelimit import RateLimit
+from api.routes import devices, health, jobs, sweeps, users
+from api.stream import Feed
 from service.auth import ADMIN_USER, Principal
 from service.controller import Controller
 from service.db.models import User
@@ -61,10 +65,18 @@ def create_app(
     app.state.anonymous = None if settings.auth else _anonymous_admin(session_factory)
     install_error_handlers(app)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    if settings.rate_limit_per_s is not None:
+        app.add_middleware(
+            RateLimit, rate=settings.rate_limit_per_s, burst=settings.rate_limit_burst
+        )
+    install_metrics(app, session_factory, settings.metrics_token)
     app.include_router(health.router)
     app.include_router(jobs.router, prefix=API_PREFIX)
     app.include_router(sweeps.router, prefix=API_PREFIX)
     app.include_router(devices.router, prefix=API_PREFIX)
+    app.include_router(users.router, prefix=API_PREFIX)
+    app.state.feed = Feed(session_factory, settings.poll_interval_s)
+    app.include_router(stream.router, prefix=API_PREFIX)
 
     app.mount("/static", StaticFiles(directory=DASHBOARD), name="static")
 

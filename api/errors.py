@@ -5,18 +5,55 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import sqlalchemy as sa
 from fastapi import FastAPI, Request, status
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from api.schemas import ErrorOut
+from service.idempotency import KeyConflict
 from service.jobs import JobConflict, JobNotFound
 from service.lifecycle import InvalidTransition
 from service.specs import SpecError
 from service.sweeps import SweepNotFound
 
 log = logging.getLogger(__name__)
+
+# What each error status means, for the routes' OpenAPI ``responses`` (so the schema lists
+# every status a route can answer; tests/api/test_fuzz.py holds the routes to it).
+_MEANINGS = {
+    400: "the body could not be read (JSON must be UTF-8)",
+    401: "a missing, invalid or revoked bearer token",
+    403: "an admin token is needed",
+    404: "no such resource, or another user's",
+    409: "the resource's state does not allow it, or the Idempotency-Key was used for another"
+    " request",
+    413: "a request body over SHOAL_MAX_BODY_BYTES",
+    422: "invalid input; ``errors`` names each field",
+    429: "too many requests from this token (SHOAL_RATE_LIMIT_PER_S); retry after Retry-After",
+    503: "the database is unreachable; nothing was changed, retry after Retry-After seconds",
+}
+# The headers an error always carries, as (name, meaning).
+_HEADERS = {
+    401: ("WWW-Authenticate", "Bearer: the scheme to authenticate with"),
+    429: ("Retry-After", "seconds to wait before retrying"),
+    503: ("Retry-After", "seconds to wait before retrying"),
+}
+
+
+def documented(*codes: int) -> dict[int | str, dict[str, Any]]:
+    """A route's ``responses=`` for the error statuses it can answer (each an ``ErrorOut``);
+    every API route may also answer 429 (``api.ratelimit``)."""
+    responses: dict[int | str, dict[str, Any]] = {}
+    for code in (*codes, 429):
+        responses[code] = {"model": ErrorOut, "description": _MEANINGS[code]}
+        if code in _HEADERS:
+            name, meaning = _HEADERS[code]
+            header = {"description": meaning, "required": True, "schema": {"type": "string"}}
+            responses[code]["headers"] = {name: header}
+    return responses
 
 
 def _body(detail: str, errors: list[tuple[str, str]] | None = None) -> dict[str, Any]:
@@ -63,9 +100,24 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(status.HTTP_404_NOT_FOUND, str(exc))
 
     @app.exception_handler(JobConflict)
+    @app.exception_handler(KeyConflict)
     @app.exception_handler(InvalidTransition)
     async def _conflict(_: Request, exc: Exception) -> JSONResponse:
         return error_response(status.HTTP_409_CONFLICT, str(exc))
+
+    @app.exception_handler(sa.exc.OperationalError)
+    @app.exception_handler(sa.exc.InterfaceError)
+    async def _database_gone(request: Request, exc: Exception) -> JSONResponse:
+        # The connection broke (a restart, a failover): the transaction was rolled back,
+        # nothing was written. The client may repeat the request.
+        log.warning("database unreachable on %s %s: %s", request.method, request.url.path, exc)
+        response = error_response(
+            status.HTTP_503_SERVICE_UNAVAILABLE,
+            "the database is unreachable; nothing was changed, retry (a submission with the"
+            " same Idempotency-Key creates at most one job)",
+        )
+        response.headers["Retry-After"] = "1"
+        return response
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -10,6 +10,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from service.db.models import Checkpoint, DeviceRow, Job, JobEvent, JobMetric, Sweep, Trial
+from service.layouts import PipelineSchedule
 from service.lifecycle import JobState
 from service.sweeps import PRUNED, ranked, trial_state
 
@@ -39,6 +40,7 @@ class JobOut(BaseModel):
     step: int
     steps: int
     last_loss: float | None
+    samples_per_s: float | None = Field(description="the latest step's throughput")
     devices: list[str]
     partition: list[StageOut]
     stage_times: list[StageTimingOut] | None  # the latest step's; None before the first
@@ -63,6 +65,7 @@ class JobOut(BaseModel):
             step=job.step,
             steps=job.steps,
             last_loss=job.last_loss,
+            samples_per_s=job.last_samples_per_s,
             devices=list(job.devices),
             partition=[StageOut.model_validate(p) for p in job.partition],
             stage_times=(
@@ -160,9 +163,14 @@ class DeviceOut(BaseModel):
     speed_gflops: float | None
     job_id: str | None
     draining: bool = False
+    memory_used_bytes: int | None = Field(
+        default=None,
+        description="what the stage placed on it is planned to hold at its peak (parameters,"
+        " gradients, optimizer state, activations); None when nothing is placed there",
+    )
 
     @classmethod
-    def of(cls, row: DeviceRow) -> DeviceOut:
+    def of(cls, row: DeviceRow, memory_used_bytes: int | None = None) -> DeviceOut:
         return cls(
             id=row.id,
             node_id=row.node_id,
@@ -174,6 +182,29 @@ class DeviceOut(BaseModel):
             speed_gflops=row.speed_gflops,
             job_id=row.job_id,
             draining=row.draining,
+            memory_used_bytes=memory_used_bytes,
+        )
+
+
+class ScheduleOut(BaseModel):
+    """A job's pipeline schedule as its stages run it each mini-batch."""
+
+    name: Literal["gpipe", "1f1b"]
+    stages: int
+    micro_batches: int = Field(description="per replica (the first replica's share)")
+    grid: list[list[str | None]] = Field(
+        description="one row per stage, one cell per time slot: F3 / B1, null when idle"
+    )
+    bubble: float = Field(description="the idle share of the stages' time slots")
+
+    @classmethod
+    def of(cls, schedule: PipelineSchedule) -> ScheduleOut:
+        return cls(
+            name=schedule.name,
+            stages=schedule.stages,
+            micro_batches=schedule.micro_batches,
+            grid=[[None if a is None else str(a) for a in row] for row in schedule.timeline],
+            bubble=schedule.bubble,
         )
 
 
@@ -296,3 +327,10 @@ class FieldError(BaseModel):
 class ErrorOut(BaseModel):
     detail: str
     errors: list[FieldError] = []
+
+
+class ReadyOut(BaseModel):
+    status: Literal["ready", "not ready"]
+    checks: dict[str, str] = Field(
+        description="the database's and (where one runs) the controller's: ok, or why not"
+    )

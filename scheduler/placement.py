@@ -1,18 +1,24 @@
 """Which free devices each queued job gets: a pure function of requests and devices.
 
-Jobs are considered by priority (high first), then age; a job that cannot start yet does not
-hold back smaller ones behind it (backfill). Devices come in whole units: an explicit stage
-count p with explicit replicas r takes exactly p x r devices; with replicas ``auto``, as many
-whole pipelines of p as ``max_devices`` allows (at least one); with ``stages: auto`` and r
-replicas, a multiple of r up to r x the model's blocks; with both ``auto``, up to
-``max_devices``. ``scheduler.layout`` then decides how many of them to use and how (devices it
-leaves out go back to the pool). Devices of one node are kept together; within the placement,
-consecutive devices share a node where they can.
+Jobs are considered by priority (high first), then, among equal priorities, the owner holding
+the fewest devices first (fair share: placed devices count at once), then age; a job that
+cannot start yet does not hold back smaller ones behind it (backfill). Per-user quotas cap the
+jobs a user runs at once and the devices they hold: a job is offered no more devices than its
+owner has left, and waits, saying so, when that is fewer than it needs. A job that waits for
+devices held by jobs of lower priority may preempt them (``preemptions``): they checkpoint,
+requeue and resume later, losing nothing.
+
+Devices come in whole units: an explicit stage count p with explicit replicas r takes exactly
+p x r devices; with replicas ``auto``, as many whole pipelines of p as ``max_devices`` allows
+(at least one); with ``stages: auto`` and r replicas, a multiple of r up to r x the model's
+blocks; with both ``auto``, up to ``max_devices``. ``scheduler.layout`` then decides how many
+of them to use and how (devices it leaves out go back to the pool). Devices of one node are
+kept together; within the placement, consecutive devices share a node where they can.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from scheduler.devices import Device
@@ -32,6 +38,23 @@ class JobRequest:
     device_kind: str | None = None
     spot_ok: bool = True
     replicas: int | None = 1  # None: auto
+    owner: str = ""
+
+
+@dataclass(frozen=True)
+class Quota:
+    """A user's limits; None: no limit."""
+
+    max_jobs: int | None = None
+    max_devices: int | None = None
+
+
+@dataclass
+class Usage:
+    """What a user runs now: jobs and the devices they hold."""
+
+    jobs: int = 0
+    devices: int = 0
 
 
 @dataclass(frozen=True)
@@ -48,6 +71,16 @@ class Waiting:
 
     job_id: JobId
     reason: str
+    over_quota: bool = False
+    """Its owner's quota holds it back (not the devices: preempting others would not help)."""
+
+
+@dataclass(frozen=True)
+class Running:
+    """A running job as preemption sees it: what it asked for, the devices it holds."""
+
+    request: JobRequest
+    devices: tuple[Device, ...]
 
 
 def eligible(request: JobRequest, devices: Sequence[Device]) -> list[Device]:
@@ -84,23 +117,79 @@ def _pick(candidates: list[Device], count: int) -> tuple[Device, ...]:
 
 
 def place(
-    requests: Sequence[JobRequest], free: Sequence[Device]
+    requests: Sequence[JobRequest],
+    free: Sequence[Device],
+    *,
+    usage: Mapping[str, Usage] | None = None,
+    quotas: Mapping[str, Quota] | None = None,
 ) -> tuple[list[Placement], list[Waiting]]:
-    """Assign free devices to queued jobs; the rest wait with a reason."""
+    """Assign free devices to queued jobs; the rest wait with a reason. ``usage``: what each
+    owner runs now; ``quotas``: each owner's limits (absent: none)."""
     available = list(free)
+    using = {owner: Usage(u.jobs, u.devices) for owner, u in (usage or {}).items()}
+    limits = quotas or {}
     placed: list[Placement] = []
     waiting: list[Waiting] = []
-    for request in sorted(requests, key=lambda r: -r.priority):  # stable: age order kept
+    pending = sorted(requests, key=lambda r: -r.priority)  # stable: age order kept
+    while pending:
+        top = pending[0].priority
+        # Fair share: of the jobs at the top priority, the owner holding least goes first.
+        request = min(
+            (r for r in pending if r.priority == top),
+            key=lambda r: using.get(r.owner, Usage()).devices,
+        )
+        pending.remove(request)
+        used, quota = using.setdefault(request.owner, Usage()), limits.get(request.owner, Quota())
         fewest, most, unit = _wanted(request)
+        over = _over_quota(request, used, quota, fewest)
+        if over is not None:
+            waiting.append(Waiting(request.job_id, over, over_quota=True))
+            continue
+        if quota.max_devices is not None:
+            most = min(most, quota.max_devices - used.devices)
         candidates = eligible(request, available)
         if len(candidates) < fewest:
             waiting.append(Waiting(request.job_id, _reason(request, fewest, len(candidates))))
             continue
         chosen = _pick(candidates, min(most, len(candidates)) // unit * unit)
         placed.append(Placement(request.job_id, chosen))
+        used.jobs, used.devices = used.jobs + 1, used.devices + len(chosen)
         taken = {d.id for d in chosen}
         available = [d for d in available if d.id not in taken]
     return placed, waiting
+
+
+def preemptions(
+    waiting: JobRequest, running: Sequence[Running], free: Sequence[Device]
+) -> list[JobId]:
+    """The running jobs of lower priority to suspend (they checkpoint and requeue, losing
+    nothing) so that ``waiting`` can start: lowest priority first, then in ``running``'s order
+    (give the youngest first: the least progress paused); none when the free devices already
+    suffice or when even all of them would not."""
+    fewest, _, _ = _wanted(waiting)
+    pool = eligible(waiting, free)
+    if len(pool) >= fewest:
+        return []
+    victims = []
+    lower = [r for r in running if r.request.priority < waiting.priority]
+    for job in sorted(lower, key=lambda r: r.request.priority):  # stable: caller's order
+        victims.append(job.request.job_id)
+        pool += eligible(waiting, job.devices)
+        if len(pool) >= fewest:
+            return victims
+    return []
+
+
+def _over_quota(request: JobRequest, used: Usage, quota: Quota, fewest: int) -> str | None:
+    """Why the owner's quota keeps ``request`` waiting, if it does."""
+    if quota.max_jobs is not None and used.jobs >= quota.max_jobs:
+        return f"{request.owner} runs {used.jobs} jobs: the quota's most (max_jobs)"
+    if quota.max_devices is not None and quota.max_devices - used.devices < fewest:
+        return (
+            f"needs {fewest} devices, but {request.owner} holds {used.devices} of a quota of"
+            f" {quota.max_devices} (max_devices)"
+        )
+    return None
 
 
 def _reason(request: JobRequest, needed: int, have: int) -> str:

@@ -17,8 +17,8 @@ and ``scheduler.simulate`` runs the same code on a modelled cluster.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import TypeAlias
 
@@ -70,6 +70,7 @@ def shard_model(
     budget_bytes: int,
     micro_batch_size: int,
     *,
+    micro_batches: int = 1,
     recompute: bool = True,
     forward_fraction: float = FORWARD_FRACTION,
 ) -> tuple[Shard, ...]:
@@ -82,7 +83,8 @@ def shard_model(
     then the shards are made as alike as that allows (``_even_out``, exact). A shard's
     forward is ``forward_fraction`` of its blocks' forward+backward seconds; its backward
     is the rest plus, under ``recompute``, the forward again (GPipe's rematerialization:
-    only the shard's input is kept between its forward and its backward)."""
+    only the shard's input is kept between its forward and its backward). A shard task runs
+    all ``micro_batches`` of a mini-batch, so its memory holds what each of them keeps."""
     if not costs:
         raise ShardError("the model has no blocks; SHARP needs at least one")
     wrong = next((i for i, c in enumerate(costs) if c.index != i), None)
@@ -91,22 +93,28 @@ def shard_model(
             f"block costs must be listed by index; position {wrong} holds"
             f" block {costs[wrong].index}"
         )
-    if budget_bytes < 2 or micro_batch_size < 1 or not 0 < forward_fraction < 1:
+    if (
+        budget_bytes < 2
+        or micro_batch_size < 1
+        or micro_batches < 1
+        or not 0 < forward_fraction < 1
+    ):
         raise ShardError(
             f"budget_bytes ({budget_bytes}) must be >= 2, micro_batch_size ({micro_batch_size})"
-            f" >= 1 and forward_fraction ({forward_fraction}) between 0 and 1"
+            f" and micro_batches ({micro_batches}) >= 1 and forward_fraction"
+            f" ({forward_fraction}) between 0 and 1"
         )
     half = budget_bytes // 2
-    workload = Workload(1, micro_batch_size, schedule="gpipe", recompute=recompute)
+    workload = Workload(micro_batches, micro_batch_size, schedule="gpipe", recompute=recompute)
     model = Model(costs, workload)
     count = _fewest_shards(model, half, budget_bytes)
     slots = [Slot.of([DeviceCapacity(f"shard-{i}", 1.0, half)]) for i in range(count)]
-    found = cut(model, slots, 1, exact_count=True)
+    found = cut(model, slots, micro_batches, exact_count=True)
     if found is None:  # the jump game proved `count` shards fit
         raise RuntimeError(f"no cut into {count} shards although one exists")
     stops = _even_out(model, count, half, found[1]) or found[0]
     return tuple(
-        _shard(costs, i, (start, stop), micro_batch_size, recompute, forward_fraction)
+        _shard(costs, i, (start, stop), workload, forward_fraction)
         for i, (start, stop) in enumerate(zip([0, *stops], stops, strict=False))
     )
 
@@ -115,12 +123,16 @@ def _shard(
     costs: Sequence[BlockCost],
     index: int,
     blocks: BlockRange,
-    micro_batch_size: int,
-    recompute: bool,
+    workload: Workload,
     forward_fraction: float,
 ) -> Shard:
+    recompute = workload.recompute
     need = stage_memory(
-        costs, blocks, micro_batch_size=micro_batch_size, in_flight=1, recompute=recompute
+        costs,
+        blocks,
+        micro_batch_size=workload.micro_batch_size,
+        in_flight=workload.micro_batches,
+        recompute=recompute,
     )
     work = sum(c.fwd_bwd_s for c in costs[blocks[0] : blocks[1]])
     forward = forward_fraction * work
@@ -134,7 +146,7 @@ def _even_out(model: Model, count: int, half: int, slowest: float) -> list[int] 
     sum of squared shard times: among the cuts whose slowest shard is optimal, the one whose
     shards are most alike (so every shard's compute can hide the next one's copy-in). A
     dynamic programme over (shards, stop), O(count x blocks x blocks per shard)."""
-    n, time = model.n, model.time
+    n, time, flight = model.n, model.time, model.workload.micro_batches
     limit = slowest * (1 + 1e-9) + 1e-12
     cost = [[math.inf] * (n + 1) for _ in range(count + 1)]
     back = [[0] * (n + 1) for _ in range(count + 1)]
@@ -144,7 +156,7 @@ def _even_out(model: Model, count: int, half: int, slowest: float) -> list[int] 
             start = stop - 1
             while start >= j - 1 and time[stop] - time[start] <= limit:
                 previous = cost[j - 1][start]
-                if previous < math.inf and model.memory(start, stop, 1) <= half:
+                if previous < math.inf and model.memory(start, stop, flight) <= half:
                     value = previous + (time[stop] - time[start]) ** 2
                     if value < cost[j][stop]:
                         cost[j][stop], back[j][stop] = value, start
@@ -162,19 +174,21 @@ def _fewest_shards(model: Model, half: int, budget: int) -> int:
     """Shards in the shortest cover of the blocks, each start reaching its furthest stop
     within ``half`` (a breadth-first jump game, O(blocks log blocks))."""
     count, end, furthest, start = 0, 0, 0, 0
+    flight = model.workload.micro_batches
     while end < model.n:
         while start <= end:
-            furthest = max(furthest, model.memory_stop(start, half, 1))
+            furthest = max(furthest, model.memory_stop(start, half, flight))
             start += 1
         if furthest <= end:
-            need = model.memory(end, end + 1, 1)
+            need = model.memory(end, end + 1, flight)
             raise ShardError(
                 f"block {end} needs {format_bytes(need)} (parameters, gradients, optimizer"
-                f" state and one micro-batch of {model.workload.micro_batch_size} samples'"
-                f" activations) but a SHARP shard may use at most {format_bytes(half)}, half"
-                f" of the smallest device's {format_bytes(budget)} (the other half holds the"
-                " prefetched next shard); use a smaller micro_batch_size or devices with"
-                " more memory"
+                f" state and what {flight} micro-batch(es) of"
+                f" {model.workload.micro_batch_size} samples keep for the backward) but a"
+                f" SHARP shard may use at most {format_bytes(half)}, half of the smallest"
+                f" device's {format_bytes(budget)} (the other half holds the prefetched next"
+                " shard); use smaller micro-batches, recompute: true, or devices with more"
+                " memory"
             )
         count, end = count + 1, furthest
     return count
@@ -327,13 +341,16 @@ def next_model(policy: Policy, runnable: Iterable[Progress]) -> ModelId | None:
 
 @dataclass(frozen=True)
 class IdleDevice:
-    """A device free to take a task: relative speed, memory budget, host<->device GB/s."""
+    """A device to take a task: relative speed, memory budget, host<->device GB/s, and the
+    seconds until it is free (0: it is idle). A busy device is offered so that a model may
+    wait for it rather than start now on a device where it would finish later."""
 
     device: DeviceId
     node: NodeId
     speed: float
     budget_bytes: int
     bandwidth_gbps: float = math.inf
+    free_in_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -374,16 +391,19 @@ def transfer_s(size: int, device: IdleDevice, remote: bool, network_gbps: float)
 
 class _Pool:
     """Idle devices indexed so that one model's best device costs O(classes + node size):
-    devices of one class (speed, bandwidth, budget) differ only by node and id."""
+    devices of one class (speed, bandwidth, budget) differ only by node and id. Busy
+    devices (few: the caller offers the soonest free of each class, and those taken here)
+    are kept apart, each with the time it is free once the models given it have run."""
 
-    def __init__(self, idle: Sequence[IdleDevice], network_gbps: float) -> None:
-        ordered = sorted(idle, key=lambda d: d.device)
-        self.by_id = {d.device: d for d in ordered}
-        if len(self.by_id) != len(ordered):
-            raise ValueError("idle devices must be listed once each")
+    def __init__(self, offered: Sequence[IdleDevice], network_gbps: float) -> None:
+        ordered = sorted(offered, key=lambda d: d.device)
+        if len({d.device for d in ordered}) != len(ordered):
+            raise ValueError("devices must be offered once each")
+        self.by_id = {d.device: d for d in ordered if d.free_in_s <= 0}
+        self.busy = {d.device: d for d in ordered if d.free_in_s > 0}
         self.classes: dict[tuple[float, float, int], list[IdleDevice]] = {}
         self.nodes: dict[NodeId, list[IdleDevice]] = {}
-        for d in ordered:
+        for d in self.by_id.values():
             self.classes.setdefault((d.speed, d.bandwidth_gbps, d.budget_bytes), []).append(d)
             self.nodes.setdefault(d.node, []).append(d)
         self.front = dict.fromkeys(self.classes, 0)
@@ -401,10 +421,18 @@ class _Pool:
         return next((d for d in devices[i:] if d.device not in self.used and d.node != node), None)
 
     def take(
-        self, fit: int, move: int, compute_s: float, home: Residence
+        self,
+        fit: int,
+        move: int,
+        compute_s: float,
+        home: Residence,
+        late: Callable[[float], bool] = lambda _: False,
     ) -> tuple[IdleDevice, Locality] | None:
-        """The unused device that finishes the task first (copy-in + compute), ties going to
-        the resident device, then the same node, then the lowest id; marked used."""
+        """The unused idle device that finishes the task first (copy-in + compute), ties
+        going to the resident device, then the same node, then the lowest id; marked used.
+        Unless that would finish ``late``: then the device that finishes it first, busy
+        ones included (the copy overlapping the wait, as a prefetch does), and a busy one
+        so chosen is free that much later for the next model."""
         options: list[tuple[float, int, DeviceId, Locality]] = []
         own = self.by_id.get(home.device) if home.device is not None else None
         if own is not None and own.device not in self.used and own.budget_bytes >= fit:
@@ -420,11 +448,29 @@ class _Pool:
                 finish = transfer_s(move, away, remote, self.network_gbps) + compute_s / away.speed
                 where = Locality.REMOTE if remote else Locality.LOCAL
                 options.append((finish, 2 if remote else 1, away.device, where))
-        if not options:
+        best = min(options, default=None)
+        if best is None or late(best[0]):
+            for b in self.busy.values():
+                if b.budget_bytes >= fit:
+                    there = Locality.RESIDENT if b.device == home.device else Locality.LOCAL
+                    far = remote and b.node != home.node
+                    copy = (
+                        0.0
+                        if there is Locality.RESIDENT
+                        else transfer_s(move, b, far, self.network_gbps)
+                    )
+                    finish = max(b.free_in_s, copy) + compute_s / b.speed
+                    if best is None or finish < best[0]:
+                        best = (finish, 3, b.device, Locality.REMOTE if far else there)
+        if best is None:
             return None
-        _, _, best, where = min(options)
-        self.used.add(best)
-        return self.by_id[best], where
+        finish, _, chosen, where = best
+        if chosen in self.busy:
+            self.busy[chosen] = replace(self.busy[chosen], free_in_s=finish)
+            return self.busy[chosen], where
+        self.used.add(chosen)  # busy from now on: a later model may still wait for it
+        self.busy[chosen] = replace(self.by_id[chosen], free_in_s=finish)
+        return self.by_id[chosen], where
 
 
 def assign(
@@ -436,6 +482,7 @@ def assign(
     *,
     sequence: int = 0,
     network_gbps: float = math.inf,
+    horizon_s: float = math.inf,
 ) -> tuple[Assignment, ...]:
     """Tasks for idle devices, at most one per model and per device.
 
@@ -443,10 +490,20 @@ def assign(
     its task first, copy-in included (earliest finish time, as HEFT places tasks): among
     equal devices that is where its shard already is (it stays, nothing moves), then a
     device on the node whose host memory holds it, then the lowest id. A device takes a
-    shard only within its memory budget; a model no idle device can hold waits. Each
-    assignment carries its device's likeliest next task (``lookahead``; a waiting model is
-    promised to one device only). ``sequence`` is the dispatch number of the first
-    assignment (round-robin's clock)."""
+    shard only within its memory budget; a model no device can hold waits.
+
+    Busy devices may be offered too (``free_in_s`` > 0). On a heterogeneous cluster a model
+    on the critical path should not start on a slow device now when a fast one soon free
+    would finish its task sooner; one with slack should, so the slow devices work. So a
+    model waits for a busy device (which no later model in this call counts on) only where
+    that finishes its task first *and* starting on the best idle device would make it late:
+    its task there, then the rest of its chain on the fastest device offered, would end
+    after ``horizon_s`` (from now; the caller's estimate of when all the work can be done,
+    e.g. the remaining work over the capacity; infinite: never wait).
+
+    Each assignment carries its device's likeliest next task (``lookahead``; a waiting
+    model is promised to one device only). ``sequence`` is the dispatch number of the
+    first assignment (round-robin's clock)."""
     seen: set[ModelId] = set()
     for p in runnable:
         if p.model in seen:
@@ -456,6 +513,7 @@ def assign(
             )
         seen.add(p.model)
     pool = _Pool(idle, network_gbps)
+    fastest = max((d.speed for d in idle), default=1.0)
     placed: list[tuple[Progress, IdleDevice, Locality]] = []
     waiting: list[Progress] = []
     for p in sorted(runnable, key=lambda p: priority(policy, p)):
@@ -466,8 +524,14 @@ def assign(
         if len(placed) < len(pool):
             shard = plan.shard_at(p.done)
             home = residency.get(p.model, Residence())
-            got = pool.take(shard.bytes, shard.state_bytes, plan.task_s(p.done) * p.ratio, home)
-        if got is None:
+            task_s = plan.task_s(p.done) * p.ratio
+            rest = (p.remaining_s - task_s) / fastest
+
+            def late(finish: float, rest: float = rest) -> bool:
+                return finish + rest > horizon_s
+
+            got = pool.take(shard.bytes, shard.state_bytes, task_s, home, late)
+        if got is None or got[0].free_in_s > 0:
             waiting.append(p)
         else:
             placed.append((p, *got))

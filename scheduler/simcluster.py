@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -105,18 +106,42 @@ def lower_bound(
     cluster: Cluster, plans: Sequence[ModelPlan], truth: Mapping[ModelId, float] | None = None
 ) -> float:
     """No schedule finishes sooner (DESIGN.md's SHARP ideal): all the work over the devices'
-    total speed, as if perfectly divisible with no copies and every device always up. A
-    model's tasks are sequential, so it is never below the longest model's chain on the
-    fastest device, and at most one device per model computes at a time, so the capacity is
-    that of the ``len(plans)`` fastest devices. ``truth`` scales a model's real times."""
-    speeds = sorted(
-        (kind.speed for kind, count in cluster.kinds for _ in range(count)), reverse=True
-    )
-    if not speeds or not plans:
+    speed, as if perfectly divisible with no copies. A model's tasks are sequential, so it
+    is never below the longest model's chain on the fastest device, and at most one device
+    per model computes at a time, so the capacity at any moment is that of the
+    ``len(plans)`` fastest devices *up* then (an outage takes its device's speed away until
+    it is back): the bound is when that capacity, integrated from 0, reaches the work.
+    ``truth`` scales a model's real times."""
+    devices = cluster.devices()
+    if not devices or not plans:
         return 0.0
     scale = truth or {}
     work = [p.work_s * scale.get(p.model, 1.0) for p in plans]
-    return max(sum(work) / sum(speeds[: len(plans)]), max(work) / speeds[0])
+    chain = max(work) / max(d.kind.speed for d in devices)
+    up = Counter(d.kind.speed for d in devices)
+    speed = {d.id: d.kind.speed for d in devices}
+    changes = sorted(
+        [(o.lost_s, -1, speed[o.device]) for o in cluster.outages]
+        + [(o.back_s, 1, speed[o.device]) for o in cluster.outages if o.back_s is not None]
+    )
+    now, left = 0.0, sum(work)
+    for at, delta, changed in [*changes, (math.inf, 0, 0.0)]:
+        rate = capacity(up, len(plans))
+        if rate > 0 and left <= rate * (at - now):
+            return max(now + left / rate, chain)
+        left -= rate * (at - now)
+        now = at
+        up[changed] += delta
+    return math.inf  # every device lost for good before the work could be done
+
+
+def capacity(up: Mapping[float, int], count: int) -> float:
+    """The speed of the ``count`` fastest devices of ``up`` (device counts by speed)."""
+    total = 0.0
+    for speed in sorted(up, reverse=True):
+        take = min(count, up[speed])
+        total, count = total + take * speed, count - take
+    return total
 
 
 # ----------------------------------------------------------------- synthetic workloads

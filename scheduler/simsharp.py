@@ -21,16 +21,23 @@ The model of a run:
 - A spot outage ends its device's in-flight task (its work is lost, the model redoes it from
   its last completed task), voids the device's promise and empties it; a device may come
   back, empty.
+- Beside the idle devices, ``assign`` is offered the busy device of each class that is free
+  soonest, with the lower bound of the work left as its horizon: on a heterogeneous
+  cluster a model that starting on a slow device now would make late waits for a fast one
+  (as a model with no device does, competing again at the next event).
 
 Per event the work is a few heap operations and one ``assign`` over a shortlist of idle
-devices (per device class the first few, plus those near the candidates' state).
+devices (per device class the first few, plus those near the candidates' state) and one
+busy device per class.
 """
 
 from __future__ import annotations
 
+import math
 from bisect import bisect_left, insort
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from heapq import heappop, heappush
 
 from scheduler.memory import format_bytes
@@ -51,7 +58,7 @@ from scheduler.sharp import (
     refine_ratio,
     transfer_s,
 )
-from scheduler.simcluster import Cluster, SimDevice
+from scheduler.simcluster import Cluster, SimDevice, capacity
 from scheduler.simresult import SimulationError, Tally, TaskRecord
 from scheduler.types import DeviceId, NodeId
 
@@ -129,6 +136,34 @@ class _IdleIndex:
         return [self.devices[d].idle for d in sorted(chosen)]
 
 
+class _BusyIndex:
+    """Busy devices by class, the soonest done first: per class the one a model may choose
+    to wait for (entries of tasks that ended or were lost are dropped as they come up)."""
+
+    def __init__(self, devices: Mapping[DeviceId, _Device]) -> None:
+        self.devices = devices
+        self.classes: dict[tuple[float, float, int], list[tuple[float, int, DeviceId]]] = {}
+
+    def add(self, device: _Device, job: _Job) -> None:
+        key = _IdleIndex._key(device.idle)
+        heappush(self.classes.setdefault(key, []), (job.end_s, job.ident, device.sim.id))
+
+    def soonest(self, now: float, after: Callable[[_Device], float]) -> list[IdleDevice]:
+        """The first busy device of each class to be free, ``free_in_s`` from ``now``: once
+        its task and the task it is promised next (``after`` it, in seconds) are done."""
+        offered = []
+        for heap in self.classes.values():
+            while heap:
+                end, ident, name = heap[0]
+                device = self.devices[name]
+                if device.job is not None and device.job.ident == ident:
+                    free = end - now + after(device)
+                    offered.append(replace(device.idle, free_in_s=free))
+                    break
+                heappop(heap)  # that task is over
+        return offered
+
+
 class _Sharp:
     """One run (mutable; ``run`` once)."""
 
@@ -153,6 +188,11 @@ class _Sharp:
             look = transfer_s(largest, idle, remote, cluster.network_gbps)
             self.devices[d.id] = _Device(d, idle, look)
         self.idle = _IdleIndex(self.devices)
+        self.busy = _BusyIndex(self.devices)
+        self.speeds = Counter(d.idle.speed for d in self.devices.values())
+        """Devices up, by speed."""
+        self.work_left = sum(p.work_s for p in plans)
+        """Reference seconds of the tasks not done yet."""
         for device in self.devices.values():
             self.idle.add(device.idle)
         self.done = dict.fromkeys(self.plans, 0)
@@ -238,12 +278,13 @@ class _Sharp:
             idle = self.idle.shortlist(width + self.cluster.per_node + 1, homes.values())
             chosen = assign(
                 self.policy,
-                idle,
+                idle + self.busy.soonest(now, self._promised_s),
                 [self._progress(m) for _, m in batch],
                 self.plans,
                 homes,
                 sequence=self.sequence,
                 network_gbps=self.cluster.network_gbps,
+                horizon_s=self._horizon_s(),
             )
             taken = {a.task.model for a in chosen}
             for a in chosen:
@@ -253,6 +294,19 @@ class _Sharp:
             passed.extend(entry for entry in batch if entry[1] not in taken)
         for entry in passed:
             heappush(self.ready, entry)
+
+    def _promised_s(self, device: _Device) -> float:
+        """Seconds of the task ``device`` is promised next (0: none)."""
+        if device.next is None:
+            return 0.0
+        plan = self.plans[device.next]
+        return plan.task_s(self.done[device.next]) * self.ratio[device.next] / device.idle.speed
+
+    def _horizon_s(self) -> float:
+        """When the work left could be done at the soonest: over the capacity of the
+        fastest devices up, one per model left (the lower bound, from now)."""
+        rate = capacity(self.speeds, self.left)
+        return self.work_left / rate if rate > 0 else math.inf
 
     def _look(self, device: _Device, ident: int, now: float) -> None:
         """The last moment to choose the device's next task and still hide its copy."""
@@ -310,6 +364,7 @@ class _Sharp:
         end = begin + compute_s
         self.seq += 1
         device.job = _Job(self.seq, model, position, now, end, compute_s, copy_s, shard.bytes)
+        self.busy.add(device, device.job)
         self.running.add(model)
         self.last_run[model] = self.sequence
         self.sequence += 1
@@ -336,6 +391,7 @@ class _Sharp:
         estimated = plan.task_s(job.position) / device.idle.speed
         self.ratio[model] = refine_ratio(self.ratio[model], estimated, job.compute_s)
         done = self.done[model] = job.position + 1
+        self.work_left -= plan.task_s(job.position)
         self.host[model] = device.sim.node
         if done == plan.tasks:
             self.left -= 1
@@ -359,6 +415,7 @@ class _Sharp:
             return
         device.alive = False
         device.epoch += 1
+        self.speeds[device.idle.speed] -= 1
         job, promised = device.job, device.next
         device.job = device.next = None
         if job is None:
@@ -378,6 +435,7 @@ class _Sharp:
         if device.alive:
             return
         device.alive = True
+        self.speeds[device.idle.speed] += 1
         device.copies = {}
         self.idle.add(device.idle)
 

@@ -19,7 +19,7 @@ from sqlalchemy.orm import Session
 
 from service.db.models import ApiToken, User, utcnow
 from service.db.session import SessionFactory, transaction
-from service.settings import Settings
+from service.settings import ADMIN_TOKEN_HINT, Settings
 
 TOKEN_PREFIX = "shoal_"
 ADMIN_USER = "admin"
@@ -50,8 +50,8 @@ def _check_user_name(name: str) -> None:
         )
 
 
-def issue_token(session: Session, user: str, *, admin: bool = False) -> str:
-    """Create ``user`` if needed (``admin`` promotes, never demotes) and a new token for it."""
+def _user(session: Session, user: str, *, admin: bool) -> User:
+    """``user``'s row, created if needed (``admin`` promotes, never demotes)."""
     _check_user_name(user)
     row = session.scalar(sa.select(User).where(User.name == user))
     if row is None:
@@ -60,9 +60,30 @@ def issue_token(session: Session, user: str, *, admin: bool = False) -> str:
         session.flush()
     elif admin and not row.is_admin:
         row.is_admin = True
+    return row
+
+
+def issue_token(session: Session, user: str, *, admin: bool = False) -> str:
+    """Create ``user`` if needed (``admin`` promotes, never demotes) and a new token for it."""
+    row = _user(session, user, admin=admin)
     token = TOKEN_PREFIX + secrets.token_urlsafe(32)
     session.add(ApiToken(user_id=row.id, token_hash=hash_token(token), prefix=token[:12]))
     return token
+
+
+def register_admin_token(factory: SessionFactory, token: str) -> None:
+    """Make ``token`` (one chosen outside Shoal, e.g. a Kubernetes Secret) a token of the admin
+    user; idempotent. A token that was revoked stays revoked: that is an error to report."""
+    with transaction(factory) as session:
+        admin = _user(session, ADMIN_USER, admin=True)
+        known = session.scalar(sa.select(ApiToken).where(ApiToken.token_hash == hash_token(token)))
+        if known is None:
+            session.add(ApiToken(user_id=admin.id, token_hash=hash_token(token), prefix=token[:12]))
+        elif known.revoked_at is not None or known.user_id != admin.id:
+            raise AuthError(
+                "SHOAL_ADMIN_TOKEN was revoked or belongs to another user; set a new one"
+                f" ({ADMIN_TOKEN_HINT})"
+            )
 
 
 def create_token(factory: SessionFactory, *, user: str, admin: bool = False) -> str:
@@ -113,8 +134,15 @@ def write_secret(path: os.PathLike[str] | str, secret: str) -> None:
 
 
 def ensure_admin_token(settings: Settings, factory: SessionFactory) -> str:
-    """The admin token of this installation: the stored one if still valid, else a new one."""
+    """The admin token of this installation: ``SHOAL_ADMIN_TOKEN`` if set (registered as the
+    admin's), else the stored one if still valid, else a new one; written to the admin token
+    file either way (for the CLI on this machine)."""
     path = settings.admin_token_path
+    if settings.admin_token is not None:
+        token = settings.admin_token.get_secret_value()
+        register_admin_token(factory, token)
+        write_secret(path, token)
+        return token
     if path.exists():
         existing = path.read_text().strip()
         with factory() as session:

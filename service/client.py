@@ -8,6 +8,7 @@ is an ``ApiError`` whose message is ready to show a person: the server's ``detai
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -103,6 +104,19 @@ def _sweep(sweep_id: str, action: str = "") -> str:
     return f"{path}/{action}" if action else path
 
 
+RETRY_WAITS_S = (0.5, 1.0, 2.0, 4.0)
+"""Waits before each retry of a repeatable request answered 503."""
+
+
+def _retry_after(response: httpx.Response, backoff: float) -> float:
+    """The server's Retry-After or the back-off, whichever is longer (30 s at most)."""
+    try:
+        asked = float(response.headers.get("Retry-After", 0))
+    except ValueError:
+        asked = 0.0
+    return min(max(asked, backoff), 30.0)
+
+
 class ShoalClient:
     """A connection to one Shoal API; a context manager."""
 
@@ -149,6 +163,16 @@ class ShoalClient:
     ) -> Json:
         try:
             response = self._http.request(method, path, params=params, json=body, headers=headers)
+            # 503: the server's database was out of reach and nothing was changed. A read,
+            # or a submission carrying its idempotency key, is safe to send again.
+            repeatable = method == "GET" or "Idempotency-Key" in (headers or {})
+            for wait in RETRY_WAITS_S if repeatable else ():
+                if response.status_code != 503:
+                    break
+                time.sleep(_retry_after(response, wait))
+                response = self._http.request(
+                    method, path, params=params, json=body, headers=headers
+                )
         except httpx.ConnectError:
             raise ApiError(
                 None, f"cannot reach Shoal at {self.url}; is `shoal up` running? (set SHOAL_URL)"
@@ -203,8 +227,9 @@ class ShoalClient:
     def devices(self) -> Json:
         return self._request("GET", "/devices")
 
-    def submit_sweep(self, spec: Mapping[str, Any]) -> Json:
-        return self._request("POST", "/sweeps", body=spec)
+    def submit_sweep(self, spec: Mapping[str, Any], idempotency_key: str | None = None) -> Json:
+        headers = {"Idempotency-Key": idempotency_key} if idempotency_key else None
+        return self._request("POST", "/sweeps", body=spec, headers=headers)
 
     def list_sweeps(self, limit: int = 50, offset: int = 0) -> Json:
         return self._request("GET", "/sweeps", params={"limit": limit, "offset": offset})

@@ -15,7 +15,7 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import sqlalchemy as sa
 from sqlalchemy.exc import SQLAlchemyError
@@ -24,12 +24,12 @@ from sqlalchemy.orm import Session
 from scheduler.devices import Device, InventoryError, NodeInfo, node_devices
 from scheduler.layout import Layout, plan_layout
 from scheduler.partition import PartitionError, Workload
-from scheduler.placement import Placement, place
+from scheduler.placement import JobRequest, Placement, Quota, Running, place, preemptions
 from scheduler.resize import Candidate, candidate, worth_growing
 from service.cluster import Cluster, ClusterUnavailable, RunnerGone
 from service.db.models import Checkpoint, DeviceRow, Job, JobMetric, utcnow
 from service.db.session import SessionFactory, transaction
-from service.holdings import ACTIVE_JOBS, draining_devices, held_devices
+from service.holdings import ACTIVE_JOBS, draining_devices, held_devices, quotas, usage_by_owner
 from service.jobs import JobConflict, add_event, transition
 from service.lifecycle import JobState
 from service.snapshots import block_costs, build_snapshot, job_request
@@ -56,6 +56,8 @@ class ControllerConfig:
     stage_overhead_s: float = 0.003  # the partitioner's cost model: see service.settings
     allreduce_s_per_byte: float = 1 / 0.7e9
     growth_min_gain: float = 0.1
+    default_quota: Quota = field(default_factory=Quota)
+    """Each user's limits where an admin set none (``PUT /users/{name}/quota``)."""
 
 
 class Controller:
@@ -127,7 +129,11 @@ class Controller:
                     _set_if_changed(row, draining=False)
                 _set_if_changed(row, state="alive", job_id=holders.get(device.id))
                 if device.node_id in draining_nodes and not row.draining:
-                    log.info("device %s: its node is draining; jobs will leave it", device.id)
+                    log.info(
+                        "device %s: its node is draining; jobs will leave it",
+                        device.id,
+                        extra={"device_id": device.id},
+                    )
                     row.draining = True
             for row in rows.values():  # known before, absent now
                 _set_if_changed(row, state="lost", job_id=holders.get(row.id))
@@ -180,7 +186,9 @@ class Controller:
                 else:
                     self._cluster.cancel_trial(pool, job_id)
             except (RunnerGone, ClusterUnavailable) as exc:
-                log.warning("cancel of %s not delivered yet: %s", job_id, exc)
+                log.warning(
+                    "cancel of %s not delivered yet: %s", job_id, exc, extra={"job_id": job_id}
+                )
 
     def _finish(self, job_id: str, target: JobState, message: str, *, error: str | None) -> None:
         self._resizing.pop(job_id, None)
@@ -309,7 +317,7 @@ class Controller:
                 now = None if found.draining else self._layout(session, job, current)
         except PartitionError as exc:
             if found.draining:
-                self._suspend(job.id, found, str(exc))
+                self._suspend(job.id, *_drain_stuck(found, str(exc)))
             return set()
         used = {d.id for d in layout.devices}
         if now is not None and (
@@ -324,8 +332,11 @@ class Controller:
         if len(used) < spec.resources.min_devices:
             self._suspend(
                 job.id,
-                found,
-                f"{len(used)} devices would remain, min_devices is {spec.resources.min_devices}",
+                *_drain_stuck(
+                    found,
+                    f"{len(used)} devices would remain, min_devices is"
+                    f" {spec.resources.min_devices}",
+                ),
             )
             return set()
         try:
@@ -333,7 +344,7 @@ class Controller:
                 job.id, stage_plans(layout.devices, layout.ranges), layout.plan.micro_batches
             )
         except (RunnerGone, ClusterUnavailable) as exc:
-            log.warning("relayout of %s not delivered: %s", job.id, exc)
+            log.warning("relayout of %s not delivered: %s", job.id, exc, extra={"job_id": job.id})
             return set()
         self._resizing[job.id] = found.reason
         with transaction(self._factory) as session:
@@ -355,25 +366,18 @@ class Controller:
                 )
         return used
 
-    def _suspend(self, job_id: str, found: Candidate, why: str) -> None:
-        """The job cannot leave its draining devices for others: rather than lose the steps
-        since its last checkpoint when they go, its runner checkpoints at the next step
-        boundary and stops, and the job waits QUEUED for devices (``_requeue``)."""
+    def _suspend(self, job_id: str, message: str, data: dict[str, object]) -> None:
+        """Its runner checkpoints at the next step boundary and stops; the job waits QUEUED
+        for devices (``_requeue``) and resumes from that checkpoint, losing no step: for a
+        job that cannot leave draining devices, and for one preempted by a higher priority."""
         try:
             self._cluster.suspend(job_id)
         except (RunnerGone, ClusterUnavailable) as exc:
-            log.warning("suspend of %s not delivered: %s", job_id, exc)
+            log.warning("suspend of %s not delivered: %s", job_id, exc, extra={"job_id": job_id})
             return
         self._resizing[job_id] = "suspending"
         with transaction(self._factory) as session:
-            add_event(
-                session,
-                job_id,
-                "suspend",
-                f"cannot leave draining devices {list(found.draining)} ({why}): checkpointing"
-                " at the next step boundary, then waiting for devices",
-                {"draining": list(found.draining)},
-            )
+            add_event(session, job_id, "suspend", message, data)
 
     # ------------------------------------------------------------------ queued jobs
 
@@ -387,17 +391,64 @@ class Controller:
                 )
             )
             busy = held_devices(session) | draining_devices(session)
+            requests = [job_request(job) for job in queued]
+            usage = usage_by_owner(session)
+            limits = quotas(session, self._config.default_quota)
         if not queued:
             return
         free = [d for d in devices if d.id not in busy]
-        placements, waiting = place([job_request(job) for job in queued], free)
+        placements, waiting = place(requests, free, usage=usage, quotas=limits)
         for placement in placements:
             self._start(placement)
+        placed = {d.id for p in placements for d in p.devices}
+        self._preempt(
+            [r for r in requests if r.job_id in {w.job_id for w in waiting if not w.over_quota}],
+            [d for d in free if d.id not in placed],
+            devices,
+        )
         for wait in waiting:
             if self._waiting_reason.get(wait.job_id) != wait.reason:
                 self._waiting_reason[wait.job_id] = wait.reason
                 with transaction(self._factory) as session:
                     add_event(session, wait.job_id, "waiting", wait.reason)
+
+    def _preempt(
+        self, waiting: Sequence[JobRequest], free: Sequence[Device], devices: Sequence[Device]
+    ) -> None:
+        """Suspend running jobs of lower priority that hold the devices a waiting job needs
+        (``scheduler.placement.preemptions``): they checkpoint and requeue, losing nothing.
+        Devices of jobs already suspending count as free: a job preempts once."""
+        with self._factory() as session:
+            running = list(
+                session.scalars(
+                    sa.select(Job)
+                    .where(Job.state == JobState.RUNNING.value, Job.pool.is_(None))
+                    .order_by(Job.started_at.desc(), Job.id)  # the youngest first
+                )
+            )
+            jobs = [(job_request(job), tuple(job.devices)) for job in running]
+        by_id = {d.id: d for d in devices}
+        soon = list(free)
+        candidates = []
+        for request, held in jobs:
+            mine = tuple(by_id[i] for i in held if i in by_id)
+            if self._resizing.get(request.job_id) == "suspending":
+                soon += mine
+            elif request.job_id not in self._resizing:
+                candidates.append(Running(request, mine))
+        for request in sorted(waiting, key=lambda r: -r.priority):
+            victims = preemptions(request, candidates, soon)
+            for victim in victims:
+                low = next(c for c in candidates if c.request.job_id == victim)
+                candidates.remove(low)
+                self._suspend(
+                    victim,
+                    f"preempted by job {request.job_id} (priority {request.priority} >"
+                    f" {low.request.priority}): checkpointing at the next step boundary, then"
+                    " waiting for devices",
+                    {"preempted_by": request.job_id, "priority": request.priority},
+                )
+                soon += low.devices
 
     def _start(self, placement: Placement) -> None:
         self._waiting_reason.pop(placement.job_id, None)
@@ -450,7 +501,7 @@ class Controller:
             self._cluster.start_runner(snapshot)
         except Exception as exc:  # any launch failure fails this job, with the reason, not the loop
             reason = f"could not start the runner: {exc}"
-            log.warning("job %s: %s", placement.job_id, reason)
+            log.warning("job %s: %s", placement.job_id, reason, extra={"job_id": placement.job_id})
             self._finish(placement.job_id, JobState.FAILED, reason, error=reason)
 
     def _layout(self, session: Session, job: Job, devices: Sequence[Device]) -> Layout:
@@ -516,7 +567,8 @@ def _persist_report(session: Session, job: Job, report: RunnerReport) -> None:
         session.execute(
             sa.delete(JobMetric).where(JobMetric.job_id == job.id, JobMetric.step >= first)
         )
-        for m in report.metrics:
+        by_step = {m.step: m for m in report.metrics}  # a step replayed in the batch: its rerun
+        for m in by_step.values():
             session.add(
                 JobMetric(
                     job_id=job.id,
@@ -529,6 +581,7 @@ def _persist_report(session: Session, job: Job, report: RunnerReport) -> None:
                 )
             )
         job.last_loss = report.metrics[-1].loss
+        job.last_samples_per_s = report.metrics[-1].samples_per_s
         job.stage_times = [asdict(s) for s in report.metrics[-1].stages]
     for event in report.events:
         data = {"step": event.step, **event.data}
@@ -567,3 +620,13 @@ def _record_checkpoint(session: Session, job_id: str, step: int, data: dict[str,
         session.execute(
             sa.delete(Checkpoint).where(Checkpoint.job_id == job_id, Checkpoint.step.in_(deleted))
         )
+
+
+def _drain_stuck(found: Candidate, why: str) -> tuple[str, dict[str, object]]:
+    """The suspend event of a job that cannot leave its draining devices for others: rather
+    than lose the steps since its last checkpoint when they go, it checkpoints and waits."""
+    return (
+        f"cannot leave draining devices {list(found.draining)} ({why}): checkpointing"
+        " at the next step boundary, then waiting for devices",
+        {"draining": list(found.draining)},
+    )

@@ -1,11 +1,13 @@
-"""Which devices are taken: by active jobs, by sweeps' SHARP executors, or being drained."""
+"""Which devices are taken: by active jobs, by sweeps' SHARP executors, or being drained; and
+what each user holds against their quota."""
 
 from __future__ import annotations
 
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
-from service.db.models import DeviceRow, Job, Sweep
+from scheduler.placement import Quota, Usage
+from service.db.models import DeviceRow, Job, Sweep, User
 from service.lifecycle import JobState
 
 ACTIVE_JOBS = (JobState.RUNNING.value, JobState.RECOVERING.value)
@@ -24,3 +26,34 @@ def held_devices(session: Session, *, exclude: str | None = None) -> set[str]:
 
 def draining_devices(session: Session) -> set[str]:
     return set(session.scalars(sa.select(DeviceRow.id).where(DeviceRow.draining)))
+
+
+def usage_by_owner(session: Session) -> dict[str, Usage]:
+    """Per user: the jobs they run (a sweep's trials run on its devices and count as the
+    sweep) and the devices those jobs and their sweeps hold."""
+    usage: dict[str, Usage] = {}
+    jobs = session.execute(
+        sa.select(User.name, Job.devices)
+        .join(User, User.id == Job.owner_id)
+        .where(Job.state.in_(ACTIVE_JOBS), Job.pool.is_(None))
+    )
+    sweeps = session.execute(
+        sa.select(User.name, Sweep.devices)
+        .join(User, User.id == Sweep.owner_id)
+        .where(Sweep.state.in_(ACTIVE_SWEEPS))
+    )
+    for name, devices in [*jobs, *sweeps]:
+        held = usage.setdefault(name, Usage())
+        held.jobs, held.devices = held.jobs + 1, held.devices + len(devices)
+    return usage
+
+
+def quotas(session: Session, default: Quota) -> dict[str, Quota]:
+    """Each user's quota: their own limits where an admin set them, else ``default``'s."""
+    return {
+        user.name: Quota(
+            user.max_jobs if user.max_jobs is not None else default.max_jobs,
+            user.max_devices if user.max_devices is not None else default.max_devices,
+        )
+        for user in session.scalars(sa.select(User))
+    }

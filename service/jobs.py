@@ -7,20 +7,25 @@ the controller never overwrite each other) and writes the event row in the same 
 
 from __future__ import annotations
 
+import logging
 import uuid
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from service.auth import Principal
 from service.db.models import Checkpoint, DeviceRow, Job, JobEvent, JobMetric, utcnow
 from service.db.session import SessionFactory, transaction
+from service.idempotency import create_once
 from service.lifecycle import JobState, check_transition
 from service.specs import AcceptedSpec
+
+log = logging.getLogger(__name__)
+_UNLOGGED = "shoal.events_to_log"
+"""Session info key: the events added in the session's transaction, logged once committed."""
 
 
 class JobNotFound(LookupError):
@@ -43,7 +48,21 @@ def add_event(
 ) -> JobEvent:
     event = JobEvent(job_id=job_id, kind=kind, message=message, data=data or {})
     session.add(event)
+    session.info.setdefault(_UNLOGGED, []).append((job_id, kind, message))
     return event
+
+
+@sa.event.listens_for(Session, "after_commit")
+def _log_events(session: Session) -> None:
+    """Every committed job event is a log line too, with its job id (a JSON field with
+    ``SHOAL_LOG_JSON``): the log, ``shoal logs`` and the dashboard tell the same story."""
+    for job_id, kind, message in session.info.pop(_UNLOGGED, []):
+        log.info("job %s %s: %s", job_id, kind, message, extra={"job_id": job_id, "event": kind})
+
+
+@sa.event.listens_for(Session, "after_rollback")
+def _forget_events(session: Session) -> None:
+    session.info.pop(_UNLOGGED, None)
 
 
 def transition(session: Session, job: Job, target: JobState, message: str, **fields: Any) -> None:
@@ -111,24 +130,14 @@ def submit_job(
     idempotency_key: str | None = None,
 ) -> tuple[Job, bool]:
     """Persist a new QUEUED job; returns (job, created). A retried key returns the first job."""
-    spec_json = accepted.spec.model_dump(mode="json")
-    if idempotency_key is not None:
-        with factory() as session:
-            existing = _find_by_key(session, principal, idempotency_key)
-        if existing is not None:
-            return _same_spec(existing, spec_json), False
-    try:
-        with transaction(factory) as session:
-            job = add_job(session, principal, accepted, idempotency_key)
-        return job, True
-    except IntegrityError:
-        if idempotency_key is None:
-            raise
-        with factory() as session:  # a concurrent request with the same key won the race
-            existing = _find_by_key(session, principal, idempotency_key)
-        if existing is None:
-            raise
-        return _same_spec(existing, spec_json), False
+    return create_once(
+        factory,
+        idempotency_key,
+        lambda session, key: _find_by_key(session, principal, key),
+        lambda session: add_job(session, principal, accepted, idempotency_key),
+        accepted.spec.model_dump(mode="json"),
+        "job",
+    )
 
 
 def add_job(
@@ -162,14 +171,6 @@ def add_job(
             "profile",
             "the model did not trace on the meta device, so its blocks count as equal"
             f" for the partitioner: {accepted.untraced}",
-        )
-    return job
-
-
-def _same_spec(job: Job, spec_json: dict[str, Any]) -> Job:
-    if job.spec != spec_json:
-        raise JobConflict(
-            "this Idempotency-Key was already used for a different job spec; use a new key"
         )
     return job
 

@@ -51,12 +51,14 @@ MAX_GROUPS = 16
 HEALTH_CHECKS = {
     "RAY_health_check_initial_delay_ms": "1000",
     "RAY_health_check_period_ms": "1000",
-    "RAY_health_check_timeout_ms": "1000",
+    "RAY_health_check_timeout_ms": "2000",
     "RAY_health_check_failure_threshold": "3",
 }
-"""A node that stops answering is declared dead after ~3 s instead of Ray's default ~15 s
-(5 missed checks, 3 s apart): a lost spot node's workers are given up on, and recovered,
-that much sooner. Set the same variables on a real cluster's head to get the same."""
+"""A node that stops answering is declared dead after 3 missed checks of 2 s each (~3-6 s)
+instead of Ray's default ~15 s (5 missed checks, 3 s apart): a lost spot node's workers are
+given up on, and recovered, that much sooner. A 1 s timeout was measured too tight on a
+saturated 2-core machine (a busy raylet was declared dead while new workers started). Set
+the same variables on a real cluster's head to get the same."""
 
 RAY_ENV = "ray.env"
 """The file in ``SHOAL_HOME`` where `shoal up` leaves its local cluster's address and token."""
@@ -420,22 +422,31 @@ class LocalRay:
 
 
 def node_command(
-    ray: Path, spec: VirtualNode, *, address: str | None = None, head_port: int | None = None
+    ray: Path,
+    spec: VirtualNode,
+    *,
+    address: str | None = None,
+    head_port: int | None = None,
+    shared_machine: bool = True,
 ) -> list[str]:
-    """The ``ray start --block`` command of one local node declaring ``spec``'s devices:
-    the head (``head_port``) or a node joining the cluster at ``address``."""
+    """The ``ray start --block`` command of one node declaring ``spec``'s devices: the head
+    (``head_port``) or a node joining the cluster at ``address``. ``shared_machine``: the
+    node shares this machine (and its loopback address) with the cluster's other nodes, so
+    it takes ports of its own; a node on a machine (a container) of its own does not."""
     args = [
         str(ray),
         "start",
         "--block",
         "--disable-usage-stats",
-        f"--node-ip-address={_HOST}",
         f"--resources={json.dumps({DEVICE_RESOURCE: spec.count})}",
         "--labels=" + ",".join(f"{key}={value}" for key, value in spec.labels.items()),
-        # Nodes share this machine: give each its own agent and metrics ports.
-        f"--dashboard-agent-listen-port={free_port()}",
-        f"--metrics-export-port={free_port()}",
     ]
+    if shared_machine:
+        args += [
+            f"--node-ip-address={_HOST}",
+            f"--dashboard-agent-listen-port={free_port()}",
+            f"--metrics-export-port={free_port()}",
+        ]
     if head_port is not None:
         # One CPU beyond the devices, for the job runner actor and the control plane's work.
         return [

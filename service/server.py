@@ -4,8 +4,16 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import IO, Any, Literal
 
 from service.settings import Settings
+
+LOG_FIELDS = ("job_id", "sweep_id", "event", "device_id")
+"""Fields a log call may add (``extra=``): JSON lines carry them as keys of their own."""
 
 
 class _JsonFormatter(logging.Formatter):
@@ -16,13 +24,17 @@ class _JsonFormatter(logging.Formatter):
             "logger": record.name,
             "message": record.getMessage(),
         }
+        for key in LOG_FIELDS:
+            if hasattr(record, key):
+                entry[key] = getattr(record, key)
         if record.exc_info:
             entry["exc"] = self.formatException(record.exc_info)
         return json.dumps(entry)
 
 
-def configure_logging(settings: Settings) -> None:
-    handler = logging.StreamHandler()
+def configure_logging(settings: Settings, stream: IO[str] | None = None) -> None:
+    """Log lines (JSON objects with ``SHOAL_LOG_JSON``) to ``stream``, stderr by default."""
+    handler = logging.StreamHandler(stream)
     if settings.log_json:
         handler.setFormatter(_JsonFormatter())
     else:
@@ -37,6 +49,7 @@ def serve(settings: Settings) -> None:
     import uvicorn
 
     from api.app import create_app
+    from scheduler.placement import Quota
     from service.cluster import RayCluster
     from service.controller import Controller, ControllerConfig
     from service.db.session import make_engine, make_session_factory, migrate
@@ -57,7 +70,39 @@ def serve(settings: Settings) -> None:
             stage_overhead_s=settings.stage_overhead_ms / 1000,
             allreduce_s_per_byte=1 / (settings.allreduce_gb_per_s * 1e9),
             growth_min_gain=settings.growth_min_gain,
+            default_quota=Quota(settings.user_max_jobs, settings.user_max_devices),
         ),
     )
     app = create_app(settings, factory, controller)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_config=None)
+    # Live streams (GET /api/v1/stream) never end by themselves: a stop waits 5 s at most.
+    uvicorn.run(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_config=None,
+        timeout_graceful_shutdown=5,
+    )
+
+
+@contextmanager
+def serving(app: Any, *, lifespan: Literal["on", "off"] = "off") -> Iterator[str]:
+    """``app`` served on a thread, on a loopback socket bound before the server starts (so
+    no wait is needed); its URL. Open streams are cut after 1 s when it stops. For tests and
+    benchmarks that need real HTTP."""
+    import uvicorn
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(64)
+    config = uvicorn.Config(
+        app, log_level="warning", lifespan=lifespan, timeout_graceful_shutdown=1
+    )
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        sock.close()

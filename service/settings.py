@@ -11,7 +11,7 @@ import ipaddress
 from pathlib import Path
 from typing import Annotated
 
-from pydantic import Field, field_validator
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 DEFAULT_DEVICES = "2xcpu-fast:2048,2xcpu-slow:2048:slowdown=2"
@@ -19,6 +19,11 @@ DEFAULT_DEVICES = "2xcpu-fast:2048,2xcpu-slow:2048:slowdown=2"
 
 class UnsafeSettings(ValueError):
     """A configuration Shoal refuses to start with; the message says how to fix it."""
+
+
+ADMIN_TOKEN_HINT = (
+    "make one with: python3 -c \"import secrets; print('shoal_' + secrets.token_urlsafe(32))\""
+)
 
 
 class Settings(BaseSettings):
@@ -74,9 +79,49 @@ class Settings(BaseSettings):
         description="A running job grows onto free devices only if its predicted step gets at"
         " least this much faster (0.1: 10%).",
     )
+    user_max_jobs: int | None = Field(
+        None, ge=1, description="Jobs a user may run at once, unless an admin set theirs."
+    )
+    user_max_devices: int | None = Field(
+        None, ge=1, description="Devices a user's jobs may hold at once, unless set for them."
+    )
+    rate_limit_per_s: float | None = Field(
+        50.0,
+        gt=0.0,
+        description="Requests per second per token (per address without one) on average;"
+        " unset: no limit. Health probes and /metrics are never limited.",
+    )
+    rate_limit_burst: int = Field(200, ge=1, description="Requests a token may send at once.")
     max_body_bytes: int = Field(1_048_576, ge=1024, description="Largest accepted request body.")
     max_page_size: int = Field(500, ge=1, le=10_000, description="Cap on list page sizes.")
     log_json: bool = Field(False, description="Log as JSON lines.")
+    admin_token: SecretStr | None = Field(
+        None,
+        description="The admin's API token, chosen outside Shoal (e.g. a Kubernetes Secret):"
+        " `shoal_` and 32+ more characters; unset: `shoal up` makes one and writes it to"
+        " $SHOAL_HOME/admin.token.",
+    )
+    metrics_token: str | None = Field(
+        None,
+        min_length=16,
+        description="Bearer token a `GET /metrics` scrape must bring; unset: /metrics is open.",
+    )
+
+    @field_validator("admin_token", mode="before")
+    @classmethod
+    def _empty_is_unset(cls, value: object) -> object:
+        return None if value == "" else value  # `SHOAL_ADMIN_TOKEN=` as compose passes it
+
+    @field_validator("admin_token")
+    @classmethod
+    def _token_shape(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None:
+            token = value.get_secret_value()
+            if not token.startswith("shoal_") or len(token) < len("shoal_") + 32:
+                raise ValueError(
+                    f"must be 'shoal_' followed by at least 32 characters ({ADMIN_TOKEN_HINT})"
+                )
+        return value
 
     @field_validator("allowed_factories", mode="before")
     @classmethod

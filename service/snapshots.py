@@ -88,6 +88,7 @@ def job_request(job: Job) -> JobRequest:
         device_kind=spec.resources.device_kind,
         spot_ok=spec.resources.spot_ok,
         replicas=replicas if isinstance(replicas, int) else None,
+        owner=job.owner.name,
     )
 
 

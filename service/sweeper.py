@@ -62,7 +62,12 @@ class Sweeper:
             try:
                 self._follow(sweep_id, devices)
             except (RunnerGone, ClusterUnavailable) as exc:
-                log.warning("sweep %s: its executor did not answer, retrying: %s", sweep_id, exc)
+                log.warning(
+                    "sweep %s: its executor did not answer, retrying: %s",
+                    sweep_id,
+                    exc,
+                    extra={"sweep_id": sweep_id},
+                )
         for sweep_id in set(self._tuners) - set(active):
             del self._tuners[sweep_id]
 

@@ -20,6 +20,7 @@ from sqlalchemy.orm import Session
 from service.auth import Principal
 from service.db.models import Sweep, Trial, utcnow
 from service.db.session import SessionFactory, transaction
+from service.idempotency import create_once
 from service.jobs import JobConflict
 from service.lifecycle import JobState
 from service.sweepspec import AcceptedSweep
@@ -59,20 +60,38 @@ def move_sweep(sweep: Sweep, target: JobState, *, error: str | None = None) -> N
         sweep.error = error
 
 
-def submit_sweep(factory: SessionFactory, principal: Principal, accepted: AcceptedSweep) -> Sweep:
-    """Persist a new QUEUED sweep; the controller asks its trials and starts their jobs."""
-    with transaction(factory) as session:
+def submit_sweep(
+    factory: SessionFactory,
+    principal: Principal,
+    accepted: AcceptedSweep,
+    idempotency_key: str | None = None,
+) -> tuple[Sweep, bool]:
+    """Persist a new QUEUED sweep (the controller asks its trials and starts their jobs);
+    returns (sweep, created). A retried key returns the first sweep."""
+    spec = accepted.spec.model_dump(mode="json")
+
+    def add(session: Session) -> Sweep:
         sweep = Sweep(
             id=uuid.uuid4().hex,
             name=accepted.spec.name,
             owner_id=principal.user_id,
-            spec=accepted.spec.model_dump(mode="json"),
+            spec=spec,
             state=JobState.QUEUED.value,
             max_trials=accepted.trials,
+            idempotency_key=idempotency_key,
         )
         session.add(sweep)
         session.flush()
         return sweep
+
+    def find(session: Session, key: str) -> Sweep | None:
+        return session.scalar(
+            sa.select(Sweep).where(
+                Sweep.owner_id == principal.user_id, Sweep.idempotency_key == key
+            )
+        )
+
+    return create_once(factory, idempotency_key, find, add, spec, "sweep")
 
 
 def _visible(principal: Principal) -> sa.ColumnElement[bool]:

@@ -272,7 +272,13 @@ def check_shards(accepted: AcceptedSpec, largest_device_mb: int | None) -> None:
         return
     rows = accepted.spec.batch_size // accepted.spec.micro_batches
     try:
-        shard_model(accepted.costs, largest_device_mb * 2**20, rows)
+        shard_model(
+            accepted.costs,
+            largest_device_mb * 2**20,
+            rows,
+            micro_batches=accepted.spec.micro_batches,
+            recompute=accepted.spec.parallelism.recompute,
+        )
     except ShardError as exc:
         raise SpecError([("micro_batches", str(exc))]) from None
 

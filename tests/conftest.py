@@ -6,6 +6,8 @@ import os
 import random
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 
@@ -63,9 +65,9 @@ def _postgres_admin_url() -> str | None:
     )
 
 
-@pytest.fixture(scope="session")
-def postgres_server_url() -> Iterator[str]:
-    """A fresh PostgreSQL database for this session (dropped at the end).
+@contextmanager
+def _fresh_postgres_database() -> Iterator[str]:
+    """A new, empty PostgreSQL database (dropped afterwards); its URL.
 
     Skips when no server is reachable, unless ``SHOAL_REQUIRE_POSTGRES=1`` (CI), where an
     unreachable server is a failure.
@@ -75,7 +77,8 @@ def postgres_server_url() -> Iterator[str]:
     admin_url = _postgres_admin_url()
     assert admin_url is not None
     name = f"shoal_test_{uuid.uuid4().hex[:10]}"
-    admin = sa.create_engine(admin_url, isolation_level="AUTOCOMMIT")
+    # Pre-ping: a test may restart the server (tests/integration/test_chaos.py).
+    admin = sa.create_engine(admin_url, isolation_level="AUTOCOMMIT", pool_pre_ping=True)
     try:
         with admin.connect() as conn:
             conn.execute(sa.text(f'CREATE DATABASE "{name}"'))
@@ -98,6 +101,23 @@ def postgres_server_url() -> Iterator[str]:
             )
             conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}"'))
         admin.dispose()
+
+
+@pytest.fixture(scope="session")
+def postgres_server_url() -> Iterator[str]:
+    """The session's PostgreSQL database (emptied by ``session_factory`` for each test)."""
+    with _fresh_postgres_database() as url:
+        yield url
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def empty_database_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """A database of each backend that nothing was ever written to (migration tests)."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'empty.db'}"
+        return
+    with _fresh_postgres_database() as url:
+        yield url
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
@@ -126,3 +146,17 @@ def session_factory(database_url: str) -> Iterator[object]:
         yield make_session_factory(engine)
     finally:
         engine.dispose()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """A test run on both cluster backends and both databases runs Ray on SQLite only:
+    PostgreSQL is covered by its in-process variant (the controller's database code does not
+    depend on the backend), and every Ray variant costs seconds of actor start-up."""
+    kept, dropped = [], []
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        both = params.get("database_url") == "postgresql" and "ray" in params.values()
+        (dropped if both else kept).append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept

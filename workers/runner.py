@@ -25,7 +25,7 @@ from typing import Any
 from torch import Tensor
 
 from scheduler.schedules import Action, Op, build, submission_order
-from workers.checkpoints import CheckpointInfo, CheckpointStore
+from workers.checkpoints import CheckpointStore, Restorable
 from workers.clipping import clip_coefficient
 from workers.group import GroupFactory, RayGroup, StageFailed, StageLost, WorkerGroup
 from workers.rebalance import Layout, Policy, Rebalancer, move_blocks, snapshot_policy
@@ -170,9 +170,9 @@ class Trainer:
             data = make_data(snap.data, snap.seed, snap.allowed_factories)
             store = CheckpointStore(snap.checkpoint_root)
             group = self._make_group(plans, StageSetup.of(snap, data.meta))
-            latest = store.latest(snap.job_id)
-            self._announce(group, plans, latest.step if latest else 0)
-            start = self._restore(group, plans, store, latest) if latest else 0
+            restorable = store.restorable(snap.job_id)
+            self._announce(group, plans, restorable.info.step if restorable.info else 0)
+            start = self._restore(group, plans, restorable)
             rebalancer = (
                 Rebalancer(self._policy, self._timeout, self._record) if self._policy else None
             )
@@ -383,15 +383,14 @@ class Trainer:
                 )
             )
 
-    def _restore(
-        self,
-        group: WorkerGroup,
-        plans: list[StagePlan],
-        store: CheckpointStore,
-        latest: CheckpointInfo,
-    ) -> int:
-        snap = self.snapshot
-        _, states = store.read(snap.job_id, latest.step)
+    def _restore(self, group: WorkerGroup, plans: list[StagePlan], restorable: Restorable) -> int:
+        """Load the checkpoint to resume from into the stages; the step to run from."""
+        snap, latest = self.snapshot, restorable.info
+        if latest is None:
+            if restorable.skipped:  # every checkpoint unusable: from the seed, said so
+                self._record(resumed_event(restorable))
+            return 0
+        states = restorable.blocks
         missing = sorted(set(range(snap.num_blocks)) - set(states))
         if missing:
             raise PlanError(
@@ -403,7 +402,7 @@ class Trainer:
             for w, p in enumerate(plans)
         ]
         group.get(loads, self._timeout)
-        self._record(resumed_event(latest))
+        self._record(resumed_event(restorable))
         with self._lock:
             self._step = latest.step
         return latest.step
@@ -553,14 +552,23 @@ class Trainer:
         self._record(write_checkpoint(store, self.snapshot, step, blocks, stages, layout.split))
 
 
-def resumed_event(latest: CheckpointInfo) -> RunnerEvent:
-    """The event of a run that restored the checkpoint ``latest``."""
-    return RunnerEvent(
-        "resumed",
-        latest.step,
-        f"resumed from the checkpoint at step {latest.step}",
-        {"step": latest.step, "path": latest.path},
+def resumed_event(restorable: Restorable) -> RunnerEvent:
+    """The event of a run that restored a checkpoint, naming the newer ones it passed over
+    as corrupt (or that found none usable and starts from its seed)."""
+    latest, skipped = restorable.info, restorable.skipped
+    step = latest.step if latest is not None else 0
+    message = (
+        f"resumed from the checkpoint at step {step}"
+        if latest is not None
+        else "no usable checkpoint: training from the start"
     )
+    if skipped:
+        passed = "; ".join(f"step {s}: {why}" for s, why in skipped)
+        message += f" (passed over as unusable: {passed})"
+    data: dict[str, Any] = {"step": step, "path": latest.path if latest is not None else None}
+    if skipped:
+        data["skipped"] = [{"step": s, "reason": why} for s, why in skipped]
+    return RunnerEvent("resumed", step, message, data)
 
 
 def write_checkpoint(

@@ -13,8 +13,12 @@ memory on a GPU, where promotion and demotion are copies to and from pinned host
 Double buffering: a task may name the shard expected next on this device; it is promoted
 before the task computes (on a GPU, on a side stream, so the copy overlaps the compute).
 A shard promoted and run again stays where it is. Between its forward and backward task a
-shard keeps its micro-batches' inputs (the stage boundary activations, which its backward
-recomputes from), so its backward runs on the host that ran its forward.
+shard keeps what its backward needs, so its backward runs on the host that ran its forward:
+with the job's ``recompute`` on, its micro-batches' inputs (the boundary activations, which
+its backward recomputes the forward from, as GPipe's rematerialization does); with it off,
+the autograd graph, whose saved activations move with the shard when it is demoted and whose
+saved parameters are read back from wherever they are by then (``workers.saved``), so no
+forward runs twice.
 
 After its backward a shard applies its optimizer step at once: its gradients are complete
 (every micro-batch went through), and the shards before it already have the gradients they
@@ -33,6 +37,7 @@ from typing import Any
 import torch
 
 from scheduler.devices import Device
+from workers.saved import MovableSaves
 from workers.snapshot import StagePlan
 from workers.stage import Stage, StageSetup, StageStateError, one_line, torch_device
 from workers.wire import Wire
@@ -47,13 +52,20 @@ class BudgetError(RuntimeError):
 
 @dataclass(frozen=True)
 class TaskResult:
-    """What a shard task gives back: the tensors for the model's next task, the losses of a
-    last shard's micro-batches, the compute seconds it took and the bytes it promoted."""
+    """What a shard task tells the executor: the losses of a last shard's micro-batches,
+    the compute seconds it took and the bytes it promoted. Its outputs, the tensors of the
+    model's next task, go apart (``Outputs``): straight to the next task's host on Ray."""
 
-    outputs: list[Wire | None]
     losses: list[float]
     compute_s: float
     promoted_bytes: int
+
+
+Outputs = list[Wire | None]
+"""A shard task's tensors for the model's next task, one per micro-batch."""
+
+TASK_METHODS = frozenset({"forward", "backward"})
+"""The methods that return ``(Outputs, TaskResult)``."""
 
 
 class ShardHost:
@@ -65,6 +77,7 @@ class ShardHost:
         self._target = torch_device(device)
         self._host = torch.device("cpu")
         self._shards: dict[ShardKey, Stage] = {}
+        self._saves: dict[ShardKey, MovableSaves] = {}
         self._built: dict[ShardKey, tuple[StageSetup, tuple[int, int]]] = {}
         self._resident: OrderedDict[ShardKey, int] = OrderedDict()
         """Shards on the device and their bytes, least recently used first."""
@@ -89,10 +102,11 @@ class ShardHost:
             raise StageStateError(f"shard {key} is already held on {self.device.id}")
         # Built in host memory; promoted onto the device when a task needs it.
         host = replace(self.device, index=0, gpu=False)
-        stage = Stage(StagePlan(key[1], blocks, host), replace(setup, recompute=True))
+        stage = Stage(StagePlan(key[1], blocks, host), setup)
         if state is not None:
             stage.load(state)
         self._shards[key] = stage
+        self._saves[key] = MovableSaves(lambda: _parameters(stage))
         self._built[key] = (setup, blocks)
         return stage.nbytes()
 
@@ -112,6 +126,7 @@ class ShardHost:
         self._stage(key)
         self._demote(key)
         del self._shards[key]
+        del self._saves[key]
         del self._built[key]
 
     def pid(self) -> int:
@@ -136,27 +151,28 @@ class ShardHost:
         targets: Sequence[Wire] | None = None,
         scale: float = 1.0,
         prefetch: ShardKey | None = None,
-    ) -> TaskResult:
-        """Run every micro-batch through shard ``key``, keeping their inputs for its
-        backward: the outputs are the next shard's inputs; on the model's last shard
-        (``targets`` given) the losses, ``scale`` times the mean, are the result."""
+    ) -> tuple[Outputs, TaskResult]:
+        """Run every micro-batch through shard ``key``, keeping what its backward needs:
+        the outputs are the next shard's inputs; on the model's last shard (``targets``
+        given) there are none, and the losses, ``scale`` times the mean, are in the result."""
         stage, promoted = self._begin(key, prefetch)
-        if targets is None:
-            outputs: list[Wire | None] = [stage.forward(j, x) for j, x in enumerate(inputs)]
-            return TaskResult(outputs, [], stage.lap().compute_s, promoted)
-        pairs = zip(inputs, targets, strict=True)
-        losses = [stage.forward_loss(j, x, y, scale) for j, (x, y) in enumerate(pairs)]
-        return TaskResult([], losses, stage.lap().compute_s, promoted)
+        with self._saves[key].hooks():
+            if targets is None:
+                outputs: Outputs = [stage.forward(j, x) for j, x in enumerate(inputs)]
+                return outputs, TaskResult([], stage.lap().compute_s, promoted)
+            pairs = zip(inputs, targets, strict=True)
+            losses = [stage.forward_loss(j, x, y, scale) for j, (x, y) in enumerate(pairs)]
+        return [], TaskResult(losses, stage.lap().compute_s, promoted)
 
     def backward(
         self, key: ShardKey, grads: Sequence[Wire | None], prefetch: ShardKey | None = None
-    ) -> TaskResult:
+    ) -> tuple[Outputs, TaskResult]:
         """Backpropagate every micro-batch through shard ``key`` from its output gradients
-        (None on the last shard: from the losses), recomputing its forward from the kept
-        inputs, then apply the shard's step; the gradients of its inputs go back."""
+        (None on the last shard: from the losses), then apply the shard's step; the outputs
+        are the gradients of its inputs."""
         stage, promoted = self._begin(key, prefetch)
         outputs = [stage.backward(j, g) for j, g in enumerate(grads)]
-        return TaskResult(outputs, [], stage.apply_step().compute_s, promoted)
+        return outputs, TaskResult([], stage.apply_step().compute_s, promoted)
 
     # ------------------------------------------------------------ promotion (spilling)
 
@@ -195,27 +211,35 @@ class ShardHost:
                 self._demote(other)
         if sum(self._resident.values()) + size > self.budget_bytes:
             return 0  # a prefetch with no room: the shard is promoted when its task comes
-        self._move(stage, self._target)
+        self._move(key, self._target)
         self._resident[key] = size
         return size
 
     def _demote(self, key: ShardKey) -> None:
         if self._resident.pop(key, None) is not None:
-            self._move(self._shards[key], self._host)
+            self._move(key, self._host)
 
-    def _move(self, stage: Stage, device: torch.device) -> None:
+    def _move(self, key: ShardKey, device: torch.device) -> None:
+        stage, saves = self._shards[key], self._saves[key]
         if device == stage.device:
             return  # a CPU device: host and device memory are one, the budget is accounting
         if self._side is not None and device.type == "cuda":
             with torch.cuda.stream(self._side):
                 for block in stage.blocks:
                     block.to(device)
+                saves.to(device)
         else:
+            pin = device.type == "cpu" and self._side is not None
             for block in stage.blocks:
                 block.to(device)
-                if device.type == "cpu" and self._side is not None:
+                if pin:
                     _pin(block.module)
+            saves.to(device, pin=pin)
         stage.device = device
+
+
+def _parameters(stage: Stage) -> list[torch.Tensor]:
+    return [p for block in stage.blocks for p in block.module.parameters()]
 
 
 def _pin(module: torch.nn.Module) -> None:

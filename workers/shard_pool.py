@@ -5,7 +5,11 @@
 worker's calls one at a time in submission order and different workers' calls at once, and
 both pass the same contract: ``submit`` returns a ``Call``, ``wait`` returns the calls that
 have finished, ``result`` gives a call's value or raises ``ShardFailed`` (the worker's method
-raised) or ``HostLost`` (the worker, its device or its node is gone).
+raised), ``HostLost`` (the worker, its device or its node is gone) or ``InputLost`` (the
+call's input, another task's outputs, was lost with the node that held it). A shard task's
+(``forward``, ``backward``) value is its ``TaskResult``; its tensors for the model's next task
+are ``outputs``, a handle to pass to that task's ``submit``: on Ray an object reference, so
+activations and gradients go from worker to worker and never through the executor.
 """
 
 from __future__ import annotations
@@ -19,12 +23,18 @@ from typing import Any, Protocol
 
 import ray
 from ray.actor import ActorHandle
-from ray.exceptions import ActorUnschedulableError, RayActorError, RayTaskError
+from ray.exceptions import (
+    ActorUnschedulableError,
+    GetTimeoutError,
+    ObjectLostError,
+    RayActorError,
+    RayTaskError,
+)
 
 from scheduler.devices import Device
 from scheduler.types import DeviceId
 from workers import launch
-from workers.shard_host import ShardFailed, ShardWorker
+from workers.shard_host import TASK_METHODS, ShardFailed, ShardWorker
 
 
 class HostLost(RuntimeError):
@@ -34,6 +44,16 @@ class HostLost(RuntimeError):
         super().__init__(f"device {device_id} was lost: {reason}")
         self.device_id = device_id
         self.reason = reason
+
+
+class InputLost(RuntimeError):
+    """A call's input (another call's outputs) was lost with the node that held it."""
+
+    def __init__(self, device_id: str) -> None:
+        super().__init__(
+            f"a task's input for device {device_id} was lost with the node that held it"
+        )
+        self.device_id = device_id
 
 
 class PoolTimeout(TimeoutError):
@@ -59,6 +79,10 @@ class HostPool(Protocol):
 
     def result(self, call: Call) -> Any:
         """A finished call's value, or its error (``ShardFailed``, ``HostLost``)."""
+        ...
+
+    def outputs(self, call: Call) -> Any:
+        """A finished shard task's outputs, as an argument for the model's next task."""
         ...
 
     def shutdown(self) -> None: ...
@@ -100,7 +124,11 @@ class LocalPool:
         return [by_future[f] for f in done]
 
     def result(self, call: Call) -> Any:
-        return _own(call, _Local).future.result(timeout=0)
+        value = _own(call, _Local).future.result(timeout=0)
+        return value[1] if call.method in TASK_METHODS else value
+
+    def outputs(self, call: Call) -> Any:
+        return _own(call, _Local).future.result(timeout=0)[0]
 
     def shutdown(self) -> None:
         for thread in self._threads:
@@ -110,6 +138,7 @@ class LocalPool:
 @dataclass(frozen=True, eq=False)
 class _Remote(Call):
     ref: Any
+    outputs: Any = None
 
 
 class RayPool:
@@ -122,7 +151,11 @@ class RayPool:
         ]
 
     def submit(self, host: int, method: str, *args: Any) -> Call:
-        return _Remote(host, method, self._actors[host].call.remote(method, *args))
+        actor = self._actors[host]
+        if method not in TASK_METHODS:
+            return _Remote(host, method, actor.call.remote(method, *args))
+        refs: Any = actor.call.options(num_returns=2).remote(method, *args)
+        return _Remote(host, method, refs[1], refs[0])
 
     def wait(self, calls: Sequence[Call], timeout: float) -> list[Call]:
         by_ref = {_own(c, _Remote).ref: c for c in calls}
@@ -142,12 +175,29 @@ class RayPool:
                 raise exc.cause from None
             if isinstance(exc.cause, RayActorError):
                 raise HostLost(device, "its worker died") from None
+            if isinstance(exc.cause, ObjectLostError):
+                raise self._lost_object(remote) from None
             raise
+        except ObjectLostError:
+            raise self._lost_object(remote) from None
         except RayActorError as exc:
             reason = "its node was preempted" if exc.preempted else "its worker died"
             raise HostLost(device, reason) from None
         except ActorUnschedulableError:
             raise HostLost(device, "its node is gone or cannot host it") from None
+
+    def outputs(self, call: Call) -> Any:
+        return _own(call, _Remote).outputs
+
+    def _lost_object(self, call: _Remote) -> HostLost | InputLost:
+        """An object the call needs is gone: its own result, lost with its worker's node
+        (``HostLost``), or, its worker alive, an input that was on another node."""
+        device = self.devices[call.host].id
+        try:
+            ray.get(self._actors[call.host].call.remote("pid"), timeout=30)
+        except (RayActorError, ActorUnschedulableError, ObjectLostError, GetTimeoutError):
+            return HostLost(device, "its node is gone, and the call's result with it")
+        return InputLost(device)
 
     def shutdown(self) -> None:
         for actor in self._actors:

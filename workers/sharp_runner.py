@@ -22,6 +22,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,7 +44,7 @@ from scheduler.types import DeviceId
 from workers.checkpoints import CheckpointStore
 from workers.runner import resumed_event, write_checkpoint
 from workers.shard_host import ShardFailed, ShardKey, TaskResult
-from workers.shard_pool import Call, HostLost, HostPool, PoolFactory
+from workers.shard_pool import Call, HostLost, HostPool, InputLost, PoolFactory
 from workers.snapshot import JobSnapshot, RunnerEvent, RunnerReport, RunStatus, StepMetrics
 from workers.stage import StageSetup, one_line
 from workers.wire import Wire, send
@@ -64,7 +65,8 @@ class _Model:
     done: int = 0
     ratio: float = 1.0
     last_run: int = -1
-    carry: list[Wire | None] = field(default_factory=list)
+    carry: Any = None
+    """The inputs of the model's next task: a batch, or a ``HostPool.outputs`` handle."""
     targets: list[Wire] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
     step_started: float = 0.0
@@ -77,6 +79,10 @@ class _Model:
     what the model rolls back to when a device holding one of its shards is lost."""
     lost: str | None = None
     """Why the model must roll back (a device holding a shard was lost), until it does."""
+    placed: int = 0
+    """Tasks done when it was placed; while ``done`` is still that, a lost shard is built
+    again from ``origin`` (its checkpoint's block states, or None: from its seed)."""
+    origin: dict[int, Any] | None = None
 
     @property
     def active(self) -> bool:
@@ -115,14 +121,20 @@ class SharpTrainer:
         self._lock = threading.Lock()
         self._models: dict[str, _Model] = {}
         self._incoming: list[JobSnapshot] = []
-        self._cancelled: set[str] = set()
+        self._stopping: dict[str, tuple[RunStatus, str | None]] = {}
+        """Models to end, with how, once they have no task in flight."""
         self._open = keep_open
         self._wakeup = threading.Event()
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="sharp-checkpoints")
         self._load = [0.0] * len(self._devices)
         """Reference seconds of the shards each device holds: new shards go to the least."""
         self._dispatched = 0
         self._dead: set[int] = set()
         """Pool positions of devices that were lost."""
+        self._in_flight: dict[Call, tuple[_Model, int]] = {}
+        """Shard tasks under way: their model and pool position."""
+        self._stopped: str | None = None
+        """Why ``run`` has returned; a model added after that fails with it."""
         for snap in models:
             self.add(snap)
         self.promoted_bytes = 0
@@ -143,8 +155,11 @@ class SharpTrainer:
 
     def cancel(self, job_id: str) -> None:
         """Stop training ``job_id`` once its task in flight is done (CANCELLED)."""
+        self._stop(job_id, RunStatus.CANCELLED, None)
+
+    def _stop(self, job_id: str, status: RunStatus, error: str | None) -> None:
         with self._lock:
-            self._cancelled.add(job_id)
+            self._stopping.setdefault(job_id, (status, error))
         self._wakeup.set()
 
     def close(self) -> None:
@@ -156,6 +171,8 @@ class SharpTrainer:
         """Model ``job_id``'s metrics and events after ``cursor``, like a job runner's."""
         with self._lock:
             model = self._models.get(job_id)
+            if model is None and self._stopped is not None:  # added after the end: never runs
+                return RunnerReport(RunStatus.FAILED, 0, 0, (), (), self._stopped)
             if model is None:
                 return RunnerReport(RunStatus.RUNNING, 0, 0, (), (), None)
             news = model.log[max(0, cursor) :]
@@ -190,24 +207,27 @@ class SharpTrainer:
             reason = f"the SHARP executor failed: {one_line(exc)}"
             with self._lock:
                 self._open = False
+                self._stopped = reason
                 for model in self._models.values():
                     if model.status is RunStatus.RUNNING:
                         model.status, model.error = RunStatus.FAILED, reason
         finally:
+            with self._lock:
+                self._stopped = self._stopped or "the SHARP executor had stopped (closed)"
             pool.shutdown()
+            self._writer.shutdown(wait=True)  # the checkpoints under way are written
         return {job_id: m.status for job_id, m in self._models.items()}
 
     def _loop(self, pool: HostPool) -> None:
-        in_flight: dict[Call, tuple[_Model, int]] = {}
         while True:
             self._wakeup.clear()
             self._admit(pool)
-            self._reap(pool, in_flight)
-            self._dispatch(pool, in_flight)
-            if in_flight:
-                for call in pool.wait(list(in_flight), self._timeout):
-                    model, host = in_flight.pop(call)
-                    self._complete(pool, model, host, call, in_flight)
+            self._reap(pool)
+            self._dispatch(pool)
+            if self._in_flight:
+                for call in pool.wait(list(self._in_flight), self._timeout):
+                    model, host = self._in_flight.pop(call)
+                    self._complete(pool, model, host, call)
             elif self._open or self._incoming:
                 self._wakeup.wait(timeout=1.0)
             else:
@@ -217,22 +237,34 @@ class SharpTrainer:
         with self._lock:
             arriving, self._incoming = self._incoming, []
         if arriving:
-            self._await_all(pool, [c for snap in arriving for c in self._place(pool, snap)])
+            adds = [c for snap in arriving for c in self._place(pool, snap)]
+            try:
+                self._await_all(pool, adds)
+            except HostLost as exc:  # its models (new ones too) are placed again
+                self._lose(pool, self._host_of(exc), str(exc))
             for snap in arriving:
                 model = self._models[snap.job_id]
-                if snap.keep_copies:
+                if not (snap.keep_copies and model.active):
+                    continue
+                try:
                     model.saved = (model.step, self._gather(pool, model))
+                except HostLost as exc:  # it trained nothing yet: no copy is needed
+                    self._lose(pool, self._host_of(exc), str(exc))
 
-    def _reap(self, pool: HostPool, in_flight: Mapping[Call, tuple[_Model, int]]) -> None:
-        """End the cancelled models with no task in flight and free their shards."""
-        busy = {m.snap.job_id for m, _ in in_flight.values()}
+    def _reap(self, pool: HostPool) -> None:
+        """End the models to stop (cancelled, or a checkpoint failed) with no task in flight
+        and free their shards."""
+        busy = self._busy_models()
         with self._lock:
-            ready = [self._models[j] for j in self._cancelled - busy if j in self._models]
-            self._cancelled -= {m.snap.job_id for m in ready}
-        for model in ready:
-            if model.status is RunStatus.RUNNING:  # one that has ended freed its shards
-                self._end(model, RunStatus.CANCELLED)
+            ready = [j for j in self._stopping if j not in busy and j in self._models]
+            ending = [(self._models[j], *self._stopping.pop(j)) for j in ready]
+        for model, status, error in ending:
+            if model.active:  # one that has trained all its steps freed its shards
+                self._end(model, status, error)
                 self._drop(pool, model)
+
+    def _busy_models(self) -> set[str]:
+        return {m.snap.job_id for m, _ in self._in_flight.values()}
 
     def _drop(self, pool: HostPool, model: _Model) -> None:
         job_id = model.snap.job_id
@@ -241,7 +273,10 @@ class SharpTrainer:
             for s, host in zip(model.plan.shards, model.homes, strict=True)
             if host not in self._dead
         ]
-        self._await_all(pool, calls)
+        try:
+            self._await_all(pool, calls)
+        except HostLost as exc:  # its shards there are gone anyway; the others' roll back
+            self._lose(pool, self._host_of(exc), str(exc))
         for shard, host in zip(model.plan.shards, model.homes, strict=True):
             self._load[host] -= model.snap.steps * (shard.forward_s + shard.backward_s)
 
@@ -251,7 +286,13 @@ class SharpTrainer:
         The calls that load the shards."""
         smallest = min(self._budgets[d.id] for d in self._devices)
         rows = snap.batch_size // snap.micro_batches
-        shards = shard_model(_costs(snap.block_costs), smallest, rows)
+        shards = shard_model(
+            _costs(snap.block_costs),
+            smallest,
+            rows,
+            micro_batches=snap.micro_batches,
+            recompute=snap.recompute,
+        )
         plan = ModelPlan(snap.job_id, shards, snap.steps, len(self._models))
         homes = {}
         for shard in sorted(shards, key=lambda s: -(s.forward_s + s.backward_s)):
@@ -262,8 +303,8 @@ class SharpTrainer:
         data = make_data(snap.data, snap.seed, snap.allowed_factories)
         model = _Model(snap, plan, data, [homes[s.index] for s in shards])
         store = CheckpointStore(snap.checkpoint_root)
-        latest = store.latest(snap.job_id)
-        states = store.read(snap.job_id, latest.step)[1] if latest else {}
+        restorable = store.restorable(snap.job_id)
+        latest, states = restorable.info, restorable.blocks
         setup = StageSetup.of(snap, data.meta)
         adds = []
         for shard, host in zip(shards, model.homes, strict=True):
@@ -273,9 +314,11 @@ class SharpTrainer:
             adds.append(pool.submit(host, "add", key, setup, shard.blocks, state))
         with self._lock:
             self._models[snap.job_id] = model
+        model.origin = states or None
+        if latest is not None or restorable.skipped:
+            self._record(model, resumed_event(restorable))
         if latest is not None:
-            model.done = latest.step * 2 * len(shards)
-            self._record(model, resumed_event(latest))
+            model.done = model.placed = latest.step * 2 * len(shards)
             with self._lock:
                 model.step = latest.step
         where = ", ".join(
@@ -313,10 +356,10 @@ class SharpTrainer:
 
     # ----------------------------------------------------------------------- dispatch
 
-    def _dispatch(self, pool: HostPool, in_flight: dict[Call, tuple[_Model, int]]) -> None:
+    def _dispatch(self, pool: HostPool) -> None:
         """Give every idle device a task of a model whose next shard it holds."""
-        busy_models = {m.snap.job_id for m, _ in in_flight.values()}
-        busy_hosts = {h for _, h in in_flight.values()}
+        busy_models = self._busy_models()
+        busy_hosts = {h for _, h in self._in_flight.values()}
         plans = {m.snap.job_id: m.plan for m in self._models.values()}
         for host, device in enumerate(self._devices):
             if host in busy_hosts or host in self._dead:
@@ -342,7 +385,7 @@ class SharpTrainer:
             model = self._models[picked.task.model]
             nxt = picked.prefetch if self._prefetch else None
             prefetch = self._prefetch_key(nxt, host)
-            in_flight[self._submit(pool, model, host, picked.task, prefetch)] = (model, host)
+            self._in_flight[self._submit(pool, model, host, picked.task, prefetch)] = (model, host)
             model.last_run = self._dispatched
             self._dispatched += 1
 
@@ -388,14 +431,7 @@ class SharpTrainer:
 
     # --------------------------------------------------------------------- completion
 
-    def _complete(
-        self,
-        pool: HostPool,
-        model: _Model,
-        host: int,
-        call: Call,
-        in_flight: Mapping[Call, tuple[_Model, int]],
-    ) -> None:
+    def _complete(self, pool: HostPool, model: _Model, host: int, call: Call) -> None:
         task = model.plan.task(model.done)
         try:
             result: TaskResult = pool.result(call)
@@ -403,7 +439,11 @@ class SharpTrainer:
             self._end(model, RunStatus.FAILED, str(exc))
             return
         except HostLost as exc:
-            self._lose(pool, host, str(exc), in_flight)
+            self._lose(pool, host, str(exc))
+            return
+        except InputLost as exc:  # its input was on a device lost meanwhile
+            model.lost = model.lost or str(exc)
+            self._roll_back(pool, model)
             return
         if model.lost is not None:  # the result of a step that is rolled back
             self._roll_back(pool, model)
@@ -413,14 +453,30 @@ class SharpTrainer:
         model.ratio = refine_ratio(model.ratio, estimated, result.compute_s)
         if result.losses:
             model.losses = result.losses
-        model.carry = result.outputs
+        model.carry = pool.outputs(call)
         model.done += 1
         if task.op is Op.BACKWARD and task.shard == 0:
             self._finish_step(pool, model, task.step + 1)
 
     def _finish_step(self, pool: HostPool, model: _Model, step: int) -> None:
+        """Record ``step`` once its copy (``keep_copies``) is taken: a device lost before
+        that redoes the step, which was never reported, rather than replaying a reported one."""
         snap = model.snap
         elapsed = self._clock() - model.step_started
+        every = snap.checkpoint_every
+        due = step == snap.steps or (every > 0 and step % every == 0)
+        blocks: dict[int, Any] = {}
+        if due or snap.keep_copies:
+            try:
+                blocks = self._gather(pool, model)
+            except HostLost as exc:  # a shard's device went between the step and the copy
+                model.lost = str(exc)
+                self._lose(pool, self._host_of(exc), str(exc))
+                if model.lost is not None:  # its last step: ``_lose`` passes it by
+                    self._roll_back(pool, model)
+                return
+            if snap.keep_copies:
+                model.saved = (step, blocks)
         self._record(
             model,
             StepMetrics(
@@ -431,21 +487,10 @@ class SharpTrainer:
                 stages=(),
             ),
         )
-        every = snap.checkpoint_every
-        due = step == snap.steps or (every > 0 and step % every == 0)
-        if due or snap.keep_copies:
-            try:
-                blocks = self._gather(pool, model)
-            except HostLost as exc:  # a shard's device went between the step and the copy
-                self._lose(pool, self._host_of(exc), str(exc), {})
-                return
-            if snap.keep_copies:
-                model.saved = (step, blocks)
-            if due:
-                self._checkpoint(model, step, blocks)
+        if due:
+            self._checkpoint(model, step, blocks)
         if step == snap.steps:
-            self._end(model, RunStatus.SUCCEEDED)
-            self._drop(pool, model)
+            self._drop(pool, model)  # it ends once its last checkpoint is written
 
     def _gather(self, pool: HostPool, model: _Model) -> dict[int, Any]:
         """Every block's state, from the model's shards (each host answers after its task)."""
@@ -460,7 +505,9 @@ class SharpTrainer:
         return blocks
 
     def _checkpoint(self, model: _Model, step: int, blocks: dict[int, Any]) -> None:
-        snap = model.snap
+        """Write ``model``'s checkpoint of ``step`` in the writer thread while the devices
+        train on (a file of the whole model's state takes seconds); its last one ends it
+        SUCCEEDED, or FAILED if it cannot be written."""
         stages = [
             {
                 "index": s.index,
@@ -470,26 +517,40 @@ class SharpTrainer:
             }
             for s in model.plan.shards
         ]
-        store = CheckpointStore(snap.checkpoint_root)
-        event = write_checkpoint(store, snap, step, blocks, stages, (snap.micro_batches,))
+        self._writer.submit(self._write, model, step, blocks, stages)
+
+    def _write(
+        self, model: _Model, step: int, blocks: dict[int, Any], stages: list[dict[str, Any]]
+    ) -> None:
+        snap, last = model.snap, step == model.snap.steps
+        try:
+            store = CheckpointStore(snap.checkpoint_root)
+            event = write_checkpoint(store, snap, step, blocks, stages, (snap.micro_batches,))
+        except Exception as exc:  # a boundary: the model fails with why, the others go on
+            reason = f"its checkpoint of step {step} could not be written: {one_line(exc)}"
+            if last:  # its shards are gone already
+                self._end(model, RunStatus.FAILED, reason)
+            else:
+                self._stop(snap.job_id, RunStatus.FAILED, reason)
+            return
         self._record(model, event)
+        if last:
+            self._end(model, RunStatus.SUCCEEDED)
 
     # ------------------------------------------------------------------- lost devices
 
     def _host_of(self, exc: HostLost) -> int:
         return next(h for h, d in enumerate(self._devices) if d.id == exc.device_id)
 
-    def _lose(
-        self, pool: HostPool, host: int, reason: str, in_flight: Mapping[Call, tuple[_Model, int]]
-    ) -> None:
+    def _lose(self, pool: HostPool, host: int, reason: str) -> None:
         """Device ``host`` is gone with the shards it held: every model with one there rolls
         back to its last copy (now, or once its task in flight elsewhere is done); only the
         work since that step boundary is lost."""
         self._dead.add(host)
-        busy = {m.snap.job_id for m, _ in in_flight.values()}
+        busy = self._busy_models()
         for model in list(self._models.values()):
-            if model.status is not RunStatus.RUNNING or host not in model.homes:
-                continue
+            if not model.active or host not in model.homes:
+                continue  # ended, or trained all its steps (its shards are dropped)
             model.lost = reason
             if model.snap.job_id not in busy:
                 self._roll_back(pool, model)
@@ -501,11 +562,14 @@ class SharpTrainer:
         the steps since the copy, at most the step under way)."""
         reason, model.lost = model.lost, None
         live = [h for h in range(len(self._devices)) if h not in self._dead]
-        if model.saved is None or not live:
+        copy: tuple[int, dict[int, Any] | None] | None = model.saved
+        if copy is None and model.done == model.placed:  # nothing trained since placement
+            copy = (model.step, model.origin)
+        if copy is None or not live:
             why = "no copy was kept (keep_copies is off)" if live else "no device is left"
             self._end(model, RunStatus.LOST, f"{reason}; {why}")
             return
-        step, blocks = model.saved
+        step, blocks = copy
         job_id = model.snap.job_id
         gone = sorted({self._devices[h].id for h in model.homes if h in self._dead})
         calls = []
@@ -513,23 +577,25 @@ class SharpTrainer:
         setup = StageSetup.of(model.snap, data.meta)
         for shard in model.plan.shards:
             key, host = (job_id, shard.index), model.homes[shard.index]
-            state = {i: blocks[i] for i in range(*shard.blocks)}
+            state = None if blocks is None else {i: blocks[i] for i in range(*shard.blocks)}
             if host in self._dead:
                 host = min(live, key=lambda h: (self._load[h], h))
                 self._load[host] += model.snap.steps * (shard.forward_s + shard.backward_s)
                 model.homes[shard.index] = host
-                calls.append(pool.submit(host, "add", key, setup, shard.blocks, state))
-            else:
+            elif state is not None:
                 calls.append(pool.submit(host, "load", key, state))
+                continue
+            else:  # built from its seed again, as when it was placed
+                calls.append(pool.submit(host, "drop", key))
+            calls.append(pool.submit(host, "add", key, setup, shard.blocks, state))
         try:
             self._await_all(pool, calls)
-        except HostLost as exc:  # another device went meanwhile: roll back again
+        except HostLost as exc:  # another device went meanwhile: its models roll back too
             model.lost = str(exc)
-            self._dead.add(self._host_of(exc))
-            self._roll_back(pool, model)
+            self._lose(pool, self._host_of(exc), str(exc))
             return
         replayed = model.step - step
-        model.done, model.carry, model.losses = step * 2 * len(model.plan.shards), [], []
+        model.done, model.carry, model.losses = step * 2 * len(model.plan.shards), None, []
         self._record(
             model,
             RunnerEvent(

@@ -1,90 +1,90 @@
-// Shoal dashboard: sign in with a token (kept in sessionStorage), list jobs, follow one job.
-const api = (path, opts = {}) =>
-  fetch(`/api/v1${path}`, {
-    ...opts,
-    headers: { Authorization: `Bearer ${sessionStorage.getItem("shoal-token")}` },
-  }).then(async (r) => {
-    if (r.status === 401) { signOut(); throw new Error("unauthorized"); }
-    if (!r.ok) throw new Error((await r.json()).detail);
-    return r.json();
-  });
+// Shoal dashboard: sign in with a token (kept in sessionStorage, never in a URL), then pages
+// by hash route, all fed by one live stream (GET /api/v1/stream) per tab.
+import { Unauthorized, follow, token } from "./api.js";
+import * as devices from "./devices.js";
+import { h } from "./dom.js";
+import * as job from "./job.js";
+import * as jobs from "./jobs.js";
+import * as sweeps from "./sweeps.js";
+
+const ROUTES = [
+  [/^jobs\/([\w-]+)$/, job.mount, "jobs"],
+  [/^jobs$/, jobs.mount, "jobs"],
+  [/^devices$/, devices.mount, "devices"],
+  [/^sweeps\/([\w-]+)$/, sweeps.mountSweep, "sweeps"],
+  [/^sweeps$/, sweeps.mountList, "sweeps"],
+];
 
 const $ = (id) => document.getElementById(id);
-let selected = null;
+let page = null, stream = null;
 
-function signOut() {
-  sessionStorage.removeItem("shoal-token");
-  $("signin").hidden = false; $("jobs").hidden = true; $("job").hidden = true;
+function signOut(reason = "") {
+  token.clear();
+  if (stream) stream.stop();
+  stream = null;
+  if (page) page.unmount();
+  page = null;
+  $("app").hidden = $("bar").hidden = true;
+  $("signin").hidden = false;
+  $("signin-error").textContent = reason;
+  $("token").focus();
 }
 
-function cell(text) { const td = document.createElement("td"); td.textContent = text; return td; }
-
-async function refreshJobs() {
-  const page = await api("/jobs?limit=200");
-  const rows = page.items.map((job) => {
-    const tr = document.createElement("tr");
-    tr.tabIndex = 0;
-    tr.append(cell(job.name), cell(job.owner), cell(job.state), cell(`${job.step}/${job.steps}`),
-      cell(job.last_loss == null ? "" : job.last_loss.toFixed(4)), cell(job.devices.length),
-      cell(new Date(job.created_at).toLocaleString()));
-    tr.children[2].className = `state-${job.state}`;
-    tr.onclick = tr.onkeydown = (e) => { if (!e.key || e.key === "Enter") selectJob(job.id); };
-    return tr;
-  });
-  $("job-rows").replaceChildren(...rows);
+function failed(err) {
+  if (err instanceof Unauthorized) signOut("That token was refused: check it and sign in again.");
+  else $("problem").textContent = `Could not load this page: ${err.message}`;
 }
 
-function drawLoss(points) {
-  const svg = $("loss");
-  if (!points.length) { svg.replaceChildren(); return; }
-  const xs = points.map((p) => p.step), ys = points.map((p) => p.loss);
-  const [x0, x1] = [Math.min(...xs), Math.max(...xs) || 1];
-  const [y0, y1] = [Math.min(...ys), Math.max(...ys)];
-  const sx = (x) => 10 + ((x - x0) / (x1 - x0 || 1)) * 580;
-  const sy = (y) => 190 - ((y - y0) / (y1 - y0 || 1)) * 180;
-  const path = document.createElementNS("http://www.w3.org/2000/svg", "polyline");
-  path.setAttribute("points", points.map((p) => `${sx(p.step)},${sy(p.loss)}`).join(" "));
-  path.setAttribute("fill", "none"); path.setAttribute("stroke", "#0b3d5c");
-  svg.replaceChildren(path);
+async function load() {
+  if (!page) return;
+  $("problem").textContent = "";
+  try { await page.reload(); } catch (err) { failed(err); }
 }
 
-async function refreshJob() {
-  if (!selected) return;
-  const [job, metrics, events] = await Promise.all([
-    api(`/jobs/${selected}`), api(`/jobs/${selected}/metrics`), api(`/jobs/${selected}/events`),
-  ]);
-  $("job").hidden = false;
-  $("job-title").textContent = `${job.name} (${job.id.slice(0, 8)})`;
-  $("job-summary").textContent =
-    `${job.state} · step ${job.step}/${job.steps}` + (job.error ? ` · ${job.error}` : "");
-  $("cancel").hidden = ["SUCCEEDED", "FAILED", "CANCELLED"].includes(job.state);
-  drawLoss(metrics.items);
-  $("partition").replaceChildren(...job.partition.map((s) => {
-    const li = document.createElement("li");
-    li.textContent = `stage ${s.stage}: blocks ${s.blocks[0]}–${s.blocks[1] - 1} on ${s.device_id}`;
-    return li;
-  }));
-  $("events").replaceChildren(...events.items.map((e) => {
-    const li = document.createElement("li");
-    li.textContent = `${new Date(e.time).toLocaleTimeString()} ${e.kind}: ${e.message}`;
-    return li;
-  }));
+/** Show the page the hash names; its data loads once the stream is open (``start``). */
+function route() {
+  const path = location.hash.replace(/^#\/?/, "") || "jobs";
+  const [pattern, mount, section] = ROUTES.find(([re]) => re.test(path)) || ROUTES[1];
+  if (page) page.unmount();
+  const view = h("div", { className: "view" });
+  $("view").replaceChildren(view);
+  page = mount(view, path.match(pattern).slice(1));
+  for (const a of document.querySelectorAll("nav a")) {
+    if (a.dataset.section === section) a.setAttribute("aria-current", "page");
+    else a.removeAttribute("aria-current");
+  }
 }
-
-function selectJob(id) { selected = id; refreshJob(); }
-
-$("cancel").onclick = () => api(`/jobs/${selected}/cancel`, { method: "POST" }).then(refreshJob);
-$("signin").onsubmit = async (e) => {
-  e.preventDefault();
-  sessionStorage.setItem("shoal-token", $("token").value.trim());
-  try { await refreshJobs(); start(); } catch (err) { $("signin-error").textContent = err.message; }
-};
 
 function start() {
-  $("signin").hidden = true; $("jobs").hidden = false;
-  setInterval(() => refreshJobs().catch(() => {}), 3000);
-  setInterval(() => refreshJob().catch(() => {}), 2000);
+  $("signin").hidden = true;
+  $("app").hidden = $("bar").hidden = false;
+  route();
+  stream = follow({
+    // Loaded once the stream is open, so that no change falls between the two; again on
+    // each reconnection (what changed while it was down).
+    onOpen: load,
+    onMessage: (message) => { if (page) page.onMessage(message); },
+    onState: (state) => {
+      $("live").textContent = state;
+      $("live").className = `live ${state}`;
+      if (state === "reconnecting") load(); // the latest state, even without a stream
+    },
+    onUnauthorized: () => signOut("That token was refused: check it and sign in again."),
+  });
 }
 
-if (sessionStorage.getItem("shoal-token")) refreshJobs().then(start).catch(signOut);
+$("signin").onsubmit = (event) => {
+  event.preventDefault();
+  token.set($("token").value.trim());
+  $("token").value = "";
+  start();
+};
+$("signout").onclick = () => signOut();
+window.addEventListener("hashchange", () => {
+  if (!stream) return;
+  route();
+  load();
+});
+
+if (token.get()) start();
 else signOut();

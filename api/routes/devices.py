@@ -2,27 +2,34 @@
 
 from __future__ import annotations
 
-import sqlalchemy as sa
-from fastapi import APIRouter, HTTPException, status
+from typing import Annotated
 
-from api.deps import FactoryDep, PrincipalDep, SessionDep
+import sqlalchemy as sa
+from fastapi import APIRouter, HTTPException, Path, status
+
+from api.deps import ID_PATTERN, FactoryDep, PrincipalDep, SessionDep
+from api.errors import documented
 from api.schemas import DeviceList, DeviceOut
 from service.db.models import DeviceRow, Job
 from service.db.session import transaction
+from service.holdings import ACTIVE_JOBS
+from service.layouts import planned_memory
 
 router = APIRouter(prefix="/devices", tags=["devices"])
 
 
-@router.get("")
+@router.get("", responses=documented(401, 503))
 def list_devices(principal: PrincipalDep, session: SessionDep) -> DeviceList:
     """Every known device; the job on it is shown to its owner and to admins only."""
     rows = session.scalars(sa.select(DeviceRow).order_by(DeviceRow.node_id, DeviceRow.id)).all()
+    holding = session.scalars(sa.select(Job).where(Job.state.in_(ACTIVE_JOBS))).all()
+    memory = planned_memory(holding)
     own: set[str] = set()
     if not principal.is_admin:
         own = set(session.scalars(sa.select(Job.id).where(Job.owner_id == principal.user_id)))
     items = []
     for row in rows:
-        out = DeviceOut.of(row)
+        out = DeviceOut.of(row, memory.get(row.id))
         if not principal.is_admin and out.job_id not in own:
             out = out.model_copy(update={"job_id": "(another user's job)" if out.job_id else None})
         items.append(out)
@@ -31,9 +38,13 @@ def list_devices(principal: PrincipalDep, session: SessionDep) -> DeviceList:
 
 @router.post(
     "/{device_id}/drain",
-    responses={403: {"description": "not an admin"}, 404: {"description": "no such device"}},
+    responses=documented(401, 403, 404, 422, 503),
 )
-def drain_device(device_id: str, principal: PrincipalDep, factory: FactoryDep) -> DeviceOut:
+def drain_device(
+    device_id: Annotated[str, Path(pattern=ID_PATTERN, description="device id")],
+    principal: PrincipalDep,
+    factory: FactoryDep,
+) -> DeviceOut:
     """Ask the job on the device to leave it (its blocks move to other devices at the next
     step boundary, no step lost) and place nothing more on it. Admins only; idempotent."""
     if not principal.is_admin:

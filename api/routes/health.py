@@ -10,6 +10,7 @@ from fastapi.responses import JSONResponse
 from sqlalchemy.exc import SQLAlchemyError
 
 from api.deps import FactoryDep
+from api.schemas import ReadyOut
 
 router = APIRouter(tags=["health"])
 
@@ -19,7 +20,11 @@ def healthz() -> dict[str, str]:
     return {"status": "ok"}
 
 
-@router.get("/readyz")
+@router.get(
+    "/readyz",
+    response_model=ReadyOut,
+    responses={503: {"model": ReadyOut, "description": "not ready: see ``checks``"}},
+)
 def readyz(request: Request, factory: FactoryDep) -> JSONResponse:
     checks: dict[str, str] = {}
     try:

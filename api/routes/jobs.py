@@ -6,34 +6,39 @@ from typing import Annotated
 
 from fastapi import APIRouter, Header, Path, Query, Response, status
 
-from api.deps import FactoryDep, PrincipalDep, SessionDep, SettingsDep
+from api.deps import ID_PATTERN, MAX_QUERY_INT, FactoryDep, PrincipalDep, SessionDep, SettingsDep
+from api.errors import documented
 from api.schemas import (
     CheckpointList,
     CheckpointOut,
-    ErrorOut,
     EventList,
     EventOut,
     JobOut,
     JobPage,
     MetricList,
     MetricOut,
+    ScheduleOut,
 )
 from service import jobs
+from service.layouts import pipeline_schedule
 from service.lifecycle import JobState
 from service.specs import JobSpec, check_memory, complete_job_spec
 
 router = APIRouter(prefix="/jobs", tags=["jobs"])
 
-_ERRORS: dict[int | str, dict[str, object]] = {
-    401: {"model": ErrorOut},
-    404: {"model": ErrorOut},
-    409: {"model": ErrorOut},
-    422: {"model": ErrorOut},
-}
-JobId = Annotated[str, Path(max_length=64, description="job id")]
+_READ = documented(401, 404, 422, 503)
+_MAY_CONFLICT = documented(401, 404, 409, 422, 503)
+JobId = Annotated[str, Path(max_length=64, pattern=ID_PATTERN, description="job id")]
 
 
-@router.post("", status_code=status.HTTP_201_CREATED, responses=_ERRORS)
+@router.post(
+    "",
+    status_code=status.HTTP_201_CREATED,
+    responses={
+        200: {"model": JobOut, "description": "the job a request with this Idempotency-Key made"},
+        **documented(400, 401, 409, 413, 422, 503),
+    },
+)
 def submit_job(
     spec: JobSpec,
     response: Response,
@@ -52,14 +57,14 @@ def submit_job(
         return JobOut.of(jobs.get_job(session, principal, job.id))
 
 
-@router.get("", responses=_ERRORS)
+@router.get("", responses=documented(401, 422, 503))
 def list_jobs(
     principal: PrincipalDep,
     session: SessionDep,
     settings: SettingsDep,
     state: Annotated[list[JobState] | None, Query()] = None,
-    limit: Annotated[int, Query(ge=1)] = 50,
-    offset: Annotated[int, Query(ge=0)] = 0,
+    limit: Annotated[int, Query(ge=1, le=MAX_QUERY_INT)] = 50,
+    offset: Annotated[int, Query(ge=0, le=MAX_QUERY_INT)] = 0,
 ) -> JobPage:
     limit = min(limit, settings.max_page_size)
     page = jobs.list_jobs(session, principal, states=state or (), limit=limit, offset=offset)
@@ -68,12 +73,12 @@ def list_jobs(
     )
 
 
-@router.get("/{job_id}", responses=_ERRORS)
+@router.get("/{job_id}", responses=_READ)
 def get_job(job_id: JobId, principal: PrincipalDep, session: SessionDep) -> JobOut:
     return JobOut.of(jobs.get_job(session, principal, job_id))
 
 
-@router.post("/{job_id}/cancel", responses=_ERRORS)
+@router.post("/{job_id}/cancel", responses=_MAY_CONFLICT)
 def cancel_job(job_id: JobId, principal: PrincipalDep, factory: FactoryDep) -> JobOut:
     """Cancel: a queued job at once, a running one at its next step boundary."""
     jobs.request_cancel(factory, principal, job_id)
@@ -81,7 +86,7 @@ def cancel_job(job_id: JobId, principal: PrincipalDep, factory: FactoryDep) -> J
         return JobOut.of(jobs.get_job(session, principal, job_id))
 
 
-@router.post("/{job_id}/restart", responses=_ERRORS)
+@router.post("/{job_id}/restart", responses=_MAY_CONFLICT)
 def restart_job(job_id: JobId, principal: PrincipalDep, factory: FactoryDep) -> JobOut:
     """Requeue a FAILED or CANCELLED job; it resumes from its latest checkpoint."""
     jobs.restart_job(factory, principal, job_id)
@@ -89,14 +94,14 @@ def restart_job(job_id: JobId, principal: PrincipalDep, factory: FactoryDep) -> 
         return JobOut.of(jobs.get_job(session, principal, job_id))
 
 
-@router.get("/{job_id}/metrics", responses=_ERRORS)
+@router.get("/{job_id}/metrics", responses=_READ)
 def job_metrics(
     job_id: JobId,
     principal: PrincipalDep,
     session: SessionDep,
     settings: SettingsDep,
-    since_step: Annotated[int, Query(ge=-1)] = -1,
-    limit: Annotated[int, Query(ge=1)] = 1000,
+    since_step: Annotated[int, Query(ge=-1, le=MAX_QUERY_INT)] = -1,
+    limit: Annotated[int, Query(ge=1, le=MAX_QUERY_INT)] = 1000,
 ) -> MetricList:
     """Per-step loss, samples/s and per-stage compute/idle seconds after ``since_step``."""
     rows = jobs.list_metrics(
@@ -105,14 +110,14 @@ def job_metrics(
     return MetricList(items=[MetricOut.of(r) for r in rows])
 
 
-@router.get("/{job_id}/events", responses=_ERRORS)
+@router.get("/{job_id}/events", responses=_READ)
 def job_events(
     job_id: JobId,
     principal: PrincipalDep,
     session: SessionDep,
     settings: SettingsDep,
-    since_id: Annotated[int, Query(ge=0)] = 0,
-    limit: Annotated[int, Query(ge=1)] = 500,
+    since_id: Annotated[int, Query(ge=0, le=MAX_QUERY_INT)] = 0,
+    limit: Annotated[int, Query(ge=1, le=MAX_QUERY_INT)] = 500,
 ) -> EventList:
     """State changes, placements, checkpoints, ... with ids after ``since_id``."""
     rows = jobs.list_events(
@@ -121,7 +126,15 @@ def job_events(
     return EventList(items=[EventOut.of(r) for r in rows])
 
 
-@router.get("/{job_id}/checkpoints", responses=_ERRORS)
+@router.get("/{job_id}/schedule", responses=_MAY_CONFLICT)
+def job_schedule(job_id: JobId, principal: PrincipalDep, session: SessionDep) -> ScheduleOut:
+    """The 1F1B or GPipe schedule the job's stages run each mini-batch on its current
+    partition: what each stage does in each time slot, and the bubble (409 before it is
+    placed, and for a sweep trial trained by shard alternation)."""
+    return ScheduleOut.of(pipeline_schedule(jobs.get_job(session, principal, job_id)))
+
+
+@router.get("/{job_id}/checkpoints", responses=_READ)
 def job_checkpoints(job_id: JobId, principal: PrincipalDep, session: SessionDep) -> CheckpointList:
     rows = jobs.list_checkpoints(session, principal, job_id)
     return CheckpointList(items=[CheckpointOut.of(r) for r in rows])

@@ -4,24 +4,19 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Path, Query, status
+from fastapi import APIRouter, Header, Path, Query, Response, status
 from sqlalchemy.orm import Session
 
-from api.deps import FactoryDep, PrincipalDep, SessionDep, SettingsDep
-from api.schemas import ErrorOut, SweepOut, SweepPage, SweepSummaryOut
+from api.deps import ID_PATTERN, MAX_QUERY_INT, FactoryDep, PrincipalDep, SessionDep, SettingsDep
+from api.errors import documented
+from api.schemas import SweepOut, SweepPage, SweepSummaryOut
 from service import jobs, sweeps
 from service.auth import Principal
 from service.sweepspec import SweepSpec, complete_sweep_spec
 
 router = APIRouter(prefix="/sweeps", tags=["sweeps"])
 
-_ERRORS: dict[int | str, dict[str, object]] = {
-    401: {"model": ErrorOut},
-    404: {"model": ErrorOut},
-    409: {"model": ErrorOut},
-    422: {"model": ErrorOut},
-}
-SweepId = Annotated[str, Path(max_length=64, description="sweep id")]
+SweepId = Annotated[str, Path(max_length=64, pattern=ID_PATTERN, description="sweep id")]
 
 
 def _read(session: Session, principal: Principal, sweep_id: str) -> SweepOut:
@@ -29,27 +24,45 @@ def _read(session: Session, principal: Principal, sweep_id: str) -> SweepOut:
     return SweepOut.of(sweep, sweeps.list_trials(session, sweep.id))
 
 
-@router.post("", status_code=status.HTTP_201_CREATED, responses=_ERRORS)
+@router.post(
+    "",
+    status_code=status.HTTP_201_CREATED,
+    responses={
+        200: {
+            "model": SweepOut,
+            "description": "the sweep a request with this Idempotency-Key made",
+        },
+        **documented(400, 401, 409, 413, 422, 503),
+    },
+)
 def submit_sweep(
-    spec: SweepSpec, principal: PrincipalDep, factory: FactoryDep, settings: SettingsDep
+    spec: SweepSpec,
+    response: Response,
+    principal: PrincipalDep,
+    factory: FactoryDep,
+    settings: SettingsDep,
+    idempotency_key: Annotated[str | None, Header(max_length=200)] = None,
 ) -> SweepOut:
     """Queue a sweep. Every value the space can give is checked against the base job first,
-    so a space that could make an invalid trial is refused (422, naming ``space.<path>``)."""
+    so a space that could make an invalid trial is refused (422, naming ``space.<path>``).
+    A retry with the same ``Idempotency-Key`` returns the same sweep (200)."""
     accepted = complete_sweep_spec(
         spec, settings.allowed_factories, jobs.largest_device_mb(factory)
     )
-    sweep = sweeps.submit_sweep(factory, principal, accepted)
+    sweep, created = sweeps.submit_sweep(factory, principal, accepted, idempotency_key)
+    if not created:
+        response.status_code = status.HTTP_200_OK
     with factory() as session:
         return _read(session, principal, sweep.id)
 
 
-@router.get("", responses=_ERRORS)
+@router.get("", responses=documented(401, 422, 503))
 def list_sweeps(
     principal: PrincipalDep,
     session: SessionDep,
     settings: SettingsDep,
-    limit: Annotated[int, Query(ge=1)] = 50,
-    offset: Annotated[int, Query(ge=0)] = 0,
+    limit: Annotated[int, Query(ge=1, le=MAX_QUERY_INT)] = 50,
+    offset: Annotated[int, Query(ge=0, le=MAX_QUERY_INT)] = 0,
 ) -> SweepPage:
     """The caller's sweeps (an admin's: everyone's), newest first, without specs or trials."""
     limit = min(limit, settings.max_page_size)
@@ -59,13 +72,13 @@ def list_sweeps(
     return SweepPage(items=items, total=page.total, limit=limit, offset=offset)
 
 
-@router.get("/{sweep_id}", responses=_ERRORS)
+@router.get("/{sweep_id}", responses=documented(401, 404, 422, 503))
 def get_sweep(sweep_id: SweepId, principal: PrincipalDep, session: SessionDep) -> SweepOut:
     """The sweep with every trial started so far and the best completed one."""
     return _read(session, principal, sweep_id)
 
 
-@router.post("/{sweep_id}/cancel", responses=_ERRORS)
+@router.post("/{sweep_id}/cancel", responses=documented(401, 404, 409, 422, 503))
 def cancel_sweep(sweep_id: SweepId, principal: PrincipalDep, factory: FactoryDep) -> SweepOut:
     """Cancel: a queued sweep at once; a running one's trials are cancelled by the controller."""
     sweeps.request_cancel(factory, principal, sweep_id)

@@ -1,7 +1,9 @@
-"""``shoal bench``: measure the pipeline engine and its transport on this machine.
+"""``shoal bench``: measure the engine, its transport and the control plane on this machine.
 
-Runs locally (no API): it starts its own Ray on free ports, or uses the one this process is
-connected to. ``--json`` prints one JSON object on the last line; otherwise a table.
+Runs locally, never against a running ``shoal up``: the engine benches start their own Ray on
+free ports (or use the one this process is connected to); ``dashboard`` and ``api`` serve a
+scratch database on loopback. ``--json`` prints one JSON object on the last line; otherwise
+a table.
 """
 
 from __future__ import annotations
@@ -410,4 +412,173 @@ def _sharp_tables(console: Console, result: dict[str, Any]) -> None:
         f"{scale['devices']:,} devices x {scale['models']:,} models simulated with"
         f" Sharded-LRTF in {result['sim_1024_devices_seconds']:.2f} s"
         f" ({scale['lrtf_ratio']:.3f}x the lower bound)"
+    )
+
+
+@bench.command()
+@click.option("--jobs", default=500, show_default=True, type=click.IntRange(1, 5000))
+@click.option("--repeats", default=5, show_default=True, type=click.IntRange(1, 100))
+@click.option(
+    "--chromium",
+    default="/usr/bin/chromium",
+    show_default=True,
+    type=click.Path(path_type=Path),
+    help="The browser Playwright drives (never downloaded).",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object on the last line.")
+def dashboard(jobs: int, repeats: int, chromium: Path, as_json: bool) -> None:
+    """The jobs page with JOBS jobs in chromium: navigation to every row shown, vs the list
+    request alone."""
+    from service.dashboard_bench import BrowserMissing, run_dashboard_bench
+
+    console = make_console()
+    with _phases(console, 3, as_json) as progress:
+        try:
+            result = run_dashboard_bench(jobs, repeats, chromium, progress)
+        except BrowserMissing as exc:
+            raise click.ClickException(str(exc)) from None
+    if as_json:
+        click.echo(json.dumps(result))
+        return
+    m = result["machine"]
+    table = Table(
+        title=f"shoal bench dashboard: the jobs page with {jobs} jobs",
+        caption=f"{m['date']}, {m['cpus']} cpus, load {m['load_average_1m']}, medians of"
+        f" {repeats} runs",
+    )
+    table.add_column("measured")
+    table.add_column("median ms", justify="right")
+    table.add_column("runs (ms)")
+    for name, key in (
+        ("navigation to every row shown", "page_ready_ms"),
+        ("the list request alone (peer)", "list_request_ms"),
+    ):
+        runs = ", ".join(_f(v) for v in result[f"{key}_runs"])
+        table.add_row(name, _f(result[key]), runs)
+    console.print(table)
+
+
+@bench.command()
+@click.option(
+    "--clients",
+    default=50,
+    show_default=True,
+    type=click.IntRange(1, 1000),
+    help="Concurrent clients of the status and listing phase.",
+)
+@click.option(
+    "--duration",
+    default=30.0,
+    show_default=True,
+    type=click.FloatRange(0.1, 3600.0),
+    help="Seconds of the status and listing phase.",
+)
+@click.option(
+    "--submissions",
+    default=200,
+    show_default=True,
+    type=click.IntRange(1, 5000),
+    help="Idempotency keys, each submitted twice at once.",
+)
+@click.option(
+    "--jobs", default=500, show_default=True, type=click.IntRange(1, 100_000), help="Jobs seeded."
+)
+@click.option(
+    "--workers",
+    default=1,
+    show_default=True,
+    type=click.IntRange(1, 64),
+    help="uvicorn worker processes serving the API (shoal up runs one).",
+)
+@click.option(
+    "--database-url",
+    default=None,
+    help="A PostgreSQL server to make (and drop) a scratch database on, e.g."
+    " postgresql+psycopg://postgres@127.0.0.1:5432/postgres [default: a SQLite file].",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object on the last line.")
+def api(
+    clients: int,
+    duration: float,
+    submissions: int,
+    jobs: int,
+    workers: int,
+    database_url: str | None,
+    as_json: bool,
+) -> None:
+    """Load on the REST API on loopback: CLIENTS clients reading job status and lists for
+    DURATION seconds, then SUBMISSIONS idempotent submissions each sent twice at once."""
+    from service.api_bench import API_PHASES, ApiSettings, check, run_api_bench
+    from workers.bench.report import BenchError
+
+    try:
+        settings = ApiSettings(
+            clients=clients,
+            duration_s=duration,
+            submissions=submissions,
+            jobs=jobs,
+            workers=workers,
+            database_url=database_url,
+        )
+    except ValueError as exc:
+        raise InputError(str(exc)) from None
+    console = make_console()
+    with _phases(console, len(API_PHASES), as_json) as progress:
+        try:
+            result = run_api_bench(settings, progress)
+        except BenchError as exc:
+            raise click.ClickException(str(exc)) from None
+    if as_json:
+        click.echo(json.dumps(result))
+    else:
+        _api_table(console, result)
+    problems = check(result)
+    if problems:
+        raise click.ClickException("; ".join(problems))
+
+
+def _api_table(console: Console, result: dict[str, Any]) -> None:
+    s, m = result["settings"], result["machine"]
+    backend = "PostgreSQL" if s["database_url"] else "SQLite"
+    table = Table(
+        title=f"shoal bench api: {s['clients']} clients for {s['duration_s']:g} s, {backend},"
+        f" {s['workers']} worker(s)",
+        caption=f"{m['date']}, {m['cpus']} cpus, load {m['load_average_1m']}, {result['wall_s']} s",
+    )
+    table.add_column("what")
+    table.add_column("requests", justify="right")
+    table.add_column("per s", justify="right")
+    table.add_column("p50 ms", justify="right")
+    table.add_column("p99 ms", justify="right")
+    seconds = result["load_seconds"] or 1.0
+    table.add_row(
+        "status + listing",
+        f"{result['requests']:,}",
+        _f(result["status_requests_per_s"]),
+        _f(result["p50_ms"], 2),
+        _f(result["p99_ms"], 2),
+    )
+    for name, key in (("GET /jobs/{id}", "status"), ("GET /jobs?limit=50", "list")):
+        count = result[f"{key}_requests"]
+        table.add_row(
+            f"  {name}",
+            f"{count:,}",
+            _f(count / seconds),
+            _f(result[f"{key}_p50_ms"], 2),
+            _f(result[f"{key}_p99_ms"], 2),
+        )
+    table.add_row(
+        "POST /jobs, each key twice",
+        f"{result['submit_requests']:,}",
+        _f(result["submit_requests"] / (result["submit_seconds"] or 1.0)),
+        _f(result["submit_p50_ms"], 2),
+        _f(result["submit_p99_ms"], 2),
+    )
+    console.print(table)
+    during = result["during_load"]
+    console.print(
+        f"{result['jobs_created']} jobs created for {result['submissions']} keys;"
+        f" {result['errors']} errors. CPU seconds during the status load: server"
+        f" {during['server_cpu_s']}, load generator {during['load_generator_cpu_s']}"
+        f" (load {during['load_average_1m']})"
     )

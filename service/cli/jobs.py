@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
-import secrets
 import sys
 import time
 from datetime import datetime
@@ -26,7 +24,7 @@ from service.cli.render import (
     progress_bar,
     styled_state,
 )
-from service.cli.specfile import load_spec
+from service.cli.specfile import load_spec, submission_key
 from service.client import ShoalClient
 from service.lifecycle import JobState
 
@@ -44,11 +42,8 @@ def submit(
 ) -> None:
     """Submit the job spec in FILE (.yaml, .yml or .json)."""
     spec = load_spec(file)
-    key = idempotency_key or (
-        f"{hashlib.sha256(file.read_bytes()).hexdigest()[:32]}-{secrets.token_hex(8)}"
-    )
     with make_client(url, token) as client:
-        job = client.submit_job(spec, key)
+        job = client.submit_job(spec, submission_key(file, idempotency_key))
     if as_json:
         echo_json(job)
         return

@@ -243,6 +243,26 @@ def progress_bar(console: Console) -> Progress:
     )
 
 
+def sweep_progress(console: Console) -> Progress:
+    """Trials ended (done, pruned, failed) of the sweep's total, and the best objective."""
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("trials ended · best {task.fields[best]}"),
+        TimeElapsedColumn(),
+        console=console,
+    )
+
+
+def trial_line(trial: Json) -> str:
+    """One ended trial: its number, state, objective and hyperparameters."""
+    return (
+        f"trial {trial['number']} {styled_state(trial['state'])}"
+        f" objective {format_loss(trial['objective'])} {format_params(trial['params'])}"
+    )
+
+
 def print_banner(
     console: Console, settings: Settings, url: str, admin_token: str, local: LocalRay | None
 ) -> None:
@@ -258,7 +278,8 @@ def print_banner(
     if local is not None:
         env = settings.home / RAY_ENV
         grid.add_row("", escape(f"`ray` commands reach it with the variables in {env}"))
-    grid.add_row("admin token", admin_token)
+    # A token the operator chose (a Kubernetes Secret, say) is never echoed into logs.
+    grid.add_row("admin token", "from SHOAL_ADMIN_TOKEN" if settings.admin_token else admin_token)
     grid.add_row("", f"saved in {settings.admin_token_path} (mode 0600); the CLI reads it there")
     grid.add_row("try", "shoal submit examples/mlp-digits.yaml")
     console.print("[bold green]Shoal is up[/]")

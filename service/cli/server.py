@@ -80,6 +80,30 @@ def token_create(user: str, admin: bool, home: Path | None) -> None:
     click.echo(secret)
 
 
+@token.command("revoke")
+@click.argument("secret", metavar="TOKEN", default="-")
+@_home_option
+def token_revoke(secret: str, home: Path | None) -> None:
+    """Revoke TOKEN at once: every request bringing it is refused from now on. TOKEN `-` (the
+    default) reads it from standard input, so that it appears in no process list or history."""
+    from service.auth import revoke_token
+    from service.db.session import make_engine, make_session_factory
+
+    if secret == "-":
+        secret = sys.stdin.readline().strip()
+    if not secret:
+        raise InputError("no token given: pass TOKEN, or - and the token on standard input")
+    with _database(make_settings(home=home)) as url:
+        engine = make_engine(url)
+        try:
+            revoked = revoke_token(make_session_factory(engine), secret)
+        finally:
+            engine.dispose()
+    if not revoked:
+        raise InputError(f"token {secret[:12]}… is unknown or revoked already")
+    click.echo(f"token {secret[:12]}… revoked")
+
+
 @click.group()
 def db() -> None:
     """The database (acts on the database of this machine's settings)."""
@@ -122,7 +146,7 @@ def up(
     home: Path | None,
 ) -> None:
     """Run Shoal here: database, local Ray cluster, API, dashboard and controller."""
-    from service.auth import ensure_admin_token
+    from service.auth import AuthError, ensure_admin_token
     from service.db.session import make_engine, make_session_factory
     from service.server import serve
 
@@ -140,6 +164,8 @@ def up(
         engine = make_engine(db_url)
         try:
             admin_token = ensure_admin_token(settings, make_session_factory(engine))
+        except AuthError as exc:
+            raise InputError(str(exc)) from None
         finally:
             engine.dispose()
     console = make_console()
@@ -172,12 +198,18 @@ def up(
 
 @click.command()
 @click.argument("group")
+@click.option(
+    "--address",
+    help="Join the Ray cluster at this address (HOST:PORT) from a machine or container of"
+    " its own, instead of `shoal up`'s local cluster.",
+)
 @_home_option
-def node(group: str, home: Path | None) -> None:
-    """Join one more node to the local Ray cluster of `shoal up`, declaring the virtual
-    devices GROUP (COUNTxKIND:MEMORY_MB[:slowdown=F][:spot], as in SHOAL_DEVICES): a
-    machine arriving. It runs until stopped; a SIGTERM (kill PID) drains it first, so
-    jobs move off it before it goes, as on a spot node's notice."""
+def node(group: str, address: str | None, home: Path | None) -> None:
+    """Join one more node to the local Ray cluster of `shoal up` (or, with --address, to any
+    Ray cluster), declaring the virtual devices GROUP (COUNTxKIND:MEMORY_MB[:slowdown=F]
+    [:spot], as in SHOAL_DEVICES): a machine arriving. It runs until stopped; a SIGTERM
+    (kill PID, docker stop) drains it first, so jobs move off it before it goes, as on a
+    spot node's notice."""
     settings = make_settings(home=home)
     try:
         nodes = parse_devices(group)
@@ -185,14 +217,16 @@ def node(group: str, home: Path | None) -> None:
         raise InputError(str(exc)) from None
     if len(nodes) != 1:
         raise InputError(f"GROUP {group!r} names {len(nodes)} nodes; give one group per node")
+    ray = Path(sys.executable).parent / "ray"
+    if address is not None:
+        command = node_command(ray, nodes[0], address=address, shared_machine=False)
+        os.execve(command[0], command, {**os.environ, **HEALTH_CHECKS})
     path = settings.home / RAY_ENV
     if not path.exists():
         raise InputError(
             f"{path} not found: is `shoal up` running here with its own local cluster?"
-            " (a cluster it joined with --ray-address is joined with `ray start` instead)"
+            " (to join another cluster, pass its --address)"
         )
     env = LocalRay.read_env(path)
-    command = node_command(
-        Path(sys.executable).parent / "ray", nodes[0], address=env.pop("RAY_ADDRESS")
-    )
+    command = node_command(ray, nodes[0], address=env.pop("RAY_ADDRESS"))
     os.execve(command[0], command, {**os.environ, **HEALTH_CHECKS, **env})

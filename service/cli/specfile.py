@@ -3,7 +3,9 @@ clear errors."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import secrets
 from pathlib import Path
 from typing import Any, Literal
 
@@ -46,3 +48,9 @@ def load_spec(path: Path, what: Literal["job", "sweep"] = "job") -> dict[str, An
     except (TypeError, ValueError) as exc:
         raise InputError(f"{path}: {exc}; quote dates and other special values") from None
     return spec
+
+
+def submission_key(path: Path, given: str | None) -> str:
+    """The ``Idempotency-Key`` of submitting ``path``: ``given``, or the file's hash and a
+    nonce (the client's retries of this submission reuse it; a new run makes a new one)."""
+    return given or f"{hashlib.sha256(path.read_bytes()).hexdigest()[:32]}-{secrets.token_hex(8)}"

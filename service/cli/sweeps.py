@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import sys
+import time
 from pathlib import Path
+from typing import Any
 
 import click
 from rich.markup import escape
@@ -10,24 +13,35 @@ from rich.markup import escape
 from service.cli.options import client_options, json_option, make_client
 from service.cli.render import (
     echo_json,
+    format_loss,
     is_terminal,
     make_console,
     print_sweep,
     styled_state,
+    sweep_progress,
     sweeps_table,
+    trial_line,
 )
-from service.cli.specfile import load_spec
+from service.cli.specfile import load_spec, submission_key
+from service.client import ShoalClient
+from service.lifecycle import JobState
 
 
 @click.command()
 @click.argument("file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option(
+    "--idempotency-key",
+    help="Retrying with the same key never makes a second sweep [default: file hash + nonce].",
+)
 @json_option
 @client_options
-def sweep(file: Path, as_json: bool, url: str | None, token: str | None) -> None:
+def sweep(
+    file: Path, idempotency_key: str | None, as_json: bool, url: str | None, token: str | None
+) -> None:
     """Submit the sweep spec in FILE (.yaml, .yml or .json): a base job and a search space."""
     spec = load_spec(file, "sweep")
     with make_client(url, token) as client:
-        answer = client.submit_sweep(spec)
+        answer = client.submit_sweep(spec, submission_key(file, idempotency_key))
     if as_json:
         echo_json(answer)
         return
@@ -47,20 +61,72 @@ def sweep(file: Path, as_json: bool, url: str | None, token: str | None) -> None
     type=click.IntRange(1, 500),
     help="How many sweeps to list, newest first.",
 )
+@click.option(
+    "-f",
+    "--follow",
+    is_flag=True,
+    help="With SWEEP_ID: a progress bar of its trials until it ends (exit code 1 if FAILED).",
+)
+@click.option(
+    "--interval",
+    default=2.0,
+    show_default=True,
+    type=click.FloatRange(0.0, 60.0),
+    help="Seconds between polls with --follow.",
+)
 @json_option
 @client_options
 def sweeps(
-    sweep_id: str | None, limit: int, as_json: bool, url: str | None, token: str | None
+    sweep_id: str | None,
+    limit: int,
+    follow: bool,
+    interval: float,
+    as_json: bool,
+    url: str | None,
+    token: str | None,
 ) -> None:
     """List sweeps, or show one sweep (SWEEP_ID) with its trials and the best one."""
+    if follow and (sweep_id is None or as_json):
+        raise click.UsageError("--follow needs a SWEEP_ID and prints no JSON")
     with make_client(url, token) as client:
-        answer = client.get_sweep(sweep_id) if sweep_id else client.list_sweeps(limit=limit)
+        if sweep_id is None:
+            answer = client.list_sweeps(limit=limit)
+        elif follow:
+            answer = _follow(client, sweep_id, interval)
+        else:
+            answer = client.get_sweep(sweep_id)
     if as_json:
         echo_json(answer)
     elif sweep_id:
         print_sweep(make_console(), answer)
     else:
         make_console().print(sweeps_table(answer))
+    if follow and answer["state"] == JobState.FAILED:
+        sys.exit(1)
+
+
+_ENDED = ("SUCCEEDED", "PRUNED", "FAILED", "CANCELLED")
+
+
+def _follow(client: ShoalClient, sweep_id: str, interval: float) -> dict[str, Any]:
+    """Poll the sweep until it ends: a line per trial as it ends, a bar of trials ended."""
+    ended: set[int] = set()
+    with sweep_progress(make_console()) as progress:
+        sweep = client.get_sweep(sweep_id)
+        task = progress.add_task(escape(sweep["name"]), total=sweep["max_trials"], best="-")
+        while True:
+            for trial in sweep["trials"]:
+                if trial["state"] in _ENDED and trial["number"] not in ended:
+                    ended.add(trial["number"])
+                    progress.console.print(trial_line(trial))
+            best = sweep["best"]
+            progress.update(
+                task, completed=len(ended), best=format_loss(best["objective"]) if best else "-"
+            )
+            if is_terminal(sweep["state"]):
+                return sweep
+            time.sleep(interval)
+            sweep = client.get_sweep(sweep_id)
 
 
 @click.command("sweep-cancel")

@@ -42,6 +42,10 @@ class User(Base):
     name: Mapped[str] = mapped_column(sa.String(64), unique=True)
     is_admin: Mapped[bool] = mapped_column(default=False)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    max_jobs: Mapped[int | None] = mapped_column(default=None)
+    """Jobs the user may run at once; None: the installation's default."""
+    max_devices: Mapped[int | None] = mapped_column(default=None)
+    """Devices the user's jobs may hold at once; None: the installation's default."""
 
 
 class ApiToken(Base):
@@ -75,6 +79,7 @@ class Job(Base):
     steps: Mapped[int]
     num_blocks: Mapped[int]
     last_loss: Mapped[float | None] = mapped_column(default=None)
+    last_samples_per_s: Mapped[float | None] = mapped_column(default=None)
     devices: Mapped[list[Any]] = mapped_column(default=list)
     partition: Mapped[list[Any]] = mapped_column(default=list)
     # Per block, the traced cost at submission (scheduler.profile.BlockCost fields); None when
@@ -155,6 +160,9 @@ class Sweep(Base):
     """A hyperparameter sweep: its spec, its state (the job states' names) and progress."""
 
     __tablename__ = "sweeps"
+    __table_args__ = (
+        sa.Index("uq_sweeps_owner_idempotency", "owner_id", "idempotency_key", unique=True),
+    )
 
     id: Mapped[str] = mapped_column(sa.String(32), primary_key=True)
     name: Mapped[str] = mapped_column(sa.String(100))
@@ -165,6 +173,7 @@ class Sweep(Base):
     cancel_requested: Mapped[bool] = mapped_column(default=False)
     max_trials: Mapped[int]
     """How many trials the sweep runs (``max_trials``, or a smaller grid's size)."""
+    idempotency_key: Mapped[str | None] = mapped_column(sa.String(200), default=None)
     devices: Mapped[list[Any]] = mapped_column(default=list)
     """The devices its SHARP executor holds (none before it is placed and after it ends)."""
     error: Mapped[str | None] = mapped_column(sa.Text, default=None)

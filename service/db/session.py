@@ -15,13 +15,21 @@ from sqlalchemy.orm import Session, sessionmaker
 MIGRATIONS = Path(__file__).parent / "migrations"
 
 
+POOL: dict[str, Any] = {"pool_size": 10, "max_overflow": 30}
+"""As many connections as the API has request threads (anyio's 40): a request waits for a
+connection only while every thread holds one, never for a thread that waits for one."""
+
+
 def make_engine(url: str) -> sa.Engine:
     """An engine for ``url``; SQLite gets WAL, foreign keys and a busy timeout."""
     if url.startswith("sqlite"):
         database = sa.engine.make_url(url).database
         if database and database != ":memory:":
             Path(database).parent.mkdir(parents=True, exist_ok=True)
-        engine = sa.create_engine(url, connect_args={"timeout": 30, "check_same_thread": False})
+        pool = POOL if database and database != ":memory:" else {}
+        engine = sa.create_engine(
+            url, connect_args={"timeout": 30, "check_same_thread": False}, **pool
+        )
 
         @sa.event.listens_for(engine, "connect")
         def _pragmas(dbapi_conn: Any, _record: Any) -> None:
@@ -32,7 +40,7 @@ def make_engine(url: str) -> sa.Engine:
             cursor.close()
 
         return engine
-    return sa.create_engine(url, pool_pre_ping=True)
+    return sa.create_engine(url, pool_pre_ping=True, **POOL)
 
 
 SessionFactory = sessionmaker[Session]

@@ -25,10 +25,28 @@ class Api:
         return {"Authorization": f"Bearer {create_token(self.factory, user=user, admin=admin)}"}
 
 
+def _serve(factory: SessionFactory, settings: Settings) -> Iterator[Api]:
+    with TestClient(create_app(settings, factory), raise_server_exceptions=False) as c:
+        yield Api(c, factory, settings)
+
+
 @pytest.fixture
 def api(session_factory: SessionFactory, tmp_path: Path) -> Iterator[Api]:
+    """No rate limit here: tests send requests far faster than any client would."""
     settings = Settings(
-        home=tmp_path, database_url="unused://", max_body_bytes=64 * 1024, max_page_size=100
+        home=tmp_path,
+        database_url="unused://",
+        max_body_bytes=64 * 1024,
+        max_page_size=100,
+        rate_limit_per_s=None,
     )
-    with TestClient(create_app(settings, session_factory), raise_server_exceptions=False) as c:
-        yield Api(c, session_factory, settings)
+    yield from _serve(session_factory, settings)
+
+
+@pytest.fixture
+def api_limited(session_factory: SessionFactory, tmp_path: Path) -> Iterator[Api]:
+    """One request per second per token, in bursts of five."""
+    settings = Settings(
+        home=tmp_path, database_url="unused://", rate_limit_per_s=1.0, rate_limit_burst=5
+    )
+    yield from _serve(session_factory, settings)

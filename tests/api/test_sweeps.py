@@ -47,6 +47,23 @@ def test_submit_then_read_back(api: Api) -> None:
         assert session.scalar(sa.select(sa.func.count()).select_from(Job)) == 0
 
 
+def test_idempotency_key_returns_the_same_sweep_per_owner(api: Api) -> None:
+    alice, bob = api.token("alice"), api.token("bob")
+    keyed = {**alice, "Idempotency-Key": "s-1"}
+    first = api.client.post(SWEEPS, json=sweep_spec(), headers=keyed)
+    again = api.client.post(SWEEPS, json=sweep_spec(), headers=keyed)
+    assert (first.status_code, again.status_code) == (201, 200)
+    assert first.json()["id"] == again.json()["id"]
+    other = api.client.post(SWEEPS, json=sweep_spec(max_trials=9), headers=keyed)
+    assert other.status_code == 409 and "Idempotency-Key" in other.json()["detail"]
+    assert api.client.get(SWEEPS, headers=alice).json()["total"] == 1
+    # A key is the owner's: another user's same key makes a sweep of theirs.
+    bobs = api.client.post(SWEEPS, json=sweep_spec(), headers={**bob, "Idempotency-Key": "s-1"})
+    assert bobs.status_code == 201 and bobs.json()["id"] != first.json()["id"]
+    # Without a key, every submission is a new sweep.
+    assert submit(api, alice)["id"] != submit(api, alice)["id"]
+
+
 def test_a_small_grid_runs_fewer_trials_than_max_trials(api: Api) -> None:
     sweep = submit(
         api,

@@ -176,6 +176,15 @@ def _shoals() -> Iterator[list[ShoalUp]]:
 
 
 @pytest.fixture
+def empty_database(database_url: str, request: pytest.FixtureRequest) -> str:
+    """The test's database: a new SQLite file, or the session's PostgreSQL database emptied."""
+    if not database_url.startswith("sqlite"):
+        # Shared by the session: jobs other tests left QUEUED would be placed by this Shoal.
+        request.getfixturevalue("session_factory")
+    return database_url
+
+
+@pytest.fixture
 def shoal_up(ray_address: str, tmp_path: Path) -> Iterator[Callable[[Path, str], ShoalUp]]:
     """Starts ``shoal up`` processes on the session's Ray."""
     with _shoals() as started:

@@ -32,15 +32,6 @@ Json = dict[str, Any]
 StartShoal = Callable[[Path, str], ShoalUp]
 
 
-@pytest.fixture
-def empty_database(database_url: str, request: pytest.FixtureRequest) -> str:
-    """The test's database: a new SQLite file, or the session's PostgreSQL database emptied."""
-    if not database_url.startswith("sqlite"):
-        # Shared by the session: jobs other tests left QUEUED would be placed by this Shoal.
-        request.getfixturevalue("session_factory")
-    return database_url
-
-
 def admin_token(shoal: ShoalUp) -> str:
     mode = stat.S_IMODE(shoal.token_path.stat().st_mode)
     assert mode == 0o600, f"{shoal.token_path} has mode {mode:o}, not 600"

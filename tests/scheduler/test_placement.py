@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler.placement import JobRequest, place
+from scheduler.placement import JobRequest, Quota, Running, Usage, place, preemptions
 from tests.factories import device
 
 pytestmark = pytest.mark.unit
@@ -109,3 +109,57 @@ def test_one_replica_pipeline_stays_on_one_node() -> None:
     placed, _ = place([request("a", stages=2, replicas=2, max_devices=4)], free)
     nodes = [d.node_id for d in placed[0].devices]
     assert nodes[:2] == [nodes[0]] * 2 and nodes[2:] == [nodes[2]] * 2
+
+
+def test_quotas_cap_a_users_jobs_and_devices_and_say_so() -> None:
+    free = [device("n1", i) for i in range(8)]
+    jobs = [
+        request("a1", owner="alice", max_devices=2),
+        request("a2", owner="alice", max_devices=2),
+        request("a3", owner="alice", max_devices=2),
+        request("b1", owner="bob", min_devices=3, max_devices=3),
+    ]
+    quotas = {"alice": Quota(max_jobs=3, max_devices=3), "bob": Quota(max_devices=4)}
+    usage = {"bob": Usage(jobs=1, devices=2)}
+    placed, waiting = place(jobs, free, usage=usage, quotas=quotas)
+    # alice: 2 devices, then the 1 left of her quota of 3; then her quota is spent.
+    assert [(p.job_id, len(p.devices)) for p in placed] == [("a1", 2), ("a2", 1)]
+    reasons = {w.job_id: w.reason for w in waiting}
+    assert reasons["a3"] == "needs 1 devices, but alice holds 3 of a quota of 3 (max_devices)"
+    assert reasons["b1"] == "needs 3 devices, but bob holds 2 of a quota of 4 (max_devices)"
+    placed, waiting = place(jobs[:2], free, quotas={"alice": Quota(max_jobs=1)})
+    assert [p.job_id for p in placed] == ["a1"]
+    assert waiting[0].reason == "alice runs 1 jobs: the quota's most (max_jobs)"
+
+
+def test_equal_priorities_share_fairly_by_the_devices_each_user_holds() -> None:
+    free = [device("n1", i) for i in range(3)]
+    jobs = [  # alice queued first, twice; bob holds nothing yet
+        request("a1", owner="alice"),
+        request("a2", owner="alice"),
+        request("b1", owner="bob"),
+        request("urgent", owner="alice", priority=9),
+    ]
+    placed, _ = place(jobs, free, usage={"alice": Usage(jobs=1, devices=1)})
+    # Priority first; then bob, holding nothing, before alice, who now holds two.
+    assert [p.job_id for p in placed] == ["urgent", "b1", "a1"]
+
+
+def test_a_waiting_job_preempts_the_lowest_priorities_only_as_far_as_it_needs() -> None:
+    free = [device("n1", 0)]
+    held = {name: (device("n2", i),) for i, name in enumerate(["low-old", "low-young", "mid"])}
+    running = [  # the caller gives the youngest first among equals
+        Running(request("low-young", priority=0), held["low-young"]),
+        Running(request("mid", priority=5), held["mid"]),
+        Running(request("low-old", priority=0), held["low-old"]),
+    ]
+    urgent = request("urgent", priority=9, stages=3, max_devices=3)
+    assert preemptions(urgent, running, free) == ["low-young", "low-old"]
+    # Equal or lower priority preempts nothing; enough free devices need no preemption.
+    assert preemptions(request("peer", priority=0, stages=2, max_devices=2), running, free) == []
+    assert preemptions(request("small", priority=9), running, free) == []
+    # Not even every lower job would make room: nobody is paused for nothing.
+    assert preemptions(request("huge", priority=9, stages=9, max_devices=9), running, free) == []
+    # Only devices the waiting job may use count (its kind).
+    picky = request("picky", priority=9, stages=2, max_devices=2, device_kind="gpu")
+    assert preemptions(picky, running, free) == []

@@ -4,6 +4,7 @@ the assignment of tasks to idle devices (locality, memory, prefetch)."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from itertools import combinations
 
 import pytest
@@ -83,6 +84,15 @@ def test_a_shard_is_its_blocks_state_and_one_micro_batch_of_activations() -> Non
     assert (only.state_bytes, only.activation_bytes) == (4 * GiB, need.activations)
 
 
+def test_without_recompute_every_micro_batch_keeps_its_activations() -> None:
+    costs = [block(i, activation=1000) for i in range(4)]
+    (kept,) = shard_model(costs, 64 * GiB, 8, micro_batches=3, recompute=False)
+    need = stage_memory(costs, (0, 4), micro_batch_size=8, in_flight=3, recompute=False)
+    assert kept.activation_bytes == need.activations
+    (one,) = shard_model(costs, 64 * GiB, 8, micro_batches=1, recompute=False)
+    assert kept.activation_bytes > one.activation_bytes
+
+
 def test_backward_recomputes_the_forward() -> None:
     (only,) = shard_model([block(0, seconds=3.0)], 8 * GiB, micro_batch_size=1)
     assert (only.forward_s, only.backward_s) == pytest.approx((1.0, 3.0))
@@ -100,7 +110,7 @@ def test_a_block_that_cannot_fit_alone_is_refused_with_the_fix() -> None:
     costs = [block(0), block(1, params=GiB), block(2)]  # block 1: 4 GiB of state
     with pytest.raises(ShardError, match=r"block 1 needs 4\.0 GiB .* at most 3\.0 GiB") as err:
         shard_model(costs, 6 * GiB, micro_batch_size=1)
-    assert "smaller micro_batch_size or devices with more memory" in str(err.value)
+    assert "smaller micro-batches, recompute: true, or devices with more memory" in str(err.value)
 
 
 def test_bad_inputs_are_refused() -> None:
@@ -254,6 +264,36 @@ def test_a_much_faster_idle_device_beats_staying() -> None:
     idle = [device("slow", speed=0.25), device("fast", speed=3.0)]
     (a,) = _assign(idle, [plan("m")], {"m": Residence("slow", "n0")})
     assert a.device == "fast"
+
+
+def test_a_late_model_waits_for_a_fast_device_soon_free_rather_than_start_on_a_slow_one() -> None:
+    # plan("m")'s first task: 1 reference second; 4.1 s on the slow device (copy included),
+    # 1.33 s once the fast one is free in 1 s; the rest of its chain: 5 s, 5/3 s on the fast.
+    slow = device("slow", speed=0.25)
+    soon = replace(device("fast", speed=3.0), free_in_s=1.0)
+    m = [progress(plan("m"), 0)]
+    plans = {"m": plan("m")}
+
+    def run(
+        offered: list[IdleDevice], horizon: float, more: tuple[Progress, ...] = ()
+    ) -> tuple[Assignment, ...]:
+        both = {**plans, **{p.model: plan(p.model) for p in more}}
+        return assign(Policy.LRTF, offered, [*m, *more], both, {}, horizon_s=horizon)
+
+    assert run([slow, soon], horizon=4.0) == ()  # 4.1 + 5/3 s would be late: it waits
+    (a,) = run([slow, soon], horizon=10.0)
+    assert a.device == "slow"  # it has the slack: the slow device works
+    (a,) = run([slow, soon], horizon=math.inf)
+    assert a.device == "slow"  # no horizon: never waits
+    (a,) = run([slow, replace(soon, free_in_s=5.0)], horizon=4.0)
+    assert a.device == "slow"  # late either way, and later there
+    # Once m waits for it, the fast device is free 1/3 s later: the next model weighs that.
+    # On a 0.7 device: m would end at 1.53 + 5/3 s, late for 3 s, so it waits (1.33 s); n
+    # then ends at 1.67 s on the fast one but at 1.53 s here, so it starts here.
+    slow = device("slow", speed=0.7)
+    n = progress(plan("n"), 0)
+    (b,) = run([slow, soon], horizon=3.0, more=(n,))
+    assert (b.task.model, b.device) == ("n", "slow")
 
 
 def test_models_in_policy_order_take_the_idle_devices() -> None:

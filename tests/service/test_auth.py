@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
+from pydantic import ValidationError
 
 from service.auth import (
     AuthError,
@@ -70,3 +71,30 @@ def test_admin_token_file_is_private_and_reused(
     revoke_token(session_factory, token)
     fresh = ensure_admin_token(settings, session_factory)
     assert fresh != token and path.read_text().strip() == fresh
+
+
+def test_an_admin_token_chosen_outside_is_registered_once_and_never_revived(
+    session_factory: SessionFactory, tmp_path: Path
+) -> None:
+    chosen = "shoal_" + "k" * 40
+    settings = Settings(home=tmp_path / "home", admin_token=chosen)
+    assert ensure_admin_token(settings, session_factory) == chosen
+    assert ensure_admin_token(settings, session_factory) == chosen  # a restart: idempotent
+    with session_factory() as session:
+        principal = authenticate(session, chosen)
+        assert principal is not None and principal.is_admin and principal.name == "admin"
+        assert session.scalar(sa.select(sa.func.count()).select_from(ApiToken)) == 1
+    assert settings.admin_token_path.read_text().strip() == chosen
+    revoke_token(session_factory, chosen)
+    with pytest.raises(AuthError, match="revoked"):
+        ensure_admin_token(settings, session_factory)
+
+
+def test_an_empty_admin_token_is_unset() -> None:
+    assert Settings(admin_token="").admin_token is None
+
+
+@pytest.mark.parametrize("token", ["too-short", "shoal_short", "x" * 50])
+def test_an_admin_token_of_the_wrong_shape_is_refused_with_how_to_make_one(token: str) -> None:
+    with pytest.raises(ValidationError, match=r"secrets\.token_urlsafe"):
+        Settings(admin_token=token)

@@ -6,7 +6,6 @@ import json
 import re
 import socket
 import stat
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -15,7 +14,6 @@ from typing import Annotated, Any
 
 import httpx
 import pytest
-import uvicorn
 from click.testing import CliRunner, Result
 from fastapi import Depends, FastAPI, Header, HTTPException, Query, Request
 from fastapi.responses import JSONResponse
@@ -23,6 +21,7 @@ from fastapi.responses import JSONResponse
 from service.cli import cli
 from service.cli.specfile import load_spec
 from service.client import ApiError, ClientConfig, ShoalClient, resolve_config, write_config
+from service.server import serving
 from service.settings import Settings
 
 TOKEN = "shoal_test-token"
@@ -258,19 +257,9 @@ def stub() -> Stub:
 
 @pytest.fixture
 def api_url(stub: Stub) -> Iterator[str]:
-    """The stub API on a real socket: bound before the server starts, so no wait is needed."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(64)
-    server = uvicorn.Server(uvicorn.Config(_stub_app(stub), log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-        sock.close()
+    """The stub API on a real socket."""
+    with serving(_stub_app(stub)) as url:
+        yield url
 
 
 @pytest.fixture
@@ -299,8 +288,8 @@ def api(api_url: str, home: Path, monkeypatch: pytest.MonkeyPatch) -> str:
     return api_url
 
 
-def shoal(*args: str) -> Result:
-    return CliRunner().invoke(cli, list(args))
+def shoal(*args: str, input: str | None = None) -> Result:
+    return CliRunner().invoke(cli, list(args), input=input)
 
 
 def cells(text: str) -> str:
@@ -738,6 +727,26 @@ def test_token_create_makes_a_working_token_and_db_upgrade_is_idempotent(home: P
     assert ada is not None and (ada.name, ada.is_admin) == ("ada", False)
     assert root is not None and (root.name, root.is_admin) == ("root", True)
     assert shoal("db", "upgrade").exit_code == 0
+
+
+@pytest.mark.integration
+def test_token_revoke_takes_the_token_from_stdin_and_refuses_it_from_then_on(
+    home: Path,
+) -> None:
+    from service.auth import authenticate
+    from service.db.session import make_engine, make_session_factory
+
+    secret = shoal("token", "create", "--user", "ada").stdout.strip()
+    revoked = shoal("token", "revoke", input=secret + "\n")
+    assert revoked.exit_code == 0, revoked.output
+    assert revoked.stdout == f"token {secret[:12]}… revoked\n" and secret not in revoked.stdout
+    engine = make_engine(f"sqlite:///{home / 'shoal.db'}")
+    with make_session_factory(engine)() as session:
+        assert authenticate(session, secret) is None
+    engine.dispose()
+    again = shoal("token", "revoke", secret)
+    assert again.exit_code == 2 and "unknown or revoked already" in again.stderr
+    assert shoal("token", "revoke", input="\n").exit_code == 2
 
 
 @pytest.mark.integration

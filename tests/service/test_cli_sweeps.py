@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import re
-import socket
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,13 +12,13 @@ from typing import Annotated, Any
 
 import httpx
 import pytest
-import uvicorn
 from fastapi import Depends, FastAPI, Header, HTTPException, Request
 from fastapi.responses import JSONResponse
 
 from api.schemas import TRIAL_STATES, SweepOut, SweepPage, SweepSummaryOut
 from service.cli.specfile import load_spec
 from service.client import ShoalClient
+from service.server import serving
 from tests.factories import sweep_spec
 from tests.service.test_cli import TOKEN, cells, shoal, write
 
@@ -51,6 +49,8 @@ def trial(
 @dataclass
 class Stub:
     sweeps: dict[str, dict[str, Any]] = field(default_factory=dict)
+    later: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    """Per sweep, what it becomes at each following GET (a sweep that moves on)."""
     requests: list[tuple[str, str, dict[str, str], bytes]] = field(default_factory=list)
 
     def add(
@@ -137,7 +137,10 @@ def _stub_app(stub: Stub) -> FastAPI:
 
     @app.get(f"{sweeps}/{{sweep_id}}", dependencies=auth)
     def get_sweep(sweep_id: str) -> SweepOut:
-        return SweepOut.model_validate(find(sweep_id))
+        answer = SweepOut.model_validate(find(sweep_id))
+        if stub.later.get(sweep_id):
+            stub.sweeps[sweep_id] = stub.later[sweep_id].pop(0)
+        return answer
 
     @app.post(f"{sweeps}/{{sweep_id}}/cancel", dependencies=auth)
     def cancel(sweep_id: str) -> SweepOut:
@@ -166,22 +169,11 @@ def api(stub: Stub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator
     through SHOAL_URL and SHOAL_TOKEN as a user would set them."""
     for name in ("SHOAL_DATABASE_URL", "SHOAL_AUTH"):
         monkeypatch.delenv(name, raising=False)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(64)
-    server = uvicorn.Server(uvicorn.Config(_stub_app(stub), log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    monkeypatch.setenv("SHOAL_HOME", str(tmp_path / "home"))
-    monkeypatch.setenv("SHOAL_URL", url)
-    monkeypatch.setenv("SHOAL_TOKEN", TOKEN)
-    try:
+    with serving(_stub_app(stub)) as url:
+        monkeypatch.setenv("SHOAL_HOME", str(tmp_path / "home"))
+        monkeypatch.setenv("SHOAL_URL", url)
+        monkeypatch.setenv("SHOAL_TOKEN", TOKEN)
         yield url
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-        sock.close()
 
 
 def running_sweep(stub: Stub) -> dict[str, Any]:
@@ -215,6 +207,14 @@ def test_sweep_submits_the_file_and_prints_the_new_sweep(
     method, url, headers, body = stub.requests[-1]
     assert (method, url) == ("POST", f"{api}/api/v1/sweeps")
     assert headers["authorization"] == f"Bearer {TOKEN}" and json.loads(body) == spec
+    assert re.fullmatch(r"[0-9a-f]{32}-[0-9a-f]{16}", headers["idempotency-key"])
+
+
+def test_sweep_sends_the_given_idempotency_key(api: str, stub: Stub, tmp_path: Path) -> None:
+    path = write(tmp_path / "sweep.json", json.dumps(sweep_spec()))
+    result = shoal("sweep", str(path), "--idempotency-key", "s-1")
+    assert result.exit_code == 0, result.output
+    assert stub.requests[-1][2]["idempotency-key"] == "s-1"
 
 
 def test_sweep_json_prints_the_whole_sweep_from_a_yaml_file(
@@ -293,6 +293,49 @@ def test_sweeps_with_an_id_shows_the_trials_and_the_best(api: str, stub: Stub) -
     )
     answer = json.loads(shoal("sweeps", sweep["id"], "--json").stdout)
     assert answer == sweep
+
+
+def moved_on(sweep: dict[str, Any], state: str, trials: list[dict[str, Any]]) -> dict[str, Any]:
+    counts = dict.fromkeys(TRIAL_STATES, 0)
+    for t in trials:
+        counts[t["state"]] += 1
+    return {**sweep, "state": state, "trials": trials, "trial_counts": counts}
+
+
+def test_sweeps_follow_prints_each_trial_once_as_it_ends_and_the_sweep_at_the_end(
+    api: str, stub: Stub
+) -> None:
+    sweep = running_sweep(stub)
+    first = sweep["trials"]
+    stub.later[sweep["id"]] = [
+        moved_on(sweep, "RUNNING", [*first[:3], trial(3, "PRUNED", None, ((5, 3.0),))]),
+        moved_on(
+            sweep,
+            "SUCCEEDED",
+            [*first[:3], trial(3, "PRUNED", None, ((5, 3.0),)), trial(4, "SUCCEEDED", 0.7)],
+        ),
+    ]
+    result = shoal("sweeps", sweep["id"], "--follow", "--interval", "0")
+    assert result.exit_code == 0, result.output
+    ended = re.findall(r"^trial (\d) (\w+) objective (\S+)", result.stdout, re.MULTILINE)
+    assert ended == [
+        ("0", "SUCCEEDED", "0.9"),
+        ("1", "PRUNED", "-"),
+        ("2", "SUCCEEDED", "0.4"),
+        ("3", "PRUNED", "-"),
+        ("4", "SUCCEEDED", "0.7"),
+    ]
+    assert re.search(r"state\s+SUCCEEDED", cells(result.stdout))
+    gets = [r for r in stub.requests if r[0] == "GET"]
+    assert len(gets) == 3  # until it ended, not after
+
+
+def test_sweeps_follow_exits_1_when_the_sweep_failed_and_needs_an_id(api: str, stub: Stub) -> None:
+    failed = stub.add("broken", "FAILED", [trial(0, "FAILED")])
+    result = shoal("sweeps", failed["id"], "-f")
+    assert result.exit_code == 1 and "trial 0 FAILED" in result.stdout
+    result = shoal("sweeps", "-f")
+    assert result.exit_code == 2 and "--follow needs a SWEEP_ID" in result.stderr
 
 
 def test_a_sweep_without_trials_says_so(api: str, stub: Stub) -> None:

@@ -8,6 +8,7 @@ actors on the session's local Ray (``RayCluster``).
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -16,6 +17,7 @@ import pytest
 import sqlalchemy as sa
 
 from scheduler.devices import DEVICE_RESOURCE, LABEL_KIND, NodeInfo
+from scheduler.placement import Quota
 from service.auth import Principal
 from service.cluster import Cluster, InProcessCluster, RayCluster
 from service.controller import Controller, ControllerConfig
@@ -25,6 +27,7 @@ from service.jobs import request_cancel, restart_job, submit_job, transition
 from service.lifecycle import JobState
 from service.specs import validate_job_spec
 from tests.factories import job_spec
+from workers.checkpoints import CheckpointStore
 
 pytestmark = pytest.mark.integration
 
@@ -123,6 +126,7 @@ def test_job_trains_to_success_with_metrics_events_and_checkpoints(
         steps = sorted(c.step for c in session.scalars(sa.select(Checkpoint)))
         holders = set(session.scalars(sa.select(DeviceRow.job_id)))
     assert len(losses) == 30 and sum(losses[-5:]) < 0.5 * sum(losses[:5])
+    assert (row.last_loss, row.last_samples_per_s) == (losses[-1], metrics[-1].samples_per_s)
     assert all(m.grad_norm is not None and m.grad_norm > 0 for m in metrics)
     assert steps == [20, 30]  # every 10 steps, keep 2
     kinds = [e.kind for e in events(session_factory, job_id)]
@@ -208,6 +212,64 @@ def test_restart_resumes_from_the_latest_checkpoint(
     resumed = [e for e in events(session_factory, job_id) if e.kind == "resumed"]
     assert len(resumed) == 1 and resumed[0].data["step"] >= 10
     assert job(session_factory, job_id).attempt == 2
+
+
+def test_checkpoints_at_an_fsspec_url_are_written_and_resumed_from(
+    session_factory: SessionFactory,
+) -> None:
+    """An object store's URL as the checkpoint root (an in-memory file system here: the
+    in-process cluster shares it); a restarted job resumes from what was written there."""
+    import fsspec
+
+    root = f"memory://shoal-{uuid.uuid4().hex}"
+    cluster = InProcessCluster(NODES)
+    controller = Controller(session_factory, cluster, ControllerConfig(checkpoint_root=root))
+    who = owner(session_factory)
+    job_id = submit(session_factory, who, steps=300, checkpoint={"every_steps": 10, "keep": 2})
+    reconcile_until(controller, lambda: job(session_factory, job_id).step >= 12)
+    cluster.stop_runner(job_id)
+    with session_factory() as session, session.begin():
+        row = session.get(Job, job_id)
+        assert row is not None
+        transition(session, row, JobState.FAILED, "the test failed it", error="failed")
+    restart_job(session_factory, who, job_id)
+    reconcile_until(controller, lambda: job(session_factory, job_id).state == "SUCCEEDED")
+    (resumed,) = [e for e in events(session_factory, job_id) if e.kind == "resumed"]
+    assert resumed.data["step"] >= 10
+    steps = [info.step for info in CheckpointStore(root).list(job_id)]
+    assert steps == [290, 300]
+    with session_factory() as session:
+        paths = session.scalars(sa.select(Checkpoint.path).where(Checkpoint.job_id == job_id))
+        assert all(path.startswith(f"{root}/{job_id}/step-") for path in paths)
+    fsspec.filesystem("memory").rm(root, recursive=True)
+
+
+def test_a_users_quota_keeps_their_next_job_waiting_until_one_ends(
+    session_factory: SessionFactory, tmp_path: Path
+) -> None:
+    """The default quota of one job at a time: alice's second job waits, saying why, and
+    starts when her first ends; an admin's own limit for a user replaces the default."""
+    config = ControllerConfig(
+        checkpoint_root=str(tmp_path / "ckpt"), default_quota=Quota(max_jobs=1)
+    )
+    controller = Controller(session_factory, InProcessCluster(NODES), config)
+    who = owner(session_factory)
+    first = submit(session_factory, who, steps=200)
+    second = submit(session_factory, who, steps=5)
+    reconcile_until(controller, lambda: job(session_factory, first).state == "RUNNING")
+    reconcile_until(
+        controller, lambda: any(e.kind == "waiting" for e in events(session_factory, second))
+    )
+    (waiting,) = [e for e in events(session_factory, second) if e.kind == "waiting"]
+    assert waiting.message == "alice runs 1 jobs: the quota's most (max_jobs)"
+    assert job(session_factory, second).state == "QUEUED"
+    with session_factory() as session, session.begin():
+        user = session.scalar(sa.select(User).where(User.name == "alice"))
+        assert user is not None
+        user.max_jobs = 2  # an admin raised hers
+    reconcile_until(controller, lambda: job(session_factory, second).state != "QUEUED")
+    assert job(session_factory, first).state == "RUNNING"  # both at once now
+    reconcile_until(controller, lambda: job(session_factory, first).state == "SUCCEEDED")
 
 
 def test_a_new_controller_finds_running_jobs_instead_of_starting_them_again(
@@ -590,6 +652,45 @@ def test_a_drained_device_with_nowhere_to_go_suspends_the_job_which_resumes_repl
     assert list(losses) == pytest.approx(reference_losses(STEPS, 4), rel=1e-5, abs=1e-6)
 
 
+def test_a_higher_priority_job_preempts_a_lower_one_which_resumes_losing_nothing(
+    session_factory: SessionFactory, tmp_path: Path
+) -> None:
+    """Both devices are the low job's; an urgent job needs both: the low job checkpoints at
+    its next step boundary and requeues, the urgent one runs, then the low one resumes from
+    that very step and ends with the losses of a run never interrupted."""
+    controller = make_controller(session_factory, InProcessCluster(NODES), tmp_path)
+    who = owner(session_factory)
+    both = {"min_devices": 2, "max_devices": 2}
+    low = submit(
+        session_factory,
+        who,
+        steps=STEPS,
+        micro_batches=4,
+        optimizer={"name": "sgd", "lr": 0.05},
+        parallelism={"stages": 2, "replicas": 1},
+        resources=both,
+        checkpoint={"every_steps": 1000, "keep": 2},
+    )
+    reconcile_until(controller, lambda: job(session_factory, low).step >= 5, timeout=120)
+    urgent = submit(
+        session_factory, who, steps=5, priority=5, parallelism={"stages": 2}, resources=both
+    )
+    reconcile_until(controller, lambda: job(session_factory, urgent).state != "QUEUED")
+    reconcile_until(controller, lambda: job(session_factory, urgent).state == "SUCCEEDED")
+    reconcile_until(controller, lambda: job(session_factory, low).state == "SUCCEEDED", timeout=180)
+    history = events(session_factory, low)
+    (suspend,) = [e for e in history if e.kind == "suspend"]
+    assert suspend.data["preempted_by"] == urgent and "priority 5 > 0" in suspend.message
+    (stopped,) = [e for e in history if e.kind == "suspended"]
+    (resumed,) = [e for e in history if e.kind == "resumed"]
+    assert stopped.data["step"] == resumed.data["step"] and resumed.data["steps_replayed"] == 0
+    started = min(e.time for e in events(session_factory, urgent) if e.kind == "placement")
+    assert stopped.time <= started  # the urgent job ran on the devices the low one left
+    steps, losses = zip(*losses_of(session_factory, low), strict=True)
+    assert list(steps) == list(range(1, STEPS + 1))
+    assert list(losses) == pytest.approx(reference_losses(STEPS, 4), rel=1e-5, abs=1e-6)
+
+
 class Draining(InProcessCluster):
     """In-process runners on two nodes of two devices; Ray drains the nodes in ``drained``."""
 
@@ -639,3 +740,27 @@ def test_a_node_ray_drains_is_left_by_its_jobs_without_losing_a_step(
     steps, losses = zip(*losses_of(session_factory, job_id), strict=True)
     assert list(steps) == list(range(1, STEPS + 1))
     assert list(losses) == pytest.approx(reference_losses(STEPS, 4), rel=1e-5, abs=1e-6)
+
+
+def test_a_step_replayed_within_one_report_is_stored_once_as_rerun(
+    session_factory: SessionFactory,
+) -> None:
+    from service.controller import _persist_report
+    from workers.snapshot import RunnerReport, RunStatus, StepMetrics
+
+    who = owner(session_factory)
+    job_id = submit(session_factory, who)
+    metrics = [StepMetrics(s, loss, 10.0, 0.1, ()) for s, loss in ((1, 0.5), (2, 0.4), (2, 0.3))]
+    with session_factory() as session, session.begin():
+        row = session.get(Job, job_id)
+        assert row is not None
+        _persist_report(
+            session, row, RunnerReport(RunStatus.RUNNING, 3, 2, tuple(metrics), (), None)
+        )
+    with session_factory() as session:
+        stored = session.execute(
+            sa.select(JobMetric.step, JobMetric.loss)
+            .where(JobMetric.job_id == job_id)
+            .order_by(JobMetric.step)
+        ).all()
+    assert [tuple(r) for r in stored] == [(1, 0.5), (2, 0.3)]

@@ -19,7 +19,14 @@ from scheduler.devices import (
     NodeInfo,
     inventory,
 )
-from service.localray import DeviceSpecError, LocalRay, LocalRayError, VirtualNode, parse_devices
+from service.localray import (
+    DeviceSpecError,
+    LocalRay,
+    LocalRayError,
+    VirtualNode,
+    node_command,
+    parse_devices,
+)
 from service.settings import DEFAULT_DEVICES
 
 
@@ -108,6 +115,21 @@ def test_labels_read_back_as_the_declared_devices() -> None:
     assert [(d.kind, d.memory_mb, d.spot, d.emulate_slowdown) for d in devices] == [
         ("cpu-b", 512, True, 2.5)
     ] * 3
+
+
+@pytest.mark.unit
+def test_a_node_in_a_container_of_its_own_joins_with_its_devices_and_no_local_ports() -> None:
+    """`shoal node GROUP --address` (docker-compose's worker nodes): the same devices as a
+    node of `shoal up`'s cluster, but its own machine's address and Ray's default ports."""
+    node = VirtualNode(2, "cpu-slow", 2048, slowdown=2.0, spot=True)
+    alone = node_command(Path("ray"), node, address="ray-head:6379", shared_machine=False)
+    shared = node_command(Path("ray"), node, address="ray-head:6379")
+    assert alone[:3] == ["ray", "start", "--block"] and "--address=ray-head:6379" in alone
+    assert f"--resources={json.dumps({DEVICE_RESOURCE: 2})}" in alone
+    labels = next(a for a in alone if a.startswith("--labels=")).removeprefix("--labels=")
+    assert dict(pair.split("=") for pair in labels.split(",")) == node.labels
+    assert not [a for a in alone if a.startswith(("--node-ip-address", "--dashboard-agent"))]
+    assert "--node-ip-address=127.0.0.1" in shared and set(alone) < set(shared)
 
 
 @pytest.mark.unit

@@ -53,7 +53,7 @@ def submit(
     factory: SessionFactory, who: Principal, **overrides: object
 ) -> tuple[str, dict[str, object]]:
     spec = sweep_spec(**overrides)
-    return submit_sweep(factory, who, validate_sweep_spec(spec, [])).id, spec
+    return submit_sweep(factory, who, validate_sweep_spec(spec, []))[0].id, spec
 
 
 @pytest.fixture

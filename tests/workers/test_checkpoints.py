@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import fsspec
 import pytest
 import torch
 from torch import nn
@@ -50,9 +52,39 @@ def assert_same_state(a: Any, b: Any) -> None:
         assert a == b
 
 
-@pytest.fixture
-def store(tmp_path: Path) -> CheckpointStore:
-    return CheckpointStore(tmp_path / "ckpt")
+@pytest.fixture(params=["local", "memory"])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[CheckpointStore]:
+    """A store in a local directory, and one at an fsspec URL (an in-memory file system,
+    standing for an object store: no rename, no fsync)."""
+    if request.param == "local":
+        yield CheckpointStore(tmp_path / "ckpt")
+        return
+    root = f"memory://ckpt-{uuid.uuid4().hex}"
+    yield CheckpointStore(root)
+    if files(root).exists(root):
+        files(root).rm(root, recursive=True)
+
+
+def files(path: str) -> Any:
+    return fsspec.core.url_to_fs(path)[0]
+
+
+def join(*parts: str) -> str:
+    return "/".join(parts)
+
+
+def names(path: str) -> list[str]:
+    return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in files(path).ls(path, detail=False))
+
+
+def read(path: str) -> bytes:
+    data: bytes = files(path).cat_file(path)
+    return data
+
+
+def write(path: str, data: bytes) -> None:
+    with fsspec.open(path, "wb") as file:
+        file.write(data)
 
 
 def test_round_trip(store: CheckpointStore) -> None:
@@ -60,8 +92,8 @@ def test_round_trip(store: CheckpointStore) -> None:
     layout = {"stages": [[0, 2], [2, 4]], "seed": 7, "model": {"builtin": "mlp", "hidden": 3}}
     info = store.write("job-1", 42, states(blocks), layout)
     assert info.step == 42 and info.job_id == "job-1"
-    assert Path(info.path) == store.root / "job-1" / "step-00000042"
-    assert sorted(os.listdir(info.path)) == [
+    assert info.path == join(store.root, "job-1", "step-00000042")
+    assert names(info.path) == [
         *(f"block-0000{i}.pt" for i in range(4)),
         MANIFEST,
     ]
@@ -113,32 +145,33 @@ def test_rewriting_a_step_replaces_it(store: CheckpointStore) -> None:
     store.write("job", 3, states(trained_blocks(1)), {"attempt": 2})
     manifest, read = store.read("job", 3)
     assert manifest["layout"] == {"attempt": 2} and list(read) == [0]
-    assert sorted(os.listdir(store.root / "job")) == ["step-00000003"]
+    assert names(join(store.root, "job")) == ["step-00000003"]
 
 
 def test_debris_of_a_crashed_write_is_never_listed(store: CheckpointStore) -> None:
     store.write("job", 1, states(trained_blocks(1)), {})
-    job_dir = store.root / "job"
+    job_dir = join(store.root, "job")
     # A write that died before its rename: everything but the rename done.
-    crashed = job_dir / ".tmp-step-00000002-0123456789abcdef"
-    crashed.mkdir()
-    (crashed / "block-00000.pt").write_bytes(b"partial")
-    (crashed / MANIFEST).write_text("{}")
-    # A step directory without a manifest (not made by this store, or half copied in).
-    (job_dir / "step-00000003").mkdir()
-    (job_dir / "step-00000003" / "block-00000.pt").write_bytes(b"x")
+    crashed = join(job_dir, ".tmp-step-00000002-0123456789abcdef")
+    files(crashed).makedirs(crashed, exist_ok=True)
+    write(join(crashed, "block-00000.pt"), b"partial")
+    write(join(crashed, MANIFEST), b"{}")
+    # A step directory without a manifest (not made by this store, or half moved in).
+    files(job_dir).makedirs(join(job_dir, "step-00000003"), exist_ok=True)
+    write(join(job_dir, "step-00000003", "block-00000.pt"), b"x")
     assert [info.step for info in store.list("job")] == [1]
     with pytest.raises(CheckpointError, match=r"no complete checkpoint at step 3; .*\[1\]"):
         store.read("job", 3)
 
 
 def test_a_checkpoint_appears_only_with_its_rename(
-    store: CheckpointStore, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    store = CheckpointStore(tmp_path)
     seen: list[list[int]] = []
     fsync_dir = checkpoints._fsync_dir
 
-    def watching(path: Path) -> None:
+    def watching(path: str) -> None:
         seen.append([info.step for info in store.list("job")])
         fsync_dir(path)
 
@@ -146,6 +179,30 @@ def test_a_checkpoint_appears_only_with_its_rename(
     store.write("job", 7, states(trained_blocks(2)), {})
     # Every fsync of a directory before the rename sees nothing; the last, after it, sees it.
     assert len(seen) >= 2 and seen[:-1] == [[]] * (len(seen) - 1) and seen[-1] == [7]
+
+
+def test_in_an_object_store_a_checkpoint_appears_only_with_its_manifest(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No rename there: block files move into place first, the manifest last; a rewrite
+    hides the old checkpoint (its manifest first) before the new one moves in."""
+    root = f"memory://ckpt-{uuid.uuid4().hex}"
+    store = CheckpointStore(root)
+    store.write("job", 7, states(trained_blocks(1)), {"attempt": 1})
+    fs = files(root)
+    seen: list[tuple[str, list[int]]] = []
+    move = fs.mv
+
+    def watching(source: str, target: str, **kwargs: Any) -> None:
+        seen.append((target.rsplit("/", 1)[-1], [i.step for i in store.list("job")]))
+        move(source, target, **kwargs)
+
+    monkeypatch.setattr(fs, "mv", watching)
+    store.write("job", 7, states(trained_blocks(2)), {"attempt": 2})
+    assert seen == [("block-00000.pt", []), ("block-00001.pt", []), (MANIFEST, [])]
+    manifest, blocks = store.read("job", 7)
+    assert manifest["layout"] == {"attempt": 2} and sorted(blocks) == [0, 1]
+    fs.rm(root, recursive=True)
 
 
 def test_a_failing_write_leaves_nothing_behind(
@@ -159,14 +216,14 @@ def test_a_failing_write_leaves_nothing_behind(
     monkeypatch.setattr(torch, "save", disk_full)
     with pytest.raises(OSError, match="No space left"):
         store.write("job", 2, states(trained_blocks(1)), {})
-    assert sorted(os.listdir(store.root / "job")) == ["step-00000001"]
+    assert names(join(store.root, "job")) == ["step-00000001"]
 
 
 def test_an_unreadable_manifest_is_skipped_in_listings(store: CheckpointStore) -> None:
     one = states(trained_blocks(1))
     store.write("job", 1, one, {})
     bad = store.write("job", 2, one, {})
-    Path(bad.path, MANIFEST).write_text("{not json")
+    write(join(bad.path, MANIFEST), b"{not json")
     assert [info.step for info in store.list("job")] == [1]
     with pytest.raises(CheckpointError, match=r"manifest\.json is corrupt"):
         store.read("job", 2)
@@ -174,45 +231,45 @@ def test_an_unreadable_manifest_is_skipped_in_listings(store: CheckpointStore) -
 
 def test_a_flipped_byte_is_detected(store: CheckpointStore) -> None:
     info = store.write("job", 1, states(trained_blocks(2)), {})
-    target = Path(info.path, "block-00001.pt")
-    data = bytearray(target.read_bytes())
+    target = join(info.path, "block-00001.pt")
+    data = bytearray(read(target))
     data[len(data) // 2] ^= 0x01
-    target.write_bytes(bytes(data))
+    write(target, bytes(data))
     with pytest.raises(CheckpointError, match=r"block-00001\.pt does not match its checksum"):
         store.read("job", 1)
 
 
 def test_a_truncated_file_is_detected(store: CheckpointStore) -> None:
     info = store.write("job", 1, states(trained_blocks(2)), {})
-    target = Path(info.path, "block-00000.pt")
-    size = target.stat().st_size
-    with target.open("r+b") as file:
-        file.truncate(size - 10)
+    target = join(info.path, "block-00000.pt")
+    data = read(target)
+    size = len(data)
+    write(target, data[:-10])
     with pytest.raises(CheckpointError, match=rf"\({size - 10} bytes, expected {size}\)"):
         store.read("job", 1)
 
 
 def test_a_missing_block_file_is_detected(store: CheckpointStore) -> None:
     info = store.write("job", 1, states(trained_blocks(2)), {})
-    Path(info.path, "block-00001.pt").unlink()
+    files(info.path).rm_file(join(info.path, "block-00001.pt"))
     with pytest.raises(CheckpointError, match="is missing"):
         store.read("job", 1)
 
 
 def test_a_manifest_cannot_point_outside_its_checkpoint(store: CheckpointStore) -> None:
     info = store.write("job", 1, states(trained_blocks(1)), {})
-    path = Path(info.path, MANIFEST)
-    manifest = json.loads(path.read_text())
+    path = join(info.path, MANIFEST)
+    manifest = json.loads(read(path))
     manifest["files"]["../../../etc/passwd"] = {"sha256": "0", "bytes": 1}
-    path.write_text(json.dumps(manifest))
+    write(path, json.dumps(manifest).encode())
     with pytest.raises(CheckpointError, match="not a block file"):
         store.read("job", 1)
 
 
 def test_a_newer_format_is_refused(store: CheckpointStore) -> None:
     info = store.write("job", 1, states(trained_blocks(1)), {})
-    path = Path(info.path, MANIFEST)
-    path.write_text(json.dumps(json.loads(path.read_text()) | {"format_version": 99}))
+    path = join(info.path, MANIFEST)
+    write(path, json.dumps(json.loads(read(path)) | {"format_version": 99}).encode())
     with pytest.raises(CheckpointError, match="format version 99"):
         store.read("job", 1)
 
@@ -223,8 +280,9 @@ def test_retention_keeps_the_newest(store: CheckpointStore) -> None:
         store.write("job", step, one, {})
     assert store.retain("job", 2) == [10, 20]
     assert [info.step for info in store.list("job")] == [30, 40]
-    assert sorted(os.listdir(store.root / "job")) == ["step-00000030", "step-00000040"]
+    assert names(join(store.root, "job")) == ["step-00000030", "step-00000040"]
     assert store.retain("job", 5) == []
+    assert store.retain("job", 3) == []  # more kept than there are: none deleted
     assert store.retain("job", 0) == [30, 40]
     assert store.list("job") == []
     with pytest.raises(ValueError, match=r"keep \(-1\) must be >= 0"):
@@ -241,7 +299,7 @@ def test_job_ids_that_could_escape_the_root_are_refused(
         store.write(job_id, 1, states(trained_blocks(1)), {})
     with pytest.raises(ValueError, match="cannot name a checkpoint directory"):
         store.list(job_id)
-    assert not store.root.exists()
+    assert not files(store.root).exists(store.root)
 
 
 @pytest.mark.parametrize(("step", "blocks"), [(-1, {0: {}}), (1, {}), (1, {-2: {}})])

@@ -358,6 +358,38 @@ def test_a_resumed_job_continues_exactly_on_another_partition(tmp_path: Path) ->
     assert_matches_reference(second, report.metrics)
 
 
+def corrupt(root: Path, job_id: str, step: int) -> None:
+    """Flip one byte of a block file of the checkpoint at ``step`` (its size unchanged)."""
+    target = next((root / job_id / f"step-{step:08d}").glob("block-*.pt"))
+    data = bytearray(target.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    target.write_bytes(bytes(data))
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(("corrupted", "resumed_at"), [((4,), 2), ((2, 4), 0)])
+def test_a_corrupt_checkpoint_is_passed_over_for_the_previous_good_one(
+    tmp_path: Path, corrupted: tuple[int, ...], resumed_at: int
+) -> None:
+    """Checksums catch a damaged checkpoint; the run resumes from the newest good one (or
+    from its seed if none is), says which it passed over and why, and stays exact."""
+    first = job(tmp_path, [(0, 2), (2, 4)], steps=4, checkpoint_every=2, checkpoint_keep=3)
+    assert Trainer(first, LocalGroup).run() is RunStatus.SUCCEEDED
+    for step in corrupted:
+        corrupt(tmp_path, first.job_id, step)
+    second = job(tmp_path, [(0, 2), (2, 4)], steps=6, checkpoint_every=2, checkpoint_keep=3)
+    trainer = Trainer(second, LocalGroup)
+    assert trainer.run() is RunStatus.SUCCEEDED
+    report = trainer.report(0)
+    (resumed,) = [e for e in report.events if e.kind == "resumed"]
+    assert resumed.step == resumed.data["step"] == resumed_at
+    assert [s["step"] for s in resumed.data["skipped"]] == sorted(corrupted, reverse=True)
+    assert all("does not match its checksum" in s["reason"] for s in resumed.data["skipped"])
+    assert "passed over as unusable" in resumed.message
+    assert [m.step for m in report.metrics] == list(range(resumed_at + 1, 7))
+    assert_matches_reference(second, report.metrics)
+
+
 @pytest.mark.unit
 def test_events_metrics_and_checkpoint_retention(tmp_path: Path) -> None:
     snap = job(tmp_path, [(0, 2), (2, 4)], steps=5, checkpoint_every=2, checkpoint_keep=2)

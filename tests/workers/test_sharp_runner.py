@@ -97,7 +97,11 @@ def test_models_larger_than_a_device_train_together_exactly_as_alone(
 ) -> None:
     snaps = [
         model(tmp_path, "a"),
-        model(tmp_path, "b", seed=9, steps=6, optimizer=OptimizerConf("sgd", 0.05)),
+        # b keeps its autograd graph between a shard's forward and backward; a and c
+        # recompute the forward from the shard's input.
+        model(
+            tmp_path, "b", seed=9, steps=6, optimizer=OptimizerConf("sgd", 0.05), recompute=False
+        ),
         model(tmp_path, "c", seed=5, steps=3),
     ]
     budget = budget_for_shards(snaps[0], 3)
@@ -153,11 +157,11 @@ def test_a_host_keeps_within_its_budget_and_a_shard_run_again_stays(tmp_path: Pa
     sizes = [host.add(("a", i), setup, (i, i + 1)) for i in range(3)]
     host.budget_bytes = max(sizes[0] + sizes[1], sizes[1] + sizes[2])  # two shards at a time
     x = [send(data.batch(0, 4)[0])]
-    first = host.forward(("a", 0), x, prefetch=("a", 1))
+    outputs, first = host.forward(("a", 0), x, prefetch=("a", 1))
     assert first.promoted_bytes == sizes[0] + sizes[1]
-    again = host.forward(("a", 1), first.outputs)  # prefetched: nothing to copy
+    outputs, again = host.forward(("a", 1), outputs)  # prefetched: nothing to copy
     assert again.promoted_bytes == 0 and host.held()["resident"] == [("a", 0), ("a", 1)]
-    host.forward(("a", 2), again.outputs)  # the least recently used one makes room
+    host.forward(("a", 2), outputs)  # the least recently used one makes room
     assert host.held()["resident"] == [("a", 1), ("a", 2)]
     assert host.held()["resident_bytes"] <= host.budget_bytes
     host.budget_bytes = sizes[0] - 1
@@ -216,25 +220,101 @@ def test_cancelling_a_model_that_has_ended_changes_nothing(tmp_path: Path) -> No
     assert runner.poll("b", 0).status is RunStatus.SUCCEEDED, runner.poll("b", 0).error
 
 
+@pytest.mark.unit
+@pytest.mark.parametrize("every", [2, 0])  # a checkpoint along the way, or the last one
+def test_a_checkpoint_that_cannot_be_written_fails_its_model_only(
+    tmp_path: Path, every: int
+) -> None:
+    (tmp_path / "not-a-directory").write_text("")
+    broken = model(tmp_path / "not-a-directory", "a", checkpoint_every=every)
+    fine = model(tmp_path, "b", seed=9, steps=6)
+    pool = devices()
+    budget = budget_for_shards(fine, 3)
+    trainer = SharpTrainer([broken, fine], pool, LocalPool, budgets={d.id: budget for d in pool})
+    statuses = trainer.run()
+    assert statuses == {"a": RunStatus.FAILED, "b": RunStatus.SUCCEEDED}
+    failed = trainer.report("a", 0)
+    step = every or broken.steps
+    assert f"its checkpoint of step {step} could not be written" in (failed.error or "")
+    assert step <= failed.step <= broken.steps
+    assert_alone(fine, [m.loss for m in trainer.report("b", 0).metrics])
+
+
 class LosingPool(LocalPool):
-    """A LocalPool whose device 1 is lost at its 12th call: it and every later one fail."""
+    """A LocalPool whose device 1 is lost at its ``lose_at``-th call: it and every later one
+    fail. With ``inputs_there``, the next shard task on device 0 fails too, its input (the
+    outputs of a task that ran on device 1) lost with that node."""
+
+    lose_at = 12
+    inputs_there = False
 
     def __init__(self, devices: Any, budgets: Any) -> None:
         super().__init__(devices, budgets)
         self.calls = 0
+        self.inputs_lost = 0
+
+    def submit(self, host: int, method: str, *args: Any) -> Any:
+        from concurrent.futures import Future
+
+        from workers.shard_pool import HostLost, InputLost, _Local
+
+        failure: Exception | None = None
+        if host == 1:
+            self.calls += 1
+            if self.calls >= self.lose_at:
+                failure = HostLost(self.devices[1].id, "its node was preempted")
+        elif (
+            self.inputs_there
+            and self.calls >= self.lose_at
+            and not self.inputs_lost
+            and method in ("forward", "backward")
+        ):
+            self.inputs_lost += 1
+            failure = InputLost(self.devices[0].id)
+        if failure is None:
+            return super().submit(host, method, *args)
+        gone: Future[Any] = Future()
+        gone.set_exception(failure)
+        return _Local(host, method, gone)
+
+
+class CopyLosingPool(LocalPool):
+    """A LocalPool whose device 1 is lost as it is asked for a shard's state the
+    ``copy_at``-th time (the first copy is taken when the model is placed, the k-th after
+    step k - 1): between a step's last task and its copy."""
+
+    copy_at = 3
+
+    def __init__(self, devices: Any, budgets: Any) -> None:
+        super().__init__(devices, budgets)
+        self.copies: dict[Any, int] = {}
+        self.gone = False
 
     def submit(self, host: int, method: str, *args: Any) -> Any:
         from concurrent.futures import Future
 
         from workers.shard_pool import HostLost, _Local
 
-        if host == 1:
-            self.calls += 1
-            if self.calls >= 12:
-                gone: Future[Any] = Future()
-                gone.set_exception(HostLost(self.devices[1].id, "its node was preempted"))
-                return _Local(host, method, gone)
-        return super().submit(host, method, *args)
+        if host == 1 and method == "export" and not self.gone:
+            self.copies[args[0]] = self.copies.get(args[0], 0) + 1
+            self.gone = min(self.copies.values()) >= self.copy_at
+        if host != 1 or not self.gone:
+            return super().submit(host, method, *args)
+        gone: Future[Any] = Future()
+        gone.set_exception(HostLost(self.devices[1].id, "its node was preempted"))
+        return _Local(host, method, gone)
+
+
+class LastCopyLosingPool(CopyLosingPool):
+    copy_at = 5  # after the last of 4 steps
+
+
+class InputLosingPool(LosingPool):
+    inputs_there = True
+
+
+class PlacementLosingPool(LosingPool):
+    lose_at = 1  # while the models' shards are being placed
 
 
 @pytest.mark.unit
@@ -262,6 +342,56 @@ def test_a_lost_device_costs_only_the_step_under_way_and_the_math_stays_exact(
         assert [m.step for m in report.metrics] == list(range(1, 7))
         assert_alone(snap, [m.loss for m in report.metrics])
     assert hit >= 1
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("pool", [InputLosingPool, PlacementLosingPool])
+def test_a_lost_input_or_a_device_lost_while_placing_is_survived_exactly(
+    tmp_path: Path, pool: type[LosingPool]
+) -> None:
+    """A task whose input was on the lost device rolls its model back like the device's own
+    models; a device lost before a model trained anything costs nothing: its shards are
+    built again from the seed on the device left (no copy needed)."""
+    snaps = [
+        model(tmp_path, "a", steps=4, keep_copies=pool is InputLosingPool),
+        model(tmp_path, "b", seed=9, steps=4, keep_copies=pool is InputLosingPool),
+    ]
+    trainer = train(snaps, pool, budget_for_shards(snaps[0], 3))
+    for snap in snaps:
+        report = trainer.report(snap.job_id, 0)
+        assert [m.step for m in report.metrics] == list(range(1, 5))
+        assert_alone(snap, [m.loss for m in report.metrics])
+        lost = [e for e in report.events if e.kind == "device_lost"]
+        assert all(e.data["steps_replayed"] <= 1 for e in lost)
+    events = [e for snap in snaps for e in trainer.report(snap.job_id, 0).events]
+    lost = [e for e in events if e.kind == "device_lost"]
+    assert lost  # it happened
+    if pool is InputLosingPool:
+        assert any("input" in e.message for e in lost), [e.message for e in lost]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("pool", [CopyLosingPool, LastCopyLosingPool])
+def test_a_device_lost_before_a_step_is_copied_redoes_that_step_unreported(
+    tmp_path: Path, pool: type[CopyLosingPool]
+) -> None:
+    """A step counts once its copy is taken: a device lost after the step's last task but
+    before the copy redoes the step, which was never reported (none replayed, each step
+    recorded once), also when it was the model's last."""
+    snap = model(tmp_path, "a", steps=4, keep_copies=True)
+    trainer = train([snap], pool, budget_for_shards(snap, 3))
+    report = trainer.report("a", 0)
+    assert report.status is RunStatus.SUCCEEDED, report.error
+    (lost,) = [e for e in report.events if e.kind == "device_lost"]
+    resumed = pool.copy_at - 2
+    assert lost.data == {
+        "devices": [devices()[1].id],
+        "step": resumed,
+        "resume_step": resumed,
+        "steps_replayed": 0,
+    }
+    assert [m.step for m in report.metrics] == [1, 2, 3, 4]
+    assert_alone(snap, [m.loss for m in report.metrics])
 
 
 @pytest.mark.unit
@@ -310,3 +440,25 @@ def test_a_killed_ray_shard_worker_is_survived_exactly(ray_address: str, tmp_pat
     assert lost.data["devices"] == [pool_devices[1].id] and lost.data["steps_replayed"] == 0
     assert [m.step for m in report.metrics] == list(range(1, 41))
     assert_alone(snaps[0], [m.loss for m in report.metrics])
+
+
+class BrokenPool(LocalPool):
+    """A LocalPool whose waiting breaks: the executor's loop fails."""
+
+    def wait(self, calls: Any, timeout: float) -> Any:
+        raise RuntimeError("the pool broke")
+
+
+@pytest.mark.unit
+def test_a_model_added_after_the_executor_failed_fails_with_why_instead_of_waiting(
+    tmp_path: Path,
+) -> None:
+    snap = model(tmp_path, "a", steps=2)
+    pool = devices()
+    trainer = SharpTrainer(
+        [snap], pool, BrokenPool, budgets={d.id: budget_for_shards(snap, 3) for d in pool}
+    )
+    assert trainer.run() == {"a": RunStatus.FAILED}
+    trainer.add(model(tmp_path, "late"))
+    late = trainer.report("late", 0)
+    assert late.status is RunStatus.FAILED and "the pool broke" in (late.error or "")

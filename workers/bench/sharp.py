@@ -133,6 +133,9 @@ class _Watched:
             self.compute_s[call.host] += value.compute_s
         return value
 
+    def outputs(self, call: Call) -> Any:
+        return self.inner.outputs(call)
+
     def shutdown(self) -> None:
         self.inner.shutdown()
 
@@ -221,7 +224,7 @@ def measure(
     state = state_bytes(costs)
     budget = int(s.budget_fraction * state)
     try:
-        shards = shard_model(costs, budget, s.batch_size)
+        shards = shard_model(costs, budget, s.batch_size, recompute=False)
     except ShardError as exc:
         raise BenchError(f"{exc} (here: raise budget_fraction or add layers)") from None
     if len(shards) < 2:

@@ -1,0 +1,99 @@
+"""``/api/v1/users``: users, their quotas and what they hold (admins only)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import sqlalchemy as sa
+from fastapi import APIRouter, HTTPException, Path, status
+from pydantic import BaseModel, Field
+from sqlalchemy.orm import Session
+
+from api.deps import FactoryDep, PrincipalDep, SessionDep, SettingsDep
+from api.errors import documented
+from scheduler.placement import Quota, Usage
+from service.auth import Principal
+from service.db.models import User
+from service.db.session import transaction
+from service.holdings import quotas, usage_by_owner
+from service.settings import Settings
+
+router = APIRouter(prefix="/users", tags=["users"])
+
+UserName = Annotated[str, Path(max_length=64, pattern=r"^[a-z0-9][a-z0-9_.\-]{0,63}$")]
+
+
+class QuotaIn(BaseModel):
+    """A user's limits; null: the installation's default (SHOAL_USER_MAX_*)."""
+
+    max_jobs: int | None = Field(None, ge=1, le=100_000)
+    max_devices: int | None = Field(None, ge=1, le=1_000_000)
+
+
+class UserOut(BaseModel):
+    name: str
+    is_admin: bool
+    max_jobs: int | None = Field(description="their own limit; null: the default")
+    max_devices: int | None = Field(description="their own limit; null: the default")
+    effective_max_jobs: int | None = Field(description="what applies; null: no limit")
+    effective_max_devices: int | None = Field(description="what applies; null: no limit")
+    running_jobs: int
+    held_devices: int
+
+
+class UserList(BaseModel):
+    items: list[UserOut]
+
+
+def _admin(principal: Principal) -> None:
+    if not principal.is_admin:
+        raise HTTPException(status.HTTP_403_FORBIDDEN, "users and quotas need an admin token")
+
+
+def _users(session: Session, settings: Settings, names: list[str] | None) -> list[UserOut]:
+    default = Quota(settings.user_max_jobs, settings.user_max_devices)
+    limits, usage = quotas(session, default), usage_by_owner(session)
+    query = sa.select(User).order_by(User.name)
+    if names is not None:
+        query = query.where(User.name.in_(names))
+    return [
+        UserOut(
+            name=user.name,
+            is_admin=user.is_admin,
+            max_jobs=user.max_jobs,
+            max_devices=user.max_devices,
+            effective_max_jobs=limits[user.name].max_jobs,
+            effective_max_devices=limits[user.name].max_devices,
+            running_jobs=usage.get(user.name, Usage()).jobs,
+            held_devices=usage.get(user.name, Usage()).devices,
+        )
+        for user in session.scalars(query)
+    ]
+
+
+@router.get("", responses=documented(401, 403, 503))
+def list_users(principal: PrincipalDep, session: SessionDep, settings: SettingsDep) -> UserList:
+    """Every user with their quota (own and effective) and what they run now."""
+    _admin(principal)
+    return UserList(items=_users(session, settings, None))
+
+
+@router.put("/{name}/quota", responses=documented(400, 401, 403, 404, 413, 422, 503))
+def set_quota(
+    name: UserName,
+    quota: QuotaIn,
+    principal: PrincipalDep,
+    factory: FactoryDep,
+    settings: SettingsDep,
+) -> UserOut:
+    """Set a user's limits (null: back to the default); jobs already running go on, queued
+    ones wait while the user is over them."""
+    _admin(principal)
+    with transaction(factory) as session:
+        user = session.scalar(sa.select(User).where(User.name == name))
+        if user is None:
+            raise HTTPException(status.HTTP_404_NOT_FOUND, f"no user {name!r}")
+        user.max_jobs, user.max_devices = quota.max_jobs, quota.max_devices
+    with factory() as session:
+        (out,) = _users(session, settings, [name])
+    return out

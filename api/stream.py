@@ -1,0 +1,110 @@
+"""``GET /api/v1/stream``: server-sent events of job updates and job events, live.
+
+One poll of the database per interval serves every open stream (``Feed``): hundreds of
+dashboard tabs cost one query each ``SHOAL_POLL_INTERVAL_S``, not one each per tab. Each
+stream gets what its principal may see (an admin: everything; a user: their jobs), as
+``event: job`` (a jobs-table row: state, step, loss, devices) and ``event: event`` (a job
+event: placement, repartition, device_lost, checkpoint, ...), with a comment line every
+15 s so proxies keep the connection open. A stream that falls more than ``QUEUE`` messages
+behind is ended; the client reconnects and reloads. The stream starts at "now": a client
+reads the current state over the REST API first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
+
+from api.deps import PrincipalDep
+from service.auth import Principal
+from service.db.session import SessionFactory
+from service.feed import Change, Cursor, read_changes, start_cursor
+
+QUEUE = 2000
+KEEP_ALIVE_S = 15.0
+
+router = APIRouter(tags=["stream"])
+
+
+@dataclass(eq=False)
+class _Viewer:
+    principal: Principal
+    queue: asyncio.Queue[str | None] = field(default_factory=lambda: asyncio.Queue(QUEUE))
+
+    def sees(self, change: Change) -> bool:
+        return self.principal.is_admin or change.owner_id == self.principal.user_id
+
+
+class Feed:
+    """The database poll behind every open stream; it runs while someone watches."""
+
+    def __init__(self, factory: SessionFactory, interval_s: float) -> None:
+        self._factory = factory
+        self._interval_s = max(interval_s, 0.05)
+        self._viewers: set[_Viewer] = set()
+        self._task: asyncio.Task[None] | None = None
+
+    async def watch(self, principal: Principal) -> AsyncIterator[str]:
+        """The stream of one viewer, as server-sent-event text."""
+        viewer = _Viewer(principal)
+        self._viewers.add(viewer)
+        if self._task is None or self._task.done():
+            cursor = await asyncio.to_thread(self._start)
+            self._task = asyncio.create_task(self._poll(cursor))
+        try:
+            yield ": connected\n\n"
+            while True:
+                try:
+                    message = await asyncio.wait_for(viewer.queue.get(), KEEP_ALIVE_S)
+                except TimeoutError:
+                    yield ": keep-alive\n\n"
+                    continue
+                if message is None:
+                    return  # it fell behind: the client reconnects and reloads
+                yield message
+        finally:
+            self._viewers.discard(viewer)
+
+    def _start(self) -> Cursor:
+        with self._factory() as session:
+            return start_cursor(session)
+
+    def _read(self, cursor: Cursor) -> tuple[list[Change], Cursor]:
+        with self._factory() as session:
+            return read_changes(session, cursor)
+
+    async def _poll(self, cursor: Cursor) -> None:
+        while self._viewers:
+            await asyncio.sleep(self._interval_s)
+            changes, cursor = await asyncio.to_thread(self._read, cursor)
+            for change in changes:
+                text = f"event: {change.kind}\ndata: {json.dumps(change.data)}\n\n"
+                for viewer in list(self._viewers):
+                    if viewer.sees(change):
+                        _offer(viewer, text)
+
+
+def _offer(viewer: _Viewer, text: str) -> None:
+    try:
+        viewer.queue.put_nowait(text)
+    except asyncio.QueueFull:
+        while not viewer.queue.empty():
+            viewer.queue.get_nowait()
+        viewer.queue.put_nowait(None)
+
+
+@router.get("/stream", response_class=StreamingResponse)
+async def stream(request: Request, principal: PrincipalDep) -> StreamingResponse:
+    """Server-sent events: ``job`` (a job's row changed) and ``event`` (a job event), for
+    the jobs the caller may see, from now on."""
+    feed: Feed = request.app.state.feed
+    return StreamingResponse(
+        feed.watch(principal),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )

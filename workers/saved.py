@@ -1,0 +1,82 @@
+"""What autograd saves in a SHARP shard's forward, kept movable while the graph waits.
+
+A shard that keeps its autograd graph between its forward and its backward (the job's
+``recompute`` off: no second forward) may be demoted to host memory in between, while other
+models' shards use the device. Autograd's saved tensors would pin the device memory: the
+parameters' values (``weight.t()`` of a linear layer) and the activations. ``MovableSaves``
+packs them differently (``torch.autograd.graph.saved_tensors_hooks``):
+
+- a saved tensor that is a parameter, or a view of one, is kept by reference and read back
+  from the parameter wherever it lives at backward time (the values are the same: the step
+  comes after the backward);
+- any other saved tensor is held in a box that ``to`` moves with the shard's blocks.
+
+On a CPU device both are no-ops in effect (host and device memory are one); on a GPU they
+are what lets a demoted shard's memory go while its graph is alive.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class _ParamView:
+    """A saved view of a parameter: the geometry to read it back with."""
+
+    param: Tensor
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+
+    def read(self) -> Tensor:
+        return self.param.detach().as_strided(self.size, self.stride, self.offset)
+
+
+class _Box:
+    """A saved activation; ``tensor`` moves with the shard."""
+
+    def __init__(self, tensor: Tensor) -> None:
+        self.tensor = tensor
+
+
+class MovableSaves:
+    """Saved-tensor hooks for the forwards of a shard whose parameters are ``params``."""
+
+    def __init__(self, params: Callable[[], Iterable[Tensor]]) -> None:
+        self._params = params
+        self._boxes: weakref.WeakSet[_Box] = weakref.WeakSet()
+        """Boxes of graphs still alive (autograd drops them once their backward ran)."""
+
+    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        """The context to run the shard's forwards under."""
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+
+    def _pack(self, tensor: Tensor) -> _ParamView | _Box:
+        storage = tensor.untyped_storage().data_ptr()
+        for param in self._params():
+            if param.device == tensor.device and param.untyped_storage().data_ptr() == storage:
+                geometry = (tuple(tensor.size()), tensor.stride(), int(tensor.storage_offset()))
+                return _ParamView(param, *geometry)
+        box = _Box(tensor)
+        self._boxes.add(box)
+        return box
+
+    def held(self) -> int:
+        """Bytes of saved activations still waiting for their backward."""
+        return sum(b.tensor.numel() * b.tensor.element_size() for b in self._boxes)
+
+    def to(self, device: torch.device, *, pin: bool = False) -> None:
+        """Move the saved activations to ``device`` (page-locked on the host when ``pin``)."""
+        for box in list(self._boxes):
+            moved = box.tensor.to(device, non_blocking=True)
+            box.tensor = moved.pin_memory() if pin and device.type == "cpu" else moved
+
+
+def _unpack(packed: _ParamView | _Box) -> Tensor:
+    return packed.read() if isinstance(packed, _ParamView) else packed.tensor
