@@ -8,6 +8,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 import sqlalchemy as sa
+from anyio import to_thread
 from fastapi import FastAPI
 from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
@@ -18,7 +19,7 @@ from api.metrics import install_metrics
 from api.ratelimit import RateLimit
 from api.routes import devices, health, jobs, sweeps, users
 from api.stream import Feed
-from service.auth import ADMIN_USER, Principal
+from service.auth import ADMIN_USER, Principal, PrincipalCache
 from service.controller import Controller
 from service.db.models import User
 from service.db.session import SessionFactory, transaction
@@ -36,6 +37,7 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        to_thread.current_default_thread_limiter().total_tokens = settings.api_threads
         stop = threading.Event()
         thread = None
         if controller is not None:
@@ -63,6 +65,7 @@ def create_app(
     app.state.session_factory = session_factory
     app.state.controller = controller
     app.state.anonymous = None if settings.auth else _anonymous_admin(session_factory)
+    app.state.principals = PrincipalCache(settings.auth_cache_s)
     install_error_handlers(app)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     if settings.rate_limit_per_s is not None:

@@ -1,15 +1,23 @@
-"""Shared request dependencies: settings, database sessions, the authenticated principal."""
+"""Shared request dependencies: settings, the session factory, the authenticated principal.
+
+They are ``async``: FastAPI runs a plain ``def`` dependency on a worker thread, a hand-off
+that costs more than the work of these. What blocks (a token's first lookup) is handed to a
+thread explicitly. Endpoints that use the database are plain ``def``s that open and close
+their session themselves, so a pooled connection is held only while a request thread runs:
+never while a request waits for a thread (a session from a dependency would be closed
+after the endpoint, in another hand-off, and many waiting their turn to close would hold
+every connection while the threads wait for one).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Annotated
 
 from fastapi import Depends, HTTPException, Request, status
+from fastapi.concurrency import run_in_threadpool
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from sqlalchemy.orm import Session
 
-from service.auth import Principal, authenticate
+from service.auth import Principal, PrincipalCache, authenticate
 from service.db.session import SessionFactory
 from service.settings import Settings
 
@@ -24,31 +32,30 @@ ID_PATTERN = r"^[^\x00-\x1f\x7f]+$"
 _bearer = HTTPBearer(auto_error=False, description="A Shoal token (`shoal token create`).")
 
 
-def get_settings(request: Request) -> Settings:
+async def get_settings(request: Request) -> Settings:
     settings: Settings = request.app.state.settings
     return settings
 
 
-def get_session_factory(request: Request) -> SessionFactory:
+async def get_session_factory(request: Request) -> SessionFactory:
     factory: SessionFactory = request.app.state.session_factory
     return factory
 
 
-def get_session(
-    factory: Annotated[SessionFactory, Depends(get_session_factory)],
-) -> Iterator[Session]:
+def _lookup(factory: SessionFactory, token: str) -> Principal | None:
     with factory() as session:
-        yield session
+        return authenticate(session, token)
 
 
-def get_principal(
+async def get_principal(
     request: Request,
     credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
     factory: Annotated[SessionFactory, Depends(get_session_factory)],
 ) -> Principal:
-    """The caller, authenticated in a session of its own, closed before the endpoint runs:
-    a request never holds one pooled connection while it waits for another."""
-    settings = get_settings(request)
+    """The caller: from the app's ``PrincipalCache``, or looked up in a session of its own,
+    closed before the endpoint runs (a request never holds one pooled connection while it
+    waits for another)."""
+    settings: Settings = request.app.state.settings
     if not settings.auth:
         anonymous: Principal = request.app.state.anonymous
         return anonymous
@@ -58,18 +65,21 @@ def get_principal(
             "missing bearer token; send 'Authorization: Bearer <token>'",
             headers={"WWW-Authenticate": "Bearer"},
         )
-    with factory() as session:
-        principal = authenticate(session, credentials.credentials)
+    cache: PrincipalCache = request.app.state.principals
+    token = credentials.credentials
+    principal = cache.get(token)
     if principal is None:
-        raise HTTPException(
-            status.HTTP_401_UNAUTHORIZED,
-            "invalid or revoked token",
-            headers={"WWW-Authenticate": "Bearer"},
-        )
+        principal = await run_in_threadpool(_lookup, factory, token)
+        if principal is None:
+            raise HTTPException(
+                status.HTTP_401_UNAUTHORIZED,
+                "invalid or revoked token",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+        cache.put(token, principal)  # remembered from now on, not from its latest use
     return principal
 
 
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 FactoryDep = Annotated[SessionFactory, Depends(get_session_factory)]
-SessionDep = Annotated[Session, Depends(get_session)]
 PrincipalDep = Annotated[Principal, Depends(get_principal)]

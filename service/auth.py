@@ -12,6 +12,9 @@ import hmac
 import os
 import re
 import secrets
+import time
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import sqlalchemy as sa
@@ -107,6 +110,41 @@ def authenticate(session: Session, token: str) -> Principal | None:
     if not hmac.compare_digest(api_token.token_hash, digest):
         return None
     return Principal(user_id=user.id, name=user.name, is_admin=user.is_admin)
+
+
+class PrincipalCache:
+    """Tokens authenticated in the last ``ttl_s`` seconds and whom they belong to, so a busy
+    client's requests do not each look its token up: a token revoked (or a user promoted)
+    elsewhere takes effect here within ``ttl_s``. Keyed by the token's hash, never the token;
+    at most ``max_entries`` (the least recently used go first). Only known tokens are kept:
+    an unknown one is looked up every time. Not thread-safe: one event loop uses it."""
+
+    def __init__(
+        self, ttl_s: float, max_entries: int = 10_000, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.ttl_s, self.max_entries, self._clock = ttl_s, max_entries, clock
+        self._entries: OrderedDict[str, tuple[Principal, float]] = OrderedDict()
+
+    def get(self, token: str) -> Principal | None:
+        digest = hash_token(token)
+        entry = self._entries.get(digest)
+        if entry is None:
+            return None
+        principal, expires = entry
+        if self._clock() >= expires:
+            del self._entries[digest]
+            return None
+        self._entries.move_to_end(digest)
+        return principal
+
+    def put(self, token: str, principal: Principal) -> None:
+        if self.ttl_s <= 0:
+            return
+        digest = hash_token(token)
+        self._entries[digest] = (principal, self._clock() + self.ttl_s)
+        self._entries.move_to_end(digest)
+        while len(self._entries) > self.max_entries:
+            self._entries.popitem(last=False)
 
 
 def revoke_token(factory: SessionFactory, token: str) -> bool:

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, defer
 
 from service.auth import Principal
 from service.db.models import Checkpoint, DeviceRow, Job, JobEvent, JobMetric, utcnow
@@ -91,9 +91,23 @@ def _visible(principal: Principal) -> sa.ColumnElement[bool]:
     return sa.true() if principal.is_admin else Job.owner_id == principal.user_id
 
 
+def _jobs() -> sa.Select[Job]:
+    """Jobs as the API reads them: the traced block costs (long, for the planner only) are
+    loaded only if used."""
+    return sa.select(Job).options(defer(Job.block_costs))
+
+
+# A job by id, built once (the API's most frequent query): anyone's (for admins), an owner's.
+_JOB = _jobs().where(Job.id == sa.bindparam("job_id"))
+_OWN_JOB = _JOB.where(Job.owner_id == sa.bindparam("owner_id"))
+
+
 def get_job(session: Session, principal: Principal, job_id: str) -> Job:
     """The job, if the principal may see it; others' jobs are as absent as unknown ones."""
-    job = session.scalar(sa.select(Job).where(Job.id == job_id, _visible(principal)))
+    if principal.is_admin:
+        job = session.scalar(_JOB, {"job_id": job_id})
+    else:
+        job = session.scalar(_OWN_JOB, {"job_id": job_id, "owner_id": principal.user_id})
     if job is None:
         raise JobNotFound(job_id)
     return job
@@ -107,12 +121,12 @@ def list_jobs(
     limit: int,
     offset: int,
 ) -> Page:
-    query = sa.select(Job).where(_visible(principal))
+    query = _jobs().where(_visible(principal))
     if states:
         query = query.where(Job.state.in_([s.value for s in states]))
     total = session.scalar(sa.select(sa.func.count()).select_from(query.subquery())) or 0
     items = session.scalars(
-        query.order_by(Job.created_at.desc(), Job.id).limit(limit).offset(offset)
+        query.order_by(Job.created_at.desc(), Job.id.desc()).limit(limit).offset(offset)
     ).all()
     return Page(list(items), total)
 

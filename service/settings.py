@@ -92,6 +92,21 @@ class Settings(BaseSettings):
         " unset: no limit. Health probes and /metrics are never limited.",
     )
     rate_limit_burst: int = Field(200, ge=1, description="Requests a token may send at once.")
+    auth_cache_s: float = Field(
+        5.0,
+        ge=0.0,
+        le=300.0,
+        description="Seconds the API remembers whom a token belongs to: a token revoked with"
+        " `shoal token revoke` is refused at most this much later (0: look every token up).",
+    )
+    api_threads: int = Field(
+        16,
+        ge=1,
+        le=64,
+        description="Requests the API serves at once on its threads (the rest wait their"
+        " turn): a few more than the CPUs keeps the database busy; many more only makes"
+        " them fight for Python's interpreter lock.",
+    )
     max_body_bytes: int = Field(1_048_576, ge=1024, description="Largest accepted request body.")
     max_page_size: int = Field(500, ge=1, le=10_000, description="Cap on list page sizes.")
     log_json: bool = Field(False, description="Log as JSON lines.")

@@ -8,15 +8,17 @@ returns the spec with the model/data configs completed, or raises ``SpecError``.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from scheduler.memory import submission_refusal
 from scheduler.profile import BlockCost
+from service.memo import OnceEach
 from workers.factories import FactoryError, check_allowed
 from workers.snapshot import DataRef, ModelRef
 from workers.zoo.registry import RegistryError, data_meta, resolve_model
@@ -256,27 +258,52 @@ def complete_job_spec(spec: JobSpec, allowed_factories: Sequence[str]) -> Accept
     return accepted
 
 
+@dataclass(frozen=True)
+class _Traced:
+    num_blocks: int
+    costs: tuple[BlockCost, ...] | None
+    untraced: str | None
+
+
+_TRACES: OnceEach[_Traced] = OnceEach(256)
+"""Traces by what they depend on: a sweep's trials and many clients submit the same model
+over and over, and a trace takes from tens of milliseconds to seconds."""
+
+
 def _trace(spec: JobSpec, allowed: Sequence[str]) -> AcceptedSpec:
     """The spec with its blocks counted and costed by tracing the model on the meta device;
-    a factory model that does not trace there is built once on the CPU to count its blocks."""
+    a factory model that does not trace there is built once on the CPU to count its blocks.
+    Each distinct model, data, micro-batch size and optimizer is traced once."""
     from workers.profiler import TraceError, trace_costs
 
     model = ModelRef(spec.model.builtin, spec.model.factory, spec.model.config)
     data = DataRef(spec.data.builtin, spec.data.factory, spec.data.config)
-    try:
-        costs = trace_costs(
-            model,
-            data,
-            micro_batch_size=spec.batch_size // spec.micro_batches,
-            optimizer=spec.optimizer.name,
-            momentum=bool(spec.optimizer.momentum),
-            allowed=allowed,
-        )
-    except TraceError as exc:
-        if spec.model.factory is None:
-            raise  # every built-in model traces: this is a bug, not a bad spec
-        return AcceptedSpec(spec, _count_factory_blocks(model, data, allowed), untraced=str(exc))
-    return AcceptedSpec(spec, len(costs), costs)
+    micro_batch_size = spec.batch_size // spec.micro_batches
+    momentum = bool(spec.optimizer.momentum)
+
+    def trace() -> _Traced:
+        try:
+            costs = trace_costs(
+                model,
+                data,
+                micro_batch_size=micro_batch_size,
+                optimizer=spec.optimizer.name,
+                momentum=momentum,
+                allowed=allowed,
+            )
+        except TraceError as exc:
+            if spec.model.factory is None:
+                raise  # every built-in model traces: this is a bug, not a bad spec
+            return _Traced(_count_factory_blocks(model, data, allowed), None, str(exc))
+        return _Traced(len(costs), costs, None)
+
+    key = json.dumps(
+        [asdict(model), asdict(data), micro_batch_size, spec.optimizer.name, momentum, *allowed],
+        sort_keys=True,
+        default=repr,
+    )
+    traced = _TRACES.get(key, trace)
+    return AcceptedSpec(spec, traced.num_blocks, traced.costs, traced.untraced)
 
 
 def check_memory(accepted: AcceptedSpec, largest_device_mb: int | None) -> None:

@@ -7,8 +7,9 @@ from typing import Annotated
 import sqlalchemy as sa
 from fastapi import APIRouter, HTTPException, Path, status
 
-from api.deps import ID_PATTERN, FactoryDep, PrincipalDep, SessionDep
+from api.deps import ID_PATTERN, FactoryDep, PrincipalDep
 from api.errors import documented
+from api.responses import ModelJSON
 from api.schemas import DeviceList, DeviceOut
 from service.db.models import DeviceRow, Job
 from service.db.session import transaction
@@ -18,22 +19,23 @@ from service.layouts import planned_memory
 router = APIRouter(prefix="/devices", tags=["devices"])
 
 
-@router.get("", responses=documented(401, 503))
-def list_devices(principal: PrincipalDep, session: SessionDep) -> DeviceList:
+@router.get("", response_model=DeviceList, responses=documented(401, 503))
+def list_devices(principal: PrincipalDep, factory: FactoryDep) -> ModelJSON:
     """Every known device; the job on it is shown to its owner and to admins only."""
-    rows = session.scalars(sa.select(DeviceRow).order_by(DeviceRow.node_id, DeviceRow.id)).all()
-    holding = session.scalars(sa.select(Job).where(Job.state.in_(ACTIVE_JOBS))).all()
-    memory = planned_memory(holding)
-    own: set[str] = set()
-    if not principal.is_admin:
-        own = set(session.scalars(sa.select(Job.id).where(Job.owner_id == principal.user_id)))
+    with factory() as session:
+        rows = session.scalars(sa.select(DeviceRow).order_by(DeviceRow.node_id, DeviceRow.id)).all()
+        holding = session.scalars(sa.select(Job).where(Job.state.in_(ACTIVE_JOBS))).all()
+        memory = planned_memory(holding)
+        own: set[str] = set()
+        if not principal.is_admin:
+            own = set(session.scalars(sa.select(Job.id).where(Job.owner_id == principal.user_id)))
     items = []
     for row in rows:
         out = DeviceOut.of(row, memory.get(row.id))
         if not principal.is_admin and out.job_id not in own:
             out = out.model_copy(update={"job_id": "(another user's job)" if out.job_id else None})
         items.append(out)
-    return DeviceList(items=items)
+    return ModelJSON(DeviceList(items=items))
 
 
 @router.post(

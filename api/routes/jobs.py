@@ -6,8 +6,9 @@ from typing import Annotated
 
 from fastapi import APIRouter, Header, Path, Query, Response, status
 
-from api.deps import ID_PATTERN, MAX_QUERY_INT, FactoryDep, PrincipalDep, SessionDep, SettingsDep
+from api.deps import ID_PATTERN, MAX_QUERY_INT, FactoryDep, PrincipalDep, SettingsDep
 from api.errors import documented
+from api.responses import ModelJSON
 from api.schemas import (
     CheckpointList,
     CheckpointOut,
@@ -57,25 +58,26 @@ def submit_job(
         return JobOut.of(jobs.get_job(session, principal, job.id))
 
 
-@router.get("", responses=documented(401, 422, 503))
+@router.get("", response_model=JobPage, responses=documented(401, 422, 503))
 def list_jobs(
     principal: PrincipalDep,
-    session: SessionDep,
+    factory: FactoryDep,
     settings: SettingsDep,
     state: Annotated[list[JobState] | None, Query()] = None,
     limit: Annotated[int, Query(ge=1, le=MAX_QUERY_INT)] = 50,
     offset: Annotated[int, Query(ge=0, le=MAX_QUERY_INT)] = 0,
-) -> JobPage:
+) -> ModelJSON:
     limit = min(limit, settings.max_page_size)
-    page = jobs.list_jobs(session, principal, states=state or (), limit=limit, offset=offset)
-    return JobPage(
-        items=[JobOut.of(j) for j in page.items], total=page.total, limit=limit, offset=offset
-    )
+    with factory() as session:
+        page = jobs.list_jobs(session, principal, states=state or (), limit=limit, offset=offset)
+        items = [JobOut.of(j) for j in page.items]
+    return ModelJSON(JobPage(items=items, total=page.total, limit=limit, offset=offset))
 
 
-@router.get("/{job_id}", responses=_READ)
-def get_job(job_id: JobId, principal: PrincipalDep, session: SessionDep) -> JobOut:
-    return JobOut.of(jobs.get_job(session, principal, job_id))
+@router.get("/{job_id}", response_model=JobOut, responses=_READ)
+def get_job(job_id: JobId, principal: PrincipalDep, factory: FactoryDep) -> ModelJSON:
+    with factory() as session:
+        return ModelJSON(JobOut.of(jobs.get_job(session, principal, job_id)))
 
 
 @router.post("/{job_id}/cancel", responses=_MAY_CONFLICT)
@@ -94,47 +96,53 @@ def restart_job(job_id: JobId, principal: PrincipalDep, factory: FactoryDep) -> 
         return JobOut.of(jobs.get_job(session, principal, job_id))
 
 
-@router.get("/{job_id}/metrics", responses=_READ)
+@router.get("/{job_id}/metrics", response_model=MetricList, responses=_READ)
 def job_metrics(
     job_id: JobId,
     principal: PrincipalDep,
-    session: SessionDep,
+    factory: FactoryDep,
     settings: SettingsDep,
     since_step: Annotated[int, Query(ge=-1, le=MAX_QUERY_INT)] = -1,
     limit: Annotated[int, Query(ge=1, le=MAX_QUERY_INT)] = 1000,
-) -> MetricList:
+) -> ModelJSON:
     """Per-step loss, samples/s and per-stage compute/idle seconds after ``since_step``."""
-    rows = jobs.list_metrics(
-        session, principal, job_id, since_step, min(limit, settings.max_page_size * 20)
-    )
-    return MetricList(items=[MetricOut.of(r) for r in rows])
+    with factory() as session:
+        rows = jobs.list_metrics(
+            session, principal, job_id, since_step, min(limit, settings.max_page_size * 20)
+        )
+        return ModelJSON(MetricList(items=[MetricOut.of(r) for r in rows]))
 
 
-@router.get("/{job_id}/events", responses=_READ)
+@router.get("/{job_id}/events", response_model=EventList, responses=_READ)
 def job_events(
     job_id: JobId,
     principal: PrincipalDep,
-    session: SessionDep,
+    factory: FactoryDep,
     settings: SettingsDep,
     since_id: Annotated[int, Query(ge=0, le=MAX_QUERY_INT)] = 0,
     limit: Annotated[int, Query(ge=1, le=MAX_QUERY_INT)] = 500,
-) -> EventList:
+) -> ModelJSON:
     """State changes, placements, checkpoints, ... with ids after ``since_id``."""
-    rows = jobs.list_events(
-        session, principal, job_id, since_id, min(limit, settings.max_page_size)
-    )
-    return EventList(items=[EventOut.of(r) for r in rows])
+    with factory() as session:
+        rows = jobs.list_events(
+            session, principal, job_id, since_id, min(limit, settings.max_page_size)
+        )
+        return ModelJSON(EventList(items=[EventOut.of(r) for r in rows]))
 
 
-@router.get("/{job_id}/schedule", responses=_MAY_CONFLICT)
-def job_schedule(job_id: JobId, principal: PrincipalDep, session: SessionDep) -> ScheduleOut:
+@router.get("/{job_id}/schedule", response_model=ScheduleOut, responses=_MAY_CONFLICT)
+def job_schedule(job_id: JobId, principal: PrincipalDep, factory: FactoryDep) -> ModelJSON:
     """The 1F1B or GPipe schedule the job's stages run each mini-batch on its current
     partition: what each stage does in each time slot, and the bubble (409 before it is
     placed, and for a sweep trial trained by shard alternation)."""
-    return ScheduleOut.of(pipeline_schedule(jobs.get_job(session, principal, job_id)))
+    with factory() as session:
+        return ModelJSON(
+            ScheduleOut.of(pipeline_schedule(jobs.get_job(session, principal, job_id)))
+        )
 
 
-@router.get("/{job_id}/checkpoints", responses=_READ)
-def job_checkpoints(job_id: JobId, principal: PrincipalDep, session: SessionDep) -> CheckpointList:
-    rows = jobs.list_checkpoints(session, principal, job_id)
-    return CheckpointList(items=[CheckpointOut.of(r) for r in rows])
+@router.get("/{job_id}/checkpoints", response_model=CheckpointList, responses=_READ)
+def job_checkpoints(job_id: JobId, principal: PrincipalDep, factory: FactoryDep) -> ModelJSON:
+    with factory() as session:
+        rows = jobs.list_checkpoints(session, principal, job_id)
+        return ModelJSON(CheckpointList(items=[CheckpointOut.of(r) for r in rows]))

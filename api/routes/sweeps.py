@@ -7,8 +7,9 @@ from typing import Annotated
 from fastapi import APIRouter, Header, Path, Query, Response, status
 from sqlalchemy.orm import Session
 
-from api.deps import ID_PATTERN, MAX_QUERY_INT, FactoryDep, PrincipalDep, SessionDep, SettingsDep
+from api.deps import ID_PATTERN, MAX_QUERY_INT, FactoryDep, PrincipalDep, SettingsDep
 from api.errors import documented
+from api.responses import ModelJSON
 from api.schemas import SweepOut, SweepPage, SweepSummaryOut
 from service import jobs, sweeps
 from service.auth import Principal
@@ -56,26 +57,28 @@ def submit_sweep(
         return _read(session, principal, sweep.id)
 
 
-@router.get("", responses=documented(401, 422, 503))
+@router.get("", response_model=SweepPage, responses=documented(401, 422, 503))
 def list_sweeps(
     principal: PrincipalDep,
-    session: SessionDep,
+    factory: FactoryDep,
     settings: SettingsDep,
     limit: Annotated[int, Query(ge=1, le=MAX_QUERY_INT)] = 50,
     offset: Annotated[int, Query(ge=0, le=MAX_QUERY_INT)] = 0,
-) -> SweepPage:
+) -> ModelJSON:
     """The caller's sweeps (an admin's: everyone's), newest first, without specs or trials."""
     limit = min(limit, settings.max_page_size)
-    page = sweeps.list_sweeps(session, principal, limit=limit, offset=offset)
-    trials = sweeps.trials_of(session, [s.id for s in page.items])
-    items = [SweepSummaryOut.of(s, trials.get(s.id, [])) for s in page.items]
-    return SweepPage(items=items, total=page.total, limit=limit, offset=offset)
+    with factory() as session:
+        page = sweeps.list_sweeps(session, principal, limit=limit, offset=offset)
+        trials = sweeps.trials_of(session, [s.id for s in page.items])
+        items = [SweepSummaryOut.of(s, trials.get(s.id, [])) for s in page.items]
+        return ModelJSON(SweepPage(items=items, total=page.total, limit=limit, offset=offset))
 
 
-@router.get("/{sweep_id}", responses=documented(401, 404, 422, 503))
-def get_sweep(sweep_id: SweepId, principal: PrincipalDep, session: SessionDep) -> SweepOut:
+@router.get("/{sweep_id}", response_model=SweepOut, responses=documented(401, 404, 422, 503))
+def get_sweep(sweep_id: SweepId, principal: PrincipalDep, factory: FactoryDep) -> ModelJSON:
     """The sweep with every trial started so far and the best completed one."""
-    return _read(session, principal, sweep_id)
+    with factory() as session:
+        return ModelJSON(_read(session, principal, sweep_id))
 
 
 @router.post("/{sweep_id}/cancel", responses=documented(401, 404, 409, 422, 503))

@@ -9,8 +9,9 @@ from fastapi import APIRouter, HTTPException, Path, status
 from pydantic import BaseModel, Field
 from sqlalchemy.orm import Session
 
-from api.deps import FactoryDep, PrincipalDep, SessionDep, SettingsDep
+from api.deps import FactoryDep, PrincipalDep, SettingsDep
 from api.errors import documented
+from api.responses import ModelJSON
 from scheduler.placement import Quota, Usage
 from service.auth import Principal
 from service.db.models import User
@@ -71,11 +72,12 @@ def _users(session: Session, settings: Settings, names: list[str] | None) -> lis
     ]
 
 
-@router.get("", responses=documented(401, 403, 503))
-def list_users(principal: PrincipalDep, session: SessionDep, settings: SettingsDep) -> UserList:
+@router.get("", response_model=UserList, responses=documented(401, 403, 503))
+def list_users(principal: PrincipalDep, factory: FactoryDep, settings: SettingsDep) -> ModelJSON:
     """Every user with their quota (own and effective) and what they run now."""
-    _admin(principal)
-    return UserList(items=_users(session, settings, None))
+    with factory() as session:
+        _admin(principal)
+        return ModelJSON(UserList(items=_users(session, settings, None)))
 
 
 @router.put("/{name}/quota", responses=documented(400, 401, 403, 404, 413, 422, 503))

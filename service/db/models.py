@@ -64,6 +64,9 @@ class Job(Base):
     __table_args__ = (
         sa.UniqueConstraint("owner_id", "idempotency_key", name="uq_jobs_owner_idempotency"),
         sa.Index("ix_jobs_state_priority", "state", "priority", "created_at"),
+        # Listings, newest first: everyone's (an admin's) and one owner's.
+        sa.Index("ix_jobs_created", "created_at", "id"),
+        sa.Index("ix_jobs_owner_created", "owner_id", "created_at", "id"),
     )
 
     id: Mapped[str] = mapped_column(sa.String(32), primary_key=True)

@@ -15,9 +15,11 @@ from sqlalchemy.orm import Session, sessionmaker
 MIGRATIONS = Path(__file__).parent / "migrations"
 
 
-POOL: dict[str, Any] = {"pool_size": 10, "max_overflow": 30}
-"""As many connections as the API has request threads (anyio's 40): a request waits for a
-connection only while every thread holds one, never for a thread that waits for one."""
+POOL: dict[str, Any] = {"pool_size": 20, "max_overflow": 20}
+"""Connections kept open for the API's request threads (``Settings.api_threads``, 16 by
+default) and the controller, and room for as many again (a request may hold two): a request
+waits for a connection only while every thread holds its share, never for a thread that
+waits for one."""
 
 
 def make_engine(url: str) -> sa.Engine:

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from service.auth import revoke_token
+from service.auth import PrincipalCache, revoke_token
 from tests.api.conftest import Api
 from tests.factories import job_spec, sweep_spec
 
@@ -75,10 +75,17 @@ def test_lists_show_a_user_only_their_own_and_admins_everything(api: Api) -> Non
 
 
 def test_a_revoked_or_malformed_token_is_refused_everywhere_but_health(api: Api) -> None:
+    now, ttl = [0.0], api.settings.auth_cache_s
+    api.client.app.state.principals = PrincipalCache(ttl, clock=lambda: now[0])
     alice = api.token("alice")
     token = alice["Authorization"].removeprefix("Bearer ")
     assert api.client.get("/api/v1/jobs", headers=alice).status_code == 200
     assert revoke_token(api.factory, token)
+    # The API remembers whom the token belongs to for `auth_cache_s` from its lookup (its
+    # use since does not extend that), then asks the database again and refuses it.
+    now[0] = ttl - 0.1
+    assert api.client.get("/api/v1/jobs", headers=alice).status_code == 200
+    now[0] = ttl
     for headers in (
         alice,
         {"Authorization": f"Bearer {token}x"},

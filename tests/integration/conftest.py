@@ -31,13 +31,18 @@ POLL_S = 0.1
 
 
 def wait_until(
-    condition: Callable[[], Any], timeout_s: float, what: str, *, on_timeout: str = ""
+    condition: Callable[[], Any],
+    timeout_s: float,
+    what: str,
+    *,
+    on_timeout: Callable[[], str] = str,
 ) -> Any:
-    """Poll ``condition`` until it returns something truthy (returned); fail after the timeout."""
+    """Poll ``condition`` until it returns something truthy (returned); fail after the timeout
+    with what ``on_timeout`` tells then (the state that did not come)."""
     deadline = time.monotonic() + timeout_s
     while not (value := condition()):
         if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout_s:g} s waiting for {what}\n{on_timeout}")
+            pytest.fail(f"timed out after {timeout_s:g} s waiting for {what}\n{on_timeout()}")
         time.sleep(POLL_S)
     return value
 
@@ -103,9 +108,9 @@ class ShoalUp:
             start_new_session=True,
         )
         self.url = wait_until(
-            self._client_url, self.start_timeout_s, "client.json", on_timeout=self.tail()
+            self._client_url, self.start_timeout_s, "client.json", on_timeout=self.tail
         )
-        wait_until(self._ready, self.start_timeout_s, f"{self.url}/readyz", on_timeout=self.tail())
+        wait_until(self._ready, self.start_timeout_s, f"{self.url}/readyz", on_timeout=self.tail)
         return self
 
     def _check_alive(self) -> None:
@@ -157,8 +162,10 @@ class ShoalUp:
             self._log = None
 
     def tail(self, lines: int = 60) -> str:
+        """The log's last ``lines`` lines but the access log's (each poll of a test is one)."""
         text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
-        return f"--- last lines of {self.log_path}:\n" + "\n".join(text.splitlines()[-lines:])
+        kept = [line for line in text.splitlines() if " uvicorn.access: " not in line]
+        return f"--- last lines of {self.log_path}:\n" + "\n".join(kept[-lines:])
 
 
 @contextlib.contextmanager

@@ -104,7 +104,7 @@ class Api:
                 )
             return job if done(job) else None
 
-        found: Json = wait_until(check, JOB_TIMEOUT_S, what, on_timeout=self.shoal.tail())
+        found: Json = wait_until(check, JOB_TIMEOUT_S, what, on_timeout=self.shoal.tail)
         return found
 
 

@@ -49,6 +49,7 @@ SWEEP: Json = {
 }
 
 
+@pytest.mark.timeout(600)  # ~70 s alone on 2 cores; the waits below fail first, telling why
 @pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
 def test_a_sweep_of_models_larger_than_a_device_runs_on_shared_devices_and_prunes(
     shoal_cluster: Callable[[Path, str, str], ShoalUp], database_url: str, tmp_path: Path
@@ -69,9 +70,18 @@ def test_a_sweep_of_models_larger_than_a_device_runs_on_shared_devices_and_prune
         trials = api.get(f"/sweeps/{sweep_id}")["trials"]
         return any(api.job(t["job_id"])["step"] >= 4 for t in trials)
 
-    wait_until(training, 300, "a trial to train", on_timeout=shoal.tail())
+    def where() -> str:
+        """Each trial's state, step and latest events, and the control plane's log."""
+        lines = []
+        for t in api.get(f"/sweeps/{sweep_id}")["trials"]:
+            job = api.job(t["job_id"])
+            events = [f"{e['kind']}: {e['message']}" for e in api.items(job["id"], "events")]
+            lines.append(f"trial {t['number']} {t['state']} step {job['step']}: {events[-3:]}")
+        return "\n".join(lines) + "\n" + shoal.tail(120)
+
+    wait_until(training, 150, "a trial to train", on_timeout=where)
     stop_node(shoal, "cpu-b", graceful=False)  # a spot machine gone without notice, mid-sweep
-    sweep = wait_until(ended, 600, "the sweep to end", on_timeout=shoal.tail())
+    sweep = wait_until(ended, 330, "the sweep to end", on_timeout=where)
     assert sweep["state"] == "SUCCEEDED", sweep
     trials = sweep["trials"]
     states = [t["state"] for t in trials]

@@ -11,6 +11,8 @@ from pydantic import ValidationError
 
 from service.auth import (
     AuthError,
+    Principal,
+    PrincipalCache,
     authenticate,
     create_token,
     ensure_admin_token,
@@ -98,3 +100,29 @@ def test_an_empty_admin_token_is_unset() -> None:
 def test_an_admin_token_of_the_wrong_shape_is_refused_with_how_to_make_one(token: str) -> None:
     with pytest.raises(ValidationError, match=r"secrets\.token_urlsafe"):
         Settings(admin_token=token)
+
+
+def test_the_principal_cache_forgets_a_token_its_ttl_after_the_lookup() -> None:
+    now = [0.0]
+    cache = PrincipalCache(5.0, clock=lambda: now[0])
+    alice = Principal(user_id=1, name="alice", is_admin=False)
+    assert cache.get("shoal_a") is None
+    cache.put("shoal_a", alice)
+    now[0] = 4.9
+    assert cache.get("shoal_a") == alice  # a hit does not extend its time
+    assert cache.get("shoal_b") is None
+    now[0] = 5.0
+    assert cache.get("shoal_a") is None
+
+
+def test_the_principal_cache_is_bounded_and_off_at_zero() -> None:
+    cache = PrincipalCache(60.0, max_entries=2)
+    users = [Principal(user_id=i, name=f"u{i}", is_admin=False) for i in range(3)]
+    cache.put("shoal_0", users[0])
+    cache.put("shoal_1", users[1])
+    assert cache.get("shoal_0") == users[0]  # now the most recently used
+    cache.put("shoal_2", users[2])
+    assert [cache.get(f"shoal_{i}") for i in range(3)] == [users[0], None, users[2]]
+    off = PrincipalCache(0.0)
+    off.put("shoal_0", users[0])
+    assert off.get("shoal_0") is None
