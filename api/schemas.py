@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any, Literal
 
+import sqlalchemy as sa
 from pydantic import BaseModel, Field
 
 from service.db.models import Checkpoint, DeviceRow, Job, JobEvent, JobMetric, Sweep, Trial
@@ -56,11 +57,12 @@ class JobOut(BaseModel):
     spec: dict[str, Any]
 
     @classmethod
-    def of(cls, job: Job) -> JobOut:
+    def of(cls, job: Job | sa.Row[Any]) -> JobOut:
+        """From a job, or a row of its columns and ``owner_name`` (``jobs.list_jobs``)."""
         return cls(
             id=job.id,
             name=job.name,
-            owner=job.owner.name,
+            owner=job.owner_name,
             state=job.state,
             step=job.step,
             steps=job.steps,

@@ -13,8 +13,8 @@ off), so the load generator here does not share its interpreter lock. Then:
    job per key, and both answers of a key must name that job.
 
 Every client has a token of its own (all of one user), as separate clients would: the API
-rate-limits each token (``SHOAL_RATE_LIMIT_PER_S``), and the limiter stays on, at the
-settings the environment gives, since it is part of what a request costs.
+rate-limits each token, and the limiter stays on, since it is part of what a request costs,
+at 1,000 requests/s per token unless ``SHOAL_RATE_LIMIT_PER_S`` says otherwise.
 
 Latencies are taken in the load generator, so they include its own queueing: on 2 cores
 the server and the client share the CPU, and a saturated client inflates the tail.
@@ -44,7 +44,7 @@ import sqlalchemy as sa
 
 from service.bench_data import SPEC, fill
 from service.db.models import Job
-from service.db.session import make_engine, make_session_factory
+from service.db.session import make_engine
 from service.settings import Settings
 from workers.bench.report import BenchError, Progress, machine
 
@@ -85,7 +85,7 @@ class ApiSettings:
     submissions: int = 200
     jobs: int = 500
     workers: int = 1
-    """uvicorn worker processes serving the API (``shoal up`` runs one)."""
+    """Processes serving the API (``SHOAL_API_WORKERS`` of ``shoal up``)."""
     database_url: str | None = None
     """A PostgreSQL server to make a scratch database on; None: a SQLite file."""
     seed: int = 0
@@ -185,16 +185,6 @@ def api_result(
     }
 
 
-def app_from_env() -> Any:
-    """The app the bench's server process serves (uvicorn ``--factory``): settings from the
-    ``SHOAL_*`` environment the bench gives it, no controller."""
-    from api.app import create_app
-
-    settings = Settings()
-    factory = make_session_factory(make_engine(settings.resolved_database_url))
-    return create_app(settings, factory)
-
-
 @contextmanager
 def scratch_database(server_url: str | None, home: Path) -> Iterator[str]:
     """A new, empty database (a SQLite file under ``home``, or one made on the PostgreSQL
@@ -234,13 +224,14 @@ def _free_port() -> int:
 
 @contextmanager
 def server(database: str, home: Path, workers: int) -> Iterator[tuple[str, int]]:
-    """uvicorn serving ``app_from_env`` in a child process, ready; its URL and process id."""
+    """uvicorn serving the API as ``shoal up`` does (``service.server.api_app``, ``workers``
+    processes) in a child process, ready; its URL and process id."""
     port = _free_port()
-    env = {**os.environ, "SHOAL_HOME": str(home), "SHOAL_DATABASE_URL": database}
+    env = {**os.environ, **rate_limits(), "SHOAL_HOME": str(home), "SHOAL_DATABASE_URL": database}
     env.pop("SHOAL_ADMIN_TOKEN", None)
     log = home / "server.log"
     command = [
-        *(sys.executable, "-m", "uvicorn", "service.api_bench:app_from_env", "--factory"),
+        *(sys.executable, "-m", "uvicorn", "service.server:api_app", "--factory"),
         *("--host", "127.0.0.1", "--port", str(port), "--workers", str(workers)),
         *("--no-access-log", "--log-level", "info", "--timeout-graceful-shutdown", "2"),
     ]
@@ -305,13 +296,25 @@ def cpu_seconds(pid: int) -> float | None:
     return round(total, 2)
 
 
+BENCH_RATE_LIMITS = {"SHOAL_RATE_LIMIT_PER_S": "1000", "SHOAL_RATE_LIMIT_BURST": "1000"}
+"""The server's rate limit per token unless the environment sets one: on (it is part of
+what a request costs) but above what one client sends here (20-60 requests/s): with the
+default 50/s, the clients of a less busy API process would be refused and spin on 429s."""
+
+
+def rate_limits() -> dict[str, str]:
+    return {name: os.environ.get(name, value) for name, value in BENCH_RATE_LIMITS.items()}
+
+
 def _served(settings: ApiSettings, home: Path) -> dict[str, Any]:
     """What the server ran with, beyond the bench's own settings (from the environment)."""
     served = Settings(home=home, database_url=settings.database_url)
+    limits = rate_limits()
     return {
         "workers": settings.workers,
-        "rate_limit_per_s": served.rate_limit_per_s,
-        "rate_limit_burst": served.rate_limit_burst,
+        "threads": served.api_threads,
+        "rate_limit_per_s": float(limits["SHOAL_RATE_LIMIT_PER_S"]),
+        "rate_limit_burst": int(limits["SHOAL_RATE_LIMIT_BURST"]),
         "backend": "postgresql" if settings.database_url else "sqlite",
     }
 

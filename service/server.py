@@ -4,13 +4,20 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import signal
 import socket
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import IO, Any, Literal
+from typing import IO, TYPE_CHECKING, Any, Literal
 
 from service.settings import Settings
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+    from service.controller import Controller
 
 LOG_FIELDS = ("job_id", "sweep_id", "event", "device_id")
 """Fields a log call may add (``extra=``): JSON lines carry them as keys of their own."""
@@ -45,7 +52,9 @@ def configure_logging(settings: Settings, stream: IO[str] | None = None) -> None
 
 
 def serve(settings: Settings) -> None:
-    """Blocking: the API on ``settings.host:port`` with the controller running beside it."""
+    """Blocking: the API on ``settings.host:port`` with the controller running beside it, in
+    this process; with ``api_workers`` > 1 the API is served by that many processes of its
+    own (``api_app``) and only the controller runs here."""
     import uvicorn
 
     from api.app import create_app
@@ -73,15 +82,51 @@ def serve(settings: Settings) -> None:
             default_quota=Quota(settings.user_max_jobs, settings.user_max_devices),
         ),
     )
-    app = create_app(settings, factory, controller)
     # Live streams (GET /api/v1/stream) never end by themselves: a stop waits 5 s at most.
-    uvicorn.run(
-        app,
-        host=settings.host,
-        port=settings.port,
-        log_config=None,
-        timeout_graceful_shutdown=5,
+    where: dict[str, Any] = {
+        "host": settings.host,
+        "port": settings.port,
+        "log_config": None,
+        "timeout_graceful_shutdown": 5,
+    }
+    if settings.api_workers == 1:
+        uvicorn.run(create_app(settings, factory, controller), **where)
+        return
+    stop = threading.Event()
+    thread = threading.Thread(
+        target=_control, args=(controller, stop), name="shoal-controller", daemon=True
     )
+    thread.start()
+    os.environ.update(settings.environment())  # what the API processes build their app from
+    try:
+        uvicorn.run(f"{__name__}:api_app", factory=True, workers=settings.api_workers, **where)
+    finally:
+        stop.set()
+        thread.join(timeout=30)
+
+
+def _control(controller: Controller, stop: threading.Event) -> None:
+    """Run the controller until ``stop``; if it ends otherwise, end the process (its API
+    processes with it) rather than serve with nothing placing or following jobs."""
+    try:
+        controller.run(stop)
+    finally:
+        if not stop.is_set():
+            logging.getLogger(__name__).error("the controller stopped; stopping Shoal")
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def api_app() -> FastAPI:
+    """The app of one API process (uvicorn ``--factory``): settings from the ``SHOAL_*``
+    environment, no controller (``serve`` runs it in the parent process; ``/readyz`` here
+    checks the database)."""
+    from api.app import create_app
+    from service.db.session import make_engine, make_session_factory
+
+    settings = Settings()
+    configure_logging(settings)
+    factory = make_session_factory(make_engine(settings.resolved_database_url))
+    return create_app(settings, factory)
 
 
 @contextmanager

@@ -100,12 +100,20 @@ class Settings(BaseSettings):
         " `shoal token revoke` is refused at most this much later (0: look every token up).",
     )
     api_threads: int = Field(
-        16,
+        8,
         ge=1,
         le=64,
         description="Requests the API serves at once on its threads (the rest wait their"
         " turn): a few more than the CPUs keeps the database busy; many more only makes"
         " them fight for Python's interpreter lock.",
+    )
+    api_workers: int = Field(
+        1,
+        ge=1,
+        le=32,
+        description="Processes serving the API (the controller runs in `shoal up`'s own):"
+        " Python runs one request at a time per process, so more use more CPUs. Each has"
+        " its own rate-limit buckets and request-latency histogram.",
     )
     max_body_bytes: int = Field(1_048_576, ge=1024, description="Largest accepted request body.")
     max_page_size: int = Field(500, ge=1, le=10_000, description="Cap on list page sizes.")
@@ -156,6 +164,24 @@ class Settings(BaseSettings):
     @property
     def admin_token_path(self) -> Path:
         return self.home / "admin.token"
+
+    def environment(self) -> dict[str, str]:
+        """These settings as the ``SHOAL_*`` variables that give them back (for the processes
+        this one starts); unset ones are left out."""
+        env = {}
+        for name, value in self:
+            if value is None:
+                continue
+            if isinstance(value, SecretStr):
+                text = value.get_secret_value()
+            elif isinstance(value, bool):
+                text = str(value).lower()
+            elif isinstance(value, list):
+                text = ",".join(value)
+            else:
+                text = str(value)
+            env[f"SHOAL_{name.upper()}"] = text
+        return env
 
     def check_safe(self) -> None:
         """Refuse to serve without auth on anything but a loopback address."""

@@ -488,7 +488,7 @@ def dashboard(jobs: int, repeats: int, chromium: Path, as_json: bool) -> None:
     default=1,
     show_default=True,
     type=click.IntRange(1, 64),
-    help="uvicorn worker processes serving the API (shoal up runs one).",
+    help="Processes serving the API, as SHOAL_API_WORKERS gives shoal up.",
 )
 @click.option(
     "--database-url",

@@ -16,7 +16,7 @@ MIGRATIONS = Path(__file__).parent / "migrations"
 
 
 POOL: dict[str, Any] = {"pool_size": 20, "max_overflow": 20}
-"""Connections kept open for the API's request threads (``Settings.api_threads``, 16 by
+"""Connections kept open for the API's request threads (``Settings.api_threads``, 8 by
 default) and the controller, and room for as many again (a request may hold two): a request
 waits for a connection only while every thread holds its share, never for a thread that
 waits for one."""

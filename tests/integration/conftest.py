@@ -64,11 +64,13 @@ class ShoalUp:
         *,
         devices: str | None = None,
         start_timeout_s: float = START_TIMEOUT_S,
+        env: dict[str, str] | None = None,
     ) -> None:
         self.home = home
         self.database_url = database_url
         self.ray_address = ray_address
         self.devices = devices
+        self.env = env or {}
         self.start_timeout_s = start_timeout_s
         self.log_path = log_path
         self.process: subprocess.Popen[bytes] | None = None
@@ -93,6 +95,7 @@ class ShoalUp:
         )
         if self.devices is not None:
             env["SHOAL_DEVICES"] = self.devices
+        env.update(self.env)
         self._log = self.log_path.open("ab")
         self._log.write(f"\n===== shoal up at {time.strftime('%H:%M:%S')}\n".encode())
         self._log.flush()
@@ -196,8 +199,9 @@ def shoal_up(ray_address: str, tmp_path: Path) -> Iterator[Callable[[Path, str],
     """Starts ``shoal up`` processes on the session's Ray."""
     with _shoals() as started:
 
-        def start(home: Path, database_url: str) -> ShoalUp:
-            process = ShoalUp(home, database_url, ray_address, tmp_path / "shoal-up.log")
+        def start(home: Path, database_url: str, **env: str) -> ShoalUp:
+            log = tmp_path / "shoal-up.log"
+            process = ShoalUp(home, database_url, ray_address, log, env=env)
             started.append(process)
             return process.start()
 

@@ -108,6 +108,17 @@ class Api:
         return found
 
 
+def api_processes(shoal: ShoalUp) -> list[int]:
+    """The processes of ``shoal``'s process group serving the API on their own."""
+    assert shoal.process is not None
+    listing = subprocess.run(
+        ["ps", "-ww", "-A", "-o", "pid=,pgid=,args="], capture_output=True, text=True, check=True
+    ).stdout
+    rows = [line.split(maxsplit=2) for line in listing.splitlines()]
+    group = str(shoal.process.pid)
+    return [int(pid) for pid, pgid, args in rows if pgid == group and "spawn_main" in args]
+
+
 def state_changes(events: list[Json]) -> list[tuple[str | None, str]]:
     return [(e["data"]["from"], e["data"]["to"]) for e in events if e["kind"] == "state"]
 
@@ -196,8 +207,10 @@ def test_four_stages_train_exactly_like_one_through_the_api(
 ) -> None:
     """The exactness promise, end to end: the same job cut into 4 pipeline stages on 4 Ray
     actors and run on 1 gives bitwise the same loss curve (pipeline-only on CPU accumulates
-    micro-batch gradients in the same order as one process)."""
-    shoal = shoal_up(tmp_path / "home", empty_database)
+    micro-batch gradients in the same order as one process). The API is served by two
+    processes of its own (SHOAL_API_WORKERS), the controller by `shoal up`'s."""
+    shoal = shoal_up(tmp_path / "home", empty_database, SHOAL_API_WORKERS="2")
+    assert len(api_processes(shoal)) == 2
     token = admin_token(shoal)
     api = Api(shoal, token)
     steps = 12
