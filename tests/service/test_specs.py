@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from service.specs import SpecError, validate_job_spec
@@ -161,3 +163,24 @@ def test_replicas_that_cannot_run_are_refused_with_numbers(
         validate_job_spec(job_spec(**overrides), [])
     assert fields(info.value) == ["parallelism.replicas"]
     assert message in info.value.errors[0][1], info.value.errors
+
+
+def test_a_model_is_traced_once_whatever_else_the_specs_change(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import workers.profiler
+
+    traced = []
+    trace_costs = workers.profiler.trace_costs
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        traced.append(kwargs["micro_batch_size"])
+        return trace_costs(*args, **kwargs)
+
+    monkeypatch.setattr(workers.profiler, "trace_costs", counting)
+    model = {"builtin": "mlp", "config": {"hidden": 37, "layers": 3}}  # no other test's
+    first = validate_job_spec(job_spec(model=model, name="a", steps=5), [])
+    again = validate_job_spec(job_spec(model=model, name="b", steps=9, seed=3), [])
+    assert traced == [16] and again.costs == first.costs and again.spec.name == "b"
+    other = validate_job_spec(job_spec(model=model, batch_size=64), [])  # a new micro-batch
+    assert traced == [16, 32] and other.costs != first.costs
