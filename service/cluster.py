@@ -204,7 +204,10 @@ class InProcessCluster:
             if snapshot.job_id in self._runners:
                 return  # like a named actor: never two runners for one job
             runner = JobRunner(snapshot, LocalGroup)
-            thread = threading.Thread(target=runner.run, name=f"runner-{snapshot.job_id[:8]}")
+            # Daemons: a test that fails mid-run leaves nothing keeping its process alive.
+            thread = threading.Thread(
+                target=runner.run, name=f"runner-{snapshot.job_id[:8]}", daemon=True
+            )
             self._runners[snapshot.job_id] = runner
             self._threads[snapshot.job_id] = thread
         thread.start()
@@ -238,7 +241,7 @@ class InProcessCluster:
                 return
             pool = SweepExecutor(devices, LocalPool, policy)
             self._pools[sweep_id] = pool
-        threading.Thread(target=pool.run, name=f"sweep-{sweep_id[:8]}").start()
+        threading.Thread(target=pool.run, name=f"sweep-{sweep_id[:8]}", daemon=True).start()
 
     def has_pool(self, sweep_id: str) -> bool:
         with self._lock:

@@ -70,7 +70,13 @@ class Controller:
         """Jobs asked to relayout or suspend, not yet reported done, and why."""
         self._runner_deaths: dict[str, tuple[int, int]] = {}
         """Per job: the step of its runner's last death, and how many in a row there."""
-        self._sweeper = Sweeper(factory, cluster, config.checkpoint_root, config.allowed_factories)
+        self._sweeper = Sweeper(
+            factory,
+            cluster,
+            config.checkpoint_root,
+            config.allowed_factories,
+            config.default_quota,
+        )
         self.last_tick: float | None = None
 
     # ------------------------------------------------------------------ the loop

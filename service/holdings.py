@@ -30,7 +30,7 @@ def draining_devices(session: Session) -> set[str]:
 
 def usage_by_owner(session: Session) -> dict[str, Usage]:
     """Per user: the jobs they run (a sweep's trials run on its devices and count as the
-    sweep) and the devices those jobs and their sweeps hold."""
+    sweep, once it has devices) and the devices those jobs and their sweeps hold."""
     usage: dict[str, Usage] = {}
     jobs = session.execute(
         sa.select(User.name, Job.devices)
@@ -42,7 +42,7 @@ def usage_by_owner(session: Session) -> dict[str, Usage]:
         .join(User, User.id == Sweep.owner_id)
         .where(Sweep.state.in_(ACTIVE_SWEEPS))
     )
-    for name, devices in [*jobs, *sweeps]:
+    for name, devices in [*jobs, *(s for s in sweeps if s.devices)]:
         held = usage.setdefault(name, Usage())
         held.jobs, held.devices = held.jobs + 1, held.devices + len(devices)
     return usage

@@ -19,12 +19,12 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
 from scheduler.devices import Device
-from scheduler.placement import JobRequest, place
+from scheduler.placement import JobRequest, Quota, place
 from service.auth import Principal
 from service.cluster import Cluster, ClusterUnavailable, RunnerGone
 from service.db.models import Checkpoint, Job, JobMetric, Sweep, Trial, utcnow
 from service.db.session import SessionFactory, transaction
-from service.holdings import draining_devices, held_devices
+from service.holdings import draining_devices, held_devices, quotas, usage_by_owner
 from service.jobs import add_event, add_job, transition
 from service.lifecycle import JobState
 from service.snapshots import build_snapshot
@@ -46,8 +46,10 @@ class Sweeper:
         cluster: Cluster,
         checkpoint_root: str,
         allowed_factories: Sequence[str],
+        default_quota: Quota,
     ) -> None:
         self._factory = factory
+        self._default_quota = default_quota
         self._cluster = cluster
         self._root = checkpoint_root
         self._store = CheckpointStore(checkpoint_root)
@@ -119,9 +121,12 @@ class Sweeper:
             return True
         busy = held_devices(session) | draining_devices(session)
         free = [d for d in devices if d.id not in busy]
-        request = JobRequest(sweep.id, 0, spec.devices, spec.devices, None, 1, replicas=None)
-        placements, _ = place([request], free)
-        if not placements:
+        request = JobRequest(
+            sweep.id, 0, spec.devices, spec.devices, None, 1, replicas=None, owner=sweep.owner.name
+        )
+        usage, limits = usage_by_owner(session), quotas(session, self._default_quota)
+        placements, _ = place([request], free, usage=usage, quotas=limits)
+        if not placements:  # the devices are busy, or its owner's quota is spent: it waits
             return False
         chosen = list(placements[0].devices)
         self._cluster.start_pool(sweep.id, chosen, "lrtf")

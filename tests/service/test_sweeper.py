@@ -12,8 +12,8 @@ import sqlalchemy as sa
 from service.auth import Principal
 from service.cluster import InProcessCluster
 from service.controller import Controller
-from service.db.models import Checkpoint, JobEvent, JobMetric, Sweep, Trial
-from service.db.session import SessionFactory
+from service.db.models import Checkpoint, JobEvent, JobMetric, Sweep, Trial, User
+from service.db.session import SessionFactory, transaction
 from service.sweeps import list_trials, request_cancel, submit_sweep, trial_state
 from service.sweepspec import validate_sweep_spec
 from tests.factories import sweep_spec
@@ -107,6 +107,29 @@ def test_a_sweep_samples_prunes_keeps_the_best_and_each_trial_trains_like_alone(
     completed = sorted((t for t in trials if not t.pruned), key=lambda t: t.objective or 0.0)
     assert kept == {t.job_id for t in completed[:2]}
     assert all(t.checkpoints_dropped == (t.job_id not in kept) for t in trials)
+
+
+def test_a_sweep_waits_while_its_owner_is_at_their_device_quota(
+    session_factory: SessionFactory, alice: Principal, tmp_path: Path
+) -> None:
+    def allow(devices: int) -> None:
+        with transaction(session_factory) as session:
+            user = session.get(User, alice.user_id)
+            assert user is not None
+            user.max_devices = devices
+
+    controller = make_controller(session_factory, InProcessCluster(NODES), tmp_path)
+    allow(1)
+    base = {**sweep_spec()["base"], "steps": 5}
+    sweep_id, _ = submit(session_factory, alice, executor="sharp", devices=2, base=base)
+    for _ in range(5):
+        controller.reconcile_once()
+    sweep, trials = sweep_of(session_factory, sweep_id)
+    assert (sweep.state, sweep.devices, trials) == ("QUEUED", [], [])
+    allow(2)
+    reconcile_until(controller, lambda: ended(session_factory, sweep_id), timeout=120)
+    sweep, trials = sweep_of(session_factory, sweep_id)
+    assert sweep.state == "SUCCEEDED" and len(trials) == 8
 
 
 def test_cancelling_a_sweep_cancels_its_trials(
