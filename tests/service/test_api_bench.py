@@ -24,7 +24,7 @@ from service.cli import cli
 # 30 keys make 60 submissions at once, more than the 40 request threads and their 40 pooled
 # connections: the run passes only if no request holds a connection while it waits for
 # another (it once did, through its caller's authentication, and 15 at once deadlocked).
-TINY = ApiSettings(clients=4, duration_s=1.5, submissions=30, jobs=20)
+TINY = ApiSettings(clients=4, duration_s=1.5, submissions=30, jobs=20, workers=2)
 
 
 @pytest.mark.unit
@@ -108,6 +108,7 @@ def _check_tiny(result: dict[str, Any]) -> None:
     assert result["status_requests_per_s"] > 0
     assert result["load_seconds"] >= TINY.duration_s
     assert result["settings"]["clients"] == TINY.clients
+    assert result["server"]["workers"] == result["settings"]["workers"]
     assert check(result) == []
 
 
