@@ -363,8 +363,8 @@ async def status_load(
 class Connection:
     """One keep-alive HTTP/1.1 connection sending authenticated GETs: the status phase's
     client, a few lines of asyncio rather than an HTTP library, so that the load generator
-    takes as little as it can of the CPUs it shares with the server (httpx took about as
-    much CPU per request as the server). It reads the responses the API sends (a status
+    takes as little as it can of the CPUs it shares with the server (with httpx it took
+    half as much CPU per request as the server). It reads the responses the API sends (a status
     line, headers with ``Content-Length``, a body); anything else is an error."""
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

@@ -75,8 +75,8 @@ def _users(session: Session, settings: Settings, names: list[str] | None) -> lis
 @router.get("", response_model=UserList, responses=documented(401, 403, 503))
 def list_users(principal: PrincipalDep, factory: FactoryDep, settings: SettingsDep) -> ModelJSON:
     """Every user with their quota (own and effective) and what they run now."""
+    _admin(principal)
     with factory() as session:
-        _admin(principal)
         return ModelJSON(UserList(items=_users(session, settings, None)))
 
 
