@@ -10,7 +10,7 @@ from typing import Any, Literal
 import sqlalchemy as sa
 from pydantic import BaseModel, Field
 
-from service.db.models import Checkpoint, DeviceRow, Job, JobEvent, JobMetric, Sweep, Trial
+from service.db.models import Checkpoint, DeviceRow, JobEvent, JobMetric, Sweep, Trial
 from service.layouts import PipelineSchedule
 from service.lifecycle import JobState
 from service.sweeps import PRUNED, ranked, trial_state
@@ -57,8 +57,8 @@ class JobOut(BaseModel):
     spec: dict[str, Any]
 
     @classmethod
-    def of(cls, job: Job | sa.Row[Any]) -> JobOut:
-        """From a job, or a row of its columns and ``owner_name`` (``jobs.list_jobs``)."""
+    def of(cls, job: sa.Row[Any]) -> JobOut:
+        """From a row of ``jobs.show_job`` or ``jobs.list_jobs``."""
         return cls(
             id=job.id,
             name=job.name,

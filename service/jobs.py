@@ -40,8 +40,7 @@ class JobConflict(ValueError):
 @dataclass(frozen=True)
 class Page:
     items: list[sa.Row[Any]]
-    """A job's columns but its block costs, and ``owner_name``: rows, not ORM objects, which
-    took 2.5x as long to load."""
+    """Rows of ``_SHOWN``."""
     total: int
 
 
@@ -89,33 +88,43 @@ def transition(session: Session, job: Job, target: JobState, message: str, **fie
     add_event(session, job.id, "state", message, {"from": current.value, "to": target.value})
 
 
+_JOBS, _USERS = Job.__table__, User.__table__
+_SHOWN: sa.Select[Any] = sa.select(
+    *(c for c in _JOBS.c if c.key != "block_costs"), _USERS.c.name.label("owner_name")
+).join(_USERS, _USERS.c.id == _JOBS.c.owner_id)
+"""Jobs as the API shows them: every column but the traced block costs (long, for the
+planner only), and the owner's name; read as plain rows, not ORM objects (2.5x faster)."""
+
+
 def _visible(principal: Principal) -> sa.ColumnElement[bool]:
-    return sa.true() if principal.is_admin else Job.owner_id == principal.user_id
-
-
-def _jobs() -> sa.Select[Job]:
-    """Jobs as the API reads them: the traced block costs (long, for the planner only) are
-    loaded only if used."""
-    return sa.select(Job).options(defer(Job.block_costs))
-
-
-# A job by id, built once (the API's most frequent query): anyone's (for admins), an owner's.
-_JOB = _jobs().where(Job.id == sa.bindparam("job_id"))
-_OWN_JOB = _JOB.where(Job.owner_id == sa.bindparam("owner_id"))
+    """The jobs ``principal`` may see: everyone's for an admin, their own for a user."""
+    return sa.true() if principal.is_admin else _JOBS.c.owner_id == principal.user_id
 
 
 def get_job(session: Session, principal: Principal, job_id: str) -> Job:
-    """The job, if the principal may see it; others' jobs are as absent as unknown ones."""
-    if principal.is_admin:
-        job = session.scalar(_JOB, {"job_id": job_id})
-    else:
-        job = session.scalar(_OWN_JOB, {"job_id": job_id, "owner_id": principal.user_id})
+    """The job, to change it, if the principal may see it; others' jobs are as absent as
+    unknown ones."""
+    job = session.scalar(
+        sa.select(Job).options(defer(Job.block_costs)).where(Job.id == job_id, _visible(principal))
+    )
     if job is None:
         raise JobNotFound(job_id)
     return job
 
 
-_LISTED = (*(c for c in Job.__table__.c if c.key != "block_costs"), User.name.label("owner_name"))
+def show_job(session: Session, principal: Principal, job_id: str) -> sa.Row[Any]:
+    """The job as the API shows it (``_SHOWN``), if the principal may see it."""
+    row = session.execute(_SHOWN.where(_JOBS.c.id == job_id, _visible(principal))).first()
+    if row is None:
+        raise JobNotFound(job_id)
+    return row
+
+
+def _check_visible(session: Session, principal: Principal, job_id: str) -> None:
+    """Raise ``JobNotFound`` unless the principal may see the job (reading nothing else)."""
+    found = sa.select(_JOBS.c.id).where(_JOBS.c.id == job_id, _visible(principal))
+    if session.scalar(found) is None:
+        raise JobNotFound(job_id)
 
 
 def list_jobs(
@@ -128,13 +137,11 @@ def list_jobs(
 ) -> Page:
     where = [_visible(principal)]
     if states:
-        where.append(Job.state.in_([s.value for s in states]))
-    total = session.scalar(sa.select(sa.func.count()).select_from(Job).where(*where)) or 0
+        where.append(_JOBS.c.state.in_([s.value for s in states]))
+    total = session.scalar(sa.select(sa.func.count()).select_from(_JOBS).where(*where)) or 0
     rows = session.execute(
-        sa.select(*_LISTED)
-        .join(User, User.id == Job.owner_id)
-        .where(*where)
-        .order_by(Job.created_at.desc(), Job.id.desc())
+        _SHOWN.where(*where)
+        .order_by(_JOBS.c.created_at.desc(), _JOBS.c.id.desc())
         .limit(limit)
         .offset(offset)
     ).all()
@@ -249,7 +256,7 @@ def restart_job(factory: SessionFactory, principal: Principal, job_id: str) -> J
 def list_metrics(
     session: Session, principal: Principal, job_id: str, since_step: int, limit: int
 ) -> list[JobMetric]:
-    get_job(session, principal, job_id)
+    _check_visible(session, principal, job_id)
     return list(
         session.scalars(
             sa.select(JobMetric)
@@ -263,7 +270,7 @@ def list_metrics(
 def list_events(
     session: Session, principal: Principal, job_id: str, since_id: int, limit: int
 ) -> list[JobEvent]:
-    get_job(session, principal, job_id)
+    _check_visible(session, principal, job_id)
     return list(
         session.scalars(
             sa.select(JobEvent)
@@ -275,7 +282,7 @@ def list_events(
 
 
 def list_checkpoints(session: Session, principal: Principal, job_id: str) -> list[Checkpoint]:
-    get_job(session, principal, job_id)
+    _check_visible(session, principal, job_id)
     return list(
         session.scalars(
             sa.select(Checkpoint).where(Checkpoint.job_id == job_id).order_by(Checkpoint.step)

@@ -266,6 +266,11 @@ class LocalRay:
         return [node.process.pid for node in self._nodes]
 
     @property
+    def kinds(self) -> list[str]:
+        """Each node's device kind, head first: ``kill_node`` takes an index of this list."""
+        return [node.spec.kind for node in self._nodes]
+
+    @property
     def log_paths(self) -> list[Path]:
         return [node.log_path for node in self._nodes]
 
@@ -308,11 +313,7 @@ class LocalRay:
         without notice, as a preempted spot machine is."""
         if index == 0:
             raise ValueError("the head holds the cluster's state; kill another node")
-        node = self._nodes.pop(index)
-        _signal_group(node.process, signal.SIGKILL)
-        node.process.wait()
-        kill_session(node.process.pid, time.monotonic() + self._stop_timeout_s)
-        node.log.close()
+        self._reap(self._nodes.pop(index))
 
     def _launch(self, index: int, spec: VirtualNode) -> _Node:
         if index == 0:
@@ -385,29 +386,31 @@ class LocalRay:
         return env
 
     def stop(self) -> None:
-        """Stop every node: SIGTERM its process group, SIGKILL it if it lingers. Idempotent.
+        """Stop every node with SIGKILL (its process group, then whatever of its session is
+        left). Idempotent. The whole cluster goes, its work with it: Ray's own answer to a
+        SIGTERM, draining the node for up to 30 s until no work is left on it, would only
+        wait (measured: 12 s to stop an idle 2-node cluster, against about 1 s now).
 
-        A node leaves the list only once its group is gone, so a stop cut short (a second
+        A node leaves the list only once its session is gone, so a stop cut short (a second
         Ctrl-C) is finished by the one registered for exit.
         """
         for node in self._nodes:
-            _signal_group(node.process, signal.SIGTERM)
-        deadline = time.monotonic() + self._stop_timeout_s
-        while self._nodes:
-            node = self._nodes[0]
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                node.process.wait(timeout=max(deadline - time.monotonic(), 0.0))
-            # `ray start --block` may exit before its children do: the group is what counts.
             _signal_group(node.process, signal.SIGKILL)
-            node.process.wait()
-            kill_session(node.process.pid, time.monotonic() + self._stop_timeout_s)
-            node.log.close()
+        while self._nodes:
+            self._reap(self._nodes[0])
             self._nodes.pop(0)
         self._port = None
         if self._env_path is not None:
             self._env_path.unlink(missing_ok=True)
             self._env_path = None
         atexit.unregister(self.stop)
+
+    def _reap(self, node: _Node) -> None:
+        """SIGKILL the node's process group and every process left of its session."""
+        _signal_group(node.process, signal.SIGKILL)
+        node.process.wait()
+        kill_session(node.process.pid, time.monotonic() + self._stop_timeout_s)
+        node.log.close()
 
     def __enter__(self) -> LocalRay:
         return self.start()

@@ -55,7 +55,7 @@ def submit_job(
     if not created:
         response.status_code = status.HTTP_200_OK
     with factory() as session:
-        return JobOut.of(jobs.get_job(session, principal, job.id))
+        return JobOut.of(jobs.show_job(session, principal, job.id))
 
 
 @router.get("", response_model=JobPage, responses=documented(401, 422, 503))
@@ -77,7 +77,7 @@ def list_jobs(
 @router.get("/{job_id}", response_model=JobOut, responses=_READ)
 def get_job(job_id: JobId, principal: PrincipalDep, factory: FactoryDep) -> ModelJSON:
     with factory() as session:
-        return ModelJSON(JobOut.of(jobs.get_job(session, principal, job_id)))
+        return ModelJSON(JobOut.of(jobs.show_job(session, principal, job_id)))
 
 
 @router.post("/{job_id}/cancel", responses=_MAY_CONFLICT)
@@ -85,7 +85,7 @@ def cancel_job(job_id: JobId, principal: PrincipalDep, factory: FactoryDep) -> J
     """Cancel: a queued job at once, a running one at its next step boundary."""
     jobs.request_cancel(factory, principal, job_id)
     with factory() as session:
-        return JobOut.of(jobs.get_job(session, principal, job_id))
+        return JobOut.of(jobs.show_job(session, principal, job_id))
 
 
 @router.post("/{job_id}/restart", responses=_MAY_CONFLICT)
@@ -93,7 +93,7 @@ def restart_job(job_id: JobId, principal: PrincipalDep, factory: FactoryDep) -> 
     """Requeue a FAILED or CANCELLED job; it resumes from its latest checkpoint."""
     jobs.restart_job(factory, principal, job_id)
     with factory() as session:
-        return JobOut.of(jobs.get_job(session, principal, job_id))
+        return JobOut.of(jobs.show_job(session, principal, job_id))
 
 
 @router.get("/{job_id}/metrics", response_model=MetricList, responses=_READ)

@@ -100,10 +100,6 @@ class Job(Base):
     started_at: Mapped[datetime | None] = mapped_column(default=None)
     finished_at: Mapped[datetime | None] = mapped_column(default=None)
 
-    @property
-    def owner_name(self) -> str:
-        return self.owner.name
-
 
 class JobEvent(Base):
     __tablename__ = "job_events"

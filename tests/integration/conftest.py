@@ -172,7 +172,7 @@ class ShoalUp:
 
 
 @contextlib.contextmanager
-def _shoals() -> Iterator[list[ShoalUp]]:
+def started_shoals() -> Iterator[list[ShoalUp]]:
     """The ``shoal up`` processes a fixture starts: stopped at the end, the last one's output
     printed (pytest shows it when the test failed)."""
     started: list[ShoalUp] = []
@@ -197,7 +197,7 @@ def empty_database(database_url: str, request: pytest.FixtureRequest) -> str:
 @pytest.fixture
 def shoal_up(ray_address: str, tmp_path: Path) -> Iterator[Callable[[Path, str], ShoalUp]]:
     """Starts ``shoal up`` processes on the session's Ray."""
-    with _shoals() as started:
+    with started_shoals() as started:
 
         def start(home: Path, database_url: str, **env: str) -> ShoalUp:
             log = tmp_path / "shoal-up.log"
@@ -212,7 +212,7 @@ def shoal_up(ray_address: str, tmp_path: Path) -> Iterator[Callable[[Path, str],
 def shoal_cluster(tmp_path: Path) -> Iterator[Callable[[Path, str, str], ShoalUp]]:
     """Starts ``shoal up`` processes that run their own multi-node local Ray (``SHOAL_DEVICES``
     groups, one node each); stopping them stops those clusters and every actor on them."""
-    with _shoals() as started:
+    with started_shoals() as started:
 
         def start(home: Path, database_url: str, devices: str) -> ShoalUp:
             # Each node of the cluster is a `ray start` of its own: a few seconds apiece.

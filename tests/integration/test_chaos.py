@@ -1,24 +1,38 @@
-"""Faults the service must ride out, end to end on `shoal up`: the database server restarting
-under a running job (PostgreSQL). The job ends SUCCEEDED with the loss curve of an undisturbed
-run of the same spec, every step stored once, and a submission made while the database was
-down is acknowledged once it is back, never lost, never doubled.
+"""Faults the service must ride out, end to end on `shoal up` with PostgreSQL.
 
-The other faults are tested where they live: a node SIGKILLed or drained mid-run
-(test_elastic.py), the control plane SIGKILLed and restarted (test_shoal_up.py), a device lost
-under a sweep (test_sweeps.py)."""
+The database server restarting under a running job: the job ends SUCCEEDED with the loss
+curve of an undisturbed run of the same spec, every step stored once, and a submission made
+while the database was down is acknowledged once it is back, never lost, never doubled.
+
+Then every fault at once, in a random order (the seed is printed; ``SHOAL_CHAOS_SEED``
+replays one): on a multi-node local Ray that outlives the control plane, as a KubeRay cluster
+does, two pipeline jobs and a SHARP sweep train while a node is SIGKILLed, a node gets Ray's
+drain notice, the control plane is SIGKILLed and started again, and PostgreSQL restarts.
+Every job and every trial ends with the losses of its plain single-process run, each step
+stored once; every acknowledged submission exists exactly once.
+
+Each fault alone, with its own finer assertions, is tested where it lives: a node SIGKILLed
+or drained mid-run (test_elastic.py), the control plane SIGKILLed and restarted
+(test_shoal_up.py), a device lost under a sweep (test_sweeps.py).
+"""
 
 from __future__ import annotations
 
 import os
+import random
 import subprocess
 import threading
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 
 from service.client import ShoalClient
-from tests.integration.conftest import wait_until
+from service.localray import RAY_ENV, LocalRay, parse_devices
+from tests.integration.conftest import ShoalUp, ray_cli, started_shoals, wait_until
+from tests.integration.test_elastic import SPEC, Json, assert_exact
 from tests.integration.test_shoal_up import Api, StartShoal, admin_token, example_spec
 
 pytestmark = pytest.mark.integration
@@ -83,3 +97,297 @@ def test_a_database_restart_mid_run_loses_nothing(
     names = [j["name"] for j in api.get("/jobs", limit=50)["items"]]
     assert sorted(names) == ["late", "through-a-restart", "undisturbed"]
     wait_until(lambda: api.job(str(late["id"]))["state"] == "SUCCEEDED", 120, "the late job")
+
+
+CHAOS_NODES = "1xcpu-a:2048,2xcpu-b:2048,2xcpu-c:2048"
+"""The head (cpu-a: the runners and the sweep's executor live there; a spot notice never
+comes for it) and two nodes of two devices that faults may hit: room for two 2-stage jobs
+and the sweep. A node lost is replaced by a new one (cpu-d, cpu-e), as an autoscaler would."""
+FAULTS = ("kill a node", "drain a node", "kill the control plane", "restart the database")
+CHAOS_TIMEOUT_S = 240.0
+"""The longest wait for any one thing (a job's progress, a fault's outcome, the end)."""
+PROGRESS_STEPS = 5
+ACTIVE = ("RUNNING", "RECOVERING")
+RIDDEN = ("device_lost", "recovered", "relayout", "resize", "suspended", "resumed")
+"""The job events that tell how a job rode out a fault (printed per job at the end)."""
+"""Steps every running job must train between faults: the service works again."""
+
+
+def chaos_job(name: str, seed: int, steps: int) -> Json:
+    return {
+        **SPEC,
+        "name": name,
+        "model": {"builtin": "mlp", "config": {"hidden": 256, "layers": 4}},
+        "batch_size": 256,
+        "steps": steps,
+        "seed": seed,
+        "parallelism": {"stages": 2, "replicas": 1, "schedule": "1f1b"},
+        "resources": {"min_devices": 1, "max_devices": 2},
+        "elastic": {"repartition": False, "keep_copies": True},
+        "checkpoint": {"every_steps": 50, "keep": 2},
+    }
+
+
+CHAOS_SWEEP: Json = {
+    "name": "chaos-sweep",
+    "base": {
+        **chaos_job("trial", 4, 400),
+        "model": {"builtin": "mlp", "config": {"hidden": 64, "layers": 3}},
+        "batch_size": 64,
+        "parallelism": {"stages": 1, "replicas": 1, "schedule": "1f1b"},
+        "resources": {"min_devices": 1, "max_devices": 1},
+    },
+    "space": {"optimizer.lr": {"type": "log_uniform", "low": 1e-4, "high": 0.05}},
+    "algorithm": "random",
+    "seed": 7,
+    "max_trials": 8,
+    "max_concurrent": 2,
+    "executor": "sharp",
+    "devices": 1,
+    "early_stopping": {"rule": "none"},
+}
+
+
+class Chaos:
+    """The faults of one run, on a local Ray cluster the test owns and a control plane
+    (``shoal up --ray-address``) it may kill and start again; what happened, for failures."""
+
+    def __init__(self, ray: LocalRay, start: Callable[[], ShoalUp], seed: int) -> None:
+        self.ray, self.start, self.seed = ray, start, seed
+        self.shoal = start()
+        self.token = admin_token(self.shoal)
+        self.api = Api(self.shoal, self.token)
+        self.rng = random.Random(seed)
+        self.log: list[str] = []
+        self.acknowledged: dict[str, str] = {}  # job id -> name, of every 2xx submission
+        self._joined = 0
+        with ShoalClient(self.shoal.url, self.token) as client:
+            self.sweep_id = str(client.submit_sweep(CHAOS_SWEEP, idempotency_key="sweep")["id"])
+
+    def under_way(self, names: Sequence[str]) -> list[str]:
+        """Which of the jobs ``names`` and the sweep have not ended yet."""
+        jobs = [j["name"] for j in self.jobs() if j["name"] in names and j["state"] != "SUCCEEDED"]
+        sweep = self.api.get(f"/sweeps/{self.sweep_id}")["state"]
+        return [*jobs, "sweep"] if sweep != "SUCCEEDED" else jobs
+
+    def trials(self) -> set[str]:
+        """The job ids of the sweep's trials (active or not)."""
+        return {t["job_id"] for t in self.api.get(f"/sweeps/{self.sweep_id}")["trials"]}
+
+    def submit(self, spec: Json, key: str) -> str:
+        with ShoalClient(self.shoal.url, self.token) as client:
+            job = client.submit_job(spec, idempotency_key=key)
+        self.acknowledged[str(job["id"])] = spec["name"]
+        return str(job["id"])
+
+    def jobs(self) -> list[Json]:
+        items: list[Json] = self.api.get("/jobs", limit=100)["items"]
+        return items
+
+    def where(self) -> str:
+        """The seed, the faults so far, every job's state, step, devices and last events,
+        and the control plane's log."""
+        lines = [f"seed {self.seed} (SHOAL_CHAOS_SEED replays it); faults: {self.log}"]
+        try:
+            for job in self.jobs():
+                events = [
+                    f"{e['kind']}: {e['message']}" for e in self.api.items(job["id"], "events")
+                ]
+                lines.append(
+                    f"{job['name']} {job['state']} step {job['step']}/{job['steps']}"
+                    f" on {job['devices']}: {events[-4:]}"
+                )
+        except (AssertionError, httpx.HTTPError) as exc:
+            lines.append(f"(the API did not answer: {exc})")
+        return "\n".join(lines) + "\n" + self.shoal.tail(120)
+
+    def wait(self, condition: Callable[[], Any], what: str) -> Any:
+        return wait_until(condition, CHAOS_TIMEOUT_S, what, on_timeout=self.where)
+
+    def progress(self, names: Sequence[str]) -> None:
+        """Wait until each of the jobs ``names`` not yet ended has trained PROGRESS_STEPS
+        more steps (or ended SUCCEEDED); fail at once if one FAILED or was CANCELLED."""
+        start = {j["name"]: j["step"] for j in self.jobs()}
+
+        def moved() -> bool:
+            by_name = {j["name"]: j for j in self.jobs()}
+            bad = [j for j in by_name.values() if j["state"] in ("FAILED", "CANCELLED")]
+            if bad:
+                pytest.fail(
+                    f"{bad[0]['name']} ended {bad[0]['state']}: {bad[0]['error']}\n" + self.where()
+                )
+            return all(
+                by_name[n]["state"] == "SUCCEEDED"
+                or by_name[n]["step"] >= start[n] + PROGRESS_STEPS
+                for n in names
+            )
+
+        self.wait(moved, f"{', '.join(names)} to train {PROGRESS_STEPS} more steps")
+
+    def target(self, names: Sequence[str]) -> tuple[str, str]:
+        """A random device of a running job among ``names``, on a node that is not the head
+        and holds none of the sweep's devices: (job, device). (A sweep's executor does not
+        leave a draining device; a lost one it does not replace: test_sweeps.py.)"""
+        devices = {d["id"]: d for d in self.devices()}
+        jobs = self.jobs()
+        swept = {
+            devices[d]["node_id"] for j in jobs if j["id"] in self.trials() for d in j["devices"]
+        }
+        held = [
+            (j["name"], d)
+            for j in jobs
+            if j["name"] in names and j["state"] == "RUNNING"
+            for d in j["devices"]
+            if devices[d]["kind"] != "cpu-a" and devices[d]["node_id"] not in swept
+        ]
+        assert held, f"no running job holds a device a fault may hit\n{self.where()}"
+        return self.rng.choice(sorted(held))
+
+    def replace_node(self) -> None:
+        """A new machine joins, as the autoscaler sends one for a lost node."""
+        self._joined += 1
+        self.ray.add_node(parse_devices(f"2xcpu-{chr(ord('c') + self._joined)}:2048")[0])
+
+    def kill_node(self, names: Sequence[str]) -> None:
+        job, device_id = self.target(names)
+        kind = self.device(device_id)["kind"]
+        self.log.append(f"SIGKILL node {kind} (holding {job}'s {device_id})")
+        self.ray.kill_node(self.ray.kinds.index(kind))
+        self.replace_node()
+
+    def drain_node(self, names: Sequence[str]) -> None:
+        """Ray's drain notice (a spot preemption) for a node holding a running job's device:
+        the jobs leave it at a step boundary (to free devices, or checkpointed to wait
+        QUEUED); then it goes (the notice's deadline) and a new node joins."""
+        job, device_id = self.target(names)
+        node_id = self.device(device_id)["node_id"]
+        on_node = {d["id"]: d["kind"] for d in self.devices() if d["node_id"] == node_id}
+        self.log.append(f"drain node of {sorted(on_node)} (holding {job}'s {device_id})")
+        ray_cli(
+            self.shoal,
+            "drain-node",
+            f"--node-id={node_id}",
+            "--reason=DRAIN_NODE_REASON_PREEMPTION",
+            "--reason-message=spot notice",
+            "--deadline-remaining-seconds=120",
+        )
+
+        def left() -> bool:
+            held = {d for j in self.jobs() if j["state"] in ACTIVE for d in j["devices"]}
+            return not held & set(on_node)
+
+        self.wait(left, f"every job to leave the drained node's {sorted(on_node)}")
+        self.ray.kill_node(self.ray.kinds.index(on_node[device_id]))  # the notice's deadline
+        self.replace_node()
+
+    def kill_control_plane(self, late: Json) -> None:
+        """SIGKILL `shoal up` just after it acknowledged a submission; start it again."""
+        self.submit(late, "before-the-kill")
+        self.log.append("SIGKILL the control plane")
+        self.shoal.kill9()
+        self.shoal = self.start()
+        self.api.shoal = self.shoal
+
+    def restart_database(self, late: Json) -> None:
+        """Restart PostgreSQL while a submission is under way: the client retries the 503s
+        (its Idempotency-Key makes that safe) and must end acknowledged."""
+        self.log.append("restart PostgreSQL")
+        during = threading.Thread(target=self.submit, args=(late, "during-the-restart"))
+        restarting = threading.Thread(target=restart_postgres)
+        restarting.start()
+        during.start()
+        restarting.join(150)
+        during.join(60)
+        assert late["name"] in self.acknowledged.values(), (
+            f"a submission during the restart was not acknowledged\n{self.where()}"
+        )
+
+    def devices(self) -> list[Json]:
+        items: list[Json] = self.api.get("/devices")["items"]
+        return items
+
+    def device(self, device_id: str) -> Json:
+        found: Json = next(d for d in self.devices() if d["id"] == device_id)
+        return found
+
+
+@pytest.mark.timeout(900)  # ~4 min on 2 cores; each wait below fails first, telling why
+@pytest.mark.skipif(not Path("/etc/postgresql").is_dir(), reason="no local PostgreSQL server")
+@pytest.mark.parametrize("database_url", ["postgresql"], indirect=True)
+def test_every_fault_at_once_leaves_every_job_exact_and_every_submission_once(
+    empty_database: str, tmp_path: Path
+) -> None:
+    seed = int(os.environ.get("SHOAL_CHAOS_SEED") or random.SystemRandom().randrange(10_000))
+    home = tmp_path / "home"
+    home.mkdir()
+    with (
+        LocalRay(parse_devices(CHAOS_NODES), tmp_path / "ray") as ray,
+        started_shoals() as started,
+    ):
+        ray.write_env(home / RAY_ENV)  # for `ray drain-node`
+
+        def start() -> ShoalUp:
+            log = tmp_path / "shoal-up.log"
+            shoal = ShoalUp(home, empty_database, ray.address, log, env=ray.client_env)
+            started.append(shoal)
+            return shoal.start()
+
+        chaos = Chaos(ray, start, seed)
+        sweep_id = chaos.sweep_id
+        chaos.wait(
+            lambda: any(
+                t["state"] == "RUNNING" for t in chaos.api.get(f"/sweeps/{sweep_id}")["trials"]
+            ),
+            "the sweep's trials to run",
+        )
+        names = ["pipeline-a", "pipeline-b"]
+        for seed_of_job, name in enumerate(names, start=5):
+            chaos.submit(chaos_job(name, seed_of_job, 1000), f"submit-{name}")
+        chaos.progress(names)
+
+        faults = chaos.rng.sample(FAULTS, len(FAULTS))
+        under_way: dict[str, list[str]] = {}  # what each fault struck
+        for fault in faults:
+            under_way[fault] = chaos.under_way(names)
+            assert set(names) & set(under_way[fault]), (
+                f"the jobs ended before the fault '{fault}': lengthen them\n{chaos.where()}"
+            )
+            if fault == "kill a node":
+                chaos.kill_node(names)
+            elif fault == "drain a node":
+                chaos.drain_node(names)
+            elif fault == "kill the control plane":
+                chaos.kill_control_plane(chaos_job("acknowledged-then-killed", 8, 20))
+            else:
+                chaos.restart_database(chaos_job("during-the-restart", 9, 20))
+            chaos.progress(names)
+        assert "sweep" in under_way[faults[0]], chaos.where()
+
+        def ended() -> bool:
+            jobs = chaos.jobs()
+            sweep = chaos.api.get(f"/sweeps/{sweep_id}")
+            return sweep["state"] == "SUCCEEDED" and all(j["state"] == "SUCCEEDED" for j in jobs)
+
+        chaos.wait(ended, "every job and the sweep to succeed")
+        api = chaos.api
+        sweep = api.get(f"/sweeps/{sweep_id}")
+        trials = {t["job_id"]: t for t in sweep["trials"]}
+        jobs = chaos.jobs()
+        # Every acknowledged submission exists once; nothing else was created.
+        assert sorted(j["id"] for j in jobs) == sorted([*chaos.acknowledged, *trials])
+        for job in jobs:
+            spec = job["spec"]
+            if job["id"] in trials:
+                assert trials[job["id"]]["params"]["optimizer.lr"] == spec["optimizer"]["lr"]
+            assert_exact(api, job["id"], spec)
+            events = api.items(job["id"], "events")
+            # A lost device costs at most the steps since the last checkpoint (both stages'
+            # devices on one node: their in-memory copies went with it).
+            lost = [e for e in events if e["kind"] == "device_lost"]
+            every = spec["checkpoint"]["every_steps"]
+            assert all(e["data"]["steps_replayed"] < every for e in lost), chaos.where()
+            kinds = [e["kind"] for e in events]
+            survived = {k: kinds.count(k) for k in RIDDEN if k in kinds}
+            replayed = sum(e["data"]["steps_replayed"] for e in lost)
+            print(f"{job['name']}: {survived}, {replayed} steps replayed, exact")
+        print(f"chaos seed {seed}: each fault and what it struck: {under_way}")
