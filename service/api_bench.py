@@ -44,6 +44,7 @@ import sqlalchemy as sa
 
 from service.bench_data import SPEC, fill
 from service.db.models import Job
+from service.db.scratch import create_database, drop_database
 from service.db.session import make_engine
 from service.settings import Settings
 from workers.bench.report import BenchError, Progress, machine
@@ -192,27 +193,14 @@ def scratch_database(server_url: str | None, home: Path) -> Iterator[str]:
     if server_url is None:
         yield f"sqlite:///{home / 'shoal.db'}"
         return
-    name = f"shoal_bench_{uuid.uuid4().hex[:10]}"
-    admin = sa.create_engine(server_url, isolation_level="AUTOCOMMIT", pool_pre_ping=True)
     try:
-        with admin.connect() as conn:
-            conn.execute(sa.text(f'CREATE DATABASE "{name}"'))
+        url = create_database(server_url, "shoal_bench")
     except sa.exc.OperationalError as exc:
-        admin.dispose()
         raise BenchError(f"cannot create a scratch database at {server_url}: {exc.orig}") from None
     try:
-        yield sa.engine.make_url(server_url).set(database=name).render_as_string(False)
+        yield url
     finally:
-        with admin.connect() as conn:
-            conn.execute(
-                sa.text(
-                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
-                    " WHERE datname = :n AND pid <> pg_backend_pid()"
-                ),
-                {"n": name},
-            )
-            conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}"'))
-        admin.dispose()
+        drop_database(server_url, url)
 
 
 def _free_port() -> int:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import random
-import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -74,33 +73,20 @@ def _fresh_postgres_database() -> Iterator[str]:
     """
     import sqlalchemy as sa
 
+    from service.db.scratch import create_database, drop_database
+
     admin_url = _postgres_admin_url()
     assert admin_url is not None
-    name = f"shoal_test_{uuid.uuid4().hex[:10]}"
-    # Pre-ping: a test may restart the server (tests/integration/test_chaos.py).
-    admin = sa.create_engine(admin_url, isolation_level="AUTOCOMMIT", pool_pre_ping=True)
     try:
-        with admin.connect() as conn:
-            conn.execute(sa.text(f'CREATE DATABASE "{name}"'))
+        url = create_database(admin_url, "shoal_test")
     except sa.exc.OperationalError as exc:
-        admin.dispose()
         if os.environ.get("SHOAL_REQUIRE_POSTGRES") == "1":
             raise
         pytest.skip(f"PostgreSQL not reachable at {admin_url}: {exc.orig}")
-    url = sa.engine.make_url(admin_url).set(database=name).render_as_string(hide_password=False)
     try:
         yield url
     finally:
-        with admin.connect() as conn:
-            conn.execute(
-                sa.text(
-                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
-                    " WHERE datname = :n AND pid <> pg_backend_pid()"
-                ),
-                {"n": name},
-            )
-            conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}"'))
-        admin.dispose()
+        drop_database(admin_url, url)
 
 
 @pytest.fixture(scope="session")
