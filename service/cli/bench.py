@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -23,6 +23,41 @@ from rich.table import Table
 
 from service.cli.options import InputError
 from service.cli.render import make_console
+
+Decorator = Callable[[Callable[..., Any]], Callable[..., Any]]
+"""What an option maker below returns: ``click.option(...)`` for one command's defaults."""
+
+JSON_OPTION = click.option(
+    "--json", "as_json", is_flag=True, help="Print one JSON object on the last line."
+)
+
+
+def _repeats(default: int, most: int = 50) -> Decorator:
+    return click.option(
+        "--repeats", default=default, show_default=True, type=click.IntRange(1, most)
+    )
+
+
+def _hidden(default: int) -> Decorator:
+    return click.option(
+        "--hidden", default=default, show_default=True, type=click.IntRange(1, 16384)
+    )
+
+
+def _layers(default: int, *, least: int = 1, what: str = "the MLP", note: str = "") -> Decorator:
+    return click.option(
+        "--layers",
+        default=default,
+        show_default=True,
+        type=click.IntRange(least, 256),
+        help=f"Hidden layers of {what} (blocks = layers + 1{note}).",
+    )
+
+
+def _batch_size(default: int) -> Decorator:
+    return click.option(
+        "--batch-size", default=default, show_default=True, type=click.IntRange(1, 65536)
+    )
 
 
 @click.group()
@@ -61,7 +96,7 @@ def _f(value: float, digits: int = 1) -> str:
 
 
 @bench.command()
-@click.option("--repeats", default=3, show_default=True, type=click.IntRange(1, 50))
+@_repeats(3)
 @click.option(
     "--steps",
     default=3,
@@ -69,18 +104,12 @@ def _f(value: float, digits: int = 1) -> str:
     type=click.IntRange(1, 1000),
     help="Timed steps per repeat.",
 )
-@click.option("--hidden", default=2048, show_default=True, type=click.IntRange(1, 16384))
-@click.option(
-    "--layers",
-    default=7,
-    show_default=True,
-    type=click.IntRange(1, 256),
-    help="Hidden layers of the MLP (blocks = layers + 1).",
-)
-@click.option("--batch-size", default=64, show_default=True, type=click.IntRange(1, 65536))
+@_hidden(2048)
+@_layers(7)
+@_batch_size(64)
 @click.option("--micro-batches", default=8, show_default=True, type=click.IntRange(1, 1024))
 @click.option("--schedule", default="1f1b", show_default=True, type=click.Choice(["gpipe", "1f1b"]))
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object on the last line.")
+@JSON_OPTION
 def pipeline(
     repeats: int,
     steps: int,
@@ -144,7 +173,7 @@ def pipeline(
 
 
 @bench.command()
-@click.option("--repeats", default=3, show_default=True, type=click.IntRange(1, 50))
+@_repeats(3)
 @click.option(
     "--calls",
     default=40,
@@ -159,7 +188,7 @@ def pipeline(
     type=click.IntRange(1, 64 * 1024 * 1024),
     help="Floats per value (repeatable) [default: 1024 and 1048576].",
 )
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object on the last line.")
+@JSON_OPTION
 def transport(repeats: int, calls: int, sizes: tuple[int, ...], as_json: bool) -> None:
     """Ray object refs vs Compiled Graphs between two actors; torch tensors vs numpy arrays."""
     from workers.bench.transport import TransportSettings, run_transport
@@ -213,14 +242,8 @@ def _caption(result: dict[str, Any]) -> str:
 
 
 @bench.command()
-@click.option("--hidden", default=1024, show_default=True, type=click.IntRange(1, 16384))
-@click.option(
-    "--layers",
-    default=5,
-    show_default=True,
-    type=click.IntRange(2, 256),
-    help="Hidden layers of the MLP (blocks = layers + 1; 3 stages need 3).",
-)
+@_hidden(1024)
+@_layers(5, least=2, note="; 3 stages need 3")
 @click.option(
     "--slowdown",
     default=3.0,
@@ -235,7 +258,7 @@ def _caption(result: dict[str, Any]) -> str:
     type=click.IntRange(3, 10000),
     help="Steps of each heterogeneity run (at least 3 x the window).",
 )
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object on the last line.")
+@JSON_OPTION
 def elastic(hidden: int, layers: int, slowdown: float, steps: int, as_json: bool) -> None:
     """Rebalancing around a straggler, recovery from a killed node, growth onto a new one,
     on a local multi-node Ray cluster."""
@@ -295,15 +318,9 @@ def elastic(hidden: int, layers: int, slowdown: float, steps: int, as_json: bool
     help="Training steps of every model in every variant.",
 )
 @click.option("--models", default=4, show_default=True, type=click.IntRange(1, 32))
-@click.option("--hidden", default=2048, show_default=True, type=click.IntRange(1, 16384))
-@click.option(
-    "--layers",
-    default=8,
-    show_default=True,
-    type=click.IntRange(1, 256),
-    help="Hidden layers of each MLP (blocks = layers + 1).",
-)
-@click.option("--batch-size", default=128, show_default=True, type=click.IntRange(1, 65536))
+@_hidden(2048)
+@_layers(8, what="each MLP")
+@_batch_size(128)
 @click.option(
     "--budget-fraction",
     default=0.75,
@@ -311,7 +328,7 @@ def elastic(hidden: int, layers: int, slowdown: float, steps: int, as_json: bool
     type=float,
     help="Each device's memory budget as a fraction of one model's state (0.5-1).",
 )
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object on the last line.")
+@JSON_OPTION
 def sharp(
     steps: int,
     models: int,
@@ -417,7 +434,7 @@ def _sharp_tables(console: Console, result: dict[str, Any]) -> None:
 
 @bench.command()
 @click.option("--jobs", default=500, show_default=True, type=click.IntRange(1, 5000))
-@click.option("--repeats", default=5, show_default=True, type=click.IntRange(1, 100))
+@_repeats(5, most=100)
 @click.option(
     "--chromium",
     default="/usr/bin/chromium",
@@ -425,7 +442,7 @@ def _sharp_tables(console: Console, result: dict[str, Any]) -> None:
     type=click.Path(path_type=Path),
     help="The browser Playwright drives (never downloaded).",
 )
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object on the last line.")
+@JSON_OPTION
 def dashboard(jobs: int, repeats: int, chromium: Path, as_json: bool) -> None:
     """The jobs page with JOBS jobs in chromium: navigation to every row shown, vs the list
     request alone."""
@@ -496,7 +513,7 @@ def dashboard(jobs: int, repeats: int, chromium: Path, as_json: bool) -> None:
     help="A PostgreSQL server to make (and drop) a scratch database on, e.g."
     " postgresql+psycopg://postgres@127.0.0.1:5432/postgres [default: a SQLite file].",
 )
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object on the last line.")
+@JSON_OPTION
 def api(
     clients: int,
     duration: float,
