@@ -9,7 +9,9 @@ replays one): on a multi-node local Ray that outlives the control plane, as a Ku
 does, two pipeline jobs and a SHARP sweep train while a node is SIGKILLed, a node gets Ray's
 drain notice, the control plane is SIGKILLed and started again, and PostgreSQL restarts.
 Every job and every trial ends with the losses of its plain single-process run, each step
-stored once; every acknowledged submission exists exactly once.
+stored once; every acknowledged submission exists exactly once. The node faults spare the
+node of the sweep's device: a sweep's executor does not leave a draining device yet, nor
+replace a lost one.
 
 Each fault alone, with its own finer assertions, is tested where it lives: a node SIGKILLed
 or drained mid-run (test_elastic.py), the control plane SIGKILLed and restarted
