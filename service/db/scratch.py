@@ -3,9 +3,19 @@ and dropped after it."""
 
 from __future__ import annotations
 
+import re
 import uuid
 
 import sqlalchemy as sa
+
+_NAME = re.compile(r"[a-z_][a-z0-9_]{0,62}")
+"""A scratch database's name: an identifier (SQL cannot bind one), so nothing else is let in."""
+
+
+def _checked(name: str | None) -> str:
+    if name is None or not _NAME.fullmatch(name):
+        raise ValueError(f"{name!r} is not a scratch database's name (lowercase identifier)")
+    return name
 
 
 def _server(server_url: str) -> sa.Engine:
@@ -16,7 +26,7 @@ def create_database(server_url: str, prefix: str) -> str:
     """A new, empty database named ``prefix`` and a random suffix, on the PostgreSQL server
     that ``server_url`` (any of its databases) reaches; its URL. Raises
     ``sqlalchemy.exc.OperationalError`` when the server cannot be reached."""
-    name = f"{prefix}_{uuid.uuid4().hex[:10]}"
+    name = _checked(f"{prefix}_{uuid.uuid4().hex[:10]}")
     server = _server(server_url)
     try:
         with server.connect() as conn:
@@ -29,7 +39,7 @@ def create_database(server_url: str, prefix: str) -> str:
 def drop_database(server_url: str, url: str) -> None:
     """Drop the database at ``url`` (made by ``create_database`` on ``server_url``'s server),
     ending every connection to it first."""
-    name = sa.engine.make_url(url).database
+    name = _checked(sa.engine.make_url(url).database)
     server = _server(server_url)
     try:
         with server.connect() as conn:

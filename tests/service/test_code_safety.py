@@ -13,9 +13,10 @@ pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).parents[2]
 PACKAGES = ("api", "service", "scheduler", "workers")
-SCRATCH_DATABASES = {"service/api_bench.py"}
-"""Benchmarks that create and drop a scratch database: its name, made by the bench from a
-random hex string, is an identifier (which SQL cannot bind), never input."""
+SCRATCH_DATABASES = {"service/db/scratch.py"}
+"""The maker of scratch databases (benchmarks, tests): a database's name, made from a fixed
+prefix and a random hex string and checked to be an identifier (which SQL cannot bind), is
+never input."""
 
 
 def modules() -> list[Path]:
