@@ -389,7 +389,7 @@ class LocalRay:
         """Stop every node with SIGKILL (its process group, then whatever of its session is
         left). Idempotent. The whole cluster goes, its work with it: Ray's own answer to a
         SIGTERM, draining the node for up to 30 s until no work is left on it, would only
-        wait (measured: 12 s to stop an idle 2-node cluster, against about 1 s now).
+        wait (measured: `shoal up` on an idle 2-node cluster took 12.3 s to stop, now 2.2 s).
 
         A node leaves the list only once its session is gone, so a stop cut short (a second
         Ctrl-C) is finished by the one registered for exit.
