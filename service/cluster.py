@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from scheduler.devices import Device, NodeInfo
 from scheduler.types import JobId
 from workers.snapshot import JobSnapshot, RunnerReport, StagePlan
+
+if TYPE_CHECKING:
+    from workers.shard_pool import PoolFactory
 
 
 class RunnerGone(RuntimeError):
@@ -55,6 +58,10 @@ class Cluster(Protocol):
     def poll_trial(self, sweep_id: str, job_id: JobId, cursor: int) -> RunnerReport: ...
 
     def cancel_trial(self, sweep_id: str, job_id: JobId) -> None: ...
+
+    def suspend_trial(self, sweep_id: str, job_id: JobId) -> None:
+        """Ask the executor to checkpoint the trial at its next step boundary and end it."""
+        ...
 
     def close_pool(self, sweep_id: str) -> None:
         """No more trials: the executor ends once its trials have (and is then stopped)."""
@@ -162,6 +169,9 @@ class RayCluster:
     def cancel_trial(self, sweep_id: str, job_id: JobId) -> None:
         self._pool_call(sweep_id, "cancel", job_id)
 
+    def suspend_trial(self, sweep_id: str, job_id: JobId) -> None:
+        self._pool_call(sweep_id, "suspend", job_id)
+
     def close_pool(self, sweep_id: str) -> None:
         from workers.launch import kill_pool
 
@@ -184,10 +194,13 @@ class InProcessCluster:
     controller's contract tests run against it and against ``RayCluster`` alike.
     """
 
-    def __init__(self, nodes: Sequence[NodeInfo]) -> None:
+    def __init__(self, nodes: Sequence[NodeInfo], make_pool: PoolFactory | None = None) -> None:
         from workers.runner import JobRunner
+        from workers.shard_pool import LocalPool
 
         self._nodes = list(nodes)
+        self._make_pool: PoolFactory = make_pool or LocalPool
+        """The sweeps' executors' device workers: threads of this process."""
         self._runners: dict[JobId, JobRunner] = {}
         self._threads: dict[JobId, threading.Thread] = {}
         self._pools: dict[str, Any] = {}
@@ -233,13 +246,12 @@ class InProcessCluster:
         self._runner(job_id).relayout(plans, split)
 
     def start_pool(self, sweep_id: str, devices: Sequence[Device], policy: str) -> None:
-        from workers.shard_pool import LocalPool
         from workers.sweep_executor import SweepExecutor
 
         with self._lock:
             if sweep_id in self._pools:
                 return
-            pool = SweepExecutor(devices, LocalPool, policy)
+            pool = SweepExecutor(devices, self._make_pool, policy)
             self._pools[sweep_id] = pool
         threading.Thread(target=pool.run, name=f"sweep-{sweep_id[:8]}", daemon=True).start()
 
@@ -263,6 +275,9 @@ class InProcessCluster:
 
     def cancel_trial(self, sweep_id: str, job_id: JobId) -> None:
         self._pool(sweep_id).cancel(job_id)
+
+    def suspend_trial(self, sweep_id: str, job_id: JobId) -> None:
+        self._pool(sweep_id).suspend(job_id)
 
     def close_pool(self, sweep_id: str) -> None:
         with self._lock:

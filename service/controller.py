@@ -158,10 +158,7 @@ class Controller:
             else:
                 report = self._cluster.poll_trial(pool, job_id, cursor)
         except RunnerGone as exc:
-            if pool is None:
-                self._runner_lost(job_id, str(exc), devices)
-            else:  # a trial is not moved to another executor: the sweep goes on without it
-                self._finish(job_id, JobState.FAILED, str(exc), error=str(exc))
+            self._runner_lost(job_id, str(exc), devices)
             return
         except ClusterUnavailable as exc:
             log.warning("%s", exc)
@@ -174,10 +171,7 @@ class Controller:
             _follow_recovery(session, job, report)
         if any(e.kind == "relayout" for e in report.events):
             self._resizing.pop(job_id, None)
-        if report.status is RunStatus.LOST and pool is not None:
-            reason = f"lost a device of its sweep's executor: {report.error}"
-            self._finish(job_id, JobState.FAILED, reason, error=reason)
-        elif report.status is RunStatus.LOST:
+        if report.status is RunStatus.LOST:
             reason = report.error or f"lost devices {list(report.lost_devices)}"
             self._recover(job_id, reason, report.lost_devices, devices)
         elif report.status is RunStatus.SUSPENDED:
@@ -210,14 +204,17 @@ class Controller:
         self._resizing.pop(job_id, None)
         with transaction(self._factory) as session:
             job = session.get(Job, job_id)
-            if job is not None and job.state in _ACTIVE:
-                transition(
-                    session,
-                    job,
-                    JobState.QUEUED,
-                    f"suspended at step {step} (checkpointed); waiting for devices",
-                    devices=[],
-                )
+            if job is None or job.state not in _ACTIVE:
+                return
+            transition(
+                session,
+                job,
+                JobState.QUEUED,
+                f"suspended at step {step} (checkpointed); waiting for devices",
+                devices=[],
+            )
+            if job.pool is not None:  # its sweep's executor takes it again (service.sweeper)
+                return
         self._cluster.stop_runner(job_id)
 
     # ------------------------------------------------------------------ lost devices
@@ -244,7 +241,9 @@ class Controller:
         """A stage's device or the runner is gone: the job turns RECOVERING, its runner (and
         every stage worker with it) is stopped, and it is placed again on the devices that
         remain, its own among them, resuming from its latest checkpoint on the new layout;
-        with too few devices for ``min_devices`` it waits QUEUED for devices to return."""
+        with too few devices for ``min_devices`` it waits QUEUED for devices to return.
+        A sweep's trial whose executor lost it waits QUEUED for its sweep's executor to take
+        it again, on the devices the sweep has then (``service.sweeper``)."""
         lost = sorted(lost_devices)
         with transaction(self._factory) as session:
             job = session.get(Job, job_id)
@@ -270,6 +269,10 @@ class Controller:
                     "steps_replayed": job.step - resume_step,
                 },
             )
+            if job.pool is not None:
+                why = f"waiting for its sweep's executor: {reason}"
+                transition(session, job, JobState.QUEUED, why, devices=[])
+                return
             request = job_request(job)
             held = held_devices(session, exclude=job_id) | draining_devices(session)
         self._cluster.stop_runner(job_id)

@@ -5,8 +5,11 @@ For every active sweep it reports each running trial's objective to the sweep's 
 stops (PRUNED), tells the study how finished trials ended, starts new trials — each a job of
 its own, with the base spec and the sampled parameters, placed like any job — up to
 ``max_concurrent`` at once and ``max_trials`` in all, keeps only the best trials'
-checkpoints, and ends the sweep when its last trial has ended. Cancelling a sweep cancels its
-trials. It writes only what the control plane writes: jobs, trials, sweeps.
+checkpoints, and ends the sweep when its last trial has ended. Cancelling a sweep cancels
+its trials. A sweep on its own SHARP executor leaves draining devices with its trials (they
+checkpoint, the executor is placed again, and they resume there), goes on on the devices
+left when it loses some, and is placed again when it has lost them all. It writes only what
+the control plane writes: jobs, trials, sweeps.
 """
 
 from __future__ import annotations
@@ -24,7 +27,13 @@ from service.auth import Principal
 from service.cluster import Cluster, ClusterUnavailable, RunnerGone
 from service.db.models import Checkpoint, Job, JobMetric, Sweep, Trial, utcnow
 from service.db.session import SessionFactory, transaction
-from service.holdings import draining_devices, held_devices, quotas, usage_by_owner
+from service.holdings import (
+    ACTIVE_JOBS,
+    draining_devices,
+    held_devices,
+    quotas,
+    usage_by_owner,
+)
 from service.jobs import add_event, add_job, transition
 from service.lifecycle import JobState
 from service.snapshots import build_snapshot
@@ -55,6 +64,8 @@ class Sweeper:
         self._store = CheckpointStore(checkpoint_root)
         self._allowed = tuple(allowed_factories)
         self._tuners: dict[str, Tuner] = {}
+        self._suspended: set[str] = set()
+        """Trials asked to suspend while their sweep leaves its devices (asked once)."""
 
     def reconcile_once(self, devices: Sequence[Device]) -> None:
         """One tick over every active sweep; ``devices`` is the live inventory."""
@@ -91,8 +102,10 @@ class Sweeper:
                     self._close(sweep, JobState.CANCELLED, "cancelled")
                 return
             self._drop_checkpoints(session, spec, trials)
-            if spec.executor == "sharp" and not self._pool(session, sweep, spec, devices):
-                return  # waiting for devices
+            if spec.executor == "sharp":
+                if not self._pool(session, sweep, spec, trials, devices):
+                    return  # moving, or waiting for devices
+                self._resume(session, sweep, trials, devices)
             self._launch(session, tuner, spec, sweep, trials, devices)
             if len(trials) >= sweep.max_trials and all(t.told for t in trials):
                 done = [t for t in trials if t.objective is not None and not t.pruned]
@@ -109,15 +122,37 @@ class Sweeper:
             sweep.devices = []
 
     def _pool(
-        self, session: Session, sweep: Sweep, spec: SweepSpec, devices: Sequence[Device]
+        self,
+        session: Session,
+        sweep: Sweep,
+        spec: SweepSpec,
+        trials: Sequence[Trial],
+        devices: Sequence[Device],
     ) -> bool:
         """The sweep's SHARP executor runs on its devices (placed now if it has none);
-        False while no devices are free for it."""
+        False while it leaves devices that are draining or all lost, or no devices are free
+        for it. With some of its devices lost it goes on on the others (the executor moved
+        their shards there)."""
         if sweep.devices:
             by_id = {d.id: d for d in devices}
-            held = [by_id[i] for i in sweep.devices if i in by_id]
-            if len(held) == len(sweep.devices) and not self._cluster.has_pool(sweep.id):
-                self._cluster.start_pool(sweep.id, held, "lrtf")  # the control plane restarted
+            draining = draining_devices(session)
+            live = [i for i in sweep.devices if i in by_id]
+            leaving = [i for i in sweep.devices if i in draining or not live]
+            if leaving:
+                self._leave(session, sweep, trials, leaving)
+                return False
+            if len(live) < len(sweep.devices):
+                lost = sorted(set(sweep.devices) - set(live))
+                log.info(
+                    "sweep %s: lost %s, goes on on %s",
+                    sweep.id,
+                    ", ".join(lost),
+                    ", ".join(live),
+                    extra={"sweep_id": sweep.id},
+                )
+                sweep.devices = live
+            if not self._cluster.has_pool(sweep.id):  # the control plane restarted
+                self._cluster.start_pool(sweep.id, [by_id[i] for i in live], "lrtf")
             return True
         busy = held_devices(session) | draining_devices(session)
         free = [d for d in devices if d.id not in busy]
@@ -132,6 +167,58 @@ class Sweeper:
         self._cluster.start_pool(sweep.id, chosen, "lrtf")
         sweep.devices = [d.id for d in chosen]
         return True
+
+    def _leave(
+        self, session: Session, sweep: Sweep, trials: Sequence[Trial], leaving: Sequence[str]
+    ) -> None:
+        """Some of the sweep's devices are draining (a preemption notice), or all are lost:
+        each of its running trials checkpoints at its next step boundary and waits QUEUED
+        (the controller requeues a trial its executor reports SUSPENDED, or LOST once no
+        device is left, from its latest checkpoint); once none runs, the executor stops and
+        the sweep is placed again, on free devices, where its trials resume (``_resume``)."""
+        running = [t.job for t in trials if t.job.state in ACTIVE_JOBS]
+        for job in running:
+            if job.id in self._suspended:
+                continue
+            try:
+                self._cluster.suspend_trial(sweep.id, job.id)
+            except RunnerGone:  # the controller requeues a trial whose executor is gone
+                continue
+            self._suspended.add(job.id)
+            add_event(
+                session,
+                job.id,
+                "suspend",
+                f"its sweep's devices {list(leaving)} are draining or lost: checkpointing at"
+                " the next step boundary, then moving with the sweep",
+                {"draining": list(leaving)},
+            )
+        if running:
+            return
+        log.info(
+            "sweep %s: leaving devices %s",
+            sweep.id,
+            ", ".join(leaving),
+            extra={"sweep_id": sweep.id},
+        )
+        self._cluster.close_pool(sweep.id)
+        sweep.devices = []
+        self._suspended -= {t.job_id for t in trials}
+
+    def _resume(
+        self, session: Session, sweep: Sweep, trials: Sequence[Trial], devices: Sequence[Device]
+    ) -> None:
+        """Hand the trials waiting QUEUED for the sweep's executor (suspended to move, or
+        lost with a device) back to it: each resumes from its latest checkpoint."""
+        for trial in trials:
+            job = trial.job
+            if job.state != JobState.QUEUED.value or job.pool != sweep.id:
+                continue
+            self._suspended.discard(job.id)
+            if job.cancel_requested:  # pruned or cancelled while it was moving
+                transition(session, job, JobState.CANCELLED, "cancelled while it waited")
+            else:
+                self._start_trial(session, sweep, job, devices)
 
     def _tuner(
         self, session: Session, sweep: Sweep, spec: SweepSpec, trials: Sequence[Trial]
@@ -225,7 +312,8 @@ class Sweeper:
     def _start_trial(
         self, session: Session, sweep: Sweep, job: Job, devices: Sequence[Device]
     ) -> None:
-        """Hand a new trial's job to the sweep's executor: RUNNING on the sweep's devices."""
+        """Hand a trial's job to the sweep's executor: RUNNING on the sweep's devices, from
+        its latest checkpoint if it has one."""
         by_id = {d.id: d for d in devices}
         pool = [by_id[i] for i in sweep.devices if i in by_id]
         transition(
@@ -236,6 +324,7 @@ class Sweeper:
             pool=sweep.id,
             devices=list(sweep.devices),
             attempt=job.attempt + 1,
+            runner_cursor=0,
             started_at=utcnow(),
         )
         snapshot = build_snapshot(

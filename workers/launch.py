@@ -12,7 +12,7 @@ models.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import ray
@@ -114,10 +114,9 @@ def start_pool(sweep_id: str, devices: Sequence[Device], policy: str) -> ActorHa
     return pool
 
 
-def kill_pool(sweep_id: str) -> None:
-    pool = find_pool(sweep_id)
-    if pool is not None:
-        ray.kill(pool, no_restart=True)
+def kill_pool(sweep_id: str) -> bool:
+    """Kill the sweep's executor (and so its shard workers); False if there was none."""
+    return _kill_named(lambda: find_pool(sweep_id))
 
 
 def _head_node_id() -> str:
@@ -133,18 +132,24 @@ HEAD_RESOURCE = "node:__internal_head__"
 """The resource Ray gives only the head node."""
 
 
-def kill_runner(job_id: JobId, *, wait_s: float = 30.0) -> bool:
-    """Kill the job's runner (and so its stage workers); False if there was none.
+def kill_runner(job_id: JobId) -> bool:
+    """Kill the job's runner (and so its stage workers); False if there was none."""
+    return _kill_named(lambda: find_runner(job_id))
+
+
+def _kill_named(find: Callable[[], ActorHandle[Any] | None], wait_s: float = 30.0) -> bool:
+    """Kill the named actor ``find`` returns; False if there is none.
 
     ``ray.kill`` is asynchronous: this waits (up to ``wait_s``) until the name is free, so
-    a runner started for the job's next attempt is a new actor, not the dying one.
+    an actor started under it next (a job's next attempt, a sweep's executor on new
+    devices) is a new actor, not the dying one.
     """
-    runner = find_runner(job_id)
-    if runner is None:
+    actor = find()
+    if actor is None:
         return False
-    ray.kill(runner, no_restart=True)
+    ray.kill(actor, no_restart=True)
     deadline = time.monotonic() + wait_s
-    while find_runner(job_id) is not None and time.monotonic() < deadline:
+    while find() is not None and time.monotonic() < deadline:
         time.sleep(0.05)
     return True
 

@@ -83,10 +83,14 @@ class _Model:
     """Tasks done when it was placed; while ``done`` is still that, a lost shard is built
     again from ``origin`` (its checkpoint's block states, or None: from its seed)."""
     origin: dict[int, Any] | None = None
+    leaving: bool = False
+    """Suspended at a step boundary: its shards are dropped, its checkpoint is being written
+    and ends it SUSPENDED."""
 
     @property
     def active(self) -> bool:
-        return self.status is RunStatus.RUNNING and self.done < self.plan.tasks
+        running = self.status is RunStatus.RUNNING and not self.leaving
+        return running and self.done < self.plan.tasks
 
     @property
     def runnable(self) -> bool:
@@ -123,6 +127,8 @@ class SharpTrainer:
         self._incoming: list[JobSnapshot] = []
         self._stopping: dict[str, tuple[RunStatus, str | None]] = {}
         """Models to end, with how, once they have no task in flight."""
+        self._suspending: set[str] = set()
+        """Models to checkpoint and end SUSPENDED at their next step boundary."""
         self._open = keep_open
         self._wakeup = threading.Event()
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="sharp-checkpoints")
@@ -143,19 +149,28 @@ class SharpTrainer:
     # ---------------------------------------------------------------- thread-safe API
 
     def add(self, snap: JobSnapshot) -> None:
-        """Train ``snap`` too, from now on (a sweep's new trial)."""
+        """Train ``snap`` too, from now on (a sweep's new trial, or one that ended here
+        LOST or SUSPENDED and starts again from its latest checkpoint)."""
         if not snap.block_costs:
             raise ValueError(f"model {snap.job_id} has no block costs to cut its shards by")
         with self._lock:
-            known = {s.job_id for s in self._incoming} | set(self._models)
-            if snap.job_id in known:
+            training = {j for j, m in self._models.items() if m.status is RunStatus.RUNNING}
+            if snap.job_id in training | {s.job_id for s in self._incoming}:
                 raise ValueError(f"model {snap.job_id} is already trained here")
+            self._suspending.discard(snap.job_id)  # requests to the run that ended
+            self._stopping.pop(snap.job_id, None)
             self._incoming.append(snap)
         self._wakeup.set()
 
     def cancel(self, job_id: str) -> None:
         """Stop training ``job_id`` once its task in flight is done (CANCELLED)."""
         self._stop(job_id, RunStatus.CANCELLED, None)
+
+    def suspend(self, job_id: str) -> None:
+        """Checkpoint ``job_id`` at its next step boundary and end it there (SUSPENDED): it
+        resumes from that checkpoint wherever it is added next, replaying nothing."""
+        with self._lock:
+            self._suspending.add(job_id)
 
     def _stop(self, job_id: str, status: RunStatus, error: str | None) -> None:
         with self._lock:
@@ -176,6 +191,7 @@ class SharpTrainer:
             if model is None:
                 return RunnerReport(RunStatus.RUNNING, 0, 0, (), (), None)
             news = model.log[max(0, cursor) :]
+            lost = model.status is RunStatus.LOST
             return RunnerReport(
                 status=model.status,
                 cursor=len(model.log),
@@ -183,6 +199,9 @@ class SharpTrainer:
                 metrics=tuple(m for m in news if isinstance(m, StepMetrics)),
                 events=tuple(e for e in news if isinstance(e, RunnerEvent)),
                 error=model.error,
+                lost_devices=tuple(
+                    self._devices[h].id for h in sorted(set(model.homes) & self._dead) if lost
+                ),
             )
 
     def _record(self, model: _Model, item: StepMetrics | RunnerEvent) -> None:
@@ -464,7 +483,9 @@ class SharpTrainer:
         snap = model.snap
         elapsed = self._clock() - model.step_started
         every = snap.checkpoint_every
-        due = step == snap.steps or (every > 0 and step % every == 0)
+        with self._lock:
+            leave = snap.job_id in self._suspending and step < snap.steps
+        due = leave or step == snap.steps or (every > 0 and step % every == 0)
         blocks: dict[int, Any] = {}
         if due or snap.keep_copies:
             try:
@@ -487,9 +508,13 @@ class SharpTrainer:
                 stages=(),
             ),
         )
+        if leave:
+            model.leaving = True
+            with self._lock:
+                self._suspending.discard(snap.job_id)
         if due:
             self._checkpoint(model, step, blocks)
-        if step == snap.steps:
+        if step == snap.steps or leave:
             self._drop(pool, model)  # it ends once its last checkpoint is written
 
     def _gather(self, pool: HostPool, model: _Model) -> dict[int, Any]:
@@ -507,7 +532,7 @@ class SharpTrainer:
     def _checkpoint(self, model: _Model, step: int, blocks: dict[int, Any]) -> None:
         """Write ``model``'s checkpoint of ``step`` in the writer thread while the devices
         train on (a file of the whole model's state takes seconds); its last one ends it
-        SUCCEEDED, or FAILED if it cannot be written."""
+        SUCCEEDED (SUSPENDED if it is leaving), or FAILED if it cannot be written."""
         stages = [
             {
                 "index": s.index,
@@ -522,7 +547,8 @@ class SharpTrainer:
     def _write(
         self, model: _Model, step: int, blocks: dict[int, Any], stages: list[dict[str, Any]]
     ) -> None:
-        snap, last = model.snap, step == model.snap.steps
+        snap = model.snap
+        last = step == snap.steps or model.leaving
         try:
             store = CheckpointStore(snap.checkpoint_root)
             event = write_checkpoint(store, snap, step, blocks, stages, (snap.micro_batches,))
@@ -534,7 +560,11 @@ class SharpTrainer:
                 self._stop(snap.job_id, RunStatus.FAILED, reason)
             return
         self._record(model, event)
-        if last:
+        if model.leaving:
+            message = f"suspended at step {step}, checkpointed: resumes from there"
+            self._record(model, RunnerEvent("suspended", step, message, {"step": step}))
+            self._end(model, RunStatus.SUSPENDED)
+        elif last:
             self._end(model, RunStatus.SUCCEEDED)
 
     # ------------------------------------------------------------------- lost devices
@@ -568,6 +598,7 @@ class SharpTrainer:
         if copy is None or not live:
             why = "no copy was kept (keep_copies is off)" if live else "no device is left"
             self._end(model, RunStatus.LOST, f"{reason}; {why}")
+            self._drop(pool, model)  # its shards on the devices left
             return
         step, blocks = copy
         job_id = model.snap.job_id

@@ -2,7 +2,8 @@
 
 ``workers.launch`` runs ``SweepExecutor`` as a detached, threaded Ray actor named after the
 sweep (an in-process cluster runs it on a thread): ``run`` trains on one thread while the
-others add trials, cancel pruned ones, and answer polls; ``close`` lets it end.
+others add trials, cancel pruned ones, suspend those leaving with the sweep for other
+devices, and answer polls; ``close`` lets it end.
 """
 
 from __future__ import annotations
@@ -49,6 +50,9 @@ class SweepExecutor:
 
     def cancel(self, job_id: str) -> None:
         self._trainer.cancel(job_id)
+
+    def suspend(self, job_id: str) -> None:
+        self._trainer.suspend(job_id)
 
     def close(self) -> None:
         self._trainer.close()

@@ -9,13 +9,13 @@ replays one): on a multi-node local Ray that outlives the control plane, as a Ku
 does, two pipeline jobs and a SHARP sweep train while a node is SIGKILLed, a node gets Ray's
 drain notice, the control plane is SIGKILLed and started again, and PostgreSQL restarts.
 Every job and every trial ends with the losses of its plain single-process run, each step
-stored once; every acknowledged submission exists exactly once. The node faults spare the
-node of the sweep's device: a sweep's executor does not leave a draining device yet, nor
-replace a lost one.
+stored once; every acknowledged submission exists exactly once. The node faults strike a
+node holding the most of the jobs' and the sweep's devices.
 
 Each fault alone, with its own finer assertions, is tested where it lives: a node SIGKILLed
 or drained mid-run (test_elastic.py), the control plane SIGKILLed and restarted
-(test_shoal_up.py), a device lost under a sweep (test_sweeps.py).
+(test_shoal_up.py), a device lost under a sweep (test_sweeps.py), a sweep leaving a
+draining or lost node (tests/service/test_sweeper.py).
 """
 
 from __future__ import annotations
@@ -227,21 +227,26 @@ class Chaos:
         self.wait(moved, f"{', '.join(names)} to train {PROGRESS_STEPS} more steps")
 
     def target(self, names: Sequence[str]) -> tuple[str, str]:
-        """A random device of a running job among ``names``, on a node that is not the head
-        and holds none of the sweep's devices: (job, device). (A sweep's executor does not
-        leave a draining device; a lost one it does not replace: test_sweeps.py.)"""
+        """A random device, not the head's, of a running job among ``names`` or of the
+        sweep, on a node holding as many of them as any: (what it strikes, device)."""
         devices = {d["id"]: d for d in self.devices()}
         jobs, trials = self.jobs(), self.trials()
-        swept = {devices[d]["node_id"] for j in jobs if j["id"] in trials for d in j["devices"]}
-        held = [
-            (j["name"], d)
-            for j in jobs
-            if j["name"] in names and j["state"] == "RUNNING"
-            for d in j["devices"]
-            if devices[d]["kind"] != "cpu-a" and devices[d]["node_id"] not in swept
-        ]
+        struck: dict[str, set[str]] = {}  # node -> the pipelines and the sweep it holds
+        held = []
+        for job in jobs:
+            if job["state"] not in ACTIVE or not (job["name"] in names or job["id"] in trials):
+                continue
+            what = "the sweep" if job["id"] in trials else job["name"]
+            for device_id in job["devices"]:
+                if devices[device_id]["kind"] != "cpu-a":
+                    struck.setdefault(devices[device_id]["node_id"], set()).add(what)
+                    held.append(device_id)
         assert held, f"no running job holds a device a fault may hit\n{self.where()}"
-        return self.rng.choice(sorted(held))
+        most = max(len(s) for s in struck.values())
+        device_id = self.rng.choice(
+            sorted(d for d in held if len(struck[devices[d]["node_id"]]) == most)
+        )
+        return " and ".join(sorted(struck[devices[device_id]["node_id"]])), device_id
 
     def replace_node(self) -> None:
         """A new machine joins, as the autoscaler sends one for a lost node."""
@@ -249,20 +254,21 @@ class Chaos:
         self.ray.add_node(parse_devices(f"2xcpu-{chr(ord('c') + self._joined)}:2048")[0])
 
     def kill_node(self, names: Sequence[str]) -> None:
-        job, device_id = self.target(names)
+        what, device_id = self.target(names)
         kind = self.device(device_id)["kind"]
-        self.log.append(f"SIGKILL node {kind} (holding {job}'s {device_id})")
+        self.log.append(f"SIGKILL node {kind} (holding devices of {what})")
         self.ray.kill_node(self.ray.kinds.index(kind))
         self.replace_node()
 
     def drain_node(self, names: Sequence[str]) -> None:
         """Ray's drain notice (a spot preemption) for a node holding a running job's device:
         the jobs leave it at a step boundary (to free devices, or checkpointed to wait
-        QUEUED); then it goes (the notice's deadline) and a new node joins."""
-        job, device_id = self.target(names)
+        QUEUED), and so do the sweep's trials, checkpointed, with their executor; then it
+        goes (the notice's deadline) and a new node joins."""
+        what, device_id = self.target(names)
         node_id = self.device(device_id)["node_id"]
         on_node = {d["id"]: d["kind"] for d in self.devices() if d["node_id"] == node_id}
-        self.log.append(f"drain node of {sorted(on_node)} (holding {job}'s {device_id})")
+        self.log.append(f"drain node of {sorted(on_node)} (holding devices of {what})")
         ray_cli(
             self.shoal,
             "drain-node",

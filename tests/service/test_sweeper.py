@@ -1,24 +1,31 @@
 """Sweeps end to end through the controller, on a real database (SQLite and PostgreSQL),
 with in-process runners: trials are jobs, Optuna samples and prunes, the best checkpoints
-stay, a cancel reaches every trial, and a restarted control plane carries a sweep on."""
+stay, a cancel reaches every trial, a restarted control plane carries a sweep on, and a
+sweep leaves a draining or lost node with its trials."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
 
+from scheduler.devices import DEVICE_RESOURCE, Device, NodeInfo
 from service.auth import Principal
 from service.cluster import InProcessCluster
 from service.controller import Controller
-from service.db.models import Checkpoint, JobEvent, JobMetric, Sweep, Trial, User
+from service.db.models import Checkpoint, DeviceRow, JobEvent, JobMetric, Sweep, Trial, User
 from service.db.session import SessionFactory, transaction
 from service.sweeps import list_trials, request_cancel, submit_sweep, trial_state
 from service.sweepspec import validate_sweep_spec
 from tests.factories import sweep_spec
 from tests.service.test_controller import NODES, make_controller, owner, reconcile_until
 from workers.reference import train_reference
+from workers.shard_pool import HostLost, LocalPool, _Local
 from workers.snapshot import DataRef, ModelRef, OptimizerConf
 
 pytestmark = pytest.mark.integration
@@ -164,3 +171,158 @@ def test_a_restarted_control_plane_carries_the_sweep_on(
     assert sweep.state == "SUCCEEDED"
     assert [t.number for t in trials] == list(range(6))
     assert all(trial_state(t) == "SUCCEEDED" and t.objective is not None for t in trials)
+
+
+class TwoNodes(InProcessCluster):
+    """In-process executors on two nodes of two devices. Ray drains the nodes in
+    ``drained``; the nodes in ``gone`` have left, and their devices fail every call."""
+
+    def __init__(self) -> None:
+        self.drained: set[str] = set()
+        self.gone: set[str] = set()
+        super().__init__(
+            [NodeInfo(c * 56, True, {DEVICE_RESOURCE: 2.0}, NODES[0].labels) for c in "ab"],
+            make_pool=lambda devices, budgets: VanishingPool(devices, budgets, self.gone),
+        )
+
+    def nodes(self) -> list[NodeInfo]:
+        return [
+            replace(n, draining=n.node_id in self.drained)
+            for n in super().nodes()
+            if n.node_id not in self.gone
+        ]
+
+
+class VanishingPool(LocalPool):
+    def __init__(self, devices: Sequence[Device], budgets: Any, gone: set[str]) -> None:
+        super().__init__(devices, budgets)
+        self._gone = gone
+
+    def submit(self, host: int, method: str, *args: Any) -> Any:
+        device = self.devices[host]
+        if device.node_id not in self._gone:
+            return super().submit(host, method, *args)
+        failed: Future[Any] = Future()
+        failed.set_exception(HostLost(device.id, "its node left the cluster"))
+        return _Local(host, method, failed)
+
+
+def long_sweep(factory: SessionFactory, who: Principal) -> tuple[str, dict[str, object]]:
+    """Three trials, two at a time on the sweep's two devices, long enough to be moved."""
+    base = {**sweep_spec()["base"], "steps": 120, "checkpoint": {"every_steps": 20, "keep": 2}}
+    return submit(
+        factory,
+        who,
+        executor="sharp",
+        devices=2,
+        max_trials=3,
+        max_concurrent=2,
+        early_stopping={"rule": "none"},
+        base=base,
+    )
+
+
+def trial_history(factory: SessionFactory, job_id: str) -> tuple[list[str], list[JobEvent]]:
+    with factory() as session:
+        history = list(
+            session.scalars(
+                sa.select(JobEvent).where(JobEvent.job_id == job_id).order_by(JobEvent.id)
+            )
+        )
+    return [e.data["to"] for e in history if e.kind == "state"], history
+
+
+def assert_exact(factory: SessionFactory, spec: dict[str, object], trial: Trial) -> None:
+    """Every step stored once, with the losses of the trial's plain single-process run."""
+    with factory() as session:
+        metrics = session.execute(
+            sa.select(JobMetric.step, JobMetric.loss)
+            .where(JobMetric.job_id == trial.job_id)
+            .order_by(JobMetric.step)
+        ).all()
+    alone = standalone_losses(spec, trial.params["optimizer.lr"])
+    assert [step for step, _ in metrics] == list(range(1, len(alone) + 1))
+    assert [loss for _, loss in metrics] == pytest.approx(alone, rel=1e-5, abs=1e-6)
+
+
+def node_devices(factory: SessionFactory, node: str) -> set[str]:
+    with factory() as session:
+        return set(session.scalars(sa.select(DeviceRow.id).where(DeviceRow.node_id == node)))
+
+
+def start_moving(controller: Controller, factory: SessionFactory, sweep_id: str, past: int) -> str:
+    """Once two trials are past step ``past``: the node the sweep's devices are on."""
+    reconcile_until(
+        controller,
+        lambda: sum(t.job.step >= past for t in sweep_of(factory, sweep_id)[1]) == 2,
+        timeout=120,
+    )
+    held = sweep_of(factory, sweep_id)[0].devices
+    with factory() as session:
+        rows = session.scalars(sa.select(DeviceRow).where(DeviceRow.id.in_(held)))
+        (node,) = {row.node_id for row in rows}
+    return node
+
+
+def test_a_sweep_leaves_a_draining_node_and_its_trials_lose_no_step(
+    session_factory: SessionFactory, alice: Principal, tmp_path: Path
+) -> None:
+    """Ray's preemption notice for the node of the sweep's devices: its running trials
+    checkpoint at their next step boundary, the executor is placed on the other node, and
+    they resume there from those checkpoints, replaying nothing."""
+    cluster = TwoNodes()
+    controller = make_controller(session_factory, cluster, tmp_path)
+    sweep_id, spec = long_sweep(session_factory, alice)
+    node = start_moving(controller, session_factory, sweep_id, past=5)
+    cluster.drained.add(node)
+    reconcile_until(controller, lambda: ended(session_factory, sweep_id), timeout=240)
+
+    sweep, trials = sweep_of(session_factory, sweep_id)
+    assert sweep.state == "SUCCEEDED" and [trial_state(t) for t in trials] == ["SUCCEEDED"] * 3
+    drained = node_devices(session_factory, node)
+    moved = 0
+    for trial in trials:
+        assert_exact(session_factory, spec, trial)
+        states, history = trial_history(session_factory, trial.job_id)
+        assert not [e for e in history if e.kind == "device_lost"]
+        if "QUEUED" in states[1:]:
+            moved += 1
+            assert states[-4:] == ["RUNNING", "QUEUED", "RUNNING", "SUCCEEDED"]
+            (suspended,) = [e for e in history if e.kind == "suspended"]
+            (resumed,) = [e for e in history if e.kind == "resumed"]
+            assert resumed.data["step"] == suspended.data["step"]
+            assert resumed.data["steps_replayed"] == 0
+        assert trial.job.devices and not set(trial.job.devices) & drained
+    assert moved == 2  # the two running at the notice; the third started after the move
+
+
+def test_a_sweep_that_lost_every_device_resumes_its_trials_elsewhere_from_checkpoints(
+    session_factory: SessionFactory, alice: Principal, tmp_path: Path
+) -> None:
+    """The node of both of the sweep's devices leaves: no device holds the trials' shards
+    or their in-memory copies, so they wait QUEUED, and the sweep's executor, placed again
+    on the other node, resumes each from its latest checkpoint; the steps since then are
+    trained again and stored once."""
+    cluster = TwoNodes()
+    controller = make_controller(session_factory, cluster, tmp_path)
+    sweep_id, spec = long_sweep(session_factory, alice)
+    node = start_moving(controller, session_factory, sweep_id, past=25)  # a checkpoint at 20
+    cluster.gone.add(node)
+    reconcile_until(controller, lambda: ended(session_factory, sweep_id), timeout=240)
+
+    sweep, trials = sweep_of(session_factory, sweep_id)
+    gone = node_devices(session_factory, node)
+    assert sweep.state == "SUCCEEDED" and [trial_state(t) for t in trials] == ["SUCCEEDED"] * 3
+    lost = 0
+    for trial in trials:
+        assert_exact(session_factory, spec, trial)
+        states, history = trial_history(session_factory, trial.job_id)
+        losses = [e for e in history if e.kind == "device_lost"]
+        if losses:
+            lost += 1
+            (why,) = [e.message for e in history if e.data.get("to") == "RECOVERING"]
+            assert "no device is left" in why and set(losses[0].data["devices"]) <= gone
+            assert states[-4:] == ["RECOVERING", "QUEUED", "RUNNING", "SUCCEEDED"]
+            (resumed,) = [e for e in history if e.kind == "resumed"]
+            assert resumed.data["step"] == losses[-1].data["resume_step"] in (20, 40, 60, 80)
+    assert lost == 2

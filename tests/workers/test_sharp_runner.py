@@ -200,6 +200,43 @@ def test_a_running_pool_takes_new_models_cancels_others_and_ends_when_closed(
 
 
 @pytest.mark.unit
+def test_a_suspended_model_checkpoints_its_step_and_resumes_elsewhere_replaying_nothing(
+    tmp_path: Path,
+) -> None:
+    """A sweep leaving its devices: the model ends SUSPENDED at its next step boundary
+    with a checkpoint of that step (no checkpoint interval says so), the other models
+    train on, and on another executor it resumes there and ends exact."""
+    import threading
+
+    from workers.sweep_executor import SweepExecutor
+
+    runner = SweepExecutor(devices(), LocalPool)
+    thread = threading.Thread(target=runner.run)
+    thread.start()
+    moving, staying = model(tmp_path, "a", steps=30), model(tmp_path, "b", seed=9, steps=12)
+    runner.add(moving)
+    runner.add(staying)
+    while runner.poll("a", 0).step < 2:
+        thread.join(0.01)
+    runner.suspend("a")
+    runner.close()
+    thread.join(120)
+    suspended = runner.poll("a", 0)
+    assert suspended.status is RunStatus.SUSPENDED and 2 <= suspended.step < 30
+    checkpoint, said = [e for e in suspended.events if e.kind in ("checkpoint", "suspended")]
+    assert checkpoint.step == said.step == suspended.step == suspended.metrics[-1].step
+    assert runner.poll("b", 0).status is RunStatus.SUCCEEDED
+    assert_alone(staying, [m.loss for m in runner.poll("b", 0).metrics])
+
+    elsewhere = train([replace(moving, attempt=2)], LocalPool, 2**40, node="n0000000b")
+    resumed = elsewhere.report("a", 0)
+    assert [e.data["step"] for e in resumed.events if e.kind == "resumed"] == [suspended.step]
+    losses = [m.loss for m in (*suspended.metrics, *resumed.metrics)]
+    assert [m.step for m in resumed.metrics] == list(range(suspended.step + 1, 31))
+    assert_alone(moving, losses)
+
+
+@pytest.mark.unit
 def test_cancelling_a_model_that_has_ended_changes_nothing(tmp_path: Path) -> None:
     """A pruning decision may arrive after the trial's last step, while others train."""
     import threading
@@ -317,6 +354,10 @@ class PlacementLosingPool(LosingPool):
     lose_at = 1  # while the models' shards are being placed
 
 
+class LateLosingPool(LosingPool):
+    lose_at = 20  # a few steps in, after a checkpoint
+
+
 @pytest.mark.unit
 def test_a_lost_device_costs_only_the_step_under_way_and_the_math_stays_exact(
     tmp_path: Path,
@@ -395,16 +436,38 @@ def test_a_device_lost_before_a_step_is_copied_redoes_that_step_unreported(
 
 
 @pytest.mark.unit
-def test_without_copies_a_lost_device_ends_its_models_as_lost(tmp_path: Path) -> None:
-    snaps = [model(tmp_path, "a", steps=6)]
+def test_without_copies_a_lost_device_ends_its_models_as_lost_and_a_new_run_resumes_them(
+    tmp_path: Path,
+) -> None:
+    """The model ends LOST, its shards on the device left dropped; the control plane adds
+    it again (a sweep's trial requeued) and it resumes from its latest checkpoint there."""
+    import threading
+
+    snap = model(tmp_path, "a", steps=8, checkpoint_every=2)
+    pool = devices()
     trainer = SharpTrainer(
-        snaps,
-        devices(),
-        LosingPool,
-        budgets={d.id: budget_for_shards(snaps[0], 3) for d in devices()},
+        [snap],
+        pool,
+        LateLosingPool,
+        budgets={d.id: budget_for_shards(snap, 3) for d in pool},
+        keep_open=True,
     )
-    assert trainer.run() == {"a": RunStatus.LOST}
-    assert "keep_copies is off" in (trainer.report("a", 0).error or "")
+    thread = threading.Thread(target=trainer.run)
+    thread.start()
+    while trainer.report("a", 0).status is RunStatus.RUNNING:
+        thread.join(0.01)
+    lost = trainer.report("a", 0)
+    assert lost.status is RunStatus.LOST and "keep_copies is off" in (lost.error or "")
+    assert lost.lost_devices == (pool[1].id,)
+    trainer.add(replace(snap, attempt=2))
+    trainer.close()
+    thread.join(120)
+    again = trainer.report("a", 0)
+    assert again.status is RunStatus.SUCCEEDED, again.error
+    (resumed,) = [e for e in again.events if e.kind == "resumed"]
+    kept = [m for m in lost.metrics if m.step <= resumed.step]
+    assert resumed.step >= 2 and [m.step for m in again.metrics] == list(range(resumed.step + 1, 9))
+    assert_alone(snap, [m.loss for m in (*kept, *again.metrics)])
 
 
 @pytest.mark.integration
