@@ -63,6 +63,10 @@ class Cluster(Protocol):
         """Ask the executor to checkpoint the trial at its next step boundary and end it."""
         ...
 
+    def lost_pool_devices(self, sweep_id: str) -> set[str]:
+        """The devices the sweep's executor found lost (it trains on the others)."""
+        ...
+
     def close_pool(self, sweep_id: str) -> None:
         """No more trials: the executor ends once its trials have (and is then stopped)."""
         ...
@@ -172,6 +176,9 @@ class RayCluster:
     def suspend_trial(self, sweep_id: str, job_id: JobId) -> None:
         self._pool_call(sweep_id, "suspend", job_id)
 
+    def lost_pool_devices(self, sweep_id: str) -> set[str]:
+        return set(self._pool_call(sweep_id, "lost_devices"))
+
     def close_pool(self, sweep_id: str) -> None:
         from workers.launch import kill_pool
 
@@ -278,6 +285,9 @@ class InProcessCluster:
 
     def suspend_trial(self, sweep_id: str, job_id: JobId) -> None:
         self._pool(sweep_id).suspend(job_id)
+
+    def lost_pool_devices(self, sweep_id: str) -> set[str]:
+        return set(self._pool(sweep_id).lost_devices())
 
     def close_pool(self, sweep_id: str) -> None:
         with self._lock:

@@ -136,22 +136,24 @@ class Sweeper:
         if sweep.devices:
             by_id = {d.id: d for d in devices}
             draining = draining_devices(session)
-            live = [i for i in sweep.devices if i in by_id]
+            running = self._cluster.has_pool(sweep.id)
+            # Its executor may find a device lost before Ray's inventory drops it.
+            lost = self._cluster.lost_pool_devices(sweep.id) if running else set()
+            live = [i for i in sweep.devices if i in by_id and i not in lost]
             leaving = [i for i in sweep.devices if i in draining or not live]
             if leaving:
                 self._leave(session, sweep, trials, leaving)
                 return False
             if len(live) < len(sweep.devices):
-                lost = sorted(set(sweep.devices) - set(live))
                 log.info(
                     "sweep %s: lost %s, goes on on %s",
                     sweep.id,
-                    ", ".join(lost),
+                    ", ".join(sorted(set(sweep.devices) - set(live))),
                     ", ".join(live),
                     extra={"sweep_id": sweep.id},
                 )
                 sweep.devices = live
-            if not self._cluster.has_pool(sweep.id):  # the control plane restarted
+            if not running:  # the control plane restarted
                 self._cluster.start_pool(sweep.id, [by_id[i] for i in live], "lrtf")
             return True
         busy = held_devices(session) | draining_devices(session)

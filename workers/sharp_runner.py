@@ -172,6 +172,11 @@ class SharpTrainer:
         with self._lock:
             self._suspending.add(job_id)
 
+    def lost_devices(self) -> list[DeviceId]:
+        """The devices found lost; the models go on on the others."""
+        with self._lock:
+            return [self._devices[h].id for h in sorted(self._dead)]
+
     def _stop(self, job_id: str, status: RunStatus, error: str | None) -> None:
         with self._lock:
             self._stopping.setdefault(job_id, (status, error))
@@ -313,13 +318,19 @@ class SharpTrainer:
             recompute=snap.recompute,
         )
         plan = ModelPlan(snap.job_id, shards, snap.steps, len(self._models))
+        data = make_data(snap.data, snap.seed, snap.allowed_factories)
+        live = [h for h in range(len(self._devices)) if h not in self._dead]
+        if not live:  # it waits for the control plane to place the sweep again
+            model = _Model(snap, plan, data, [0] * len(shards), status=RunStatus.LOST)
+            model.error = "every device of this executor was lost; no device is left"
+            with self._lock:
+                self._models[snap.job_id] = model
+            return []
         homes = {}
         for shard in sorted(shards, key=lambda s: -(s.forward_s + s.backward_s)):
-            live = [h for h in range(len(self._load)) if h not in self._dead]
             host = min(live, key=lambda h: (self._load[h], h))
             self._load[host] += snap.steps * (shard.forward_s + shard.backward_s)
             homes[shard.index] = host
-        data = make_data(snap.data, snap.seed, snap.allowed_factories)
         model = _Model(snap, plan, data, [homes[s.index] for s in shards])
         store = CheckpointStore(snap.checkpoint_root)
         restorable = store.restorable(snap.job_id)
@@ -576,7 +587,8 @@ class SharpTrainer:
         """Device ``host`` is gone with the shards it held: every model with one there rolls
         back to its last copy (now, or once its task in flight elsewhere is done); only the
         work since that step boundary is lost."""
-        self._dead.add(host)
+        with self._lock:
+            self._dead.add(host)
         busy = self._busy_models()
         for model in list(self._models.values()):
             if not model.active or host not in model.homes:

@@ -54,6 +54,9 @@ class SweepExecutor:
     def suspend(self, job_id: str) -> None:
         self._trainer.suspend(job_id)
 
+    def lost_devices(self) -> list[str]:
+        return self._trainer.lost_devices()
+
     def close(self) -> None:
         self._trainer.close()
 

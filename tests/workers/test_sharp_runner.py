@@ -458,7 +458,7 @@ def test_without_copies_a_lost_device_ends_its_models_as_lost_and_a_new_run_resu
         thread.join(0.01)
     lost = trainer.report("a", 0)
     assert lost.status is RunStatus.LOST and "keep_copies is off" in (lost.error or "")
-    assert lost.lost_devices == (pool[1].id,)
+    assert lost.lost_devices == (pool[1].id,) and trainer.lost_devices() == [pool[1].id]
     trainer.add(replace(snap, attempt=2))
     trainer.close()
     thread.join(120)
@@ -468,6 +468,62 @@ def test_without_copies_a_lost_device_ends_its_models_as_lost_and_a_new_run_resu
     kept = [m for m in lost.metrics if m.step <= resumed.step]
     assert resumed.step >= 2 and [m.step for m in again.metrics] == list(range(resumed.step + 1, 9))
     assert_alone(snap, [m.loss for m in (*kept, *again.metrics)])
+
+
+class EveryDeviceLosingPool(LocalPool):
+    """A LocalPool whose devices are all lost at once, at its ``lose_at``-th call."""
+
+    lose_at = 20
+
+    def __init__(self, devices: Any, budgets: Any) -> None:
+        super().__init__(devices, budgets)
+        self.calls = 0
+
+    def submit(self, host: int, method: str, *args: Any) -> Any:
+        from concurrent.futures import Future
+
+        from workers.shard_pool import HostLost, _Local
+
+        self.calls += 1
+        if self.calls < self.lose_at:
+            return super().submit(host, method, *args)
+        gone: Future[Any] = Future()
+        gone.set_exception(HostLost(self.devices[host].id, "its node left"))
+        return _Local(host, method, gone)
+
+
+@pytest.mark.unit
+def test_with_every_device_lost_models_end_lost_and_new_ones_too_while_the_executor_waits(
+    tmp_path: Path,
+) -> None:
+    """Nothing is left to train on: each model ends LOST (the control plane requeues it
+    and moves the sweep), a model added meanwhile too, and the executor ends when closed."""
+    import threading
+
+    snap = model(tmp_path, "a", steps=30, keep_copies=True)
+    pool = devices()
+    trainer = SharpTrainer(
+        [snap],
+        pool,
+        EveryDeviceLosingPool,
+        budgets={d.id: budget_for_shards(snap, 3) for d in pool},
+        keep_open=True,
+    )
+    thread = threading.Thread(target=trainer.run)
+    thread.start()
+    while trainer.report("a", 0).status is RunStatus.RUNNING:
+        thread.join(0.01)
+    assert "no device is left" in (trainer.report("a", 0).error or "")
+    while len(trainer.lost_devices()) < 2:  # the other device goes as the model rolls back
+        thread.join(0.01)
+    trainer.add(model(tmp_path, "b", seed=9))
+    while trainer.report("b", 0).status is RunStatus.RUNNING:
+        thread.join(0.01)
+    late = trainer.report("b", 0)
+    assert late.status is RunStatus.LOST and "no device is left" in (late.error or "")
+    trainer.close()
+    thread.join(60)
+    assert not thread.is_alive()
 
 
 @pytest.mark.integration
