@@ -140,9 +140,10 @@ class Sweeper:
             # Its executor may find a device lost before Ray's inventory drops it.
             lost = self._cluster.lost_pool_devices(sweep.id) if running else set()
             live = [i for i in sweep.devices if i in by_id and i not in lost]
-            leaving = [i for i in sweep.devices if i in draining or not live]
-            if leaving:
-                self._leave(session, sweep, trials, leaving)
+            going = [i for i in sweep.devices if i in draining]
+            if going or not live:
+                why = f"{going} are draining" if going else f"{sweep.devices} were all lost"
+                self._leave(session, sweep, trials, f"its sweep's devices {why}")
                 return False
             if len(live) < len(sweep.devices):
                 log.info(
@@ -170,9 +171,7 @@ class Sweeper:
         sweep.devices = [d.id for d in chosen]
         return True
 
-    def _leave(
-        self, session: Session, sweep: Sweep, trials: Sequence[Trial], leaving: Sequence[str]
-    ) -> None:
+    def _leave(self, session: Session, sweep: Sweep, trials: Sequence[Trial], why: str) -> None:
         """Some of the sweep's devices are draining (a preemption notice), or all are lost:
         each of its running trials checkpoints at its next step boundary and waits QUEUED
         (the controller requeues a trial its executor reports SUSPENDED, or LOST once no
@@ -191,18 +190,12 @@ class Sweeper:
                 session,
                 job.id,
                 "suspend",
-                f"its sweep's devices {list(leaving)} are draining or lost: checkpointing at"
-                " the next step boundary, then moving with the sweep",
-                {"draining": list(leaving)},
+                f"{why}: checkpointing at the next step boundary, then moving with the sweep",
+                {"devices": list(sweep.devices)},
             )
         if running:
             return
-        log.info(
-            "sweep %s: leaving devices %s",
-            sweep.id,
-            ", ".join(leaving),
-            extra={"sweep_id": sweep.id},
-        )
+        log.info("sweep %s moves: %s", sweep.id, why, extra={"sweep_id": sweep.id})
         self._cluster.close_pool(sweep.id)
         sweep.devices = []
         self._suspended -= {t.job_id for t in trials}

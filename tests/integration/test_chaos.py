@@ -402,4 +402,4 @@ def test_every_fault_at_once_leaves_every_job_exact_and_every_submission_once(
             survived = {k: kinds.count(k) for k in RIDDEN if k in kinds}
             replayed = sum(e["data"]["steps_replayed"] for e in lost)
             print(f"{job['name']}: {survived}, {replayed} steps replayed, exact")
-        print(f"chaos seed {seed}: each fault and what it struck: {under_way}")
+        print(f"chaos seed {seed}: the faults {chaos.log}; what was under way at each: {under_way}")
