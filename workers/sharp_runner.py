@@ -524,7 +524,7 @@ class SharpTrainer:
             with self._lock:
                 self._suspending.discard(snap.job_id)
         if due:
-            self._checkpoint(model, step, blocks)
+            self._checkpoint(model, step, blocks, leave)
         if step == snap.steps or leave:
             self._drop(pool, model)  # it ends once its last checkpoint is written
 
@@ -540,10 +540,12 @@ class SharpTrainer:
             blocks.update(states)
         return blocks
 
-    def _checkpoint(self, model: _Model, step: int, blocks: dict[int, Any]) -> None:
+    def _checkpoint(
+        self, model: _Model, step: int, blocks: dict[int, Any], leave: bool = False
+    ) -> None:
         """Write ``model``'s checkpoint of ``step`` in the writer thread while the devices
         train on (a file of the whole model's state takes seconds); its last one ends it
-        SUCCEEDED (SUSPENDED if it is leaving), or FAILED if it cannot be written."""
+        SUCCEEDED (SUSPENDED if it ``leave``s there), or FAILED if it cannot be written."""
         stages = [
             {
                 "index": s.index,
@@ -553,13 +555,18 @@ class SharpTrainer:
             }
             for s in model.plan.shards
         ]
-        self._writer.submit(self._write, model, step, blocks, stages)
+        self._writer.submit(self._write, model, step, blocks, stages, leave)
 
     def _write(
-        self, model: _Model, step: int, blocks: dict[int, Any], stages: list[dict[str, Any]]
+        self,
+        model: _Model,
+        step: int,
+        blocks: dict[int, Any],
+        stages: list[dict[str, Any]],
+        leave: bool,
     ) -> None:
         snap = model.snap
-        last = step == snap.steps or model.leaving
+        last = step == snap.steps or leave
         try:
             store = CheckpointStore(snap.checkpoint_root)
             event = write_checkpoint(store, snap, step, blocks, stages, (snap.micro_batches,))
@@ -571,7 +578,7 @@ class SharpTrainer:
                 self._stop(snap.job_id, RunStatus.FAILED, reason)
             return
         self._record(model, event)
-        if model.leaving:
+        if leave:
             message = f"suspended at step {step}, checkpointed: resumes from there"
             self._record(model, RunnerEvent("suspended", step, message, {"step": step}))
             self._end(model, RunStatus.SUSPENDED)
