@@ -3,6 +3,7 @@ host memory, each model's losses and parameters those of its run alone."""
 
 from __future__ import annotations
 
+import threading
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,14 @@ from workers.profiler import trace_costs
 from workers.reference import train_reference
 from workers.shard_pool import LocalPool, PoolFactory, RayPool
 from workers.sharp_runner import SharpTrainer
-from workers.snapshot import DataRef, JobSnapshot, ModelRef, OptimizerConf, RunStatus
+from workers.snapshot import (
+    DataRef,
+    JobSnapshot,
+    ModelRef,
+    OptimizerConf,
+    RunnerReport,
+    RunStatus,
+)
 
 MLP = ModelRef("mlp", None, {"in_features": 16, "hidden": 48, "layers": 5, "out_features": 4})
 DATA = DataRef("synthetic-regression", None, {"features": 16, "outputs": 4})
@@ -175,7 +183,6 @@ def test_a_running_pool_takes_new_models_cancels_others_and_ends_when_closed(
 ) -> None:
     """A sweep's pool: trials arrive while others train, a pruned one is cancelled, and
     the pool ends once closed and empty. The trials that ran to the end are exact."""
-    import threading
 
     from workers.sweep_executor import SweepExecutor
 
@@ -207,7 +214,6 @@ def test_a_suspended_model_checkpoints_its_step_and_resumes_elsewhere_replaying_
     with a checkpoint of that step (and only there: the checkpoints of earlier steps,
     written meanwhile, end nothing), the other models train on, and on another executor it
     resumes there and ends exact."""
-    import threading
 
     from workers.sweep_executor import SweepExecutor
 
@@ -242,7 +248,6 @@ def test_a_suspended_model_checkpoints_its_step_and_resumes_elsewhere_replaying_
 @pytest.mark.unit
 def test_cancelling_a_model_that_has_ended_changes_nothing(tmp_path: Path) -> None:
     """A pruning decision may arrive after the trial's last step, while others train."""
-    import threading
 
     from workers.sweep_executor import SweepExecutor
 
@@ -438,28 +443,33 @@ def test_a_device_lost_before_a_step_is_copied_redoes_that_step_unreported(
     assert_alone(snap, [m.loss for m in report.metrics])
 
 
+def open_trainer(
+    snap: JobSnapshot, pool: list[Device], make_pool: PoolFactory
+) -> tuple[SharpTrainer, threading.Thread]:
+    """A sweep's executor (open for more models) training ``snap``, on a thread."""
+    budgets = {d.id: budget_for_shards(snap, 3) for d in pool}
+    trainer = SharpTrainer([snap], pool, make_pool, budgets=budgets, keep_open=True)
+    thread = threading.Thread(target=trainer.run)
+    thread.start()
+    return trainer, thread
+
+
+def ended(trainer: SharpTrainer, thread: threading.Thread, job_id: str) -> RunnerReport:
+    while trainer.report(job_id, 0).status is RunStatus.RUNNING:
+        thread.join(0.01)
+    return trainer.report(job_id, 0)
+
+
 @pytest.mark.unit
 def test_without_copies_a_lost_device_ends_its_models_as_lost_and_a_new_run_resumes_them(
     tmp_path: Path,
 ) -> None:
     """The model ends LOST, its shards on the device left dropped; the control plane adds
     it again (a sweep's trial requeued) and it resumes from its latest checkpoint there."""
-    import threading
-
     snap = model(tmp_path, "a", steps=8, checkpoint_every=2)
     pool = devices()
-    trainer = SharpTrainer(
-        [snap],
-        pool,
-        LateLosingPool,
-        budgets={d.id: budget_for_shards(snap, 3) for d in pool},
-        keep_open=True,
-    )
-    thread = threading.Thread(target=trainer.run)
-    thread.start()
-    while trainer.report("a", 0).status is RunStatus.RUNNING:
-        thread.join(0.01)
-    lost = trainer.report("a", 0)
+    trainer, thread = open_trainer(snap, pool, LateLosingPool)
+    lost = ended(trainer, thread, "a")
     assert lost.status is RunStatus.LOST and "keep_copies is off" in (lost.error or "")
     assert lost.lost_devices == (pool[1].id,) and trainer.lost_devices() == [pool[1].id]
     trainer.add(replace(snap, attempt=2))
@@ -501,28 +511,13 @@ def test_with_every_device_lost_models_end_lost_and_new_ones_too_while_the_execu
 ) -> None:
     """Nothing is left to train on: each model ends LOST (the control plane requeues it
     and moves the sweep), a model added meanwhile too, and the executor ends when closed."""
-    import threading
-
     snap = model(tmp_path, "a", steps=30, keep_copies=True)
-    pool = devices()
-    trainer = SharpTrainer(
-        [snap],
-        pool,
-        EveryDeviceLosingPool,
-        budgets={d.id: budget_for_shards(snap, 3) for d in pool},
-        keep_open=True,
-    )
-    thread = threading.Thread(target=trainer.run)
-    thread.start()
-    while trainer.report("a", 0).status is RunStatus.RUNNING:
-        thread.join(0.01)
-    assert "no device is left" in (trainer.report("a", 0).error or "")
+    trainer, thread = open_trainer(snap, devices(), EveryDeviceLosingPool)
+    assert "no device is left" in (ended(trainer, thread, "a").error or "")
     while len(trainer.lost_devices()) < 2:  # the other device goes as the model rolls back
         thread.join(0.01)
     trainer.add(model(tmp_path, "b", seed=9))
-    while trainer.report("b", 0).status is RunStatus.RUNNING:
-        thread.join(0.01)
-    late = trainer.report("b", 0)
+    late = ended(trainer, thread, "b")
     assert late.status is RunStatus.LOST and "no device is left" in (late.error or "")
     trainer.close()
     thread.join(60)
@@ -533,7 +528,6 @@ def test_with_every_device_lost_models_end_lost_and_new_ones_too_while_the_execu
 def test_a_killed_ray_shard_worker_is_survived_exactly(ray_address: str, tmp_path: Path) -> None:
     import os
     import signal
-    import threading
 
     import ray
 
