@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Sequence
 
 import sqlalchemy as sa
@@ -46,6 +47,9 @@ from workers.checkpoints import CheckpointStore
 log = logging.getLogger(__name__)
 
 _ACTIVE = (JobState.QUEUED.value, JobState.RUNNING.value)
+SUSPECT_S = 30.0
+"""How long a sweep that lost every device avoids their nodes: a node SIGKILLed is still in
+Ray's inventory until its health checks fail (seconds), and its other devices look free."""
 
 
 class Sweeper:
@@ -66,6 +70,8 @@ class Sweeper:
         self._tuners: dict[str, Tuner] = {}
         self._suspended: set[str] = set()
         """Trials asked to suspend while their sweep leaves its devices (asked once)."""
+        self._suspect: dict[str, tuple[set[str], float]] = {}
+        """Per sweep that lost every device: the nodes they were on, and when."""
 
     def reconcile_once(self, devices: Sequence[Device]) -> None:
         """One tick over every active sweep; ``devices`` is the live inventory."""
@@ -83,6 +89,8 @@ class Sweeper:
                 )
         for sweep_id in set(self._tuners) - set(active):
             del self._tuners[sweep_id]
+        for sweep_id in set(self._suspect) - set(active):
+            del self._suspect[sweep_id]
 
     def _follow(self, sweep_id: str, devices: Sequence[Device]) -> None:
         with transaction(self._factory) as session:
@@ -132,7 +140,7 @@ class Sweeper:
         """The sweep's SHARP executor runs on its devices (placed now if it has none);
         False while it leaves devices that are draining or all lost, or no devices are free
         for it. With some of its devices lost it goes on on the others (the executor moved
-        their shards there)."""
+        their shards there); with all lost, it is placed again off their nodes."""
         if sweep.devices:
             by_id = {d.id: d for d in devices}
             draining = draining_devices(session)
@@ -143,6 +151,9 @@ class Sweeper:
             going = [i for i in sweep.devices if i in draining]
             if going or not live:
                 why = f"{going} are draining" if going else f"{sweep.devices} were all lost"
+                if not going:  # placed again, it avoids their nodes while Ray may not know yet
+                    nodes = {by_id[i].node_id for i in sweep.devices if i in by_id}
+                    self._suspect[sweep.id] = (nodes, time.monotonic())
                 self._leave(session, sweep, trials, f"its sweep's devices {why}")
                 return False
             if len(live) < len(sweep.devices):
@@ -158,7 +169,10 @@ class Sweeper:
                 self._cluster.start_pool(sweep.id, [by_id[i] for i in live], "lrtf")
             return True
         busy = held_devices(session) | draining_devices(session)
-        free = [d for d in devices if d.id not in busy]
+        suspect, since = self._suspect.get(sweep.id, (set(), 0.0))
+        if time.monotonic() - since > SUSPECT_S:
+            suspect = set()
+        free = [d for d in devices if d.id not in busy and d.node_id not in suspect]
         request = JobRequest(
             sweep.id, 0, spec.devices, spec.devices, None, 1, replicas=None, owner=sweep.owner.name
         )
@@ -169,6 +183,7 @@ class Sweeper:
         chosen = list(placements[0].devices)
         self._cluster.start_pool(sweep.id, chosen, "lrtf")
         sweep.devices = [d.id for d in chosen]
+        self._suspect.pop(sweep.id, None)
         return True
 
     def _leave(self, session: Session, sweep: Sweep, trials: Sequence[Trial], why: str) -> None:

@@ -517,19 +517,32 @@ def drain(factory: SessionFactory, device_id: str) -> None:
 """Enough that in-process runners (a few ms a step) are still running when devices change."""
 
 
-def growing_job(factory: SessionFactory, controller: Controller) -> str:
-    """A 2-stage job on 2 devices that could use 4, five steps in."""
+def running_job(
+    factory: SessionFactory,
+    controller: Controller,
+    *,
+    replicas: int | str = 1,
+    max_devices: int = 2,
+    **overrides: object,
+) -> str:
+    """A 2-stage job of STEPS steps on at least 2 devices, five steps in."""
     job_id = submit(
         factory,
         owner(factory),
         steps=STEPS,
         micro_batches=4,
         optimizer={"name": "sgd", "lr": 0.05},
-        parallelism={"stages": 2, "replicas": "auto"},
-        resources={"min_devices": 2, "max_devices": 4},
+        parallelism={"stages": 2, "replicas": replicas},
+        resources={"min_devices": 2, "max_devices": max_devices},
+        **overrides,
     )
     reconcile_until(controller, lambda: job(factory, job_id).step >= 5, timeout=120)
     return job_id
+
+
+def growing_job(factory: SessionFactory, controller: Controller) -> str:
+    """A 2-stage job on 2 devices that could use 4, five steps in."""
+    return running_job(factory, controller, replicas="auto", max_devices=4)
 
 
 def test_a_running_job_grows_onto_devices_that_appear(
@@ -581,16 +594,7 @@ def test_a_drained_device_is_left_at_a_step_boundary_without_losing_a_step(
 ) -> None:
     resizable.devices = 3
     controller = make_controller(session_factory, resizable, tmp_path)  # type: ignore[arg-type]
-    job_id = submit(
-        session_factory,
-        owner(session_factory),
-        steps=STEPS,
-        micro_batches=4,
-        optimizer={"name": "sgd", "lr": 0.05},
-        parallelism={"stages": 2, "replicas": 1},
-        resources={"min_devices": 2, "max_devices": 2},
-    )
-    reconcile_until(controller, lambda: job(session_factory, job_id).step >= 5, timeout=120)
+    job_id = running_job(session_factory, controller)
     drained = job(session_factory, job_id).devices[1]
     drain(session_factory, drained)
     reconcile_until(
@@ -614,17 +618,7 @@ def test_a_drained_device_with_nowhere_to_go_suspends_the_job_which_resumes_repl
     one makes the runner checkpoint at its next step boundary and stop, the job waits
     QUEUED, and when a device appears it resumes from that very step."""
     controller = make_controller(session_factory, resizable, tmp_path)  # type: ignore[arg-type]
-    job_id = submit(
-        session_factory,
-        owner(session_factory),
-        steps=STEPS,
-        micro_batches=4,
-        optimizer={"name": "sgd", "lr": 0.05},
-        parallelism={"stages": 2, "replicas": 1},
-        resources={"min_devices": 2, "max_devices": 2},
-        checkpoint={"every_steps": 1000, "keep": 2},
-    )
-    reconcile_until(controller, lambda: job(session_factory, job_id).step >= 5, timeout=120)
+    job_id = running_job(session_factory, controller, checkpoint={"every_steps": 1000, "keep": 2})
     drained = job(session_factory, job_id).devices[1]
     drain(session_factory, drained)
     reconcile_until(controller, lambda: job(session_factory, job_id).state == "QUEUED")
@@ -711,16 +705,7 @@ def test_a_node_ray_drains_is_left_by_its_jobs_without_losing_a_step(
     and only those, are marked draining, and the job moves to the other node in place."""
     cluster = Draining()
     controller = make_controller(session_factory, cluster, tmp_path)
-    job_id = submit(
-        session_factory,
-        owner(session_factory),
-        steps=STEPS,
-        micro_batches=4,
-        optimizer={"name": "sgd", "lr": 0.05},
-        parallelism={"stages": 2, "replicas": 1},
-        resources={"min_devices": 2, "max_devices": 2},
-    )
-    reconcile_until(controller, lambda: job(session_factory, job_id).step >= 5, timeout=120)
+    job_id = running_job(session_factory, controller)
     with session_factory() as session:
         nodes = {row.id: row.node_id for row in session.scalars(sa.select(DeviceRow))}
     (node,) = {nodes[d] for d in job(session_factory, job_id).devices}

@@ -175,35 +175,34 @@ def test_a_restarted_control_plane_carries_the_sweep_on(
 
 class TwoNodes(InProcessCluster):
     """In-process executors on two nodes of two devices. Ray drains the nodes in
-    ``drained``; the nodes in ``gone`` have left, and their devices fail every call."""
+    ``drained``; the devices of the nodes in ``dead`` fail every call, and Ray still lists
+    those nodes (it has not noticed yet)."""
 
     def __init__(self) -> None:
         self.drained: set[str] = set()
-        self.gone: set[str] = set()
+        self.dead: set[str] = set()
         super().__init__(
             [NodeInfo(c * 56, True, {DEVICE_RESOURCE: 2.0}, NODES[0].labels) for c in "ab"],
-            make_pool=lambda devices, budgets: VanishingPool(devices, budgets, self.gone),
+            make_pool=lambda devices, budgets: VanishingPool(devices, budgets, self.dead),
         )
 
     def nodes(self) -> list[NodeInfo]:
-        return [
-            replace(n, draining=n.node_id in self.drained)
-            for n in super().nodes()
-            if n.node_id not in self.gone
-        ]
+        return [replace(n, draining=n.node_id in self.drained) for n in super().nodes()]
 
 
 class VanishingPool(LocalPool):
-    def __init__(self, devices: Sequence[Device], budgets: Any, gone: set[str]) -> None:
+    """Shard workers in this process; those on the nodes in ``dead`` are lost."""
+
+    def __init__(self, devices: Sequence[Device], budgets: Any, dead: set[str]) -> None:
         super().__init__(devices, budgets)
-        self._gone = gone
+        self._dead = dead
 
     def submit(self, host: int, method: str, *args: Any) -> Any:
         device = self.devices[host]
-        if device.node_id not in self._gone:
+        if device.node_id not in self._dead:
             return super().submit(host, method, *args)
         failed: Future[Any] = Future()
-        failed.set_exception(HostLost(device.id, "its node left the cluster"))
+        failed.set_exception(HostLost(device.id, "its node died"))
         return _Local(host, method, failed)
 
 
@@ -299,15 +298,15 @@ def test_a_sweep_leaves_a_draining_node_and_its_trials_lose_no_step(
 def test_a_sweep_that_lost_every_device_resumes_its_trials_elsewhere_from_checkpoints(
     session_factory: SessionFactory, alice: Principal, tmp_path: Path
 ) -> None:
-    """The node of both of the sweep's devices leaves: no device holds the trials' shards
+    """The node of both of the sweep's devices dies: no device holds the trials' shards
     or their in-memory copies, so they wait QUEUED, and the sweep's executor, placed again
-    on the other node, resumes each from its latest checkpoint; the steps since then are
-    trained again and stored once."""
+    on the other node (not on that one, which Ray still lists), resumes each from its
+    latest checkpoint; the steps since then are trained again and stored once."""
     cluster = TwoNodes()
     controller = make_controller(session_factory, cluster, tmp_path)
     sweep_id, spec = long_sweep(session_factory, alice)
     node = start_moving(controller, session_factory, sweep_id, past=25)  # a checkpoint at 20
-    cluster.gone.add(node)
+    cluster.dead.add(node)
     reconcile_until(controller, lambda: ended(session_factory, sweep_id), timeout=240)
 
     sweep, trials = sweep_of(session_factory, sweep_id)
@@ -322,6 +321,7 @@ def test_a_sweep_that_lost_every_device_resumes_its_trials_elsewhere_from_checkp
             lost += 1
             (why,) = [e.message for e in history if e.data.get("to") == "RECOVERING"]
             assert "no device is left" in why and set(losses[0].data["devices"]) <= gone
+            assert len(losses) == 1 and not set(trial.job.devices) & gone
             assert states[-4:] == ["RECOVERING", "QUEUED", "RUNNING", "SUCCEEDED"]
             (resumed,) = [e for e in history if e.kind == "resumed"]
             assert resumed.data["step"] == losses[-1].data["resume_step"] in (20, 40, 60, 80)
