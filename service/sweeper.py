@@ -23,7 +23,7 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
 from scheduler.devices import Device
-from scheduler.placement import JobRequest, Quota, place
+from scheduler.placement import JobRequest, Quota, Usage, place
 from service.auth import Principal
 from service.cluster import Cluster, ClusterUnavailable, RunnerGone
 from service.db.models import Checkpoint, Job, JobMetric, Sweep, Trial, utcnow
@@ -48,8 +48,8 @@ log = logging.getLogger(__name__)
 
 _ACTIVE = (JobState.QUEUED.value, JobState.RUNNING.value)
 SUSPECT_S = 30.0
-"""How long a sweep that lost every device avoids their nodes: a node SIGKILLed is still in
-Ray's inventory until its health checks fail (seconds), and its other devices look free."""
+"""How long a sweep that lost devices avoids their nodes: a node SIGKILLed is still in Ray's
+inventory until its health checks fail (seconds), and its other devices look free."""
 
 
 class Sweeper:
@@ -71,7 +71,7 @@ class Sweeper:
         self._suspended: set[str] = set()
         """Trials asked to suspend while their sweep leaves its devices (asked once)."""
         self._suspect: dict[str, tuple[set[str], float]] = {}
-        """Per sweep that lost every device: the nodes they were on, and when."""
+        """Per sweep that lost devices: the nodes they were on, and when it last found one."""
 
     def reconcile_once(self, devices: Sequence[Device]) -> None:
         """One tick over every active sweep; ``devices`` is the live inventory."""
@@ -138,37 +138,54 @@ class Sweeper:
         devices: Sequence[Device],
     ) -> bool:
         """The sweep's SHARP executor runs on its devices (placed now if it has none);
-        False while it leaves devices that are draining or all lost, or no devices are free
-        for it. With some of its devices lost it goes on on the others (the executor moved
-        their shards there); with all lost, it is placed again off their nodes."""
-        if sweep.devices:
-            by_id = {d.id: d for d in devices}
-            draining = draining_devices(session)
-            running = self._cluster.has_pool(sweep.id)
-            # Its executor may find a device lost before Ray's inventory drops it.
-            lost = self._cluster.lost_pool_devices(sweep.id) if running else set()
-            live = [i for i in sweep.devices if i in by_id and i not in lost]
-            going = [i for i in sweep.devices if i in draining]
-            if going or not live:
-                why = f"{going} are draining" if going else f"{sweep.devices} were all lost"
-                if not going:  # placed again, it avoids their nodes while Ray may not know yet
-                    nodes = {by_id[i].node_id for i in sweep.devices if i in by_id}
-                    self._suspect[sweep.id] = (nodes, time.monotonic())
-                self._leave(session, sweep, trials, f"its sweep's devices {why}")
+        False while it leaves its devices, or no devices are free for it. It leaves devices
+        that are draining, or all lost (then placed again off their nodes); with some lost
+        it goes on on the others (the executor moved their shards there) until it can have
+        all it asked for again, and then it moves."""
+        if not sweep.devices:
+            chosen = self._placement(session, sweep, spec, devices)
+            if chosen is None:  # the devices are busy, or its owner's quota is spent: it waits
                 return False
-            if len(live) < len(sweep.devices):
-                log.info(
-                    "sweep %s: lost %s, goes on on %s",
-                    sweep.id,
-                    ", ".join(sorted(set(sweep.devices) - set(live))),
-                    ", ".join(live),
-                    extra={"sweep_id": sweep.id},
-                )
-                sweep.devices = live
-            if not running:  # the control plane restarted
-                self._cluster.start_pool(sweep.id, [by_id[i] for i in live], "lrtf")
+            self._cluster.start_pool(sweep.id, chosen, "lrtf")
+            sweep.devices = [d.id for d in chosen]
+            self._suspect.pop(sweep.id, None)
             return True
-        busy = held_devices(session) | draining_devices(session)
+        by_id = {d.id: d for d in devices}
+        running = self._cluster.has_pool(sweep.id)
+        # Its executor may find a device lost before Ray's inventory drops it.
+        lost = self._cluster.lost_pool_devices(sweep.id) if running else set()
+        self._suspected(sweep.id, {by_id[i].node_id for i in lost if i in by_id})
+        live = [i for i in sweep.devices if i in by_id and i not in lost]
+        going = [i for i in sweep.devices if i in draining_devices(session)]
+        if going or not live:
+            why = f"{going} are draining" if going else f"{sweep.devices} were all lost"
+            self._leave(session, sweep, trials, f"its sweep's devices {why}")
+            return False
+        if len(live) < len(sweep.devices):
+            log.info(
+                "sweep %s: lost %s, goes on on %s",
+                sweep.id,
+                ", ".join(sorted(set(sweep.devices) - set(live))),
+                ", ".join(live),
+                extra={"sweep_id": sweep.id},
+            )
+            sweep.devices = live
+        if len(live) < spec.devices and self._placement(session, sweep, spec, devices):
+            why = f"its sweep runs on {len(live)} of its {spec.devices} devices, and all are free"
+            self._leave(session, sweep, trials, why)
+            return False
+        if not running:  # the control plane restarted
+            self._cluster.start_pool(sweep.id, [by_id[i] for i in live], "lrtf")
+        return True
+
+    def _placement(
+        self, session: Session, sweep: Sweep, spec: SweepSpec, devices: Sequence[Device]
+    ) -> list[Device] | None:
+        """Devices for the sweep's executor among those free and its own (its owner's quota
+        counting what it would hold instead of what it holds), off the nodes of devices it
+        lost lately; None if there are not enough."""
+        own = set(sweep.devices)
+        busy = (held_devices(session) - own) | draining_devices(session)
         suspect, since = self._suspect.get(sweep.id, (set(), 0.0))
         if time.monotonic() - since > SUSPECT_S:
             suspect = set()
@@ -176,15 +193,21 @@ class Sweeper:
         request = JobRequest(
             sweep.id, 0, spec.devices, spec.devices, None, 1, replicas=None, owner=sweep.owner.name
         )
-        usage, limits = usage_by_owner(session), quotas(session, self._default_quota)
+        usage = usage_by_owner(session)
+        if own:
+            held = usage[sweep.owner.name]
+            usage[sweep.owner.name] = Usage(held.jobs - 1, held.devices - len(own))
+        limits = quotas(session, self._default_quota)
         placements, _ = place([request], free, usage=usage, quotas=limits)
-        if not placements:  # the devices are busy, or its owner's quota is spent: it waits
-            return False
-        chosen = list(placements[0].devices)
-        self._cluster.start_pool(sweep.id, chosen, "lrtf")
-        sweep.devices = [d.id for d in chosen]
-        self._suspect.pop(sweep.id, None)
-        return True
+        return list(placements[0].devices) if placements else None
+
+    def _suspected(self, sweep_id: str, nodes: set[str]) -> None:
+        """The sweep lost devices on ``nodes``: Ray may list them a while yet (a node
+        SIGKILLed stays until its health checks fail), so placements avoid them for
+        SUSPECT_S from now."""
+        known, _ = self._suspect.get(sweep_id, (set(), 0.0))
+        if nodes - known:
+            self._suspect[sweep_id] = (known | nodes, time.monotonic())
 
     def _leave(self, session: Session, sweep: Sweep, trials: Sequence[Trial], why: str) -> None:
         """Some of the sweep's devices are draining (a preemption notice), or all are lost:

@@ -175,8 +175,8 @@ def test_a_restarted_control_plane_carries_the_sweep_on(
 
 class TwoNodes(InProcessCluster):
     """In-process executors on two nodes of two devices. Ray drains the nodes in
-    ``drained``; the devices of the nodes in ``dead`` fail every call, and Ray still lists
-    those nodes (it has not noticed yet)."""
+    ``drained``; the nodes and devices in ``dead`` fail every call, and Ray still lists
+    them (it has not noticed yet)."""
 
     def __init__(self) -> None:
         self.drained: set[str] = set()
@@ -191,7 +191,7 @@ class TwoNodes(InProcessCluster):
 
 
 class VanishingPool(LocalPool):
-    """Shard workers in this process; those on the nodes in ``dead`` are lost."""
+    """Shard workers in this process; those on the nodes or devices in ``dead`` are lost."""
 
     def __init__(self, devices: Sequence[Device], budgets: Any, dead: set[str]) -> None:
         super().__init__(devices, budgets)
@@ -199,7 +199,7 @@ class VanishingPool(LocalPool):
 
     def submit(self, host: int, method: str, *args: Any) -> Any:
         device = self.devices[host]
-        if device.node_id not in self._dead:
+        if not {device.node_id, device.id} & self._dead:
             return super().submit(host, method, *args)
         failed: Future[Any] = Future()
         failed.set_exception(HostLost(device.id, "its node died"))
@@ -326,3 +326,34 @@ def test_a_sweep_that_lost_every_device_resumes_its_trials_elsewhere_from_checkp
             (resumed,) = [e for e in history if e.kind == "resumed"]
             assert resumed.data["step"] == losses[-1].data["resume_step"] in (20, 40, 60, 80)
     assert lost == 2
+
+
+def test_a_sweep_that_lost_a_device_goes_on_and_moves_back_onto_as_many_as_it_asked_for(
+    session_factory: SessionFactory, alice: Principal, tmp_path: Path
+) -> None:
+    """One of the sweep's two devices dies: the executor moves its shards onto the other
+    from the copies in memory and trains on; as two devices are free (on the other node:
+    the first one may be dying too), the trials checkpoint and resume there, exact."""
+    cluster = TwoNodes()
+    controller = make_controller(session_factory, cluster, tmp_path)
+    sweep_id, spec = long_sweep(session_factory, alice)
+    node = start_moving(controller, session_factory, sweep_id, past=5)
+    cluster.dead.add(sorted(node_devices(session_factory, node))[1])
+    reconcile_until(controller, lambda: ended(session_factory, sweep_id), timeout=240)
+
+    sweep, trials = sweep_of(session_factory, sweep_id)
+    assert sweep.state == "SUCCEEDED" and [trial_state(t) for t in trials] == ["SUCCEEDED"] * 3
+    first = node_devices(session_factory, node)
+    moved = 0
+    for trial in trials:
+        assert_exact(session_factory, spec, trial)
+        states, history = trial_history(session_factory, trial.job_id)
+        lost = [e for e in history if e.kind == "device_lost"]
+        assert all(e.data["steps_replayed"] <= 1 for e in lost)  # from the copy in memory
+        if "QUEUED" in states[1:]:
+            moved += 1
+            assert states[-4:] == ["RUNNING", "QUEUED", "RUNNING", "SUCCEEDED"]
+            (resumed,) = [e for e in history if e.kind == "resumed"]
+            assert resumed.data["steps_replayed"] == 0
+        assert len(trial.job.devices) == 2 and not set(trial.job.devices) & first
+    assert moved == 2
