@@ -84,8 +84,9 @@ class _Model:
     again from ``origin`` (its checkpoint's block states, or None: from its seed)."""
     origin: dict[int, Any] | None = None
     leaving: bool = False
-    """Suspended at a step boundary: its shards are dropped, its checkpoint is being written
-    and ends it SUSPENDED."""
+    """It trains no more here: its shards are dropped, and the writer thread ends it
+    (SUSPENDED with the checkpoint of the step it stopped at, or LOST) once the checkpoints
+    it has under way are written."""
 
     @property
     def active(self) -> bool:
@@ -616,8 +617,11 @@ class SharpTrainer:
             copy = (model.step, model.origin)
         if copy is None or not live:
             why = "no copy was kept (keep_copies is off)" if live else "no device is left"
-            self._end(model, RunStatus.LOST, f"{reason}; {why}")
+            model.leaving = True
             self._drop(pool, model)  # its shards on the devices left
+            # Ended after the checkpoints it has under way: its report then names them all,
+            # and the control plane resumes it from the latest.
+            self._writer.submit(self._end, model, RunStatus.LOST, f"{reason}; {why}")
             return
         step, blocks = copy
         job_id = model.snap.job_id

@@ -16,6 +16,7 @@ from scheduler.sharp import Policy
 from workers.checkpoints import CheckpointStore
 from workers.profiler import trace_costs
 from workers.reference import train_reference
+from workers.runner import write_checkpoint
 from workers.shard_pool import LocalPool, PoolFactory, RayPool
 from workers.sharp_runner import SharpTrainer
 from workers.snapshot import (
@@ -505,6 +506,10 @@ class EveryDeviceLosingPool(LocalPool):
         return _Local(host, method, gone)
 
 
+class LateEveryDeviceLosingPool(EveryDeviceLosingPool):
+    lose_at = 100  # a few steps in
+
+
 @pytest.mark.unit
 def test_with_every_device_lost_models_end_lost_and_new_ones_too_while_the_executor_waits(
     tmp_path: Path,
@@ -522,6 +527,31 @@ def test_with_every_device_lost_models_end_lost_and_new_ones_too_while_the_execu
     trainer.close()
     thread.join(60)
     assert not thread.is_alive()
+
+
+@pytest.mark.unit
+def test_a_lost_model_ends_after_the_checkpoints_it_had_under_way_and_reports_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The control plane resumes a lost model from the latest checkpoint it was told of:
+    a write still under way when the devices went must be in the LOST report."""
+    import time
+
+    import workers.sharp_runner
+
+    def slowly(*args: Any, **kwargs: Any) -> Any:
+        time.sleep(0.1)
+        return write_checkpoint(*args, **kwargs)
+
+    monkeypatch.setattr(workers.sharp_runner, "write_checkpoint", slowly)
+    snap = model(tmp_path, "a", steps=30, keep_copies=True, checkpoint_every=1)
+    trainer, thread = open_trainer(snap, devices(), LateEveryDeviceLosingPool)
+    lost = ended(trainer, thread, "a")
+    trainer.close()
+    thread.join(60)
+    latest = CheckpointStore(snap.checkpoint_root).restorable("a").info
+    assert lost.status is RunStatus.LOST and latest is not None and latest.step >= 2
+    assert max((e.step for e in lost.events if e.kind == "checkpoint"), default=0) == latest.step
 
 
 @pytest.mark.integration
