@@ -4,8 +4,10 @@ The training figures are read from the database at scrape time (``service.teleme
 every replica of the control plane reports the same; the request latency histogram is this
 process's. Labels are bounded: states and event kinds are fixed sets, device kinds are the
 cluster's, routes are the API's path templates, and per-job series exist for RUNNING jobs
-only (never more than devices). With ``SHOAL_METRICS_TOKEN`` set, a scrape must bring it as
-a bearer token; otherwise ``/metrics`` is open like the health probes.
+only (never more than devices). ``/metrics`` is open like the health probes, but an open
+scrape gets aggregate series only: nothing that names a job (its id, step or loss) is shown
+to a caller who could be any user. The per-job series need ``SHOAL_METRICS_TOKEN``, set and
+brought as a bearer token; any other bearer token is refused (401).
 """
 
 from __future__ import annotations
@@ -21,14 +23,13 @@ from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.db.session import SessionFactory
-from service.telemetry import RunningJob, read_telemetry
+from service.telemetry import RunningJob, read_running, read_telemetry
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
 class TrainingCollector(Collector):
-    """Jobs, sweeps and devices by state, job events by kind, and each RUNNING job's latest
-    step: loss, samples/s, steps/s, per-stage compute and idle seconds."""
+    """Jobs, sweeps and devices by state and job events by kind: counts that name no job."""
 
     def __init__(self, factory: SessionFactory) -> None:
         self._factory = factory
@@ -53,7 +54,19 @@ class TrainingCollector(Collector):
         for kind, count in sorted(t.events.items()):
             events.add_metric([kind], count)
         yield from (jobs, sweeps, devices, events)
-        yield from _running(t.running)
+
+
+class RunningJobsCollector(Collector):
+    """Each RUNNING job's latest step, by job id: loss, samples/s, steps/s, per-stage compute
+    and idle seconds."""
+
+    def __init__(self, factory: SessionFactory) -> None:
+        self._factory = factory
+
+    def collect(self) -> Iterator[Metric]:
+        with self._factory() as session:
+            running = read_running(session)
+        yield from _running(running)
 
 
 def _running(running: Sequence[RunningJob]) -> Iterator[Metric]:
@@ -129,27 +142,44 @@ def _template(scope: Scope) -> str:
 
 
 def install_metrics(app: FastAPI, factory: SessionFactory, token: str | None) -> None:
-    """Serve ``GET /metrics`` from a registry of this app's own, and time every request."""
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(TrainingCollector(factory))
+    """Serve ``GET /metrics`` from registries of this app's own, and time every request: the
+    open one (counts and latency) and, for a scrape bringing ``token``, the one that adds
+    each running job's series."""
     latency = Histogram(
         "shoal_api_request_seconds",
         "API request latency by method, route template and status.",
         ["method", "route", "status"],
         buckets=LATENCY_BUCKETS,
-        registry=registry,
+        registry=None,
     )
+    counts = TrainingCollector(factory)
+    open_registry = CollectorRegistry(auto_describe=False)
+    full_registry = CollectorRegistry(auto_describe=False)
+    open_registry.register(counts)
+    open_registry.register(latency)
+    full_registry.register(counts)
+    full_registry.register(RunningJobsCollector(factory))
+    full_registry.register(latency)
     app.add_middleware(RequestTimer, histogram=latency)
 
     @app.get("/metrics", include_in_schema=False)
     def metrics(request: Request) -> Response:
-        if token is not None:
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
-                return Response(
-                    "a bearer token is needed: set Authorization to SHOAL_METRICS_TOKEN\n",
-                    status_code=401,
-                    headers={"WWW-Authenticate": "Bearer"},
-                    media_type="text/plain",
-                )
-        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+        given = request.headers.get("authorization")
+        if given is None:
+            return Response(generate_latest(open_registry), media_type=CONTENT_TYPE_LATEST)
+        # Refused rather than answered with the counts: a scraper sent to read the per-job
+        # series learns that its token (or the server's setting) is wrong.
+        if token is None:
+            return _refused("SHOAL_METRICS_TOKEN is not set on this server: no per-job series")
+        if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+            return _refused("this bearer token is not SHOAL_METRICS_TOKEN")
+        return Response(generate_latest(full_registry), media_type=CONTENT_TYPE_LATEST)
+
+
+def _refused(why: str) -> Response:
+    return Response(
+        f"{why}; scrape without Authorization for the aggregate series only\n",
+        status_code=401,
+        headers={"WWW-Authenticate": "Bearer"},
+        media_type="text/plain",
+    )

@@ -127,7 +127,8 @@ class Settings(BaseSettings):
     metrics_token: str | None = Field(
         None,
         min_length=16,
-        description="Bearer token a `GET /metrics` scrape must bring; unset: /metrics is open.",
+        description="Bearer token a `GET /metrics` scrape brings to get the per-job series"
+        " (ids, steps, losses); without it a scrape gets aggregate series only.",
     )
 
     @field_validator("admin_token", mode="before")

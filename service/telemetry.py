@@ -1,4 +1,5 @@
-"""What the control plane knows about its work, read in one pass for ``GET /metrics``.
+"""What the control plane knows about its work, read for ``GET /metrics``: counts anyone may
+see (``read_telemetry``) apart from the running jobs' own figures (``read_running``).
 
 Every figure is bounded in cardinality: states and event kinds are fixed sets, device kinds
 are the cluster's configuration, and per-job figures cover RUNNING jobs only, of which there
@@ -40,11 +41,10 @@ class Telemetry:
     """Devices by (kind, state): state ``alive``, ``draining`` (alive, being left) or ``lost``."""
     events: dict[str, int]
     """Job events by kind since the database began (repartitions, recoveries, ...)."""
-    running: list[RunningJob]
 
 
 def read_telemetry(session: Session) -> Telemetry:
-    """The counts and the running jobs' latest figures, in a handful of queries."""
+    """The counts, in a handful of queries: nothing in them names a job or its owner."""
     states = [s.value for s in JobState]
     jobs = dict.fromkeys(states, 0) | _count(session, Job.state)
     sweeps = dict.fromkeys(states, 0) | _count(session, Sweep.state)
@@ -56,26 +56,25 @@ def read_telemetry(session: Session) -> Telemetry:
     ):
         devices[(kind, "draining" if draining and state == "alive" else state)] += count
     events = _count(session, JobEvent.kind)
+    return Telemetry(jobs=jobs, sweeps=sweeps, devices=dict(devices), events=events)
+
+
+def read_running(session: Session) -> list[RunningJob]:
+    """Each RUNNING job's latest figures, by job id (for scrapers trusted with them)."""
     running = session.scalars(sa.select(Job).where(Job.state == JobState.RUNNING.value)).all()
     latest = _latest_metrics(session, [j.id for j in running])
-    return Telemetry(
-        jobs=jobs,
-        sweeps=sweeps,
-        devices=dict(devices),
-        events=events,
-        running=[
-            RunningJob(
-                id=job.id,
-                step=job.step,
-                steps=job.steps,
-                loss=job.last_loss,
-                samples_per_s=latest[job.id].samples_per_s if job.id in latest else None,
-                step_time_s=latest[job.id].step_time_s if job.id in latest else None,
-                stages=list(job.stage_times or []),
-            )
-            for job in running
-        ],
-    )
+    return [
+        RunningJob(
+            id=job.id,
+            step=job.step,
+            steps=job.steps,
+            loss=job.last_loss,
+            samples_per_s=latest[job.id].samples_per_s if job.id in latest else None,
+            step_time_s=latest[job.id].step_time_s if job.id in latest else None,
+            stages=list(job.stage_times or []),
+        )
+        for job in running
+    ]
 
 
 def _count(session: Session, column: sa.orm.InstrumentedAttribute[str]) -> dict[str, int]:

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import sqlalchemy as sa
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from api.app import create_app
 from service.auth import Principal, authenticate, create_token
-from service.db.models import DeviceRow, JobMetric, Sweep
+from service.db.models import DeviceRow, Job, JobMetric, Sweep
 from service.db.session import SessionFactory, transaction
 from service.jobs import add_event, add_job, transition
 from service.lifecycle import JobState
@@ -22,6 +24,14 @@ from tests.factories import job_spec
 pytestmark = pytest.mark.integration
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+PER_JOB = {
+    "shoal_job_step",
+    "shoal_job_loss",
+    "shoal_job_samples_per_second",
+    "shoal_job_steps_per_second",
+    "shoal_stage_compute_seconds",
+    "shoal_stage_idle_seconds",
+}
 
 
 def scrape(client: TestClient, headers: dict[str, str] | None = None) -> Samples:
@@ -43,10 +53,24 @@ def owner(factory: SessionFactory) -> Principal:
     return who
 
 
-def test_states_devices_events_and_running_jobs_are_exposed(api: Api) -> None:
-    who = owner(api.factory)
+TOKEN = "scrape-me-0123456789"
+BEARER = {"Authorization": f"Bearer {TOKEN}"}
+
+
+@pytest.fixture
+def scraper(session_factory: SessionFactory, tmp_path: Path) -> Iterator[TestClient]:
+    """An API whose /metrics shows the per-job series to a scrape that brings TOKEN."""
+    settings = Settings(home=tmp_path, database_url="unused://", metrics_token=TOKEN)
+    with TestClient(create_app(settings, session_factory)) as client:
+        yield client
+
+
+def busy_cluster(factory: SessionFactory) -> tuple[str, str]:
+    """Alice's jobs (one QUEUED, one RUNNING at step 3 with two stages' timings), job events,
+    a sweep and three devices: the ids of the queued and the running job."""
+    who = owner(factory)
     accepted = validate_job_spec(job_spec(steps=10), [])
-    with transaction(api.factory) as session:
+    with transaction(factory) as session:
         queued = add_job(session, who, accepted)
         running = add_job(session, who, accepted)
         transition(session, running, JobState.RUNNING, "placed")
@@ -88,7 +112,14 @@ def test_states_devices_events_and_running_jobs_are_exposed(api: Api) -> None:
                     draining=draining,
                 )
             )
-    got = scrape(api.client)
+    return queued.id, running.id
+
+
+def test_states_devices_events_and_running_jobs_are_exposed(
+    session_factory: SessionFactory, scraper: TestClient
+) -> None:
+    queued, running = busy_cluster(session_factory)
+    got = scrape(scraper, BEARER)
     assert got[("shoal_jobs", (("state", "QUEUED"),))] == 1
     assert got[("shoal_jobs", (("state", "RUNNING"),))] == 1
     assert got[("shoal_jobs", (("state", "FAILED"),))] == 0  # every state, zeros included
@@ -98,15 +129,15 @@ def test_states_devices_events_and_running_jobs_are_exposed(api: Api) -> None:
     assert got[("shoal_devices", (("kind", "cpu-b"), ("state", "lost")))] == 1
     assert got[("shoal_job_events_total", (("kind", "recovered"),))] == 2
     assert got[("shoal_job_events_total", (("kind", "repartition"),))] == 1
-    job = (("job", running.id),)
+    job = (("job", running),)
     assert got[("shoal_job_step", job)] == 3 and got[("shoal_job_loss", job)] == 0.25
     assert got[("shoal_job_samples_per_second", job)] == 128.0
     assert got[("shoal_job_steps_per_second", job)] == 2.0
-    stage1 = (("job", running.id), ("replica", "0"), ("stage", "1"))
+    stage1 = (("job", running), ("replica", "0"), ("stage", "1"))
     assert got[("shoal_stage_compute_seconds", stage1)] == 0.3
     assert got[("shoal_stage_idle_seconds", stage1)] == 0.2
     # Only running jobs have series of their own: their number is bounded by the devices.
-    assert not any(dict(labels).get("job") == queued.id for _, labels in got)
+    assert not any(dict(labels).get("job") == queued for _, labels in got)
 
 
 def test_request_latency_is_a_histogram_by_route_template(api: Api) -> None:
@@ -123,16 +154,36 @@ def test_request_latency_is_a_histogram_by_route_template(api: Api) -> None:
     assert not any("0" * 32 in dict(labels).get("route", "") for _, labels in got)
 
 
-def test_a_metrics_token_protects_the_scrape(
-    session_factory: SessionFactory, tmp_path: Path
+def test_a_scrape_without_the_metrics_token_names_no_job(
+    session_factory: SessionFactory, scraper: TestClient
 ) -> None:
-    settings = Settings(
-        home=tmp_path, database_url="unused://", metrics_token="scrape-me-0123456789"
-    )
-    with TestClient(create_app(settings, session_factory)) as client:
-        refused = client.get("/metrics")
+    """/metrics is open, so what it shows anyone is counts: no job's id, name, step or loss.
+    The per-job series need SHOAL_METRICS_TOKEN; any other bearer token is refused."""
+    queued, running = busy_cluster(session_factory)
+    with session_factory() as session:
+        names = {job.name for job in session.scalars(sa.select(Job))}
+    opened = scraper.get("/metrics")
+    assert opened.status_code == 200, opened.text
+    for secret in (queued, running, *names):
+        assert secret not in opened.text, f"{secret!r} in an open scrape:\n{opened.text}"
+    got = scrape(scraper)
+    assert got[("shoal_jobs", (("state", "RUNNING"),))] == 1
+    assert got[("shoal_devices", (("kind", "cpu-a"), ("state", "alive")))] == 1
+    assert got[("shoal_job_events_total", (("kind", "recovered"),))] == 2
+    assert not {name for name, _ in got} & PER_JOB, sorted(got)
+    assert ("shoal_job_loss", (("job", running),)) in scrape(scraper, BEARER)
+    for wrong in ("Bearer nope", f"Bearer {TOKEN}x", TOKEN, f"Basic {TOKEN}"):
+        refused = scraper.get("/metrics", headers={"Authorization": wrong})
         assert refused.status_code == 401 and "SHOAL_METRICS_TOKEN" in refused.text
-        assert client.get("/metrics", headers={"Authorization": "Bearer nope"}).status_code == 401
-        assert ("shoal_jobs", (("state", "QUEUED"),)) in scrape(
-            client, {"Authorization": "Bearer scrape-me-0123456789"}
-        )
+        assert running not in refused.text
+
+
+def test_without_a_metrics_token_set_no_scrape_gets_per_job_series(
+    session_factory: SessionFactory, api: Api
+) -> None:
+    _, running = busy_cluster(session_factory)
+    assert not {name for name, _ in scrape(api.client)} & PER_JOB
+    alice = api.token("alice")  # an API token is not the metrics token
+    refused = api.client.get("/metrics", headers=alice)
+    assert refused.status_code == 401 and "SHOAL_METRICS_TOKEN is not set" in refused.text
+    assert running not in refused.text
