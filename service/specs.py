@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from scheduler.memory import submission_refusal
 from scheduler.profile import BlockCost
 from service.memo import OnceEach
-from workers.factories import FactoryError, check_allowed
+from workers.factories import FactoryError, check_allowed, load_callable
 from workers.snapshot import DataRef, ModelRef
 from workers.zoo.registry import RegistryError, data_meta, resolve_model
 
@@ -211,11 +211,21 @@ def parse_job_spec(payload: Any) -> JobSpec:
         raise SpecError(pydantic_errors(exc)) from None
 
 
-def _check_factory(path: str, allowed: Sequence[str], field: str) -> None:
-    try:
-        check_allowed(path, allowed)
-    except FactoryError as exc:
-        raise SpecError([(field, str(exc))]) from None
+def _check_factories(spec: JobSpec, allowed: Sequence[str]) -> None:
+    """Refuse a factory that is not a function written in an allowed module: every name is
+    checked against the allow-list before any module is imported, and nothing is called."""
+    named = [
+        (f"{part}.factory", ref.factory)
+        for part, ref in (("data", spec.data), ("model", spec.model))
+    ]
+    for step in (check_allowed, load_callable):
+        for field, path in named:
+            if path is None:
+                continue
+            try:
+                step(path, allowed)
+            except FactoryError as exc:
+                raise SpecError([(field, str(exc))]) from None
 
 
 @dataclass(frozen=True)
@@ -233,10 +243,7 @@ def complete_job_spec(spec: JobSpec, allowed_factories: Sequence[str]) -> Accept
     """Check builtins/factories and fill data-derived model dimensions."""
     _check_replicas(spec)
     # Factories first: a module outside the allow-list is refused before anything else runs.
-    if spec.data.factory is not None:
-        _check_factory(spec.data.factory, allowed_factories, "data.factory")
-    if spec.model.factory is not None:
-        _check_factory(spec.model.factory, allowed_factories, "model.factory")
+    _check_factories(spec, allowed_factories)
     updates: dict[str, Any] = {}
     meta = None
     try:
@@ -328,9 +335,15 @@ def _count_factory_blocks(model: ModelRef, data: DataRef, allowed: Sequence[str]
     from workers.zoo.data import make_data
     from workers.zoo.models import count_blocks
 
+    # User code: any failure is a bad spec, reported under the factory that failed, not raised.
     try:
-        return count_blocks(model, make_data(data, 0, allowed).meta, allowed)
-    except Exception as exc:  # user code: any failure is a bad spec, reported, not raised
+        meta = make_data(data, 0, allowed).meta
+    except Exception as exc:
+        field = "data.factory" if data.factory is not None else "data.config"
+        raise SpecError([(field, f"building the data failed: {exc}")]) from None
+    try:
+        return count_blocks(model, meta, allowed)
+    except Exception as exc:
         raise SpecError([("model.factory", f"building {model.factory} failed: {exc}")]) from None
 
 

@@ -1,9 +1,13 @@
-"""Loads user factories ``pkg.mod:fn``, only from allowed modules.
+"""Loads user factories ``pkg.mod:fn``: only functions defined in an allowed module.
 
 A factory is named in a job spec as ``"package.module:function"``. Importing a module runs its
 code, so a name is checked against the operator's allow-list (the ``SHOAL_ALLOWED_FACTORIES``
 setting, handed to the workers in the job snapshot) before anything is imported (DESIGN
-invariant 4).
+invariant 4). Listing a module allows the plain Python functions written in it, and nothing
+else: not its submodules (each must be listed itself), not its private or dunder names, not
+what it imports from other modules, and no class, built-in, ``functools.partial`` or callable
+instance, whose call could run code the operator never looked at. All of that is checked
+before the factory is called.
 
 The contracts a factory must keep:
 
@@ -19,40 +23,66 @@ The contracts a factory must keep:
 
 from __future__ import annotations
 
+import functools
 import importlib
+import inspect
 import re
 from collections.abc import Callable, Sequence
+from types import FunctionType, ModuleType
 from typing import Any
 
 _IDENT = r"[A-Za-z_][A-Za-z0-9_]*"
-_PATH_RE = re.compile(rf"^(?P<module>{_IDENT}(?:\.{_IDENT})*):(?P<attr>{_IDENT})$")
+# fullmatch, not ``$``: a ``$`` anchor would also accept a trailing newline.
+_PATH_RE = re.compile(rf"(?P<module>{_IDENT}(?:\.{_IDENT})*):(?P<attr>{_IDENT})")
 
 
 class FactoryError(ValueError):
-    """A factory name is malformed, not allowed, or does not load to a callable."""
+    """A factory name is malformed, not allowed, or does not load to a function."""
 
 
 def check_allowed(path: str, allowed: Sequence[str]) -> tuple[str, str]:
-    """Split ``"pkg.mod:fn"`` into (module, attribute) if the module is allowed; imports nothing.
+    """Split ``"pkg.mod:fn"`` into (module, attribute) if the module is allowed and the
+    attribute a public name; imports nothing.
 
-    The module must equal an entry of ``allowed`` or be a submodule of one: ``"mypkg"``
-    allows ``mypkg.models`` but not ``mypkg_evil``.
+    The module must equal an entry of ``allowed``: ``"mypkg"`` allows neither
+    ``mypkg.models`` (a submodule runs code of its own) nor ``mypkg_evil``.
     """
-    match = _PATH_RE.match(path)
+    match = _PATH_RE.fullmatch(path)
     if match is None:
         raise FactoryError(f"factory {path!r} is malformed; write it as 'package.module:function'")
     module, attr = match["module"], match["attr"]
-    if not any(module == entry or module.startswith(entry + ".") for entry in allowed):
+    if module not in allowed:
         listed = ", ".join(sorted(allowed)) or "nothing"
         raise FactoryError(
             f"factory module {module!r} is not allowed (allowed: {listed}); an operator can"
-            " add it, or a package above it, to SHOAL_ALLOWED_FACTORIES"
+            " add it to SHOAL_ALLOWED_FACTORIES (each module, submodules too, is listed by name)"
+        )
+    if attr.startswith("_"):
+        raise FactoryError(
+            f"factory {path!r} names a private name; point it at a public function of {module}"
         )
     return module, attr
 
 
+def _kind(target: object) -> str:
+    """What a non-function is, in words, for the error message."""
+    if inspect.isclass(target):
+        return "a class"
+    if isinstance(target, ModuleType):
+        return "a module"
+    if isinstance(target, functools.partial):
+        return "a functools.partial"
+    if inspect.isbuiltin(target) or inspect.ismethoddescriptor(target):
+        return "a built-in function"
+    if inspect.ismethod(target):
+        return "a bound method"
+    name = type(target).__name__
+    return f"a {name} instance" if callable(target) else f"a {name}"
+
+
 def load_callable(path: str, allowed: Sequence[str]) -> Callable[..., Any]:
-    """Import an allowed factory and return it."""
+    """Import an allowed factory's module and return the function it names, refusing
+    anything but a plain Python function defined in that module (nothing is called)."""
     module_name, attr = check_allowed(path, allowed)
     try:
         module = importlib.import_module(module_name)
@@ -61,14 +91,22 @@ def load_callable(path: str, allowed: Sequence[str]) -> Callable[..., Any]:
             f"factory module {module_name!r} cannot be imported ({type(exc).__name__}: {exc});"
             " install it on every worker node or fix the name"
         ) from exc
-    try:
-        target = getattr(module, attr)
-    except AttributeError:
+    # The module's own namespace: getattr would run a module-level __getattr__.
+    namespace = vars(module)
+    if attr not in namespace:
         raise FactoryError(
             f"factory module {module_name!r} has no attribute {attr!r}; check the name after ':'"
-        ) from None
-    if not callable(target):
-        raise FactoryError(
-            f"factory {path!r} is a {type(target).__name__}, not a function; point it at a callable"
         )
-    return target  # type: ignore[no-any-return]
+    target = namespace[attr]
+    if not isinstance(target, FunctionType):
+        raise FactoryError(
+            f"factory {path!r} is {_kind(target)}, not a function; point it at a function"
+            f" written in {module_name} (wrap anything else in one)"
+        )
+    if target.__module__ != module_name:
+        raise FactoryError(
+            f"factory {path!r} is {target.__module__}.{target.__qualname__}, imported into"
+            f" {module_name}; name a function written in {module_name}, or have an operator"
+            f" list {target.__module__} in SHOAL_ALLOWED_FACTORIES and name it there"
+        )
+    return target

@@ -23,7 +23,7 @@ BUILTINS: list[tuple[str, dict[str, Any]]] = [
     ("digits", {"images": False}),
     ("pysource", {"seq_len": 9, "max_bytes": 20_000}),
 ]
-FACTORY_ALLOWED = ["tests.workers"]
+FACTORY_ALLOWED = ["tests.workers.test_factories"]
 
 
 def builtin(name: str, config: dict[str, Any] | None = None, seed: int = 0) -> DataSource:
@@ -162,7 +162,9 @@ def test_a_data_factory_must_be_allowed_and_return_a_source() -> None:
     with pytest.raises(FactoryError, match="not allowed"):
         make_data(DataRef(None, "tests.workers.test_factories:sum_data", {}), 0)
     with pytest.raises(FactoryError, match="DataMeta 'meta' attribute"):
-        make_data(DataRef(None, "tests.workers.test_factories:not_a_source", {}), 0, ["tests"])
+        make_data(
+            DataRef(None, "tests.workers.test_factories:not_a_source", {}), 0, FACTORY_ALLOWED
+        )
 
 
 def test_losses_per_task() -> None:

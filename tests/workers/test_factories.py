@@ -6,8 +6,11 @@ The toy factories at the bottom are real ones: other worker tests name them as
 
 from __future__ import annotations
 
+import importlib
 import math
+import re
 import sys
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -20,20 +23,19 @@ from workers.zoo.registry import DataMeta
 pytestmark = pytest.mark.unit
 
 HERE = "tests.workers.test_factories"
+HOSTILE = "tests.workers.hostile_factories"
 
 
 @pytest.mark.parametrize(
     ("path", "allowed", "expected"),
     [
         ("mypkg:fn", ["mypkg"], ("mypkg", "fn")),
-        ("mypkg.models:build", ["mypkg"], ("mypkg.models", "build")),
-        ("mypkg.models.deep:build", ["other", "mypkg.models"], ("mypkg.models.deep", "build")),
-        ("_p1.m_2:_f", ["_p1"], ("_p1.m_2", "_f")),
+        ("mypkg.models:build", ["mypkg", "mypkg.models"], ("mypkg.models", "build")),
+        ("mypkg.models.deep:build", ["other", "mypkg.models.deep"], ("mypkg.models.deep", "build")),
+        ("_p1.m_2:f_", ["_p1.m_2"], ("_p1.m_2", "f_")),
     ],
 )
-def test_allowed_modules_and_submodules_pass(
-    path: str, allowed: list[str], expected: tuple[str, str]
-) -> None:
+def test_listed_modules_pass(path: str, allowed: list[str], expected: tuple[str, str]) -> None:
     assert check_allowed(path, allowed) == expected
 
 
@@ -42,6 +44,8 @@ def test_allowed_modules_and_submodules_pass(
     [
         ("mypkg_evil:fn", ["mypkg"]),  # a prefix of the name is not a parent package
         ("mypkg:fn", ["mypkg.models"]),  # a parent of an allowed module is not allowed
+        ("mypkg.models:build", ["mypkg"]),  # nor is a submodule: it runs code of its own
+        ("mypkg.models.deep:build", ["mypkg.models"]),
         ("os:system", []),
         ("os:system", ["mypkg"]),
     ],
@@ -51,10 +55,18 @@ def test_modules_outside_the_allow_list_are_refused(path: str, allowed: list[str
         check_allowed(path, allowed)
 
 
+@pytest.mark.parametrize("attr", ["_private", "__getattr__", "__builtins__", "__loader__", "_"])
+def test_private_and_dunder_names_are_refused_before_import(attr: str) -> None:
+    name = "tests.workers.never_imported_module"
+    with pytest.raises(FactoryError, match="private name"):
+        load_callable(f"{name}:{attr}", [name])
+    assert name not in sys.modules
+
+
 @pytest.mark.parametrize(
     "path",
     ["mypkg", "mypkg:", ":fn", "mypkg:fn:x", "my pkg:fn", "mypkg..m:fn", "../x:fn", "1pkg:fn",
-     "mypkg:fn()", "mypkg/models:fn", ""],
+     "mypkg:fn()", "mypkg/models:fn", "", "mypkg:fn\n", "\nmypkg:fn", "mypkg:fn "],
 )  # fmt: skip
 def test_malformed_names_show_the_expected_form(path: str) -> None:
     with pytest.raises(FactoryError, match=r"package\.module:function"):
@@ -63,17 +75,57 @@ def test_malformed_names_show_the_expected_form(path: str) -> None:
 
 def test_check_allowed_imports_nothing() -> None:
     name = "tests.workers.never_imported_module"
-    check_allowed(f"{name}:fn", ["tests"])
+    check_allowed(f"{name}:fn", [name])
     assert name not in sys.modules
 
 
 def test_load_callable_returns_the_function() -> None:
-    assert load_callable(f"{HERE}:tiny_mlp", ["tests.workers"]) is tiny_mlp
+    assert load_callable(f"{HERE}:tiny_mlp", [HERE]) is tiny_mlp
 
 
 def test_load_callable_refuses_before_importing() -> None:
     with pytest.raises(FactoryError, match="not allowed"):
         load_callable(f"{HERE}:tiny_mlp", ["workers"])
+
+
+@pytest.fixture
+def hostile() -> ModuleType:
+    """The allowed module of hostile names, with its record of calls emptied."""
+    module = importlib.import_module(HOSTILE)  # it imports this module: not at the top
+    module.CALLS.clear()
+    return module
+
+
+@pytest.mark.parametrize(
+    ("attr", "message"),
+    [
+        ("ModelClass", "is a class, not a function"),
+        ("DataClass", "is a class, not a function"),
+        ("callable_instance", "is a _CallableModel instance, not a function"),
+        ("bound_method", "is a bound method, not a function"),
+        ("partial_mlp", "is a functools.partial, not a function"),
+        ("system", "is a built-in function, not a function"),
+        ("subprocess", "is a module, not a function"),
+        ("factories_module", "is a module, not a function"),
+        ("NOT_CALLABLE", "is a int, not a function"),
+        ("getoutput", "is subprocess.getoutput, imported into"),
+        ("tiny_mlp", f"is {HERE}.tiny_mlp, imported into"),
+        ("renamed_elsewhere", f"is {HERE}.tiny_mlp_list, imported into"),
+        ("no_such_name", "has no attribute 'no_such_name'"),  # not handed to __getattr__
+    ],
+)
+def test_only_functions_written_in_the_module_resolve_and_nothing_is_called(
+    hostile: ModuleType, attr: str, message: str
+) -> None:
+    with pytest.raises(FactoryError, match=re.escape(message)):
+        load_callable(f"{HOSTILE}:{attr}", [HOSTILE])
+    assert hostile.CALLS == []
+
+
+def test_a_function_written_in_an_allowed_module_resolves(hostile: ModuleType) -> None:
+    assert load_callable(f"{HOSTILE}:own_mlp", [HOSTILE]) is hostile.own_mlp
+    assert load_callable(f"{HOSTILE}:own_data", [HOSTILE]) is hostile.own_data
+    assert hostile.CALLS == []
 
 
 @pytest.mark.parametrize(
@@ -86,7 +138,7 @@ def test_load_callable_refuses_before_importing() -> None:
 )
 def test_load_failures_say_what_went_wrong(path: str, message: str) -> None:
     with pytest.raises(FactoryError, match=message):
-        load_callable(path, ["tests"])
+        load_callable(path, [HERE, "tests.workers.no_such_module"])
 
 
 def test_errors_are_value_errors() -> None:

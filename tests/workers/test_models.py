@@ -26,7 +26,7 @@ CASES: list[tuple[str, dict[str, Any], DataMeta]] = [
     ("convnet", {"channels": [3, 4, 2], "kernel_size": 3}, DIGITS),
     ("gpt", {"d_model": 16, "n_layers": 3, "n_heads": 2}, LM),
 ]
-FACTORY = ["tests.workers"]
+FACTORY = ["tests.workers.test_factories"]
 
 
 def sample(meta: DataMeta, batch: int = 3) -> torch.Tensor:

@@ -132,7 +132,7 @@ def test_factory_model_and_data() -> None:
     data = DataRef(None, "tests.workers.test_factories:sum_data", {"width": 4})
     result = train_reference(
         model, data, ADAM, batch_size=32, micro_batches=4, steps=40, seed=0,
-        allowed=["tests.workers"],
+        allowed=["tests.workers.test_factories"],
     )  # fmt: skip
     assert len(result.blocks) == 3
     assert sum(result.losses[-5:]) < 0.5 * sum(result.losses[:5])
