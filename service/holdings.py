@@ -1,17 +1,22 @@
-"""Which devices are taken: by active jobs, by sweeps' SHARP executors, or being drained; and
-what each user holds against their quota."""
+"""Which devices are taken: by active jobs, by sweeps' SHARP executors, or being drained; what
+each user holds against their quota; and the highest priority each may give a job."""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
 from scheduler.placement import Quota, Usage
+from service.auth import Principal
 from service.db.models import DeviceRow, Job, Sweep, User
 from service.lifecycle import JobState
+from service.specs import JobSpec, SpecError
 
 ACTIVE_JOBS = (JobState.RUNNING.value, JobState.RECOVERING.value)
 ACTIVE_SWEEPS = (JobState.QUEUED.value, JobState.RUNNING.value)
+DEFAULT_PRIORITY: int = JobSpec.model_fields["priority"].default
 
 
 def held_devices(session: Session, *, exclude: str | None = None) -> set[str]:
@@ -57,3 +62,37 @@ def quotas(session: Session, default: Quota) -> dict[str, Quota]:
         )
         for user in session.scalars(sa.select(User))
     }
+
+
+def max_priority(user: User) -> int | None:
+    """The highest priority ``user`` may give a job: any (None) for an admin; else what an
+    admin granted them, or the default priority. Priority preempts other users' jobs, so
+    more than the default is an admin's grant, like a quota."""
+    if user.is_admin:
+        return None
+    return DEFAULT_PRIORITY if user.max_priority is None else user.max_priority
+
+
+def check_priority(
+    session: Session, principal: Principal, wanted: Sequence[tuple[str, int]]
+) -> None:
+    """Refuse, naming each field, the (field, priority) pairs of a submission above what
+    ``principal`` may give a job."""
+    if principal.is_admin:
+        return
+    user = session.get(User, principal.user_id)
+    allowed = DEFAULT_PRIORITY if user is None else max_priority(user)
+    if allowed is None:
+        return
+    over = [(field, priority) for field, priority in wanted if priority > allowed]
+    if over:
+        raise SpecError(
+            [
+                (
+                    field,
+                    f"priority {priority} is above your max_priority ({allowed}); use"
+                    f" {allowed} or less, or ask an admin to raise your max_priority",
+                )
+                for field, priority in over
+            ]
+        )

@@ -19,6 +19,7 @@ from sqlalchemy.orm import Session, defer
 from service.auth import Principal
 from service.db.models import Checkpoint, DeviceRow, Job, JobEvent, JobMetric, User, utcnow
 from service.db.session import SessionFactory, transaction
+from service.holdings import check_priority
 from service.idempotency import create_once
 from service.lifecycle import JobState, check_transition
 from service.specs import AcceptedSpec
@@ -160,12 +161,18 @@ def submit_job(
     accepted: AcceptedSpec,
     idempotency_key: str | None = None,
 ) -> tuple[Job, bool]:
-    """Persist a new QUEUED job; returns (job, created). A retried key returns the first job."""
+    """Persist a new QUEUED job; returns (job, created). A retried key returns the first job.
+    A priority above the owner's ``max_priority`` is refused (``SpecError``)."""
+
+    def add(session: Session) -> Job:
+        check_priority(session, principal, [("priority", accepted.spec.priority)])
+        return add_job(session, principal, accepted, idempotency_key)
+
     return create_once(
         factory,
         idempotency_key,
         lambda session, key: _find_by_key(session, principal, key),
-        lambda session: add_job(session, principal, accepted, idempotency_key),
+        add,
         accepted.spec.model_dump(mode="json"),
         "job",
     )

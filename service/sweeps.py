@@ -15,17 +15,21 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import sqlalchemy as sa
+from pydantic import TypeAdapter
 from sqlalchemy.orm import Session
 
 from service.auth import Principal
 from service.db.models import Sweep, Trial, utcnow
 from service.db.session import SessionFactory, transaction
+from service.holdings import check_priority
 from service.idempotency import create_once
 from service.jobs import JobConflict
 from service.lifecycle import JobState
 from service.sweepspec import AcceptedSweep
 
 PRUNED = "PRUNED"
+_PRIORITY = TypeAdapter(int)
+"""A searched priority as a trial's job spec reads it (``5.0`` and ``"5"`` are 5)."""
 SWEEP_TRANSITIONS: dict[JobState, frozenset[JobState]] = {
     JobState.QUEUED: frozenset({JobState.RUNNING, JobState.FAILED, JobState.CANCELLED}),
     JobState.RUNNING: frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED}),
@@ -71,6 +75,7 @@ def submit_sweep(
     spec = accepted.spec.model_dump(mode="json")
 
     def add(session: Session) -> Sweep:
+        check_priority(session, principal, _priorities(accepted))
         sweep = Sweep(
             id=uuid.uuid4().hex,
             name=accepted.spec.name,
@@ -92,6 +97,16 @@ def submit_sweep(
         )
 
     return create_once(factory, idempotency_key, find, add, spec, "sweep")
+
+
+def _priorities(accepted: AcceptedSweep) -> list[tuple[str, int]]:
+    """The priorities the sweep's trials may get, by the field that gives them: the base
+    job's, and the extremes of a search over ``priority`` (each already validated as one)."""
+    found = [("base.priority", accepted.base.spec.priority)]
+    searched = accepted.spec.space.get("priority")
+    if searched is not None:
+        found += [("space.priority", _PRIORITY.validate_python(v)) for v in searched.extremes()]
+    return found
 
 
 def _visible(principal: Principal) -> sa.ColumnElement[bool]:

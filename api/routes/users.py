@@ -1,4 +1,5 @@
-"""``/api/v1/users``: users, their quotas and what they hold (admins only)."""
+"""``/api/v1/users``: users, their quotas and priority grants, and what they hold (admins
+only)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from scheduler.placement import Quota, Usage
 from service.auth import Principal
 from service.db.models import User
 from service.db.session import transaction
-from service.holdings import quotas, usage_by_owner
+from service.holdings import max_priority, quotas, usage_by_owner
 from service.settings import Settings
 
 router = APIRouter(prefix="/users", tags=["users"])
@@ -25,10 +26,18 @@ UserName = Annotated[str, Path(max_length=64, pattern=r"^[a-z0-9][a-z0-9_.\-]{0,
 
 
 class QuotaIn(BaseModel):
-    """A user's limits; null: the installation's default (SHOAL_USER_MAX_*)."""
+    """A user's limits; null: the installation's default (SHOAL_USER_MAX_*, and for
+    max_priority the default priority, 0)."""
 
     max_jobs: int | None = Field(None, ge=1, le=100_000)
     max_devices: int | None = Field(None, ge=1, le=1_000_000)
+    max_priority: int | None = Field(
+        None,
+        ge=-100,  # a job's priority range (JobSpec.priority)
+        le=100,
+        description="the highest priority their jobs and sweeps may have (a higher priority"
+        " preempts other users' jobs)",
+    )
 
 
 class UserOut(BaseModel):
@@ -38,6 +47,10 @@ class UserOut(BaseModel):
     max_devices: int | None = Field(description="their own limit; null: the default")
     effective_max_jobs: int | None = Field(description="what applies; null: no limit")
     effective_max_devices: int | None = Field(description="what applies; null: no limit")
+    max_priority: int | None = Field(description="their own grant; null: the default")
+    effective_max_priority: int | None = Field(
+        description="the highest priority they may submit; null: any (an admin)"
+    )
     running_jobs: int
     held_devices: int
 
@@ -65,6 +78,8 @@ def _users(session: Session, settings: Settings, names: list[str] | None) -> lis
             max_devices=user.max_devices,
             effective_max_jobs=limits[user.name].max_jobs,
             effective_max_devices=limits[user.name].max_devices,
+            max_priority=user.max_priority,
+            effective_max_priority=max_priority(user),
             running_jobs=usage.get(user.name, Usage()).jobs,
             held_devices=usage.get(user.name, Usage()).devices,
         )
@@ -89,13 +104,15 @@ def set_quota(
     settings: SettingsDep,
 ) -> UserOut:
     """Set a user's limits (null: back to the default); jobs already running go on, queued
-    ones wait while the user is over them."""
+    ones wait while the user is over them. ``max_priority`` bounds the priority of what they
+    submit from now on."""
     _admin(principal)
     with transaction(factory) as session:
         user = session.scalar(sa.select(User).where(User.name == name))
         if user is None:
             raise HTTPException(status.HTTP_404_NOT_FOUND, f"no user {name!r}")
         user.max_jobs, user.max_devices = quota.max_jobs, quota.max_devices
+        user.max_priority = quota.max_priority
     with factory() as session:
         (out,) = _users(session, settings, [name])
     return out

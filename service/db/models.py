@@ -46,6 +46,9 @@ class User(Base):
     """Jobs the user may run at once; None: the installation's default."""
     max_devices: Mapped[int | None] = mapped_column(default=None)
     """Devices the user's jobs may hold at once; None: the installation's default."""
+    max_priority: Mapped[int | None] = mapped_column(default=None)
+    """The highest priority the user may give a job; None: the default priority (0), so a
+    priority above the default is an admin's grant."""
 
 
 class ApiToken(Base):
