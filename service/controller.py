@@ -15,7 +15,9 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
+from contextlib import suppress
 from dataclasses import asdict, dataclass, field
+from functools import partial
 
 import sqlalchemy as sa
 from sqlalchemy.exc import SQLAlchemyError
@@ -30,6 +32,7 @@ from service.cluster import Cluster, ClusterUnavailable, RunnerGone
 from service.db.models import Checkpoint, DeviceRow, Job, JobMetric, utcnow
 from service.db.session import SessionFactory, transaction
 from service.holdings import ACTIVE_JOBS, draining_devices, held_devices, quotas, usage_by_owner
+from service.isolation import isolated
 from service.jobs import JobConflict, add_event, transition
 from service.lifecycle import JobState
 from service.snapshots import block_costs, build_snapshot, job_request
@@ -93,16 +96,22 @@ class Controller:
             stop.wait(self._config.poll_interval_s)
 
     def reconcile_once(self) -> None:
+        """One tick. Each job's and each sweep's step is isolated (``service.isolation``):
+        its fault ends that job or sweep FAILED with the reason, and the tick goes on."""
         nodes = self._cluster.nodes()
         devices = _inventory(nodes)
         with self._factory() as session:
             active = list(session.scalars(sa.select(Job.id).where(Job.state.in_(_ACTIVE))))
         for job_id in active:
-            self._follow(job_id, devices)
-        self._sync_devices(devices, {n.node_id for n in nodes if n.draining})
+            with isolated(f"job {job_id}", partial(self._fail, job_id)):
+                self._follow(job_id, devices)
+        with isolated("device inventory"):
+            self._sync_devices(devices, {n.node_id for n in nodes if n.draining})
         self._sweeper.reconcile_once(devices)
-        self._place_queued(devices)
-        self._resize_running(devices)
+        with isolated("placement"):
+            self._place_queued(devices)
+        with isolated("resizing"):
+            self._resize_running(devices)
         self.last_tick = time.monotonic()
 
     # ------------------------------------------------------------------ inventory
@@ -197,6 +206,22 @@ class Controller:
             if job is not None and job.state in _ACTIVE:
                 transition(session, job, target, message, error=error)
         self._cluster.stop_runner(job_id)
+
+    def _fail(self, job_id: str, why: str) -> None:
+        """End ``job_id`` FAILED, whatever its state, after a fault in the controller's own
+        work on it: its runner is stopped, or a trial taken off its sweep's executor."""
+        self._resizing.pop(job_id, None)
+        with transaction(self._factory) as session:
+            job = session.get(Job, job_id)
+            if job is None or JobState(job.state).is_terminal:
+                return
+            pool = job.pool
+            transition(session, job, JobState.FAILED, why, error=why)
+        if pool is None:
+            self._cluster.stop_runner(job_id)
+            return
+        with suppress(RunnerGone, ClusterUnavailable):  # no executor: nothing trains it
+            self._cluster.cancel_trial(pool, job_id)
 
     def _requeue(self, job_id: str, step: int) -> None:
         """A suspended runner checkpointed ``step`` and stopped: the job waits QUEUED for
@@ -311,11 +336,11 @@ class Controller:
             current = [by_id[i] for i in job.devices if i in by_id]
             if job.id in self._resizing or job.cancel_requested or len(current) < len(job.devices):
                 continue  # a move under way, a cancel, or a lost device (the LOST path)
-            found = candidate(job_request(job), current, free, draining)
-            if found is None:
-                continue
-            taken = self._resize(job, current, found)
-            free = [d for d in free if d.id not in taken]
+            with isolated(f"job {job.id}", partial(self._fail, job.id)):
+                found = candidate(job_request(job), current, free, draining)
+                if found is not None:
+                    taken = self._resize(job, current, found)
+                    free = [d for d in free if d.id not in taken]
 
     def _resize(self, job: Job, current: Sequence[Device], found: Candidate) -> set[str]:
         """Lay ``job`` out on ``found`` and ask its runner to move; the devices taken."""
@@ -400,21 +425,30 @@ class Controller:
                 )
             )
             busy = held_devices(session) | draining_devices(session)
-            requests = [job_request(job) for job in queued]
+            faults: list[tuple[str, str]] = []
+            requests = _requests(queued, faults)
             usage = usage_by_owner(session)
             limits = quotas(session, self._config.default_quota)
-        if not queued:
+        for job_id, why in faults:
+            self._fail(job_id, why)
+        if not requests:
             return
         free = [d for d in devices if d.id not in busy]
         placements, waiting = place(requests, free, usage=usage, quotas=limits)
         for placement in placements:
-            self._start(placement)
+            with isolated(f"job {placement.job_id}", partial(self._fail, placement.job_id)):
+                self._start(placement)
         placed = {d.id for p in placements for d in p.devices}
-        self._preempt(
-            [r for r in requests if r.job_id in {w.job_id for w in waiting if not w.over_quota}],
-            [d for d in free if d.id not in placed],
-            devices,
-        )
+        with isolated("preemption"):
+            self._preempt(
+                [
+                    r
+                    for r in requests
+                    if r.job_id in {w.job_id for w in waiting if not w.over_quota}
+                ],
+                [d for d in free if d.id not in placed],
+                devices,
+            )
         for wait in waiting:
             if self._waiting_reason.get(wait.job_id) != wait.reason:
                 self._waiting_reason[wait.job_id] = wait.reason
@@ -435,7 +469,12 @@ class Controller:
                     .order_by(Job.started_at.desc(), Job.id)  # the youngest first
                 )
             )
-            jobs = [(job_request(job), tuple(job.devices)) for job in running]
+            faults: list[tuple[str, str]] = []
+            requests = _requests(running, faults)
+            held_by = {job.id: tuple(job.devices) for job in running}
+        for job_id, why in faults:
+            self._fail(job_id, why)
+        jobs = [(request, held_by[request.job_id]) for request in requests]
         by_id = {d.id: d for d in devices}
         soon = list(free)
         candidates = []
@@ -450,12 +489,21 @@ class Controller:
             for victim in victims:
                 low = next(c for c in candidates if c.request.job_id == victim)
                 candidates.remove(low)
+                # The event is the victim's owner's to read: it names no other user's job.
+                # Which one preempted it is for the operator's log.
+                log.info(
+                    "job %s preempts job %s (priority %d > %d)",
+                    request.job_id,
+                    victim,
+                    request.priority,
+                    low.request.priority,
+                    extra={"job_id": victim},
+                )
                 self._suspend(
                     victim,
-                    f"preempted by job {request.job_id} (priority {request.priority} >"
-                    f" {low.request.priority}): checkpointing at the next step boundary, then"
-                    " waiting for devices",
-                    {"preempted_by": request.job_id, "priority": request.priority},
+                    "preempted: a job of higher priority needs its devices; checkpointing at"
+                    " the next step boundary, then waiting for devices",
+                    {"preempted": True},
                 )
                 soon += low.devices
 
@@ -540,6 +588,20 @@ class Controller:
             ),
             sync_s_per_byte=self._config.allreduce_s_per_byte,
         )
+
+
+def _requests(jobs: Sequence[Job], faults: list[tuple[str, str]]) -> list[JobRequest]:
+    """The placement requests of ``jobs``; each job whose request cannot be made is left
+    out and noted in ``faults`` with the reason (its caller fails it once the session ends)."""
+    requests = []
+    for job in jobs:
+        with isolated(f"job {job.id}", partial(_note, faults, job.id)):
+            requests.append(job_request(job))
+    return requests
+
+
+def _note(faults: list[tuple[str, str]], job_id: str, why: str) -> None:
+    faults.append((job_id, why))
 
 
 def _inventory(nodes: Sequence[NodeInfo]) -> list[Device]:

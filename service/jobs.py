@@ -238,7 +238,9 @@ def request_cancel(factory: SessionFactory, principal: Principal, job_id: str) -
 
 
 def restart_job(factory: SessionFactory, principal: Principal, job_id: str) -> Job:
-    """Requeue a failed or cancelled job; it resumes from its latest checkpoint."""
+    """Requeue a failed or cancelled job; it resumes from its latest checkpoint. A sweep's
+    trial restarts as a job of its own: its sweep may have ended, closing the executor
+    that trained it."""
     with transaction(factory) as session:
         job = get_job(session, principal, job_id)
         state = JobState(job.state)
@@ -246,11 +248,13 @@ def restart_job(factory: SessionFactory, principal: Principal, job_id: str) -> J
             raise JobConflict(
                 f"job {job_id} is {state}; only FAILED or CANCELLED jobs can be restarted"
             )
+        alone = " as a job of its own, off its sweep's executor" if job.pool else ""
         transition(
             session,
             job,
             JobState.QUEUED,
-            f"restarted by {principal.name}",
+            f"restarted by {principal.name}{alone}",
+            pool=None,
             error=None,
             cancel_requested=False,
             finished_at=None,

@@ -18,6 +18,7 @@ import logging
 import math
 import time
 from collections.abc import Sequence
+from functools import partial
 
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
@@ -25,7 +26,7 @@ from sqlalchemy.orm import Session
 from scheduler.devices import Device
 from scheduler.placement import JobRequest, Quota, Usage, place
 from service.auth import Principal
-from service.cluster import Cluster, ClusterUnavailable, RunnerGone
+from service.cluster import Cluster, RunnerGone
 from service.db.models import Checkpoint, Job, JobMetric, Sweep, Trial, utcnow
 from service.db.session import SessionFactory, transaction
 from service.holdings import (
@@ -35,6 +36,7 @@ from service.holdings import (
     quotas,
     usage_by_owner,
 )
+from service.isolation import isolated
 from service.jobs import add_event, add_job, transition
 from service.lifecycle import JobState
 from service.snapshots import build_snapshot
@@ -78,15 +80,8 @@ class Sweeper:
         with self._factory() as session:
             active = list(session.scalars(sa.select(Sweep.id).where(Sweep.state.in_(_ACTIVE))))
         for sweep_id in active:
-            try:
+            with isolated(f"sweep {sweep_id}", partial(self._fail, sweep_id)):
                 self._follow(sweep_id, devices)
-            except (RunnerGone, ClusterUnavailable) as exc:
-                log.warning(
-                    "sweep %s: its executor did not answer, retrying: %s",
-                    sweep_id,
-                    exc,
-                    extra={"sweep_id": sweep_id},
-                )
         for sweep_id in set(self._tuners) - set(active):
             del self._tuners[sweep_id]
         for sweep_id in set(self._suspect) - set(active):
@@ -121,6 +116,24 @@ class Sweeper:
                     self._close(sweep, JobState.SUCCEEDED, None)
                 else:
                     self._close(sweep, JobState.FAILED, "no trial completed")
+
+    def _fail(self, sweep_id: str, why: str) -> None:
+        """End a sweep FAILED after a fault in its own step, without asking its study (which
+        may be what failed): its unfinished trials are cancelled (a running trial with a
+        runner of its own at its next step boundary; one on the sweep's executor at once, as
+        the executor closes) and its devices are freed."""
+        self._tuners.pop(sweep_id, None)
+        with transaction(self._factory) as session:
+            sweep = session.get(Sweep, sweep_id)
+            if sweep is None or sweep.state not in _ACTIVE:
+                return
+            for trial in list_trials(session, sweep_id):
+                job = trial.job
+                if job.pool is not None and not JobState(job.state).is_terminal:
+                    transition(session, job, JobState.CANCELLED, f"its sweep failed: {why}")
+                else:
+                    _stop(session, job, f"its sweep failed: {why}")
+            self._close(sweep, JobState.FAILED, why)
 
     def _close(self, sweep: Sweep, target: JobState, error: str | None) -> None:
         """End the sweep and stop its executor, freeing its devices."""

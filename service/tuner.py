@@ -11,7 +11,7 @@ Samplers are seeded with the sweep's seed; a rebuilt study samples on from a fre
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 import optuna
@@ -44,10 +44,25 @@ def distribution(param: ParamSpec) -> BaseDistribution:
     return FloatDistribution(low, high, log=param.type == "log_uniform")
 
 
+class _GridSampler(optuna.samplers.GridSampler):
+    """Optuna's grid sampler without its end-of-grid ``study.stop()``: that call is made for
+    ``study.optimize`` and raises under ask-and-tell once the last point is told. The
+    sweeper ends a grid sweep itself, after as many trials as the grid has points."""
+
+    def after_trial(
+        self,
+        study: optuna.Study,
+        trial: optuna.trial.FrozenTrial,
+        state: TrialState,
+        values: Sequence[float] | None,
+    ) -> None:
+        return None
+
+
 def _sampler(spec: SweepSpec) -> optuna.samplers.BaseSampler:
     if spec.algorithm == "grid":
         grid = {name: param.grid() or [] for name, param in spec.space.items()}
-        return optuna.samplers.GridSampler(grid, seed=spec.seed)
+        return _GridSampler(grid, seed=spec.seed)
     if spec.algorithm == "random":
         return optuna.samplers.RandomSampler(seed=spec.seed)
     return optuna.samplers.TPESampler(seed=spec.seed)

@@ -18,8 +18,18 @@ from scheduler.devices import DEVICE_RESOURCE, Device, NodeInfo
 from service.auth import Principal
 from service.cluster import InProcessCluster
 from service.controller import Controller
-from service.db.models import Checkpoint, DeviceRow, JobEvent, JobMetric, Sweep, Trial, User
+from service.db.models import (
+    Checkpoint,
+    DeviceRow,
+    Job,
+    JobEvent,
+    JobMetric,
+    Sweep,
+    Trial,
+    User,
+)
 from service.db.session import SessionFactory, transaction
+from service.jobs import restart_job
 from service.sweeps import list_trials, request_cancel, submit_sweep, trial_state
 from service.sweepspec import validate_sweep_spec
 from tests.factories import sweep_spec
@@ -156,6 +166,40 @@ def test_cancelling_a_sweep_cancels_its_trials(
     sweep, trials = sweep_of(session_factory, sweep_id)
     assert sweep.state == "CANCELLED" and len(trials) == 2
     assert [trial_state(t) for t in trials] == ["CANCELLED", "CANCELLED"]
+
+
+@pytest.mark.parametrize("executor", ["sharp", "jobs"])
+def test_a_trial_of_an_ended_sweep_restarted_runs_as_a_job_of_its_own(
+    session_factory: SessionFactory, alice: Principal, tmp_path: Path, executor: str
+) -> None:
+    controller = make_controller(session_factory, InProcessCluster(NODES), tmp_path)
+    sweep_id, _ = submit(
+        session_factory,
+        alice,
+        executor=executor,
+        max_concurrent=2,
+        early_stopping={"rule": "none"},
+        base={**sweep_spec()["base"], "steps": 100_000},
+    )
+    reconcile_until(controller, lambda: len(sweep_of(session_factory, sweep_id)[1]) == 2)
+    request_cancel(session_factory, alice, sweep_id)
+    reconcile_until(controller, lambda: ended(session_factory, sweep_id), timeout=120)
+    trial = sweep_of(session_factory, sweep_id)[1][0]
+    with transaction(session_factory) as session:  # a short rerun
+        job = session.get(Job, trial.job_id)
+        assert job is not None
+        job.spec = {**job.spec, "steps": job.step + 3}
+    restart_job(session_factory, alice, trial.job_id)
+
+    def state() -> tuple[str, str | None, int]:
+        with session_factory() as session:
+            job = session.get(Job, trial.job_id)
+            assert job is not None
+            return job.state, job.pool, job.step
+
+    reconcile_until(controller, lambda: state()[0] == "SUCCEEDED", timeout=60, what=state)
+    assert state()[1] is None
+    assert sweep_of(session_factory, sweep_id)[0].state == "CANCELLED"
 
 
 def test_a_restarted_control_plane_carries_the_sweep_on(
