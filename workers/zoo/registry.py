@@ -154,15 +154,56 @@ def _flat(shape: tuple[int, ...]) -> int:
     return size
 
 
+# A model dimension set by hand must agree with the data it trains on, or the first step
+# fails (a shape mismatch, a label or token past the output layer) or, for regression,
+# silently broadcasts: refused at submission, naming the field and the value that fits.
+
+
+def _leave_out(field: str) -> str:
+    return f"leave model.config.{field} out to take it from the data"
+
+
+def _same(field: str, given: int, data: int, what: str) -> None:
+    if given != data:
+        raise RegistryError(
+            f"model.config.{field}",
+            f"is {given} but the data has {data} {what}; set it to {data} or {_leave_out(field)}",
+        )
+
+
+def _at_least(field: str, given: int, data: int, what: str) -> None:
+    if given < data:
+        raise RegistryError(
+            f"model.config.{field}",
+            f"is {given} but the data has {data} {what}; raise it to at least {data} or"
+            f" {_leave_out(field)}",
+        )
+
+
+def _outputs(field: str, given: int, meta: DataMeta) -> None:
+    """Regression outputs must match the targets exactly; a classifier or a language model
+    needs at least one output per class or token value (spare ones are never the target)."""
+    if meta.task == "regression":
+        _same(field, given, meta.targets, "regression targets per sample")
+    elif meta.task == "classification":
+        _at_least(field, given, meta.targets, "classes")
+    else:
+        _at_least(field, given, meta.vocab_size, "token values")
+
+
 def _mlp_complete(c: MLPConfig, meta: DataMeta) -> MLPConfig:
     if meta.task == "lm":
         raise RegistryError("model.builtin", "mlp cannot model token sequences; use gpt")
-    return c.model_copy(
+    done = c.model_copy(
         update={
             "in_features": c.in_features or _flat(meta.input_shape),
             "out_features": c.out_features or meta.targets,
         }
     )
+    assert done.in_features is not None and done.out_features is not None
+    _same("in_features", done.in_features, _flat(meta.input_shape), "features per sample")
+    _outputs("out_features", done.out_features, meta)
+    return done
 
 
 def _mlp_params(c: MLPConfig) -> int:
@@ -179,10 +220,12 @@ def _mlp_params(c: MLPConfig) -> int:
 def _convnet_complete(c: ConvNetConfig, meta: DataMeta) -> ConvNetConfig:
     if meta.task != "classification" or len(meta.input_shape) != 3:
         raise RegistryError(
-            "model.builtin", "convnet needs image classification data (e.g. digits)"
+            "model.builtin",
+            "convnet needs image classification data (digits, with data.config.images true);"
+            " use mlp for flat features",
         )
     channels, height, width = meta.input_shape
-    return c.model_copy(
+    done = c.model_copy(
         update={
             "in_channels": c.in_channels or channels,
             "height": c.height or height,
@@ -190,6 +233,12 @@ def _convnet_complete(c: ConvNetConfig, meta: DataMeta) -> ConvNetConfig:
             "classes": c.classes or meta.targets,
         }
     )
+    assert done.in_channels and done.height and done.width and done.classes
+    _same("in_channels", done.in_channels, channels, "image channels")
+    _same("height", done.height, height, "pixels of image height")
+    _same("width", done.width, width, "pixels of image width")
+    _outputs("classes", done.classes, meta)
+    return done
 
 
 def _convnet_params(c: ConvNetConfig) -> int:
@@ -206,12 +255,17 @@ def _gpt_complete(c: GPTConfig, meta: DataMeta) -> GPTConfig:
         raise RegistryError(
             "model.builtin", "gpt needs token-sequence data (synthetic-lm, pysource)"
         )
-    return c.model_copy(
+    done = c.model_copy(
         update={
             "vocab_size": c.vocab_size or meta.vocab_size,
             "seq_len": c.seq_len or meta.input_shape[0],
         }
     )
+    assert done.vocab_size and done.seq_len
+    _outputs("vocab_size", done.vocab_size, meta)
+    # Learned positions: a longer model sees shorter sequences fine, a shorter one cannot.
+    _at_least("seq_len", done.seq_len, meta.input_shape[0], "tokens per sequence")
+    return done
 
 
 def _gpt_params(c: GPTConfig) -> int:
