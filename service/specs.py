@@ -26,14 +26,17 @@ from workers.zoo.registry import RegistryError, data_meta, resolve_model
 MAX_STEPS = 10_000_000
 MAX_BATCH = 1_048_576
 MAX_DEVICES = 4_096
-_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,99}$")
+MAX_NAME = 100
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]*")
 
 
-def check_name(value: str) -> str:
-    """A job's or sweep's name: 1-100 letters, digits, '_', '.', '-'."""
-    if not _NAME_RE.match(value):
+def check_name(value: str, limit: int = MAX_NAME) -> str:
+    """A job's or sweep's name: 1 to ``limit`` letters, digits, '_', '.', '-', the first a
+    letter or digit."""
+    # fullmatch, not a ``$`` anchor: ``$`` also matches before a trailing newline.
+    if len(value) > limit or not _NAME_RE.fullmatch(value):
         raise ValueError(
-            "use 1-100 letters, digits, '_', '.', '-', starting with a letter or digit"
+            f"use 1-{limit} letters, digits, '_', '.', '-', starting with a letter or digit"
         )
     return value
 
@@ -150,7 +153,7 @@ class CheckpointSpec(StrictModel):
 
 
 class JobSpec(StrictModel):
-    name: str = Field(..., max_length=100)
+    name: str = Field(..., max_length=MAX_NAME)
     model: ComponentSpec
     data: ComponentSpec
     optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)

@@ -42,7 +42,7 @@ from service.lifecycle import JobState
 from service.snapshots import build_snapshot
 from service.specs import SpecError, validate_job_spec
 from service.sweeps import list_trials, move_sweep, ranked
-from service.sweepspec import SweepSpec, trial_spec
+from service.sweepspec import SweepSpec, trial_name, trial_spec
 from service.tuner import Outcome, Tuner
 from workers.checkpoints import CheckpointStore
 
@@ -336,7 +336,7 @@ class Sweeper:
         while running < spec.max_concurrent and len(trials) < sweep.max_trials:
             number = len(trials)
             params = tuner.ask(number)
-            payload = trial_spec(base, params, f"{spec.name}-{number}")
+            payload = trial_spec(base, params, trial_name(spec.name, number))
             try:
                 accepted = validate_job_spec(payload, self._allowed)
             except SpecError as exc:  # validated at submission: a sampler's value cannot fail

@@ -21,6 +21,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from scheduler.sharp import ShardError, shard_model
 from service.specs import (
     MAX_DEVICES,
+    MAX_NAME,
     AcceptedSpec,
     JobSpec,
     SpecError,
@@ -36,6 +37,13 @@ MAX_CHOICES = 32
 MAX_TRIALS = 1000
 MAX_GRID = 10_000
 ParamValue = float | int | str | bool
+MAX_SWEEP_NAME = MAX_NAME - len(f"-{MAX_TRIALS - 1}")
+"""Room for the trials' suffix: every trial's job name (``trial_name``) is a valid job name."""
+
+
+def trial_name(sweep: str, number: int) -> str:
+    """The job name of a sweep's trial ``number``."""
+    return f"{sweep}-{number}"
 
 
 class ParamSpec(StrictModel):
@@ -111,7 +119,11 @@ class RetentionSpec(StrictModel):
 
 
 class SweepSpec(StrictModel):
-    name: str = Field(..., max_length=100)
+    name: str = Field(
+        ...,
+        max_length=MAX_SWEEP_NAME,
+        description=f"at most {MAX_SWEEP_NAME} characters: trial n's job is named <name>-<n>",
+    )
     base: JobSpec
     space: dict[str, ParamSpec] = Field(..., min_length=1, max_length=MAX_PARAMS)
     algorithm: Literal["grid", "random", "tpe"] = "tpe"
@@ -131,7 +143,7 @@ class SweepSpec(StrictModel):
     @field_validator("name")
     @classmethod
     def _name(cls, value: str) -> str:
-        return check_name(value)
+        return check_name(value, MAX_SWEEP_NAME)
 
     @field_validator("space")
     @classmethod

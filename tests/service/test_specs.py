@@ -184,3 +184,17 @@ def test_a_model_is_traced_once_whatever_else_the_specs_change(
     assert traced == [16] and again.costs == first.costs and again.spec.name == "b"
     other = validate_job_spec(job_spec(model=model, batch_size=64), [])  # a new micro-batch
     assert traced == [16, 32] and other.costs != first.costs
+
+
+@pytest.mark.parametrize(
+    "name", ["run\n", "run\r", "run\n\n", "\nrun", "run\x00", "ru n", "run\t", "-run", "x" * 101]
+)
+def test_names_are_letters_digits_and_punctuation_only_no_trailing_newline(name: str) -> None:
+    with pytest.raises(SpecError) as info:
+        validate_job_spec(job_spec(name=name), [])
+    assert fields(info.value) == ["name"], info.value.errors
+
+
+@pytest.mark.parametrize("name", ["r", "Run_1.v-2", "0" + "x" * 99])
+def test_names_within_the_rules_are_accepted(name: str) -> None:
+    assert validate_job_spec(job_spec(name=name), []).spec.name == name

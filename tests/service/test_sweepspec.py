@@ -7,9 +7,18 @@ from typing import Any
 
 import pytest
 import yaml
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 
-from service.specs import SpecError
-from service.sweepspec import trial_spec, validate_sweep_spec
+from service.specs import SpecError, parse_job_spec
+from service.sweepspec import (
+    MAX_SWEEP_NAME,
+    MAX_TRIALS,
+    parse_sweep_spec,
+    trial_name,
+    trial_spec,
+    validate_sweep_spec,
+)
 from tests.factories import job_spec, sweep_spec
 
 pytestmark = pytest.mark.unit
@@ -129,3 +138,31 @@ def test_the_sharp_executor_refuses_gradient_clipping_and_names_the_way_out() ->
     ((where, text),) = refusal(base=base)
     assert where == "base.optimizer.clip_grad_norm" and text.endswith("use executor: jobs")
     assert validate_sweep_spec(sweep_spec(base=base, executor="jobs"), []).trials == 8
+
+
+@pytest.mark.parametrize("name", ["lr\n", "lr\r\n", "\nlr", "lr sweep", "x" * (MAX_SWEEP_NAME + 1)])
+def test_sweep_names_follow_the_job_name_rules_and_leave_room_for_trials(name: str) -> None:
+    assert [f for f, _ in refusal(name=name)] == ["name"]
+
+
+@settings(max_examples=200, deadline=None, derandomize=True, database=None)
+@given(
+    name=st.integers(1, 110).flatmap(  # every length up to past the limit
+        lambda n: st.from_regex(rf"[A-Za-z0-9][A-Za-z0-9_.\-]{{{n - 1}}}", fullmatch=True)
+    ),
+    number=st.integers(0, MAX_TRIALS - 1),
+)
+def test_every_valid_sweep_name_gives_valid_trial_names(name: str, number: int) -> None:
+    try:
+        parse_sweep_spec(sweep_spec(name=name))
+    except SpecError:
+        assume(False)  # only names a sweep accepts
+    trial = trial_spec(job_spec(), {}, trial_name(name, number))
+    assert parse_job_spec(trial).name == f"{name}-{number}"
+
+
+def test_the_longest_sweep_name_and_the_last_trial_number_make_a_valid_job() -> None:
+    name = "s" * MAX_SWEEP_NAME
+    spec = parse_sweep_spec(sweep_spec(name=name, max_trials=MAX_TRIALS))
+    last = trial_name(spec.name, spec.max_trials - 1)
+    assert parse_job_spec(trial_spec(job_spec(), {}, last)).name == last
