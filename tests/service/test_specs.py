@@ -198,3 +198,19 @@ def test_names_are_letters_digits_and_punctuation_only_no_trailing_newline(name:
 @pytest.mark.parametrize("name", ["r", "Run_1.v-2", "0" + "x" * 99])
 def test_names_within_the_rules_are_accepted(name: str) -> None:
     assert validate_job_spec(job_spec(name=name), []).spec.name == name
+
+
+def test_a_built_in_model_that_does_not_trace_is_a_spec_error_not_a_crash(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import workers.profiler
+
+    def fails(*args: Any, **kwargs: Any) -> Any:
+        raise workers.profiler.TraceError("RuntimeError: mat1 and mat2 shapes cannot be multiplied")
+
+    monkeypatch.setattr(workers.profiler, "trace_costs", fails)
+    model = {"builtin": "mlp", "config": {"hidden": 41}}  # no other test's: not a cached trace
+    with pytest.raises(SpecError) as info:
+        validate_job_spec(job_spec(model=model), [])
+    assert fields(info.value) == ["model.config"]
+    assert "cannot run on this data (RuntimeError: mat1" in str(info.value)
