@@ -10,14 +10,18 @@ from pathlib import Path
 import sqlalchemy as sa
 from anyio import to_thread
 from fastapi import FastAPI
-from fastapi.responses import FileResponse
+from fastapi.openapi.docs import get_swagger_ui_html
+from fastapi.responses import FileResponse, HTMLResponse
 from fastapi.staticfiles import StaticFiles
+from swagger_ui_bundle import swagger_ui_path
 
 from api import stream
 from api.errors import BodyLimit, install_error_handlers
 from api.metrics import install_metrics
+from api.paths import HidePaths, server_roots
 from api.ratelimit import RateLimit
 from api.routes import devices, health, jobs, sweeps, users
+from api.security import LoopbackHost, SecurityHeaders
 from api.stream import Feed
 from service.auth import ADMIN_USER, Principal, PrincipalCache
 from service.controller import Controller
@@ -27,6 +31,9 @@ from service.settings import Settings
 
 API_PREFIX = "/api/v1"
 DASHBOARD = Path(__file__).parent / "dashboard"
+DOCS_ASSETS = f"{API_PREFIX}/docs/assets"
+"""Swagger UI's scripts and styles, served from the ``swagger-ui-bundle`` package: the docs
+page loads nothing from another site."""
 
 
 def create_app(
@@ -57,7 +64,7 @@ def create_app(
         version="0.1.0",
         description="Elastic training on heterogeneous, preemptible Ray clusters.",
         openapi_url=f"{API_PREFIX}/openapi.json",
-        docs_url=f"{API_PREFIX}/docs",
+        docs_url=None,
         redoc_url=None,
         lifespan=lifespan,
     )
@@ -70,9 +77,17 @@ def create_app(
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     if settings.rate_limit_per_s is not None:
         app.add_middleware(
-            RateLimit, rate=settings.rate_limit_per_s, burst=settings.rate_limit_burst
+            RateLimit,
+            rate=settings.rate_limit_per_s,
+            burst=settings.rate_limit_burst,
+            trusted_proxies=tuple(settings.trusted_proxies),
+            authenticate=settings.auth,
         )
     install_metrics(app, session_factory, settings.metrics_token)
+    if not settings.auth:
+        app.add_middleware(LoopbackHost)
+    app.add_middleware(HidePaths, roots=server_roots(settings))
+    app.add_middleware(SecurityHeaders)  # the outermost: on every answer, refusals too
     app.include_router(health.router)
     app.include_router(jobs.router, prefix=API_PREFIX)
     app.include_router(sweeps.router, prefix=API_PREFIX)
@@ -82,6 +97,17 @@ def create_app(
     app.include_router(stream.router, prefix=API_PREFIX)
 
     app.mount("/static", StaticFiles(directory=DASHBOARD), name="static")
+    app.mount(DOCS_ASSETS, StaticFiles(directory=swagger_ui_path), name="docs-assets")
+
+    @app.get(f"{API_PREFIX}/docs", include_in_schema=False)
+    def docs() -> HTMLResponse:
+        return get_swagger_ui_html(
+            openapi_url=f"{API_PREFIX}/openapi.json",
+            title="Shoal API",
+            swagger_js_url=f"{DOCS_ASSETS}/swagger-ui-bundle.js",
+            swagger_css_url=f"{DOCS_ASSETS}/swagger-ui.css",
+            swagger_favicon_url=f"{DOCS_ASSETS}/favicon-32x32.png",
+        )
 
     @app.get("/", include_in_schema=False)
     def dashboard() -> FileResponse:

@@ -16,6 +16,9 @@ from typing import Annotated
 from fastapi import Depends, HTTPException, Request, status
 from fastapi.concurrency import run_in_threadpool
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi.security.utils import get_authorization_scheme_param
+from starlette.datastructures import Headers
+from starlette.types import Scope
 
 from service.auth import Principal, PrincipalCache, authenticate
 from service.db.session import SessionFactory
@@ -47,10 +50,44 @@ def _lookup(factory: SessionFactory, token: str) -> Principal | None:
         return authenticate(session, token)
 
 
+_KNOWN = "shoal.principal"
+"""The scope key of a request's looked-up token and principal: the rate limiter asks first,
+and the endpoint's dependency reuses the answer instead of asking the database again."""
+
+
+def bearer_token(headers: Headers) -> str | None:
+    """The token of an ``Authorization: Bearer`` header, parsed as ``HTTPBearer`` does (the
+    scheme in any case, spaces around the token ignored); None without one."""
+    scheme, token = get_authorization_scheme_param(headers.get("authorization"))
+    return token if scheme.lower() == "bearer" and token else None
+
+
+async def lookup_token(factory: SessionFactory, token: str) -> Principal | None:
+    """Whom ``token`` belongs to now, from the database (never the cache)."""
+    return await run_in_threadpool(_lookup, factory, token)
+
+
+async def principal_of(scope: Scope, token: str) -> Principal | None:
+    """Whom ``token`` belongs to (None: unknown or revoked): from the app's ``PrincipalCache``
+    or the database, once per request. A database error propagates."""
+    known = scope.get(_KNOWN)
+    if known is not None and known[0] == token:
+        found: Principal | None = known[1]
+        return found
+    state = scope["app"].state
+    cache: PrincipalCache = state.principals
+    principal = cache.get(token)
+    if principal is None:
+        principal = await lookup_token(state.session_factory, token)
+        if principal is not None:
+            cache.put(token, principal)  # remembered from now on, not from its latest use
+    scope[_KNOWN] = (token, principal)
+    return principal
+
+
 async def get_principal(
     request: Request,
     credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
-    factory: Annotated[SessionFactory, Depends(get_session_factory)],
 ) -> Principal:
     """The caller: from the app's ``PrincipalCache``, or looked up in a session of its own,
     closed before the endpoint runs (a request never holds one pooled connection while it
@@ -65,18 +102,13 @@ async def get_principal(
             "missing bearer token; send 'Authorization: Bearer <token>'",
             headers={"WWW-Authenticate": "Bearer"},
         )
-    cache: PrincipalCache = request.app.state.principals
-    token = credentials.credentials
-    principal = cache.get(token)
+    principal = await principal_of(request.scope, credentials.credentials)
     if principal is None:
-        principal = await run_in_threadpool(_lookup, factory, token)
-        if principal is None:
-            raise HTTPException(
-                status.HTTP_401_UNAUTHORIZED,
-                "invalid or revoked token",
-                headers={"WWW-Authenticate": "Bearer"},
-            )
-        cache.put(token, principal)  # remembered from now on, not from its latest use
+        raise HTTPException(
+            status.HTTP_401_UNAUTHORIZED,
+            "invalid or revoked token",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
     return principal
 
 

@@ -1,15 +1,20 @@
-"""Requests per second per caller: a token bucket per bearer token (per client address for
-requests without one), refused with 429 and ``Retry-After`` once spent.
+"""Requests per second per caller: a token bucket per principal (per client address for
+requests without a valid token), refused with 429 and ``Retry-After`` once spent.
+
+A caller is who the authenticator says it is, not the bytes of its header: every token of a
+user, in every form ``HTTPBearer`` accepts, spends that user's bucket, and a request with no,
+a wrong or a revoked token spends its address's, whatever token string it sends. The address
+is the connecting peer's; ``X-Forwarded-For`` names it only when that peer is a proxy the
+operator listed (``SHOAL_TRUSTED_PROXIES``), and other forwarding headers never do.
 
 Health probes and ``/metrics`` are never limited (monitoring must see an overloaded server).
-Callers are keyed by a hash of their token, never the token itself, and at most
-``MAX_CALLERS`` buckets are kept (the least recently seen go first), so memory is bounded
-whatever the traffic.
+At most ``MAX_CALLERS`` buckets are kept (the least recently seen go first), so memory is
+bounded whatever the traffic.
 """
 
 from __future__ import annotations
 
-import hashlib
+import ipaddress
 import json
 import math
 import time
@@ -17,7 +22,11 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from sqlalchemy.exc import SQLAlchemyError
+from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
+
+from api.deps import bearer_token, principal_of
 
 MAX_CALLERS = 10_000
 UNLIMITED = ("/healthz", "/readyz", "/metrics")
@@ -53,35 +62,74 @@ class Buckets:
         return (1.0 - bucket.tokens) / self.rate
 
 
-def caller(scope: Scope) -> str:
-    """Who is asking: a hash of the bearer token, or the client address without one."""
-    for name, value in scope.get("headers") or []:
-        if name == b"authorization" and value[:7].lower() == b"bearer ":
-            return "token:" + hashlib.sha256(value[7:].strip()).hexdigest()[:32]
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+def client_address(scope: Scope, trusted: tuple[Network, ...]) -> str:
+    """The caller's address: the peer's, or, while the hop that named it is a trusted proxy,
+    the address that proxy put last in ``X-Forwarded-For`` (read right to left: only the
+    entries trusted proxies appended can be believed, a client writes the rest)."""
     client = scope.get("client")
-    return f"address:{client[0] if client else '-'}"
+    address = client[0] if client else "-"
+    if not trusted:
+        return address
+    values = Headers(scope=scope).getlist("x-forwarded-for")
+    hops = [hop.strip() for value in values for hop in value.split(",") if hop.strip()]
+    while hops and _is_trusted(address, trusted):
+        address = hops.pop()
+    return address
+
+
+def _is_trusted(address: str, trusted: tuple[Network, ...]) -> bool:
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return False
+    return any(ip in network for network in trusted)
+
+
+async def caller(scope: Scope, trusted: tuple[Network, ...], authenticate: bool) -> str:
+    """Who is asking: the principal of a valid bearer token, else the client address."""
+    token = bearer_token(Headers(scope=scope)) if authenticate else None
+    if token is not None:
+        try:
+            principal = await principal_of(scope, token)
+        except SQLAlchemyError:
+            principal = None  # the endpoint's own lookup answers 503
+        if principal is not None:
+            return f"user:{principal.user_id}"
+    return "address:" + client_address(scope, trusted)
 
 
 class RateLimit:
     """ASGI middleware refusing a caller's requests beyond its bucket with 429."""
 
-    def __init__(self, app: ASGIApp, rate: float, burst: int) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        rate: float,
+        burst: int,
+        trusted_proxies: tuple[str, ...] = (),
+        authenticate: bool = True,
+    ) -> None:
         self.app = app
         self.buckets = Buckets(rate, burst)
+        self.trusted = tuple(ipaddress.ip_network(p, strict=False) for p in trusted_proxies)
+        self.authenticate = authenticate
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in UNLIMITED:
             await self.app(scope, receive, send)
             return
-        wait = self.buckets.take(caller(scope))
+        wait = self.buckets.take(await caller(scope, self.trusted, self.authenticate))
         if wait <= 0:
             await self.app(scope, receive, send)
             return
         body = json.dumps(
             {
                 "detail": f"too many requests: at most {self.buckets.rate:g} per second"
-                f" (bursts of {self.buckets.burst}) per token; retry after the"
-                " Retry-After seconds",
+                f" (bursts of {self.buckets.burst}) per user (per address without a valid"
+                " token); retry after the Retry-After seconds",
                 "errors": [],
             }
         ).encode()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from datetime import datetime
+from pathlib import PurePosixPath
 from typing import Any, Literal
 
 import sqlalchemy as sa
@@ -141,13 +142,17 @@ class EventList(BaseModel):
 
 class CheckpointOut(BaseModel):
     step: int
-    path: str
+    name: str = Field(
+        description="its directory under the job's in the checkpoint store (step-00000042);"
+        " where the store is on the server is not told"
+    )
     nbytes: int
     created_at: datetime
 
     @classmethod
     def of(cls, row: Checkpoint) -> CheckpointOut:
-        return cls(step=row.step, path=row.path, nbytes=row.nbytes, created_at=row.created_at)
+        name = PurePosixPath(row.path).name
+        return cls(step=row.step, name=name, nbytes=row.nbytes, created_at=row.created_at)
 
 
 class CheckpointList(BaseModel):

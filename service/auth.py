@@ -159,7 +159,7 @@ def revoke_token(factory: SessionFactory, token: str) -> bool:
 def write_secret(path: os.PathLike[str] | str, secret: str) -> None:
     """Write ``secret`` to ``path`` readable by the owner only (mode 0600), atomically."""
     target = os.fspath(path)
-    os.makedirs(os.path.dirname(target) or ".", exist_ok=True)
+    os.makedirs(os.path.dirname(target) or ".", mode=0o700, exist_ok=True)
     temp = f"{target}.tmp-{secrets.token_hex(4)}"
     fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:

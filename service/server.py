@@ -88,6 +88,9 @@ def serve(settings: Settings) -> None:
         "port": settings.port,
         "log_config": None,
         "timeout_graceful_shutdown": 5,
+        # The app alone reads X-Forwarded-For, from SHOAL_TRUSTED_PROXIES only: uvicorn's
+        # default would believe it from any local peer.
+        "proxy_headers": False,
     }
     if settings.api_workers == 1:
         uvicorn.run(create_app(settings, factory, controller), **where)
@@ -140,7 +143,11 @@ def serving(app: Any, *, lifespan: Literal["on", "off"] = "off") -> Iterator[str
     sock.bind(("127.0.0.1", 0))
     sock.listen(64)
     config = uvicorn.Config(
-        app, log_level="warning", lifespan=lifespan, timeout_graceful_shutdown=1
+        app,
+        log_level="warning",
+        lifespan=lifespan,
+        timeout_graceful_shutdown=1,
+        proxy_headers=False,
     )
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)

@@ -92,6 +92,12 @@ class Settings(BaseSettings):
         " unset: no limit. Health probes and /metrics are never limited.",
     )
     rate_limit_burst: int = Field(200, ge=1, description="Requests a token may send at once.")
+    trusted_proxies: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Comma-separated addresses or networks (10.0.0.0/8) of the reverse proxies"
+        " in front of the API: only from these does X-Forwarded-For name the caller (for the"
+        " rate limit); empty: the connecting address is the caller.",
+    )
     auth_cache_s: float = Field(
         5.0,
         ge=0.0,
@@ -147,11 +153,24 @@ class Settings(BaseSettings):
                 )
         return value
 
-    @field_validator("allowed_factories", mode="before")
+    @field_validator("allowed_factories", "trusted_proxies", mode="before")
     @classmethod
-    def _split_modules(cls, value: object) -> object:
+    def _split_commas(cls, value: object) -> object:
         if isinstance(value, str):
             return [part.strip() for part in value.split(",") if part.strip()]
+        return value
+
+    @field_validator("trusted_proxies")
+    @classmethod
+    def _networks(cls, value: list[str]) -> list[str]:
+        for entry in value:
+            try:
+                ipaddress.ip_network(entry, strict=False)
+            except ValueError:
+                raise ValueError(
+                    f"{entry!r} is not an IP address or network; list proxies as 10.0.0.5 or"
+                    " 10.0.0.0/8, comma-separated"
+                ) from None
         return value
 
     @property

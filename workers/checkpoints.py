@@ -122,13 +122,14 @@ class _Local:
     @staticmethod
     def makedirs(path: str) -> None:
         if not os.path.isdir(path):
-            os.makedirs(path, exist_ok=True)
+            _private_dirs(path)
             _fsync_dir(os.path.dirname(path))
 
     @staticmethod
     def write(path: str, fill: Callable[[_HashingWriter], object]) -> dict[str, Any]:
         """Write a file through ``fill``, fsync it, and return its manifest entry."""
-        with open(path, "xb") as file:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, _PRIVATE_FILE)
+        with os.fdopen(fd, "wb") as file:
             writer = _HashingWriter(file)
             fill(writer)
             file.flush()
@@ -219,6 +220,27 @@ def _storage(root: str | os.PathLike[str]) -> _Local | _Remote:
     if isinstance(fs, fsspec.implementations.local.LocalFileSystem):
         return _Local(path)
     return _Remote(fs, str(root).rstrip("/"))
+
+
+_PRIVATE_FILE = 0o600
+_PRIVATE_DIR = 0o700
+"""Checkpoints hold a job's weights: only the service's user may read them (a shared root
+that exists already keeps the mode its operator gave it)."""
+
+
+def _private_dirs(path: str) -> None:
+    """``os.makedirs`` with every directory it creates private (it gives only the last one
+    its ``mode``)."""
+    missing = []
+    while path and not os.path.isdir(path):
+        missing.append(path)
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    for directory in reversed(missing):
+        with contextlib.suppress(FileExistsError):  # another writer made it first
+            os.mkdir(directory, _PRIVATE_DIR)
 
 
 def _fsync_dir(path: str) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -27,7 +28,7 @@ def make_engine(url: str) -> sa.Engine:
     if url.startswith("sqlite"):
         database = sa.engine.make_url(url).database
         if database and database != ":memory:":
-            Path(database).parent.mkdir(parents=True, exist_ok=True)
+            private_database(Path(database))
         pool = POOL if database and database != ":memory:" else {}
         engine = sa.create_engine(
             url, connect_args={"timeout": 30, "check_same_thread": False}, **pool
@@ -43,6 +44,17 @@ def make_engine(url: str) -> sa.Engine:
 
         return engine
     return sa.create_engine(url, pool_pre_ping=True, **POOL)
+
+
+def private_database(path: Path) -> None:
+    """Make the SQLite file (and its WAL and journal files) readable by this user only: it
+    holds every spec and token hash. Its directory, if new, is made private too; SQLite
+    creates the WAL and shared-memory files with the database's mode."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.close(os.open(path, os.O_RDWR | os.O_CREAT, 0o600))
+    for sibling in (path, *(path.with_name(path.name + s) for s in ("-wal", "-shm", "-journal"))):
+        if sibling.exists():
+            sibling.chmod(0o600)  # one made by an older Shoal, or under a looser umask
 
 
 SessionFactory = sessionmaker[Session]

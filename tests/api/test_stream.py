@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from api.app import create_app
-from service.auth import create_token
+from service.auth import create_token, revoke_token
 from service.db.session import SessionFactory
 from service.server import serving
 from service.settings import Settings
@@ -42,6 +42,7 @@ class Watcher:
         self._client = httpx.Client(base_url=url, timeout=httpx.Timeout(30.0, read=60.0))
         self._headers = {"Authorization": f"Bearer {token}"}
         self.connected = threading.Event()
+        self.ended = threading.Event()
         self._thread = threading.Thread(target=self._read, daemon=True)
         self._thread.start()
         assert self.connected.wait(10), "the stream did not open"
@@ -62,6 +63,8 @@ class Watcher:
                         self.events.put((kind, json.loads(line.removeprefix("data: "))))
         except httpx.HTTPError:
             return  # closed by the test
+        finally:
+            self.ended.set()
 
     def until(self, wanted: Any, timeout: float = 10.0) -> list[tuple[str, dict[str, Any]]]:
         """Events read until one satisfies ``wanted`` (which is last)."""
@@ -122,3 +125,38 @@ def test_a_viewer_sees_its_jobs_change_live_and_nothing_of_others(
 def test_the_stream_needs_a_token(server: str) -> None:
     r = httpx.get(server + STREAM, timeout=10)
     assert r.status_code == 401 and "bearer" in r.json()["detail"]
+
+
+@pytest.fixture
+def server_caching_tokens_1s(session_factory: SessionFactory, tmp_path: Path) -> Iterator[str]:
+    settings = Settings(
+        home=tmp_path, database_url="unused://", poll_interval_s=0.1, auth_cache_s=1.0
+    )
+    with serving(create_app(settings, session_factory), lifespan="on") as url:
+        yield url
+
+
+def test_a_revoked_tokens_stream_ends_within_the_auth_cache_time(
+    server_caching_tokens_1s: str, session_factory: SessionFactory
+) -> None:
+    revoked = create_token(session_factory, user="alice")
+    kept = create_token(session_factory, user="alice")
+    watchers = [Watcher(server_caching_tokens_1s, t) for t in (revoked, kept)]
+    try:
+        assert revoke_token(session_factory, revoked)
+        started = time.monotonic()
+        ended = watchers[0].ended.wait(5.0)
+        took = time.monotonic() - started
+        assert ended, f"the revoked token's stream was still open after 5 s: {watchers[0].comments}"
+        assert took <= 1.0 + 1.0, f"it ended {took:.2f} s after the revocation (cache: 1 s)"
+        assert watchers[0].comments[-1].startswith(": the token was revoked")
+        assert not watchers[1].ended.is_set()  # the same user's other token watches on
+        again = httpx.get(
+            server_caching_tokens_1s + STREAM,
+            headers={"Authorization": f"Bearer {revoked}"},
+            timeout=10,
+        )
+        assert again.status_code == 401
+    finally:
+        for watcher in watchers:
+            watcher.close()

@@ -183,7 +183,8 @@ def test_a_job_submitted_with_curl_trains_and_shows_everywhere(
     checkpoints = api.items(job_id, "checkpoints")
     keep = spec["checkpoint"]["keep"]
     assert [c["step"] for c in checkpoints] == written[-keep:]
-    assert all(c["nbytes"] > 0 and Path(c["path"]).is_dir() for c in checkpoints)
+    stored = tmp_path / "home" / "checkpoints" / job_id
+    assert all(c["nbytes"] > 0 and (stored / c["name"]).is_dir() for c in checkpoints)
 
     cli_home = tmp_path / "cli-home"
     cli_home.mkdir()

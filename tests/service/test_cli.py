@@ -216,7 +216,9 @@ def _stub_app(stub: Stub) -> FastAPI:
     @app.get(f"{api}/jobs/{{job_id}}/checkpoints", dependencies=auth)
     def checkpoints(job_id: str) -> Any:
         find(job_id)
-        return {"items": [{"step": 2, "path": "/ck/2", "nbytes": 10, "created_at": stub.now()}]}
+        return {
+            "items": [{"step": 2, "name": "step-00000002", "nbytes": 10, "created_at": stub.now()}]
+        }
 
     @app.get(f"{api}/devices", dependencies=auth)
     def devices() -> Any:
@@ -615,7 +617,7 @@ def test_status_of_one_job_shows_partition_error_and_checkpoints(api: str, stub:
     shoal("status", job.job["id"])  # step 1
     failed = shoal("status", job.job["id"], "--json")
     answer = json.loads(failed.stdout)
-    assert answer["state"] == "FAILED" and answer["checkpoints"][0]["path"] == "/ck/2"
+    assert answer["state"] == "FAILED" and answer["checkpoints"][0]["name"] == "step-00000002"
     assert "stage 1 ran out of memory; lower batch_size" in shoal("status", job.job["id"]).stdout
 
 

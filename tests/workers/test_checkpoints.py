@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -308,3 +310,22 @@ def test_bad_steps_and_block_indices_are_refused(
 ) -> None:
     with pytest.raises(ValueError, match="needs a step >= 0"):
         store.write("job", step, blocks, {})
+
+
+@pytest.mark.unit
+def test_checkpoints_are_private_to_the_services_user(tmp_path: Path) -> None:
+    old = os.umask(0o022)  # the usual umask: everyone could read what it does not restrict
+    try:
+        root = tmp_path / "state" / "checkpoints"
+        store = CheckpointStore(root)
+        store.write("job-1", 3, states(trained_blocks(2)), {"stages": []})
+    finally:
+        os.umask(old)
+    step = root / "job-1" / "step-00000003"
+    made = [tmp_path / "state", root, root / "job-1", step]
+    assert {str(d): stat.S_IMODE(d.stat().st_mode) for d in made} == dict.fromkeys(
+        map(str, made), 0o700
+    )
+    files = sorted(step.iterdir())
+    assert len(files) == 3  # two blocks and the manifest
+    assert {f.name: stat.S_IMODE(f.stat().st_mode) for f in files} == {f.name: 0o600 for f in files}
