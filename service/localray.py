@@ -8,6 +8,12 @@ way ``scheduler.devices`` reads them back (the ``shoal_device`` resource and the
 The cluster uses Ray token authentication with a fresh token of its own; a process that
 connects to it needs ``LocalRay.client_env`` in its environment (Ray turns token auth on
 only for clusters it discovers, never for an explicit address).
+
+The nodes are processes of their own: a `shoal up` killed without a chance to stop them
+(SIGKILL, a crash) leaves them running, and the jobs' detached runners on them training.
+So the cluster is recorded in ``SHOAL_HOME`` (``service.localray_record``) while it may
+run, and the next `shoal up` there adopts it, runners and all, or, when it cannot be used,
+stops every process of it before starting anything: never two copies of one job.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ from scheduler.devices import (
     NodeInfo,
     node_devices,
 )
+from service.localray_record import ClusterRecord, NodeRecord, ProcessId, RecordError
 
 SPEC_FORM = "COUNTxKIND:MEMORY_MB[:slowdown=F][:spot]"
 SPEC_EXAMPLE = "2xcpu-fast:2048,2xcpu-slow:2048:slowdown=2"
@@ -84,6 +91,12 @@ class VirtualNode:
     memory_mb: int
     slowdown: float = 1.0
     spot: bool = False
+
+    @property
+    def group(self) -> str:
+        """The device group this node is, as ``parse_devices`` reads it."""
+        slowdown = f":slowdown={self.slowdown:g}" if self.slowdown != 1.0 else ""
+        return f"{self.count}x{self.kind}:{self.memory_mb}{slowdown}{':spot' if self.spot else ''}"
 
     @property
     def labels(self) -> dict[str, str]:
@@ -200,10 +213,21 @@ while (alive := sum(1 for n in ray.nodes() if n["Alive"])) < want:
 
 @dataclass
 class _Node:
+    """A node's ``ray start --block``: ``process`` if this `shoal up` started it, None if
+    it adopted it from an earlier one (then only ``identity`` knows it)."""
+
     spec: VirtualNode
     log_path: Path
-    log: IO[bytes]
-    process: subprocess.Popen[bytes]
+    identity: ProcessId
+    process: subprocess.Popen[bytes] | None
+    log: IO[bytes] | None
+
+    def ended(self) -> str | None:
+        """None while the node runs, else how it ended."""
+        if self.process is not None:
+            code = self.process.poll()
+            return None if code is None else f"exited with code {code}"
+        return None if self.identity.alive() else "is gone"
 
 
 class LocalRay:
@@ -214,15 +238,21 @@ class LocalRay:
         nodes: Sequence[VirtualNode],
         log_dir: Path,
         *,
+        record_path: Path | None = None,
         start_timeout_s: float = 120.0,
+        adopt_timeout_s: float = 30.0,
         stop_timeout_s: float = 10.0,
         poll_interval_s: float = 0.25,
     ) -> None:
+        """``record_path``: where the cluster is recorded while it may run; a cluster
+        recorded there by an earlier `shoal up` is adopted or stopped by ``start``."""
         if not nodes:
             raise ValueError("a local Ray cluster needs at least one device group")
         self._specs = tuple(nodes)
         self._log_dir = log_dir
+        self._record_path = record_path
         self._start_timeout_s = start_timeout_s
+        self._adopt_timeout_s = adopt_timeout_s
         self._stop_timeout_s = stop_timeout_s
         self._poll_interval_s = poll_interval_s
         self._ray = Path(sys.executable).parent / "ray"
@@ -230,6 +260,8 @@ class LocalRay:
         self._port: int | None = None
         self._nodes: list[_Node] = []
         self._env_path: Path | None = None
+        self.previous: str | None = None
+        """What ``start`` did with a cluster an earlier `shoal up` left running, if any."""
 
     @property
     def address(self) -> str:
@@ -262,8 +294,9 @@ class LocalRay:
 
     @property
     def pids(self) -> list[int]:
-        """Process ids (and process-group ids) of the ``ray start`` processes, head first."""
-        return [node.process.pid for node in self._nodes]
+        """Process ids (and process-group and session ids) of the ``ray start`` processes,
+        head first."""
+        return [node.identity.pid for node in self._nodes]
 
     @property
     def kinds(self) -> list[str]:
@@ -275,12 +308,20 @@ class LocalRay:
         return [node.log_path for node in self._nodes]
 
     def start(self) -> LocalRay:
-        """Start every node and return once all are alive; on failure nothing is left running."""
+        """Start every node and return once all are alive; on failure nothing is left running.
+
+        A cluster recorded at ``record_path`` by an earlier `shoal up` is adopted instead
+        (its actors with it) if it runs the same device groups and answers within
+        ``adopt_timeout_s``; otherwise every process of it is stopped first.
+        """
         if self._nodes:
             raise RuntimeError("the local Ray cluster is already started")
         if not self._ray.exists():
             raise LocalRayError(f"{self._ray} not found; install ray into {sys.prefix}")
+        if self._record_path is not None and self._adopt(self._record_path):
+            return self
         self._log_dir.mkdir(parents=True, exist_ok=True)
+        self._token = secrets.token_hex(32)
         self._port = free_port()
         atexit.register(self.stop)
         deadline = time.monotonic() + self._start_timeout_s
@@ -301,6 +342,50 @@ class LocalRay:
             raise
         return self
 
+    def _adopt(self, path: Path) -> bool:
+        """Adopt the cluster recorded at ``path`` if it is usable (True); else stop every
+        process of it and forget it (False)."""
+        record = _read_record(path)
+        if record is None:
+            return False
+        where = f"the local Ray cluster at {record.address} an earlier `shoal up` left running"
+        reason = self._unusable(record)
+        if reason is None:
+            self._token = record.token
+            self._port = int(record.address.rpartition(":")[2])
+            self._nodes = [
+                _Node(spec, Path(node.log_path), node.process, None, None)
+                for spec, node in zip(self._specs, record.nodes, strict=True)
+            ]
+            atexit.register(self.stop)
+            self._write_record()  # this process owns it now: no other `shoal up` takes it
+            try:
+                self._wait_alive(time.monotonic() + self._adopt_timeout_s)
+            except LocalRayError as exc:
+                reason = str(exc)
+                self.stop()
+            else:
+                self.previous = f"adopted {where}, with the jobs running on it"
+                return True
+        else:
+            _stop_recorded(record, path, time.monotonic() + self._stop_timeout_s)
+        self.previous = f"stopped {where}: {reason}"
+        return False
+
+    def _unusable(self, record: ClusterRecord) -> str | None:
+        """Why the recorded cluster cannot be adopted, or None."""
+        recorded = [node.group for node in record.nodes]
+        wanted = [spec.group for spec in self._specs]
+        if recorded != wanted:
+            return f"it runs the device groups {','.join(recorded)}, not {','.join(wanted)}"
+        gone = [node.group for node in record.nodes if not node.process.alive()]
+        if gone:
+            return f"its node {gone[0]} is gone"
+        host, _, port = record.address.rpartition(":")
+        if host != _HOST or not port.isdigit() or not _accepts(int(port)):
+            return f"its head does not accept connections at {record.address}"
+        return None
+
     def add_node(self, spec: VirtualNode) -> None:
         """Start one more node (a new machine joining); returns once Ray sees it alive."""
         if not self._nodes:
@@ -313,7 +398,9 @@ class LocalRay:
         without notice, as a preempted spot machine is."""
         if index == 0:
             raise ValueError("the head holds the cluster's state; kill another node")
-        self._reap(self._nodes.pop(index))
+        self._reap(self._nodes[index])
+        self._nodes.pop(index)
+        self._write_record()
 
     def _launch(self, index: int, spec: VirtualNode) -> _Node:
         if index == 0:
@@ -332,16 +419,28 @@ class LocalRay:
             env=self._child_env(),
             start_new_session=True,
         )
-        node = _Node(spec, log_path, log, process)
+        # No start time if it exited at once: a successor never takes its pid for it.
+        identity = ProcessId.of(process.pid) or ProcessId(process.pid, "")
+        node = _Node(spec, log_path, identity, process, log)
         self._nodes.append(node)
+        # Recorded before it can have started anything: a `shoal up` killed from here on
+        # leaves nothing its successor does not know of.
+        self._write_record()
         return node
+
+    def _write_record(self) -> None:
+        if self._record_path is None:
+            return
+        nodes = [NodeRecord(n.spec.group, n.identity, str(n.log_path)) for n in self._nodes]
+        record = ClusterRecord(self.address, self._token, ProcessId.this_process(), tuple(nodes))
+        record.write(self._record_path)
 
     def _check_running(self, deadline: float, waiting_for: str, node: _Node) -> None:
         for each in self._nodes:
-            code = each.process.poll()
-            if code is not None:
+            ended = each.ended()
+            if ended is not None:
                 raise LocalRayError(
-                    f"the Ray node for device group {each.spec.kind} exited with code {code}"
+                    f"the Ray node for device group {each.spec.kind} {ended}"
                     f" while waiting for {waiting_for}; see {each.log_path}"
                 )
         if time.monotonic() > deadline:
@@ -392,10 +491,12 @@ class LocalRay:
         wait (measured: `shoal up` on an idle 2-node cluster took 12.3 s to stop, now 2.2 s).
 
         A node leaves the list only once its session is gone, so a stop cut short (a second
-        Ctrl-C) is finished by the one registered for exit.
+        Ctrl-C) is finished by the one registered for exit, and the record only once every
+        node has, so a stop cut shorter still is finished by the next `shoal up`.
         """
         for node in self._nodes:
-            _signal_group(node.process, signal.SIGKILL)
+            if node.process is not None:
+                _signal_group(node.process.pid, signal.SIGKILL)
         while self._nodes:
             self._reap(self._nodes[0])
             self._nodes.pop(0)
@@ -403,14 +504,27 @@ class LocalRay:
         if self._env_path is not None:
             self._env_path.unlink(missing_ok=True)
             self._env_path = None
+        if self._record_path is not None:
+            ClusterRecord.remove(self._record_path)
         atexit.unregister(self.stop)
 
     def _reap(self, node: _Node) -> None:
         """SIGKILL the node's process group and every process left of its session."""
-        _signal_group(node.process, signal.SIGKILL)
-        node.process.wait()
-        kill_session(node.process.pid, time.monotonic() + self._stop_timeout_s)
-        node.log.close()
+        _kill_node(node.identity, node.process, time.monotonic() + self._stop_timeout_s)
+        if node.log is not None:
+            node.log.close()
+
+    @staticmethod
+    def stop_recorded(path: Path, *, stop_timeout_s: float = 10.0) -> str | None:
+        """Stop every process of the cluster recorded at ``path`` (an earlier `shoal up`
+        left it running) and forget it; what was done, or None if nothing was recorded.
+        For a `shoal up` that will not run the local cluster (``--ray-address``): the
+        runners on the old cluster would otherwise train beside the ones it starts."""
+        record = _read_record(path)
+        if record is None:
+            return None
+        _stop_recorded(record, path, time.monotonic() + stop_timeout_s)
+        return f"stopped the local Ray cluster at {record.address} an earlier `shoal up` left"
 
     def __enter__(self) -> LocalRay:
         return self.start()
@@ -464,9 +578,47 @@ def node_command(
     return [*args, f"--address={address}", f"--num-cpus={spec.count}"]
 
 
-def _signal_group(process: subprocess.Popen[bytes], signum: signal.Signals) -> None:
+def _read_record(path: Path) -> ClusterRecord | None:
+    """The cluster recorded at ``path`` if no live `shoal up` owns it; None if none is."""
+    try:
+        record = ClusterRecord.read(path)
+    except RecordError as exc:
+        raise LocalRayError(str(exc)) from None
+    if record is not None and record.owner.alive():
+        raise LocalRayError(
+            f"another `shoal up` (pid {record.owner.pid}) runs the local Ray cluster recorded"
+            f" in {path}; stop it first, or give this one a --home of its own"
+        )
+    return record
+
+
+def _signal_group(pid: int, signum: signal.Signals) -> None:
     with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signum)
+        os.killpg(pid, signum)
+
+
+def _stop_recorded(record: ClusterRecord, path: Path, deadline: float) -> None:
+    for node in record.nodes:
+        _kill_node(node.process, None, deadline)
+    ClusterRecord.remove(path)
+
+
+def _kill_node(leader: ProcessId, process: subprocess.Popen[bytes] | None, deadline: float) -> None:
+    """SIGKILL a node's ``ray start`` (``leader``: ``process`` if it is this process's
+    child) with its process group, then every process left of its session.
+
+    Only a process that is still the recorded one is signalled. A session id is not given
+    to a new process while any member of the old session lives; so once the pid belongs to
+    another process, nothing of the node's session is left to stop.
+    """
+    if process is not None:
+        _signal_group(process.pid, signal.SIGKILL)
+        process.wait()
+    elif leader.alive():
+        _signal_group(leader.pid, signal.SIGKILL)
+    elif leader.pid_reused():
+        return
+    kill_session(leader.pid, deadline)
 
 
 def _live_session_members(session: int) -> list[int]:

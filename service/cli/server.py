@@ -25,6 +25,7 @@ from service.localray import (
     node_command,
     parse_devices,
 )
+from service.localray_record import RECORD
 from service.settings import Settings, UnsafeSettings
 
 
@@ -171,10 +172,18 @@ def up(
     console = make_console()
     previous_sigterm = signal.signal(signal.SIGTERM, _exit_on_sigterm)
     local: LocalRay | None = None
+    record = settings.home / RECORD
     try:
-        if nodes is not None:
+        if nodes is None:
+            # A local cluster an earlier `shoal up` here left running would go on training
+            # its jobs beside the runners this one starts on the other cluster.
+            if stopped := LocalRay.stop_recorded(record):
+                console.print(stopped, markup=False)
+        else:
             with console.status(f"starting a local Ray cluster of {len(nodes)} nodes"):
-                local = LocalRay(nodes, settings.home / "logs").start()
+                local = LocalRay(nodes, settings.home / "logs", record_path=record).start()
+            if local.previous:
+                console.print(local.previous, markup=False)
             # `ray` commands (status, drain-node, start --address) reach it with these.
             local.write_env(settings.home / RAY_ENV)
             # The control plane in this process connects with the cluster's own token.

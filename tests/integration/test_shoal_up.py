@@ -13,6 +13,7 @@ import json
 import os
 import stat
 import subprocess
+import time
 from collections.abc import Callable
 from pathlib import Path
 from statistics import mean
@@ -20,9 +21,14 @@ from typing import Any
 
 import httpx
 import pytest
+import torch
 import yaml
 
-from tests.integration.conftest import SHOAL, ShoalUp, wait_until
+from service.localray import kill_session
+from service.settings import DEFAULT_DEVICES
+from tests.integration.conftest import SHOAL, STOP_TIMEOUT_S, ShoalUp, ray_env, wait_until
+from workers.reference import train_reference
+from workers.snapshot import DataRef, ModelRef, OptimizerConf
 
 pytestmark = pytest.mark.integration
 
@@ -91,21 +97,36 @@ class Api:
     def job(self, job_id: str) -> Json:
         return self.get(f"/jobs/{job_id}")
 
-    def items(self, job_id: str, what: str) -> list[Json]:
-        items: list[Json] = self.get(f"/jobs/{job_id}/{what}")["items"]
+    def items(self, job_id: str, what: str, **params: Any) -> list[Json]:
+        items: list[Json] = self.get(f"/jobs/{job_id}/{what}", **params)["items"]
         return items
+
+    def metrics(self, job_id: str) -> list[Json]:
+        """Every metric row of the job, page after page."""
+        rows: list[Json] = []
+        while page := self.items(job_id, "metrics", since_step=rows[-1]["step"] if rows else -1):
+            rows += page
+        return rows
 
     def wait_state(self, job_id: str, done: Callable[[Json], bool], what: str) -> Json:
         def check() -> Json | None:
             job = self.job(job_id)
             if job["state"] in {"FAILED", "CANCELLED"}:
-                pytest.fail(
-                    f"job {job_id} ended {job['state']}: {job['error']}\n{self.shoal.tail()}"
-                )
+                pytest.fail(f"job {job_id} ended {job['state']}\n{self.report(job_id)}")
             return job if done(job) else None
 
-        found: Json = wait_until(check, JOB_TIMEOUT_S, what, on_timeout=self.shoal.tail)
+        found: Json = wait_until(check, JOB_TIMEOUT_S, what, on_timeout=lambda: self.report(job_id))
         return found
+
+    def report(self, job_id: str) -> str:
+        """The job's state and events and the control plane's last log lines: what a failed
+        wait shows."""
+        job = self.job(job_id)
+        events = "\n".join(f"  {e['kind']}: {e['message']}" for e in self.items(job_id, "events"))
+        return (
+            f"job {job_id}: {job['state']} at step {job['step']}, attempt {job['attempt']},"
+            f" error {job['error']!r}\nevents:\n{events}\n{self.shoal.tail()}"
+        )
 
 
 def api_processes(shoal: ShoalUp) -> list[int]:
@@ -280,3 +301,108 @@ def test_a_restarted_control_plane_adopts_the_running_job(
     ]
     metrics = api.items(job_id, "metrics")
     assert [m["step"] for m in metrics] == list(range(1, steps + 1))
+
+
+def local_ray_sessions(shoal: ShoalUp) -> set[int]:
+    """The sessions of the ``ray start`` processes of the local cluster ``shoal`` runs (each
+    node leads one; its raylet, GCS and workers run in it), found by the cluster's address."""
+    address = ray_env(shoal)["RAY_ADDRESS"]
+    port = address.rpartition(":")[2]
+    listing = subprocess.run(
+        ["ps", "-ww", "-A", "-o", "pid=,args="], capture_output=True, text=True, check=True
+    ).stdout
+    rows = [line.split(maxsplit=1) for line in listing.splitlines()]
+    ours = {f"--port={port}", f"--address={address}"}
+    found = {int(pid) for pid, args in rows if "ray start" in args and ours & set(args.split())}
+    assert found, f"no `ray start` process of the local cluster at {address}"
+    return found
+
+
+def running_in(sessions: set[int]) -> list[str]:
+    """The live processes (pid, session, command) of ``sessions``."""
+    listing = subprocess.run(
+        ["ps", "-ww", "-A", "-o", "pid=,sess=,stat=,args="],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    rows = [line.split(maxsplit=3) for line in listing.splitlines()]
+    return [
+        f"{pid} (session {sid}): {args}"
+        for pid, sid, state, args in rows
+        if int(sid) in sessions and not state.startswith("Z")
+    ]
+
+
+def digits_reference_losses(spec: Json) -> list[float]:
+    """The losses of ``spec`` (the digits example) trained in one plain process, on one
+    thread as each stage worker of a CPU device computes (another thread count sums in
+    another order: over a thousand Adam steps, the losses drift apart by ~1e-4)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return train_reference(
+            ModelRef("mlp", None, spec["model"]["config"]),
+            DataRef("digits", None, spec["data"]["config"]),
+            OptimizerConf(spec["optimizer"]["name"], spec["optimizer"]["lr"]),
+            batch_size=spec["batch_size"],
+            micro_batches=spec["micro_batches"],
+            steps=spec["steps"],
+            seed=spec["seed"],
+        ).losses
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.timeout(720)  # each wait below is bounded (2 starts of 180 s, 2 jobs waits of 120 s)
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+def test_a_restarted_shoal_up_adopts_its_local_ray_and_the_running_job(
+    shoal_cluster: Callable[[Path, str, str], ShoalUp], database_url: str, tmp_path: Path
+) -> None:
+    """`shoal up` with its own local Ray (the default devices), SIGKILLed mid-job: its Ray
+    nodes are processes of their own and keep training. The restarted `shoal up` on the
+    same home and database must not train the job a second time beside them: the job ends
+    SUCCEEDED with one placement, every step once, the losses of one plain process; and
+    once it stops, nothing of any local cluster it started is left running."""
+    home = tmp_path / "home"
+    first = shoal_cluster(home, database_url, DEFAULT_DEVICES)
+    sessions = local_ray_sessions(first)
+    try:
+        token = admin_token(first)
+        # Long enough to be training still while the second control plane starts.
+        spec = example_spec(name="mlp-digits-long", steps=1500, checkpoint={"every_steps": 100})
+        job_id = curl_submit(first, token, spec, tmp_path)["id"]
+        running = Api(first, token).wait_state(
+            job_id, lambda j: j["state"] == "RUNNING" and j["step"] > 0, "the job to train"
+        )
+        first.kill9()
+        assert running["step"] < spec["steps"], "the job ended before the control plane died"
+
+        second = shoal_cluster(home, database_url, DEFAULT_DEVICES)
+        sessions |= local_ray_sessions(second)
+        api = Api(second, token)
+        job = api.wait_state(job_id, lambda j: j["state"] == "SUCCEEDED", "the job to succeed")
+
+        report = api.report(job_id)
+        assert job["attempt"] == 1 and job["step"] == spec["steps"], report
+        assert job["error"] is None, report
+        events = api.items(job_id, "events")
+        assert [e["kind"] for e in events].count("placement") == 1, f"two runners:\n{report}"
+        assert state_changes(events) == [
+            (None, "QUEUED"),
+            ("QUEUED", "RUNNING"),
+            ("RUNNING", "SUCCEEDED"),
+        ], report
+        metrics = api.metrics(job_id)
+        assert [m["step"] for m in metrics] == list(range(1, spec["steps"] + 1)), report
+        losses = [m["loss"] for m in metrics]
+        assert losses == pytest.approx(digits_reference_losses(spec), rel=1e-5, abs=1e-6)
+
+        second.stop()
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        while (left := running_in(sessions)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert left == [], "left running after `shoal up` stopped:\n" + "\n".join(left)
+    finally:
+        for session in sessions:  # whatever a failure above left of either cluster
+            kill_session(session, time.monotonic() + STOP_TIMEOUT_S)

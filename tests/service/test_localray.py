@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import signal
+import stat
 import subprocess
 import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -24,9 +29,12 @@ from service.localray import (
     LocalRay,
     LocalRayError,
     VirtualNode,
+    free_port,
+    kill_session,
     node_command,
     parse_devices,
 )
+from service.localray_record import RECORD, ClusterRecord, NodeRecord, ProcessId
 from service.settings import DEFAULT_DEVICES
 
 
@@ -170,11 +178,20 @@ def _running_in_session(session: int) -> list[str]:
 @pytest.mark.slow
 def test_local_ray_starts_labelled_nodes_and_stops_them(tmp_path: Path) -> None:
     nodes = parse_devices("1xcpu-a:1024,1xcpu-b:512:slowdown=3:spot")
-    local = LocalRay(nodes, tmp_path / "logs")
+    record_path = tmp_path / RECORD
+    local = LocalRay(nodes, tmp_path / "logs", record_path=record_path)
     env_path = tmp_path / "ray.env"
     with local:
         assert local.address.startswith("127.0.0.1:")
         pids = local.pids
+        # What a `shoal up` started after this one was killed needs to adopt or stop it.
+        record = ClusterRecord.read(record_path)
+        assert record is not None and record.owner == ProcessId.this_process()
+        assert (record.address, record.token) == (local.address, local.client_env["RAY_AUTH_TOKEN"])
+        assert [(n.group, n.process.pid) for n in record.nodes] == list(
+            zip(["1xcpu-a:1024", "1xcpu-b:512:slowdown=3:spot"], pids, strict=True)
+        )
+        assert all(n.process.alive() for n in record.nodes) and local.previous is None
         local.write_env(env_path)
         assert env_path.stat().st_mode & 0o777 == 0o600
         env = LocalRay.read_env(env_path)
@@ -205,7 +222,7 @@ def test_local_ray_starts_labelled_nodes_and_stops_them(tmp_path: Path) -> None:
             LABEL_SLOWDOWN: "3",
         }
         assert [path.name for path in local.log_paths] == ["ray-0-cpu-a.log", "ray-1-cpu-b.log"]
-    assert not env_path.exists()
+    assert not env_path.exists() and not record_path.exists()
     # `ray start` leads a session of its own; nothing in it may outlive stop().
     assert [line for pid in pids for line in _running_in_session(pid)] == []
     local.stop()  # idempotent
@@ -230,3 +247,146 @@ def test_start_timeout_names_the_log_and_leaves_nothing_running(tmp_path: Path) 
         ["pgrep", "-f", "--", f"--head {port} "], capture_output=True, text=True, check=False
     ).stdout
     assert still_running == ""
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    "spec", [DEFAULT_DEVICES, "1xcpu:1", "3xa.b:512:spot", "2xcpu-b:512:slowdown=1.5:spot"]
+)
+def test_a_node_group_reads_back_as_the_same_node(spec: str) -> None:
+    nodes = parse_devices(spec)
+    assert parse_devices(",".join(node.group for node in nodes)) == nodes
+
+
+# A stand-in for a node's `ray start`: it leads a session of its own, in which it starts a
+# process in a process group of its own (as a raylet starts its workers).
+_FAKE_NODE = """
+import subprocess, time
+subprocess.Popen(["sleep", "600"], process_group=0)
+time.sleep(600)
+"""
+
+
+@pytest.fixture
+def fake_node() -> Iterator[subprocess.Popen[bytes]]:
+    """A running stand-in for a node (two processes in its session); killed at the end."""
+    process = subprocess.Popen([sys.executable, "-c", _FAKE_NODE], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        while len(_running_in_session(process.pid)) < 2:
+            assert time.monotonic() < deadline, "the stand-in node did not start its child"
+            time.sleep(0.05)
+        yield process
+    finally:
+        kill_session(process.pid, time.monotonic() + 10)
+        process.wait(timeout=10)
+
+
+def record_cluster(path: Path, nodes: dict[str, ProcessId]) -> ClusterRecord:
+    """A record of a cluster of ``nodes`` (group: process) whose `shoal up` is gone."""
+    gone_owner = ProcessId(os.getpid(), "a start time no process has")
+    record = ClusterRecord(
+        f"127.0.0.1:{free_port()}",
+        "t" * 64,
+        gone_owner,
+        tuple(
+            NodeRecord(group, process, str(path.parent / "x.log"))
+            for group, process in nodes.items()
+        ),
+    )
+    record.write(path)
+    return record
+
+
+@pytest.mark.unit
+def test_a_record_reads_back_private_and_an_unreadable_one_says_what_to_do(
+    tmp_path: Path,
+) -> None:
+    me = ProcessId.this_process()
+    assert me.alive() and not me.pid_reused()
+    path = tmp_path / RECORD
+    written = record_cluster(path, {"1xcpu:8": me, "2xcpu-b:8:spot": me})
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert ClusterRecord.read(path) == written
+    assert ClusterRecord.read(tmp_path / "none.json") is None
+    path.write_text("{")
+    with pytest.raises(LocalRayError, match=r"cannot read .*\.json .* then delete the file$"):
+        LocalRay.stop_recorded(path)
+
+
+@pytest.mark.unit
+def test_a_cluster_whose_shoal_up_runs_is_left_to_it(tmp_path: Path) -> None:
+    path = tmp_path / RECORD
+    ClusterRecord("127.0.0.1:1", "t", ProcessId.this_process(), ()).write(path)
+    message = f"another `shoal up` (pid {os.getpid()}) runs the local Ray cluster recorded in"
+    with pytest.raises(LocalRayError, match=re.escape(message)):
+        LocalRay.stop_recorded(path)
+    with pytest.raises(LocalRayError, match=re.escape(message)):
+        LocalRay(parse_devices("1xcpu:8"), tmp_path / "logs", record_path=path).start()
+    assert path.exists() and not (tmp_path / "logs").exists()
+
+
+@pytest.mark.unit
+def test_a_recorded_cluster_is_stopped_session_and_all(
+    fake_node: subprocess.Popen[bytes], tmp_path: Path
+) -> None:
+    path = tmp_path / RECORD
+    node = ProcessId.of(fake_node.pid)
+    assert node is not None
+    record = record_cluster(path, {"1xcpu:8": node})
+    assert LocalRay.stop_recorded(path) == (
+        f"stopped the local Ray cluster at {record.address} an earlier `shoal up` left"
+    )
+    assert fake_node.wait(timeout=10) == -signal.SIGKILL
+    assert _running_in_session(fake_node.pid) == [] and not path.exists()
+
+
+@pytest.mark.unit
+def test_a_pid_another_process_holds_now_is_never_signalled(
+    fake_node: subprocess.Popen[bytes], tmp_path: Path
+) -> None:
+    path = tmp_path / RECORD
+    record_cluster(path, {"1xcpu:8": ProcessId(fake_node.pid, "Thu Jan  1 00:00:00 1970")})
+    assert LocalRay.stop_recorded(path) is not None
+    assert fake_node.poll() is None and len(_running_in_session(fake_node.pid)) == 2
+    assert not path.exists()
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("stale", [False, True], ids=["other-devices", "pid-of-another"])
+def test_an_unusable_recorded_cluster_is_stopped_before_a_new_one_starts(
+    stale: bool, fake_node: subprocess.Popen[bytes], tmp_path: Path
+) -> None:
+    """Recorded with other device groups, the cluster is stopped (its session and all);
+    recorded under a pid another process holds now, it is gone and that process is left
+    alone. Either way a new cluster starts (cut short here by its start timeout)."""
+    path = tmp_path / RECORD
+    node = ProcessId.of(fake_node.pid)
+    assert node is not None
+    if stale:
+        node = ProcessId(node.pid, "Thu Jan  1 00:00:00 1970")
+    record = record_cluster(path, {"1xcpu:64" if stale else "1xother:8": node})
+    local = LocalRay(
+        parse_devices("1xcpu:64"),
+        tmp_path / "logs",
+        record_path=path,
+        start_timeout_s=0.1,
+        stop_timeout_s=1.0,
+    )
+    with pytest.raises(LocalRayError, match="waiting for the Ray head to accept connections"):
+        local.start()
+    reason = (
+        "its node 1xcpu:64 is gone"
+        if stale
+        else "it runs the device groups 1xother:8, not 1xcpu:64"
+    )
+    assert local.previous == (
+        f"stopped the local Ray cluster at {record.address} an earlier `shoal up` left running:"
+        f" {reason}"
+    )
+    if stale:
+        assert fake_node.poll() is None and len(_running_in_session(fake_node.pid)) == 2
+    else:
+        assert fake_node.wait(timeout=10) == -signal.SIGKILL
+        assert _running_in_session(fake_node.pid) == []
+    assert not path.exists()  # the new cluster's record went with it
