@@ -239,6 +239,9 @@ def complete_sweep_spec(
     except SpecError as exc:  # the base job's fields, as the sweep's body names them
         raise SpecError([(f"base.{f}" if f else "base", m) for f, m in exc.errors]) from None
     base_json = base.spec.model_dump(mode="json")
+    # A trial applies its values to the base as submitted (so does the sweeper): a model
+    # dimension the base leaves to the data follows each trial's data.
+    submitted = spec.base.model_dump(mode="json")
     for path, param in spec.space.items():
         _check_path(base_json, path)
         if spec.algorithm == "grid" and param.grid() is None:
@@ -253,7 +256,7 @@ def complete_sweep_spec(
             )
         for value in param.extremes():
             try:
-                job(trial_spec(base_json, {path: value}, spec.base.name))
+                job(trial_spec(submitted, {path: value}, spec.base.name))
             except SpecError as exc:
                 problems = "; ".join(f"{f}: {m}" if f else m for f, m in exc.errors)
                 raise SpecError(

@@ -10,7 +10,7 @@ import yaml
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from service.specs import SpecError, parse_job_spec
+from service.specs import SpecError, parse_job_spec, validate_job_spec
 from service.sweepspec import (
     MAX_SWEEP_NAME,
     MAX_TRIALS,
@@ -166,3 +166,43 @@ def test_the_longest_sweep_name_and_the_last_trial_number_make_a_valid_job() -> 
     spec = parse_sweep_spec(sweep_spec(name=name, max_trials=MAX_TRIALS))
     last = trial_name(spec.name, spec.max_trials - 1)
     assert parse_job_spec(trial_spec(job_spec(), {}, last)).name == last
+
+
+TINY_GPT = {"builtin": "gpt", "config": {"d_model": 8, "n_heads": 2, "n_layers": 1}}
+
+
+@pytest.mark.parametrize(
+    ("base", "path", "derived"),
+    [
+        (job_spec(data={"builtin": "synthetic-regression"}), "data.config.features", "in_features"),
+        (job_spec(data={"builtin": "synthetic-regression"}), "data.config.outputs", "out_features"),
+        (
+            job_spec(model=TINY_GPT, data={"builtin": "synthetic-lm"}),
+            "data.config.seq_len",
+            "seq_len",
+        ),
+        (
+            job_spec(model=TINY_GPT, data={"builtin": "synthetic-lm"}),
+            "data.config.vocab_size",
+            "vocab_size",
+        ),
+    ],
+)
+def test_a_space_over_the_data_moves_the_model_dimensions_the_base_leaves_to_it(
+    base: dict[str, Any], path: str, derived: str
+) -> None:
+    space = {path: {"type": "int", "low": 4, "high": 100}}  # around the data's defaults
+    accepted = validate_sweep_spec(sweep_spec(base=base, space=space), [])
+    for value in (4, 100):  # each trial as the sweeper makes it, from the base as submitted
+        payload = trial_spec(accepted.spec.base.model_dump(mode="json"), {path: value}, "t-0")
+        assert validate_job_spec(payload, []).spec.model.config[derived] == value
+
+
+def test_a_space_over_the_data_contradicting_a_dimension_the_base_sets_is_refused() -> None:
+    base = job_spec(
+        model={"builtin": "mlp", "config": {"in_features": 8}},
+        data={"builtin": "synthetic-regression", "config": {"features": 8}},
+    )
+    space = {"data.config.features": {"type": "int", "low": 4, "high": 8}}
+    ((where, text),) = refusal(base=base, space=space)
+    assert where == "space.data.config.features" and "model.config.in_features: is 8" in text
