@@ -37,7 +37,7 @@ _KNOWN_GPU_MEMORY_MB: dict[str, int] = {
 }
 
 _ACCEL_PREFIX = "accelerator_type:"
-_KIND_RE = re.compile(r"^[a-z0-9][a-z0-9.\-]{0,62}$")
+_KIND_RE = re.compile(r"^[a-z0-9][a-z0-9.\-]{0,62}\Z")
 
 
 class InventoryError(ValueError):

@@ -26,7 +26,7 @@ from service.settings import ADMIN_TOKEN_HINT, Settings
 
 TOKEN_PREFIX = "shoal_"
 ADMIN_USER = "admin"
-_USER_RE = re.compile(r"^[a-z0-9][a-z0-9_.\-]{0,63}$")
+_USER_RE = re.compile(r"^[a-z0-9][a-z0-9_.\-]{0,63}\Z")
 
 
 class AuthError(ValueError):

@@ -70,7 +70,7 @@ the same variables on a real cluster's head to get the same."""
 RAY_ENV = "ray.env"
 """The file in ``SHOAL_HOME`` where `shoal up` leaves its local cluster's address and token."""
 
-_COUNT_KIND_RE = re.compile(r"^(\d+)x(.+)$")
+_COUNT_KIND_RE = re.compile(r"^(\d+)x(.+)\Z")
 _HOST = "127.0.0.1"
 
 

@@ -44,9 +44,9 @@ import torch
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 
-_JOB_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-_STEP_RE = re.compile(r"^step-(\d{8,})$")
-_BLOCK_RE = re.compile(r"^block-(\d{5,})\.pt$")
+_JOB_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")
+_STEP_RE = re.compile(r"^step-(\d{8,})\Z")
+_BLOCK_RE = re.compile(r"^block-(\d{5,})\.pt\Z")
 
 log = logging.getLogger(__name__)
 

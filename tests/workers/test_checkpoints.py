@@ -292,7 +292,7 @@ def test_retention_keeps_the_newest(store: CheckpointStore) -> None:
 
 
 @pytest.mark.parametrize(
-    "job_id", ["", ".", "..", "../x", "a/b", "/abs", ".hidden", "a\\b", "a\0b"]
+    "job_id", ["", ".", "..", "../x", "a/b", "/abs", ".hidden", "a\\b", "a\0b", "job\n"]
 )
 def test_job_ids_that_could_escape_the_root_are_refused(
     store: CheckpointStore, job_id: str
