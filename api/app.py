@@ -10,10 +10,9 @@ from pathlib import Path
 import sqlalchemy as sa
 from anyio import to_thread
 from fastapi import FastAPI
-from fastapi.openapi.docs import get_swagger_ui_html
-from fastapi.responses import FileResponse, HTMLResponse
+from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
-from swagger_ui_bundle import swagger_ui_path
+from fastapi_offline import FastAPIOffline
 
 from api import stream
 from api.errors import BodyLimit, install_error_handlers
@@ -32,7 +31,7 @@ from service.settings import Settings
 API_PREFIX = "/api/v1"
 DASHBOARD = Path(__file__).parent / "dashboard"
 DOCS_ASSETS = f"{API_PREFIX}/docs/assets"
-"""Swagger UI's scripts and styles, served from the ``swagger-ui-bundle`` package: the docs
+"""Swagger UI's scripts and styles, served from the ``fastapi-offline`` package: the docs
 page loads nothing from another site."""
 
 
@@ -59,13 +58,14 @@ def create_app(
             if thread is not None:
                 thread.join(timeout=30)
 
-    app = FastAPI(
+    app = FastAPIOffline(
         title="Shoal",
         version="0.1.0",
         description="Elastic training on heterogeneous, preemptible Ray clusters.",
         openapi_url=f"{API_PREFIX}/openapi.json",
-        docs_url=None,
+        docs_url=f"{API_PREFIX}/docs",
         redoc_url=None,
+        static_url=DOCS_ASSETS,
         lifespan=lifespan,
     )
     app.state.settings = settings
@@ -97,17 +97,6 @@ def create_app(
     app.include_router(stream.router, prefix=API_PREFIX)
 
     app.mount("/static", StaticFiles(directory=DASHBOARD), name="static")
-    app.mount(DOCS_ASSETS, StaticFiles(directory=swagger_ui_path), name="docs-assets")
-
-    @app.get(f"{API_PREFIX}/docs", include_in_schema=False)
-    def docs() -> HTMLResponse:
-        return get_swagger_ui_html(
-            openapi_url=f"{API_PREFIX}/openapi.json",
-            title="Shoal API",
-            swagger_js_url=f"{DOCS_ASSETS}/swagger-ui-bundle.js",
-            swagger_css_url=f"{DOCS_ASSETS}/swagger-ui.css",
-            swagger_favicon_url=f"{DOCS_ASSETS}/favicon-32x32.png",
-        )
 
     @app.get("/", include_in_schema=False)
     def dashboard() -> FileResponse:

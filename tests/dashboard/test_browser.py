@@ -185,3 +185,13 @@ def test_a_sweeps_trials_are_compared_on_its_page(page: Any, shoal: Shoal) -> No
     page.get_by_role("link", name="Jobs").click()  # the trials are jobs too
     page.locator(f'tr[data-job="{sweep["best"]["job_id"]}"]').wait_for()
     snap(page, "jobs")
+
+
+def test_the_api_docs_render_from_the_server_alone(page: Any, shoal: Shoal) -> None:
+    elsewhere: list[str] = []
+    page.on("request", lambda r: r.url.startswith(shoal.url) or elsewhere.append(r.url))
+    page.goto(f"{shoal.url}/api/v1/docs")
+    page.locator(".swagger-ui .info .title").wait_for(timeout=30_000)
+    assert "Shoal" in page.locator(".swagger-ui .info .title").inner_text()
+    page.locator(".opblock-tag", has_text="jobs").first.wait_for()
+    assert elsewhere == [], elsewhere  # no CDN: every asset came from the package
