@@ -84,7 +84,7 @@ class HidePaths:
         self.pairs = replacements(roots)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] != "http" or scope["method"] == "HEAD":  # HEAD: no body to clean
             await self.app(scope, receive, send)
             return
         start: Message | None = None  # held until the body's length is known
