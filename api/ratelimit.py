@@ -15,7 +15,6 @@ bounded whatever the traffic.
 from __future__ import annotations
 
 import ipaddress
-import json
 import math
 import time
 from collections import OrderedDict
@@ -24,6 +23,7 @@ from dataclasses import dataclass
 
 from sqlalchemy.exc import SQLAlchemyError
 from starlette.datastructures import Headers
+from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from api.deps import bearer_token, principal_of
@@ -125,23 +125,14 @@ class RateLimit:
         if wait <= 0:
             await self.app(scope, receive, send)
             return
-        body = json.dumps(
+        refusal = JSONResponse(
             {
                 "detail": f"too many requests: at most {self.buckets.rate:g} per second"
                 f" (bursts of {self.buckets.burst}) per user (per address without a valid"
                 " token); retry after the Retry-After seconds",
                 "errors": [],
-            }
-        ).encode()
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 429,
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", str(len(body)).encode()),
-                    (b"retry-after", str(math.ceil(wait)).encode()),
-                ],
-            }
+            },
+            status_code=429,
+            headers={"Retry-After": str(math.ceil(wait))},
         )
-        await send({"type": "http.response.body", "body": body})
+        await refusal(scope, receive, send)

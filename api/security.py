@@ -16,9 +16,9 @@ is not a loopback name or address is refused with 400.
 from __future__ import annotations
 
 import ipaddress
-import json
 
 from starlette.datastructures import Headers
+from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 HEADERS = [
@@ -97,30 +97,20 @@ class LoopbackHost:
         if scope["type"] == "http":
             host = Headers(scope=scope).get("host")
             if not is_loopback_host(host):
-                await _refuse(host, send)
+                await _refusal(host)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
 
-async def _refuse(host: str | None, send: Send) -> None:
+def _refusal(host: str | None) -> JSONResponse:
     shown = (host or "")[:100]
-    body = json.dumps(
+    return JSONResponse(
         {
             "detail": f"Host {shown!r} is not a loopback name: with SHOAL_AUTH=false Shoal"
             " answers only requests addressed to localhost, 127.0.0.1 or [::1] (a web page"
             " could otherwise reach it by DNS rebinding); open it as http://127.0.0.1:<port>"
             " or turn auth on",
             "errors": [{"field": "Host", "message": "not a loopback name"}],
-        }
-    ).encode()
-    await send(
-        {
-            "type": "http.response.start",
-            "status": 400,
-            "headers": [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(body)).encode()),
-            ],
-        }
+        },
+        status_code=400,
     )
-    await send({"type": "http.response.body", "body": body})

@@ -149,21 +149,29 @@ def test_a_sweep_waits_while_its_owner_is_at_their_device_quota(
     assert sweep.state == "SUCCEEDED" and len(trials) == 8
 
 
-def test_cancelling_a_sweep_cancels_its_trials(
-    session_factory: SessionFactory, alice: Principal, tmp_path: Path
-) -> None:
-    controller = make_controller(session_factory, InProcessCluster(NODES), tmp_path)
+def cancelled_sweep(
+    factory: SessionFactory, who: Principal, controller: Controller, executor: str = "sharp"
+) -> str:
+    """A sweep of two long trials, cancelled once both run; waits until it has ended."""
     sweep_id, _ = submit(
-        session_factory,
-        alice,
+        factory,
+        who,
+        executor=executor,
         max_concurrent=2,
         early_stopping={"rule": "none"},
         base={**sweep_spec()["base"], "steps": 100_000},
     )
-    reconcile_until(controller, lambda: len(sweep_of(session_factory, sweep_id)[1]) == 2)
-    request_cancel(session_factory, alice, sweep_id)
-    reconcile_until(controller, lambda: ended(session_factory, sweep_id), timeout=120)
-    sweep, trials = sweep_of(session_factory, sweep_id)
+    reconcile_until(controller, lambda: len(sweep_of(factory, sweep_id)[1]) == 2)
+    request_cancel(factory, who, sweep_id)
+    reconcile_until(controller, lambda: ended(factory, sweep_id), timeout=120)
+    return sweep_id
+
+
+def test_cancelling_a_sweep_cancels_its_trials(
+    session_factory: SessionFactory, alice: Principal, tmp_path: Path
+) -> None:
+    controller = make_controller(session_factory, InProcessCluster(NODES), tmp_path)
+    sweep, trials = sweep_of(session_factory, cancelled_sweep(session_factory, alice, controller))
     assert sweep.state == "CANCELLED" and len(trials) == 2
     assert [trial_state(t) for t in trials] == ["CANCELLED", "CANCELLED"]
 
@@ -173,17 +181,7 @@ def test_a_trial_of_an_ended_sweep_restarted_runs_as_a_job_of_its_own(
     session_factory: SessionFactory, alice: Principal, tmp_path: Path, executor: str
 ) -> None:
     controller = make_controller(session_factory, InProcessCluster(NODES), tmp_path)
-    sweep_id, _ = submit(
-        session_factory,
-        alice,
-        executor=executor,
-        max_concurrent=2,
-        early_stopping={"rule": "none"},
-        base={**sweep_spec()["base"], "steps": 100_000},
-    )
-    reconcile_until(controller, lambda: len(sweep_of(session_factory, sweep_id)[1]) == 2)
-    request_cancel(session_factory, alice, sweep_id)
-    reconcile_until(controller, lambda: ended(session_factory, sweep_id), timeout=120)
+    sweep_id = cancelled_sweep(session_factory, alice, controller, executor)
     trial = sweep_of(session_factory, sweep_id)[1][0]
     with transaction(session_factory) as session:  # a short rerun
         job = session.get(Job, trial.job_id)
