@@ -121,6 +121,22 @@ class Settings(BaseSettings):
         " Python runs one request at a time per process, so more use more CPUs. Each has"
         " its own rate-limit buckets and request-latency histogram.",
     )
+    spec_check_threads: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="Submissions whose specs are checked at once (the model traced, a sweep's"
+        " every value), on threads of their own: however heavy, they never hold the threads"
+        " that serve everything else (health probes included). Checks hold Python's"
+        " interpreter lock, so a second thread runs them no faster and slows every request.",
+    )
+    spec_check_queue: int = Field(
+        32,
+        ge=0,
+        le=10_000,
+        description="Submissions that may wait for a spec-check thread (waiting holds no"
+        " thread); more are answered 503 with Retry-After.",
+    )
     max_body_bytes: int = Field(1_048_576, ge=1024, description="Largest accepted request body.")
     max_page_size: int = Field(500, ge=1, le=10_000, description="Cap on list page sizes.")
     log_json: bool = Field(False, description="Log as JSON lines.")

@@ -278,9 +278,19 @@ class _Traced:
     untraced: str | None
 
 
-_TRACES: OnceEach[_Traced] = OnceEach(256)
+_BLOCK_COST_BYTES = 600
+"""What one block's ``BlockCost`` holds in memory, with its fields (~0.5 KiB, measured)."""
+
+
+def _trace_bytes(traced: _Traced) -> int:
+    return len(traced.costs or ()) * _BLOCK_COST_BYTES + len(traced.untraced or "") + 100
+
+
+TRACE_CACHE_BYTES = 32 * 2**20
+_TRACES: OnceEach[_Traced] = OnceEach(256, TRACE_CACHE_BYTES, _trace_bytes)
 """Traces by what they depend on: a sweep's trials and many clients submit the same model
-over and over, and a trace takes from tens of milliseconds to seconds."""
+over and over, and a trace takes from tens of milliseconds to seconds. Bounded in bytes as
+well as entries: a key holds a whole config (a factory's may be most of a request body)."""
 
 
 def _trace(spec: JobSpec, allowed: Sequence[str]) -> AcceptedSpec:

@@ -36,6 +36,9 @@ MAX_PARAMS = 16
 MAX_CHOICES = 32
 MAX_TRIALS = 1000
 MAX_GRID = 10_000
+MAX_CHECKED_BLOCKS = 8_192
+"""A sweep's check validates a job per value of its space (each traced, each cut into
+shards: work that grows with the blocks); this bounds the blocks of all of them at once."""
 ParamValue = float | int | str | bool
 MAX_SWEEP_NAME = MAX_NAME - len(f"-{MAX_TRIALS - 1}")
 """Room for the trials' suffix: every trial's job name (``trial_name``) is a valid job name."""
@@ -82,12 +85,26 @@ class ParamSpec(StrictModel):
             return [int(self.low), int(self.high)]
         return [self.low, self.high]
 
-    def grid(self) -> list[ParamValue] | None:
-        """Every value of a finite dimension (categorical, int); None for continuous ones."""
+    def grid_length(self) -> int | None:
+        """How many values a finite dimension (categorical, int) has, counted without listing
+        them (an int range may be as wide as a seed's); None for continuous ones."""
         if self.choices is not None:
-            return list(self.choices)
+            return len(self.choices)
         if self.type != "int":
             return None
+        assert self.low is not None and self.high is not None
+        return (int(self.high) - int(self.low)) // (self.step or 1) + 1
+
+    def grid(self) -> list[ParamValue] | None:
+        """Every value of a finite dimension (categorical, int); None for continuous ones.
+        Raises ``ValueError`` rather than list more than ``MAX_GRID`` values."""
+        length = self.grid_length()
+        if length is None:
+            return None
+        if length > MAX_GRID:
+            raise ValueError(f"{length} grid values are more than {MAX_GRID}")
+        if self.choices is not None:
+            return list(self.choices)
         assert self.low is not None and self.high is not None
         return list(range(int(self.low), int(self.high) + 1, self.step or 1))
 
@@ -158,6 +175,58 @@ class SweepSpec(StrictModel):
         return space
 
 
+def grid_points(space: Mapping[str, ParamSpec]) -> int:
+    """How many points a grid over ``space`` has, by arithmetic: the product of its
+    dimensions' lengths (a continuous dimension has no grid: 0)."""
+    return math.prod(param.grid_length() or 0 for param in space.values())
+
+
+def grid_values(space: Mapping[str, ParamSpec]) -> dict[str, list[ParamValue]]:
+    """Every dimension's values, for a grid sampler. A grid of more than ``MAX_GRID`` points
+    raises ``ValueError`` before any value is listed (a sampler lists every point)."""
+    points = grid_points(space)
+    if points > MAX_GRID:
+        raise ValueError(f"the grid has {_count(points)} points, more than {MAX_GRID}")
+    return {path: param.grid() or [] for path, param in space.items()}
+
+
+def _count(number: int) -> str:
+    """A count for a message: in full, or its order of magnitude when it would be a wall of
+    digits (an int range may span 10^300)."""
+    return str(number) if number < 10**12 else f"about 10^{len(str(number)) - 1}"
+
+
+def _check_grid(space: Mapping[str, ParamSpec]) -> None:
+    """A grid search needs finite dimensions and at most ``MAX_GRID`` points, counted before
+    anything is listed or validated; the widest dimension is the field to blame."""
+    for path, param in space.items():
+        if param.grid_length() is None:
+            raise SpecError(
+                [
+                    (
+                        f"space.{path}",
+                        f"grid search needs finite values; {param.type} has none: use"
+                        " categorical choices or an int range",
+                    )
+                ]
+            )
+    points = grid_points(space)
+    if points <= MAX_GRID:
+        return
+    widest = max(space, key=lambda path: space[path].grid_length() or 0)
+    sizes = " x ".join(f"{path}: {_count(p.grid_length() or 0)}" for path, p in space.items())
+    raise SpecError(
+        [
+            (
+                f"space.{widest}",
+                f"the grid has {_count(points)} points ({sizes} values), more than {MAX_GRID};"
+                f" narrow space.{widest} (a smaller range or a larger step) or use algorithm"
+                " random or tpe",
+            )
+        ]
+    )
+
+
 @dataclass(frozen=True)
 class AcceptedSweep:
     """A sweep that passed every check, with its completed base job."""
@@ -170,7 +239,7 @@ class AcceptedSweep:
         """How many trials a grid search has (None for other algorithms)."""
         if self.spec.algorithm != "grid":
             return None
-        return math.prod(len(p.grid() or ()) for p in self.spec.space.values())
+        return grid_points(self.spec.space)
 
     @property
     def trials(self) -> int:
@@ -223,17 +292,23 @@ def complete_sweep_spec(
     spec: SweepSpec, allowed_factories: Sequence[str], largest_device_mb: int | None = None
 ) -> AcceptedSweep:
     """Check that every trial the space can produce is a valid job that fits the largest
-    device (when one is known): each path names a field of the completed base job and each
-    extreme value validates; a grid is finite."""
+    device (when one is known): a grid is finite and bounded, each path names a field of the
+    completed base job and each extreme value validates."""
+
+    checked_blocks = 0
 
     def job(payload: dict[str, Any]) -> AcceptedSpec:
+        nonlocal checked_blocks
         accepted = _validate_job(payload, allowed_factories)
         if spec.executor == "jobs":
             check_memory(accepted, largest_device_mb)
         else:
             check_shards(accepted, largest_device_mb)
+        checked_blocks += accepted.num_blocks
         return accepted
 
+    if spec.algorithm == "grid":
+        _check_grid(spec.space)
     try:
         base = job(spec.base.model_dump(mode="json"))
     except SpecError as exc:  # the base job's fields, as the sweep's body names them
@@ -244,16 +319,6 @@ def complete_sweep_spec(
     submitted = spec.base.model_dump(mode="json")
     for path, param in spec.space.items():
         _check_path(base_json, path)
-        if spec.algorithm == "grid" and param.grid() is None:
-            raise SpecError(
-                [
-                    (
-                        f"space.{path}",
-                        f"grid search needs finite values; {param.type} has none: use"
-                        " categorical choices or an int range",
-                    )
-                ]
-            )
         for value in param.extremes():
             try:
                 job(trial_spec(submitted, {path: value}, spec.base.name))
@@ -262,6 +327,8 @@ def complete_sweep_spec(
                 raise SpecError(
                     [(f"space.{path}", f"the value {value!r} makes an invalid job ({problems})")]
                 ) from None
+            if checked_blocks > MAX_CHECKED_BLOCKS:
+                raise SpecError([(f"space.{path}", _too_many_blocks(checked_blocks))])
     if spec.executor == "sharp" and base.spec.optimizer.clip_grad_norm is not None:
         raise SpecError(
             [
@@ -272,12 +339,15 @@ def complete_sweep_spec(
                 )
             ]
         )
-    accepted = AcceptedSweep(spec, base)
-    if (accepted.grid_size or 0) > MAX_GRID:
-        raise SpecError(
-            [("space", f"the grid has {accepted.grid_size} points, more than {MAX_GRID}")]
-        )
-    return accepted
+    return AcceptedSweep(spec, base)
+
+
+def _too_many_blocks(blocks: int) -> str:
+    return (
+        f"checking every value of the space takes models of {blocks:,} blocks in all (the"
+        f" base job's and one per value), more than {MAX_CHECKED_BLOCKS:,}; give fewer"
+        " choices or int ranges (only their ends are checked), or search smaller models"
+    )
 
 
 def check_shards(accepted: AcceptedSpec, largest_device_mb: int | None) -> None:

@@ -23,7 +23,7 @@ from optuna.distributions import (
 )
 from optuna.trial import TrialState
 
-from service.sweepspec import ParamSpec, ParamValue, SweepSpec
+from service.sweepspec import ParamSpec, ParamValue, SweepSpec, grid_values
 
 Outcome = Literal["complete", "pruned", "failed"]
 _STATES: dict[Outcome, TrialState] = {
@@ -61,8 +61,8 @@ class _GridSampler(optuna.samplers.GridSampler):
 
 def _sampler(spec: SweepSpec) -> optuna.samplers.BaseSampler:
     if spec.algorithm == "grid":
-        grid = {name: param.grid() or [] for name, param in spec.space.items()}
-        return _GridSampler(grid, seed=spec.seed)
+        # Optuna lists every point: grid_values refuses a grid over MAX_GRID before that.
+        return _GridSampler(grid_values(spec.space), seed=spec.seed)
     if spec.algorithm == "random":
         return optuna.samplers.RandomSampler(seed=spec.seed)
     return optuna.samplers.TPESampler(seed=spec.seed)

@@ -29,8 +29,8 @@ from torch.utils.flop_counter import FlopCounterMode
 from scheduler.memory import FLOAT_BYTES, optimizer_state_factor
 from scheduler.profile import REFERENCE_GFLOPS, BlockCost
 from workers.snapshot import DataRef, ModelRef
-from workers.zoo.data import loss_fn, make_data
-from workers.zoo.models import build_blocks, count_blocks
+from workers.zoo.data import loss_fn, sample_batch
+from workers.zoo.models import build_blocks, built_alike, count_blocks
 
 _META = torch.device("meta")
 
@@ -86,19 +86,29 @@ def trace_costs(
     state_factor = optimizer_state_factor(optimizer, momentum=momentum)
     rows = micro_batch_size
     try:
-        source = make_data(data, 0, allowed)
-        inputs, targets = source.batch(0, rows)
+        # The sample batch is shapes on the meta device too: a submission builds no data.
+        meta, x, target = sample_batch(data, rows, allowed)
         with _META:  # factory models too: counting builds them, on the meta device here
-            count = count_blocks(model, source.meta, allowed)
-            blocks = build_blocks(model, source.meta, 0, range(count), allowed)
-        x, target = inputs.to(_META), targets.to(_META)
-        loss = loss_fn(source.meta.task)
+            count = count_blocks(model, meta, allowed)
+            # A block built alike to an earlier one, on the same input, costs what it did:
+            # a 1,000-layer model builds and traces its few distinct blocks only.
+            alike = built_alike(model, meta, count)
+            distinct = sorted(set(alike))
+            blocks = dict(
+                zip(distinct, build_blocks(model, meta, 0, distinct, allowed), strict=True)
+            )
+        loss = loss_fn(meta.task)
         costs = []
-        for i, block in enumerate(blocks):
-            last = i == len(blocks) - 1
-            end = (lambda y: loss(y, target)) if last else (lambda y: y)
-            trace = _trace_block(block, x, end, input_grad=i > 0)
-            params = sum(p.numel() for p in block.parameters()) * FLOAT_BYTES
+        traced: dict[tuple[object, ...], tuple[_Trace, int]] = {}
+        for i in range(count):
+            last = i == count - 1
+            key = (alike[i], tuple(x.shape), x.dtype, i > 0, last)
+            if key not in traced:
+                block = blocks[alike[i]]
+                end = (lambda y: loss(y, target)) if last else (lambda y: y)
+                params = sum(p.numel() for p in block.parameters()) * FLOAT_BYTES
+                traced[key] = (_trace_block(block, x, end, input_grad=i > 0), params)
+            trace, params = traced[key]
             costs.append(
                 BlockCost(
                     index=i,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import APIRouter, Header, Path, Query, Response, status
+from fastapi.concurrency import run_in_threadpool
 
 from api.deps import ID_PATTERN, MAX_QUERY_INT, FactoryDep, PrincipalDep, SettingsDep
 from api.errors import documented
@@ -20,10 +21,13 @@ from api.schemas import (
     MetricOut,
     ScheduleOut,
 )
+from api.spec_checks import SpecChecksDep
 from service import jobs
+from service.auth import Principal
+from service.db.session import SessionFactory
 from service.layouts import pipeline_schedule
 from service.lifecycle import JobState
-from service.specs import JobSpec, check_memory, complete_job_spec
+from service.specs import AcceptedSpec, JobSpec, check_memory, complete_job_spec
 
 router = APIRouter(prefix="/jobs", tags=["jobs"])
 
@@ -40,22 +44,36 @@ JobId = Annotated[str, Path(max_length=64, pattern=ID_PATTERN, description="job 
         **documented(400, 401, 409, 413, 422, 503),
     },
 )
-def submit_job(
+async def submit_job(
     spec: JobSpec,
     response: Response,
     principal: PrincipalDep,
     factory: FactoryDep,
     settings: SettingsDep,
+    checks: SpecChecksDep,
     idempotency_key: Annotated[str | None, Header(max_length=200)] = None,
 ) -> JobOut:
-    """Queue a job. A retry with the same ``Idempotency-Key`` returns the same job (200)."""
-    accepted = complete_job_spec(spec, settings.allowed_factories)
-    check_memory(accepted, jobs.largest_device_mb(factory))
-    job, created = jobs.submit_job(factory, principal, accepted, idempotency_key)
+    """Queue a job. A retry with the same ``Idempotency-Key`` returns the same job (200).
+    The spec is checked on a spec-check thread (503 with Retry-After when all are taken)."""
+    accepted = await checks.run(_accept_job, spec, settings.allowed_factories, factory)
+    job, created = await run_in_threadpool(
+        jobs.submit_job, factory, principal, accepted, idempotency_key
+    )
     if not created:
         response.status_code = status.HTTP_200_OK
+    return await run_in_threadpool(_show_job, factory, principal, job.id)
+
+
+def _accept_job(spec: JobSpec, allowed: list[str], factory: SessionFactory) -> AcceptedSpec:
+    """The job checked whole (its model traced) and against the largest device known."""
+    accepted = complete_job_spec(spec, allowed)
+    check_memory(accepted, jobs.largest_device_mb(factory))
+    return accepted
+
+
+def _show_job(factory: SessionFactory, principal: Principal, job_id: str) -> JobOut:
     with factory() as session:
-        return JobOut.of(jobs.show_job(session, principal, job.id))
+        return JobOut.of(jobs.show_job(session, principal, job_id))
 
 
 @router.get("", response_model=JobPage, responses=documented(401, 422, 503))

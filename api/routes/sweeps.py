@@ -5,15 +5,18 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import APIRouter, Header, Path, Query, Response, status
+from fastapi.concurrency import run_in_threadpool
 from sqlalchemy.orm import Session
 
 from api.deps import ID_PATTERN, MAX_QUERY_INT, FactoryDep, PrincipalDep, SettingsDep
 from api.errors import documented
 from api.responses import ModelJSON
 from api.schemas import SweepOut, SweepPage, SweepSummaryOut
+from api.spec_checks import SpecChecksDep
 from service import jobs, sweeps
 from service.auth import Principal
-from service.sweepspec import SweepSpec, complete_sweep_spec
+from service.db.session import SessionFactory
+from service.sweepspec import AcceptedSweep, SweepSpec, complete_sweep_spec
 
 router = APIRouter(prefix="/sweeps", tags=["sweeps"])
 
@@ -36,25 +39,36 @@ def _read(session: Session, principal: Principal, sweep_id: str) -> SweepOut:
         **documented(400, 401, 409, 413, 422, 503),
     },
 )
-def submit_sweep(
+async def submit_sweep(
     spec: SweepSpec,
     response: Response,
     principal: PrincipalDep,
     factory: FactoryDep,
     settings: SettingsDep,
+    checks: SpecChecksDep,
     idempotency_key: Annotated[str | None, Header(max_length=200)] = None,
 ) -> SweepOut:
     """Queue a sweep. Every value the space can give is checked against the base job first,
-    so a space that could make an invalid trial is refused (422, naming ``space.<path>``).
+    so a space that could make an invalid trial is refused (422, naming ``space.<path>``);
+    the check runs on a spec-check thread (503 with Retry-After when all are taken).
     A retry with the same ``Idempotency-Key`` returns the same sweep (200)."""
-    accepted = complete_sweep_spec(
-        spec, settings.allowed_factories, jobs.largest_device_mb(factory)
+    accepted = await checks.run(_accept_sweep, spec, settings.allowed_factories, factory)
+    sweep, created = await run_in_threadpool(
+        sweeps.submit_sweep, factory, principal, accepted, idempotency_key
     )
-    sweep, created = sweeps.submit_sweep(factory, principal, accepted, idempotency_key)
     if not created:
         response.status_code = status.HTTP_200_OK
+    return await run_in_threadpool(_show_sweep, factory, principal, sweep.id)
+
+
+def _accept_sweep(spec: SweepSpec, allowed: list[str], factory: SessionFactory) -> AcceptedSweep:
+    """The sweep checked whole (every value of its space) against the largest device known."""
+    return complete_sweep_spec(spec, allowed, jobs.largest_device_mb(factory))
+
+
+def _show_sweep(factory: SessionFactory, principal: Principal, sweep_id: str) -> SweepOut:
     with factory() as session:
-        return _read(session, principal, sweep.id)
+        return _read(session, principal, sweep_id)
 
 
 @router.get("", response_model=SweepPage, responses=documented(401, 422, 503))

@@ -151,21 +151,22 @@ _SKIPPED_DIRS = frozenset(
 
 
 @functools.cache
-def _pysource_corpus(max_bytes: int) -> Tensor:
-    """The first ``max_bytes`` of the standard library's sources, in sorted path order."""
+def _stdlib_sources() -> Tensor:
+    """The standard library's sources, in sorted path order, read once: about 12 MiB, all that
+    any ``max_bytes`` can take, so one copy serves every size a job asks for."""
     root = Path(sysconfig.get_paths()["stdlib"])
     paths: list[Path] = []
     for folder, dirnames, filenames in os.walk(root):
         dirnames[:] = [d for d in dirnames if d not in _SKIPPED_DIRS]
         paths.extend(Path(folder, f) for f in filenames if f.endswith(".py"))
-    chunks, size = [], 0
-    for path in sorted(paths):
-        data = path.read_bytes()[: max_bytes - size]
-        chunks.append(data)
-        size += len(data)
-        if size >= max_bytes:
-            break
-    return torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8)
+    text = b"".join(path.read_bytes() for path in sorted(paths))
+    return torch.frombuffer(bytearray(text), dtype=torch.uint8)
+
+
+def _pysource_corpus(max_bytes: int) -> Tensor:
+    """The first ``max_bytes`` of the standard library's sources: a view of the one copy
+    (a cache keyed by the size would hold a corpus per size asked for)."""
+    return _stdlib_sources()[:max_bytes]
 
 
 class PySource:
@@ -216,6 +217,35 @@ def make_data(ref: DataRef, seed: int, allowed: Sequence[str] = ()) -> DataSourc
             )
         return source
     raise RegistryError("data", "name exactly one of builtin or factory")
+
+
+def _meta_rows(shape: Sequence[int], dtype: torch.dtype, rows: int) -> Tensor:
+    return torch.empty((rows, *shape), dtype=dtype, device="meta")
+
+
+def sample_batch(
+    ref: DataRef, rows: int, allowed: Sequence[str] = ()
+) -> tuple[DataMeta, Tensor, Tensor]:
+    """The meta of a job's data and a mini-batch of ``rows`` samples as its source yields one,
+    on the ``meta`` device: shapes and dtypes without storage, for tracing. A built-in's comes
+    from its ``DataMeta`` alone, so no corpus, table or sample is built however large the
+    config; a factory's source is built and asked for one sample, whose shape is repeated."""
+    if ref.builtin is not None and ref.factory is None:
+        _, meta = data_meta(ref.builtin, ref.config)
+        if meta.task == "lm":  # token ids in, the next token ids out
+            ids = _meta_rows(meta.input_shape, torch.int64, rows)
+            return meta, ids, torch.empty_like(ids)
+        inputs = _meta_rows(meta.input_shape, torch.float32, rows)
+        if meta.task == "classification":  # one class index per sample
+            return meta, inputs, _meta_rows((), torch.int64, rows)
+        return meta, inputs, _meta_rows((meta.targets,), torch.float32, rows)
+    source = make_data(ref, 0, allowed)
+    x, y = source.batch(0, 1)
+    return (
+        source.meta,
+        _meta_rows(x.shape[1:], x.dtype, rows),
+        _meta_rows(y.shape[1:], y.dtype, rows),
+    )
 
 
 def _lm_loss(logits: Tensor, targets: Tensor) -> Tensor:

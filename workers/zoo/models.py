@@ -132,6 +132,15 @@ _BLOCKS: dict[str, Callable[[dict[str, Any], DataMeta, int], nn.Module]] = {
 }
 
 
+# Which built-in blocks are built alike (class, shapes, settings): block i is built as
+# block _SAME_AS[name](config, i) is. Repeated hidden or transformer layers are all one.
+_SAME_AS: dict[str, Callable[[dict[str, Any], int], int]] = {
+    "mlp": lambda c, i: 1 if 1 <= i < c["layers"] else i,
+    "convnet": lambda c, i: i,
+    "gpt": lambda c, i: 1 if 1 <= i <= c["n_layers"] else i,
+}
+
+
 # ------------------------------------------------------------------------------- building
 
 
@@ -204,3 +213,13 @@ def count_blocks(ref: ModelRef, meta: DataMeta, allowed: Sequence[str] = ()) -> 
     if ref.factory is not None and ref.builtin is None:
         return len(_factory_blocks(ref.factory, ref.config, meta, 0, allowed))
     raise _neither_or_both()
+
+
+def built_alike(ref: ModelRef, meta: DataMeta, count: int) -> list[int]:
+    """For each of the model's ``count`` blocks, the first block built alike (the same class,
+    shapes and settings), so that a tracer builds and measures each distinct block once: a
+    built-in's repeated layers are one block; a factory's blocks are each their own."""
+    if ref.builtin is None:
+        return list(range(count))
+    config = resolve_model(ref.builtin, ref.config, meta).config
+    return [_SAME_AS[ref.builtin](config, i) for i in range(count)]
