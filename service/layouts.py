@@ -17,6 +17,10 @@ from service.db.models import Job
 from service.jobs import JobConflict
 from service.snapshots import block_costs
 
+MAX_DRAWN_MICRO_BATCHES = 4_096
+"""A drawn schedule has a cell per micro-batch and stage: a million would take a request
+seconds and a GiB, so longer ones are described, not drawn."""
+
 
 @dataclass(frozen=True)
 class PipelineSchedule:
@@ -49,6 +53,12 @@ def pipeline_schedule(job: Job) -> PipelineSchedule:
     name = str(job.spec.get("parallelism", {}).get("schedule", "1f1b"))
     stages = _stages(job)
     share = -(-int(job.spec["micro_batches"]) // replicas)  # the first replica's share
+    if share > MAX_DRAWN_MICRO_BATCHES:  # checked before anything is built: a cell each
+        raise JobConflict(
+            f"job {job.id} runs {share:,} micro-batches per stage each step, more than the"
+            f" {MAX_DRAWN_MICRO_BATCHES:,} a schedule is drawn for; its bubble is"
+            f" (p - 1) / (m + p - 1) = {(stages - 1) / (share + stages - 1):.2%}"
+        )
     timeline, _ = simulate(build(name, stages, share))
     return PipelineSchedule(name, stages, share, timeline)
 
