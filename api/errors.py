@@ -34,7 +34,8 @@ _MEANINGS = {
     422: "invalid input; ``errors`` names each field",
     429: "too many requests from this user, or this address without a valid token"
     " (SHOAL_RATE_LIMIT_PER_S); retry after Retry-After",
-    503: "the database is unreachable; nothing was changed, retry after Retry-After seconds",
+    503: "the database is unreachable or the spec checks are all taken; nothing was changed,"
+    " retry after Retry-After seconds",
 }
 # The headers an error always carries, as (name, meaning).
 _HEADERS = {

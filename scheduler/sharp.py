@@ -152,7 +152,8 @@ def _even_out(model: Model, count: int, half: int, slowest: float) -> list[int] 
     back = [[0] * (n + 1) for _ in range(count + 1)]
     cost[0][0] = 0.0
     for j in range(1, count + 1):
-        for stop in range(j, n - (count - j) + 1):
+        # The last shard must end at the last block: no other stop of it is ever read.
+        for stop in range(j, n - (count - j) + 1) if j < count else (n,):
             start = stop - 1
             while start >= j - 1 and time[stop] - time[start] <= limit:
                 previous = cost[j - 1][start]
