@@ -1,12 +1,14 @@
 """The controller: one reconciliation loop that makes the cluster match the database.
 
-Each tick it reads the device inventory, follows every running job's runner (persisting its
-metrics, events and checkpoints — the control plane is the only database writer), carries
+Each tick it reads the device inventory (``service.inventory``), follows every running job's
+runner (storing what it reports, ``service.reports``: the control plane is the only database
+writer), carries
 out cancel requests, recovers jobs whose devices or runner were lost, runs sweeps
 (``service.sweeper``: their trials are jobs), places queued jobs on free devices, and moves
 running jobs off draining devices and onto free ones.
 It starts nothing for a job that already has a runner: runners are found again by name, so a
-restarted control plane picks up where the last one stopped.
+restarted control plane picks up where the last one stopped. Each job's and sweep's step is
+isolated (``service.isolation``): its fault ends it, never the tick.
 """
 
 from __future__ import annotations
@@ -16,29 +18,31 @@ import threading
 import time
 from collections.abc import Sequence
 from contextlib import suppress
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from functools import partial
 
 import sqlalchemy as sa
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
-from scheduler.devices import Device, InventoryError, NodeInfo, node_devices
+from scheduler.devices import Device
 from scheduler.layout import Layout, plan_layout
 from scheduler.partition import PartitionError, Workload
 from scheduler.placement import JobRequest, Placement, Quota, Running, place, preemptions
 from scheduler.resize import Candidate, candidate, worth_growing
 from service.cluster import Cluster, ClusterUnavailable, RunnerGone
-from service.db.models import Checkpoint, DeviceRow, Job, JobMetric, utcnow
+from service.db.models import Checkpoint, DeviceRow, Job, utcnow
 from service.db.session import SessionFactory, transaction
 from service.holdings import ACTIVE_JOBS, draining_devices, held_devices, quotas, usage_by_owner
+from service.inventory import inventory, sync_devices
 from service.isolation import isolated
 from service.jobs import JobConflict, add_event, transition
 from service.lifecycle import JobState
+from service.reports import follow_recovery, persist_report
 from service.snapshots import block_costs, build_snapshot, job_request
 from service.specs import JobSpec
 from service.sweeper import Sweeper
-from workers.snapshot import RunnerReport, RunStatus, stage_plans
+from workers.snapshot import RunStatus, stage_plans
 
 log = logging.getLogger(__name__)
 
@@ -99,14 +103,14 @@ class Controller:
         """One tick. Each job's and each sweep's step is isolated (``service.isolation``):
         its fault ends that job or sweep FAILED with the reason, and the tick goes on."""
         nodes = self._cluster.nodes()
-        devices = _inventory(nodes)
+        devices = inventory(nodes)
         with self._factory() as session:
             active = list(session.scalars(sa.select(Job.id).where(Job.state.in_(_ACTIVE))))
         for job_id in active:
             with isolated(f"job {job_id}", partial(self._fail, job_id)):
                 self._follow(job_id, devices)
         with isolated("device inventory"):
-            self._sync_devices(devices, {n.node_id for n in nodes if n.draining})
+            sync_devices(self._factory, devices, {n.node_id for n in nodes if n.draining})
         self._sweeper.reconcile_once(devices)
         with isolated("placement"):
             self._place_queued(devices)
@@ -115,43 +119,6 @@ class Controller:
         self.last_tick = time.monotonic()
 
     # ------------------------------------------------------------------ inventory
-
-    def _sync_devices(self, devices: Sequence[Device], draining_nodes: set[str]) -> None:
-        """Mirror the inventory into the devices table: new devices, lost ones, the job
-        holding each, and the devices of nodes Ray is draining (a preemption notice), which
-        then count as drained like an admin's ``POST /devices/{id}/drain``."""
-        with transaction(self._factory) as session:
-            holders = {
-                device_id: job.id
-                for job in session.scalars(sa.select(Job).where(Job.state.in_(_ACTIVE)))
-                for device_id in job.devices
-            }
-            rows = {row.id: row for row in session.scalars(sa.select(DeviceRow))}
-            for device in devices:
-                row = rows.pop(device.id, None)
-                if row is None:
-                    row = DeviceRow(
-                        id=device.id,
-                        node_id=device.node_id,
-                        kind=device.kind,
-                        memory_mb=device.memory_mb,
-                        gpu=device.gpu,
-                        spot=device.spot,
-                        state="alive",
-                    )
-                    session.add(row)
-                elif row.state == "lost":  # back after being lost: a new node, not draining
-                    _set_if_changed(row, draining=False)
-                _set_if_changed(row, state="alive", job_id=holders.get(device.id))
-                if device.node_id in draining_nodes and not row.draining:
-                    log.info(
-                        "device %s: its node is draining; jobs will leave it",
-                        device.id,
-                        extra={"device_id": device.id},
-                    )
-                    row.draining = True
-            for row in rows.values():  # known before, absent now
-                _set_if_changed(row, state="lost", job_id=holders.get(row.id))
 
     # ------------------------------------------------------------------ running jobs
 
@@ -176,8 +143,8 @@ class Controller:
             job = session.get(Job, job_id)
             if job is None:
                 return
-            _persist_report(session, job, report)
-            _follow_recovery(session, job, report)
+            persist_report(session, job, report)
+            follow_recovery(session, job, report)
         if any(e.kind == "relayout" for e in report.events):
             self._resizing.pop(job_id, None)
         if report.status is RunStatus.LOST:
@@ -602,95 +569,6 @@ def _requests(jobs: Sequence[Job], faults: list[tuple[str, str]]) -> list[JobReq
 
 def _note(faults: list[tuple[str, str]], job_id: str, why: str) -> None:
     faults.append((job_id, why))
-
-
-def _inventory(nodes: Sequence[NodeInfo]) -> list[Device]:
-    devices: list[Device] = []
-    for node in nodes:
-        try:
-            devices.extend(node_devices(node))
-        except InventoryError as exc:
-            log.warning("node %s ignored: %s", node.node_id[:8], exc)
-    return devices
-
-
-def _follow_recovery(session: Session, job: Job, report: RunnerReport) -> None:
-    """A runner that recovers in place reports ``device_lost`` then ``recovered``: the job
-    is RECOVERING in between."""
-    for event in report.events:
-        if event.kind == "device_lost" and job.state == JobState.RUNNING.value:
-            transition(session, job, JobState.RECOVERING, event.message)
-        elif event.kind == "recovered" and job.state == JobState.RECOVERING.value:
-            transition(session, job, JobState.RUNNING, f"recovered in place: {event.message}")
-
-
-def _set_if_changed(row: DeviceRow, **values: object) -> None:
-    for key, value in values.items():
-        if getattr(row, key) != value:
-            setattr(row, key, value)
-
-
-def _persist_report(session: Session, job: Job, report: RunnerReport) -> None:
-    """Store what the runner reported since the job's cursor, and advance the cursor."""
-    if report.metrics:
-        first = min(m.step for m in report.metrics)
-        # A resumed run replays the steps after its checkpoint: newer numbers replace older.
-        session.execute(
-            sa.delete(JobMetric).where(JobMetric.job_id == job.id, JobMetric.step >= first)
-        )
-        by_step = {m.step: m for m in report.metrics}  # a step replayed in the batch: its rerun
-        for m in by_step.values():
-            session.add(
-                JobMetric(
-                    job_id=job.id,
-                    step=m.step,
-                    loss=m.loss,
-                    samples_per_s=m.samples_per_s,
-                    step_time_s=m.step_time_s,
-                    stages=[asdict(s) for s in m.stages],
-                    grad_norm=m.grad_norm,
-                )
-            )
-        job.last_loss = report.metrics[-1].loss
-        job.last_samples_per_s = report.metrics[-1].samples_per_s
-        job.stage_times = [asdict(s) for s in report.metrics[-1].stages]
-    for event in report.events:
-        data = {"step": event.step, **event.data}
-        if event.kind == "resumed":
-            # job.step is still the progress before this report: what the resume repeats.
-            data["steps_replayed"] = max(0, job.step - event.step)
-        add_event(session, job.id, event.kind, event.message, data)
-        if event.kind == "checkpoint":
-            _record_checkpoint(session, job.id, event.step, event.data)
-        elif event.kind == "repartition":
-            job.partition = list(event.data["to"])
-        elif event.kind in ("relayout", "recovered"):
-            job.partition = list(event.data["to"])
-            job.devices = [row["device_id"] for row in event.data["to"]]
-        elif event.kind == "device_speed" and "device_id" in event.data:
-            row = session.get(DeviceRow, event.data["device_id"])
-            if row is not None:
-                row.speed_gflops = float(event.data.get("gflops", 0.0))
-    if report.metrics or report.status is RunStatus.SUCCEEDED:
-        # Not otherwise: a new attempt reports step 0 until it has restored.
-        job.step = report.step
-    job.runner_cursor = report.cursor
-
-
-def _record_checkpoint(session: Session, job_id: str, step: int, data: dict[str, object]) -> None:
-    session.merge(
-        Checkpoint(
-            job_id=job_id,
-            step=step,
-            path=str(data.get("path", "")),
-            nbytes=int(str(data.get("bytes", 0))),
-        )
-    )
-    deleted = data.get("deleted") or []
-    if isinstance(deleted, list) and deleted:
-        session.execute(
-            sa.delete(Checkpoint).where(Checkpoint.job_id == job_id, Checkpoint.step.in_(deleted))
-        )
 
 
 def _drain_stuck(found: Candidate, why: str) -> tuple[str, dict[str, object]]:

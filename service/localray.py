@@ -19,7 +19,6 @@ stops every process of it before starting anything: never two copies of one job.
 from __future__ import annotations
 
 import atexit
-import contextlib
 import json
 import math
 import os
@@ -47,6 +46,7 @@ from scheduler.devices import (
     node_devices,
 )
 from service.localray_record import ClusterRecord, NodeRecord, ProcessId, RecordError
+from service.nodeprocs import kill_node, signal_group
 
 SPEC_FORM = "COUNTxKIND:MEMORY_MB[:slowdown=F][:spot]"
 SPEC_EXAMPLE = "2xcpu-fast:2048,2xcpu-slow:2048:slowdown=2"
@@ -496,7 +496,7 @@ class LocalRay:
         """
         for node in self._nodes:
             if node.process is not None:
-                _signal_group(node.process.pid, signal.SIGKILL)
+                signal_group(node.process.pid, signal.SIGKILL)
         while self._nodes:
             self._reap(self._nodes[0])
             self._nodes.pop(0)
@@ -510,7 +510,7 @@ class LocalRay:
 
     def _reap(self, node: _Node) -> None:
         """SIGKILL the node's process group and every process left of its session."""
-        _kill_node(node.identity, node.process, time.monotonic() + self._stop_timeout_s)
+        kill_node(node.identity, node.process, time.monotonic() + self._stop_timeout_s)
         if node.log is not None:
             node.log.close()
 
@@ -592,57 +592,7 @@ def _read_record(path: Path) -> ClusterRecord | None:
     return record
 
 
-def _signal_group(pid: int, signum: signal.Signals) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(pid, signum)
-
-
 def _stop_recorded(record: ClusterRecord, path: Path, deadline: float) -> None:
     for node in record.nodes:
-        _kill_node(node.process, None, deadline)
+        kill_node(node.process, None, deadline)
     ClusterRecord.remove(path)
-
-
-def _kill_node(leader: ProcessId, process: subprocess.Popen[bytes] | None, deadline: float) -> None:
-    """SIGKILL a node's ``ray start`` (``leader``: ``process`` if it is this process's
-    child) with its process group, then every process left of its session.
-
-    Only a process that is still the recorded one is signalled. A session id is not given
-    to a new process while any member of the old session lives; so once the pid belongs to
-    another process, nothing of the node's session is left to stop.
-    """
-    if process is not None:
-        _signal_group(process.pid, signal.SIGKILL)
-        process.wait()
-    elif leader.alive():
-        _signal_group(leader.pid, signal.SIGKILL)
-    elif leader.pid_reused():
-        return
-    kill_session(leader.pid, deadline)
-
-
-def _live_session_members(session: int) -> list[int]:
-    listing = subprocess.run(
-        ["ps", "-A", "-o", "pid=,sess=,stat="], capture_output=True, text=True, check=False
-    ).stdout
-    members = []
-    for line in listing.splitlines():
-        pid, sid, state = line.split(maxsplit=2)
-        if int(sid) == session and not state.startswith("Z"):
-            members.append(int(pid))
-    return members
-
-
-def kill_session(session: int, deadline: float) -> None:
-    """SIGKILL what is left of a node's session until nothing runs there (or the deadline).
-
-    Ray's raylet starts its workers in process groups of their own, inside the session
-    `ray start` was given; they would exit by themselves a while after the raylet, or not.
-    """
-    while members := _live_session_members(session):
-        for pid in members:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        if time.monotonic() > deadline:
-            return
-        time.sleep(0.05)

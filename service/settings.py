@@ -131,11 +131,12 @@ class Settings(BaseSettings):
         " interpreter lock, so a second thread runs them no faster and slows every request.",
     )
     spec_check_queue: int = Field(
-        32,
+        256,
         ge=0,
         le=10_000,
         description="Submissions that may wait for a spec-check thread (waiting holds no"
-        " thread); more are answered 503 with Retry-After.",
+        " thread, only the parsed spec: at most SHOAL_MAX_BODY_BYTES each); more are answered"
+        " 503 with Retry-After. Room for a burst the size of a user's rate-limit burst.",
     )
     max_body_bytes: int = Field(1_048_576, ge=1024, description="Largest accepted request body.")
     max_page_size: int = Field(500, ge=1, le=10_000, description="Cap on list page sizes.")

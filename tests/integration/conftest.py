@@ -20,8 +20,8 @@ from service.localray import (
     HEALTH_CHECKS,
     RAY_ENV,
     LocalRay,
-    kill_session,
 )
+from service.nodeprocs import kill_session
 
 SHOAL = Path(sys.executable).parent / "shoal"
 START_TIMEOUT_S = 60.0

@@ -24,7 +24,7 @@ import pytest
 import torch
 import yaml
 
-from service.localray import kill_session
+from service.nodeprocs import kill_session
 from service.settings import DEFAULT_DEVICES
 from tests.integration.conftest import SHOAL, STOP_TIMEOUT_S, ShoalUp, ray_env, wait_until
 from workers.reference import train_reference

@@ -742,7 +742,7 @@ def test_a_node_ray_drains_is_left_by_its_jobs_without_losing_a_step(
 def test_a_step_replayed_within_one_report_is_stored_once_as_rerun(
     session_factory: SessionFactory,
 ) -> None:
-    from service.controller import _persist_report
+    from service.reports import persist_report
     from workers.snapshot import RunnerReport, RunStatus, StepMetrics
 
     who = owner(session_factory)
@@ -751,7 +751,7 @@ def test_a_step_replayed_within_one_report_is_stored_once_as_rerun(
     with session_factory() as session, session.begin():
         row = session.get(Job, job_id)
         assert row is not None
-        _persist_report(
+        persist_report(
             session, row, RunnerReport(RunStatus.RUNNING, 3, 2, tuple(metrics), (), None)
         )
     with session_factory() as session:

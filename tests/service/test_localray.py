@@ -30,11 +30,11 @@ from service.localray import (
     LocalRayError,
     VirtualNode,
     free_port,
-    kill_session,
     node_command,
     parse_devices,
 )
 from service.localray_record import RECORD, ClusterRecord, NodeRecord, ProcessId
+from service.nodeprocs import kill_session
 from service.settings import DEFAULT_DEVICES
 
 

@@ -176,6 +176,12 @@ def data_dependent_mlp(config: dict[str, Any], meta: DataMeta) -> nn.Sequential:
     return nn.Sequential(*tiny_mlp(config, meta), _DataDependent())
 
 
+def wrong_width_mlp(config: dict[str, Any], meta: DataMeta) -> nn.Sequential:
+    """Four blocks whose first expects 5 input features whatever the data has: a factory's
+    mistake no check before training can see, so its first forward fails."""
+    return nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 4), nn.Linear(4, meta.targets))
+
+
 def not_a_model(config: dict[str, Any], meta: DataMeta) -> str:
     return "a string"
 

@@ -515,7 +515,10 @@ def test_suspend_checkpoints_the_step_it_stops_at_and_a_new_run_replays_nothing(
         ({"schedule": "zero-bubble"}, r"^ScheduleError: unknown schedule 'zero-bubble'"),
         ({"stages": plans([(0, 1), (2, 4)])}, r"^PlanError: stage block ranges"),
         (
-            {"model": ModelRef("mlp", None, {"hidden": 4, "layers": 3, "in_features": 5})},
+            {
+                "model": ModelRef(None, "tests.workers.test_factories:wrong_width_mlp", {}),
+                "allowed_factories": ("tests.workers.test_factories",),
+            },
             r"^stage 0 failed in forward: RuntimeError: mat1 and mat2 shapes cannot be",
         ),
         (
