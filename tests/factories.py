@@ -61,3 +61,13 @@ def sweep_spec(**overrides: Any) -> dict[str, Any]:
     }
     spec.update(copy.deepcopy(overrides))
     return spec
+
+
+BUILTIN_DATA: list[tuple[str, dict[str, Any]]] = [
+    ("synthetic-regression", {"features": 5, "outputs": 3}),
+    ("synthetic-lm", {"vocab_size": 11, "seq_len": 7}),
+    ("digits", {}),
+    ("digits", {"images": False}),
+    ("pysource", {"seq_len": 9, "max_bytes": 20_000}),
+]
+"""Every built-in dataset (and variant) with a small config: name and config."""

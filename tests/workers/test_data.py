@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.factories import BUILTIN_DATA as BUILTINS
 from workers.factories import FactoryError
 from workers.snapshot import DataRef
 from workers.zoo import data as data_module
@@ -16,13 +17,6 @@ from workers.zoo.registry import DATASETS, RegistryError
 
 pytestmark = pytest.mark.unit
 
-BUILTINS: list[tuple[str, dict[str, Any]]] = [
-    ("synthetic-regression", {"features": 5, "outputs": 3}),
-    ("synthetic-lm", {"vocab_size": 11, "seq_len": 7}),
-    ("digits", {}),
-    ("digits", {"images": False}),
-    ("pysource", {"seq_len": 9, "max_bytes": 20_000}),
-]
 FACTORY_ALLOWED = ["tests.workers.test_factories"]
 
 

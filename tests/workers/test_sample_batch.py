@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.factories import BUILTIN_DATA as BUILTINS
 from workers.snapshot import DataRef, ModelRef
 from workers.zoo import data as data_module
 from workers.zoo.data import make_data, sample_batch
@@ -15,14 +16,6 @@ from workers.zoo.models import build_blocks, built_alike, count_blocks
 from workers.zoo.registry import DATASETS, data_meta
 
 pytestmark = pytest.mark.unit
-
-BUILTINS: list[tuple[str, dict[str, Any]]] = [
-    ("synthetic-regression", {"features": 5, "outputs": 3}),
-    ("synthetic-lm", {"vocab_size": 11, "seq_len": 7}),
-    ("digits", {}),
-    ("digits", {"images": False}),
-    ("pysource", {"seq_len": 9, "max_bytes": 20_000}),
-]
 
 
 def test_every_registered_dataset_is_sampled() -> None:
