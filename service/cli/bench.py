@@ -11,25 +11,21 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import click
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from service.cli.bench_output import JSON_OPTION, caption, fmt, phases
+from service.cli.bench_step import step
 from service.cli.options import InputError
 from service.cli.render import make_console
 
 Decorator = Callable[[Callable[..., Any]], Callable[..., Any]]
 """What an option maker below returns: ``click.option(...)`` for one command's defaults."""
-
-JSON_OPTION = click.option(
-    "--json", "as_json", is_flag=True, help="Print one JSON object on the last line."
-)
 
 
 def _repeats(default: int, most: int = 50) -> Decorator:
@@ -65,34 +61,7 @@ def bench() -> None:
     """Benchmarks of the engine on this machine (see README, "Benchmarks")."""
 
 
-@contextmanager
-def _phases(console: Console, total: int, quiet: bool) -> Iterator[Any]:
-    """A progress bar advanced once per phase (to stderr's console; silent with --json)."""
-    if quiet:
-        yield lambda _name: None
-        return
-    bar = Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=console,
-        transient=True,
-    )
-    with bar:
-        task = bar.add_task("starting", total=total)
-        seen = [0]
-
-        def advance(name: str) -> None:
-            bar.update(task, description=name, completed=seen[0])
-            seen[0] += 1
-
-        yield advance
-        bar.update(task, completed=total)
-
-
-def _f(value: float, digits: int = 1) -> str:
-    return f"{value:,.{digits}f}"
+bench.add_command(step)
 
 
 @bench.command()
@@ -137,12 +106,12 @@ def pipeline(
     except ValueError as exc:
         raise InputError(str(exc)) from None
     console = make_console()
-    with _phases(console, len(PIPELINE_PHASES), as_json) as progress:
+    with phases(console, len(PIPELINE_PHASES), as_json) as progress:
         result = run_pipeline(settings, progress)
     if as_json:
         click.echo(json.dumps(result))
         return
-    table = Table(title=f"shoal bench pipeline: {result['model']}", caption=_caption(result))
+    table = Table(title=f"shoal bench pipeline: {result['model']}", caption=caption(result))
     table.add_column("what")
     table.add_column("samples/s", justify="right")
     table.add_column("vs ideal", justify="right")
@@ -163,7 +132,7 @@ def pipeline(
         ("torch.distributed.pipelining (gloo)", result["torch_pipelining_samples_per_s"]),
     ]
     for name, value in rows:
-        table.add_row(name, _f(value), _f(value / ideal, 2) if ideal else "-")
+        table.add_row(name, fmt(value), fmt(value / ideal, 2) if ideal else "-")
     console.print(table)
     console.print(
         f"efficiency {result['efficiency']:.2f} of ideal"
@@ -197,13 +166,13 @@ def transport(repeats: int, calls: int, sizes: tuple[int, ...], as_json: bool) -
     if sizes:
         settings = TransportSettings(sizes=tuple(sorted(set(sizes))), repeats=repeats, calls=calls)
     console = make_console()
-    with _phases(console, 2 * len(settings.sizes) + 1, as_json) as progress:
+    with phases(console, 2 * len(settings.sizes) + 1, as_json) as progress:
         result = run_transport(settings, progress)
     if as_json:
         click.echo(json.dumps(result))
         return
     table = Table(
-        title="shoal bench transport: 2-actor chain, ms per value", caption=_caption(result)
+        title="shoal bench transport: 2-actor chain, ms per value", caption=caption(result)
     )
     table.add_column("floats", justify="right")
     for name in (
@@ -217,10 +186,10 @@ def transport(repeats: int, calls: int, sizes: tuple[int, ...], as_json: bool) -
     for size in settings.sizes:
         table.add_row(
             f"{size:,}",
-            _f(result["object_ref_chain_ms"][size], 3),
-            _f(result["compiled_graph_chain_ms"][size], 3),
-            _f(result["object_ref_chain_inflight_ms"][size], 3),
-            _f(result["compiled_graph_chain_inflight_ms"][size], 3),
+            fmt(result["object_ref_chain_ms"][size], 3),
+            fmt(result["compiled_graph_chain_ms"][size], 3),
+            fmt(result["object_ref_chain_inflight_ms"][size], 3),
+            fmt(result["compiled_graph_chain_inflight_ms"][size], 3),
             f"{result['compiled_graph_speedup'][size]:.2f}x",
         )
     console.print(table)
@@ -230,14 +199,6 @@ def transport(repeats: int, calls: int, sizes: tuple[int, ...], as_json: bool) -
         f" {result['torch_tensor_call_ms']:.2f} ms, numpy array"
         f" {result['numpy_array_call_ms']:.2f} ms ({result['numpy_speedup']:.2f}x);"
         f" faster chain: {result['faster_chain']}"
-    )
-
-
-def _caption(result: dict[str, Any]) -> str:
-    m = result["machine"]
-    return (
-        f"{m['date']}, {m['cpus']} cpus, load {m['load_average_1m']}, torch {m['torch']},"
-        f" ray {m['ray']}, {result['wall_s']} s"
     )
 
 
@@ -271,7 +232,7 @@ def elastic(hidden: int, layers: int, slowdown: float, steps: int, as_json: bool
         raise InputError(str(exc)) from None
     console = make_console()
     with (
-        _phases(console, len(ELASTIC_PHASES), as_json) as progress,
+        phases(console, len(ELASTIC_PHASES), as_json) as progress,
         tempfile.TemporaryDirectory(prefix="shoal-bench-elastic-") as tmp,
     ):
         progress(ELASTIC_PHASES[0])
@@ -291,18 +252,18 @@ def elastic(hidden: int, layers: int, slowdown: float, steps: int, as_json: bool
     if as_json:
         click.echo(json.dumps(result))
         return
-    table = Table(title="shoal bench elastic", caption=_caption(result))
+    table = Table(title="shoal bench elastic", caption=caption(result))
     table.add_column("what")
     table.add_column("value", justify="right")
     rows = [
-        ("static even cut, samples/s", _f(result["static_samples_per_s"])),
-        ("Shoal with rebalancing, samples/s", _f(result["shoal_samples_per_s"])),
-        ("best cut for the measured speeds, samples/s", _f(result["best_samples_per_s"])),
-        ("Shoal / best", _f(result["shoal_over_best"], 2)),
+        ("static even cut, samples/s", fmt(result["static_samples_per_s"])),
+        ("Shoal with rebalancing, samples/s", fmt(result["shoal_samples_per_s"])),
+        ("best cut for the measured speeds, samples/s", fmt(result["best_samples_per_s"])),
+        ("Shoal / best", fmt(result["shoal_over_best"], 2)),
         ("steps until the first re-cut", str(result["steps_to_rebalance"])),
-        ("node killed: seconds to the next step", _f(result["recovery_seconds"], 2)),
+        ("node killed: seconds to the next step", fmt(result["recovery_seconds"], 2)),
         ("steps replayed", str(result["steps_replayed"])),
-        ("node added: seconds until used", _f(result["growth_seconds"], 2)),
+        ("node added: seconds until used", fmt(result["growth_seconds"], 2)),
     ]
     for name, value in rows:
         table.add_row(name, value)
@@ -360,7 +321,7 @@ def sharp(
     console = make_console()
     started = time.perf_counter()
     with (
-        _phases(console, len(SHARP_PHASES), as_json) as progress,
+        phases(console, len(SHARP_PHASES), as_json) as progress,
         tempfile.TemporaryDirectory(prefix="shoal-bench-sharp-") as tmp,
     ):
         # Simulated first, with no Ray processes beside it to slow the timed simulation.
@@ -387,7 +348,7 @@ def sharp(
 
 def _sharp_tables(console: Console, result: dict[str, Any]) -> None:
     total, train = result["sequential_seconds"], result["sequential_train_seconds"]
-    real = Table(title=f"shoal bench sharp: {result['model']}", caption=_caption(result))
+    real = Table(title=f"shoal bench sharp: {result['model']}", caption=caption(result))
     real.add_column("on 2 devices")
     real.add_column("seconds", justify="right")
     real.add_column("speedup", justify="right")
@@ -401,9 +362,9 @@ def _sharp_tables(console: Console, result: dict[str, Any]) -> None:
         seconds, training = result[f"{key}_seconds"], result[f"{key}_train_seconds"]
         real.add_row(
             name,
-            _f(seconds, 2),
+            fmt(seconds, 2),
             f"{total / seconds:.2f}x" if seconds > 0 else "-",
-            _f(training, 2),
+            fmt(training, 2),
             f"{train / training:.2f}x" if training > 0 else "-",
         )
     console.print(real)
@@ -422,7 +383,7 @@ def _sharp_tables(console: Console, result: dict[str, Any]) -> None:
         sim.add_column(strategy, justify="right")
     for row in rows:
         name = f"{row['name']} ({row['devices']} devices, {row['models']} models)"
-        sim.add_row(name, *(_f(row["results"][s]["ratio"], 3) for s in strategies))
+        sim.add_row(name, *(fmt(row["results"][s]["ratio"], 3) for s in strategies))
     console.print(sim)
     scale = result["sim_scale"]
     console.print(
@@ -449,7 +410,7 @@ def dashboard(jobs: int, repeats: int, chromium: Path, as_json: bool) -> None:
     from service.dashboard_bench import BrowserMissing, run_dashboard_bench
 
     console = make_console()
-    with _phases(console, 3, as_json) as progress:
+    with phases(console, 3, as_json) as progress:
         try:
             result = run_dashboard_bench(jobs, repeats, chromium, progress)
         except BrowserMissing as exc:
@@ -470,8 +431,8 @@ def dashboard(jobs: int, repeats: int, chromium: Path, as_json: bool) -> None:
         ("navigation to every row shown", "page_ready_ms"),
         ("the list request alone (peer)", "list_request_ms"),
     ):
-        runs = ", ".join(_f(v) for v in result[f"{key}_runs"])
-        table.add_row(name, _f(result[key]), runs)
+        runs = ", ".join(fmt(v) for v in result[f"{key}_runs"])
+        table.add_row(name, fmt(result[key]), runs)
     console.print(table)
 
 
@@ -540,7 +501,7 @@ def api(
     except ValueError as exc:
         raise InputError(str(exc)) from None
     console = make_console()
-    with _phases(console, len(API_PHASES), as_json) as progress:
+    with phases(console, len(API_PHASES), as_json) as progress:
         try:
             result = run_api_bench(settings, progress)
         except BenchError as exc:
@@ -571,25 +532,25 @@ def _api_table(console: Console, result: dict[str, Any]) -> None:
     table.add_row(
         "status + listing",
         f"{result['requests']:,}",
-        _f(result["status_requests_per_s"]),
-        _f(result["p50_ms"], 2),
-        _f(result["p99_ms"], 2),
+        fmt(result["status_requests_per_s"]),
+        fmt(result["p50_ms"], 2),
+        fmt(result["p99_ms"], 2),
     )
     for name, key in (("GET /jobs/{id}", "status"), ("GET /jobs?limit=50", "list")):
         count = result[f"{key}_requests"]
         table.add_row(
             f"  {name}",
             f"{count:,}",
-            _f(count / seconds),
-            _f(result[f"{key}_p50_ms"], 2),
-            _f(result[f"{key}_p99_ms"], 2),
+            fmt(count / seconds),
+            fmt(result[f"{key}_p50_ms"], 2),
+            fmt(result[f"{key}_p99_ms"], 2),
         )
     table.add_row(
         "POST /jobs, each key twice",
         f"{result['submit_requests']:,}",
-        _f(result["submit_requests"] / (result["submit_seconds"] or 1.0)),
-        _f(result["submit_p50_ms"], 2),
-        _f(result["submit_p99_ms"], 2),
+        fmt(result["submit_requests"] / (result["submit_seconds"] or 1.0)),
+        fmt(result["submit_p50_ms"], 2),
+        fmt(result["submit_p99_ms"], 2),
     )
     console.print(table)
     during = result["during_load"]

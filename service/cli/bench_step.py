@@ -1,0 +1,149 @@
+"""``shoal bench step``: one job's steps through Shoal's engine against plain PyTorch."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from service.cli.bench_output import JSON_OPTION, caption, fmt, phases
+from service.cli.options import InputError
+from service.cli.render import make_console
+from workers.bench.step_settings import DEFAULT_SIZE, DEVICES, SIZES, StepSettings
+
+
+def _device(requested: str | None) -> str:
+    """The device to bench on: the one asked for, else CUDA when PyTorch sees it, else CPU."""
+    import torch
+
+    available = torch.cuda.is_available()
+    if requested == "cuda" and not available:
+        raise InputError(
+            "--device cuda: PyTorch sees no CUDA device on this machine"
+            " (torch.cuda.is_available() is false); run on a GPU machine or use --device cpu"
+        )
+    return requested or ("cuda" if available else "cpu")
+
+
+@click.command()
+@click.option(
+    "--device",
+    type=click.Choice(DEVICES),
+    default=None,
+    help="Where both contenders run [default: cuda when PyTorch sees a GPU, else cpu].",
+)
+@click.option(
+    "--stages",
+    default=1,
+    show_default=True,
+    type=click.IntRange(1, 64),
+    help="Shoal's pipeline stages, one device each (cuda: one GPU each).",
+)
+@click.option("--model", default="gpt", show_default=True, type=click.Choice(sorted(SIZES)))
+@click.option(
+    "--size",
+    type=click.Choice(list(SIZES["gpt"])),
+    default=None,
+    help=f"The model's size [default: {DEFAULT_SIZE['cpu']} on cpu, {DEFAULT_SIZE['cuda']}"
+    " on cuda].",
+)
+@click.option(
+    "--steps",
+    default=5,
+    show_default=True,
+    type=click.IntRange(1, 1000),
+    help="Timed steps per repeat.",
+)
+@click.option(
+    "--warmup",
+    default=2,
+    show_default=True,
+    type=click.IntRange(1, 1000),
+    help="Untimed steps first (Shoal's first one starts its workers).",
+)
+@click.option("--repeats", default=3, show_default=True, type=click.IntRange(1, 50))
+@JSON_OPTION
+def step(
+    device: str | None,
+    stages: int,
+    model: str,
+    size: str | None,
+    steps: int,
+    warmup: int,
+    repeats: int,
+    as_json: bool,
+) -> None:
+    """A plain PyTorch loop vs Shoal (without and with in-memory copies) on one job's steps.
+
+    Both train the same blocks on the same batches with the same micro-batches, gradient
+    accumulation and AdamW (lr 3e-4); on a CPU the plain loop runs one thread, as a Shoal
+    virtual device does. Sizes (batch / micro-batches):
+
+    \b
+    gpt tiny   d_model 32, 1 layer, sequence 16, vocabulary 64     8 / 2
+    gpt small  d_model 256, 4 layers, sequence 64, vocabulary 256  16 / 4  (3.3M)
+    gpt large  d_model 512, 8 layers, sequence 128, vocabulary 256 32 / 4  (25.5M)
+    mlp tiny   2 x 16 hidden, 8 in, 4 out                          8 / 2
+    mlp small  4 x 2048 hidden, 512 in, 16 out                     64 / 4  (13.7M)
+    mlp large  8 x 4096 hidden, 1024 in, 16 out                    256 / 4 (121.7M)
+    """
+    from workers.bench.report import BenchError
+    from workers.bench.step import STEP_PHASES, run_step
+
+    chosen = _device(device)
+    try:
+        settings = StepSettings(
+            device=chosen,
+            model=model,
+            size=size or DEFAULT_SIZE[chosen],
+            stages=stages,
+            steps=steps,
+            warmup=warmup,
+            repeats=repeats,
+        )
+    except ValueError as exc:
+        raise InputError(str(exc)) from None
+    console = make_console()
+    with phases(console, len(STEP_PHASES), as_json) as progress:
+        try:
+            result = run_step(settings, progress)
+        except BenchError as exc:
+            raise click.ClickException(str(exc)) from None
+    if as_json:
+        click.echo(json.dumps(result))
+        return
+    _step_table(console, result)
+
+
+def _step_table(console: Console, result: dict[str, Any]) -> None:
+    stages = result["stages"]
+    where = f"{stages} stage{'s' if stages > 1 else ''} on {result['device']}"
+    table = Table(title=f"shoal bench step: {result['model']}", caption=caption(result))
+    table.add_column("what")
+    table.add_column("samples/s", justify="right")
+    table.add_column("ms per step", justify="right")
+    table.add_column("vs plain", justify="right")
+    plain = result["plain_samples_per_s"]
+    threads = ", 1 thread" if result["device"] == "cpu" else ""
+    rows = [
+        (f"plain PyTorch, 1 process{threads}", plain, result["plain_step_s"]),
+        (f"Shoal, {where}", result["shoal_samples_per_s"], result["shoal_step_s"]),
+        (
+            f"Shoal, {where}, keeping copies",
+            result["shoal_copies_samples_per_s"],
+            result["shoal_copies_step_s"],
+        ),
+    ]
+    for name, rate, seconds in rows:
+        table.add_row(name, fmt(rate), fmt(1000 * seconds), fmt(rate / plain, 2) if plain else "-")
+    console.print(table)
+    busy = " ".join(f"{b:.2f}" for b in result["stage_busy"])
+    console.print(
+        f"Shoal / plain {result['shoal_over_plain']:.2f}; copies cost"
+        f" {100 * result['copies_overhead']:.1f}% of Shoal's throughput; stages computing"
+        f" {busy} of each step ({result['batch']} samples, {result['micro_batches']}"
+        " micro-batches)"
+    )
