@@ -146,3 +146,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if dropped:
         config.hook.pytest_deselected(items=dropped)
         items[:] = kept
+    _skip_gpu_tests_without_cuda(items)
+
+
+def _skip_gpu_tests_without_cuda(items: list[pytest.Item]) -> None:
+    """Tests marked ``gpu`` need CUDA: skipped, saying so, where there is none."""
+    gpu = [item for item in items if item.get_closest_marker("gpu") is not None]
+    if not gpu:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (marked gpu)")
+    for item in gpu:
+        item.add_marker(skip)

@@ -26,6 +26,7 @@ flat buffer per stage: one call per step instead of one per parameter.
 from __future__ import annotations
 
 import datetime
+import gc
 import socket
 from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
@@ -103,10 +104,12 @@ def node_address() -> str:
     return socket.gethostbyname(socket.gethostname())
 
 
-class GlooCollective:
-    """One rank of one stage's process group (gloo; NCCL when ``device`` is CUDA).
+class GroupMember:
+    """One rank of a ``torch.distributed`` process group formed among Ray actors (gloo; NCCL
+    when ``device`` is CUDA), without the global default group, so one actor can belong to
+    several groups (its stage's replicas, its pipeline neighbours) and leave any of them.
 
-    Replica 0 calls ``host`` first and hands ``(address, port)`` to every replica, itself
+    Rank 0 calls ``host`` first and hands ``(address, port)`` to every rank, itself
     included, which then call ``join`` concurrently (the rendezvous waits for all ``world``).
     """
 
@@ -140,16 +143,35 @@ class GlooCollective:
             self._group = dist.ProcessGroupGloo(store, rank, world, self._timeout)
         self.rank, self.world = rank, world
 
+    @property
+    def group(self) -> Any:
+        if self._group is None:
+            raise RuntimeError("this rank has not joined its group; call join first")
+        return self._group
+
+    def close(self) -> None:
+        """Leave the group at once: the peers' pending operations with this rank fail (gloo
+        closes its connections when the group is dropped, NCCL when aborted), so nobody
+        waits out a timeout on a rank that gave up."""
+        group, self._group, self._store = self._group, None, None
+        if group is not None:
+            group.abort()
+        del group
+        gc.collect()  # the group's destructor is what closes gloo's sockets
+
+
+class GlooCollective(GroupMember):
+    """One rank of one stage's data-parallel group: replica 0 hosts, every replica joins."""
+
     def all_reduce(self, blocks: Sequence[Any]) -> None:
         """Replace the blocks' gradients by their sum over the group, in replica order."""
-        if self._group is None:
-            raise RuntimeError("the collective has not joined its group; call join first")
+        group = self.group
         flat = flatten_grads(blocks).to(self._device)
         if self.world == 2:
-            self._group.allreduce([flat]).wait()  # a + b == b + a: the replica-order sum
+            group.allreduce([flat]).wait()  # a + b == b + a: the replica-order sum
             total = flat
         else:
             parts = [torch.empty_like(flat) for _ in range(self.world)]
-            self._group.allgather([parts], [flat]).wait()
+            group.allgather([parts], [flat]).wait()
             total = ordered_sum(parts)
         unflatten_grads(blocks, total)

@@ -18,6 +18,14 @@ every stage's actions in a dependency-respecting global order
 (``scheduler.schedules.submission_order``) and the per-stage orders are exactly the
 schedule.
 
+Peer to peer: ``connect`` links every two neighbouring stages of each replica
+(``workers.transport``: gloo on CPU, NCCL on GPU), forming only the links that are
+missing (after a start, a relayout, a recovery or a failed step) and closing those whose
+pair is gone; a worker's ``step`` call then runs its whole step against its neighbours
+(``workers.step_program``). ``LocalGroup`` has no links: its runner relays every
+activation, the reference the peer-to-peer path is tested against. A failed step's links
+are broken (each stage closes its links when it fails), so ``disconnect`` forgets them.
+
 Data parallelism: ``all_reduce(workers)`` sums the accumulated block gradients of the given
 workers (the replicas of one stage, in replica order) into each of them, through
 ``workers.collective``: in-process in ``LocalGroup``, over one gloo process group per stage,
@@ -28,6 +36,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import Any, Protocol, TypeVar
 
 import ray
@@ -44,7 +53,8 @@ from ray.exceptions import (
 from workers import launch
 from workers.collective import sum_in_process
 from workers.snapshot import StagePlan
-from workers.stage import StageFailed, StageSetup, StageWorker, one_line
+from workers.stage import StageSetup
+from workers.stage_worker import LinkFailed, StageFailed, StageWorker, one_line
 
 __all__ = [
     "GroupFactory",
@@ -68,6 +78,12 @@ class StageLost(RuntimeError):
         self.reason = reason
 
 
+BLAME_WAIT_S = 30.0
+"""How long a failed step waits for its other calls to end, to blame the right stage: a
+worker killed with its process is reported lost within ~0.1 s, a lost node's within
+~15 s (measured, Ray 2.60)."""
+
+
 class GroupTimeout(TimeoutError):
     """The stages did not answer in time."""
 
@@ -86,6 +102,15 @@ class WorkerGroup(Protocol):
     def all_reduce(self, workers: Sequence[int]) -> list[Handle]:
         """Sum the block gradients of ``workers`` (replicas of one stage, in replica order)
         into each of them; one handle per worker, its value the seconds spent."""
+        ...
+
+    def connect(self) -> str | None:
+        """Link the neighbouring stages of every replica where they are not linked yet;
+        None when they exchange activations peer to peer, else why the runner relays them."""
+        ...
+
+    def disconnect(self) -> None:
+        """Forget the links: a step failed and its stages closed theirs."""
         ...
 
     def get(self, handles: Sequence[Handle], timeout: float) -> list[Any]:
@@ -139,6 +164,12 @@ class LocalGroup:
 
     def retire(self) -> None:
         """Nothing to stop: left-out in-process workers are dropped by ``regroup``."""
+
+    def connect(self) -> str | None:
+        return "an in-process group relays activations through its runner"
+
+    def disconnect(self) -> None:
+        """Nothing to forget: an in-process group has no links."""
 
     def submit(self, stage: int, method: str, *args: Any) -> Handle:
         if self._workers is None:
@@ -199,6 +230,10 @@ class RayGroup:
         self._actors: list[ActorHandle[Any]] = []
         self._parked: list[ActorHandle[Any]] = []
         self._shut = False
+        # Formed links, by the (lower, upper) actor pair they join; the names are unique.
+        self._links: dict[tuple[str, str], str] = {}
+        self._link_count = 0
+        self._device_keys: dict[str, str] = {}
         try:
             self._actors = [launch.start_stage_worker(p, setup) for p in plans]
             _wait_ready(self, self._plans, start_timeout_s)
@@ -246,6 +281,60 @@ class RayGroup:
             ) from None
         self._form_collectives(self._start_timeout_s)
 
+    def connect(self) -> str | None:
+        pairs = _neighbours(self._plans)
+        shared = self._shared_gpu(pairs)
+        if shared is not None:
+            return shared
+        ids = [a._actor_id.hex() for a in self._actors]
+        wanted = {w: (ids[w], ids[w + 1]) for w in pairs}
+        new = [w for w in pairs if wanted[w] not in self._links]
+        if not new and len(self._links) == len(wanted):
+            return None
+        links = {key: self._links[key] for key in wanted.values() if key in self._links}
+        for w in new:
+            self._link_count += 1
+            links[wanted[w]] = f"link-{self._link_count}"
+        self._links = {}  # believed formed only once every join answered
+
+        def name(w: int) -> str | None:
+            return links[wanted[w]] if w in wanted else None
+
+        timeout = self._start_timeout_s
+        keeps = [
+            self.submit(w, "link_keep", {-1: name(w - 1), 1: name(w)})
+            for w in range(len(self._actors))
+        ]
+        hosts = [self.submit(w, "link_host", 1, name(w)) for w in new]
+        where = self.get([*keeps, *hosts], timeout)[len(keeps) :]
+        joins = []
+        # Ascending: a worker joins its link below before its link above, so the pairs
+        # form from stage 0 up (gloo's join waits for the other rank).
+        for w, (address, port) in zip(new, where, strict=True):
+            joins.append(self.submit(w, "link_join", 1, name(w), address, port))
+            joins.append(self.submit(w + 1, "link_join", -1, name(w), address, port))
+        self.get(joins, timeout)
+        self._links = links
+        return None
+
+    def _shared_gpu(self, pairs: Sequence[int]) -> str | None:
+        """Why neighbours cannot link, if two of them share one GPU (NCCL refuses two
+        ranks on one device); None otherwise."""
+        gpus = sorted({w for p in pairs for w in (p, p + 1) if self._plans[w].device.gpu})
+        ids = {w: self._actors[w]._actor_id.hex() for w in gpus}
+        unknown = [w for w in gpus if ids[w] not in self._device_keys]
+        found = self.get([self.submit(w, "device_key") for w in unknown], self._start_timeout_s)
+        self._device_keys.update({ids[w]: k for w, k in zip(unknown, found, strict=True)})
+        keys = {w: self._device_keys[i] for w, i in ids.items()}
+        for w in pairs:
+            if w in keys and keys[w] == keys.get(w + 1):
+                a, b = self._plans[w].device.id, self._plans[w + 1].device.id
+                return f"devices {a} and {b} are one GPU, which NCCL cannot link to itself"
+        return None
+
+    def disconnect(self) -> None:
+        self._links = {}
+
     def retire(self) -> None:
         parked, self._parked = self._parked, []
         for actor in parked:
@@ -273,20 +362,61 @@ class RayGroup:
                 f"stages {stages} did not answer within {timeout:g} s; a device may be"
                 " overloaded or unreachable"
             ) from None
-        except RayTaskError as exc:
+        except (RayTaskError, RayActorError, ActorUnschedulableError) as exc:
+            error = self._typed(exc, refs)
+            if isinstance(error, LinkFailed):
+                error = self._blame(refs)
+            raise error from None
+
+    def _typed(self, exc: RayError, waited: Sequence[_Ref]) -> Exception:
+        """The group's error for a failed call among ``waited``."""
+        if isinstance(exc, RayTaskError):
             # A call fed by a failed or lost call fails with that call's error as its cause.
             if isinstance(exc.cause, StageFailed):
-                raise exc.cause from None
+                return exc.cause
             if isinstance(exc.cause, RayActorError):
-                raise self._lost(exc.cause, refs) from None
-            raise
-        except RayActorError as exc:
-            raise self._lost(exc, refs) from None
-        except ActorUnschedulableError:
-            plan = self._plans[_failed_stage(refs)]
-            raise StageLost(
-                plan.index, plan.device.id, "its node is gone or cannot host it"
-            ) from None
+                return self._lost(exc.cause, waited)
+            return exc
+        if isinstance(exc, RayActorError):
+            return self._lost(exc, waited)
+        plan = self._plans[_failed_stage(waited)]
+        return StageLost(plan.index, plan.device.id, "its node is gone or cannot host it")
+
+    def _blame(self, waited: Sequence[_Ref]) -> Exception:
+        """A transfer between neighbours failed, and a stage that fails closes its links,
+        so the neighbours of the cause fail too: wait (``BLAME_WAIT_S`` at most) for every
+        call to end, and blame a lost worker, else a stage's own error, else the neighbour
+        that a stage could not reach (lost without Ray noticing yet)."""
+        ray.wait([h.ref for h in waited], num_returns=len(waited), timeout=BLAME_WAIT_S)
+        own: Exception | None = None
+        unreachable: StageLost | None = None
+        for handle in waited:
+            try:
+                ray.get(handle.ref, timeout=0)
+            except GetTimeoutError:
+                continue
+            except (RayTaskError, RayActorError, ActorUnschedulableError) as exc:
+                error = self._typed(exc, [handle])
+                if isinstance(error, StageLost):
+                    return error
+                if isinstance(error, LinkFailed):
+                    if unreachable is None:
+                        unreachable = self._unreachable(handle.stage, error)
+                elif own is None:
+                    own = error
+        if own is not None:
+            return own
+        if unreachable is None:  # pragma: no cover - a LinkFailed led here
+            raise RuntimeError("no failed call among the waited ones")
+        return unreachable
+
+    def _unreachable(self, worker: int, error: LinkFailed) -> StageLost:
+        plan = self._plans[worker + error.peer]
+        return StageLost(
+            plan.index,
+            plan.device.id,
+            f"its neighbour, stage {error.stage}, lost the link to it ({error.reason})",
+        )
 
     def _lost(self, exc: RayActorError, waited: Sequence[_Ref]) -> StageLost:
         # The error names the dead actor (``_actor_id`` is the only handle-side id to match
@@ -312,6 +442,15 @@ class RayGroup:
 
 
 H = TypeVar("H", bound=Handle)
+
+
+def _neighbours(plans: Sequence[StagePlan]) -> list[int]:
+    """Positions ``w`` whose worker ``w + 1`` is the next stage of the same replica."""
+    return [
+        w
+        for w, (a, b) in enumerate(pairwise(plans))
+        if a.replica == b.replica and b.index == a.index + 1
+    ]
 
 
 def _replicas_by_stage(plans: Sequence[StagePlan]) -> list[list[int]]:

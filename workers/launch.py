@@ -23,7 +23,8 @@ from scheduler.devices import DEVICE_RESOURCE, Device
 from scheduler.types import JobId
 from workers.shard_host import ShardWorker
 from workers.snapshot import JobSnapshot, StagePlan
-from workers.stage import StageSetup, StageWorker
+from workers.stage import StageSetup
+from workers.stage_worker import StageWorker
 
 RUNNER_NAMESPACE = "shoal"
 RUNNER_CONCURRENCY = 4

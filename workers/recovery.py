@@ -31,7 +31,7 @@ from scheduler.profile import uniform_costs
 from workers.group import GroupTimeout, Handle, StageLost, WorkerGroup
 from workers.rebalance import Layout, settle
 from workers.snapshot import JobSnapshot, stage_plans
-from workers.stage import StageFailed
+from workers.stage_worker import StageFailed
 
 MIN_PING_S = 30.0
 """The least a survivor is given to answer after a loss. Its calls of the broken step that

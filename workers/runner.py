@@ -14,7 +14,6 @@ keeps each stage's calls in schedule order (see ``workers.group``).
 
 from __future__ import annotations
 
-import functools
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -22,11 +21,8 @@ from dataclasses import asdict
 from itertools import pairwise
 from typing import Any
 
-from torch import Tensor
-
-from scheduler.schedules import Action, Op, build, submission_order
+from workers.checkpoint_writer import CheckpointWriter
 from workers.checkpoints import CheckpointStore, Restorable
-from workers.clipping import clip_coefficient
 from workers.group import GroupFactory, RayGroup, StageFailed, StageLost, WorkerGroup
 from workers.rebalance import Layout, Policy, Rebalancer, move_blocks, snapshot_policy
 from workers.recovery import Copies, recover
@@ -36,11 +32,11 @@ from workers.snapshot import (
     RunnerReport,
     RunStatus,
     StagePlan,
-    StageTiming,
     StepMetrics,
 )
-from workers.stage import StageSetup, StepClock
-from workers.wire import Wire, send
+from workers.stage import StageSetup
+from workers.step_driver import train_step
+from workers.transport import LINK_TIMEOUT_S
 from workers.zoo.data import DataSource, make_data
 
 DEFAULT_STEP_TIMEOUT_S = 600.0
@@ -108,6 +104,8 @@ class Trainer:
         self._lost: tuple[str, ...] = ()
         self._relayout: tuple[tuple[StagePlan, ...], tuple[int, ...]] | None = None
         self._gflops: dict[str, float] = {}
+        self._writer = CheckpointWriter(self._record)
+        self._relay_reason: str | None = ""  # none said yet: "" is never a reason
         self._step = 0
 
     # ------------------------------------------------------------------ thread-safe API
@@ -163,6 +161,7 @@ class Trainer:
     def run(self) -> RunStatus:
         """Train to ``snapshot.steps``; never raises: failures become FAILED with a reason."""
         group: WorkerGroup | None = None
+        self._writer = CheckpointWriter(self._record)
         try:
             snap = self.snapshot
             plans = check_plans(snap.stages, snap.num_blocks, snap.replicas)
@@ -182,6 +181,7 @@ class Trainer:
             step = start
             while step < snap.steps:
                 if self._cancelled.is_set():
+                    self._writer.flush()
                     return self._finish(RunStatus.CANCELLED)
                 if self._suspending.is_set():
                     return self._suspend(group, layout, store, step)
@@ -195,15 +195,20 @@ class Trainer:
                         rebalancer.restart()
                     continue
                 step += 1
+            self._writer.flush()  # SUCCEEDED once the last checkpoint is complete
             return self._finish(RunStatus.SUCCEEDED)
         except StageLost as exc:  # the message names the stage and device
+            self._writer.close()  # a restart resumes from the checkpoints under way
             return self._finish(RunStatus.LOST, str(exc), lost=(exc.device_id,))
         except StageFailed as exc:
+            self._writer.close()
             return self._finish(RunStatus.FAILED, str(exc))
         except Exception as exc:  # the run's boundary: whatever broke, the job reports why
+            self._writer.close()
             text = " ".join(str(exc).split())
             return self._finish(RunStatus.FAILED, f"{type(exc).__name__}: {text}")
         finally:
+            self._writer.close()
             if group is not None:
                 group.shutdown()
 
@@ -220,7 +225,10 @@ class Trainer:
         """Train step ``step`` and do what follows it: checkpoint, rebalance, relayout, copy.
         The layout the next step runs on."""
         snap = self.snapshot
-        metrics = self._train_step(group, layout, data, step)
+        relay = self._connect(group, layout, step)
+        metrics = train_step(
+            snap, group, layout, data, step, relay=relay, timeout=self._timeout, clock=self._clock
+        )
         if copies is not None:
             copies.confirm(group, self._timeout)  # the previous boundary's copies
         self._record(metrics)
@@ -244,9 +252,11 @@ class Trainer:
     def _suspend(
         self, group: WorkerGroup, layout: Layout, store: CheckpointStore, step: int
     ) -> RunStatus:
+        self._writer.flush()
         latest = store.latest(self.snapshot.job_id)
         if latest is None or latest.step != step:
             self._checkpoint(group, layout, store, step)
+            self._writer.flush()
         self._record(
             RunnerEvent(
                 "suspended",
@@ -266,8 +276,9 @@ class Trainer:
         started = time.perf_counter()
         with self._lock:
             last = next((m for m in reversed(self._log) if isinstance(m, StepMetrics)), None)
-        # A survivor busy with a long micro-batch still answers within a few step times.
-        ping = 3 * last.step_time_s if last is not None else 0.0
+        # A survivor busy with a long micro-batch still answers within a few step times;
+        # one waiting on a silently lost neighbour, once its link times out.
+        ping = max(3 * last.step_time_s if last is not None else 0.0, LINK_TIMEOUT_S + 5)
         found = recover(
             group, layout, self.snapshot, self._gflops, self._timeout, ping_timeout=ping
         )
@@ -339,6 +350,20 @@ class Trainer:
         )
         return checked
 
+    def _connect(self, group: WorkerGroup, layout: Layout, step: int) -> bool:
+        """Link the stages before a step (only links that are missing are formed); whether
+        the step is relayed through the runner instead, said in an event when it changes."""
+        reason = group.connect()
+        if reason != self._relay_reason and layout.depth > 1:
+            how = (
+                "activations go peer to peer between neighbouring stages"
+                if reason is None
+                else f"activations are relayed through the runner: {reason}"
+            )
+            self._record(RunnerEvent("transport", step, how, {"relayed": reason}))
+        self._relay_reason = reason
+        return reason is not None
+
     def _call_all(self, group: WorkerGroup, method: str, *args: Any) -> list[Any]:
         count = len(self.snapshot.stages)
         return group.get([group.submit(w, method, *args) for w in range(count)], self._timeout)
@@ -407,131 +432,6 @@ class Trainer:
             self._step = latest.step
         return latest.step
 
-    def _train_step(
-        self, group: WorkerGroup, layout: Layout, data: DataSource, step: int
-    ) -> StepMetrics:
-        """One mini-batch: replica r runs its own pipeline schedule over its micro-batches
-        (those after replicas 0..r-1's), then each stage's gradients are summed over its
-        replicas, then the gradient norm is reduced over replica 0's stages (the replicas
-        now hold the same gradients) and every worker steps, clipping first if the job
-        asks (``workers.clipping``). The loss scale is the micro-batch's share of the whole
-        mini-batch, so the replicas' summed gradients are the reference's."""
-        snap = self.snapshot
-        plans = layout.plans
-        started = self._clock()
-        inputs, targets = data.batch(step, snap.batch_size)
-        rows = snap.batch_size // snap.micro_batches
-        scale = rows / snap.batch_size
-        depth = layout.depth
-        losses, firsts = [], []
-        offset = 0
-        for r, count in enumerate(layout.split):
-            part = self._submit_pipeline(
-                group,
-                _order(snap.schedule, depth, count),
-                r * depth,
-                depth,
-                offset,
-                inputs,
-                targets,
-                rows,
-                scale,
-            )
-            losses += part[0]
-            firsts += part[1]
-            offset += count
-        replicas = len(layout.split)
-        reduces: list[Any] = []
-        if replicas > 1:
-            for s in range(depth):
-                reduces += group.all_reduce([r * depth + s for r in range(replicas)])
-        norms = [group.submit(w, "grad_norms") for w in range(depth)]
-        # Stage 0's backwards end every dependency chain: waiting on them surfaces any error.
-        values, grad_norm, clocks = self._apply(
-            group, [*losses, *firsts, *reduces], norms, len(plans)
-        )
-        elapsed = self._clock() - started
-        reduced = [0.0] * len(plans)
-        if reduces:
-            times = values[-len(reduces) :]
-            for i, seconds in enumerate(times):  # reduces are stage-major
-                s, r = divmod(i, replicas)
-                reduced[r * depth + s] = seconds
-        return StepMetrics(
-            step=step + 1,
-            loss=float(sum(values[: len(losses)])),
-            samples_per_s=snap.batch_size / elapsed if elapsed > 0 else 0.0,
-            step_time_s=elapsed,
-            stages=tuple(
-                StageTiming(
-                    p.index,
-                    p.device.id,
-                    c.compute_s,
-                    max(0.0, elapsed - c.compute_s - c.transfer_s - a),
-                    replica=p.replica,
-                    allreduce_s=a,
-                    transfer_s=c.transfer_s,
-                )
-                for p, c, a in zip(plans, clocks, reduced, strict=True)
-            ),
-            grad_norm=grad_norm,
-        )
-
-    def _apply(
-        self, group: WorkerGroup, waits: list[Any], norms: list[Any], workers: int
-    ) -> tuple[list[Any], float, list[StepClock]]:
-        """Step every worker once ``waits`` and the gradient ``norms`` are done: the values
-        of ``waits``, the gradient norm, and each worker's seconds of the step. Clipping needs
-        the norm before the step, one more round trip; without it, all goes at once."""
-        max_norm = self.snapshot.optimizer.clip_grad_norm
-        if max_norm is None:
-            updates = [group.submit(w, "apply_step") for w in range(workers)]
-            values = group.get([*waits, *norms, *updates], self._timeout)
-            grad_norm, _ = clip_coefficient(values[len(waits) : -workers], None)
-            return values[: len(waits)], grad_norm, values[-workers:]
-        values = group.get([*waits, *norms], self._timeout)
-        grad_norm, clip = clip_coefficient(values[len(waits) :], max_norm)
-        updates = [group.submit(w, "apply_step", clip) for w in range(workers)]
-        return values[: len(waits)], grad_norm, group.get(updates, self._timeout)
-
-    def _submit_pipeline(
-        self,
-        group: WorkerGroup,
-        order: tuple[Action, ...],
-        base: int,
-        depth: int,
-        offset: int,
-        inputs: Tensor,
-        targets: Tensor,
-        rows: int,
-        scale: float,
-    ) -> tuple[list[Any], list[Any]]:
-        """Submit one replica's schedule (workers ``base .. base + depth - 1``) over the
-        micro-batches ``offset + j``; the loss handles and stage 0's backward handles."""
-        last = depth - 1
-        # Handles waiting for their one consumer, dropped once passed on, so Ray frees each
-        # activation as soon as the next stage has it (1F1B's memory bound holds).
-        pending: dict[tuple[Op, int, int], Any] = {}
-        losses, firsts = [], []
-        for action in order:
-            s, j = action.stage, action.microbatch
-            w = base + s
-            if action.op is Op.F:
-                x = _rows(inputs, offset + j, rows) if s == 0 else pending.pop((Op.F, s - 1, j))
-                if s == last:
-                    y = _rows(targets, offset + j, rows)
-                    losses.append(group.submit(w, "forward_loss", j, x, y, scale))
-                else:
-                    pending[(Op.F, s, j)] = group.submit(w, "forward", j, x)
-            else:
-                grad = None if s == last else pending.pop((Op.B, s + 1, j))
-                handle = group.submit(w, "backward", j, grad)
-                if s == 0:
-                    firsts.append(handle)
-                else:
-                    pending[(Op.B, s, j)] = handle
-        return losses, firsts
-
     def _checkpoint(
         self, group: WorkerGroup, layout: Layout, store: CheckpointStore, step: int
     ) -> None:
@@ -549,7 +449,8 @@ class Trainer:
             }
             for p in layout.plans
         ]
-        self._record(write_checkpoint(store, self.snapshot, step, blocks, stages, layout.split))
+        split, snap = layout.split, self.snapshot
+        self._writer.submit(lambda: write_checkpoint(store, snap, step, blocks, stages, split))
 
 
 def resumed_event(restorable: Restorable) -> RunnerEvent:
@@ -607,17 +508,6 @@ def write_checkpoint(
         f"checkpoint at step {step} ({info.nbytes} bytes)",
         {"step": step, "path": info.path, "bytes": info.nbytes, "deleted": list(deleted)},
     )
-
-
-@functools.cache
-def _order(schedule: str, stages: int, micro_batches: int) -> tuple[Action, ...]:
-    """The submission order of one replica's schedule (``workers.group``: ordering)."""
-    return submission_order(build(schedule, stages, micro_batches))
-
-
-def _rows(batch: Tensor, j: int, rows: int) -> Wire:
-    # A view's array pickles only its own rows, not the batch's storage.
-    return send(batch[j * rows : (j + 1) * rows])
 
 
 class JobRunner:

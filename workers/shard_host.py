@@ -39,7 +39,8 @@ import torch
 from scheduler.devices import Device
 from workers.saved import MovableSaves
 from workers.snapshot import StagePlan
-from workers.stage import Stage, StageSetup, StageStateError, one_line, torch_device
+from workers.stage import Stage, StageSetup, StageStateError, torch_device
+from workers.stage_worker import one_line
 from workers.wire import Wire
 
 ShardKey = tuple[str, int]

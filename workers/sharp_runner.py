@@ -46,7 +46,8 @@ from workers.runner import resumed_event, write_checkpoint
 from workers.shard_host import ShardFailed, ShardKey, TaskResult
 from workers.shard_pool import Call, HostLost, HostPool, InputLost, PoolFactory
 from workers.snapshot import JobSnapshot, RunnerEvent, RunnerReport, RunStatus, StepMetrics
-from workers.stage import StageSetup, one_line
+from workers.stage import StageSetup
+from workers.stage_worker import one_line
 from workers.wire import Wire, send
 from workers.zoo.data import DataSource, make_data
 

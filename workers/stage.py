@@ -26,8 +26,8 @@ from __future__ import annotations
 import os
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,12 +35,16 @@ import torch
 from torch import Tensor
 
 from scheduler.devices import Device
+from scheduler.programs import programs_for
 from scheduler.types import BlockRange
 from workers.blocks import Block
 from workers.clipping import grad_norms, scale_grads
 from workers.collective import GlooCollective
 from workers.precision import autocast, autocast_dtype
 from workers.snapshot import JobSnapshot, ModelRef, OptimizerConf, StagePlan
+from workers.step_program import run_program
+from workers.timing import StepClock, StepTimer
+from workers.transport import Links
 from workers.wire import Wire, receive, send
 from workers.zoo.data import loss_fn
 from workers.zoo.models import build_blocks
@@ -50,19 +54,12 @@ _GENERATIONS = 2
 """Steps of in-memory copies kept: the last one may be incomplete when a device is lost."""
 _SPEED_SIZE = 256
 _SPEED_REPEATS = 16
+_CUDA_SPEED_SIZE = 4096
+"""Large enough that a GPU's matmuls are compute-bound (256 measured an H100 at 55 GFLOP/s)."""
 
 
 class StageStateError(RuntimeError):
     """A stage was driven out of order (a schedule or runner bug, never user input)."""
-
-
-@dataclass(frozen=True)
-class StepClock:
-    """Seconds one stage spent in one step computing and moving activations and gradients
-    (turning them into and out of their wire form)."""
-
-    compute_s: float
-    transfer_s: float
 
 
 @dataclass(frozen=True)
@@ -90,6 +87,16 @@ class StageSetup:
             allowed=snapshot.allowed_factories,
             precision=snapshot.precision,
         )
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """What one stage's ``step`` returns: the last stage's micro-batch losses (empty
+    elsewhere), its gradients' norms (``workers.clipping``) and where its time went."""
+
+    losses: tuple[float, ...]
+    norms: Wire
+    clock: StepClock
 
 
 @dataclass
@@ -145,7 +152,8 @@ class Stage:
         if not plan.device.gpu:
             # Virtual CPU devices share a machine's cores: one thread each keeps them apart.
             torch.set_num_threads(1)
-        self._slowdown = max(1.0, plan.device.emulate_slowdown)
+        self._setup_slowdown = plan.device.emulate_slowdown
+        self._timer = StepTimer(self.device, self._setup_slowdown)
         indices = range(start, stop)
         modules = build_blocks(setup.model, setup.meta, setup.seed, indices, setup.allowed)
         self.blocks = [
@@ -157,35 +165,23 @@ class Stage:
         self._recompute = setup.recompute
         self._amp_dtype = autocast_dtype(setup.precision)
         self._kept: dict[int, _Kept] = {}
-        self._compute_s = 0.0
-        self._transfer_s = 0.0
         self._collective: GlooCollective | None = None
+        self._links = Links(self.device)
         self._saved: deque[tuple[int, dict[int, Any]]] = deque(maxlen=_GENERATIONS)
         self._copies: dict[str, deque[tuple[int, dict[int, Any]]]] = {}
 
     # ----------------------------------------------------------------------- timing
 
-    @contextmanager
-    def _compute(self) -> Iterator[None]:
-        start = time.perf_counter()
-        yield
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        if self._slowdown > 1.0:
-            time.sleep((self._slowdown - 1.0) * (time.perf_counter() - start))
-        self._compute_s += time.perf_counter() - start
+    def _compute(self) -> AbstractContextManager[None]:
+        return self._timer.span("compute")
 
     def _receive(self, x: Wire) -> Tensor:
-        start = time.perf_counter()
-        tensor = receive(x, self.device)
-        self._transfer_s += time.perf_counter() - start
-        return tensor
+        with self._timer.span("transfer"):
+            return receive(x, self.device)
 
     def _send(self, x: Tensor) -> Wire:
-        start = time.perf_counter()
-        wire = send(x)
-        self._transfer_s += time.perf_counter() - start
-        return wire
+        with self._timer.span("transfer"):
+            return send(x)
 
     # ---------------------------------------------------------------- forward/backward
 
@@ -220,39 +216,51 @@ class Stage:
 
     def forward(self, mb: int, x: Wire) -> Wire:
         """Run micro-batch ``mb`` through the stage; the output goes to the next stage."""
-        inp = self._receive(x)
-        with self._compute():
-            out = self._keep(mb, inp, lambda y: y, is_loss=False)
-        return self._send(out)
+        return self._send(self.forward_tensor(mb, self._receive(x)))
 
     def forward_loss(self, mb: int, x: Wire, target: Wire, scale: float) -> float:
         """Last stage: the forward and the loss ``loss_fn(out, target) * scale``, kept for
         backward. ``scale`` is the micro-batch's share of the mini-batch, so accumulated
         gradients are those of the mini-batch mean."""
-        inp, expected = self._receive(x), self._receive(target)
+        loss = self.loss_tensor(mb, self._receive(x), self._receive(target), scale)
         with self._compute():
-            loss = self._keep(mb, inp, lambda y: self._loss(y, expected) * scale, is_loss=True)
-            value = float(loss.item())
-        return value
+            return float(loss.item())
 
     def backward(self, mb: int, grad: Wire | None) -> Wire | None:
         """Backpropagate micro-batch ``mb`` (from its loss when ``grad`` is None), accumulating
         parameter gradients; return the gradient w.r.t. the stage input (None on stage 0)."""
+        upstream = None if grad is None else self._receive(grad)
+        out = self.backward_tensor(mb, upstream)
+        return None if out is None else self._send(out)
+
+    def forward_tensor(self, mb: int, inp: Tensor) -> Tensor:
+        """``forward`` on the device: the output tensor, for the next stage."""
+        with self._compute():
+            return self._keep(mb, inp, lambda y: y, is_loss=False)
+
+    def loss_tensor(self, mb: int, inp: Tensor, target: Tensor, scale: float) -> Tensor:
+        """``forward_loss`` on the device: the scaled loss, detached, still on the device
+        (read it once per step: reading it synchronizes a GPU)."""
+        with self._compute():
+            loss = self._keep(mb, inp, lambda y: self._loss(y, target) * scale, is_loss=True)
+        return loss.detach()
+
+    def backward_tensor(self, mb: int, upstream: Tensor | None) -> Tensor | None:
+        """``backward`` on the device: the input's gradient tensor (None on stage 0)."""
         kept = self._kept.pop(mb, None)
         if kept is None:
             raise StageStateError(f"stage {self.index} has no forward of micro-batch {mb}")
-        if grad is None and not kept.is_loss:
+        if upstream is None and not kept.is_loss:
             raise StageStateError(
                 f"stage {self.index} needs the output gradient of micro-batch {mb}"
             )
-        upstream = None if grad is None else self._receive(grad)
         with self._compute():
             # Rematerialization: recompute the forward under autograd, RNG as it was.
             out = kept.output if isinstance(kept.output, Tensor) else kept.output.run(kept.input)
             torch.autograd.backward(out, upstream)
         if self.first or kept.input.grad is None:
             return None
-        return self._send(kept.input.grad)
+        return kept.input.grad
 
     def grad_norms(self) -> Wire:
         """The L2 norm of each accumulated gradient, block and parameter order: this stage's
@@ -264,6 +272,10 @@ class Stage:
         """Apply the accumulated gradients to every block, multiplied first by ``clip`` (the
         clipping coefficient) when given; return the compute and transfer seconds spent
         since the last step (this step's) and restart the counts."""
+        self._update(clip)
+        return self.lap()
+
+    def _update(self, clip: float | None) -> None:
         if self._kept:
             raise StageStateError(
                 f"stage {self.index} still holds micro-batches {sorted(self._kept)}; every"
@@ -274,13 +286,72 @@ class Stage:
                 scale_grads(self.blocks, clip)
             for block in self.blocks:
                 block.step()
-        return self.lap()
 
     def lap(self) -> StepClock:
-        """The compute and transfer seconds spent since the last step or lap; restart them."""
-        spent = StepClock(self._compute_s, self._transfer_s)
-        self._compute_s = self._transfer_s = 0.0
-        return spent
+        """The seconds spent since the last step or lap, by part; restart them."""
+        return self._timer.lap()
+
+    # ------------------------------------------------------ a whole step, peer to peer
+
+    def step(
+        self,
+        schedule: str,
+        depth: int,
+        micro_batches: int,
+        inputs: Wire | None,
+        targets: Wire | None,
+        scale: float,
+        update: bool,
+    ) -> StepOutcome:
+        """Run this stage's program of one step over ``micro_batches`` micro-batches of a
+        ``depth``-stage ``schedule`` (stage 0 gets their ``inputs``, the last stage their
+        ``targets``, rows in micro-batch order), exchanging activations and gradients with
+        the neighbours over its links; then sum the gradients over the replicas, and
+        (``update``) apply them. Any failure closes the links first, so the neighbours
+        fail at once instead of waiting out their timeouts."""
+        program = programs_for(schedule, depth, micro_batches)[self.index]
+        try:
+            batch = None if inputs is None else self._receive(inputs)
+            expected = None if targets is None else self._receive(targets)
+            known = batch if batch is not None else expected
+            rows = 0 if known is None else len(known) // micro_batches
+            losses = run_program(
+                self, self._links, self._timer, program, batch, expected, rows, scale
+            )
+            if self._collective is not None:
+                with self._timer.span("allreduce"):
+                    self._collective.all_reduce(self.blocks)
+        except BaseException:
+            self._links.close()
+            raise
+        norms = self.grad_norms()
+        if update:
+            self._update(None)
+        values = torch.stack(losses).tolist() if losses else []  # the step's one read
+        return StepOutcome(tuple(float(v) for v in values), norms, self.lap())
+
+    def link_keep(self, names: dict[int, str | None]) -> None:
+        """Keep only the links named in ``names`` (by neighbour offset, -1 or +1)."""
+        self._links.keep(names)
+
+    def link_host(self, peer: int, name: str) -> tuple[str, int]:
+        """Start the rendezvous of link ``name`` to the neighbour at ``peer`` (+1)."""
+        return self._links.host(peer, name)
+
+    def link_join(self, peer: int, name: str, address: str, port: int) -> None:
+        """Form link ``name`` to the neighbour at ``peer`` (blocks until it joins too)."""
+        self._links.join(peer, name, address, port)
+
+    def link_names(self) -> dict[int, str]:
+        """This stage's links, by neighbour offset (operators and tests)."""
+        return self._links.names()
+
+    def device_key(self) -> str:
+        """What identifies the physical device: its UUID on a GPU (two workers on one GPU
+        cannot link over NCCL), ``cpu`` otherwise."""
+        if self.device.type != "cuda":
+            return "cpu"
+        return str(torch.cuda.get_device_properties(self.device).uuid)
 
     # ------------------------------------------------------- data parallelism (collective)
 
@@ -401,7 +472,7 @@ class Stage:
         for block in self.blocks:
             block.optimizer.zero_grad(set_to_none=True)
         self._load(states)
-        self._compute_s = self._transfer_s = 0.0
+        self._timer.reset()
 
     def export_copy(self, owner: str, step: int, indices: Sequence[int]) -> dict[int, Any]:
         """The given blocks' states after ``step`` from the copy held for ``owner``."""
@@ -423,94 +494,12 @@ class Stage:
 
     def measure_speed(self) -> float:
         """GFLOP/s of a fixed matmul on this device, slowed like compute (not counted as it)."""
+        size = _CUDA_SPEED_SIZE if self.device.type == "cuda" else _SPEED_SIZE
         # A constant matrix: drawing a random one would move the RNG that training uses.
-        a = torch.full((_SPEED_SIZE, _SPEED_SIZE), 1.0 / _SPEED_SIZE, device=self.device)
-        a @ a  # warm-up: first-call allocation and kernel selection
-        before = self._compute_s
-        with self._compute():
+        a = torch.full((size, size), 1.0 / size, device=self.device)
+        torch.tanh(a @ a)  # warm-up: first-call allocation and kernel selection
+        timer = StepTimer(self.device, self._setup_slowdown)
+        with timer.span("compute"):
             for _ in range(_SPEED_REPEATS):
                 a = torch.tanh(a @ a)
-        elapsed, self._compute_s = self._compute_s - before, before
-        return 2 * _SPEED_SIZE**3 * _SPEED_REPEATS / elapsed / 1e9
-
-
-STAGE_METHODS = frozenset(
-    {
-        "forward",
-        "forward_loss",
-        "backward",
-        "grad_norms",
-        "apply_step",
-        "state",
-        "load",
-        "export",
-        "adopt",
-        "snapshot",
-        "hold",
-        "saved_steps",
-        "rollback",
-        "export_copy",
-        "nbytes",
-        "pid",
-        "measure_speed",
-        "collective_host",
-        "collective_join",
-        "all_reduce",
-    }
-)
-"""The ``Stage`` methods a worker group may call."""
-
-
-class StageFailed(RuntimeError):
-    """A stage method raised: which stage, which call, and the error in one line."""
-
-    def __init__(self, stage: int, method: str, reason: str) -> None:
-        super().__init__(f"stage {stage} failed in {method}: {reason}")
-        self.stage = stage
-        self.method = method
-        self.reason = reason
-
-    def __reduce__(self) -> tuple[type[StageFailed], tuple[int, str, str]]:
-        # Crosses process boundaries inside Ray's error objects; keep the typed fields.
-        return (StageFailed, (self.stage, self.method, self.reason))
-
-
-def one_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split())
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
-
-
-class StageWorker:
-    """A ``Stage`` behind the worker-group seam: named calls in, typed errors out.
-
-    The same object runs in-process (``LocalGroup``) and as the StageWorker Ray actor
-    (``workers.launch``), so both groups report a stage's own errors identically.
-    """
-
-    def __init__(self, plan: StagePlan, setup: StageSetup) -> None:
-        self.plan = plan
-        self._stage: Stage | StageFailed
-        try:
-            self._stage = Stage(plan, setup)
-        except Exception as exc:  # anything the model or factory raises, reported as typed
-            # Kept and raised by every call: a Ray actor whose constructor raises only says
-            # that it died, and the group must say why.
-            self._stage = StageFailed(plan.index, "build", one_line(exc))
-
-    @property
-    def stage(self) -> Stage:
-        """The stage itself (in-process use); raises the build error if it failed to build."""
-        if isinstance(self._stage, StageFailed):
-            raise self._stage
-        return self._stage
-
-    def call(self, method: str, *args: Any) -> Any:
-        if isinstance(self._stage, StageFailed):
-            raise self._stage
-        stage = self._stage
-        if method not in STAGE_METHODS:
-            raise StageFailed(stage.index, method, f"no such stage method {method!r}")
-        try:
-            return getattr(stage, method)(*args)
-        except Exception as exc:  # a boundary: every stage error leaves as StageFailed
-            raise StageFailed(stage.index, method, one_line(exc)) from exc
+        return 2 * size**3 * _SPEED_REPEATS / timer.lap().compute_s / 1e9

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import tempfile
+import time
 from collections.abc import Sequence
 from dataclasses import replace
 from itertools import pairwise
@@ -398,7 +399,17 @@ def test_events_metrics_and_checkpoint_retention(tmp_path: Path) -> None:
     report = trainer.report(0)
     assert (report.status, report.step, report.error) == (RunStatus.SUCCEEDED, 5, None)
     kinds = [e.kind for e in report.events]
-    assert kinds == ["placement", "device_speed", "device_speed", *["checkpoint"] * 3]
+    assert kinds == [
+        "placement",
+        "device_speed",
+        "device_speed",
+        "transport",
+        *["checkpoint"] * 3,
+    ]
+    (transport,) = [e for e in report.events if e.kind == "transport"]
+    assert transport.data == {
+        "relayed": "an in-process group relays activations through its runner"
+    }
     placement = report.events[0].data["stages"]
     assert [(s["stage"], s["blocks"], s["device_id"]) for s in placement] == [
         (0, [0, 2], "n0000000-cpu-0"),
@@ -458,6 +469,12 @@ class _AskOnStep:
 
     def all_reduce(self, workers: Sequence[int]) -> list[Handle]:
         return self._inner.all_reduce(workers)
+
+    def connect(self) -> str | None:
+        return self._inner.connect()
+
+    def disconnect(self) -> None:
+        self._inner.disconnect()
 
     def shutdown(self) -> None:
         self._inner.shutdown()
@@ -590,3 +607,49 @@ def test_ray_replicated_pipeline_trains_like_one_process(ray_address: str, tmp_p
     for i, state in local_states.items():
         for name, tensor in state["module"].items():
             assert torch.equal(ray_states[i]["module"][name], tensor), (i, name)
+
+
+@pytest.mark.unit
+def test_checkpoints_are_written_while_the_next_steps_train(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each write waits (5 s at most) until the trainer has finished the next step: with
+    the write on the step's path, that never happens."""
+    import workers.runner
+
+    snap = job(tmp_path, [(0, 2), (2, 4)], steps=4, checkpoint_every=1, checkpoint_keep=0)
+    trainer = Trainer(snap, LocalGroup)
+    overlapped: dict[int, bool] = {}
+    real = workers.runner.write_checkpoint
+
+    def write_later(store: Any, snapshot: Any, step: int, *args: Any) -> Any:
+        deadline = time.monotonic() + 5
+        while trainer.report(0).step <= step < snap.steps and time.monotonic() < deadline:
+            time.sleep(0.01)
+        overlapped[step] = trainer.report(0).step > step
+        return real(store, snapshot, step, *args)
+
+    monkeypatch.setattr(workers.runner, "write_checkpoint", write_later)
+    assert trainer.run() is RunStatus.SUCCEEDED, trainer.report(0).error
+    assert overlapped == {1: True, 2: True, 3: True, 4: False}
+    report = trainer.report(0)
+    written = [e.data["step"] for e in report.events if e.kind == "checkpoint"]
+    assert written == [1, 2, 3, 4]  # in order, each once complete
+    assert [i.step for i in CheckpointStore(tmp_path).list("job-1")] == [1, 2, 3, 4]
+    assert_matches_reference(snap, report.metrics)
+
+
+@pytest.mark.unit
+def test_a_failed_checkpoint_write_fails_the_run_with_its_reason(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import workers.runner
+
+    def broken(*args: Any) -> Any:
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(workers.runner, "write_checkpoint", broken)
+    snap = job(tmp_path, [(0, 2), (2, 4)], steps=4, checkpoint_every=1)
+    trainer = Trainer(snap, LocalGroup)
+    assert trainer.run() is RunStatus.FAILED
+    assert trainer.report(0).error == "OSError: No space left on device"

@@ -1,0 +1,112 @@
+"""The StageWorker: a ``Stage`` behind the worker-group seam, named calls in, typed errors out.
+
+The same object runs in-process (``LocalGroup``) and as the StageWorker Ray actor
+(``workers.launch``), so both groups report a stage's own errors identically: a stage
+method's error leaves as ``StageFailed`` (``LinkFailed`` when a transfer with a
+neighbour failed), naming the stage, the call and the cause in one line.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from workers.snapshot import StagePlan
+from workers.stage import Stage, StageSetup
+from workers.transport import LinkError
+
+STAGE_METHODS = frozenset(
+    {
+        "forward",
+        "forward_loss",
+        "backward",
+        "grad_norms",
+        "apply_step",
+        "state",
+        "load",
+        "export",
+        "adopt",
+        "snapshot",
+        "hold",
+        "saved_steps",
+        "rollback",
+        "export_copy",
+        "nbytes",
+        "pid",
+        "measure_speed",
+        "collective_host",
+        "collective_join",
+        "step",
+        "link_keep",
+        "link_host",
+        "link_join",
+        "link_names",
+        "device_key",
+        "all_reduce",
+    }
+)
+"""The ``Stage`` methods a worker group may call."""
+
+
+class StageFailed(RuntimeError):
+    """A stage method raised: which stage, which call, and the error in one line."""
+
+    def __init__(self, stage: int, method: str, reason: str) -> None:
+        super().__init__(f"stage {stage} failed in {method}: {reason}")
+        self.stage = stage
+        self.method = method
+        self.reason = reason
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        # Crosses process boundaries inside Ray's error objects; keep the typed fields.
+        return (StageFailed, (self.stage, self.method, self.reason))
+
+
+class LinkFailed(StageFailed):
+    """A stage's transfer with its neighbour at offset ``peer`` failed: the neighbour may
+    be lost, or gave up on the step itself (it closes its links when it fails)."""
+
+    def __init__(self, stage: int, method: str, reason: str, peer: int) -> None:
+        super().__init__(stage, method, reason)
+        self.peer = peer
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return (LinkFailed, (self.stage, self.method, self.reason, self.peer))
+
+
+def one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+class StageWorker:
+    """A ``Stage`` behind the worker-group seam: named calls in, typed errors out."""
+
+    def __init__(self, plan: StagePlan, setup: StageSetup) -> None:
+        self.plan = plan
+        self._stage: Stage | StageFailed
+        try:
+            self._stage = Stage(plan, setup)
+        except Exception as exc:  # anything the model or factory raises, reported as typed
+            # Kept and raised by every call: a Ray actor whose constructor raises only says
+            # that it died, and the group must say why.
+            self._stage = StageFailed(plan.index, "build", one_line(exc))
+
+    @property
+    def stage(self) -> Stage:
+        """The stage itself (in-process use); raises the build error if it failed to build."""
+        if isinstance(self._stage, StageFailed):
+            raise self._stage
+        return self._stage
+
+    def call(self, method: str, *args: Any) -> Any:
+        if isinstance(self._stage, StageFailed):
+            raise self._stage
+        stage = self._stage
+        if method not in STAGE_METHODS:
+            raise StageFailed(stage.index, method, f"no such stage method {method!r}")
+        try:
+            return getattr(stage, method)(*args)
+        except LinkError as exc:
+            raise LinkFailed(stage.index, method, one_line(exc), exc.peer) from exc
+        except Exception as exc:  # a boundary: every stage error leaves as StageFailed
+            raise StageFailed(stage.index, method, one_line(exc)) from exc

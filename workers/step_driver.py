@@ -1,0 +1,229 @@
+"""The runner's side of one training step: hand each worker its step, collect the results.
+
+A mini-batch: replica r runs its own pipeline schedule over its micro-batches (those after
+replicas 0..r-1's), then each stage's gradients are summed over its replicas, then the
+gradient norm is reduced over replica 0's stages (the replicas now hold the same
+gradients) and every worker steps, clipping first if the job asks (``workers.clipping``).
+The loss scale is the micro-batch's share of the whole mini-batch, so the replicas' summed
+gradients are the reference's.
+
+Two ways to drive it, the same arithmetic in the same order (bitwise equal results):
+
+* **Peer to peer** (``RayGroup`` with linked neighbours): one ``step`` call per worker (two
+  with clipping: the coefficient needs every stage's norms first); each stage runs its own
+  program (``workers.step_program``) and exchanges activations with its neighbours
+  directly. The runner moves only the step's inputs and targets, and reads back losses,
+  norms and timings.
+* **Relayed** (``LocalGroup``, the reference; and wherever neighbours cannot link): every
+  forward and backward is its own call, and each activation goes stage -> runner -> stage
+  as a handle passed from one call to the next.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+from torch import Tensor
+
+from scheduler.schedules import Action, Op, build, submission_order
+from workers.clipping import clip_coefficient
+from workers.group import GroupTimeout, StageFailed, StageLost, WorkerGroup
+from workers.rebalance import Layout
+from workers.snapshot import JobSnapshot, StageTiming, StepMetrics
+from workers.timing import StepClock
+from workers.wire import Wire, send
+from workers.zoo.data import DataSource
+
+
+@dataclass(frozen=True)
+class _Done:
+    """What a step left: its losses in micro-batch order, the gradient norm, and each
+    worker's time."""
+
+    losses: list[float]
+    grad_norm: float
+    clocks: list[StepClock]
+
+
+def train_step(
+    snap: JobSnapshot,
+    group: WorkerGroup,
+    layout: Layout,
+    data: DataSource,
+    step: int,
+    *,
+    relay: bool,
+    timeout: float,
+    clock: Callable[[], float],
+) -> StepMetrics:
+    """Train step ``step + 1`` (on batch ``step``) and measure it."""
+    started = clock()
+    inputs, targets = data.batch(step, snap.batch_size)
+    drive = _relayed if relay else _peer_to_peer
+    done = drive(snap, group, layout, inputs, targets, timeout)
+    elapsed = clock() - started
+    return StepMetrics(
+        step=step + 1,
+        loss=float(sum(done.losses)),
+        samples_per_s=snap.batch_size / elapsed if elapsed > 0 else 0.0,
+        step_time_s=elapsed,
+        stages=tuple(
+            StageTiming(
+                p.index,
+                p.device.id,
+                c.compute_s,
+                max(0.0, elapsed - c.compute_s - c.transfer_s - c.allreduce_s),
+                replica=p.replica,
+                allreduce_s=c.allreduce_s,
+                transfer_s=c.transfer_s,
+            )
+            for p, c in zip(layout.plans, done.clocks, strict=True)
+        ),
+        grad_norm=done.grad_norm,
+    )
+
+
+def _peer_to_peer(
+    snap: JobSnapshot,
+    group: WorkerGroup,
+    layout: Layout,
+    inputs: Tensor,
+    targets: Tensor,
+    timeout: float,
+) -> _Done:
+    depth = layout.depth
+    rows = snap.batch_size // snap.micro_batches
+    scale = rows / snap.batch_size
+    max_norm = snap.optimizer.clip_grad_norm
+    handles = []
+    offset = 0
+    for r, count in enumerate(layout.split):
+        part = slice(offset * rows, (offset + count) * rows)
+        x, y = send(inputs[part]), send(targets[part])
+        for s in range(depth):
+            first, last = s == 0, s == depth - 1
+            args = (x if first else None, y if last else None, scale, max_norm is None)
+            handles.append(group.submit(r * depth + s, "step", snap.schedule, depth, count, *args))
+        offset += count
+    try:
+        outcomes = group.get(handles, timeout)
+    except (StageFailed, StageLost, GroupTimeout):
+        group.disconnect()  # a failed step's stages closed their links
+        raise
+    losses = [value for outcome in outcomes for value in outcome.losses]  # replica order
+    grad_norm, clip = clip_coefficient([o.norms for o in outcomes[:depth]], max_norm)
+    clocks = [o.clock for o in outcomes]
+    if clip is not None:
+        updates = [group.submit(w, "apply_step", clip) for w in range(len(outcomes))]
+        clocks = [_add(a, b) for a, b in zip(clocks, group.get(updates, timeout), strict=True)]
+    return _Done(losses, grad_norm, clocks)
+
+
+def _relayed(
+    snap: JobSnapshot,
+    group: WorkerGroup,
+    layout: Layout,
+    inputs: Tensor,
+    targets: Tensor,
+    timeout: float,
+) -> _Done:
+    rows = snap.batch_size // snap.micro_batches
+    scale = rows / snap.batch_size
+    depth = layout.depth
+    losses, firsts = [], []
+    offset = 0
+    for r, count in enumerate(layout.split):
+        order = _order(snap.schedule, depth, count)
+        part = _submit_pipeline(
+            group, order, r * depth, depth, offset, inputs, targets, rows, scale
+        )
+        losses += part[0]
+        firsts += part[1]
+        offset += count
+    replicas = len(layout.split)
+    reduces: list[Any] = []
+    if replicas > 1:
+        for s in range(depth):
+            reduces += group.all_reduce([r * depth + s for r in range(replicas)])
+    norms = [group.submit(w, "grad_norms") for w in range(depth)]
+    # Stage 0's backwards end every dependency chain: waiting on them surfaces any error.
+    waits = [*losses, *firsts, *reduces]
+    max_norm = snap.optimizer.clip_grad_norm
+    workers = len(layout.plans)
+    if max_norm is None:
+        updates = [group.submit(w, "apply_step") for w in range(workers)]
+        values = group.get([*waits, *norms, *updates], timeout)
+        grad_norm, _ = clip_coefficient(values[len(waits) : -workers], None)
+        clocks = values[-workers:]
+    else:
+        values = group.get([*waits, *norms], timeout)
+        grad_norm, clip = clip_coefficient(values[len(waits) :], max_norm)
+        updates = [group.submit(w, "apply_step", clip) for w in range(workers)]
+        clocks = group.get(updates, timeout)
+    if reduces:
+        times = values[len(losses) + len(firsts) : len(waits)]
+        for i, seconds in enumerate(times):  # reduces are stage-major
+            s, r = divmod(i, replicas)
+            clocks[r * depth + s] = replace(clocks[r * depth + s], allreduce_s=seconds)
+    return _Done(values[: len(losses)], grad_norm, clocks)
+
+
+def _submit_pipeline(
+    group: WorkerGroup,
+    order: tuple[Action, ...],
+    base: int,
+    depth: int,
+    offset: int,
+    inputs: Tensor,
+    targets: Tensor,
+    rows: int,
+    scale: float,
+) -> tuple[list[Any], list[Any]]:
+    """Submit one replica's schedule (workers ``base .. base + depth - 1``) over the
+    micro-batches ``offset + j``; the loss handles and stage 0's backward handles."""
+    last = depth - 1
+    # Handles waiting for their one consumer, dropped once passed on, so Ray frees each
+    # activation as soon as the next stage has it (1F1B's memory bound holds).
+    pending: dict[tuple[Op, int, int], Any] = {}
+    losses, firsts = [], []
+    for action in order:
+        s, j = action.stage, action.microbatch
+        w = base + s
+        if action.op is Op.F:
+            x = _rows(inputs, offset + j, rows) if s == 0 else pending.pop((Op.F, s - 1, j))
+            if s == last:
+                y = _rows(targets, offset + j, rows)
+                losses.append(group.submit(w, "forward_loss", j, x, y, scale))
+            else:
+                pending[(Op.F, s, j)] = group.submit(w, "forward", j, x)
+        else:
+            grad = None if s == last else pending.pop((Op.B, s + 1, j))
+            handle = group.submit(w, "backward", j, grad)
+            if s == 0:
+                firsts.append(handle)
+            else:
+                pending[(Op.B, s, j)] = handle
+    return losses, firsts
+
+
+@functools.cache
+def _order(schedule: str, stages: int, micro_batches: int) -> tuple[Action, ...]:
+    """The submission order of one replica's schedule (``workers.group``: ordering)."""
+    return submission_order(build(schedule, stages, micro_batches))
+
+
+def _rows(batch: Tensor, j: int, rows: int) -> Wire:
+    # A view's array pickles only its own rows, not the batch's storage.
+    return send(batch[j * rows : (j + 1) * rows])
+
+
+def _add(a: StepClock, b: StepClock) -> StepClock:
+    return StepClock(
+        a.compute_s + b.compute_s,
+        a.transfer_s + b.transfer_s,
+        a.wait_s + b.wait_s,
+        a.allreduce_s + b.allreduce_s,
+    )
