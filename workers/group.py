@@ -250,8 +250,11 @@ class RayGroup:
             raise
 
     def _form_collectives(self, timeout: float) -> None:
-        """One process group per replicated stage: replica 0 hosts, all replicas join."""
-        replicated = [ws for ws in _replicas_by_stage(self._plans) if len(ws) > 1]
+        """One process group per replicated stage: replica 0 hosts, all replicas join; a
+        stage no longer replicated leaves the group it had (a step would still sum in it)."""
+        stages = _replicas_by_stage(self._plans)
+        replicated = [ws for ws in stages if len(ws) > 1]
+        self.get([self.submit(ws[0], "collective_leave") for ws in stages if len(ws) == 1], timeout)
         if not replicated:
             return
         hosts = self.get([self.submit(ws[0], "collective_host") for ws in replicated], timeout)
@@ -390,6 +393,7 @@ class RayGroup:
         ray.wait([h.ref for h in waited], num_returns=len(waited), timeout=BLAME_WAIT_S)
         own: Exception | None = None
         unreachable: StageLost | None = None
+        collective: LinkFailed | None = None
         for handle in waited:
             try:
                 ray.get(handle.ref, timeout=0)
@@ -399,19 +403,19 @@ class RayGroup:
                 error = self._typed(exc, [handle])
                 if isinstance(error, StageLost):
                     return error
-                if isinstance(error, LinkFailed):
-                    if unreachable is None:
-                        unreachable = self._unreachable(handle.stage, error)
+                if isinstance(error, LinkFailed) and error.peer is None:
+                    collective = collective or error
+                elif isinstance(error, LinkFailed):
+                    unreachable = unreachable or self._unreachable(handle.stage, error)
                 elif own is None:
                     own = error
-        if own is not None:
-            return own
-        if unreachable is None:  # pragma: no cover - a LinkFailed led here
+        blamed = own or unreachable or collective
+        if blamed is None:  # pragma: no cover - a LinkFailed led here
             raise RuntimeError("no failed call among the waited ones")
-        return unreachable
+        return blamed
 
     def _unreachable(self, worker: int, error: LinkFailed) -> StageLost:
-        plan = self._plans[worker + error.peer]
+        plan = self._plans[worker + (error.peer or 0)]
         return StageLost(
             plan.index,
             plan.device.id,

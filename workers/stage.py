@@ -44,7 +44,7 @@ from workers.precision import autocast, autocast_dtype
 from workers.snapshot import JobSnapshot, ModelRef, OptimizerConf, StagePlan
 from workers.step_program import run_program
 from workers.timing import StepClock, StepTimer
-from workers.transport import Links
+from workers.transport import LinkError, Links
 from workers.wire import Wire, receive, send
 from workers.zoo.data import loss_fn
 from workers.zoo.models import build_blocks
@@ -320,7 +320,7 @@ class Stage:
             )
             if self._collective is not None:
                 with self._timer.span("allreduce"):
-                    self._collective.all_reduce(self.blocks)
+                    self._reduce(self._collective)
         except BaseException:
             self._links.close()
             raise
@@ -366,6 +366,18 @@ class Stage:
         if self._collective is None:
             self._collective = GlooCollective(self.device)
         self._collective.join(address, port, rank, world, f"stage-{stage}")
+
+    def collective_leave(self) -> None:
+        """Leave this stage's data-parallel group: the stage is no longer replicated."""
+        if self._collective is not None:
+            self._collective.close()
+            self._collective = None
+
+    def _reduce(self, collective: GlooCollective) -> None:
+        try:
+            collective.all_reduce(self.blocks)
+        except RuntimeError as exc:  # gloo and NCCL report a lost replica as RuntimeError
+            raise LinkError(None, " ".join(str(exc).split())[:300]) from exc
 
     def all_reduce(self) -> float:
         """Sum the accumulated gradients over this stage's replicas (a no-op without a

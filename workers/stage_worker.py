@@ -40,6 +40,7 @@ STAGE_METHODS = frozenset(
         "link_host",
         "link_join",
         "link_names",
+        "collective_leave",
         "device_key",
         "all_reduce",
     }
@@ -63,9 +64,10 @@ class StageFailed(RuntimeError):
 
 class LinkFailed(StageFailed):
     """A stage's transfer with its neighbour at offset ``peer`` failed: the neighbour may
-    be lost, or gave up on the step itself (it closes its links when it fails)."""
+    be lost, or gave up on the step itself (it closes its links when it fails). ``peer``
+    None: the stage's data-parallel all-reduce failed (a replica lost or failed)."""
 
-    def __init__(self, stage: int, method: str, reason: str, peer: int) -> None:
+    def __init__(self, stage: int, method: str, reason: str, peer: int | None) -> None:
         super().__init__(stage, method, reason)
         self.peer = peer
 

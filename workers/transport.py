@@ -44,10 +44,16 @@ _BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16}
 
 
 class LinkError(RuntimeError):
-    """A transfer with a neighbour failed: it died, left, or did not answer in time."""
+    """A transfer with a neighbour failed: it died, left, or did not answer in time. With
+    ``peer`` None, the stage's data-parallel group failed (some replica, not known which)."""
 
-    def __init__(self, peer: int, reason: str) -> None:
-        super().__init__(f"the link to the neighbour at offset {peer:+d} failed: {reason}")
+    def __init__(self, peer: int | None, reason: str) -> None:
+        what = (
+            "the data-parallel group"
+            if peer is None
+            else f"the link to the neighbour at offset {peer:+d}"
+        )
+        super().__init__(f"{what} failed: {reason}")
         self.peer = peer
         self.reason = reason
 

@@ -106,6 +106,34 @@ def test_replicated_peer_to_peer_pipelines_equal_the_relayed_reference(
     assert_bitwise_equal(final_states(snap), final_states(local))
 
 
+def test_a_relayout_from_replicas_to_a_pipeline_trains_on_exactly(
+    node: str, tmp_path: Path
+) -> None:
+    """2 replicas x 2 stages, then (after step 1) one 2-stage pipeline on two of those
+    devices: the leftover replicas leave their data-parallel groups, the kept workers
+    link as neighbours, and the run equals the same moves made in-process, bitwise."""
+    before = dp_plans([(0, 2), (2, 4)], 2, node)
+    fields = {"replicas": 2, "micro_batches": 4, "replica_micro_batches": (2, 2), "steps": 3}
+
+    def run(stages: Any, root: Path, make: Any) -> Trainer:
+        snap = job(root, [], stages=stages, **fields)
+        trainer = Trainer(snap, make)
+        pipeline = [replace(p, replica=0) for p in stages[2:]]
+        trainer.relayout(pipeline, (4,))  # carried out at the first step boundary
+        assert trainer.run() is RunStatus.SUCCEEDED, trainer.report(0).error
+        return trainer
+
+    trainer = run(before, tmp_path / "ray", RayGroup)
+    moves = [e.data for e in trainer.report(0).events if e.kind == "relayout"]
+    assert [m["micro_batches"] for m in moves] == [[4]]
+    local = run(dp_plans([(0, 2), (2, 4)], 2), tmp_path / "local", LocalGroup)
+    snap = job(tmp_path / "ray", [], stages=before, **fields)
+    assert_bitwise_equal(
+        final_states(snap), final_states(replace(snap, checkpoint_root=str(tmp_path / "local")))
+    )
+    assert [m.loss for m in trainer.report(0).metrics] == [m.loss for m in local.report(0).metrics]
+
+
 # ------------------------------------------------------------------ the group, by hand
 
 

@@ -82,7 +82,7 @@ def _threads(count: int | None) -> Iterator[None]:
 def plain_step_times(s: StepSettings) -> tuple[list[float], list[float]]:
     """Seconds and loss of each step of a plain PyTorch loop on ``s.device``, the
     ``workers.reference`` step exactly: micro-batches summed into the gradient, the loss read
-    per micro-batch, the gradient norm measured, every block's optimizer stepped. On a CPU it
+    once per step, the gradient norm measured, every block's optimizer stepped. On a CPU it
     runs one thread, as a Shoal virtual device runs its stage (``workers.stage``)."""
     model, data, opt = refs(s)
     source = make_data(data, s.seed)
@@ -102,20 +102,20 @@ def plain_step_times(s: StepSettings) -> tuple[list[float], list[float]]:
             started = time.perf_counter()
             inputs, targets = source.batch(step, batch)
             inputs, targets = inputs.to(device), targets.to(device)
-            total = 0.0
+            total = torch.zeros((), dtype=torch.float64, device=device)
             for j in range(micro_batches):
                 out = inputs[j * rows : (j + 1) * rows]
                 for block in blocks:
                     out = block.module(out)
                 part = loss(out, targets[j * rows : (j + 1) * rows]) * (rows / batch)
                 part.backward()  # type: ignore[no-untyped-call]
-                total += part.item()
+                total += part.detach().double()  # read once per step: a read syncs a GPU
             torch.nn.utils.clip_grad_norm_(params, math.inf)
             for block in blocks:
                 block.step()
             _sync(device)
             times.append(time.perf_counter() - started)
-            losses.append(total)
+            losses.append(float(total))
     return times, losses
 
 
