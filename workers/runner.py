@@ -1,10 +1,13 @@
 """The job runner: trains one job through a worker group, step by step, and reports progress.
 
 ``Trainer`` is the engine, plain Python: it restores the job's latest checkpoint, then for
-every step submits each stage's schedule actions (GPipe or 1F1B, ``scheduler.schedules``)
-to the group, applies the step on every stage, records ``StepMetrics`` and ``RunnerEvent``s,
-and writes checkpoints. ``JobRunner`` is what ``workers.launch`` runs as the job's detached
-Ray actor: ``run`` trains (one thread), ``poll`` and ``cancel`` answer from the others.
+every step links the stages (only links that are missing) and drives the step
+(``workers.step_driver``: each stage runs its whole step and exchanges activations with its
+neighbours, or, where they cannot link, the runner relays them), records ``StepMetrics``
+and ``RunnerEvent``s, and hands checkpoints to a writer thread
+(``workers.checkpoint_writer``). ``JobRunner`` is what ``workers.launch`` runs as the job's
+detached Ray actor: ``run`` trains (one thread), ``poll`` and ``cancel`` answer from the
+others.
 
 Steps are counted as completed optimizer updates: step k's metrics and a checkpoint at step
 k describe the model after k updates, which consumed data batches 0..k-1 (the data cursor is
