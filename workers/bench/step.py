@@ -15,15 +15,13 @@ import os
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import ray
 import torch
 
 from scheduler.devices import Device
-from workers.bench.pipeline import busy_fractions, ray_session
+from workers.bench.pipeline import RUNNER_THREADS, busy_fractions, ray_session, threads
 from workers.bench.report import (
     BenchError,
     Progress,
@@ -67,18 +65,6 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-@contextmanager
-def _threads(count: int | None) -> Iterator[None]:
-    """Run the body with ``count`` intra-op threads (None: leave them), then restore them."""
-    before = torch.get_num_threads()
-    if count is not None:
-        torch.set_num_threads(count)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 def plain_step_times(s: StepSettings) -> tuple[list[float], list[float]]:
     """Seconds and loss of each step of a plain PyTorch loop on ``s.device``, the
     ``workers.reference`` step exactly: micro-batches summed into the gradient, the loss read
@@ -96,7 +82,7 @@ def plain_step_times(s: StepSettings) -> tuple[list[float], list[float]]:
     batch, micro_batches = s.shape.batch, s.shape.micro_batches
     rows = batch // micro_batches
     times, losses = [], []
-    with _threads(1 if device.type == "cpu" else None):
+    with threads(1 if device.type == "cpu" else None):
         for step in range(s.timed_steps):
             _sync(device)
             started = time.perf_counter()
@@ -186,7 +172,8 @@ def shoal_step_times(
         started = time.perf_counter()
         watcher.start()
         try:
-            status = trainer.run()
+            with threads(RUNNER_THREADS):
+                status = trainer.run()
         finally:
             stop.set()
             watcher.join()
@@ -220,7 +207,7 @@ def _notes(s: StepSettings) -> list[str]:
     ]
     if s.device == "cpu":
         notes.append(
-            "the plain loop runs one thread (torch.set_num_threads(1)): a Shoal virtual CPU"
+            "the plain loop runs one thread (torch.set_numthreads(1)): a Shoal virtual CPU"
             " device runs its stage single-threaded"
         )
     else:
