@@ -4,7 +4,8 @@ On a CPU device each part is wall time. On a CUDA device a part is measured wher
 happens, on the device: a pair of CUDA events around it, read once per step (``lap``), so
 timing never synchronizes the device per micro-batch. An NCCL all-reduce or receive runs
 on NCCL's streams and makes the compute stream wait; the events around that wait book it
-as all-reduce or wait time, never as compute (the elastic policy plans on compute).
+as all-reduce or wait time, never as compute (the elastic policy plans on compute). Not
+yet measured on a GPU.
 
 A device's ``emulate_slowdown`` factor f > 1 (virtual devices in tests and benches) makes
 compute sleep (f - 1) x its measured time, counted as compute: a straggler is visible only
