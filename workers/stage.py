@@ -40,6 +40,7 @@ from scheduler.types import BlockRange
 from workers.blocks import Block
 from workers.clipping import grad_norms, scale_grads
 from workers.collective import GlooCollective
+from workers.host_memory import retain_freed_memory
 from workers.precision import autocast, autocast_dtype
 from workers.snapshot import JobSnapshot, ModelRef, OptimizerConf, StagePlan
 from workers.step_program import run_program
@@ -149,6 +150,7 @@ class Stage:
         self.last = stop == setup.num_blocks
         self.device = torch_device(plan.device)
         self._setup = setup
+        retain_freed_memory()  # each step's tensors reuse the last step's pages
         if not plan.device.gpu:
             # Virtual CPU devices share a machine's cores: one thread each keeps them apart.
             torch.set_num_threads(1)

@@ -1,10 +1,11 @@
 """The peer: ``torch.distributed.pipelining`` with gloo, on Shoal's bench model and schedule.
 
 Two processes (``torch.multiprocessing.spawn``), one stage each, one thread each like a
-Shoal virtual device, a file store for rendezvous (no port to pick). Each builds its stage's
-blocks exactly as Shoal does (same seeds, same even partition) and trains the same batches
-with ``ScheduleGPipe``/``Schedule1F1B`` over the same micro-batches; ``scale_grads`` makes
-the accumulated gradients those of the mini-batch mean, as in Shoal.
+Shoal virtual device and keeping freed host memory like Shoal's workers, a file store for
+rendezvous (no port to pick). Each builds its stage's blocks exactly as Shoal does (same
+seeds, same even partition) and trains the same batches with ``ScheduleGPipe``/
+``Schedule1F1B`` over the same micro-batches; ``scale_grads`` makes the accumulated
+gradients those of the mini-batch mean, as in Shoal.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from torch.multiprocessing.spawn import ProcessException
 from torch.multiprocessing.spawn import spawn as _untyped_spawn
 
 from workers.bench.report import BenchError, PipelineSettings, stage_bounds
+from workers.host_memory import retain_freed_memory
 from workers.zoo.data import loss_fn, make_data
 from workers.zoo.models import build_blocks
 
@@ -38,6 +40,7 @@ def _rank(rank: int, world: int, store: str, fields: dict[str, Any], out: str) -
 
     s = PipelineSettings(**fields)
     torch.set_num_threads(1)
+    retain_freed_memory()  # as Shoal's workers do: the allocator is not what is compared
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:

@@ -4,7 +4,8 @@ Every contender trains the same MLP on the same batches with the same micro-batc
 gradient accumulation (the ``workers.reference`` contract), so they do the same math; only
 where it runs differs. Shoal runs through the real engine (``workers.runner.Trainer`` with a
 ``RayGroup`` of StageWorker actors on virtual CPU devices, one thread each); the peer is
-``torch.distributed.pipelining`` (``workers.bench.peer``).
+``torch.distributed.pipelining`` (``workers.bench.peer``). Every process keeps its freed host
+memory as Shoal's workers do (``workers.host_memory``), so the allocator is not what differs.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from workers.bench.report import (
 )
 from workers.blocks import Block
 from workers.group import RayGroup
+from workers.host_memory import retain_freed_memory
 from workers.runner import Trainer
 from workers.snapshot import (
     DataRef,
@@ -149,6 +151,7 @@ def single_process_step_times(s: PipelineSettings, threads: int) -> list[float]:
 
 def _contender(fields: dict[str, Any], start: Any, out: str) -> None:
     s = PipelineSettings(**fields)
+    retain_freed_memory()
     start.wait()
     Path(out).write_text(json.dumps(single_process_step_times(s, 1)))
 
@@ -226,6 +229,7 @@ def busy_fractions(metrics: list[StepMetrics], warmup: int) -> list[float]:
 def run_pipeline(s: PipelineSettings, progress: Progress = lambda _: None) -> dict[str, Any]:
     """Measure everything ``shoal bench pipeline`` reports; see ``report.pipeline_result``."""
     started = time.perf_counter()
+    retain_freed_memory()  # the plain runs' allocator as Shoal's workers' (workers.host_memory)
     cores = os.cpu_count() or 1
     phases = iter(PIPELINE_PHASES)
     samples = s.batch_size

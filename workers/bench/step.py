@@ -33,6 +33,7 @@ from workers.bench.report import (
 from workers.bench.step_settings import StepSettings, step_result, step_seconds
 from workers.blocks import Block
 from workers.group import RayGroup
+from workers.host_memory import retain_freed_memory
 from workers.runner import Trainer
 from workers.snapshot import (
     DataRef,
@@ -218,6 +219,7 @@ def _notes(s: StepSettings) -> list[str]:
 def run_step(s: StepSettings, progress: Progress = lambda _: None) -> dict[str, Any]:
     """Measure everything ``shoal bench step`` reports; see ``step_settings.step_result``."""
     started = time.perf_counter()
+    retain_freed_memory()  # the plain loop's allocator as Shoal's workers' (workers.host_memory)
     device = torch.device(s.device)
     phases = iter(STEP_PHASES)
     progress(next(phases))
