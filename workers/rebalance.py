@@ -17,7 +17,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from scheduler.elastic import Decision, Keep, Repartition, StageSample, current_plan, decide
+from scheduler.elastic import Decision, Repartition, StageSample, current_plan, decide
 from scheduler.partition import DeviceCapacity, PartitionPlan, Workload
 from scheduler.profile import uniform_costs
 from workers.group import Handle, WorkerGroup
@@ -95,8 +95,8 @@ class Layout:
 
 
 def snapshot_policy(snapshot: JobSnapshot) -> Policy | None:
-    """The job's elastic policy: ``scheduler.elastic.decide`` every ``window_steps`` steps
-    of the running layout, on the job's block costs and its devices' memory; None if off."""
+    """The job's elastic policy: ``scheduler.elastic.decide`` on the job's block costs and
+    its devices' memory (asked every ``window_steps`` steps: ``policy_every``); None if off."""
     conf = snapshot.elastic
     if conf is None:
         return None
@@ -109,8 +109,6 @@ def snapshot_policy(snapshot: JobSnapshot) -> Policy | None:
     )
 
     def policy(layout: Layout, history: Sequence[Sequence[StageSample]]) -> Decision:
-        if not history or len(history) % conf.window_steps:
-            return Keep("not due")
         devices = [
             DeviceCapacity(p.device.id, 1.0, p.device.memory_mb * 2**20) for p in layout.plans
         ]
@@ -125,6 +123,12 @@ def snapshot_policy(snapshot: JobSnapshot) -> Policy | None:
         )
 
     return policy
+
+
+def policy_every(snapshot: JobSnapshot) -> int:
+    """After how many steps of a layout its policy is asked again: the job's measuring
+    window (``ElasticConfig.window_steps``), else after every step."""
+    return snapshot.elastic.window_steps if snapshot.elastic is not None else 1
 
 
 def move_blocks(
@@ -192,10 +196,18 @@ def settle(
 
 
 class Rebalancer:
-    """Collects each step's samples for the layout running, asks the policy, and moves."""
+    """Collects each step's samples for the layout running, asks the policy after every
+    ``every``-th of them, and moves."""
 
-    def __init__(self, policy: Policy, timeout: float, record: Callable[[RunnerEvent], None]):
+    def __init__(
+        self,
+        policy: Policy,
+        every: int,
+        timeout: float,
+        record: Callable[[RunnerEvent], None],
+    ) -> None:
         self._policy = policy
+        self._every = every
         self._timeout = timeout
         self._record = record
         self._history: list[list[StageSample]] = []
@@ -209,6 +221,8 @@ class Rebalancer:
         self._step_times.append(metrics.step_time_s)
         if len(self._history) >= _RESULT_STEPS:
             self._report_result(metrics.step)
+        if not self.asks(len(self._history)):
+            return layout
         decision = self._policy(layout, self._history)
         if not isinstance(decision, Repartition):
             return layout
@@ -222,6 +236,15 @@ class Rebalancer:
         self._pending = (metrics.step, before, decision.predicted_gain)
         self._history, self._step_times = [], []
         return new
+
+    def asks(self, samples: int) -> bool:
+        """Whether the policy is asked (and may move blocks) once ``samples`` steps of the
+        running layout are in."""
+        return samples % self._every == 0
+
+    def asks_next(self) -> bool:
+        """Whether the policy is asked after the next step."""
+        return self.asks(len(self._history) + 1)
 
     def restart(self) -> None:
         """The layout changed by other means (a relayout): measure it from scratch."""

@@ -5,9 +5,13 @@ every step links the stages (only links that are missing) and drives the step
 (``workers.step_driver``: each stage runs its whole step and exchanges activations with its
 neighbours, or, where they cannot link, the runner relays them), records ``StepMetrics``
 and ``RunnerEvent``s, and hands checkpoints to a writer thread
-(``workers.checkpoint_writer``). ``JobRunner`` is what ``workers.launch`` runs as the job's
-detached Ray actor: ``run`` trains (one thread), ``poll`` and ``cancel`` answer from the
-others.
+(``workers.checkpoint_writer``). Where the boundary after a step needs nothing of the
+workers (no checkpoint, copy, move or request due) and the runner's work cannot take a
+worker's core (``step_driver.leaves_a_core``), the next step is handed out before this one
+is collected, so the workers go from one step to the next without waiting for a round trip
+through the runner; a request that comes in meanwhile waits one more step. ``JobRunner`` is
+what ``workers.launch`` runs as the job's detached Ray actor: ``run`` trains (one thread),
+``poll`` and ``cancel`` answer from the others.
 
 Steps are counted as completed optimizer updates: step k's metrics and a checkpoint at step
 k describe the model after k updates, which consumed data batches 0..k-1 (the data cursor is
@@ -27,7 +31,14 @@ from typing import Any
 from workers.checkpoint_writer import CheckpointWriter
 from workers.checkpoints import CheckpointStore, Restorable
 from workers.group import GroupFactory, RayGroup, StageFailed, StageLost, WorkerGroup
-from workers.rebalance import Layout, Policy, Rebalancer, move_blocks, snapshot_policy
+from workers.rebalance import (
+    Layout,
+    Policy,
+    Rebalancer,
+    move_blocks,
+    policy_every,
+    snapshot_policy,
+)
 from workers.recovery import Copies, recover
 from workers.snapshot import (
     JobSnapshot,
@@ -38,7 +49,7 @@ from workers.snapshot import (
     StepMetrics,
 )
 from workers.stage import StageSetup
-from workers.step_driver import train_step
+from workers.step_driver import Flight, finish_step, start_step
 from workers.transport import LINK_TIMEOUT_S
 from workers.zoo.data import DataSource, make_data
 
@@ -110,6 +121,10 @@ class Trainer:
         self._writer = CheckpointWriter(self._record)
         self._relay_reason: str | None = ""  # none said yet: "" is never a reason
         self._step = 0
+        self._ahead: Flight | None = None
+        """The next step, handed out before the last one was collected."""
+        self._ended = float("-inf")
+        """When the last step was collected."""
 
     # ------------------------------------------------------------------ thread-safe API
 
@@ -176,17 +191,20 @@ class Trainer:
             self._announce(group, plans, restorable.info.step if restorable.info else 0)
             start = self._restore(group, plans, restorable)
             rebalancer = (
-                Rebalancer(self._policy, self._timeout, self._record) if self._policy else None
+                Rebalancer(self._policy, policy_every(snap), self._timeout, self._record)
+                if self._policy
+                else None
             )
             copies = Copies() if snap.keep_copies else None
             if copies is not None:
                 copies.refresh(group, layout, start)
             step = start
             while step < snap.steps:
-                if self._cancelled.is_set():
+                # A request is carried out between steps: once a step handed out ahead is in.
+                if self._cancelled.is_set() and self._ahead is None:
                     self._writer.flush()
                     return self._finish(RunStatus.CANCELLED)
-                if self._suspending.is_set():
+                if self._suspending.is_set() and self._ahead is None:
                     return self._suspend(group, layout, store, step)
                 try:
                     layout = self._boundary(group, layout, data, store, step, rebalancer, copies)
@@ -228,20 +246,24 @@ class Trainer:
         """Train step ``step`` and do what follows it: checkpoint, rebalance, relayout, copy.
         The layout the next step runs on."""
         snap = self.snapshot
-        relay = self._connect(group, layout, step)
-        metrics = train_step(
-            snap, group, layout, data, step, relay=relay, timeout=self._timeout, clock=self._clock
+        flight = self._ahead or self._start(group, layout, data, step)
+        quiet = self._quiet(flight, rebalancer, copies)
+        self._ahead = self._start(group, layout, data, step + 1) if quiet else None
+        metrics, self._ended = finish_step(
+            snap, group, flight, timeout=self._timeout, clock=self._clock, since=self._ended
         )
         if copies is not None:
             copies.confirm(group, self._timeout)  # the previous boundary's copies
         self._record(metrics)
         done = step + 1
-        if done == snap.steps or (snap.checkpoint_every > 0 and done % snap.checkpoint_every == 0):
+        if done == snap.steps or self._checkpoint_due(done):
             self._checkpoint(group, layout, store, done)
         if done == snap.steps:
             return layout
         if rebalancer is not None:
-            layout = rebalancer.after_step(group, layout, metrics)
+            layout = rebalancer.after_step(group, layout, metrics)  # quiet: never moves
+        if quiet:  # a relayout requested meanwhile waits for the next boundary
+            return layout
         with self._lock:
             request, self._relayout = self._relayout, None
         if request is not None:
@@ -352,6 +374,40 @@ class Trainer:
             )
         )
         return checked
+
+    def _start(self, group: WorkerGroup, layout: Layout, data: DataSource, step: int) -> Flight:
+        relay = self._connect(group, layout, step)
+        return start_step(
+            self.snapshot,
+            group,
+            layout,
+            data,
+            step,
+            relay=relay,
+            timeout=self._timeout,
+            clock=self._clock,
+        )
+
+    def _quiet(self, flight: Flight, rebalancer: Rebalancer | None, copies: Copies | None) -> bool:
+        """Whether the boundary after ``flight`` needs nothing of the workers, so the next
+        step can be handed out before ``flight`` is collected: no checkpoint, copy, move,
+        relayout, cancel or suspend is due there, and the step is one call per worker.
+        A request that comes in later waits one more step."""
+        done = flight.step + 1
+        with self._lock:
+            requested = self._relayout is not None
+        return (
+            flight.overlappable
+            and done < self.snapshot.steps
+            and not self._checkpoint_due(done)
+            and copies is None
+            and (rebalancer is None or not rebalancer.asks_next())
+            and not (requested or self._cancelled.is_set() or self._suspending.is_set())
+        )
+
+    def _checkpoint_due(self, done: int) -> bool:
+        every = self.snapshot.checkpoint_every
+        return every > 0 and done % every == 0
 
     def _connect(self, group: WorkerGroup, layout: Layout, step: int) -> bool:
         """Link the stages before a step (only links that are missing are formed); whether

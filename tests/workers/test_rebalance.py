@@ -34,9 +34,9 @@ from tests.workers.test_runner import (
     plans,
 )
 from workers.group import LocalGroup, RayGroup, StageLost
-from workers.rebalance import Layout, snapshot_policy
+from workers.rebalance import Layout, Rebalancer, snapshot_policy
 from workers.runner import Trainer
-from workers.snapshot import JobSnapshot, RunStatus, StagePlan
+from workers.snapshot import JobSnapshot, RunStatus, StagePlan, StageTiming, StepMetrics
 
 
 class ForcedMoves:
@@ -384,3 +384,23 @@ def test_too_few_devices_left_gives_the_job_back(tmp_path: Path) -> None:
     trainer = Trainer(snap, lambda p, s: LoseDevice(stages[0].device.id, 1, p, s))
     assert trainer.run() is RunStatus.LOST
     assert "1 devices left, min_devices is 2" in (trainer.report(0).error or "")
+
+
+@pytest.mark.unit
+def test_the_policy_is_asked_once_per_window_and_the_runner_knows_when() -> None:
+    asked: list[int] = []
+
+    def policy(layout: Layout, history: Sequence[Sequence[StageSample]]) -> Decision:
+        asked.append(len(history))
+        return Keep("test")
+
+    rebalancer = Rebalancer(policy, 3, 1.0, lambda _: None)
+    layout = Layout(plans([(0, 2), (2, 4)]), (2,))
+    timings = tuple(StageTiming(p.index, p.device.id, 0.1, 0.0) for p in layout.plans)
+    no_moves: Any = None  # a policy that keeps never touches the group
+    announced = []
+    for step in range(1, 8):
+        announced.append(rebalancer.asks_next())
+        rebalancer.after_step(no_moves, layout, StepMetrics(step, 1.0, 1.0, 0.2, timings))
+    assert asked == [3, 6]
+    assert announced == [False, False, True, False, False, True, False]
