@@ -155,7 +155,7 @@ def _hand_out(
     rows = snap.batch_size // snap.micro_batches
     scale = rows / snap.batch_size
     update = snap.optimizer.clip_grad_norm is None
-    handles = []
+    handles: list[Handle] = []
     offset = 0
     for r, count in enumerate(layout.split):
         part = slice(offset * rows, (offset + count) * rows)
