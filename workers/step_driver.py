@@ -147,10 +147,7 @@ def _hand_out(
     inputs: Tensor,
     targets: Tensor,
 ) -> list[Handle]:
-    """One ``step`` call per worker of the peer-to-peer path; in a replica the last stage
-    first: a stage waits for its predecessor's activations anyway, while stage 0, handed
-    out first, would wait for the others to be handed out (measured: a tiny model's step on
-    2 stages 8.1-9.8 ms against 10.2-10.4 ms)."""
+    """One ``step`` call per worker of the peer-to-peer path."""
     depth = layout.depth
     rows = snap.batch_size // snap.micro_batches
     scale = rows / snap.batch_size
@@ -160,12 +157,10 @@ def _hand_out(
     for r, count in enumerate(layout.split):
         part = slice(offset * rows, (offset + count) * rows)
         x, y = send(inputs[part]), send(targets[part])
-        replica = []
-        for s in reversed(range(depth)):
+        for s in range(depth):
             first, last = s == 0, s == depth - 1
             args = (x if first else None, y if last else None, scale, update)
-            replica.append(group.submit(r * depth + s, "step", snap.schedule, depth, count, *args))
-        handles += reversed(replica)
+            handles.append(group.submit(r * depth + s, "step", snap.schedule, depth, count, *args))
         offset += count
     return handles
 
