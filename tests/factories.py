@@ -1,11 +1,16 @@
-"""Builders of test data shared across the suite."""
+"""Builders of test data shared across the suite: API specs, devices, engine snapshots."""
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from scheduler.devices import Device
+from scheduler.types import BlockRange
+from workers.snapshot import DataRef, JobSnapshot, ModelRef, OptimizerConf, StagePlan
 
 BASE_SPEC: dict[str, Any] = {
     "name": "digits-mlp",
@@ -71,3 +76,59 @@ BUILTIN_DATA: list[tuple[str, dict[str, Any]]] = [
     ("pysource", {"seq_len": 9, "max_bytes": 20_000}),
 ]
 """Every built-in dataset (and variant) with a small config: name and config."""
+
+
+# ------------------------------------------------------------- engine snapshots
+
+MLP = ModelRef("mlp", None, {"hidden": 16, "layers": 3})
+REGRESSION = DataRef("synthetic-regression", None, {"features": 8, "outputs": 2})
+GPT = ModelRef("gpt", None, {"d_model": 16, "n_layers": 2, "n_heads": 2})
+TOKENS = DataRef("synthetic-lm", None, {"vocab_size": 16, "seq_len": 6})
+ADAM = OptimizerConf("adam", 0.01)
+SGD = OptimizerConf("sgd", 0.1, {"momentum": 0.9})
+
+
+def plans(ranges: Sequence[BlockRange], node: str = "n0000000a") -> tuple[StagePlan, ...]:
+    return tuple(
+        StagePlan(i, r, Device(f"{node[:8]}-cpu-{i}", node, i, "cpu", 2048, False))
+        for i, r in enumerate(ranges)
+    )
+
+
+def dp_plans(
+    ranges: Sequence[BlockRange], replicas: int, node: str = "n0000000a"
+) -> tuple[StagePlan, ...]:
+    """``replicas`` copies of the stages ``ranges``, each on its own device."""
+    depth = len(ranges)
+    return tuple(
+        StagePlan(
+            i,
+            r,
+            Device(f"{node[:8]}-cpu-{k * depth + i}", node, k * depth + i, "cpu", 2048, False),
+            replica=k,
+        )
+        for k in range(replicas)
+        for i, r in enumerate(ranges)
+    )
+
+
+def job(root: Path | str, ranges: Sequence[BlockRange], **fields: Any) -> JobSnapshot:
+    base = JobSnapshot(
+        job_id="job-1",
+        attempt=1,
+        model=MLP,
+        data=REGRESSION,
+        optimizer=ADAM,
+        batch_size=8,
+        micro_batches=2,
+        steps=3,
+        seed=11,
+        schedule="1f1b",
+        recompute=False,
+        stages=plans(ranges),
+        num_blocks=4,
+        checkpoint_root=str(root),
+        checkpoint_every=0,
+        checkpoint_keep=0,
+    )
+    return replace(base, **fields)

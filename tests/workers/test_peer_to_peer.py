@@ -12,12 +12,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from scheduler.devices import Device
 from scheduler.partition import even_partition
 from scheduler.types import BlockRange
-from tests.workers.test_runner import GPT, SGD, TOKENS, dp_plans, final_states, job, plans
+from tests.factories import GPT, SGD, TOKENS, dp_plans, job, plans
+from tests.workers.runs import assert_bitwise_equal, final_states
 from workers.group import LocalGroup, RayGroup, StageFailed, StageLost
 from workers.runner import Trainer
 from workers.snapshot import DataRef, ModelRef, OptimizerConf, RunStatus, StagePlan
@@ -36,13 +36,6 @@ def node(ray_address: str) -> str:
     import ray
 
     return str(ray.get_runtime_context().get_node_id())
-
-
-def assert_bitwise_equal(a: dict[int, Any], b: dict[int, Any]) -> None:
-    assert sorted(a) == sorted(b)
-    for i, state in a.items():
-        for name, tensor in state["module"].items():
-            assert torch.equal(b[i]["module"][name], tensor), (i, name)
 
 
 CASES = {

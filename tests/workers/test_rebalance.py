@@ -24,15 +24,8 @@ from scheduler.elastic import (
     current_plan,
 )
 from scheduler.types import BlockRange
-from tests.workers.test_runner import (
-    SGD,
-    assert_matches_reference,
-    dp_plans,
-    final_states,
-    job,
-    metrics,
-    plans,
-)
+from tests.factories import SGD, dp_plans, job, plans
+from tests.workers.runs import assert_matches_reference, final_states, metrics
 from workers.group import LocalGroup, RayGroup, StageLost
 from workers.rebalance import Layout, Rebalancer, snapshot_policy
 from workers.runner import Trainer
@@ -116,7 +109,7 @@ def run(snap: JobSnapshot, policy: Any = None) -> Trainer:
 @given(elastic_runs())
 def test_forced_repartitions_leave_the_math_unchanged(config: dict[str, Any]) -> None:
     """Against the single-process reference to rtol=1e-5, atol=1e-6 (replicas sum partial
-    gradients in another order: tests/workers/test_runner.py); and a pipeline that is only
+    gradients in another order: tests/workers/runs.py); and a pipeline that is only
     re-cut, never re-split, equals the same run without moves *bitwise*."""
     with tempfile.TemporaryDirectory() as root, tempfile.TemporaryDirectory() as still_root:
         snap = job(root, [], **config["snapshot"])

@@ -16,111 +16,20 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from scheduler.devices import Device
 from scheduler.partition import even_partition
-from scheduler.types import BlockRange
+from tests.factories import ADAM, GPT, MLP, REGRESSION, SGD, TOKENS, dp_plans, job, plans
+from tests.workers.runs import assert_matches_reference, final_states, metrics, reference
 from workers.checkpoints import CheckpointStore
 from workers.group import Handle, LocalGroup, RayGroup, WorkerGroup
-from workers.reference import ReferenceResult, train_reference
 from workers.runner import JobRunner, Trainer
 from workers.snapshot import (
-    DataRef,
     JobSnapshot,
     ModelRef,
     OptimizerConf,
     RunStatus,
     StagePlan,
-    StepMetrics,
 )
 from workers.stage import StageSetup
-
-MLP = ModelRef("mlp", None, {"hidden": 16, "layers": 3})
-REGRESSION = DataRef("synthetic-regression", None, {"features": 8, "outputs": 2})
-GPT = ModelRef("gpt", None, {"d_model": 16, "n_layers": 2, "n_heads": 2})
-TOKENS = DataRef("synthetic-lm", None, {"vocab_size": 16, "seq_len": 6})
-ADAM = OptimizerConf("adam", 0.01)
-
-
-def plans(ranges: Sequence[BlockRange], node: str = "n0000000a") -> tuple[StagePlan, ...]:
-    return tuple(
-        StagePlan(i, r, Device(f"{node[:8]}-cpu-{i}", node, i, "cpu", 2048, False))
-        for i, r in enumerate(ranges)
-    )
-
-
-def dp_plans(
-    ranges: Sequence[BlockRange], replicas: int, node: str = "n0000000a"
-) -> tuple[StagePlan, ...]:
-    """``replicas`` copies of the stages ``ranges``, each on its own device."""
-    depth = len(ranges)
-    return tuple(
-        StagePlan(
-            i,
-            r,
-            Device(f"{node[:8]}-cpu-{k * depth + i}", node, k * depth + i, "cpu", 2048, False),
-            replica=k,
-        )
-        for k in range(replicas)
-        for i, r in enumerate(ranges)
-    )
-
-
-def job(root: Path | str, ranges: Sequence[BlockRange], **fields: Any) -> JobSnapshot:
-    base = JobSnapshot(
-        job_id="job-1",
-        attempt=1,
-        model=MLP,
-        data=REGRESSION,
-        optimizer=ADAM,
-        batch_size=8,
-        micro_batches=2,
-        steps=3,
-        seed=11,
-        schedule="1f1b",
-        recompute=False,
-        stages=plans(ranges),
-        num_blocks=4,
-        checkpoint_root=str(root),
-        checkpoint_every=0,
-        checkpoint_keep=0,
-    )
-    return replace(base, **fields)
-
-
-def final_states(snap: JobSnapshot) -> dict[int, dict[str, Any]]:
-    _, states = CheckpointStore(snap.checkpoint_root).read(snap.job_id, snap.steps)
-    return states
-
-
-def reference(snap: JobSnapshot) -> ReferenceResult:
-    return train_reference(
-        snap.model,
-        snap.data,
-        snap.optimizer,
-        batch_size=snap.batch_size,
-        micro_batches=snap.micro_batches,
-        steps=snap.steps,
-        seed=snap.seed,
-        precision=snap.precision,
-    )
-
-
-def assert_matches_reference(snap: JobSnapshot, steps: Sequence[StepMetrics]) -> None:
-    """The final parameters, and the loss and gradient norm of every step in ``steps``
-    (the last ones of the run), equal the reference's to the DESIGN tolerance."""
-    ref = reference(snap)
-    states = final_states(snap)
-    for block in ref.blocks:
-        for name, expected in block.module.state_dict().items():
-            actual = states[block.index]["module"][name]
-            assert torch.allclose(actual, expected, rtol=1e-5, atol=1e-6), (block.index, name)
-    tail = slice(len(ref.losses) - len(steps), None)
-    assert [m.loss for m in steps] == pytest.approx(ref.losses[tail], rel=1e-5, abs=1e-6)
-    assert [m.grad_norm for m in steps] == pytest.approx(ref.grad_norms[tail], rel=1e-5)
-
-
-def metrics(trainer: Trainer) -> list[StepMetrics]:
-    return list(trainer.report(0).metrics)
 
 
 @st.composite
@@ -156,9 +65,6 @@ def test_pipelines_train_exactly_like_one_process(config: dict[str, Any]) -> Non
         trainer = Trainer(snap, LocalGroup)
         assert trainer.run() is RunStatus.SUCCEEDED, trainer.report(0).error
         assert_matches_reference(snap, metrics(trainer))
-
-
-SGD = OptimizerConf("sgd", 0.1, {"momentum": 0.9})
 
 
 @st.composite

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 
 from scheduler.devices import Device
-from tests.workers.test_peer_to_peer import assert_bitwise_equal
-from tests.workers.test_runner import SGD, final_states, job, plans
+from tests.factories import SGD, job, plans
+from tests.workers.runs import assert_bitwise_equal, final_states
 from workers.checkpoints import CheckpointStore
 from workers.group import Handle, LocalGroup, RayGroup
 from workers.runner import Trainer
