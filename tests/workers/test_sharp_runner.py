@@ -13,6 +13,7 @@ import torch
 
 from scheduler.devices import Device
 from scheduler.sharp import Policy
+from tests.workers.runs import final_states, reference
 from workers.checkpoints import CheckpointStore
 from workers.profiler import trace_costs
 from workers.reference import train_reference
@@ -58,17 +59,9 @@ def model(root: Path, job_id: str, **fields: Any) -> JobSnapshot:
 
 def assert_alone(snap: JobSnapshot, losses: list[float]) -> None:
     """The model's losses and final parameters equal its plain single-process run."""
-    ref = train_reference(
-        snap.model,
-        snap.data,
-        snap.optimizer,
-        batch_size=snap.batch_size,
-        micro_batches=snap.micro_batches,
-        steps=snap.steps,
-        seed=snap.seed,
-    )
+    ref = reference(snap)
     assert losses == ref.losses  # bitwise: the same sums in the same order
-    _, states = CheckpointStore(snap.checkpoint_root).read(snap.job_id, snap.steps)
+    states = final_states(snap)
     for block in ref.blocks:
         for name, expected in block.module.state_dict().items():
             assert torch.equal(states[block.index]["module"][name], expected), (block.index, name)
