@@ -5,9 +5,9 @@ and their gradients, optimizer temporaries. glibc's malloc hands large freed blo
 the kernel (``munmap`` for blocks past its mmap threshold, a trimmed heap top past its trim
 threshold), so the next step's identical tensors are fresh pages, each one a page fault
 plus the kernel zeroing it. Measured on the 2-core machine (one thread, the pipeline
-bench's 26M-parameter MLP, 8 micro-batches): ~38,000 minor faults per step, 17% of the
-process's time in the kernel, and a step 1.22x as long as with freed memory kept (0.456 s
-against 0.375 s).
+bench's 26M-parameter MLP, 8 micro-batches; three interleaved pairs): 40,000-50,000 minor
+faults per step, 14-17% of the process's time in the kernel, and a step of 0.466-0.478 s
+against 0.387-0.392 s with freed memory kept (~2,300 faults, 0.7% in the kernel).
 
 ``retain_freed_memory`` makes malloc keep it, as PyTorch's CUDA caching allocator does for
 device memory (and jemalloc or tcmalloc, which Intel recommends for PyTorch on CPUs, do by

@@ -7,7 +7,7 @@ neighbours, or, where they cannot link, the runner relays them), records ``StepM
 and ``RunnerEvent``s, and hands checkpoints to a writer thread
 (``workers.checkpoint_writer``). Where the boundary after a step needs nothing of the
 workers (no checkpoint, copy, move or request due) and the runner's work cannot take a
-worker's core (``step_driver.leaves_a_core``), the next step is handed out before this one
+worker's core (``scheduler.overlap``), the next step is handed out before this one
 is collected, so the workers go from one step to the next without waiting for a round trip
 through the runner; a request that comes in meanwhile waits one more step. ``JobRunner`` is
 what ``workers.launch`` runs as the job's detached Ray actor: ``run`` trains (one thread),
@@ -21,6 +21,7 @@ keeps each stage's calls in schedule order (see ``workers.group``).
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -28,6 +29,7 @@ from dataclasses import asdict
 from itertools import pairwise
 from typing import Any
 
+from scheduler.overlap import leaves_a_core
 from workers.checkpoint_writer import CheckpointWriter
 from workers.checkpoints import CheckpointStore, Restorable
 from workers.group import GroupFactory, RayGroup, StageFailed, StageLost, WorkerGroup
@@ -103,7 +105,10 @@ class Trainer:
         step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S,
         clock: Callable[[], float] = time.perf_counter,
         policy: Policy | None = None,
+        cores: int | None = None,
     ) -> None:
+        """``cores``: of the machine the runner runs on (default: this one's); how many CPU
+        devices it can serve while overlapping steps (``scheduler.overlap``)."""
         self.snapshot = snapshot
         self._policy = policy
         self._make_group = make_group
@@ -121,6 +126,7 @@ class Trainer:
         self._writer = CheckpointWriter(self._record)
         self._relay_reason: str | None = ""  # none said yet: "" is never a reason
         self._step = 0
+        self._cores = cores or os.cpu_count() or 1
         self._ahead: Flight | None = None
         """The next step, handed out before the last one was collected."""
         self._ended = float("-inf")
@@ -390,14 +396,16 @@ class Trainer:
 
     def _quiet(self, flight: Flight, rebalancer: Rebalancer | None, copies: Copies | None) -> bool:
         """Whether the boundary after ``flight`` needs nothing of the workers, so the next
-        step can be handed out before ``flight`` is collected: no checkpoint, copy, move,
-        relayout, cancel or suspend is due there, and the step is one call per worker.
-        A request that comes in later waits one more step."""
+        step can be handed out before ``flight`` is collected: the step is one call per
+        worker, the runner's work leaves the workers their cores (``scheduler.overlap``),
+        and no checkpoint, copy, move, relayout, cancel or suspend is due there. A request
+        that comes in later waits one more step."""
         done = flight.step + 1
         with self._lock:
             requested = self._relayout is not None
         return (
-            flight.overlappable
+            flight.one_call
+            and leaves_a_core([p.device for p in flight.layout.plans], self._cores)
             and done < self.snapshot.steps
             and not self._checkpoint_due(done)
             and copies is None

@@ -25,7 +25,6 @@ Two ways to drive it, the same arithmetic in the same order (bitwise equal resul
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -36,7 +35,7 @@ from scheduler.schedules import Action, Op, build, submission_order
 from workers.clipping import clip_coefficient
 from workers.group import GroupTimeout, Handle, StageFailed, StageLost, WorkerGroup
 from workers.rebalance import Layout
-from workers.snapshot import JobSnapshot, StagePlan, StageTiming, StepMetrics
+from workers.snapshot import JobSnapshot, StageTiming, StepMetrics
 from workers.timing import StepClock
 from workers.wire import Wire, send
 from workers.zoo.data import DataSource
@@ -63,10 +62,10 @@ class Flight:
     handles: tuple[Handle, ...] = ()
     relayed: _Done | None = None
     """A relayed step runs while it is handed out: its result."""
-    overlappable: bool = False
-    """Whether the next step may be handed out before this one is collected: a step run
-    peer to peer without clipping is one call per worker, and a worker runs its calls in
-    order, so each worker starts the next step's call right after this one's."""
+    one_call: bool = False
+    """Whether the step is one call per worker (peer to peer, no clipping): a worker runs
+    its calls in order, so the next step, handed out before this one is collected, starts
+    on each worker right after this one's call."""
 
 
 def start_step(
@@ -88,18 +87,7 @@ def start_step(
         return Flight(step, layout, started, relayed=done)
     handles = _hand_out(snap, group, layout, inputs, targets)
     one_call = snap.optimizer.clip_grad_norm is None
-    overlappable = one_call and leaves_a_core(layout.plans, os.cpu_count() or 1)
-    return Flight(step, layout, started, tuple(handles), overlappable=overlappable)
-
-
-def leaves_a_core(plans: Sequence[StagePlan], cores: int) -> bool:
-    """Whether the runner's work for the next step can overlap this one without taking a
-    core from a worker: a CPU virtual device keeps one core busy, so when they number the
-    runner's machine's ``cores`` (or more: counted over every node, conservatively), the
-    runner's hand-out would slow a stage. Measured on 2 cores, 2 one-thread stages of a
-    tiny model: 12 ms per step overlapped against 10 ms not; 1 stage: 2.3 ms against 3.5 ms.
-    GPU workers leave their cores idle while the device computes."""
-    return sum(not p.device.gpu for p in plans) < cores
+    return Flight(step, layout, started, tuple(handles), one_call=one_call)
 
 
 def finish_step(

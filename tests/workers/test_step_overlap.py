@@ -3,7 +3,6 @@ between them: each worker starts it right away, and the math is unchanged."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -11,14 +10,12 @@ from typing import Any
 
 import pytest
 
-from scheduler.devices import Device
 from tests.factories import SGD, job, plans
 from tests.workers.runs import assert_bitwise_equal, final_states
 from workers.checkpoints import CheckpointStore
 from workers.group import Handle, LocalGroup, RayGroup
 from workers.runner import Trainer
 from workers.snapshot import JobSnapshot, RunStatus
-from workers.step_driver import leaves_a_core
 
 
 class Spy(RayGroup):
@@ -42,22 +39,21 @@ class Spy(RayGroup):
         return super().get(handles, timeout)
 
 
-def _spied(snap: JobSnapshot) -> tuple[Trainer, list[Spy]]:
+def _spied(snap: JobSnapshot, cores: int = 2) -> tuple[Trainer, list[Spy]]:
+    """Run ``snap`` with a runner that sees ``cores`` cores (one CPU stage leaves it one)."""
     spies: list[Spy] = []
 
     def make(*args: Any) -> Spy:
         spies.append(Spy(*args))
         return spies[-1]
 
-    trainer = Trainer(snap, make)
+    trainer = Trainer(snap, make, cores=cores)
     assert trainer.run() is RunStatus.SUCCEEDED, trainer.report(0).error
     return trainer, spies
 
 
 @pytest.fixture
 def one_stage(ray_address: str, tmp_path: Path) -> JobSnapshot:
-    if (os.cpu_count() or 1) < 2:
-        pytest.skip("one CPU stage leaves the runner a core only on 2 or more cores")
     import ray
 
     node = str(ray.get_runtime_context().get_node_id())
@@ -97,15 +93,9 @@ def test_clipping_and_copies_collect_every_step_before_the_next(one_stage: JobSn
     assert spy.outstanding == [1, 1, 1]  # each boundary copies the step's state
 
 
-def _device(i: int, gpu: bool) -> Device:
-    return Device(f"d{i}", "n", i, "gpu" if gpu else "cpu", 1024, gpu=gpu)
-
-
-@pytest.mark.unit
-def test_overlap_needs_a_core_the_cpu_workers_leave_free() -> None:
-    cpu = [replace(p, device=_device(i, False)) for i, p in enumerate(plans([(0, 2), (2, 4)]))]
-    gpu = [replace(p, device=_device(i, True)) for i, p in enumerate(cpu)]
-    assert leaves_a_core(cpu, cores=4)
-    assert not leaves_a_core(cpu, cores=2)  # two one-thread stages on two cores
-    assert leaves_a_core(gpu, cores=2)  # GPU workers wait on their devices
-    assert leaves_a_core(cpu[:1], cores=2)
+@pytest.mark.integration
+def test_steps_do_not_overlap_where_the_cpu_workers_take_every_core(
+    one_stage: JobSnapshot,
+) -> None:
+    _, (spy,) = _spied(replace(one_stage, steps=3), cores=1)
+    assert spy.outstanding == [1, 1, 1]  # the runner's work would take the stage's core
