@@ -100,6 +100,35 @@ def events(factory: SessionFactory, job_id: str) -> list[JobEvent]:
         )
 
 
+def latest_checkpoint(factory: SessionFactory, job_id: str) -> int:
+    """The step of the job's latest checkpoint the controller has recorded (0: none)."""
+    with factory() as session:
+        step = session.scalar(
+            sa.select(sa.func.max(Checkpoint.step)).where(Checkpoint.job_id == job_id)
+        )
+    return int(step or 0)
+
+
+def run_past_a_checkpoint(controller: Controller, factory: SessionFactory, job_id: str) -> None:
+    """Reconcile until the running job has trained past a checkpoint the controller recorded
+    (the job must have steps enough not to end meanwhile)."""
+    reconcile_until(
+        controller,
+        lambda: latest_checkpoint(factory, job_id) >= 10 and job(factory, job_id).step >= 12,
+        what=lambda: (job(factory, job_id).state, job(factory, job_id).step),
+    )
+
+
+def resumed_and_stepping(factory: SessionFactory, job_id: str) -> bool:
+    """The job was resumed from a checkpoint, runs, and has trained past both its resume step
+    and the step at which it lost its runner (if it did)."""
+    history = events(factory, job_id)
+    resumed = [e.data["step"] for e in history if e.kind == "resumed"]
+    lost = [e.data["step"] for e in history if e.kind == "runner_lost"]
+    row = job(factory, job_id)
+    return bool(resumed) and row.state == "RUNNING" and row.step > max(resumed + lost) + 2
+
+
 def test_job_trains_to_success_with_metrics_events_and_checkpoints(
     session_factory: SessionFactory, cluster: Cluster, tmp_path: Path
 ) -> None:
@@ -159,12 +188,17 @@ def test_a_dead_runner_is_restarted_from_the_latest_checkpoint(
     once; steps the dead runner trained past the controller's last poll and checkpointed are
     not trained again, so their metrics are the ones missing."""
     controller = make_controller(session_factory, cluster, tmp_path)
-    job_id = submit(
-        session_factory, owner(session_factory), steps=40, checkpoint={"every_steps": 10, "keep": 2}
-    )
-    reconcile_until(controller, lambda: job(session_factory, job_id).step >= 12)
+    who = owner(session_factory)
+    job_id = submit(session_factory, who, steps=100_000)  # ends only when cancelled
+    run_past_a_checkpoint(controller, session_factory, job_id)
     cluster.stop_runner(job_id)
-    reconcile_until(controller, lambda: job(session_factory, job_id).state == "SUCCEEDED")
+    reconcile_until(
+        controller,
+        lambda: resumed_and_stepping(session_factory, job_id),
+        what=lambda: [(e.kind, e.message) for e in events(session_factory, job_id)],
+    )
+    request_cancel(session_factory, who, job_id)
+    reconcile_until(controller, lambda: job(session_factory, job_id).state == "CANCELLED")
     history = events(session_factory, job_id)
     (lost,) = [e for e in history if e.kind == "runner_lost"]
     assert lost.data["resume_step"] >= 10
@@ -178,10 +212,10 @@ def test_a_dead_runner_is_restarted_from_the_latest_checkpoint(
     assert job(session_factory, job_id).attempt == 2
     with session_factory() as session:
         steps = list(session.scalars(sa.select(JobMetric.step).where(JobMetric.job_id == job_id)))
-    recorded = set(steps)
-    assert len(recorded) == len(steps) and job(session_factory, job_id).step == 40
+    recorded, last = set(steps), job(session_factory, job_id).step
+    assert len(recorded) == len(steps) and max(recorded) == last
     assert set(range(1, lost.data["step"] + 1)) <= recorded
-    assert set(range(resumed.data["step"] + 1, 41)) <= recorded
+    assert set(range(resumed.data["step"] + 1, last + 1)) <= recorded
 
 
 def test_a_runner_that_keeps_dying_fails_the_job_with_the_reason(
@@ -204,18 +238,20 @@ def test_restart_resumes_from_the_latest_checkpoint(
 ) -> None:
     controller = make_controller(session_factory, cluster, tmp_path)
     who = owner(session_factory)
-    job_id = submit(session_factory, who, steps=40, checkpoint={"every_steps": 10, "keep": 2})
-    reconcile_until(controller, lambda: job(session_factory, job_id).step >= 12)
+    job_id = submit(session_factory, who, steps=100_000)  # ends only when cancelled
+    run_past_a_checkpoint(controller, session_factory, job_id)
     cluster.stop_runner(job_id)
     with session_factory() as session, session.begin():  # failed, as a crash would leave it
         row = session.get(Job, job_id)
         assert row is not None
         transition(session, row, JobState.FAILED, "the test failed it", error="failed")
     restart_job(session_factory, who, job_id)
-    reconcile_until(controller, lambda: job(session_factory, job_id).state == "SUCCEEDED")
+    reconcile_until(controller, lambda: resumed_and_stepping(session_factory, job_id))
     resumed = [e for e in events(session_factory, job_id) if e.kind == "resumed"]
     assert len(resumed) == 1 and resumed[0].data["step"] >= 10
     assert job(session_factory, job_id).attempt == 2
+    request_cancel(session_factory, who, job_id)
+    reconcile_until(controller, lambda: job(session_factory, job_id).state == "CANCELLED")
 
 
 def test_checkpoints_at_an_fsspec_url_are_written_and_resumed_from(
@@ -230,7 +266,7 @@ def test_checkpoints_at_an_fsspec_url_are_written_and_resumed_from(
     controller = Controller(session_factory, cluster, ControllerConfig(checkpoint_root=root))
     who = owner(session_factory)
     job_id = submit(session_factory, who, steps=300, checkpoint={"every_steps": 10, "keep": 2})
-    reconcile_until(controller, lambda: job(session_factory, job_id).step >= 12)
+    run_past_a_checkpoint(controller, session_factory, job_id)
     cluster.stop_runner(job_id)
     with session_factory() as session, session.begin():
         row = session.get(Job, job_id)
