@@ -242,9 +242,14 @@ class Rebalancer:
         running layout are in."""
         return samples % self._every == 0
 
-    def asks_next(self) -> bool:
-        """Whether the policy is asked after the next step."""
-        return self.asks(len(self._history) + 1)
+    def asks_after(self, steps: int) -> bool:
+        """Whether the policy is asked after the next ``steps`` steps."""
+        return self.asks(len(self._history) + steps)
+
+    def steps_to_ask(self, unrecorded: int = 0) -> int:
+        """How many steps from now until the policy is next asked, ``unrecorded`` steps
+        (trained, not yet passed to ``after_step``) counted as done."""
+        return self._every - (len(self._history) + unrecorded) % self._every
 
     def restart(self) -> None:
         """The layout changed by other means (a relayout): measure it from scratch."""

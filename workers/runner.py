@@ -29,7 +29,7 @@ from dataclasses import asdict
 from itertools import pairwise
 from typing import Any
 
-from scheduler.overlap import leaves_a_core
+from scheduler.overlap import leaves_a_core, steps_per_call
 from workers.checkpoint_writer import CheckpointWriter
 from workers.checkpoints import CheckpointStore, Restorable
 from workers.group import GroupFactory, RayGroup, StageFailed, StageLost, WorkerGroup
@@ -131,6 +131,8 @@ class Trainer:
         """The next step, handed out before the last one was collected."""
         self._ended = float("-inf")
         """When the last step was collected."""
+        self._batch_bytes = 0
+        """The bytes of one step's batch, once one was drawn."""
 
     # ------------------------------------------------------------------ thread-safe API
 
@@ -213,15 +215,15 @@ class Trainer:
                 if self._suspending.is_set() and self._ahead is None:
                     return self._suspend(group, layout, store, step)
                 try:
-                    layout = self._boundary(group, layout, data, store, step, rebalancer, copies)
+                    layout, step = self._boundary(
+                        group, layout, data, store, step, rebalancer, copies
+                    )
                 except StageLost as exc:
                     if copies is None:
                         raise
                     layout, step = self._recover(group, layout, exc, step, copies)
                     if rebalancer is not None:
                         rebalancer.restart()
-                    continue
-                step += 1
             self._writer.flush()  # SUCCEEDED once the last checkpoint is complete
             return self._finish(RunStatus.SUCCEEDED)
         except StageLost as exc:  # the message names the stage and device
@@ -248,28 +250,39 @@ class Trainer:
         step: int,
         rebalancer: Rebalancer | None,
         copies: Copies | None,
-    ) -> Layout:
-        """Train step ``step`` and do what follows it: checkpoint, rebalance, relayout, copy.
-        The layout the next step runs on."""
+    ) -> tuple[Layout, int]:
+        """Train the steps after ``step`` handed out in one call (one step, or several where
+        the boundaries between them need nothing: ``scheduler.overlap``) and do what follows
+        the last: checkpoint, rebalance, relayout, copy. The layout the next step runs on,
+        and the steps done."""
         snap = self.snapshot
-        flight = self._ahead or self._start(group, layout, data, step)
+        flight = self._ahead or self._start(group, layout, data, step, rebalancer, copies)
         quiet = self._quiet(flight, rebalancer, copies)
-        self._ahead = self._start(group, layout, data, step + 1) if quiet else None
-        metrics, self._ended = finish_step(
+        self._ahead = (
+            self._start(group, layout, data, flight.end, rebalancer, copies, flight.count)
+            if quiet
+            else None
+        )
+        steps, self._ended = finish_step(
             snap, group, flight, timeout=self._timeout, clock=self._clock, since=self._ended
         )
         if copies is not None:
             copies.confirm(group, self._timeout)  # the previous boundary's copies
-        self._record(metrics)
-        done = step + 1
+        *inside, last = steps
+        for metrics in inside:  # boundaries within the call: the policy is not asked there
+            self._record(metrics)
+            if rebalancer is not None:
+                rebalancer.after_step(group, layout, metrics)
+        self._record(last)
+        done = flight.end
         if done == snap.steps or self._checkpoint_due(done):
             self._checkpoint(group, layout, store, done)
         if done == snap.steps:
-            return layout
+            return layout, done
         if rebalancer is not None:
-            layout = rebalancer.after_step(group, layout, metrics)  # quiet: never moves
+            layout = rebalancer.after_step(group, layout, last)  # quiet: never moves
         if quiet:  # a relayout requested meanwhile waits for the next boundary
-            return layout
+            return layout, done
         with self._lock:
             request, self._relayout = self._relayout, None
         if request is not None:
@@ -278,7 +291,7 @@ class Trainer:
                 rebalancer.restart()
         if copies is not None:
             copies.refresh(group, layout, done)
-        return layout
+        return layout, done
 
     def _suspend(
         self, group: WorkerGroup, layout: Layout, store: CheckpointStore, step: int
@@ -381,26 +394,64 @@ class Trainer:
         )
         return checked
 
-    def _start(self, group: WorkerGroup, layout: Layout, data: DataSource, step: int) -> Flight:
+    def _start(
+        self,
+        group: WorkerGroup,
+        layout: Layout,
+        data: DataSource,
+        step: int,
+        rebalancer: Rebalancer | None,
+        copies: Copies | None,
+        unrecorded: int = 0,
+    ) -> Flight:
+        """Hand out the steps after ``step``: as many in one call as ``_span`` allows;
+        ``unrecorded`` steps before them are still in flight."""
         relay = self._connect(group, layout, step)
-        return start_step(
+        one_call = not relay and self.snapshot.optimizer.clip_grad_norm is None
+        count = self._span(step, rebalancer, copies, unrecorded) if one_call else 1
+        flight = start_step(
             self.snapshot,
             group,
             layout,
             data,
             step,
+            count,
             relay=relay,
             timeout=self._timeout,
             clock=self._clock,
         )
+        self._batch_bytes = flight.batch_bytes
+        return flight
+
+    def _span(
+        self, step: int, rebalancer: Rebalancer | None, copies: Copies | None, unrecorded: int
+    ) -> int:
+        """How many steps after ``step`` to hand out in one call (``scheduler.overlap``):
+        up to the next boundary with work for the runner (a checkpoint, the policy's ask,
+        the run's end; every boundary when copies are kept or a request waits)."""
+        snap = self.snapshot
+        with self._lock:
+            waiting = self._relayout is not None
+        if copies is not None or waiting or self._cancelled.is_set() or self._suspending.is_set():
+            return 1
+        every = snap.checkpoint_every
+        until = snap.steps - step
+        if every > 0:
+            until = min(until, every - step % every)
+        if rebalancer is not None:
+            until = min(until, rebalancer.steps_to_ask(unrecorded))
+        with self._lock:
+            last = next((m for m in reversed(self._log) if isinstance(m, StepMetrics)), None)
+        step_s = last.step_time_s if last is not None else None
+        return steps_per_call(step_s, self._batch_bytes, until)
 
     def _quiet(self, flight: Flight, rebalancer: Rebalancer | None, copies: Copies | None) -> bool:
         """Whether the boundary after ``flight`` needs nothing of the workers, so the next
-        step can be handed out before ``flight`` is collected: the step is one call per
+        call can be handed out before ``flight`` is collected: the steps are one call per
         worker, the runner's work leaves the workers their cores (``scheduler.overlap``),
         and no checkpoint, copy, move, relayout, cancel or suspend is due there. A request
-        that comes in later waits one more step."""
-        done = flight.step + 1
+        that comes in later waits one more call."""
+        done = flight.end
         with self._lock:
             requested = self._relayout is not None
         return (
@@ -409,7 +460,7 @@ class Trainer:
             and done < self.snapshot.steps
             and not self._checkpoint_due(done)
             and copies is None
-            and (rebalancer is None or not rebalancer.asks_next())
+            and (rebalancer is None or not rebalancer.asks_after(flight.count))
             and not (requested or self._cancelled.is_set() or self._suspending.is_set())
         )
 

@@ -93,11 +93,13 @@ class StageSetup:
 @dataclass(frozen=True)
 class StepOutcome:
     """What one stage's ``step`` returns: the last stage's micro-batch losses (empty
-    elsewhere), its gradients' norms (``workers.clipping``) and where its time went."""
+    elsewhere), its gradients' norms (``workers.clipping``), where its time went, and the
+    step's wall seconds on this stage (from its call to its end, waits included)."""
 
     losses: tuple[float, ...]
     norms: Wire
     clock: StepClock
+    seconds: float = 0.0
 
 
 @dataclass
@@ -311,6 +313,7 @@ class Stage:
         the neighbours over its links; then sum the gradients over the replicas, and
         (``update``) apply them. Any failure closes the links first, so the neighbours
         fail at once instead of waiting out their timeouts."""
+        started = time.perf_counter()
         program = programs_for(schedule, depth, micro_batches)[self.index]
         try:
             batch = None if inputs is None else self._receive(inputs)
@@ -330,7 +333,26 @@ class Stage:
         if update:
             self._update(None)
         values = torch.stack(losses).tolist() if losses else []  # the step's one read
-        return StepOutcome(tuple(float(v) for v in values), norms, self.lap())
+        clock = self.lap()
+        seconds = time.perf_counter() - started
+        return StepOutcome(tuple(float(v) for v in values), norms, clock, seconds)
+
+    def steps(
+        self,
+        schedule: str,
+        depth: int,
+        micro_batches: int,
+        inputs: Sequence[Wire | None],
+        targets: Sequence[Wire | None],
+        scale: float,
+    ) -> list[StepOutcome]:
+        """``len(inputs)`` steps back to back, each as ``step`` with its own batch, each
+        applying its gradients (``scheduler.overlap``: several steps per call). A failed
+        step ends the call: the steps after it do not run."""
+        return [
+            self.step(schedule, depth, micro_batches, x, y, scale, True)
+            for x, y in zip(inputs, targets, strict=True)
+        ]
 
     def link_keep(self, names: dict[int, str | None]) -> None:
         """Keep only the links named in ``names`` (by neighbour offset, -1 or +1)."""

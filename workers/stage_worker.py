@@ -36,6 +36,7 @@ STAGE_METHODS = frozenset(
         "collective_host",
         "collective_join",
         "step",
+        "steps",
         "link_keep",
         "link_host",
         "link_join",

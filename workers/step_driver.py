@@ -9,14 +9,16 @@ gradients are the reference's.
 
 Two ways to drive it, the same arithmetic in the same order (bitwise equal results):
 
-* **Peer to peer** (``RayGroup`` with linked neighbours): one ``step`` call per worker (two
-  with clipping: the coefficient needs every stage's norms first); each stage runs its own
-  program (``workers.step_program``) and exchanges activations with its neighbours
-  directly. The runner moves only the step's inputs and targets, and reads back losses,
-  norms and timings. A step is handed out (``start_step``) and collected (``finish_step``)
-  separately, so the runner can hand out the next step before collecting this one when
-  nothing has to happen between them (``workers.runner``): each worker then starts the
-  next step as soon as it ends this one, instead of after a round trip through the runner.
+* **Peer to peer** (``RayGroup`` with linked neighbours): one ``steps`` call per worker
+  (``step`` and ``apply_step`` with clipping: the coefficient needs every stage's norms
+  first); each stage runs its own program (``workers.step_program``) and exchanges
+  activations with its neighbours directly. The runner moves only the steps' inputs and
+  targets, and reads back losses, norms and timings. One call may carry several steps,
+  run back to back, where the boundaries between them need nothing of the runner
+  (``scheduler.overlap``). A call is handed out (``start_step``) and collected
+  (``finish_step``) separately, so the runner can hand out the next call before collecting
+  this one when nothing has to happen between them (``workers.runner``): each worker then
+  starts it as soon as it ends this one, instead of after a round trip through the runner.
 * **Relayed** (``LocalGroup``, the reference; and wherever neighbours cannot link): every
   forward and backward is its own call, and each activation goes stage -> runner -> stage
   as a handle passed from one call to the next.
@@ -43,29 +45,38 @@ from workers.zoo.data import DataSource
 
 @dataclass(frozen=True)
 class _Done:
-    """What a step left: its losses in micro-batch order, the gradient norm, and each
-    worker's time."""
+    """What a step left: its losses in micro-batch order, the gradient norm, each worker's
+    time, and its slowest worker's wall seconds (0: not measured, a relayed step)."""
 
     losses: list[float]
     grad_norm: float
     clocks: list[StepClock]
+    seconds: float = 0.0
 
 
 @dataclass(frozen=True)
 class Flight:
-    """A step handed out to its workers and not yet collected (``finish_step``)."""
+    """Steps handed out to their workers and not yet collected (``finish_step``)."""
 
     step: int
-    """The step's batch: it trains step ``step + 1``."""
+    """The first step's batch: it trains steps ``step + 1`` to ``end``."""
+    count: int
     layout: Layout
     started: float
     handles: tuple[Handle, ...] = ()
     relayed: _Done | None = None
     """A relayed step runs while it is handed out: its result."""
+    batch_bytes: int = 0
+    """The bytes of one step's batch (inputs and targets)."""
     one_call: bool = False
-    """Whether the step is one call per worker (peer to peer, no clipping): a worker runs
-    its calls in order, so the next step, handed out before this one is collected, starts
-    on each worker right after this one's call."""
+    """Whether the steps are one call per worker (peer to peer, no clipping): a worker runs
+    its calls in order, so the next call, handed out before this one is collected, starts
+    on each worker right after this one."""
+
+    @property
+    def end(self) -> int:
+        """The step the workers have trained once the flight is in."""
+        return self.step + self.count
 
 
 def start_step(
@@ -74,20 +85,28 @@ def start_step(
     layout: Layout,
     data: DataSource,
     step: int,
+    count: int,
     *,
     relay: bool,
     timeout: float,
     clock: Callable[[], float],
 ) -> Flight:
-    """Hand out step ``step + 1`` (on batch ``step``) to the workers of ``layout``."""
+    """Hand out steps ``step + 1`` to ``step + count`` (on batches ``step`` onwards) to the
+    workers of ``layout``: in one call per worker, back to back. A relayed step, or one
+    that clips its gradients, is handed out alone (``count`` must be 1)."""
+    one_call = not relay and snap.optimizer.clip_grad_norm is None
+    if count != 1 and not one_call:
+        raise ValueError(f"{count} steps in one call: only unclipped peer-to-peer steps can be")
     started = clock()
-    inputs, targets = data.batch(step, snap.batch_size)
+    batches = [data.batch(step + i, snap.batch_size) for i in range(count)]
+    nbytes = sum(t.nbytes for t in batches[0])
     if relay:
-        done = _relayed(snap, group, layout, inputs, targets, timeout)
-        return Flight(step, layout, started, relayed=done)
-    handles = _hand_out(snap, group, layout, inputs, targets)
-    one_call = snap.optimizer.clip_grad_norm is None
-    return Flight(step, layout, started, tuple(handles), one_call=one_call)
+        done = _relayed(snap, group, layout, *batches[0], timeout)
+        return Flight(step, 1, layout, started, relayed=done, batch_bytes=nbytes)
+    handles = _hand_out(snap, group, layout, batches)
+    return Flight(
+        step, count, layout, started, tuple(handles), batch_bytes=nbytes, one_call=one_call
+    )
 
 
 def finish_step(
@@ -98,16 +117,38 @@ def finish_step(
     timeout: float,
     clock: Callable[[], float],
     since: float,
-) -> tuple[StepMetrics, float]:
-    """Collect ``flight`` and measure it; and when it ended. A step handed out before the
-    previous one ended (``since``) is timed from there: its workers were busy until then."""
-    done = flight.relayed
-    if done is None:
-        done = _collect(snap, group, flight.layout, flight.handles, timeout)
+) -> tuple[list[StepMetrics], float]:
+    """Collect ``flight`` and measure each of its steps; and when it ended. A call handed
+    out before the previous one ended (``since``) is timed from there: its workers were busy
+    until then. The call's time is shared among its steps as their workers measured them
+    (a step's time: its slowest worker's)."""
+    dones = (
+        [flight.relayed]
+        if flight.relayed is not None
+        else _collect(snap, group, flight.layout, flight.handles, flight.count, timeout)
+    )
     ended = clock()
     elapsed = ended - max(flight.started, since)
-    metrics = StepMetrics(
-        step=flight.step + 1,
+    weights = [done.seconds for done in dones]
+    total = sum(weights)
+    metrics = [
+        _metrics(
+            snap,
+            flight.layout,
+            flight.step + 1 + i,
+            done,
+            elapsed * weight / total if total > 0 else elapsed / len(dones),
+        )
+        for i, (done, weight) in enumerate(zip(dones, weights, strict=True))
+    ]
+    return metrics, ended
+
+
+def _metrics(
+    snap: JobSnapshot, layout: Layout, step: int, done: _Done, elapsed: float
+) -> StepMetrics:
+    return StepMetrics(
+        step=step,
         loss=float(sum(done.losses)),
         samples_per_s=snap.batch_size / elapsed if elapsed > 0 else 0.0,
         step_time_s=elapsed,
@@ -121,34 +162,40 @@ def finish_step(
                 allreduce_s=c.allreduce_s,
                 transfer_s=c.transfer_s,
             )
-            for p, c in zip(flight.layout.plans, done.clocks, strict=True)
+            for p, c in zip(layout.plans, done.clocks, strict=True)
         ),
         grad_norm=done.grad_norm,
     )
-    return metrics, ended
 
 
 def _hand_out(
     snap: JobSnapshot,
     group: WorkerGroup,
     layout: Layout,
-    inputs: Tensor,
-    targets: Tensor,
+    batches: Sequence[tuple[Tensor, Tensor]],
 ) -> list[Handle]:
-    """One ``step`` call per worker of the peer-to-peer path."""
+    """One call per worker of the peer-to-peer path: ``steps`` over ``batches`` (``step``
+    without the update where the gradients are clipped first)."""
     depth = layout.depth
     rows = snap.batch_size // snap.micro_batches
     scale = rows / snap.batch_size
-    update = snap.optimizer.clip_grad_norm is None
+    clipped = snap.optimizer.clip_grad_norm is not None
     handles: list[Handle] = []
     offset = 0
     for r, count in enumerate(layout.split):
         part = slice(offset * rows, (offset + count) * rows)
-        x, y = send(inputs[part]), send(targets[part])
+        xs = [send(inputs[part]) for inputs, _ in batches]
+        ys = [send(targets[part]) for _, targets in batches]
         for s in range(depth):
-            first, last = s == 0, s == depth - 1
-            args = (x if first else None, y if last else None, scale, update)
-            handles.append(group.submit(r * depth + s, "step", snap.schedule, depth, count, *args))
+            w = r * depth + s
+            x = xs if s == 0 else [None] * len(batches)
+            y = ys if s == depth - 1 else [None] * len(batches)
+            if clipped:
+                handles.append(
+                    group.submit(w, "step", snap.schedule, depth, count, x[0], y[0], scale, False)
+                )
+            else:
+                handles.append(group.submit(w, "steps", snap.schedule, depth, count, x, y, scale))
         offset += count
     return handles
 
@@ -158,10 +205,11 @@ def _collect(
     group: WorkerGroup,
     layout: Layout,
     handles: Sequence[Handle],
+    count: int,
     timeout: float,
-) -> _Done:
-    """The peer-to-peer step's results; with clipping, its second call (the coefficient
-    needs every stage's norms first)."""
+) -> list[_Done]:
+    """The peer-to-peer call's results, step by step; with clipping (one step), its second
+    call (the coefficient needs every stage's norms first)."""
     depth = layout.depth
     max_norm = snap.optimizer.clip_grad_norm
     try:
@@ -169,13 +217,18 @@ def _collect(
     except (StageFailed, StageLost, GroupTimeout):
         group.disconnect()  # a failed step's stages closed their links
         raise
-    losses = [value for outcome in outcomes for value in outcome.losses]  # replica order
-    grad_norm, clip = clip_coefficient([o.norms for o in outcomes[:depth]], max_norm)
-    clocks = [o.clock for o in outcomes]
-    if clip is not None:
-        updates = [group.submit(w, "apply_step", clip) for w in range(len(outcomes))]
-        clocks = [_add(a, b) for a, b in zip(clocks, group.get(updates, timeout), strict=True)]
-    return _Done(losses, grad_norm, clocks)
+    by_step = [[o] for o in outcomes] if max_norm is not None else outcomes
+    dones = []
+    for i in range(count):
+        step = [worker[i] for worker in by_step]
+        losses = [value for outcome in step for value in outcome.losses]  # replica order
+        grad_norm, clip = clip_coefficient([o.norms for o in step[:depth]], max_norm)
+        clocks = [o.clock for o in step]
+        if clip is not None:
+            updates = [group.submit(w, "apply_step", clip) for w in range(len(step))]
+            clocks = [_add(a, b) for a, b in zip(clocks, group.get(updates, timeout), strict=True)]
+        dones.append(_Done(losses, grad_norm, clocks, max(o.seconds for o in step)))
+    return dones
 
 
 def _relayed(

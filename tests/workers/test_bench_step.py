@@ -71,6 +71,7 @@ def test_settings_refuse_what_cannot_run() -> None:
 @pytest.mark.unit
 def test_step_seconds_are_the_gaps_between_step_boundaries() -> None:
     assert step_seconds(1.0, [3.0, 3.5, 4.5]) == [2.0, 0.5, 1.0]
+    assert step_seconds(1.0, [3.0, 4.0, 4.0, 4.0, 4.5]) == [2.0, 1 / 3, 1 / 3, 1 / 3, 0.5]
     assert step_seconds(1.0, []) == []
 
 

@@ -391,9 +391,13 @@ def test_the_policy_is_asked_once_per_window_and_the_runner_knows_when() -> None
     layout = Layout(plans([(0, 2), (2, 4)]), (2,))
     timings = tuple(StageTiming(p.index, p.device.id, 0.1, 0.0) for p in layout.plans)
     no_moves: Any = None  # a policy that keeps never touches the group
-    announced = []
+    announced, until, until_in_flight = [], [], []
     for step in range(1, 8):
-        announced.append(rebalancer.asks_next())
+        announced.append(rebalancer.asks_after(1))
+        until.append(rebalancer.steps_to_ask())
+        until_in_flight.append(rebalancer.steps_to_ask(unrecorded=1))
         rebalancer.after_step(no_moves, layout, StepMetrics(step, 1.0, 1.0, 0.2, timings))
     assert asked == [3, 6]
     assert announced == [False, False, True, False, False, True, False]
+    assert until == [3, 2, 1, 3, 2, 1, 3]
+    assert until_in_flight == [2, 1, 3, 2, 1, 3, 2]

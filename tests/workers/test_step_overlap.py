@@ -1,5 +1,5 @@
-"""The runner hands out the next step before collecting the last one where nothing happens
-between them: each worker starts it right away, and the math is unchanged."""
+"""The runner hands out several steps per call, and the next call before collecting the
+last, where the boundaries between them need nothing of it; the math is unchanged."""
 
 from __future__ import annotations
 
@@ -10,36 +10,43 @@ from typing import Any
 
 import pytest
 
+from scheduler.elastic import Decision, ElasticConfig, Keep, StageSample
 from tests.factories import SGD, job, plans
 from tests.workers.runs import assert_bitwise_equal, final_states
 from workers.checkpoints import CheckpointStore
 from workers.group import Handle, LocalGroup, RayGroup
+from workers.rebalance import Layout
 from workers.runner import Trainer
 from workers.snapshot import JobSnapshot, RunStatus
 
+STEP_CALLS = {"step", "steps"}
+
 
 class Spy(RayGroup):
-    """A RayGroup that counts, at every collection of a step, how many steps its workers
-    had been handed (the step being collected included)."""
+    """A RayGroup that records, at every collection of a call, how many calls its workers
+    had been handed (the one collected included) and how many steps that call carried."""
 
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
-        self.handed = 0
-        self.outstanding: list[int] = []
+        self.handed: list[int] = []
+        self.collected: list[tuple[int, int]] = []
 
     def submit(self, stage: int, method: str, *args: Any) -> Handle:
-        if method == "step" and stage == 0:
-            self.handed += 1
+        if method in STEP_CALLS and stage == 0:
+            self.handed.append(len(args[3]) if method == "steps" else 1)
         return super().submit(stage, method, *args)
 
     def get(self, handles: Sequence[Handle], timeout: float) -> list[Any]:
-        if handles and all(h.method == "step" for h in handles):
-            self.outstanding.append(self.handed)
-            self.handed -= 1
+        if handles and all(h.method in STEP_CALLS for h in handles):
+            self.collected.append((len(self.handed), self.handed.pop(0)))
         return super().get(handles, timeout)
 
+    @property
+    def steps_collected(self) -> int:
+        return sum(steps for _, steps in self.collected)
 
-def _spied(snap: JobSnapshot, cores: int = 2) -> tuple[Trainer, list[Spy]]:
+
+def _spied(snap: JobSnapshot, cores: int = 2, policy: Any = None) -> tuple[Trainer, list[Spy]]:
     """Run ``snap`` with a runner that sees ``cores`` cores (one CPU stage leaves it one)."""
     spies: list[Spy] = []
 
@@ -47,7 +54,7 @@ def _spied(snap: JobSnapshot, cores: int = 2) -> tuple[Trainer, list[Spy]]:
         spies.append(Spy(*args))
         return spies[-1]
 
-    trainer = Trainer(snap, make, cores=cores)
+    trainer = Trainer(snap, make, cores=cores, policy=policy)
     assert trainer.run() is RunStatus.SUCCEEDED, trainer.report(0).error
     return trainer, spies
 
@@ -61,14 +68,16 @@ def one_stage(ray_address: str, tmp_path: Path) -> JobSnapshot:
 
 
 @pytest.mark.integration
-def test_the_next_step_is_handed_out_except_where_a_boundary_needs_the_workers(
+def test_steps_are_handed_out_together_and_early_except_where_a_boundary_needs_the_workers(
     one_stage: JobSnapshot, tmp_path: Path
 ) -> None:
     snap = replace(one_stage, checkpoint_every=3, checkpoint_keep=0)
     trainer, (spy,) = _spied(snap)
-    # Steps 1, 2, 4 and 5 are collected with the next one already handed out; steps 3 and
-    # 6 end at a checkpoint (its states must be those of that step), 6 is also the last.
-    assert spy.outstanding == [2, 2, 1, 2, 2, 1]
+    # (calls handed out, steps in the call collected): steps 1 and 2 go one per call (no
+    # step time is known yet when they are handed out), each collected with the next call
+    # already handed out; step 3 ends at a checkpoint (its states must be those of that
+    # step); steps 4-6 then go in one call, up to the run's end.
+    assert spy.collected == [(2, 1), (2, 1), (1, 1), (1, 3)]
     metrics = trainer.report(0).metrics
     assert [m.step for m in metrics] == [1, 2, 3, 4, 5, 6]
     assert all(m.step_time_s > 0 for m in metrics)
@@ -87,15 +96,40 @@ def test_the_next_step_is_handed_out_except_where_a_boundary_needs_the_workers(
 def test_clipping_and_copies_collect_every_step_before_the_next(one_stage: JobSnapshot) -> None:
     clipped = replace(one_stage, optimizer=replace(SGD, clip_grad_norm=0.05), steps=3)
     _, (spy,) = _spied(clipped)
-    assert spy.outstanding == [1, 1, 1]  # the update waits for every stage's norms
+    assert spy.collected == [(1, 1)] * 3  # the update waits for every stage's norms
     copied = replace(one_stage, keep_copies=True, steps=3, job_id="job-copies")
     _, (spy,) = _spied(copied)
-    assert spy.outstanding == [1, 1, 1]  # each boundary copies the step's state
+    assert spy.collected == [(1, 1)] * 3  # each boundary copies the step's state
 
 
 @pytest.mark.integration
-def test_steps_do_not_overlap_where_the_cpu_workers_take_every_core(
+def test_calls_do_not_overlap_where_the_cpu_workers_take_every_core(
     one_stage: JobSnapshot,
 ) -> None:
-    _, (spy,) = _spied(replace(one_stage, steps=3), cores=1)
-    assert spy.outstanding == [1, 1, 1]  # the runner's work would take the stage's core
+    _, (spy,) = _spied(replace(one_stage, steps=6, checkpoint_every=3), cores=1)
+    # The runner's work would take the stage's core: one call at a time, still several
+    # steps in one where no boundary between them needs the runner.
+    assert spy.collected == [(1, 1), (1, 2), (1, 3)]
+
+
+@pytest.mark.integration
+def test_a_call_ends_where_the_policy_is_asked(one_stage: JobSnapshot) -> None:
+    spies: list[Spy] = []
+
+    def policy(layout: Layout, history: Sequence[Sequence[StageSample]]) -> Decision:
+        asked.append((len(history), spies[0].steps_collected))
+        return Keep("test")
+
+    asked: list[tuple[int, int]] = []
+    snap = replace(one_stage, steps=8, elastic=ElasticConfig(window_steps=3))
+
+    def make(*args: Any) -> Spy:
+        spies.append(Spy(*args))
+        return spies[-1]
+
+    trainer = Trainer(snap, make, cores=1, policy=policy)
+    assert trainer.run() is RunStatus.SUCCEEDED, trainer.report(0).error
+    # Asked after steps 3 and 6, each time with exactly those steps collected: no call
+    # carried steps past an ask (the policy may move blocks there).
+    assert asked == [(3, 3), (6, 6)]
+    assert spies[0].collected == [(1, 1), (1, 2), (1, 3), (1, 2)]

@@ -6,6 +6,7 @@ tests check the arithmetic; ``workers.bench.step`` measures.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -155,10 +156,13 @@ class StepSettings:
 
 def step_seconds(started: float, arrivals: Sequence[float]) -> list[float]:
     """Each step's seconds from when each step's metrics were seen (the first step's from
-    ``started``): wall time between step boundaries, whatever the runner did in between."""
-    times, before = [], started
-    for seen in arrivals:
-        times.append(seen - before)
+    ``started``): wall time between step boundaries, whatever the runner did in between.
+    Steps seen together (one call carried them: ``scheduler.overlap``) share their gap."""
+    times: list[float] = []
+    before = started
+    for seen, together in itertools.groupby(arrivals):
+        count = len(list(together))
+        times += [(seen - before) / count] * count
         before = seen
     return times
 
