@@ -318,8 +318,7 @@ class Trainer:
         in-memory copies (``workers.recovery``); the layout and the step to run next."""
         copies.drop()
         started = time.perf_counter()
-        with self._lock:
-            last = next((m for m in reversed(self._log) if isinstance(m, StepMetrics)), None)
+        last = self._last_step()
         # A survivor busy with a long micro-batch still answers within a few step times;
         # one waiting on a silently lost neighbour, once its link times out.
         ping = max(3 * last.step_time_s if last is not None else 0.0, LINK_TIMEOUT_S + 5)
@@ -440,10 +439,13 @@ class Trainer:
             until = min(until, every - step % every)
         if rebalancer is not None:
             until = min(until, rebalancer.steps_to_ask(unrecorded))
-        with self._lock:
-            last = next((m for m in reversed(self._log) if isinstance(m, StepMetrics)), None)
+        last = self._last_step()
         step_s = last.step_time_s if last is not None else None
         return steps_per_call(step_s, self._batch_bytes, until)
+
+    def _last_step(self) -> StepMetrics | None:
+        with self._lock:
+            return next((m for m in reversed(self._log) if isinstance(m, StepMetrics)), None)
 
     def _quiet(self, flight: Flight, rebalancer: Rebalancer | None, copies: Copies | None) -> bool:
         """Whether the boundary after ``flight`` needs nothing of the workers, so the next
