@@ -3,6 +3,7 @@ last, where the boundaries between them need nothing of it; the math is unchange
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -18,6 +19,9 @@ from workers.group import Handle, LocalGroup, RayGroup
 from workers.rebalance import Layout
 from workers.runner import Trainer
 from workers.snapshot import JobSnapshot, RunStatus
+from workers.stage import StepOutcome
+from workers.step_driver import Flight, finish_step
+from workers.timing import StepClock
 
 STEP_CALLS = {"step", "steps"}
 
@@ -133,3 +137,44 @@ def test_a_call_ends_where_the_policy_is_asked(one_stage: JobSnapshot) -> None:
     # carried steps past an ask (the policy may move blocks there).
     assert asked == [(3, 3), (6, 6)]
     assert spies[0].collected == [(1, 1), (1, 2), (1, 3), (1, 2)]
+
+
+class Canned:
+    """A worker group whose calls have already run: ``get`` returns each worker's outcomes."""
+
+    def __init__(self, outcomes: list[list[StepOutcome]]) -> None:
+        self.outcomes = outcomes
+
+    def get(self, handles: Sequence[Handle], timeout: float) -> list[Any]:
+        return self.outcomes
+
+
+@pytest.mark.unit
+def test_a_calls_time_is_shared_among_its_steps_as_their_slowest_workers_measured_them() -> None:
+    import torch
+
+    from workers.wire import send
+
+    two = plans([(0, 2), (2, 4)])
+
+    def outcome(seconds: float, losses: tuple[float, ...] = ()) -> StepOutcome:
+        return StepOutcome(losses, send(torch.tensor([3.0])), StepClock(0.1, 0.0), seconds)
+
+    # Steps 4-6 in one call; the last stage was the slower in step 5, the first in step 6.
+    group: Any = Canned(
+        [
+            [outcome(1.0), outcome(1.5), outcome(3.0)],
+            [outcome(0.5, (0.1, 0.2)), outcome(3.0, (0.3, 0.4)), outcome(1.0, (0.5, 0.6))],
+        ]
+    )
+    flight = Flight(3, 3, Layout(two, (2,)), started=10.0, handles=(), one_call=True)
+    snap = job("unused", [], stages=two, steps=6, optimizer=SGD)
+    metrics, ended = finish_step(snap, group, flight, timeout=1.0, clock=lambda: 17.0, since=9.0)
+    assert ended == 17.0
+    assert [m.step for m in metrics] == [4, 5, 6]
+    assert [m.step_time_s for m in metrics] == pytest.approx([1.0, 3.0, 3.0])  # 7 s: 1:3:3
+    assert [m.loss for m in metrics] == pytest.approx([0.3, 0.7, 1.1])
+    assert all(m.grad_norm == pytest.approx(math.hypot(3.0, 3.0)) for m in metrics)
+    # A call handed out while the last was still running is timed from the last one's end.
+    later, _ = finish_step(snap, group, flight, timeout=1.0, clock=lambda: 17.0, since=13.0)
+    assert sum(m.step_time_s for m in later) == pytest.approx(4.0)
