@@ -63,7 +63,7 @@ class Copies:
     def refresh(self, group: WorkerGroup, layout: Layout, step: int) -> None:
         pending = []
         for w, buddy in enumerate(buddies(layout)):
-            snap = group.submit(w, "snapshot", step)
+            snap = group.submit(w, "snapshot", step, buddy is not None)
             owner = layout.plans[w].device.id
             pending.append(
                 snap if buddy is None else group.submit(buddy, "hold", owner, step, snap)

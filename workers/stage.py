@@ -477,12 +477,13 @@ class Stage:
 
     # ------------------------------------------------- in-memory copies (lost devices)
 
-    def snapshot(self, step: int) -> dict[int, Any]:
-        """Keep the blocks' state after ``step`` steps (the last two are kept) and return it,
-        for the worker's buddy on another node to ``hold``."""
+    def snapshot(self, step: int, ship: bool = True) -> dict[int, Any] | None:
+        """Keep the blocks' state after ``step`` steps (the last two are kept) and return it
+        (``ship``) for the worker's buddy on another node to ``hold``; a lone worker has no
+        buddy, and shipping its state back to the runner each step would be all cost."""
         states = self.state()
         self._saved.append((step, states))
-        return states
+        return states if ship else None
 
     def hold(self, owner: str, step: int, states: Mapping[int, Any]) -> None:
         """Keep another worker's ``snapshot`` (the last two steps of each owner)."""

@@ -28,12 +28,15 @@ STEP_CALLS = {"step", "steps"}
 
 class Spy(RayGroup):
     """A RayGroup that records, at every collection of a call, how many calls its workers
-    had been handed (the one collected included) and how many steps that call carried."""
+    had been handed (the one collected included) and how many steps that call carried; and
+    what the runner received of each snapshot call."""
 
     def __init__(self, *args: Any) -> None:
-        super().__init__(*args)
         self.handed: list[int] = []
         self.collected: list[tuple[int, int]] = []
+        self.snapshots: list[Any] = []
+        """What the runner received of the snapshot calls it waited for."""
+        super().__init__(*args)
 
     def submit(self, stage: int, method: str, *args: Any) -> Handle:
         if method in STEP_CALLS and stage == 0:
@@ -43,7 +46,10 @@ class Spy(RayGroup):
     def get(self, handles: Sequence[Handle], timeout: float) -> list[Any]:
         if handles and all(h.method in STEP_CALLS for h in handles):
             self.collected.append((len(self.handed), self.handed.pop(0)))
-        return super().get(handles, timeout)
+        values = super().get(handles, timeout)
+        pairs = zip(handles, values, strict=True)
+        self.snapshots += [value for h, value in pairs if h.method == "snapshot"]
+        return values
 
     @property
     def steps_collected(self) -> int:
@@ -104,6 +110,8 @@ def test_clipping_and_copies_collect_every_step_before_the_next(one_stage: JobSn
     copied = replace(one_stage, keep_copies=True, steps=3, job_id="job-copies")
     _, (spy,) = _spied(copied)
     assert spy.collected == [(1, 1)] * 3  # each boundary copies the step's state
+    # A lone worker has no buddy to hold its copy: the state stays with it, never shipped.
+    assert len(spy.snapshots) >= 3 and all(s is None for s in spy.snapshots)
 
 
 @pytest.mark.integration
