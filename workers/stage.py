@@ -46,7 +46,7 @@ from workers.snapshot import JobSnapshot, ModelRef, OptimizerConf, StagePlan
 from workers.step_program import run_program
 from workers.timing import StepClock, StepTimer
 from workers.transport import LinkError, Links
-from workers.wire import Wire, receive, send
+from workers.wire import Wire, receive, receive_tree, send, send_tree
 from workers.zoo.data import loss_fn
 from workers.zoo.models import build_blocks
 from workers.zoo.registry import DataMeta
@@ -483,10 +483,11 @@ class Stage:
         buddy, and shipping its state back to the runner each step would be all cost."""
         states = self.state()
         self._saved.append((step, states))
-        return states if ship else None
+        return send_tree(states) if ship else None
 
     def hold(self, owner: str, step: int, states: Mapping[int, Any]) -> None:
-        """Keep another worker's ``snapshot`` (the last two steps of each owner)."""
+        """Keep another worker's ``snapshot`` (the last two steps of each owner), as it came:
+        in wire form (``workers.wire.send_tree``), turned back into tensors only if used."""
         self._copies.setdefault(owner, deque(maxlen=_GENERATIONS)).append((step, dict(states)))
 
     def saved_steps(self) -> dict[str, Any]:
@@ -519,7 +520,7 @@ class Stage:
                 f"stage {self.index} holds no copy of blocks {list(indices)} of {owner} at"
                 f" step {step}"
             )
-        return {i: states[i] for i in indices}
+        return {i: receive_tree(states[i], torch.device("cpu")) for i in indices}
 
     def nbytes(self) -> int:
         """Bytes of the blocks' parameters and optimizer state (memory accounting)."""

@@ -15,6 +15,7 @@ inputs (an in-place activation) or hand them to autograd.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -50,3 +51,29 @@ def receive(value: Wire, device: torch.device) -> Tensor:
     if isinstance(value, Bits):
         return torch.tensor(value.array, device=device).view(value.dtype)
     return torch.tensor(value, device=device)
+
+
+def send_tree(value: Any) -> Any:
+    """``value`` (nested dicts, lists and tuples, such as a block's state) with every tensor
+    ``send``-ed: what Ray moves fastest. A state dict's version metadata stays with it."""
+    if isinstance(value, Tensor):
+        return send(value)
+    return _map(value, send_tree)
+
+
+def receive_tree(value: Any, device: torch.device) -> Any:
+    """What ``send_tree`` was given, with fresh tensors on ``device``."""
+    if isinstance(value, np.ndarray | Bits):
+        return receive(value, device)
+    return _map(value, lambda v: receive_tree(v, device))
+
+
+def _map(value: Any, each: Any) -> Any:
+    if isinstance(value, dict):
+        out: Any = type(value)((k, each(v)) for k, v in value.items())
+        if hasattr(value, "_metadata"):  # nn.Module.state_dict's versions
+            out._metadata = value._metadata
+        return out
+    if isinstance(value, list | tuple):
+        return type(value)(each(v) for v in value)
+    return value

@@ -10,7 +10,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from workers.wire import Bits, receive, send
+from workers.wire import Bits, receive, receive_tree, send, send_tree
 
 pytestmark = pytest.mark.unit
 
@@ -63,3 +63,34 @@ def test_a_row_slice_ships_only_its_rows() -> None:
     buffers: list[pickle.PickleBuffer] = []
     pickle.dumps(send(batch[10:12]), protocol=5, buffer_callback=buffers.append)
     assert sum(b.raw().nbytes for b in buffers) == 2 * 100 * 4
+
+
+def test_a_blocks_state_travels_as_arrays_and_arrives_bitwise_with_its_versions() -> None:
+    from workers.blocks import Block
+    from workers.snapshot import OptimizerConf
+
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3)).to(torch.bfloat16)
+    block = Block(0, module, OptimizerConf("adamw", 0.01))
+    module(torch.randn(2, 4, dtype=torch.bfloat16)).float().sum().backward()
+    block.step()  # Adam's moments and 0-d step counts join the state
+    state = block.state()
+    shipped = _through_pickle(send_tree(state))
+    # On the wire every tensor is an array: what Ray moves zero-copy.
+    wired = [shipped["module"][k] for k in state["module"]]
+    assert all(isinstance(v, np.ndarray | Bits) for v in wired)
+    back = receive_tree(shipped, CPU)
+    raw = module.state_dict()  # a module's own state dict carries its versions
+    assert receive_tree(_through_pickle(send_tree(raw)), CPU)._metadata == raw._metadata
+    for key, value in state["module"].items():
+        assert back["module"][key].dtype == value.dtype
+        assert torch.equal(back["module"][key].view(torch.int16), value.view(torch.int16))
+    for index, moments in state["optimizer"]["state"].items():
+        for name, value in moments.items():
+            assert torch.equal(back["optimizer"]["state"][index][name], value), name
+    assert back["optimizer"]["param_groups"] == state["optimizer"]["param_groups"]
+    Block(
+        0,
+        torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3)).to(torch.bfloat16),
+        OptimizerConf("adamw", 0.01),
+    ).load(back)  # loads as the state itself would
