@@ -1,13 +1,15 @@
 """How the runner hands out a job's steps: several per call, and the next call early.
 
-**Several steps per call.** Each hand-out is a round trip through the runner (on 2 CPU
-cores, ~5 ms for a tiny model's step: its Ray calls, the batch put in the object store, the
-results read back), during which the workers wait. Where the boundaries between steps need
-nothing of the runner (no checkpoint, policy ask, copy or request due), the runner hands a
-worker several steps at once, with their batches; the worker runs them back to back. The
-math is the same steps in the same order. What a stretch of steps costs: a cancel, suspend
-or relayout request waits for the call to end, and the metrics come in per call, so a call
-is kept to about ``CALL_S`` seconds of steps (and ``CALL_BYTES`` of batches).
+**Several steps per call.** Each hand-out is a round trip through the runner (its Ray
+calls, the batch put in the object store, the results read back), during which the workers
+wait: measured on 2 CPU cores, a tiny model's 2-stage step took 13.2-13.8 ms handed out one
+per call against 8.5-10.4 ms several per call (4 interleaved pairs). Where the boundaries
+between steps need nothing of the runner (no checkpoint, policy ask, copy or request due),
+the runner hands a worker several steps at once, with their batches; the worker runs them
+back to back. The math is the same steps in the same order. What a stretch of steps
+costs: a cancel, suspend or relayout request waits for the call to end, and the metrics
+come in per call, so a call is kept to about ``CALL_S`` seconds of steps (and
+``CALL_BYTES`` of batches).
 
 **The next call early.** Handing the next call out before collecting the last lets every
 worker start it the moment it ends the last one. It costs the runner's work for that call

@@ -1,4 +1,5 @@
-"""How tensors cross between the runner and the stages: the one place that knows the transport.
+"""How tensors cross between processes through Ray (the runner, the stages, a stage's buddy
+holding its in-memory copy): the one place that knows that transport.
 
 A tensor leaves as a numpy array: Ray serializes numpy arrays with pickle protocol 5 out-of-band
 buffers straight into the object store, where a torch tensor takes the slower general pickle
