@@ -51,7 +51,7 @@ from workers.snapshot import (
     StepMetrics,
 )
 from workers.stage import StageSetup
-from workers.step_driver import Flight, finish_step, start_step
+from workers.step_driver import Flight, finish_step, in_one_call, start_step
 from workers.transport import LINK_TIMEOUT_S
 from workers.zoo.data import DataSource, make_data
 
@@ -406,7 +406,7 @@ class Trainer:
         """Hand out the steps after ``step``: as many in one call as ``_span`` allows;
         ``unrecorded`` steps before them are still in flight."""
         relay = self._connect(group, layout, step)
-        one_call = not relay and self.snapshot.optimizer.clip_grad_norm is None
+        one_call = in_one_call(self.snapshot, relay=relay)
         count = self._span(step, rebalancer, copies, unrecorded) if one_call else 1
         flight = start_step(
             self.snapshot,

@@ -79,6 +79,12 @@ class Flight:
         return self.step + self.count
 
 
+def in_one_call(snap: JobSnapshot, *, relay: bool) -> bool:
+    """Whether a step is one call per worker: peer to peer and without clipping (which needs
+    a second call), so several steps may share a call."""
+    return not relay and snap.optimizer.clip_grad_norm is None
+
+
 def start_step(
     snap: JobSnapshot,
     group: WorkerGroup,
@@ -94,7 +100,7 @@ def start_step(
     """Hand out steps ``step + 1`` to ``step + count`` (on batches ``step`` onwards) to the
     workers of ``layout``: in one call per worker, back to back. A relayed step, or one
     that clips its gradients, is handed out alone (``count`` must be 1)."""
-    one_call = not relay and snap.optimizer.clip_grad_norm is None
+    one_call = in_one_call(snap, relay=relay)
     if count != 1 and not one_call:
         raise ValueError(f"{count} steps in one call: only unclipped peer-to-peer steps can be")
     started = clock()
