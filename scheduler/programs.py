@@ -137,6 +137,14 @@ def _channel_orders(schedule: Schedule, timeline: Timeline) -> tuple[Channel, ..
     return tuple(orders)
 
 
+RECEIVES_AHEAD = 2
+"""How many receives a stage keeps posted on one channel before it waits for them: the one
+it needs next and one more. Gloo moves a send's data only once the receiver has posted the
+receive (it tells the sender so), so a receive posted only when it is needed costs a round
+trip between the two processes before the data flows; posted one ahead, the data arrives
+while the stage computes. Each costs one boundary-sized buffer held early."""
+
+
 @dataclass
 class _Builder:
     """Emits one stage's program, posting each channel's transfers strictly in its order."""
@@ -144,25 +152,45 @@ class _Builder:
     channels: dict[int, Channel]  # by neighbour offset
     instrs: list[Instr] = field(default_factory=list)
     cursor: dict[int, int] = field(default_factory=lambda: {-1: 0, 1: 0})
+    unwaited: dict[int, int] = field(default_factory=lambda: {-1: 0, 1: 0})
 
     def post_through(self, transfer: Transfer) -> None:
         """Post ``transfer`` and every earlier transfer of its channel not posted yet (the
-        receives that the peer's order puts first)."""
+        receives that the peer's order puts first), then the receives that follow it, up
+        to ``RECEIVES_AHEAD`` posted and not yet waited."""
         peer = transfer.peer
         order = self.channels[peer]
         end = order.index((transfer.flow, transfer.microbatch)) + 1
+        end = max(end, self.cursor[peer])
+        while end < len(order) and self._receives(order[end], peer):
+            pending = sum(1 for f, _ in order[self.cursor[peer] : end] if self._receives(f, peer))
+            if self.unwaited[peer] + pending >= RECEIVES_AHEAD:
+                break
+            end += 1
         batch = tuple(
-            Transfer(flow, j, send=(flow is Flow.ACT) == (peer > 0))
+            Transfer(flow, j, send=not self._receives((flow, j), peer))
             for flow, j in order[self.cursor[peer] : end]
         )
         if not batch:
             return
         self.cursor[peer] = end
+        self.unwaited[peer] += sum(1 for t in batch if not t.send)
         last = self.instrs[-1] if self.instrs else None
         if isinstance(last, Post) and last.transfers[0].peer == peer:
             self.instrs[-1] = Post(last.transfers + batch)
         else:
             self.instrs.append(Post(batch))
+
+    def wait(self, transfer: Transfer) -> None:
+        self.instrs.append(Wait(transfer))
+        self.unwaited[transfer.peer] -= 1
+
+    @staticmethod
+    def _receives(item: tuple[Flow, int] | Flow, peer: int) -> bool:
+        """Whether this stage receives a transfer of the item's flow from ``peer``:
+        activations come from below, gradients from above."""
+        flow = item if isinstance(item, Flow) else item[0]
+        return (flow is Flow.ACT) == (peer < 0)
 
 
 def stage_programs(schedule: Schedule) -> tuple[Program, ...]:
@@ -179,7 +207,7 @@ def stage_programs(schedule: Schedule) -> tuple[Program, ...]:
             needed = _input(action, stages)
             if needed is not None:
                 builder.post_through(needed)
-                builder.instrs.append(Wait(needed))
+                builder.wait(needed)
             builder.instrs.append(Run(action))
             produced = _output(action, stages)
             if produced is not None:

@@ -28,9 +28,9 @@ Decorator = Callable[[Callable[..., Any]], Callable[..., Any]]
 """What an option maker below returns: ``click.option(...)`` for one command's defaults."""
 
 
-def _repeats(default: int, most: int = 50) -> Decorator:
+def _repeats(default: int, most: int = 50, what: str | None = None) -> Decorator:
     return click.option(
-        "--repeats", default=default, show_default=True, type=click.IntRange(1, most)
+        "--repeats", default=default, show_default=True, type=click.IntRange(1, most), help=what
     )
 
 
@@ -65,13 +65,13 @@ bench.add_command(step)
 
 
 @bench.command()
-@_repeats(3)
+@_repeats(3, what="Rounds; each runs every contender once, one after another.")
 @click.option(
     "--steps",
-    default=3,
+    default=5,
     show_default=True,
     type=click.IntRange(1, 1000),
-    help="Timed steps per repeat.",
+    help="Timed steps of each contender in each round (after 2 untimed ones).",
 )
 @_hidden(2048)
 @_layers(7)
@@ -90,7 +90,7 @@ def pipeline(
     as_json: bool,
 ) -> None:
     """Single-process PyTorch vs Shoal (2 stages, 2 devices) vs torch.distributed.pipelining."""
-    from workers.bench.pipeline import PIPELINE_PHASES, run_pipeline
+    from workers.bench.pipeline import pipeline_phases, run_pipeline
     from workers.bench.report import PipelineSettings
 
     try:
@@ -106,7 +106,7 @@ def pipeline(
     except ValueError as exc:
         raise InputError(str(exc)) from None
     console = make_console()
-    with phases(console, len(PIPELINE_PHASES), as_json) as progress:
+    with phases(console, len(pipeline_phases(repeats)), as_json) as progress:
         result = run_pipeline(settings, progress)
     if as_json:
         click.echo(json.dumps(result))
@@ -135,7 +135,8 @@ def pipeline(
         table.add_row(name, fmt(value), fmt(value / ideal, 2) if ideal else "-")
     console.print(table)
     console.print(
-        f"efficiency {result['efficiency']:.2f} of ideal"
+        f"medians of {len(result['rounds'])} rounds' ratios: efficiency"
+        f" {result['efficiency']:.2f} of ideal"
         f" ({result['side_by_side_efficiency']:.2f} of the side-by-side ideal); framework"
         f" overhead {result['overhead_ms_per_microbatch']:.2f} ms per micro-batch"
     )

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from scheduler.programs import (
+    RECEIVES_AHEAD,
     Flow,
     Post,
     Program,
@@ -67,19 +68,50 @@ def test_one_stage_programs_only_run() -> None:
 
 def test_1f1b_steady_state_fuses_send_forward_recv_backward() -> None:
     # A middle stage sends an activation and posts the receive of the gradient it needs next
-    # in one batch_isend_irecv, and likewise toward its upstream neighbour.
+    # in one batch_isend_irecv, and likewise toward its upstream neighbour, where it also
+    # posts the receive of the activation after next (one ahead).
     programs = programs_for("1f1b", 4, 8)
     posts = {str(i) for i in programs[1] if isinstance(i, Post)}
     assert "S>a4+R>g2" in posts
-    assert "R<a4+S<g1" in posts
+    assert "S<g1+R<a5" in posts
 
 
 def test_render_1f1b_programs() -> None:
     assert render_programs(programs_for("1f1b", 3, 2)).splitlines() == [
-        "s0: F0 S>a0 F1 S>a1+R>g0 W>g0 B0 R>g1 W>g1 B1",
-        "s1: R<a0 W<a0 F0 S>a0 R<a1 W<a1 F1 S>a1+R>g0 W>g0 B0 S<g0 R>g1 W>g1 B1 S<g1",
-        "s2: R<a0 W<a0 F0 B0 R<a1+S<g0 W<a1 F1 B1 S<g1",
+        "s0: F0 S>a0 F1 S>a1+R>g0+R>g1 W>g0 B0 W>g1 B1",
+        "s1: R<a0+R<a1 W<a0 F0 S>a0 W<a1 F1 S>a1+R>g0+R>g1 W>g0 B0 S<g0 W>g1 B1 S<g1",
+        "s2: R<a0+R<a1 W<a0 F0 B0 S<g0 W<a1 F1 B1 S<g1",
     ]
+
+
+def _posted_ahead(program: Program, flow: Flow) -> list[bool]:
+    """For each receive of ``flow`` after the first, whether it was posted before the Wait
+    of the previous one of its flow (so its data can arrive while the stage computes)."""
+    posted: dict[int, int] = {}
+    waited: dict[int, int] = {}
+    for n, instr in enumerate(program):
+        if isinstance(instr, Post):
+            posted.update({t.microbatch: n for t in instr.transfers if t.flow is flow})
+        elif isinstance(instr, Wait) and instr.transfer.flow is flow:
+            waited[instr.transfer.microbatch] = n
+    return [posted[j] < waited[j - 1] for j in sorted(waited) if j - 1 in waited]
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+def test_the_last_stage_receives_each_activation_one_ahead(name: str) -> None:
+    # The pipeline's critical path: the last stage's next activation is on its way while it
+    # computes the current micro-batch, on every shape (and never more than two posted).
+    for stages in range(2, 9):
+        for micro_batches in range(2, 25):
+            last = programs_for(name, stages, micro_batches)[-1]
+            assert all(_posted_ahead(last, Flow.ACT)), (name, stages, micro_batches)
+            held = 0
+            for instr in last:
+                if isinstance(instr, Post):
+                    held += sum(1 for t in instr.transfers if not t.send)
+                    assert held <= RECEIVES_AHEAD
+                elif isinstance(instr, Wait):
+                    held -= 1
 
 
 def _naive(stages: int, micro_batches: int) -> tuple[Program, ...]:
@@ -169,6 +201,12 @@ def test_programs_whose_runs_are_incomplete_are_rejected() -> None:
     # but the Runs no longer form a complete schedule.
     programs = list(stage_programs(build("gpipe", 2, 2)))
     programs[1] = tuple(i for i in programs[1] if str(i) not in ("B1", "S<g1"))
-    programs[0] = tuple(i for i in programs[0] if str(i) not in ("R>g1", "W>g1", "B1"))
+    g1 = Transfer(Flow.GRAD, 1, send=False)
+    programs[0] = tuple(
+        Post(tuple(t for t in i.transfers if t != g1)) if isinstance(i, Post) else i
+        for i in programs[0]
+        if str(i) not in ("W>g1", "B1")
+    )
+    assert "R>g1" not in render_programs(programs)
     with pytest.raises(ScheduleError, match="stage 0 never runs B1"):
         check_programs(programs)

@@ -14,11 +14,13 @@ from service.cli import cli
 from workers.bench.report import (
     PIPELINE_KEYS,
     BenchError,
+    PipelineRound,
     PipelineSettings,
     efficiency,
     ideal_samples_per_s,
     median_throughput,
     pipeline_result,
+    round_samples_per_s,
     stage_bounds,
     windows,
 )
@@ -62,26 +64,28 @@ def test_stage_bounds_cover_the_blocks_evenly() -> None:
 def test_settings_count_parameters_and_refuse_bad_shapes() -> None:
     s = PipelineSettings()
     assert 20e6 <= s.parameters <= 50e6  # the issue's "compute dominates" size
-    assert s.timed_steps == s.warmup + s.repeats * s.steps
+    assert s.timed_steps == s.warmup + s.steps  # per contender and round
     with pytest.raises(ValueError, match="multiple of micro_batches"):
         PipelineSettings(batch_size=10, micro_batches=4)
     with pytest.raises(ValueError, match="stages"):
         PipelineSettings(layers=1, stages=3)
 
 
+def _round(single_thread: float, shoal: float, torch_pipelining: float = 120.0) -> PipelineRound:
+    return PipelineRound(
+        single_process=150.0,
+        single_thread=single_thread,
+        side_by_side_thread=0.8 * single_thread,
+        shoal=shoal,
+        torch_pipelining=torch_pipelining,
+        overhead_ms=1.5,
+    )
+
+
 @pytest.mark.unit
 def test_pipeline_result_has_the_issue_keys_and_is_json() -> None:
     s = PipelineSettings(micro_batches=8, stages=2)
-    result = pipeline_result(
-        s,
-        single_process=150.0,
-        single_thread=90.0,
-        side_by_side_thread=72.0,
-        shoal=144.0,
-        torch_pipelining=120.0,
-        overhead_ms=1.5,
-        started=0.0,
-    )
+    result = pipeline_result(s, [_round(90.0, 144.0)], started=0.0)
     assert list(result)[: len(PIPELINE_KEYS)] == list(PIPELINE_KEYS)
     assert result["ideal_samples_per_s"] == pytest.approx(160.0)
     assert result["efficiency"] == pytest.approx(0.9)
@@ -91,6 +95,36 @@ def test_pipeline_result_has_the_issue_keys_and_is_json() -> None:
     assert result["side_by_side_efficiency"] == pytest.approx(1.125)
     assert {"cpus", "torch", "ray", "date", "load_average_1m"} <= set(result["machine"])
     assert json.loads(json.dumps(result))["settings"]["micro_batches"] == 8
+    with pytest.raises(BenchError, match="at least one round"):
+        pipeline_result(s, [], started=0.0)
+
+
+@pytest.mark.unit
+def test_pipeline_ratios_are_taken_within_each_round_then_the_median() -> None:
+    # The machine drifts: round 2 is slow for everyone, round 3 between. Within each round
+    # Shoal is 0.9 of the ideal and 1.2x the peer.
+    s = PipelineSettings(micro_batches=8, stages=2)
+    rounds = [_round(90.0, 144.0), _round(60.0, 96.0, 80.0), _round(75.0, 150.0 * 0.8, 100.0)]
+    result = pipeline_result(s, rounds, started=0.0)
+    assert result["efficiency"] == pytest.approx(0.9)
+    assert result["shoal_vs_torch_pipelining"] == pytest.approx(1.2)
+    assert result["shoal_samples_per_s"] == pytest.approx(120.0)  # each column's median
+    assert result["single_thread_samples_per_s"] == pytest.approx(75.0)
+    assert [r["efficiency"] for r in result["rounds"]] == pytest.approx([0.9, 0.9, 0.9])
+    # One round in which Shoal alone was slow: the median ratio is still 0.9, where the
+    # columns' medians (Shoal 96, one thread 75) would pair two rounds and say 0.72.
+    worse = pipeline_result(s, [*rounds[:2], _round(75.0, 60.0, 100.0)], started=0.0)
+    assert worse["efficiency"] == pytest.approx(0.9)
+    assert sorted(r["efficiency"] for r in worse["rounds"])[0] == pytest.approx(0.45)
+    two_worse = pipeline_result(s, [rounds[0], *[_round(75.0, 60.0, 100.0)] * 2], started=0.0)
+    assert two_worse["efficiency"] == pytest.approx(0.45)
+
+
+@pytest.mark.unit
+def test_a_round_rate_is_its_timed_steps_samples_over_their_time() -> None:
+    assert round_samples_per_s([9.0, 1.0, 1.0, 2.0], 10, warmup=1) == pytest.approx(7.5)
+    with pytest.raises(BenchError, match="none to time"):
+        round_samples_per_s([1.0, 1.0], 10, warmup=2)
 
 
 @pytest.mark.unit
@@ -165,15 +199,7 @@ def test_bench_tables_render_without_json(monkeypatch: pytest.MonkeyPatch) -> No
 
     s = PipelineSettings()
     canned = pipeline_result(
-        s,
-        single_process=150.0,
-        single_thread=90.0,
-        side_by_side_thread=72.0,
-        shoal=144.0,
-        torch_pipelining=120.0,
-        overhead_ms=1.5,
-        started=0.0,
-        extra={"single_process_threads": 2},
+        s, [_round(90.0, 144.0)], started=0.0, extra={"single_process_threads": 2}
     )
     monkeypatch.setattr(pipeline_bench, "run_pipeline", lambda settings, progress: canned)
     result = CliRunner().invoke(cli, ["bench", "pipeline"], catch_exceptions=False)

@@ -16,9 +16,9 @@ import os
 import statistics
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -29,11 +29,11 @@ from scheduler.devices import DEVICE_RESOURCE, LABEL_KIND, LABEL_MEMORY_MB, Devi
 from workers.bench import peer
 from workers.bench.report import (
     BenchError,
+    PipelineRound,
     PipelineSettings,
     Progress,
-    median_step_s,
-    median_throughput,
     pipeline_result,
+    round_samples_per_s,
     stage_bounds,
 )
 from workers.blocks import Block
@@ -63,6 +63,12 @@ PIPELINE_PHASES = (
     "shoal overhead, tiny model",
     "torch.distributed.pipelining",
 )
+"""The phases of one round."""
+
+
+def pipeline_phases(rounds: int) -> list[str]:
+    """The progress bar's labels: every phase of every round."""
+    return [f"round {n}/{rounds}: {name}" for n in range(1, rounds + 1) for name in PIPELINE_PHASES]
 
 
 RUNNER_THREADS = 1
@@ -226,55 +232,83 @@ def busy_fractions(metrics: list[StepMetrics], warmup: int) -> list[float]:
     ]
 
 
-def run_pipeline(s: PipelineSettings, progress: Progress = lambda _: None) -> dict[str, Any]:
-    """Measure everything ``shoal bench pipeline`` reports; see ``report.pipeline_result``."""
-    started = time.perf_counter()
-    retain_freed_memory()  # the plain runs' allocator as Shoal's workers' (workers.host_memory)
+@dataclass(frozen=True)
+class _Round:
+    """What one round measured: the result's numbers and what the extra keys are made of."""
+
+    result: PipelineRound
+    shoal_metrics: list[StepMetrics]
+    step_s: dict[str, float]
+
+
+def _measure_round(
+    s: PipelineSettings, tiny: PipelineSettings, phase: Callable[[], None]
+) -> _Round:
+    """Every contender once, one after another (``phase`` is called as each starts)."""
     cores = os.cpu_count() or 1
-    phases = iter(PIPELINE_PHASES)
-    samples = s.batch_size
-
-    progress(next(phases))
-    all_cores = single_process_step_times(s, cores)
-    progress(next(phases))
-    one_thread = single_process_step_times(s, 1)
-    progress(next(phases))
-    side_by_side = side_by_side_step_times(s)
-    # The overhead model: negligible compute, so its step is all framework.
-    tiny = replace(s, hidden=8, layers=1, features=8, outputs=1, steps=s.overhead_steps)
-    tiny_local = single_process_step_times(tiny, 1)
-    progress(next(phases))
-    with ray_session(s.stages) as node_id:
-        progress(next(phases))
-        shoal_metrics = shoal_step_times(s, node_id, s.timed_steps)
-        progress(next(phases))
-        tiny_shoal = [m.step_time_s for m in shoal_step_times(tiny, node_id, tiny.timed_steps)]
-    shoal = [m.step_time_s for m in shoal_metrics]
-    progress(next(phases))
-    peer_times = peer.step_times(s)
-
-    tiny_extra = median_step_s(tiny_shoal, tiny.warmup, tiny.repeats) - median_step_s(
-        tiny_local, tiny.warmup, tiny.repeats
-    )
 
     def rate(times: list[float]) -> float:
-        return median_throughput(times, samples, s.warmup, s.repeats)
+        return round_samples_per_s(times, s.batch_size, s.warmup)
 
-    return pipeline_result(
-        s,
+    def step_s(times: list[float]) -> float:
+        return statistics.median(times[s.warmup :])
+
+    phase()
+    all_cores = single_process_step_times(s, cores)
+    phase()
+    one_thread = single_process_step_times(s, 1)
+    phase()
+    side_by_side = side_by_side_step_times(s)
+    tiny_local = single_process_step_times(tiny, 1)
+    phase()
+    with ray_session(s.stages) as node_id:
+        phase()
+        metrics = shoal_step_times(s, node_id, s.timed_steps)
+        phase()
+        tiny_shoal = [m.step_time_s for m in shoal_step_times(tiny, node_id, tiny.timed_steps)]
+    phase()
+    peer_times = peer.step_times(s)
+    shoal = [m.step_time_s for m in metrics]
+    result = PipelineRound(
         single_process=rate(all_cores),
         single_thread=rate(one_thread),
         side_by_side_thread=statistics.median(rate(times) for times in side_by_side),
         shoal=rate(shoal),
         torch_pipelining=rate(peer_times),
-        overhead_ms=1000 * tiny_extra / s.micro_batches,
+        overhead_ms=1000 * (step_s(tiny_shoal) - step_s(tiny_local)) / s.micro_batches,
+    )
+    return _Round(
+        result,
+        metrics[s.warmup :],
+        {
+            "shoal_step_s": step_s(shoal),
+            "single_thread_step_s": step_s(one_thread),
+            "torch_pipelining_step_s": step_s(peer_times),
+        },
+    )
+
+
+def run_pipeline(s: PipelineSettings, progress: Progress = lambda _: None) -> dict[str, Any]:
+    """Measure everything ``shoal bench pipeline`` reports; see ``report.pipeline_result``.
+
+    The contenders run in ``s.repeats`` rounds, each of them once per round, so each ratio
+    compares runs a minute apart at most. Ray runs only for Shoal's phases: the plain runs
+    and the peer, which need no Ray, run without its processes beside them.
+    """
+    started = time.perf_counter()
+    retain_freed_memory()  # the plain runs' allocator as Shoal's workers' (workers.host_memory)
+    # The overhead model: negligible compute, so its step is all framework.
+    tiny = replace(s, hidden=8, layers=1, features=8, outputs=1, steps=s.overhead_steps)
+    labels = iter(pipeline_phases(s.repeats))
+    rounds = [_measure_round(s, tiny, lambda: progress(next(labels))) for _ in range(s.repeats)]
+    return pipeline_result(
+        s,
+        [r.result for r in rounds],
         started=started,
         extra={
-            "single_process_threads": cores,
-            "shoal_step_s": median_step_s(shoal, s.warmup, s.repeats),
-            "shoal_stage_busy": busy_fractions(shoal_metrics, s.warmup),
-            "single_thread_step_s": median_step_s(one_thread, s.warmup, s.repeats),
-            "torch_pipelining_step_s": median_step_s(peer_times, s.warmup, s.repeats),
+            "single_process_threads": os.cpu_count() or 1,
+            **{key: statistics.median(r.step_s[key] for r in rounds) for key in rounds[0].step_s},
+            "shoal_stage_busy": busy_fractions([m for r in rounds for m in r.shoal_metrics], 0),
             "overhead_model": f"mlp {tiny.parameters} parameters, {tiny.overhead_steps} steps",
         },
     )

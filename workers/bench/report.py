@@ -108,10 +108,12 @@ class PipelineSettings:
     stages: int = 2
     schedule: str = "1f1b"
     lr: float = 1e-3
-    steps: int = 3
-    """Timed steps per repeat; each repeat's throughput is its batches over its time."""
-    warmup: int = 1
+    steps: int = 5
+    """Timed steps of each contender in each round."""
+    warmup: int = 2
+    """Untimed steps before them (the allocator, the first calls)."""
     repeats: int = 3
+    """Rounds: each runs every contender once, back to back (see ``pipeline_result``)."""
     overhead_steps: int = 20
     seed: int = 0
 
@@ -137,7 +139,8 @@ class PipelineSettings:
 
     @property
     def timed_steps(self) -> int:
-        return self.warmup + self.repeats * self.steps
+        """Steps each contender runs in a round, the warm-up included."""
+        return self.warmup + self.steps
 
 
 def stage_bounds(num_blocks: int, stages: int) -> list[tuple[int, int]]:
@@ -216,48 +219,79 @@ def machine() -> dict[str, Any]:
     }
 
 
+@dataclass(frozen=True)
+class PipelineRound:
+    """One round of ``shoal bench pipeline``: each contender's samples/s, measured one after
+    another within a minute or so, and the framework overhead in ms per micro-batch."""
+
+    single_process: float
+    single_thread: float
+    side_by_side_thread: float
+    shoal: float
+    torch_pipelining: float
+    overhead_ms: float
+
+    def view(self, settings: PipelineSettings) -> dict[str, float]:
+        """This round's values under the result's keys, its ratios taken within it."""
+        p, m = settings.stages, settings.micro_batches
+        ideal = ideal_samples_per_s(self.single_thread, p, m, p)
+        side_by_side_ideal = ideal_samples_per_s(self.side_by_side_thread, p, m, p)
+        return {
+            "single_process_samples_per_s": self.single_process,
+            "single_thread_samples_per_s": self.single_thread,
+            "shoal_samples_per_s": self.shoal,
+            "ideal_samples_per_s": ideal,
+            "efficiency": efficiency(self.shoal, ideal),
+            "torch_pipelining_samples_per_s": self.torch_pipelining,
+            "overhead_ms_per_microbatch": self.overhead_ms,
+            "torch_pipelining_efficiency": efficiency(self.torch_pipelining, ideal),
+            "shoal_vs_torch_pipelining": efficiency(self.shoal, self.torch_pipelining),
+            "side_by_side_thread_samples_per_s": self.side_by_side_thread,
+            "side_by_side_ideal_samples_per_s": side_by_side_ideal,
+            "side_by_side_efficiency": efficiency(self.shoal, side_by_side_ideal),
+        }
+
+
+def round_samples_per_s(step_times: Sequence[float], samples_per_step: int, warmup: int) -> float:
+    """A contender's samples per second over one round's steps after ``warmup``."""
+    timed = step_times[warmup:]
+    if not timed:
+        raise BenchError(f"{len(step_times)} steps leave none to time after {warmup} warm-up")
+    return samples_per_step * len(timed) / sum(timed)
+
+
 def pipeline_result(
     settings: PipelineSettings,
+    rounds: Sequence[PipelineRound],
     *,
-    single_process: float,
-    single_thread: float,
-    side_by_side_thread: float,
-    shoal: float,
-    torch_pipelining: float,
-    overhead_ms: float,
     started: float,
     extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The JSON object of ``shoal bench pipeline``; the issue's keys come first.
+
+    Every key is the median over the rounds of that round's value, a ratio taken within its
+    round: the contenders of one round ran a minute apart at most, so a machine whose
+    speed drifts between minutes (a shared VM's does by 10-30%) moves both sides of a ratio
+    together, where medians taken separately would pair one minute's Shoal with another's
+    peer. Each round's values are under ``rounds``.
 
     A virtual CPU device runs one thread (``workers.stage``), so the single-device
     throughput of the ideal is the single-thread one. The side-by-side ideal takes instead
     one thread's throughput while the other devices' threads also run (on a CPU they share
     memory bandwidth; ``pipeline.side_by_side_step_times``).
     """
-    p, m = settings.stages, settings.micro_batches
-    ideal = ideal_samples_per_s(single_thread, p, m, p)
-    side_by_side_ideal = ideal_samples_per_s(side_by_side_thread, p, m, p)
-    shoal_eff = efficiency(shoal, ideal)
+    if not rounds:
+        raise BenchError("a pipeline result needs at least one round")
+    views = [r.view(settings) for r in rounds]
     return {
-        "single_process_samples_per_s": single_process,
-        "single_thread_samples_per_s": single_thread,
-        "shoal_samples_per_s": shoal,
-        "ideal_samples_per_s": ideal,
-        "efficiency": shoal_eff,
-        "torch_pipelining_samples_per_s": torch_pipelining,
-        "overhead_ms_per_microbatch": overhead_ms,
-        "torch_pipelining_efficiency": efficiency(torch_pipelining, ideal),
-        "shoal_vs_torch_pipelining": efficiency(shoal, torch_pipelining),
-        "side_by_side_thread_samples_per_s": side_by_side_thread,
-        "side_by_side_ideal_samples_per_s": side_by_side_ideal,
-        "side_by_side_efficiency": efficiency(shoal, side_by_side_ideal),
+        **{key: statistics.median(v[key] for v in views) for key in views[0]},
         "devices": settings.stages,
         "model": f"mlp {settings.parameters / 1e6:.1f}M parameters"
         f" ({settings.layers} x {settings.hidden} hidden, {settings.features} in,"
         f" {settings.outputs} out), sgd",
         "parameters": settings.parameters,
         "settings": asdict(settings),
+        "rounds": views,
         **(extra or {}),
         "machine": machine(),
         "wall_s": round(time.perf_counter() - started, 1),
