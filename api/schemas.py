@@ -32,6 +32,7 @@ class StageTimingOut(BaseModel):
     idle_s: float
     allreduce_s: float = 0.0
     transfer_s: float = 0.0
+    copy_s: float = 0.0
 
 
 class JobOut(BaseModel):

@@ -61,6 +61,7 @@ def build_snapshot(
         allowed_factories=tuple(allowed_factories),
         block_costs=block_costs(job),
         keep_copies=spec.elastic.keep_copies,
+        copy_budget=spec.elastic.copy_budget,
         min_devices=spec.resources.min_devices,
         elastic=(
             ElasticConfig(

@@ -130,8 +130,16 @@ class ElasticSpec(StrictModel):
     horizon_steps: int = Field(100, ge=1, le=MAX_STEPS)
     keep_copies: bool = Field(
         True,
-        description="keep each worker's state of the last two steps in host memory on another"
-        " node: a lost device costs at most one step, without a restart",
+        description="keep each worker's state in host memory on another node, taken every"
+        " few steps: a lost device costs at most the steps since the last copy, without a"
+        " restart",
+    )
+    copy_budget: float = Field(
+        0.05,
+        gt=0.0,
+        le=1.0,
+        description="the most of the training time the in-memory copies may cost: the steps"
+        " between two copies grow until their measured cost fits (at most 100)",
     )
 
 

@@ -1,15 +1,17 @@
 """Surviving a lost device inside the runner, from in-memory copies: no restart, no
-checkpoint read, at most one step replayed.
+checkpoint read, at most the steps between two copies replayed.
 
-Every step boundary each worker keeps a snapshot of its blocks (parameters and optimizer
-state, in host memory; the last two steps) and sends it to its *buddy*, a worker on another
-node where there is one, which holds it (``Copies``). When a worker is lost mid-step:
+At a step boundary every few steps (as often as the copies' measured cost allows:
+``scheduler.copies``) each worker keeps a snapshot of its blocks (parameters and optimizer
+state, in host memory; the last two) and sends it to its *buddy*, a worker on another node
+where there is one, which holds it (``Copies``). When a worker is lost mid-step:
 
 1. The others are asked what they hold (``saved_steps``); a worker that does not answer is
    lost too.
 2. The restore step is the latest step for which every survivor has its own snapshot and
-   every block is in some survivor's snapshot or in a copy held for a lost worker (the copy
-   of the step just finished may not have arrived: then the step before, one step replayed).
+   every block is in some survivor's snapshot or in a copy held for a lost worker (the
+   latest copy may not have arrived: then the one before; at most the interval between
+   copies is replayed).
 3. The blocks are re-cut over the surviving devices (``scheduler.layout``: the partitioner
    picks stages and replicas); survivors roll back to the restore step and keep their
    worker, adopting their new blocks; lost blocks come from the copies, actor to actor.
@@ -25,12 +27,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from scheduler.copies import CopyCadence
 from scheduler.layout import plan_layout
 from scheduler.partition import Workload
 from scheduler.profile import uniform_costs
 from workers.group import GroupTimeout, Handle, StageLost, WorkerGroup
 from workers.rebalance import Layout, settle
-from workers.snapshot import JobSnapshot, stage_plans
+from workers.snapshot import JobSnapshot, StepMetrics, stage_plans
 from workers.stage_worker import StageFailed
 
 MIN_PING_S = 30.0
@@ -54,13 +57,36 @@ def buddies(layout: Layout) -> list[int | None]:
 
 
 class Copies:
-    """Each step boundary: every worker snapshots, its buddy holds the copy. Not waited for
-    (it overlaps the next step); ``confirm`` surfaces its errors one step later."""
+    """At each step boundary where a copy is due, every worker snapshots and its buddy holds
+    the copy. Not waited for (it overlaps the next step); ``confirm`` surfaces its errors at
+    the next boundary. How often: ``scheduler.copies.CopyCadence``, from the copies' and
+    steps' measured times (``observe``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, budget: float) -> None:
         self._pending: list[Handle] = []
+        self.cadence = CopyCadence(budget)
+        self.taken: int | None = None
+        """The step of the latest copy."""
+
+    def due(self, step: int) -> bool:
+        """Whether a copy is due after ``step`` steps."""
+        return self.steps_to_next(step) == 0
+
+    def steps_to_next(self, step: int) -> int:
+        """Steps after ``step`` until the next copy is due (0: now)."""
+        if self.taken is None:
+            return 0
+        return max(0, self.taken + self.cadence.interval - step)
+
+    def observe(self, metrics: StepMetrics) -> None:
+        """Take a recorded step's time and the seconds its workers spent on the copy just
+        before it (the slowest worker's: every stage waits for it)."""
+        copy_s = max((t.copy_s for t in metrics.stages), default=0.0)
+        self.cadence.observe(metrics.step_time_s, copy_s)
 
     def refresh(self, group: WorkerGroup, layout: Layout, step: int) -> None:
+        """Take the copy of ``step`` now."""
+        self.taken = step
         pending = []
         for w, buddy in enumerate(buddies(layout)):
             snap = group.submit(w, "snapshot", step, buddy is not None)

@@ -203,7 +203,7 @@ class Trainer:
                 if self._policy
                 else None
             )
-            copies = Copies() if snap.keep_copies else None
+            copies = Copies(snap.copy_budget) if snap.keep_copies else None
             if copies is not None:
                 copies.refresh(group, layout, start)
             step = start
@@ -274,6 +274,9 @@ class Trainer:
             if rebalancer is not None:
                 rebalancer.after_step(group, layout, metrics)
         self._record(last)
+        if copies is not None:
+            for metrics in steps:
+                copies.observe(metrics)
         done = flight.end
         if done == snap.steps or self._checkpoint_due(done):
             self._checkpoint(group, layout, store, done)
@@ -289,9 +292,35 @@ class Trainer:
             layout = self._move(group, layout, Layout(*request), done)
             if rebalancer is not None:
                 rebalancer.restart()
-        if copies is not None:
+        if copies is not None and copies.due(done):
+            self._plan_copies(copies, done)
             copies.refresh(group, layout, done)
         return layout, done
+
+    def _plan_copies(self, copies: Copies, step: int) -> None:
+        """Re-decide how often the copies are taken; say so when that is news."""
+        cadence = copies.cadence
+        if not cadence.plan():
+            return
+        every, copy_s, step_s = cadence.interval, cadence.copy_s, cadence.step_s
+        overhead = cadence.overhead
+        self._record(
+            RunnerEvent(
+                "copies",
+                step,
+                f"in-memory copies every {every} step{'s' if every > 1 else ''}: a copy takes"
+                f" {copy_s or 0.0:.3f} s, a step {step_s or 0.0:.3f} s, so they cost"
+                f" {overhead or 0.0:.1%} of the training time (budget {cadence.budget:.0%});"
+                f" a lost device replays at most {every} step{'s' if every > 1 else ''}",
+                {
+                    "interval": every,
+                    "copy_s": copy_s,
+                    "step_s": step_s,
+                    "overhead": overhead,
+                    "budget": cadence.budget,
+                },
+            )
+        )
 
     def _suspend(
         self, group: WorkerGroup, layout: Layout, store: CheckpointStore, step: int
@@ -339,6 +368,7 @@ class Trainer:
                     "step": step,
                     "resume_step": found.restore_step,
                     "steps_replayed": replayed,
+                    "copy_interval": copies.cadence.interval,
                 },
             )
         )
@@ -426,17 +456,19 @@ class Trainer:
         self, step: int, rebalancer: Rebalancer | None, copies: Copies | None, unrecorded: int
     ) -> int:
         """How many steps after ``step`` to hand out in one call (``scheduler.overlap``):
-        up to the next boundary with work for the runner (a checkpoint, the policy's ask,
-        the run's end; every boundary when copies are kept or a request waits)."""
+        up to the next boundary with work for the runner (a checkpoint, an in-memory copy,
+        the policy's ask, the run's end; every boundary while a request waits)."""
         snap = self.snapshot
         with self._lock:
             waiting = self._relayout is not None
-        if copies is not None or waiting or self._cancelled.is_set() or self._suspending.is_set():
+        if waiting or self._cancelled.is_set() or self._suspending.is_set():
             return 1
         every = snap.checkpoint_every
         until = snap.steps - step
         if every > 0:
             until = min(until, every - step % every)
+        if copies is not None:
+            until = min(until, max(1, copies.steps_to_next(step)))
         if rebalancer is not None:
             until = min(until, rebalancer.steps_to_ask(unrecorded))
         last = self._last_step()
@@ -461,7 +493,7 @@ class Trainer:
             and leaves_a_core([p.device for p in flight.layout.plans], self._cores)
             and done < self.snapshot.steps
             and not self._checkpoint_due(done)
-            and copies is None
+            and (copies is None or not copies.due(done))
             and (rebalancer is None or not rebalancer.asks_after(flight.count))
             and not (requested or self._cancelled.is_set() or self._suspending.is_set())
         )

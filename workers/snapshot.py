@@ -115,6 +115,8 @@ class JobSnapshot:
     keep_copies: bool = False
     """Keep every worker's state of the last steps in host memory on another node, so that
     a lost device is recovered in the runner (``workers.recovery``)."""
+    copy_budget: float = 0.05
+    """The most of the training time those copies may cost (``scheduler.copies``)."""
     min_devices: int = 1
     """The fewest devices the job may run on (a recovery with fewer gives the job back)."""
 
@@ -159,6 +161,8 @@ class StageTiming:
     replica: int = 0
     allreduce_s: float = 0.0
     transfer_s: float = 0.0
+    copy_s: float = 0.0
+    """Seconds its in-memory copies (``workers.recovery``) took just before this step."""
 
 
 @dataclass(frozen=True)

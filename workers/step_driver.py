@@ -163,10 +163,11 @@ def _metrics(
                 p.index,
                 p.device.id,
                 c.compute_s,
-                max(0.0, elapsed - c.compute_s - c.transfer_s - c.allreduce_s),
+                max(0.0, elapsed - c.compute_s - c.transfer_s - c.allreduce_s - c.copy_s),
                 replica=p.replica,
                 allreduce_s=c.allreduce_s,
                 transfer_s=c.transfer_s,
+                copy_s=c.copy_s,
             )
             for p, c in zip(layout.plans, done.clocks, strict=True)
         ),
@@ -341,4 +342,5 @@ def _add(a: StepClock, b: StepClock) -> StepClock:
         a.transfer_s + b.transfer_s,
         a.wait_s + b.wait_s,
         a.allreduce_s + b.allreduce_s,
+        a.copy_s + b.copy_s,
     )

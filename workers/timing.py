@@ -22,19 +22,21 @@ from typing import Any
 
 import torch
 
-PARTS = ("compute", "transfer", "wait", "allreduce")
+PARTS = ("compute", "transfer", "wait", "allreduce", "copy")
 
 
 @dataclass(frozen=True)
 class StepClock:
     """Seconds one stage spent in one step computing, moving activations and gradients
     (turning them into and out of their wire form), waiting for its neighbours' transfers,
-    and summing gradients over its replicas."""
+    summing gradients over its replicas, and taking or holding in-memory copies since the
+    step before (``workers.recovery``: they delay this step)."""
 
     compute_s: float
     transfer_s: float
     wait_s: float = 0.0
     allreduce_s: float = 0.0
+    copy_s: float = 0.0
 
 
 class StepTimer:
@@ -75,7 +77,11 @@ class StepTimer:
             self._events.clear()
         seconds, self._seconds = self._seconds, dict.fromkeys(PARTS, 0.0)
         return StepClock(
-            seconds["compute"], seconds["transfer"], seconds["wait"], seconds["allreduce"]
+            seconds["compute"],
+            seconds["transfer"],
+            seconds["wait"],
+            seconds["allreduce"],
+            seconds["copy"],
         )
 
     def reset(self) -> None:

@@ -1,5 +1,6 @@
 // The pipeline as a picture (blocks per stage per device, each stage's step time split into
-// compute, idle and transfer) and the schedule grid the stages run each mini-batch.
+// compute, idle, transfer, all-reduce and in-memory copies) and the schedule grid the
+// stages run each mini-batch.
 import { fmt, h } from "./dom.js";
 
 const PARTS = [
@@ -7,6 +8,7 @@ const PARTS = [
   ["idle_s", "idle"],
   ["transfer_s", "transfer"],
   ["allreduce_s", "all-reduce"],
+  ["copy_s", "copy"],
 ];
 
 function blocksTrack(blocks, total) {

@@ -336,7 +336,8 @@ def test_a_lost_worker_is_recovered_in_place_from_memory_copies(
 ) -> None:
     """Mid-step, the worker at position ``lose`` dies: the survivors roll back to the last
     step, the lost blocks come from their buddies' copies, the blocks are re-cut over the
-    devices left, and the run ends exactly like one process, no step replayed."""
+    devices left, and the run ends exactly like one process, no step replayed (copies may
+    cost the whole step here, so one is taken at every boundary)."""
     stages = dp_plans(ranges, replicas)
     snap = job(
         tmp_path,
@@ -347,6 +348,7 @@ def test_a_lost_worker_is_recovered_in_place_from_memory_copies(
         steps=5,
         optimizer=SGD,
         keep_copies=True,
+        copy_budget=1.0,
     )
     dead = stages[lose].device.id
     trainer = Trainer(snap, lambda plans, setup: LoseDevice(dead, 2, plans, setup))

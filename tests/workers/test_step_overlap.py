@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from scheduler.copies import LONGEST_INTERVAL
 from scheduler.elastic import Decision, ElasticConfig, Keep, StageSample
 from tests.factories import SGD, job, plans
 from tests.workers.runs import assert_bitwise_equal, final_states
@@ -107,11 +108,29 @@ def test_clipping_and_copies_collect_every_step_before_the_next(one_stage: JobSn
     clipped = replace(one_stage, optimizer=replace(SGD, clip_grad_norm=0.05), steps=3)
     _, (spy,) = _spied(clipped)
     assert spy.collected == [(1, 1)] * 3  # the update waits for every stage's norms
-    copied = replace(one_stage, keep_copies=True, steps=3, job_id="job-copies")
+    # Copies that may cost the whole training time: one at every boundary.
+    copied = replace(one_stage, keep_copies=True, copy_budget=1.0, steps=3, job_id="job-copies")
     _, (spy,) = _spied(copied)
-    assert spy.collected == [(1, 1)] * 3  # each boundary copies the step's state
+    assert spy.collected == [(1, 1)] * 3
     # A lone worker has no buddy to hold its copy: the state stays with it, never shipped.
     assert len(spy.snapshots) >= 3 and all(s is None for s in spy.snapshots)
+
+
+@pytest.mark.integration
+def test_copies_costlier_than_their_budget_are_taken_less_often(one_stage: JobSnapshot) -> None:
+    # Any copy is over a budget of 1e-9 of the training time: once the first step has
+    # measured one, the next is the longest interval away, and the rest of the run is one
+    # call (it was one step per call while copies were taken at every boundary).
+    sparse = replace(one_stage, keep_copies=True, copy_budget=1e-9, steps=6, job_id="job-sparse")
+    trainer, (spy,) = _spied(sparse)
+    assert spy.collected == [(1, 1), (1, 5)]
+    assert len(spy.snapshots) == 2  # at the start and after step 1
+    (event,) = [e for e in trainer.report(0).events if e.kind == "copies"]
+    assert (event.step, event.data["interval"]) == (1, LONGEST_INTERVAL), event
+    assert event.data["copy_s"] > 0 and event.data["overhead"] > 1e-9
+    copy_s = [t.copy_s for m in trainer.report(0).metrics for t in m.stages]
+    # Each copy is booked on the step after it: the start's on step 1, step 1's on step 2.
+    assert min(copy_s[:2]) > 0 and copy_s[2:] == [0.0] * 4, copy_s
 
 
 @pytest.mark.integration

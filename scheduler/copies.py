@@ -1,0 +1,93 @@
+"""How often the in-memory copies are taken: as often as their measured cost allows.
+
+A copy of every worker's state (``workers.recovery``) delays the step after it by the
+seconds its workers spend taking and holding it (measured where they run, ``copy_s`` of a
+stage's timing). Taken every k steps of s seconds, copies of c seconds cost c / (k s) of
+the training time; the interval is the smallest k that keeps this within the job's budget
+(``elastic.copy_budget``), at most ``LONGEST_INTERVAL``. A lost device replays at most k
+steps: the steps since the last copy, or, while that copy is still on its way to the
+buddy, the k steps since the one before.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+
+LONGEST_INTERVAL = 100
+"""The most steps between two copies, however costly a copy: past this, a loss would replay
+more than a checkpoint interval of a typical job, and the copy would serve little."""
+
+_SAMPLES = 5
+"""Copies and steps the cadence takes the median of: one slow copy does not move it."""
+
+
+def copy_interval(
+    copy_s: float, step_s: float, budget: float, longest: int = LONGEST_INTERVAL
+) -> int:
+    """The fewest steps between copies that keep ``copy_s`` per copy within ``budget`` of
+    the training time at ``step_s`` a step (1 when copies are free, ``longest`` at most)."""
+    if not budget > 0.0:
+        raise ValueError(f"copy_budget must be > 0, got {budget}")
+    if copy_s <= 0.0:
+        return 1
+    if step_s <= 0.0:
+        return longest
+    return max(1, min(longest, math.ceil(copy_s / (budget * step_s) - 1e-9)))
+
+
+@dataclass
+class CopyCadence:
+    """When a job's next copy is due, from what its copies and steps measured.
+
+    ``observe`` takes every step as recorded: its time and the copy seconds its workers
+    reported (the copy taken just before it, if any). ``plan`` is asked at each copy for
+    the steps until the next. The interval moves up as soon as the copies outgrow the
+    budget, and down only when a quarter fewer steps would do, so it does not flap.
+    """
+
+    budget: float
+    interval: int = 1
+    _decided: bool = False
+    _copies: deque[float] = field(default_factory=lambda: deque(maxlen=_SAMPLES))
+    _steps: deque[float] = field(default_factory=lambda: deque(maxlen=_SAMPLES))
+
+    def observe(self, step_time_s: float, copy_s: float) -> None:
+        if copy_s > 0.0:
+            self._copies.append(copy_s)
+            if step_time_s > copy_s and not self._steps:
+                self._steps.append(step_time_s - copy_s)  # until a step without a copy
+        else:
+            self._steps.append(step_time_s)
+
+    @property
+    def copy_s(self) -> float | None:
+        return statistics.median(self._copies) if self._copies else None
+
+    @property
+    def step_s(self) -> float | None:
+        return statistics.median(self._steps) if self._steps else None
+
+    @property
+    def overhead(self) -> float | None:
+        """The copies' share of the training time at the current interval."""
+        copy_s, step_s = self.copy_s, self.step_s
+        if copy_s is None or not step_s:
+            return None
+        return copy_s / (self.interval * step_s)
+
+    def plan(self) -> bool:
+        """Re-decide the interval from the measurements; whether this is news: the first
+        decision, or a change."""
+        copy_s, step_s = self.copy_s, self.step_s
+        if copy_s is None or step_s is None:
+            return False
+        wanted = copy_interval(copy_s, step_s, self.budget)
+        news = not self._decided
+        self._decided = True
+        if wanted > self.interval or wanted <= 0.75 * self.interval:
+            news = news or wanted != self.interval
+            self.interval = wanted
+        return news

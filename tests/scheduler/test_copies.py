@@ -1,0 +1,54 @@
+"""How often in-memory copies are taken: their measured cost against the job's budget."""
+
+from __future__ import annotations
+
+import pytest
+
+from scheduler.copies import LONGEST_INTERVAL, CopyCadence, copy_interval
+
+pytestmark = pytest.mark.unit
+
+
+def test_the_interval_is_the_fewest_steps_that_keep_copies_within_the_budget() -> None:
+    # A 10 ms copy against 100 ms steps: 10% each step, so every 2 steps for 5%.
+    assert copy_interval(0.010, 0.100, 0.05) == 2
+    assert copy_interval(0.005, 0.100, 0.05) == 1  # exactly the budget: every step
+    assert copy_interval(0.0051, 0.100, 0.05) == 2
+    assert copy_interval(0.050, 0.100, 0.05) == 10
+    assert copy_interval(0.0, 0.100, 0.05) == 1
+    assert copy_interval(10.0, 0.001, 0.05) == LONGEST_INTERVAL
+    assert copy_interval(0.010, 0.0, 0.05) == LONGEST_INTERVAL
+    with pytest.raises(ValueError, match="copy_budget"):
+        copy_interval(0.01, 0.1, 0.0)
+
+
+def test_the_cadence_waits_for_a_measured_copy_then_decides_once_and_on_changes() -> None:
+    cadence = CopyCadence(0.05)
+    assert not cadence.plan() and cadence.interval == 1  # nothing measured yet
+    cadence.observe(step_time_s=0.120, copy_s=0.020)  # a step that followed a copy
+    assert cadence.step_s == pytest.approx(0.100)  # its time less the copy, until a plain one
+    assert cadence.plan() and cadence.interval == 4  # 20 ms / (5% x 100 ms)
+    assert cadence.overhead == pytest.approx(0.05)
+    assert not cadence.plan()  # no news
+    for _ in range(3):
+        cadence.observe(step_time_s=0.100, copy_s=0.0)
+    cadence.observe(step_time_s=0.300, copy_s=0.100)
+    cadence.observe(step_time_s=0.100, copy_s=0.0)
+    # One slow copy among few is the median's middle: copies 20 and 100 ms -> 60 ms.
+    assert cadence.copy_s == pytest.approx(0.060) and cadence.step_s == pytest.approx(0.100)
+    assert cadence.plan() and cadence.interval == 12
+
+
+def test_the_interval_goes_down_only_by_a_quarter_or_more() -> None:
+    cadence = CopyCadence(0.05, interval=10)
+    cadence.observe(step_time_s=0.100, copy_s=0.0)
+    cadence.observe(step_time_s=0.145, copy_s=0.045)  # wants 9: not worth the change
+    assert cadence.plan() and cadence.interval == 10  # the first decision is news
+    assert not cadence.plan()
+    cadence = CopyCadence(0.05, interval=10)
+    cadence.observe(step_time_s=0.100, copy_s=0.0)
+    cadence.observe(step_time_s=0.130, copy_s=0.030)  # wants 6
+    assert cadence.plan() and cadence.interval == 6
+    cadence.observe(step_time_s=0.130, copy_s=0.030)
+    cadence.observe(step_time_s=0.200, copy_s=0.100)  # copies 30/30/100 -> wants 6
+    assert not cadence.plan() and cadence.interval == 6
