@@ -67,6 +67,7 @@ class Copies:
         self.cadence = CopyCadence(budget)
         self.taken: int | None = None
         """The step of the latest copy."""
+        self._unmeasured: int | None = None
 
     def due(self, step: int) -> bool:
         """Whether a copy is due after ``step`` steps."""
@@ -82,11 +83,17 @@ class Copies:
         """Take a recorded step's time and the seconds its workers spent on the copy just
         before it (the slowest worker's: every stage waits for it)."""
         copy_s = max((t.copy_s for t in metrics.stages), default=0.0)
+        if metrics.step - 1 == self._unmeasured:
+            return  # its time holds the links' forming too
         self.cadence.observe(metrics.step_time_s, copy_s)
 
-    def refresh(self, group: WorkerGroup, layout: Layout, step: int) -> None:
-        """Take the copy of ``step`` now."""
+    def refresh(
+        self, group: WorkerGroup, layout: Layout, step: int, *, fresh: bool = False
+    ) -> None:
+        """Take the copy of ``step`` now. ``fresh``: the workers or their links were just
+        formed, and the next step's time would hold that too: it does not measure the copy."""
         self.taken = step
+        self._unmeasured = step if fresh else None
         pending = []
         for w, buddy in enumerate(buddies(layout)):
             snap = group.submit(w, "snapshot", step, buddy is not None)

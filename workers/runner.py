@@ -205,7 +205,7 @@ class Trainer:
             )
             copies = Copies(snap.copy_budget) if snap.keep_copies else None
             if copies is not None:
-                copies.refresh(group, layout, start)
+                copies.refresh(group, layout, start, fresh=True)
             step = start
             while step < snap.steps:
                 # A request is carried out between steps: once a step handed out ahead is in.
@@ -282,6 +282,7 @@ class Trainer:
             self._checkpoint(group, layout, store, done)
         if done == snap.steps:
             return layout, done
+        before = layout
         if rebalancer is not None:
             layout = rebalancer.after_step(group, layout, last)  # quiet: never moves
         if quiet:  # a relayout requested meanwhile waits for the next boundary
@@ -292,9 +293,11 @@ class Trainer:
             layout = self._move(group, layout, Layout(*request), done)
             if rebalancer is not None:
                 rebalancer.restart()
-        if copies is not None and copies.due(done):
+        # Blocks that moved dropped their workers' copies: copy the new layout at once.
+        moved = layout is not before
+        if copies is not None and (copies.due(done) or moved):
             self._plan_copies(copies, done)
-            copies.refresh(group, layout, done)
+            copies.refresh(group, layout, done, fresh=moved)
         return layout, done
 
     def _plan_copies(self, copies: Copies, step: int) -> None:
@@ -386,7 +389,7 @@ class Trainer:
                 },
             )
         )
-        copies.refresh(group, found.layout, found.restore_step)
+        copies.refresh(group, found.layout, found.restore_step, fresh=True)
         return found.layout, found.restore_step
 
     def _move(self, group: WorkerGroup, old: Layout, new: Layout, step: int) -> Layout:

@@ -481,17 +481,16 @@ class Stage:
         """Keep the blocks' state after ``step`` steps (the last two are kept) and return it
         (``ship``) for the worker's buddy on another node to ``hold``; a lone worker has no
         buddy, and shipping its state back to the runner each step would be all cost."""
-        with self._timer.span("copy"):
-            states = self.state()
-            self._saved.append((step, states))
-            return send_tree(states) if ship else None
+        self._timer.copying()
+        states = self.state()
+        self._saved.append((step, states))
+        return send_tree(states) if ship else None
 
     def hold(self, owner: str, step: int, states: Mapping[int, Any]) -> None:
         """Keep another worker's ``snapshot`` (the last two steps of each owner), as it came:
         in wire form (``workers.wire.send_tree``), turned back into tensors only if used."""
-        with self._timer.span("copy"):
-            kept = self._copies.setdefault(owner, deque(maxlen=_GENERATIONS))
-            kept.append((step, dict(states)))
+        self._timer.copying()
+        self._copies.setdefault(owner, deque(maxlen=_GENERATIONS)).append((step, dict(states)))
 
     def saved_steps(self) -> dict[str, Any]:
         """The steps this worker can restore: its own blocks, and each held owner's."""

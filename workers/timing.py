@@ -48,10 +48,23 @@ class StepTimer:
         self._slowdown = max(1.0, slowdown)
         self._seconds = dict.fromkeys(PARTS, 0.0)
         self._events: list[tuple[str, Any, Any]] = []
+        self._copy_from: float | None = None
+
+    def copying(self) -> None:
+        """An in-memory copy starts (a snapshot, or holding a neighbour's): everything until
+        the next step's first timed part is booked as ``copy``. That takes in what the copy
+        costs this worker outside its own code (Ray storing the returned state), and the
+        runner's turnaround the copy's boundary puts between two steps: what the step
+        would not have waited for without the copy."""
+        if self._copy_from is None:
+            self._copy_from = time.perf_counter()
 
     @contextmanager
     def span(self, part: str) -> Iterator[None]:
         """Time the block as ``part``."""
+        if self._copy_from is not None:
+            self._seconds["copy"] += time.perf_counter() - self._copy_from
+            self._copy_from = None
         if self._cuda and not (part == "compute" and self._slowdown > 1.0):
             start, end = _event(), _event()
             start.record()
@@ -88,6 +101,7 @@ class StepTimer:
         """Forget what was measured since the last lap (a rolled-back step)."""
         self._events.clear()
         self._seconds = dict.fromkeys(PARTS, 0.0)
+        self._copy_from = None
 
 
 def _event() -> Any:

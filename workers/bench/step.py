@@ -40,6 +40,7 @@ from workers.snapshot import (
     JobSnapshot,
     ModelRef,
     OptimizerConf,
+    RunnerEvent,
     RunStatus,
     StagePlan,
     StepMetrics,
@@ -142,9 +143,10 @@ def _watch(trainer: Trainer, stop: threading.Event, arrivals: list[float]) -> No
 
 def shoal_step_times(
     s: StepSettings, plans: tuple[StagePlan, ...], keep_copies: bool
-) -> tuple[list[float], list[StepMetrics]]:
+) -> tuple[list[float], list[StepMetrics], list[RunnerEvent]]:
     """Each step's wall seconds between step boundaries, seen from outside the runner (so
-    all it does between steps counts, copies included), and the engine's own metrics."""
+    all it does between steps counts, copies included), and the engine's own metrics and
+    events."""
     model, data, opt = refs(s)
     with tempfile.TemporaryDirectory(prefix="shoal-bench-step-") as root:
         snapshot = JobSnapshot(
@@ -181,7 +183,7 @@ def shoal_step_times(
         report = trainer.report(0)
         if status is not RunStatus.SUCCEEDED:
             raise BenchError(f"the Shoal run (keep_copies={keep_copies}) failed: {report.error}")
-        return step_seconds(started, arrivals), list(report.metrics)
+        return step_seconds(started, arrivals), list(report.metrics), list(report.events)
 
 
 def _machine(device: torch.device) -> dict[str, Any]:
@@ -232,9 +234,11 @@ def run_step(s: StepSettings, progress: Progress = lambda _: None) -> dict[str, 
         bounds = stage_bounds(s.num_blocks, s.stages)
         plans = tuple(StagePlan(i, r, on[i]) for i, r in enumerate(bounds))
         progress(next(phases))
-        shoal, metrics = shoal_step_times(s, plans, keep_copies=False)
+        shoal, metrics, _ = shoal_step_times(s, plans, keep_copies=False)
         progress(next(phases))
-        copies, copies_metrics = shoal_step_times(s, plans, keep_copies=True)
+        copies, copies_metrics, copies_events = shoal_step_times(s, plans, keep_copies=True)
+    # How often the engine chose to copy, and what it measured them to cost (its last word).
+    cadence = [e.data for e in copies_events if e.kind == "copies"]
 
     def rate(times: list[float]) -> float:
         return median_throughput(times, s.shape.batch, s.warmup, s.repeats)
@@ -261,6 +265,8 @@ def run_step(s: StepSettings, progress: Progress = lambda _: None) -> dict[str, 
                 "shoal_copies": engine_rate(copies_metrics),
             },
             "copies_stage_busy": busy_fractions(copies_metrics, s.warmup),
+            "copy_interval_steps": cadence[-1]["interval"] if cadence else 1,
+            "copies_engine_overhead": cadence[-1]["overhead"] if cadence else None,
             "loss_max_abs_diff": max(
                 abs(m.loss - want)
                 for ms in (metrics, copies_metrics)
