@@ -55,12 +55,11 @@ class CopyCadence:
     _steps: deque[float] = field(default_factory=lambda: deque(maxlen=_SAMPLES))
 
     def observe(self, step_time_s: float, copy_s: float) -> None:
+        """A step of ``step_time_s`` seconds, ``copy_s`` of them the copy before it."""
         if copy_s > 0.0:
             self._copies.append(copy_s)
-            if step_time_s > copy_s and not self._steps:
-                self._steps.append(step_time_s - copy_s)  # until a step without a copy
-        else:
-            self._steps.append(step_time_s)
+        if step_time_s > copy_s:
+            self._steps.append(step_time_s - copy_s)
 
     @property
     def copy_s(self) -> float | None:

@@ -26,7 +26,7 @@ def test_the_cadence_waits_for_a_measured_copy_then_decides_once_and_on_changes(
     cadence = CopyCadence(0.05)
     assert not cadence.plan() and cadence.interval == 1  # nothing measured yet
     cadence.observe(step_time_s=0.120, copy_s=0.020)  # a step that followed a copy
-    assert cadence.step_s == pytest.approx(0.100)  # its time less the copy, until a plain one
+    assert cadence.step_s == pytest.approx(0.100)  # its time less the copy
     assert cadence.plan() and cadence.interval == 4  # 20 ms / (5% x 100 ms)
     assert cadence.overhead == pytest.approx(0.05)
     assert not cadence.plan()  # no news
@@ -34,7 +34,8 @@ def test_the_cadence_waits_for_a_measured_copy_then_decides_once_and_on_changes(
         cadence.observe(step_time_s=0.100, copy_s=0.0)
     cadence.observe(step_time_s=0.300, copy_s=0.100)
     cadence.observe(step_time_s=0.100, copy_s=0.0)
-    # One slow copy among few is the median's middle: copies 20 and 100 ms -> 60 ms.
+    # Two copies: the median is their middle, 60 ms; the steps less their copies are
+    # 100 ms but one of 200 ms, of which the last five count.
     assert cadence.copy_s == pytest.approx(0.060) and cadence.step_s == pytest.approx(0.100)
     assert cadence.plan() and cadence.interval == 12
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from scheduler.copies import LONGEST_INTERVAL
 from service.cli import cli
 from workers.bench.step_settings import (
     DEFAULT_SIZE,
@@ -134,6 +135,7 @@ def test_a_tiny_run_reports_positive_consistent_numbers(ray_address: str) -> Non
     plain, shoal, copies = rates
     assert result["shoal_over_plain"] == pytest.approx(shoal / plain)
     assert result["copies_overhead"] == pytest.approx(1 - copies / shoal)
+    assert 1 <= result["copy_interval_steps"] <= LONGEST_INTERVAL  # the job's own choice
     assert len(result["stage_busy"]) == 2
     assert all(0 < b <= 1 for b in result["stage_busy"]), result["stage_busy"]
     assert result["device"] == "cpu"

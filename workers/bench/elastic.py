@@ -249,9 +249,13 @@ def _preemption_and_growth(
             300,
             "the first step after the node loss",
         )
-        lost = [e for e in job.trainer.report(0).events if e.kind == "device_lost"]
+        events = list(job.trainer.report(0).events)
+        lost = [e for e in events if e.kind == "device_lost"]
         recovery = done - killed
         replayed = lost[0].data["steps_replayed"] if lost else None
+        # The copies' cadence in force at the loss, as the job measured and reported it.
+        prior = events[: events.index(lost[0])] if lost else events
+        cadence = [e.data for e in prior if e.kind == "copies"]
 
         progress(ELASTIC_PHASES[5])
         joined = time.monotonic()
@@ -280,6 +284,8 @@ def _preemption_and_growth(
         return {
             "recovery_seconds": recovery,
             "steps_replayed": replayed,
+            "copy_interval_steps": cadence[-1]["interval"] if cadence else 1,
+            "copies_overhead": cadence[-1]["overhead"] if cadence else None,
             "growth_seconds": used - joined,
             "killed_device": victim.id,
             "grown_layout": [
@@ -324,6 +330,8 @@ def run_elastic(
         "recovery_seconds": churn["recovery_seconds"],
         "steps_replayed": churn["steps_replayed"],
         "growth_seconds": churn["growth_seconds"],
+        "copies_overhead": churn["copies_overhead"],
+        "copy_interval_steps": churn["copy_interval_steps"],
         **{k: v for k, v in hetero.items() if k not in ELASTIC_KEYS},
         **{k: v for k, v in churn.items() if k not in ELASTIC_KEYS},
         "settings": asdict(s),
