@@ -33,7 +33,7 @@ from scheduler.partition import Workload
 from scheduler.profile import uniform_costs
 from workers.group import GroupTimeout, Handle, StageLost, WorkerGroup
 from workers.rebalance import Layout, settle
-from workers.snapshot import JobSnapshot, StepMetrics, stage_plans
+from workers.snapshot import JobSnapshot, RunnerEvent, StepMetrics, stage_plans
 from workers.stage_worker import StageFailed
 
 MIN_PING_S = 30.0
@@ -109,6 +109,27 @@ class Copies:
 
     def drop(self) -> None:
         self._pending = []
+
+
+def copies_event(cadence: CopyCadence, step: int) -> RunnerEvent:
+    """The event that says how often a job copies its state, what that costs, and the most
+    a lost device replays (``CopyCadence.plan`` said it is news)."""
+    every, copy_s, step_s = cadence.interval, cadence.copy_s or 0.0, cadence.step_s or 0.0
+    steps = f"{every} step{'s' if every > 1 else ''}"
+    return RunnerEvent(
+        "copies",
+        step,
+        f"in-memory copies every {steps}: a copy takes {copy_s:.3f} s, a step {step_s:.3f} s,"
+        f" so they cost {cadence.overhead or 0.0:.1%} of the training time (budget"
+        f" {cadence.budget:.0%}); a lost device replays at most {steps}",
+        {
+            "interval": every,
+            "copy_s": copy_s,
+            "step_s": step_s,
+            "overhead": cadence.overhead,
+            "budget": cadence.budget,
+        },
+    )
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,7 @@ from workers.rebalance import (
     policy_every,
     snapshot_policy,
 )
-from workers.recovery import Copies, recover
+from workers.recovery import Copies, copies_event, recover
 from workers.snapshot import (
     JobSnapshot,
     RunnerEvent,
@@ -302,28 +302,8 @@ class Trainer:
 
     def _plan_copies(self, copies: Copies, step: int) -> None:
         """Re-decide how often the copies are taken; say so when that is news."""
-        cadence = copies.cadence
-        if not cadence.plan():
-            return
-        every, copy_s, step_s = cadence.interval, cadence.copy_s, cadence.step_s
-        overhead = cadence.overhead
-        self._record(
-            RunnerEvent(
-                "copies",
-                step,
-                f"in-memory copies every {every} step{'s' if every > 1 else ''}: a copy takes"
-                f" {copy_s or 0.0:.3f} s, a step {step_s or 0.0:.3f} s, so they cost"
-                f" {overhead or 0.0:.1%} of the training time (budget {cadence.budget:.0%});"
-                f" a lost device replays at most {every} step{'s' if every > 1 else ''}",
-                {
-                    "interval": every,
-                    "copy_s": copy_s,
-                    "step_s": step_s,
-                    "overhead": overhead,
-                    "budget": cadence.budget,
-                },
-            )
-        )
+        if copies.cadence.plan():
+            self._record(copies_event(copies.cadence, step))
 
     def _suspend(
         self, group: WorkerGroup, layout: Layout, store: CheckpointStore, step: int

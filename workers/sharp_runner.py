@@ -26,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from scheduler.copies import CopyCadence
 from scheduler.devices import Device
 from scheduler.profile import BlockCost
 from scheduler.sharp import (
@@ -42,6 +43,7 @@ from scheduler.sharp import (
 )
 from scheduler.types import DeviceId
 from workers.checkpoints import CheckpointStore
+from workers.recovery import copies_event
 from workers.runner import resumed_event, write_checkpoint
 from workers.shard_host import ShardFailed, ShardKey, TaskResult
 from workers.shard_pool import Call, HostLost, HostPool, InputLost, PoolFactory
@@ -76,8 +78,10 @@ class _Model:
     log: list[StepMetrics | RunnerEvent] = field(default_factory=list)
     step: int = 0
     saved: tuple[int, dict[int, Any]] | None = None
-    """Every block's state at the last step boundary (``keep_copies``), in this process:
-    what the model rolls back to when a device holding one of its shards is lost."""
+    """Every block's state at the last copy (``keep_copies``), in this process: what the
+    model rolls back to when a device holding one of its shards is lost."""
+    cadence: CopyCadence = field(default_factory=lambda: CopyCadence(0.05))
+    """How often the copy is taken (``scheduler.copies``, at the model's budget)."""
     lost: str | None = None
     """Why the model must roll back (a device holding a shard was lost), until it does."""
     placed: int = 0
@@ -333,7 +337,13 @@ class SharpTrainer:
             host = min(live, key=lambda h: (self._load[h], h))
             self._load[host] += snap.steps * (shard.forward_s + shard.backward_s)
             homes[shard.index] = host
-        model = _Model(snap, plan, data, [homes[s.index] for s in shards])
+        model = _Model(
+            snap,
+            plan,
+            data,
+            [homes[s.index] for s in shards],
+            cadence=CopyCadence(snap.copy_budget),
+        )
         store = CheckpointStore(snap.checkpoint_root)
         restorable = store.restorable(snap.job_id)
         latest, states = restorable.info, restorable.blocks
@@ -491,16 +501,23 @@ class SharpTrainer:
             self._finish_step(pool, model, task.step + 1)
 
     def _finish_step(self, pool: HostPool, model: _Model, step: int) -> None:
-        """Record ``step`` once its copy (``keep_copies``) is taken: a device lost before
-        that redoes the step, which was never reported, rather than replaying a reported one."""
+        """Record ``step``, once its copy (``keep_copies``) is taken where one is due: a
+        device lost before that redoes the step, which was never reported. The copy is due
+        as often as its measured cost allows (``scheduler.copies``); a loss between copies
+        replays the steps since the last one."""
         snap = model.snap
         elapsed = self._clock() - model.step_started
         every = snap.checkpoint_every
         with self._lock:
             leave = snap.job_id in self._suspending and step < snap.steps
         due = leave or step == snap.steps or (every > 0 and step % every == 0)
+        copy_due = snap.keep_copies and (
+            model.saved is None or step - model.saved[0] >= model.cadence.interval
+        )
         blocks: dict[int, Any] = {}
-        if due or snap.keep_copies:
+        copy_s = 0.0
+        if due or copy_due:
+            started = self._clock()
             try:
                 blocks = self._gather(pool, model)
             except HostLost as exc:  # a shard's device went between the step and the copy
@@ -511,6 +528,10 @@ class SharpTrainer:
                 return
             if snap.keep_copies:
                 model.saved = (step, blocks)
+            if not due:  # gathered for the copy alone: its cost is the copy's
+                copy_s = self._clock() - started
+        if snap.keep_copies:
+            model.cadence.observe(elapsed + copy_s, copy_s)
         self._record(
             model,
             StepMetrics(
@@ -525,6 +546,8 @@ class SharpTrainer:
             model.leaving = True
             with self._lock:
                 self._suspending.discard(snap.job_id)
+        if copy_due and model.cadence.plan():
+            self._record(model, copies_event(model.cadence, step))
         if due:
             self._checkpoint(model, step, blocks, leave)
         if step == snap.steps or leave:
@@ -663,6 +686,7 @@ class SharpTrainer:
                     "step": model.step,
                     "resume_step": step,
                     "steps_replayed": replayed,
+                    "copy_interval": model.cadence.interval,
                 },
             ),
         )

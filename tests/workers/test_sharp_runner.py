@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 
+from scheduler.copies import LONGEST_INTERVAL
 from scheduler.devices import Device
 from scheduler.sharp import Policy
 from tests.workers.runs import final_states, reference
@@ -365,11 +366,12 @@ def test_a_lost_device_costs_only_the_step_under_way_and_the_math_stays_exact(
     tmp_path: Path,
 ) -> None:
     """Mid-run one of the two devices is lost with the shards it held: each model with a
-    shard there rolls back to its copy of the last step boundary, its shards move to the
-    device left, and every model still trains exactly as alone, each step recorded once."""
+    shard there rolls back to its copy of the last step boundary (copies may cost the whole
+    step here: one at every boundary), its shards move to the device left, and every model
+    still trains exactly as alone, each step recorded once."""
     snaps = [
-        model(tmp_path, "a", steps=6, keep_copies=True),
-        model(tmp_path, "b", seed=9, steps=6, keep_copies=True),
+        model(tmp_path, "a", steps=6, keep_copies=True, copy_budget=1.0),
+        model(tmp_path, "b", seed=9, steps=6, keep_copies=True, copy_budget=1.0),
     ]
     trainer = train(snaps, LosingPool, budget_for_shards(snaps[0], 3))
     dead = devices()[1].id
@@ -388,6 +390,28 @@ def test_a_lost_device_costs_only_the_step_under_way_and_the_math_stays_exact(
 
 
 @pytest.mark.unit
+def test_copies_over_their_budget_are_taken_less_often_and_a_loss_replays_the_steps_since(
+    tmp_path: Path,
+) -> None:
+    """Any copy is over a budget of 1e-9 of the training time: after the first measured
+    one (step 1's) the next is the longest interval away, so a device lost later rolls the
+    model back to step 1 and replays the steps since, which are recorded again with the
+    same losses: the math stays that of the model alone."""
+    snap = model(tmp_path, "a", steps=6, keep_copies=True, copy_budget=1e-9)
+    trainer = train([snap], LateLosingPool, budget_for_shards(snap, 3))
+    report = trainer.report("a", 0)
+    assert report.status is RunStatus.SUCCEEDED, report.error
+    (cadence,) = [e for e in report.events if e.kind == "copies"]
+    assert (cadence.step, cadence.data["interval"]) == (1, LONGEST_INTERVAL), cadence
+    (lost,) = [e for e in report.events if e.kind == "device_lost"]
+    assert lost.data["resume_step"] == 1 and lost.data["steps_replayed"] == lost.data["step"] - 1
+    assert lost.data["steps_replayed"] >= 2  # steps 2 and on were not copied
+    latest = {m.step: m.loss for m in report.metrics}  # a replayed step's record replaces it
+    assert sorted(latest) == list(range(1, 7))
+    assert_alone(snap, [latest[s] for s in range(1, 7)])
+
+
+@pytest.mark.unit
 @pytest.mark.parametrize("pool", [InputLosingPool, PlacementLosingPool])
 def test_a_lost_input_or_a_device_lost_while_placing_is_survived_exactly(
     tmp_path: Path, pool: type[LosingPool]
@@ -396,8 +420,8 @@ def test_a_lost_input_or_a_device_lost_while_placing_is_survived_exactly(
     models; a device lost before a model trained anything costs nothing: its shards are
     built again from the seed on the device left (no copy needed)."""
     snaps = [
-        model(tmp_path, "a", steps=4, keep_copies=pool is InputLosingPool),
-        model(tmp_path, "b", seed=9, steps=4, keep_copies=pool is InputLosingPool),
+        model(tmp_path, "a", steps=4, keep_copies=pool is InputLosingPool, copy_budget=1.0),
+        model(tmp_path, "b", seed=9, steps=4, keep_copies=pool is InputLosingPool, copy_budget=1.0),
     ]
     trainer = train(snaps, pool, budget_for_shards(snaps[0], 3))
     for snap in snaps:
@@ -420,8 +444,9 @@ def test_a_device_lost_before_a_step_is_copied_redoes_that_step_unreported(
 ) -> None:
     """A step counts once its copy is taken: a device lost after the step's last task but
     before the copy redoes the step, which was never reported (none replayed, each step
-    recorded once), also when it was the model's last."""
-    snap = model(tmp_path, "a", steps=4, keep_copies=True)
+    recorded once), also when it was the model's last. (Copies may cost the whole step
+    here: one at every boundary.)"""
+    snap = model(tmp_path, "a", steps=4, keep_copies=True, copy_budget=1.0)
     trainer = train([snap], pool, budget_for_shards(snap, 3))
     report = trainer.report("a", 0)
     assert report.status is RunStatus.SUCCEEDED, report.error
@@ -432,6 +457,7 @@ def test_a_device_lost_before_a_step_is_copied_redoes_that_step_unreported(
         "step": resumed,
         "resume_step": resumed,
         "steps_replayed": 0,
+        "copy_interval": 1,
     }
     assert [m.step for m in report.metrics] == [1, 2, 3, 4]
     assert_alone(snap, [m.loss for m in report.metrics])
@@ -561,7 +587,7 @@ def test_a_killed_ray_shard_worker_is_survived_exactly(ray_address: str, tmp_pat
         pools.append(RayPool(devs, budgets))
         return pools[-1]
 
-    snaps = [model(tmp_path, "a", steps=40, keep_copies=True)]
+    snaps = [model(tmp_path, "a", steps=40, keep_copies=True, copy_budget=1.0)]
     pool_devices = devices(node)
     budget = budget_for_shards(snaps[0], 3)
     trainer = SharpTrainer(snaps, pool_devices, make, budgets={d.id: budget for d in pool_devices})
