@@ -17,7 +17,14 @@ function detail(event) {
   if (event.kind === "repartition_result") {
     return `measured ${percent(d.measured_gain)} vs predicted ${percent(d.predicted_gain)}`;
   }
-  if ("steps_replayed" in d) return `${d.steps_replayed} steps replayed`;
+  if (event.kind === "copies") {
+    const steps = d.interval === 1 ? "step" : `${d.interval} steps`;
+    return `every ${steps}, ${percent(d.overhead)} of the training time`;
+  }
+  if ("steps_replayed" in d) {
+    const most = "copy_interval" in d ? ` (copies every ${d.copy_interval})` : "";
+    return `${d.steps_replayed} steps replayed${most}`;
+  }
   return "";
 }
 
