@@ -391,7 +391,8 @@ def test_a_sweep_that_lost_a_device_goes_on_and_moves_back_onto_as_many_as_it_as
         assert_exact(session_factory, spec, trial)
         states, history = trial_history(session_factory, trial.job_id)
         lost = [e for e in history if e.kind == "device_lost"]
-        assert all(e.data["steps_replayed"] <= 1 for e in lost)  # from the copy in memory
+        # From the copy in memory: at most the steps between two copies.
+        assert all(e.data["steps_replayed"] <= e.data["copy_interval"] for e in lost)
         if "QUEUED" in states[1:]:
             moved += 1
             assert states[-4:] == ["RUNNING", "QUEUED", "RUNNING", "SUCCEEDED"]
