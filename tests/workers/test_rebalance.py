@@ -363,6 +363,66 @@ def test_a_lost_worker_is_recovered_in_place_from_memory_copies(
     assert_matches_reference(snap, metrics(trainer))
 
 
+class MoveThenLose(LoseDevice):
+    """A LoseDevice whose trainer is asked for ``move`` once 3 steps were applied, and which
+    records the steps its stage-0 worker snapshots."""
+
+    def __init__(self, trainer: list[Trainer], move: tuple[StagePlan, ...], *args: Any) -> None:
+        self.trainer, self.move, self.copied = trainer, move, list[int]()
+        super().__init__(*args)
+
+    def submit(self, stage: int, method: str, *args: Any) -> Any:
+        if method == "snapshot" and stage == 0:
+            self.copied.append(args[0])
+        handle = super().submit(stage, method, *args)
+        if method == "apply_step" and stage == 0 and self.steps == 3:
+            self.trainer[0].relayout(self.move, (4,))
+        return handle
+
+
+@pytest.mark.unit
+def test_a_move_copies_the_new_layout_at_once_and_a_later_loss_recovers_from_it(
+    tmp_path: Path,
+) -> None:
+    """Copies are rare here (a budget of 1e-9: after step 2 the next is 100 steps away),
+    but blocks that move drop their workers' copies: the runner copies the new layout at
+    the move's boundary, and a worker lost two steps later is recovered from that copy,
+    exactly."""
+    stages = dp_plans([(0, 1), (1, 2), (2, 4)], 1)
+    move = tuple(
+        replace(p, blocks=b) for p, b in zip(stages, [(0, 2), (2, 3), (3, 4)], strict=True)
+    )
+    snap = job(
+        tmp_path,
+        [],
+        stages=stages,
+        micro_batches=4,
+        steps=7,
+        optimizer=SGD,
+        keep_copies=True,
+        copy_budget=1e-9,
+    )
+    dead = stages[1].device.id
+    holder: list[Trainer] = []
+    groups: list[MoveThenLose] = []
+
+    def make(plans: Any, setup: Any) -> MoveThenLose:
+        groups.append(MoveThenLose(holder, move, dead, 5, plans, setup))
+        return groups[-1]
+
+    holder.append(Trainer(snap, make))
+    trainer = holder[0]
+    assert trainer.run() is RunStatus.SUCCEEDED, trainer.report(0).error
+    events = trainer.report(0).events
+    (moved,) = [e for e in events if e.kind == "relayout"]
+    (lost,) = [e for e in events if e.kind == "device_lost"]
+    assert moved.step == 3 and groups[0].copied[:4] == [0, 1, 2, 3], groups[0].copied
+    assert lost.data["resume_step"] == 3 and lost.data["steps_replayed"] == 2, lost.data
+    latest = {m.step: m for m in metrics(trainer)}  # a replayed step's record replaces it
+    assert sorted(latest) == list(range(1, 8))
+    assert_matches_reference(snap, [latest[s] for s in range(1, 8)])
+
+
 @pytest.mark.unit
 def test_without_copies_a_lost_worker_ends_the_run_as_lost(tmp_path: Path) -> None:
     stages = plans([(0, 2), (2, 4)])
