@@ -104,6 +104,7 @@ def snapshots(
             checkpoint_every=0,
             checkpoint_keep=1,
             block_costs=costs,
+            keep_copies=True,  # as a sweep's trials by default (elastic.keep_copies)
         )
         for i in range(s.models)
     ]
