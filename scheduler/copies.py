@@ -43,9 +43,10 @@ class CopyCadence:
     """When a job's next copy is due, from what its copies and steps measured.
 
     ``observe`` takes every step as recorded: its time and the copy seconds its workers
-    reported (the copy taken just before it, if any). ``plan`` is asked at each copy for
-    the steps until the next. The interval moves up as soon as the copies outgrow the
-    budget, and down only when a quarter fewer steps would do, so it does not flap.
+    reported (the copy taken just before it, if any). ``plan`` re-decides the interval at
+    each copy; ``steps_to_next`` says when the next is due. The interval moves up as soon
+    as the copies outgrow the budget, and down only when a quarter fewer steps would do, so
+    it does not flap.
     """
 
     budget: float
@@ -60,6 +61,11 @@ class CopyCadence:
             self._copies.append(copy_s)
         if step_time_s > copy_s:
             self._steps.append(step_time_s - copy_s)
+
+    def steps_to_next(self, taken: int | None, step: int) -> int:
+        """Steps after ``step`` until a copy is due, the last taken after ``taken`` steps
+        (None: none yet); 0: due now."""
+        return 0 if taken is None else max(0, taken + self.interval - step)
 
     @property
     def copy_s(self) -> float | None:

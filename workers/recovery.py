@@ -75,9 +75,7 @@ class Copies:
 
     def steps_to_next(self, step: int) -> int:
         """Steps after ``step`` until the next copy is due (0: now)."""
-        if self.taken is None:
-            return 0
-        return max(0, self.taken + self.cadence.interval - step)
+        return self.cadence.steps_to_next(self.taken, step)
 
     def observe(self, metrics: StepMetrics) -> None:
         """Take a recorded step's time and the seconds its workers spent on the copy just

@@ -80,7 +80,7 @@ class _Model:
     saved: tuple[int, dict[int, Any]] | None = None
     """Every block's state at the last copy (``keep_copies``), in this process: what the
     model rolls back to when a device holding one of its shards is lost."""
-    cadence: CopyCadence = field(default_factory=lambda: CopyCadence(0.05))
+    cadence: CopyCadence = field(init=False)
     """How often the copy is taken (``scheduler.copies``, at the model's budget)."""
     lost: str | None = None
     """Why the model must roll back (a device holding a shard was lost), until it does."""
@@ -92,6 +92,9 @@ class _Model:
     """It trains no more here: its shards are dropped, and the writer thread ends it
     (SUSPENDED with the checkpoint of the step it stopped at, or LOST) once the checkpoints
     it has under way are written."""
+
+    def __post_init__(self) -> None:
+        self.cadence = CopyCadence(self.snap.copy_budget)
 
     @property
     def active(self) -> bool:
@@ -337,13 +340,7 @@ class SharpTrainer:
             host = min(live, key=lambda h: (self._load[h], h))
             self._load[host] += snap.steps * (shard.forward_s + shard.backward_s)
             homes[shard.index] = host
-        model = _Model(
-            snap,
-            plan,
-            data,
-            [homes[s.index] for s in shards],
-            cadence=CopyCadence(snap.copy_budget),
-        )
+        model = _Model(snap, plan, data, [homes[s.index] for s in shards])
         store = CheckpointStore(snap.checkpoint_root)
         restorable = store.restorable(snap.job_id)
         latest, states = restorable.info, restorable.blocks
@@ -512,7 +509,7 @@ class SharpTrainer:
             leave = snap.job_id in self._suspending and step < snap.steps
         due = leave or step == snap.steps or (every > 0 and step % every == 0)
         copy_due = snap.keep_copies and (
-            model.saved is None or step - model.saved[0] >= model.cadence.interval
+            model.cadence.steps_to_next(model.saved[0] if model.saved else None, step) == 0
         )
         blocks: dict[int, Any] = {}
         copy_s = 0.0

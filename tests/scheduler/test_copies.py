@@ -53,3 +53,9 @@ def test_the_interval_goes_down_only_by_a_quarter_or_more() -> None:
     cadence.observe(step_time_s=0.130, copy_s=0.030)
     cadence.observe(step_time_s=0.200, copy_s=0.100)  # copies 30/30/100 -> wants 6
     assert not cadence.plan() and cadence.interval == 6
+
+
+def test_a_copy_is_due_an_interval_after_the_last() -> None:
+    cadence = CopyCadence(0.05, interval=3)
+    assert cadence.steps_to_next(None, 7) == 0  # none taken yet: now
+    assert [cadence.steps_to_next(4, s) for s in (4, 5, 6, 7, 9)] == [3, 2, 1, 0, 0]
