@@ -45,6 +45,7 @@ from ray.exceptions import (
     ActorUnavailableError,
     ActorUnschedulableError,
     GetTimeoutError,
+    ObjectLostError,
     RayActorError,
     RayError,
     RayTaskError,
@@ -365,7 +366,7 @@ class RayGroup:
                 f"stages {stages} did not answer within {timeout:g} s; a device may be"
                 " overloaded or unreachable"
             ) from None
-        except (RayTaskError, RayActorError, ActorUnschedulableError) as exc:
+        except (RayTaskError, RayActorError, ActorUnschedulableError, ObjectLostError) as exc:
             error = self._typed(exc, refs)
             if isinstance(error, LinkFailed):
                 error = self._blame(refs)
@@ -379,9 +380,12 @@ class RayGroup:
                 return exc.cause
             if isinstance(exc.cause, RayActorError):
                 return self._lost(exc.cause, waited)
-            return exc
+            if not isinstance(exc.cause, ObjectLostError):
+                return exc
         if isinstance(exc, RayActorError):
             return self._lost(exc, waited)
+        # Unschedulable, or an object a call returned or took lost with its node (a call
+        # whose worker died returns no object: it cannot be rebuilt).
         plan = self._plans[_failed_stage(waited)]
         return StageLost(plan.index, plan.device.id, "its node is gone or cannot host it")
 
@@ -399,7 +403,7 @@ class RayGroup:
                 ray.get(handle.ref, timeout=0)
             except GetTimeoutError:
                 continue
-            except (RayTaskError, RayActorError, ActorUnschedulableError) as exc:
+            except (RayTaskError, RayActorError, ActorUnschedulableError, ObjectLostError) as exc:
                 error = self._typed(exc, [handle])
                 if isinstance(error, StageLost):
                     return error
