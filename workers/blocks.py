@@ -53,15 +53,21 @@ def make_optimizer(conf: OptimizerConf, params: Iterable[nn.Parameter]) -> torch
         raise ValueError(f"{field}: {exc}") from None
 
 
+def map_tensors(value: Any, each: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``value`` (nested dicts, lists and tuples, such as a block's state) with ``each``
+    applied to every tensor, containers rebuilt."""
+    if isinstance(value, torch.Tensor):
+        return each(value)
+    if isinstance(value, dict):
+        return {k: map_tensors(v, each) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(map_tensors(v, each) for v in value)
+    return value
+
+
 def _detached_copy(value: Any) -> Any:
     """``value`` with every tensor detached and copied to the CPU, containers rebuilt."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu", copy=True)
-    if isinstance(value, dict):
-        return {k: _detached_copy(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return type(value)(_detached_copy(v) for v in value)
-    return value
+    return map_tensors(value, lambda t: t.detach().to("cpu", copy=True))
 
 
 def _tensors(value: Any) -> Iterable[torch.Tensor]:
@@ -88,10 +94,13 @@ class Block:
 
     def state(self) -> dict[str, Any]:
         """Parameters, buffers and optimizer state: detached CPU copies, safe to pickle and ship."""
-        return {
-            "module": _detached_copy(self.module.state_dict()),
-            "optimizer": _detached_copy(self.optimizer.state_dict()),
-        }
+        state: dict[str, Any] = _detached_copy(self.live_state())
+        return state
+
+    def live_state(self) -> dict[str, Any]:
+        """``state``'s layout holding the live tensors themselves (detached), not copies:
+        what a copy made later reads (``workers.copier``)."""
+        return {"module": self.module.state_dict(), "optimizer": self.optimizer.state_dict()}
 
     def load(self, state: dict[str, Any]) -> None:
         """Restore a ``state()`` onto the module's current device."""

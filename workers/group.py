@@ -55,7 +55,7 @@ from workers import launch
 from workers.collective import sum_in_process
 from workers.snapshot import StagePlan
 from workers.stage import StageSetup
-from workers.stage_worker import LinkFailed, StageFailed, StageWorker, one_line
+from workers.stage_worker import COPIES, LinkFailed, StageFailed, StageWorker, one_line
 
 __all__ = [
     "GroupFactory",
@@ -346,7 +346,10 @@ class RayGroup:
 
     def submit(self, stage: int, method: str, *args: Any) -> Handle:
         refs = [a.ref if isinstance(a, _Ref) else a for a in args]
-        return _Ref(stage, method, self._actors[stage].call.remote(method, *refs))
+        call: Any = self._actors[stage].call
+        if method in COPIES:
+            call = call.options(concurrency_group=launch.COPIES_GROUP)
+        return _Ref(stage, method, call.remote(method, *refs))
 
     def all_reduce(self, workers: Sequence[int]) -> list[Handle]:
         # Each replica's call runs after its backwards (actor order) and meets the others in

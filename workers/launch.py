@@ -27,12 +27,15 @@ from workers.stage import StageSetup
 from workers.stage_worker import StageWorker
 
 RUNNER_NAMESPACE = "shoal"
+COPIES_GROUP = "copies"
+"""The StageWorker's concurrency group for ``workers.stage_worker.COPIES`` calls."""
 RUNNER_CONCURRENCY = 4
 """Threads of a runner actor: ``run`` holds one for the whole job; ``poll``/``cancel`` use the
 others, so they answer while it trains."""
 
 # Ray's typing of remote classes is partial; the actor classes are used untyped.
-_StageWorkerActor: Any = ray.remote(StageWorker)
+_remote: Any = ray.remote
+_StageWorkerActor: Any = _remote(concurrency_groups={COPIES_GROUP: 1})(StageWorker)
 _ShardWorkerActor: Any = ray.remote(ShardWorker)
 
 
@@ -159,9 +162,10 @@ def start_stage_worker(plan: StagePlan, setup: StageSetup) -> ActorHandle[Any]:
     """A StageWorker actor holding ``plan``'s blocks, pinned to its device's node.
 
     A GPU device takes one ``GPU`` (Ray sets CUDA_VISIBLE_DEVICES for it); a virtual device
-    takes one ``shoal_device``. Single-threaded, never restarted and never retried, so Ray
-    runs the calls from the runner in submission order (see ``workers.group``) and a lost
-    worker is reported, not silently replaced without its state.
+    takes one ``shoal_device``. One thread for its training calls, never restarted and
+    never retried, so Ray runs those calls from the runner in submission order (see
+    ``workers.group``) and a lost worker is reported, not silently replaced without its
+    state; a second thread runs the in-memory copies' calls beside them (``COPIES_GROUP``).
     """
     worker: ActorHandle[Any] = _StageWorkerActor.options(**_on_device(plan.device)).remote(
         plan, setup

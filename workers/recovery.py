@@ -57,12 +57,16 @@ def buddies(layout: Layout) -> list[int | None]:
 
 
 class Copies:
-    """At each step boundary where a copy is due, every worker snapshots and its buddy holds
-    the copy. Not waited for (it overlaps the next step); ``confirm`` surfaces its errors at
+    """At each step boundary where a copy is due, every worker starts copying its blocks
+    (``snapshot``, a training call that returns at once: the copy is made during the next
+    step) and ships the copy once made to its buddy, which holds it (``shipment`` and
+    ``hold``, calls beside training). Not waited for; ``confirm`` surfaces its errors at
     the next boundary. How often: ``scheduler.copies.CopyCadence``, from the copies' and
     steps' measured times (``observe``)."""
 
-    def __init__(self, budget: float) -> None:
+    def __init__(self, budget: float, wait_s: float) -> None:
+        self._wait_s = wait_s
+        """How long a worker's shipment waits for its copy to start."""
         self._pending: list[Handle] = []
         self.cadence = CopyCadence(budget)
         self.taken: int | None = None
@@ -94,11 +98,11 @@ class Copies:
         self._unmeasured = step if fresh else None
         pending = []
         for w, buddy in enumerate(buddies(layout)):
-            snap = group.submit(w, "snapshot", step, buddy is not None)
-            owner = layout.plans[w].device.id
-            pending.append(
-                snap if buddy is None else group.submit(buddy, "hold", owner, step, snap)
-            )
+            pending.append(group.submit(w, "snapshot", step))
+            if buddy is not None:  # a lone worker's copy stays with it
+                shipped = group.submit(w, "shipment", step, self._wait_s)
+                owner = layout.plans[w].device.id
+                pending.append(group.submit(buddy, "hold", owner, step, shipped))
         self._pending = pending
 
     def confirm(self, group: WorkerGroup, timeout: float) -> None:

@@ -203,7 +203,7 @@ class Trainer:
                 if self._policy
                 else None
             )
-            copies = Copies(snap.copy_budget) if snap.keep_copies else None
+            copies = Copies(snap.copy_budget, self._timeout) if snap.keep_copies else None
             if copies is not None:
                 copies.refresh(group, layout, start, fresh=True)
             step = start

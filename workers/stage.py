@@ -19,13 +19,17 @@ gradients into and out of their wire form is timed apart, as transfer.
 Blocks move between stages at step boundaries (elastic repartitioning): ``export`` hands
 out the state of some held blocks, ``adopt`` takes a new block range, keeping what it
 holds and building the rest from exported states.
+
+In-memory copies (``workers.recovery``): ``snapshot`` starts copying the blocks beside
+training (``workers.copier``) and returns at once; ``shipment`` and ``hold`` run beside the
+training calls too (the worker's ``COPIES`` calls, ``workers.stage_worker``): the first
+hands the finished copy out for the worker's buddy, the second keeps a neighbour's.
 """
 
 from __future__ import annotations
 
 import os
 import time
-from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -40,6 +44,7 @@ from scheduler.types import BlockRange
 from workers.blocks import Block
 from workers.clipping import grad_norms, scale_grads
 from workers.collective import GlooCollective
+from workers.copier import Copier, Held
 from workers.host_memory import retain_freed_memory
 from workers.precision import autocast, autocast_dtype
 from workers.snapshot import JobSnapshot, ModelRef, OptimizerConf, StagePlan
@@ -171,8 +176,8 @@ class Stage:
         self._kept: dict[int, _Kept] = {}
         self._collective: GlooCollective | None = None
         self._links = Links(self.device)
-        self._saved: deque[tuple[int, dict[int, Any]]] = deque(maxlen=_GENERATIONS)
-        self._copies: dict[str, deque[tuple[int, dict[int, Any]]]] = {}
+        self._own = Copier(self.device, _GENERATIONS)
+        self._held = Held(_GENERATIONS)
 
     # ----------------------------------------------------------------------- timing
 
@@ -288,11 +293,17 @@ class Stage:
         with self._compute():
             if clip is not None:
                 scale_grads(self.blocks, clip)
-            for block in self.blocks:
+        for block in self.blocks:
+            if self._own.pending(block.index):
+                with self._timer.span("copy"):
+                    self._own.guard(block.index)  # the boundary's copy first
+            with self._compute():
                 block.step()
 
     def lap(self) -> StepClock:
         """The seconds spent since the last step or lap, by part; restart them."""
+        if self.device.type == "cpu":  # the copying thread ran on this device's cores
+            self._timer.add("copy", self._own.take_busy())
         return self._timer.lap()
 
     # ------------------------------------------------------ a whole step, peer to peer
@@ -433,8 +444,8 @@ class Stage:
 
     def _forget(self) -> None:
         """Drop the in-memory copies: they are of a layout that no longer runs."""
-        self._saved.clear()
-        self._copies.clear()
+        self._own.clear()
+        self._held.clear()
 
     def export(self, indices: Sequence[int]) -> dict[int, Any]:
         """The state of the given blocks, which this stage holds (for ``adopt`` elsewhere)."""
@@ -477,35 +488,36 @@ class Stage:
 
     # ------------------------------------------------- in-memory copies (lost devices)
 
-    def snapshot(self, step: int, ship: bool = True) -> dict[int, Any] | None:
-        """Keep the blocks' state after ``step`` steps (the last two are kept) and return it
-        (``ship``) for the worker's buddy on another node to ``hold``; a lone worker has no
-        buddy, and shipping its state back to the runner each step would be all cost."""
+    def snapshot(self, step: int) -> None:
+        """Start copying the blocks' state after ``step`` steps (the last two are kept); the
+        copy is made while the next step runs (``workers.copier``)."""
         self._timer.copying()
-        states = self.state()
-        self._saved.append((step, states))
-        return send_tree(states) if ship else None
+        self._own.start(step, self.blocks)
+
+    def shipment(self, step: int, timeout: float) -> dict[int, Any]:
+        """The copy of ``step`` in wire form, for the worker's buddy to ``hold``, once it is
+        complete (a call beside training: it may come before the ``snapshot`` it follows,
+        and waits up to ``timeout`` seconds for it)."""
+        shipped: dict[int, Any] = send_tree(self._own.wait_for(step, timeout))
+        return shipped
 
     def hold(self, owner: str, step: int, states: Mapping[int, Any]) -> None:
-        """Keep another worker's ``snapshot`` (the last two steps of each owner), as it came:
-        in wire form (``workers.wire.send_tree``), turned back into tensors only if used."""
-        self._timer.copying()
-        self._copies.setdefault(owner, deque(maxlen=_GENERATIONS)).append((step, dict(states)))
+        """Keep another worker's ``shipment`` (the last two steps of each owner), as it
+        came: in wire form, turned back into tensors only if used."""
+        self._held.keep(owner, step, dict(states))
 
     def saved_steps(self) -> dict[str, Any]:
         """The steps this worker can restore: its own blocks, and each held owner's."""
         return {
-            "own": {step: sorted(states) for step, states in self._saved},
-            "copies": {
-                owner: {step: sorted(states) for step, states in kept}
-                for owner, kept in self._copies.items()
-            },
+            "own": dict(self._own.steps()),
+            "copies": self._held.steps(),
         }
 
     def rollback(self, step: int) -> None:
         """Back to the blocks' state after ``step`` steps, as if the step after it never
         began: micro-batches in flight and accumulated gradients are dropped."""
-        states = dict(self._saved).get(step)
+        self._own.settle()
+        states = self._own.result(step)
         if states is None:
             raise StageStateError(f"stage {self.index} kept no state of step {step}")
         self._kept.clear()
@@ -516,7 +528,7 @@ class Stage:
 
     def export_copy(self, owner: str, step: int, indices: Sequence[int]) -> dict[int, Any]:
         """The given blocks' states after ``step`` from the copy held for ``owner``."""
-        states = dict(self._copies.get(owner, ())).get(step)
+        states = self._held.get(owner, step)
         if states is None or any(i not in states for i in indices):
             raise StageStateError(
                 f"stage {self.index} holds no copy of blocks {list(indices)} of {owner} at"

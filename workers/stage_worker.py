@@ -26,6 +26,7 @@ STAGE_METHODS = frozenset(
         "export",
         "adopt",
         "snapshot",
+        "shipment",
         "hold",
         "saved_steps",
         "rollback",
@@ -47,6 +48,11 @@ STAGE_METHODS = frozenset(
     }
 )
 """The ``Stage`` methods a worker group may call."""
+
+COPIES = frozenset({"shipment", "hold"})
+"""The methods a worker runs beside its training calls (Ray: in the ``copies`` concurrency
+group, a thread of its own), so that handing out and keeping in-memory copies never
+queues ahead of a step. Everything else runs one call at a time, in submission order."""
 
 
 class StageFailed(RuntimeError):

@@ -29,8 +29,9 @@ PARTS = ("compute", "transfer", "wait", "allreduce", "copy")
 class StepClock:
     """Seconds one stage spent in one step computing, moving activations and gradients
     (turning them into and out of their wire form), waiting for its neighbours' transfers,
-    summing gradients over its replicas, and taking or holding in-memory copies since the
-    step before (``workers.recovery``: they delay this step)."""
+    summing gradients over its replicas, and on in-memory copies (``workers.recovery``):
+    the turnaround a copy's boundary costs, waiting for the copy before the optimizer step,
+    and on a CPU device the copying thread's time."""
 
     compute_s: float
     transfer_s: float
@@ -51,13 +52,15 @@ class StepTimer:
         self._copy_from: float | None = None
 
     def copying(self) -> None:
-        """An in-memory copy starts (a snapshot, or holding a neighbour's): everything until
-        the next step's first timed part is booked as ``copy``. That takes in what the copy
-        costs this worker outside its own code (Ray storing the returned state), and the
-        runner's turnaround the copy's boundary puts between two steps: what the step
-        would not have waited for without the copy."""
+        """An in-memory copy starts: everything until the next step's first timed part is
+        booked as ``copy``. That takes in the runner's turnaround the copy's boundary puts
+        between two steps: what the step would not have waited for without the copy."""
         if self._copy_from is None:
             self._copy_from = time.perf_counter()
+
+    def add(self, part: str, seconds: float) -> None:
+        """Book ``seconds`` spent elsewhere (another thread on this device) as ``part``."""
+        self._seconds[part] += seconds
 
     @contextmanager
     def span(self, part: str) -> Iterator[None]:

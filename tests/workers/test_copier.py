@@ -1,0 +1,185 @@
+"""In-memory copies made beside training: exactly the boundary's state, however late the
+copy runs; waited for only by the change it must precede."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from workers.blocks import Block
+from workers.copier import Copier, CopyDropped, Held
+from workers.snapshot import OptimizerConf
+
+pytestmark = pytest.mark.unit
+
+ADAM = OptimizerConf("adam", 0.01)
+
+
+class LateCopier(Copier):
+    """A Copier whose thread makes no copy until ``gate`` opens: whatever changes a block
+    meanwhile shows in the copy unless ``guard`` holds it back."""
+
+    def __init__(self) -> None:
+        super().__init__(torch.device("cpu"))
+        self.gate = threading.Event()
+
+    def _copy(self, state: Any) -> Any:
+        self.gate.wait(timeout=30.0)
+        return super()._copy(state)
+
+    def open_soon(self) -> None:
+        threading.Timer(0.2, self.gate.set).start()
+
+
+def blocks() -> list[Block]:
+    torch.manual_seed(0)
+    modules = [nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8)), nn.Linear(8, 1)]
+    return [Block(i, m, ADAM) for i, m in enumerate(modules)]
+
+
+def forward_backward(chain: list[Block], seed: int, device: str = "cpu") -> None:
+    x = torch.randn(16, 4, generator=torch.Generator().manual_seed(seed)).to(device)
+    for block in chain:
+        x = block.module(x)
+    x.pow(2).mean().backward()
+
+
+def train_step(chain: list[Block], copier: Copier, seed: int, device: str = "cpu") -> None:
+    """A step as a stage runs it: forwards and backwards, then each block's update after
+    its copy."""
+    forward_backward(chain, seed, device)
+    for block in chain:
+        copier.guard(block.index)
+        block.step()
+
+
+def assert_states_equal(a: Any, b: Any) -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and torch.equal(a, b)
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for key in a:
+            assert_states_equal(a[key], b[key])
+    elif isinstance(a, list | tuple):
+        assert len(a) == len(b)
+        for x, y in zip(a, b, strict=True):
+            assert_states_equal(x, y)
+    else:
+        assert a == b
+
+
+def test_a_copy_is_the_boundary_state_though_the_next_step_runs_before_it_is_made() -> None:
+    chain, copier = blocks(), LateCopier()
+    copier.gate.set()
+    train_step(chain, copier, seed=0)  # Adam's state exists from here on
+    copier.gate.clear()
+    boundary = {b.index: b.state() for b in chain}
+    copier.start(1, chain)  # returns with the copy not made
+    # The next step's forward (which moves the batch-norm statistics) and its updates,
+    # the copy made 0.2 s later.
+    copier.open_soon()
+    train_step(chain, copier, seed=1)
+    copied = copier.result(1)
+    assert copied is not None
+    for block in chain:
+        assert_states_equal(copied[block.index], boundary[block.index])
+    assert not torch.equal(
+        chain[0].state()["module"]["1.running_mean"], boundary[0]["module"]["1.running_mean"]
+    )
+    # The step's updates waited for the copy, and only they: the copy's thread time is the
+    # copy's cost, booked once.
+    assert copier.take_busy() > 0 and copier.take_busy() == 0.0
+
+
+def test_only_the_change_after_a_copy_waits_for_it() -> None:
+    chain, copier = blocks(), LateCopier()
+    copier.start(0, chain)
+    assert copier.pending(0) and copier.pending(1)
+    forward_backward(chain, seed=0)  # forwards and backwards run with the copy not made
+    assert not copier.gate.is_set()
+    copier.open_soon()
+    copier.guard(0)
+    assert copier.gate.is_set()
+    assert not copier.pending(0) and copier.pending(1)
+
+
+def test_the_last_two_copies_are_kept_and_a_rollback_restores_either_exactly() -> None:
+    chain, copier = blocks(), Copier(torch.device("cpu"))
+    states = {}
+    for step in range(3):
+        copier.start(step, chain)
+        states[step] = {b.index: b.state() for b in chain}
+        train_step(chain, copier, seed=step)
+    assert [s for s, _ in copier.steps()] == [1, 2]
+    assert copier.result(0) is None
+    copied = copier.result(1)
+    assert copied is not None
+    for block in chain:
+        block.load(copied[block.index])
+        assert_states_equal(block.state(), states[1][block.index])
+
+
+def test_a_shipment_waits_for_its_copy_to_start_and_gives_up_when_it_is_dropped() -> None:
+    chain, copier = blocks(), Copier(torch.device("cpu"))
+    got: list[Any] = []
+    waiter = threading.Thread(target=lambda: got.append(copier.wait_for(4, timeout=30.0)))
+    waiter.start()
+    time.sleep(0.1)  # the call beside training came first
+    expected = {b.index: b.state() for b in chain}
+    copier.start(4, chain)
+    waiter.join(timeout=30.0)
+    assert len(got) == 1
+    for index, state in got[0].items():
+        assert_states_equal(state, expected[index])
+
+    failed: list[BaseException] = []
+
+    def wait_dropped() -> None:
+        try:
+            copier.wait_for(5, timeout=30.0)
+        except CopyDropped as exc:
+            failed.append(exc)
+
+    waiter = threading.Thread(target=wait_dropped)
+    waiter.start()
+    time.sleep(0.1)
+    copier.clear()  # a rollback or new blocks: no copy of step 5 will come
+    waiter.join(timeout=30.0)
+    assert len(failed) == 1 and "step 5" in str(failed[0])
+    assert copier.steps() == []
+    with pytest.raises(TimeoutError, match=r"no copy of step 6 started within 0\.1 s"):
+        copier.wait_for(6, timeout=0.1)
+
+
+def test_held_copies_keep_the_last_two_steps_of_each_owner() -> None:
+    held = Held(2)
+    for step in range(3):
+        held.keep("dev-a", step, {0: f"a{step}", 1: f"a{step}"})
+    held.keep("dev-b", 2, {2: "b2"})
+    assert held.steps() == {"dev-a": {1: [0, 1], 2: [0, 1]}, "dev-b": {2: [2]}}
+    assert held.get("dev-a", 1) == {0: "a1", 1: "a1"}
+    assert held.get("dev-a", 0) is None and held.get("dev-c", 2) is None
+    held.clear()
+    assert held.steps() == {}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_cuda_copy_is_the_boundary_state_and_lands_in_pinned_memory() -> None:
+    chain, copier = blocks(), Copier(torch.device("cuda"))
+    for block in chain:
+        block.to(torch.device("cuda"))
+    train_step(chain, copier, 0, "cuda")
+    boundary = {b.index: b.state() for b in chain}
+    copier.start(1, chain)
+    train_step(chain, copier, 1, "cuda")
+    copied = copier.result(1)
+    assert copied is not None
+    for block in chain:
+        assert_states_equal(copied[block.index], boundary[block.index])
+    assert copied[1]["module"]["weight"].is_pinned()

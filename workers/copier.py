@@ -1,0 +1,242 @@
+"""A worker's in-memory copies of its own blocks, taken beside training, not in its way.
+
+At a step boundary ``Copier.start`` takes every block's state as it is then into fresh host
+memory, and returns at once; the next step's forwards and backwards run while the copy is
+made. Only a block's optimizer step must wait for that block's copy (``guard``), since it
+is the first thing to change the block's parameters and optimizer state: so the copy is
+exactly the boundary's state. What the forward pass changes itself (a module's buffers,
+such as batch-norm statistics) is copied before ``start`` returns; it is small.
+
+- On a CUDA device the copy runs on a side stream into pinned host memory (torch's caching
+  host allocator reuses it, so the generations kept are double-buffered rather than
+  reallocated), one event per block; ``guard`` makes the compute stream wait for the
+  block's event, so the host never waits for it.
+- On a CPU device a background thread makes the copy; ``guard`` waits for the block's part
+  of it. That thread's CPU time is the device's own time (a CPU device is its cores), so it
+  is reported (``take_busy``) and booked as the copies' cost.
+
+The last ``generations`` copies are kept; ``result`` waits for one to complete.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+from workers.blocks import Block, map_tensors
+
+_CUDA: Any = torch.cuda  # torch's stubs leave Stream and Event untyped
+
+
+class CopyDropped(RuntimeError):
+    """The copy waited for was dropped (its worker rolled back or changed its blocks)."""
+
+
+class _BlockCopy(Protocol):
+    def guard(self) -> None:
+        """Order the block's next change after its copy."""
+
+    def result(self) -> Any:
+        """The block's state on the host, once the copy is complete."""
+
+
+@dataclass(frozen=True)
+class _ThreadCopy:
+    future: Future[Any]
+
+    def guard(self) -> None:
+        self.future.result()
+
+    def result(self) -> Any:
+        return self.future.result()
+
+
+@dataclass(frozen=True)
+class _StreamCopy:
+    state: Any
+    event: Any  # torch.cuda.Event: torch's stubs leave it untyped
+
+    def guard(self) -> None:
+        torch.cuda.current_stream(self.event.device).wait_event(self.event)
+
+    def result(self) -> Any:
+        self.event.synchronize()
+        return self.state
+
+
+@dataclass
+class _Copy:
+    step: int
+    blocks: dict[int, _BlockCopy] = field(default_factory=dict)
+
+
+class Copier:
+    """The copies of one worker's blocks on ``device``: the last ``generations`` kept."""
+
+    def __init__(self, device: torch.device, generations: int = 2) -> None:
+        self._device = device
+        self._cuda = device.type == "cuda"
+        self._kept: deque[_Copy] = deque(maxlen=generations)
+        self._changed = threading.Condition()
+        self._dropped = 0
+        """How many times the kept copies were dropped (a waiter from before gives up)."""
+        self._busy_s = 0.0
+        self._unguarded: dict[int, _BlockCopy] = {}
+        """Each block's latest copy its next change has not been ordered after yet."""
+        self._stream: Any = _CUDA.Stream(device) if self._cuda else None
+        self._thread: ThreadPoolExecutor | None = None
+
+    def start(self, step: int, blocks: Sequence[Block]) -> None:
+        """Start copying ``blocks`` as they are after ``step`` steps; returns at once."""
+        copy = _Copy(step)
+        live = [(b.index, _forward_changes_copied(b)) for b in blocks]
+        if self._cuda:
+            self._stream.wait_stream(torch.cuda.current_stream(self._device))
+            with torch.cuda.stream(self._stream):
+                for index, state in live:
+                    host = map_tensors(state, self._to_pinned)
+                    event = _CUDA.Event()
+                    event.record(self._stream)
+                    copy.blocks[index] = _StreamCopy(host, event)
+        else:
+            if self._thread is None:
+                self._thread = ThreadPoolExecutor(1, thread_name_prefix="shoal-copy")
+            for index, state in live:
+                copy.blocks[index] = _ThreadCopy(self._thread.submit(self._copy, state))
+        self._unguarded.update(copy.blocks)
+        with self._changed:
+            self._kept.append(copy)
+            self._changed.notify_all()
+
+    def pending(self, index: int) -> bool:
+        """Whether block ``index`` has a copy its next change must be ordered after."""
+        return index in self._unguarded
+
+    def guard(self, index: int) -> None:
+        """Before block ``index`` changes: order that after its copies (a copy started
+        later than an earlier one completes later: the thread and the stream are FIFO)."""
+        copy = self._unguarded.pop(index, None)
+        if copy is not None:
+            copy.guard()
+
+    def settle(self) -> None:
+        """Wait until every kept copy is complete (before the blocks change otherwise)."""
+        for copy in list(self._kept):
+            for block in copy.blocks.values():
+                block.result()
+
+    def steps(self) -> list[tuple[int, list[int]]]:
+        """The kept copies: each one's step and its blocks."""
+        return [(copy.step, sorted(copy.blocks)) for copy in self._kept]
+
+    def result(self, step: int) -> dict[int, Any] | None:
+        """The blocks' host states of the copy of ``step``, once complete; None if none
+        is kept."""
+        copy = next((c for c in self._kept if c.step == step), None)
+        if copy is None:
+            return None
+        return {index: block.result() for index, block in copy.blocks.items()}
+
+    def wait_for(self, step: int, timeout: float) -> dict[int, Any]:
+        """As ``result``, waiting up to ``timeout`` seconds for the copy of ``step`` to be
+        started (a call from another thread may come before the ``start`` it follows)."""
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            dropped = self._dropped
+            while not any(c.step == step for c in self._kept):
+                left = deadline - time.monotonic()
+                if self._dropped != dropped:
+                    raise CopyDropped(f"the copy of step {step} was dropped")
+                if left <= 0:
+                    raise TimeoutError(f"no copy of step {step} started within {timeout:g} s")
+                self._changed.wait(left)
+        found = self.result(step)
+        if found is None:
+            raise CopyDropped(f"the copy of step {step} was dropped")
+        return found
+
+    def clear(self) -> None:
+        """Drop every copy (once complete): they are of a state that no longer runs."""
+        self.settle()
+        self._unguarded.clear()
+        with self._changed:
+            self._kept.clear()
+            self._dropped += 1
+            self._changed.notify_all()
+
+    def take_busy(self) -> float:
+        """The CPU seconds the copying thread spent since the last call (CPU devices)."""
+        with self._changed:
+            busy, self._busy_s = self._busy_s, 0.0
+        return busy
+
+    def _copy(self, state: Any) -> Any:
+        started = time.thread_time()
+        host = map_tensors(state, _host_copy)
+        with self._changed:
+            self._busy_s += time.thread_time() - started
+        return host
+
+    def _to_pinned(self, tensor: Tensor) -> Tensor:
+        if tensor.device.type == "cpu":  # such as Adam's step counts: tiny, copied now
+            return tensor.clone()
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        host.copy_(tensor, non_blocking=True)
+        tensor.record_stream(self._stream)
+        return host
+
+
+def _host_copy(tensor: Tensor) -> Tensor:
+    return tensor.to("cpu", copy=True)
+
+
+def _forward_changes_copied(block: Block) -> dict[str, Any]:
+    """The block's live state (``Block.live_state``) with what a forward pass changes in
+    place, its module's buffers, already copied to the host."""
+    state = block.live_state()
+    buffers = {name for name, _ in block.module.named_buffers()}
+    state["module"] = {
+        name: _host_copy(value) if name in buffers else value
+        for name, value in state["module"].items()
+    }
+    return state
+
+
+class Held:
+    """The copies a worker holds for other workers (its buddies' ``shipment``s), by owner:
+    the last ``generations`` of each, as they came. Kept from the calls beside training
+    while training calls read them, hence the lock."""
+
+    def __init__(self, generations: int = 2) -> None:
+        self._generations = generations
+        self._by_owner: dict[str, deque[tuple[int, dict[int, Any]]]] = {}
+        self._lock = threading.Lock()
+
+    def keep(self, owner: str, step: int, states: dict[int, Any]) -> None:
+        with self._lock:
+            kept = self._by_owner.setdefault(owner, deque(maxlen=self._generations))
+            kept.append((step, states))
+
+    def steps(self) -> dict[str, dict[int, list[int]]]:
+        """Each owner's held steps and their blocks."""
+        with self._lock:
+            return {
+                owner: {step: sorted(states) for step, states in kept}
+                for owner, kept in self._by_owner.items()
+            }
+
+    def get(self, owner: str, step: int) -> dict[int, Any] | None:
+        with self._lock:
+            return dict(self._by_owner.get(owner, ())).get(step)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._by_owner.clear()
