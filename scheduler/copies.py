@@ -6,7 +6,8 @@ stage's timing). Taken every k steps of s seconds, copies of c seconds cost c / 
 the training time; the interval is the smallest k that keeps this within the job's budget
 (``elastic.copy_budget``), at most ``LONGEST_INTERVAL``. A lost device replays at most k
 steps: the steps since the last copy, or, while that copy is still on its way to the
-buddy, the k steps since the one before.
+buddy, the steps since the one before (``most_replayed``: more than k when the interval
+has just shrunk).
 """
 
 from __future__ import annotations
@@ -38,15 +39,26 @@ def copy_interval(
     return max(1, min(longest, math.ceil(copy_s / (budget * step_s) - 1e-9)))
 
 
+def most_replayed(interval: int, taken: int | None, before: int | None) -> int:
+    """The most steps a lost device replays with copies every ``interval`` steps, the latest
+    taken after ``taken`` steps and the one before after ``before``: the interval, or, while
+    the latest may still be on its way, the steps since the one before (more than the
+    interval just after the interval shrank). Where no copy was taken before, the interval."""
+    if taken is None or before is None:
+        return interval
+    return max(interval, taken - before)
+
+
 @dataclass
 class CopyCadence:
     """When a job's next copy is due, from what its copies and steps measured.
 
     ``observe`` takes every step as recorded: its time and the copy seconds its workers
-    reported (the copy taken just before it, if any). ``plan`` re-decides the interval at
-    each copy; ``steps_to_next`` says when the next is due. The interval moves up as soon
-    as the copies outgrow the budget, and down only when a quarter fewer steps would do, so
-    it does not flap.
+    reported (the copy taken just before it, if any); where copies are measured apart from
+    the steps (SHARP's), ``observe_step`` and ``observe_copy`` take each. ``plan``
+    re-decides the interval at each copy; ``steps_to_next`` says when the next is due. The
+    interval moves up as soon as the copies outgrow the budget, and down only when a
+    quarter fewer steps would do, so it does not flap.
     """
 
     budget: float
@@ -57,10 +69,18 @@ class CopyCadence:
 
     def observe(self, step_time_s: float, copy_s: float) -> None:
         """A step of ``step_time_s`` seconds, ``copy_s`` of them the copy before it."""
-        if copy_s > 0.0:
-            self._copies.append(copy_s)
-        if step_time_s > copy_s:
-            self._steps.append(step_time_s - copy_s)
+        self.observe_copy(copy_s)
+        self.observe_step(step_time_s - copy_s)
+
+    def observe_step(self, seconds: float) -> None:
+        """A step that took ``seconds`` besides any copy."""
+        if seconds > 0.0:
+            self._steps.append(seconds)
+
+    def observe_copy(self, seconds: float) -> None:
+        """A copy that took ``seconds`` (measured apart from the steps)."""
+        if seconds > 0.0:
+            self._copies.append(seconds)
 
     def steps_to_next(self, taken: int | None, step: int) -> int:
         """Steps after ``step`` until a copy is due, the last taken after ``taken`` steps

@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from scheduler.copies import CopyCadence
+from scheduler.copies import CopyCadence, most_replayed
 from scheduler.layout import plan_layout
 from scheduler.partition import Workload
 from scheduler.profile import uniform_costs
@@ -71,6 +71,8 @@ class Copies:
         self.cadence = CopyCadence(budget)
         self.taken: int | None = None
         """The step of the latest copy."""
+        self._before: int | None = None
+        """The step of the copy before it."""
         self._unmeasured: int | None = None
 
     def due(self, step: int) -> bool:
@@ -80,6 +82,10 @@ class Copies:
     def steps_to_next(self, step: int) -> int:
         """Steps after ``step`` until the next copy is due (0: now)."""
         return self.cadence.steps_to_next(self.taken, step)
+
+    def most_replayed(self) -> int:
+        """The most steps a worker lost now replays (``scheduler.copies.most_replayed``)."""
+        return most_replayed(self.cadence.interval, self.taken, self._before)
 
     def observe(self, metrics: StepMetrics) -> None:
         """Take a recorded step's time and the seconds its workers spent on the copy just
@@ -94,7 +100,7 @@ class Copies:
     ) -> None:
         """Take the copy of ``step`` now. ``fresh``: the workers or their links were just
         formed, and the next step's time would hold that too: it does not measure the copy."""
-        self.taken = step
+        self._before, self.taken = self.taken, step
         self._unmeasured = step if fresh else None
         pending = []
         for w, buddy in enumerate(buddies(layout)):

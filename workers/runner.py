@@ -352,6 +352,7 @@ class Trainer:
                     "resume_step": found.restore_step,
                     "steps_replayed": replayed,
                     "copy_interval": copies.cadence.interval,
+                    "most_replayed": copies.most_replayed(),
                 },
             )
         )

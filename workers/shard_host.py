@@ -29,6 +29,7 @@ supported here).
 from __future__ import annotations
 
 import os
+import time
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -41,7 +42,7 @@ from workers.saved import MovableSaves
 from workers.snapshot import StagePlan
 from workers.stage import Stage, StageSetup, StageStateError, torch_device
 from workers.stage_worker import one_line
-from workers.wire import Wire
+from workers.wire import Wire, receive_tree, send_tree
 
 ShardKey = tuple[str, int]
 """(model id, shard index)."""
@@ -105,15 +106,16 @@ class ShardHost:
         host = replace(self.device, index=0, gpu=False)
         stage = Stage(StagePlan(key[1], blocks, host), setup)
         if state is not None:
-            stage.load(state)
+            stage.load(receive_tree(state, self._host))
         self._shards[key] = stage
         self._saves[key] = MovableSaves(lambda: _parameters(stage))
         self._built[key] = (setup, blocks)
         return stage.nbytes()
 
     def load(self, key: ShardKey, state: Mapping[int, Any]) -> int:
-        """Back to ``state`` (a copy kept elsewhere), as if shard ``key`` had just been added
-        with it: kept micro-batches and gradients are dropped (a rollback)."""
+        """Back to ``state`` (a copy kept elsewhere, as tensors or as ``copy`` gave it), as
+        if shard ``key`` had just been added with it: kept micro-batches and gradients are
+        dropped (a rollback)."""
         setup, blocks = self._built[key]
         self.drop(key)
         return self.add(key, setup, blocks, state)
@@ -121,6 +123,14 @@ class ShardHost:
     def export(self, key: ShardKey) -> dict[int, Any]:
         """Shard ``key``'s block states (parameters and optimizer), to move or checkpoint it."""
         return self._stage(key).state()
+
+    def copy(self, key: ShardKey) -> tuple[dict[int, Any], float]:
+        """Shard ``key``'s block states in wire form (what Ray moves fastest; the executor
+        keeps them so, ``add`` and ``load`` take them back), and the seconds taking them
+        held this device (Ray storing them is not counted)."""
+        started = time.perf_counter()
+        states: dict[int, Any] = send_tree(self._stage(key).state())
+        return states, time.perf_counter() - started
 
     def drop(self, key: ShardKey) -> None:
         """Forget shard ``key`` (it moved to another host, or its model ended)."""
@@ -249,7 +259,9 @@ def _pin(module: torch.nn.Module) -> None:
         param.data = param.data.pin_memory()
 
 
-SHARD_METHODS = frozenset({"add", "load", "export", "drop", "held", "forward", "backward", "pid"})
+SHARD_METHODS = frozenset(
+    {"add", "load", "export", "copy", "drop", "held", "forward", "backward", "pid"}
+)
 """The ``ShardHost`` methods the executor may call."""
 
 

@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from scheduler.copies import CopyCadence
+from scheduler.copies import CopyCadence, most_replayed
 from scheduler.devices import Device
 from scheduler.profile import BlockCost
 from scheduler.sharp import (
@@ -57,6 +57,18 @@ DEFAULT_TASK_TIMEOUT_S = 600.0
 
 
 @dataclass
+class _Copying:
+    """A copy of a model's shards after ``step`` steps, taken by their hosts (``copy``
+    calls); it replaces the model's ``saved`` copy once every call has answered."""
+
+    step: int
+    calls: set[Call]
+    blocks: dict[int, Any] = field(default_factory=dict)
+    seconds: float = 0.0
+    """The device seconds the hosts spent taking it."""
+
+
+@dataclass
 class _Model:
     """One model's training state in the executor."""
 
@@ -80,6 +92,10 @@ class _Model:
     saved: tuple[int, dict[int, Any]] | None = None
     """Every block's state at the last copy (``keep_copies``), in this process: what the
     model rolls back to when a device holding one of its shards is lost."""
+    copying: _Copying | None = None
+    """The copy under way: its shards' hosts take it while the executor dispatches on."""
+    step_compute_s: float = 0.0
+    """The device seconds of the step under way's tasks: the copies' yardstick."""
     cadence: CopyCadence = field(init=False)
     """How often the copy is taken (``scheduler.copies``, at the model's budget)."""
     lost: str | None = None
@@ -148,6 +164,8 @@ class SharpTrainer:
         """Pool positions of devices that were lost."""
         self._in_flight: dict[Call, tuple[_Model, int]] = {}
         """Shard tasks under way: their model and pool position."""
+        self._copy_calls: dict[Call, _Model] = {}
+        """Copy calls under way (``_Model.copying``), by the model they copy."""
         self._stopped: str | None = None
         """Why ``run`` has returned; a model added after that fails with it."""
         for snap in models:
@@ -257,8 +275,15 @@ class SharpTrainer:
             self._admit(pool)
             self._reap(pool)
             self._dispatch(pool)
-            if self._in_flight:
-                for call in pool.wait(list(self._in_flight), self._timeout):
+            waiting = [*self._in_flight, *self._copy_calls]
+            if waiting:
+                done = pool.wait(waiting, self._timeout)
+                # Copies first: a host took its part before its next task of the model, so
+                # a step's end then finds the copy before it whole.
+                for call in sorted(done, key=lambda c: c not in self._copy_calls):
+                    if call in self._copy_calls:
+                        self._copied(pool, self._copy_calls.pop(call), call)
+                        continue
                     model, host = self._in_flight.pop(call)
                     self._complete(pool, model, host, call)
             elif self._open or self._incoming:
@@ -300,6 +325,7 @@ class SharpTrainer:
         return {m.snap.job_id for m, _ in self._in_flight.values()}
 
     def _drop(self, pool: HostPool, model: _Model) -> None:
+        model.copying = None
         job_id = model.snap.job_id
         calls = [
             pool.submit(host, "drop", (job_id, s.index))
@@ -467,6 +493,7 @@ class SharpTrainer:
         ]
         model.losses = []
         model.step_started = self._clock()
+        model.step_compute_s = 0.0
 
     # --------------------------------------------------------------------- completion
 
@@ -490,6 +517,7 @@ class SharpTrainer:
         self.promoted_bytes += result.promoted_bytes
         estimated = model.plan.task_s(model.done)
         model.ratio = refine_ratio(model.ratio, estimated, result.compute_s)
+        model.step_compute_s += result.compute_s
         if result.losses:
             model.losses = result.losses
         model.carry = pool.outputs(call)
@@ -498,37 +526,37 @@ class SharpTrainer:
             self._finish_step(pool, model, task.step + 1)
 
     def _finish_step(self, pool: HostPool, model: _Model, step: int) -> None:
-        """Record ``step``, once its copy (``keep_copies``) is taken where one is due: a
-        device lost before that redoes the step, which was never reported. The copy is due
-        as often as its measured cost allows (``scheduler.copies``); a loss between copies
-        replays the steps since the last one."""
+        """Record ``step``, and take its copy (``keep_copies``) where one is due: as often
+        as its measured cost allows (``scheduler.copies``). The shards' hosts take the copy
+        while the executor dispatches on (``_copied``); a loss replays the steps since the
+        last whole copy. A checkpoint's gather is waited for, and is the copy too."""
         snap = model.snap
         elapsed = self._clock() - model.step_started
         every = snap.checkpoint_every
         with self._lock:
             leave = snap.job_id in self._suspending and step < snap.steps
         due = leave or step == snap.steps or (every > 0 and step % every == 0)
-        copy_due = snap.keep_copies and (
-            model.cadence.steps_to_next(model.saved[0] if model.saved else None, step) == 0
+        copy_due = (
+            snap.keep_copies
+            and model.copying is None
+            and model.cadence.steps_to_next(model.saved[0] if model.saved else None, step) == 0
         )
         blocks: dict[int, Any] = {}
-        copy_s = 0.0
-        if due or copy_due:
-            started = self._clock()
+        if due:
             try:
                 blocks = self._gather(pool, model)
-            except HostLost as exc:  # a shard's device went between the step and the copy
+            except HostLost as exc:  # a shard's device went between the step and the gather
                 model.lost = str(exc)
                 self._lose(pool, self._host_of(exc), str(exc))
                 if model.lost is not None:  # its last step: ``_lose`` passes it by
                     self._roll_back(pool, model)
                 return
             if snap.keep_copies:
-                model.saved = (step, blocks)
-            if not due:  # gathered for the copy alone: its cost is the copy's
-                copy_s = self._clock() - started
+                model.saved, model.copying = (step, blocks), None
+        elif copy_due:
+            self._start_copy(pool, model, step)
         if snap.keep_copies:
-            model.cadence.observe(elapsed + copy_s, copy_s)
+            model.cadence.observe_step(model.step_compute_s)
         self._record(
             model,
             StepMetrics(
@@ -543,12 +571,45 @@ class SharpTrainer:
             model.leaving = True
             with self._lock:
                 self._suspending.discard(snap.job_id)
-        if copy_due and model.cadence.plan():
-            self._record(model, copies_event(model.cadence, step))
         if due:
             self._checkpoint(model, step, blocks, leave)
         if step == snap.steps or leave:
             self._drop(pool, model)  # it ends once its last checkpoint is written
+
+    def _start_copy(self, pool: HostPool, model: _Model, step: int) -> None:
+        """Have the model's shard hosts copy it as it is after ``step`` steps (each host
+        takes its part after the task it runs, before any later task of the model there)."""
+        job_id = model.snap.job_id
+        calls = {
+            pool.submit(model.homes[s.index], "copy", (job_id, s.index)) for s in model.plan.shards
+        }
+        model.copying = _Copying(step, calls)
+        self._copy_calls.update(dict.fromkeys(calls, model))
+
+    def _copied(self, pool: HostPool, model: _Model, call: Call) -> None:
+        """A host's part of ``model``'s copy is in; once every part is, the copy replaces
+        the model's last one, and its device seconds are the copies' measured cost."""
+        copying = model.copying
+        if copying is None or call not in copying.calls:
+            return  # dropped meanwhile: the model rolled back, checkpointed or ended
+        try:
+            states, seconds = pool.result(call)
+        except ShardFailed as exc:
+            model.copying = None
+            self._end(model, RunStatus.FAILED, str(exc))
+            return
+        except HostLost as exc:
+            model.copying = None
+            self._lose(pool, self._host_of(exc), str(exc))
+            return
+        copying.calls.discard(call)
+        copying.blocks.update(states)
+        copying.seconds += seconds
+        if not copying.calls:
+            model.saved, model.copying = (copying.step, copying.blocks), None
+            model.cadence.observe_copy(copying.seconds)
+            if model.cadence.plan():
+                self._record(model, copies_event(model.cadence, model.step))
 
     def _gather(self, pool: HostPool, model: _Model) -> dict[int, Any]:
         """Every block's state, from the model's shards (each host answers after its task)."""
@@ -631,7 +692,11 @@ class SharpTrainer:
         least loaded live ones, every shard reloads its state of that step, and the model
         runs on from there (Hydra's promise: a lost device costs its in-flight task; here
         the steps since the copy, at most the step under way)."""
-        reason, model.lost = model.lost, None
+        taken, before = model.saved[0] if model.saved else None, None
+        if model.copying is not None:  # on its way: the loss may have cut it short
+            taken, before = model.copying.step, taken
+        bound = most_replayed(model.cadence.interval, taken, before)
+        reason, model.lost, model.copying = model.lost, None, None
         live = [h for h in range(len(self._devices)) if h not in self._dead]
         copy: tuple[int, dict[int, Any] | None] | None = model.saved
         if copy is None and model.done == model.placed:  # nothing trained since placement
@@ -684,6 +749,7 @@ class SharpTrainer:
                     "resume_step": step,
                     "steps_replayed": replayed,
                     "copy_interval": model.cadence.interval,
+                    "most_replayed": bound,
                 },
             ),
         )

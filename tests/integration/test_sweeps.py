@@ -101,7 +101,7 @@ def test_a_sweep_of_models_larger_than_a_device_runs_on_shared_devices_and_prune
         assert {s["device_id"] for s in shards} <= pool
         lost = [e for e in api.items(job["id"], "events") if e["kind"] == "device_lost"]
         recoveries += len(lost)
-        assert all(e["data"]["steps_replayed"] <= e["data"]["copy_interval"] for e in lost), [
+        assert all(e["data"]["steps_replayed"] <= e["data"]["most_replayed"] for e in lost), [
             e["message"] for e in lost
         ]
         losses = [m["loss"] for m in api.items(job["id"], "metrics")]

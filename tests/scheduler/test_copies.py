@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler.copies import LONGEST_INTERVAL, CopyCadence, copy_interval
+from scheduler.copies import LONGEST_INTERVAL, CopyCadence, copy_interval, most_replayed
 
 pytestmark = pytest.mark.unit
 
@@ -59,3 +59,14 @@ def test_a_copy_is_due_an_interval_after_the_last() -> None:
     cadence = CopyCadence(0.05, interval=3)
     assert cadence.steps_to_next(None, 7) == 0  # none taken yet: now
     assert [cadence.steps_to_next(4, s) for s in (4, 5, 6, 7, 9)] == [3, 2, 1, 0, 0]
+
+
+def test_a_loss_replays_at_most_the_interval_or_the_steps_between_the_last_two_copies() -> None:
+    assert most_replayed(4, taken=None, before=None) == 4
+    assert most_replayed(4, taken=8, before=None) == 4  # the first copy
+    assert most_replayed(4, taken=12, before=8) == 4
+    # The interval shrank to 2 at the copy of step 20, taken 10 steps after the one before:
+    # lost while that copy is on its way, the job goes back to step 10.
+    assert most_replayed(2, taken=20, before=10) == 10
+    # A recovery copies the step it went back to, before the last copy's step.
+    assert most_replayed(2, taken=5, before=9) == 2
