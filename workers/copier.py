@@ -12,8 +12,9 @@ such as batch-norm statistics) is copied before ``start`` returns; it is small.
   reallocated), one event per block; ``guard`` makes the compute stream wait for the
   block's event, so the host never waits for it.
 - On a CPU device a background thread makes the copy; ``guard`` waits for the block's part
-  of it. That thread's CPU time is the device's own time (a CPU device is its cores), so it
-  is reported (``take_busy``) and booked as the copies' cost.
+  of it. That thread's CPU time is the device's own time (a CPU device is its cores), and
+  so is that of the thread that ships and holds copies (``count_thread``): it is reported
+  (``take_busy``) and booked as the copies' cost.
 
 The last ``generations`` copies are kept; ``result`` waits for one to complete.
 """
@@ -88,7 +89,9 @@ class Copier:
         self._changed = threading.Condition()
         self._dropped = 0
         """How many times the kept copies were dropped (a waiter from before gives up)."""
-        self._busy_s = 0.0
+        self._threads = ThreadClock()
+        self._training: int | None = None
+        """The thread that starts copies (and trains): its time is booked as it goes."""
         self._unguarded: dict[int, _BlockCopy] = {}
         """Each block's latest copy its next change has not been ordered after yet."""
         self._stream: Any = _CUDA.Stream(device) if self._cuda else None
@@ -96,6 +99,7 @@ class Copier:
 
     def start(self, step: int, blocks: Sequence[Block]) -> None:
         """Start copying ``blocks`` as they are after ``step`` steps; returns at once."""
+        self._training = threading.get_ident()
         copy = _Copy(step)
         live = [(b.index, _forward_changes_copied(b)) for b in blocks]
         if self._cuda:
@@ -172,18 +176,19 @@ class Copier:
             self._dropped += 1
             self._changed.notify_all()
 
+    def count_thread(self) -> None:
+        """Count the calling thread's CPU time as the copies' from now on (the thread that
+        ships and holds them), unless it is the thread that trains (an in-process group)."""
+        if threading.get_ident() != self._training:
+            self._threads.join()
+
     def take_busy(self) -> float:
-        """The CPU seconds the copying thread spent since the last call (CPU devices)."""
-        with self._changed:
-            busy, self._busy_s = self._busy_s, 0.0
-        return busy
+        """The CPU seconds the copies' threads spent since the last call (CPU devices)."""
+        return self._threads.take()
 
     def _copy(self, state: Any) -> Any:
-        started = time.thread_time()
-        host = map_tensors(state, _host_copy)
-        with self._changed:
-            self._busy_s += time.thread_time() - started
-        return host
+        self._threads.join()
+        return map_tensors(state, _host_copy)
 
     def _to_pinned(self, tensor: Tensor) -> Tensor:
         if tensor.device.type == "cpu":  # such as Adam's step counts: tiny, copied now
@@ -192,6 +197,34 @@ class Copier:
         host.copy_(tensor, non_blocking=True)
         tensor.record_stream(self._stream)
         return host
+
+
+class ThreadClock:
+    """The CPU seconds a set of threads spend, each counted from when it joins."""
+
+    def __init__(self) -> None:
+        self._last: dict[int, float] = {}
+        self._lock = threading.Lock()
+
+    def join(self) -> None:
+        ident = threading.get_ident()
+        with self._lock:
+            if ident not in self._last:
+                self._last[ident] = time.thread_time()
+
+    def take(self) -> float:
+        """Their CPU seconds since the last ``take`` (or since they joined)."""
+        spent = 0.0
+        with self._lock:
+            for ident, last in list(self._last.items()):
+                try:
+                    now = time.clock_gettime(time.pthread_getcpuclockid(ident))
+                except OSError:  # the thread has ended
+                    del self._last[ident]
+                    continue
+                spent += now - last
+                self._last[ident] = now
+        return spent
 
 
 def _host_copy(tensor: Tensor) -> Tensor:

@@ -498,12 +498,14 @@ class Stage:
         """The copy of ``step`` in wire form, for the worker's buddy to ``hold``, once it is
         complete (a call beside training: it may come before the ``snapshot`` it follows,
         and waits up to ``timeout`` seconds for it)."""
+        self._own.count_thread()
         shipped: dict[int, Any] = send_tree(self._own.wait_for(step, timeout))
         return shipped
 
     def hold(self, owner: str, step: int, states: Mapping[int, Any]) -> None:
         """Keep another worker's ``shipment`` (the last two steps of each owner), as it
         came: in wire form, turned back into tensors only if used."""
+        self._own.count_thread()
         self._held.keep(owner, step, dict(states))
 
     def saved_steps(self) -> dict[str, Any]:

@@ -183,3 +183,35 @@ def test_a_cuda_copy_is_the_boundary_state_and_lands_in_pinned_memory() -> None:
     for block in chain:
         assert_states_equal(copied[block.index], boundary[block.index])
     assert copied[1]["module"]["weight"].is_pinned()
+
+
+def burn(cpu_s: float) -> None:
+    start = time.thread_time()
+    while time.thread_time() - start < cpu_s:
+        pass
+
+
+def test_the_threads_that_ship_and_hold_copies_count_as_their_cost_the_training_one_not() -> None:
+    chain, copier = blocks(), Copier(torch.device("cpu"))
+    copier.start(0, chain)  # from the training thread
+    copier.settle()
+    copier.take_busy()
+    copier.count_thread()  # an in-process group ships from the training thread: not counted
+    burn(0.2)
+    assert copier.take_busy() < 0.1
+
+    shipped, done = threading.Event(), threading.Event()
+
+    def ship() -> None:  # the worker's thread beside training: it lives on
+        copier.count_thread()
+        burn(0.2)
+        shipped.set()
+        done.wait(timeout=30.0)
+
+    beside = threading.Thread(target=ship)
+    beside.start()
+    assert shipped.wait(timeout=30.0)
+    assert copier.take_busy() >= 0.2
+    assert copier.take_busy() < 0.1  # counted once
+    done.set()
+    beside.join(timeout=30.0)
