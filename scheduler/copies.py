@@ -29,10 +29,11 @@ def copy_interval(
     copy_s: float, step_s: float, budget: float, longest: int = LONGEST_INTERVAL
 ) -> int:
     """The fewest steps between copies that keep ``copy_s`` per copy within ``budget`` of
-    the training time at ``step_s`` a step (1 when copies are free, ``longest`` at most)."""
+    the training time at ``step_s`` a step (1 when copies are free, ``longest`` at most). A
+    budget of 1 (the whole training time) sets no limit: a copy at every step."""
     if not budget > 0.0:
         raise ValueError(f"copy_budget must be > 0, got {budget}")
-    if copy_s <= 0.0:
+    if copy_s <= 0.0 or budget >= 1.0:
         return 1
     if step_s <= 0.0:
         return longest

@@ -139,7 +139,8 @@ class ElasticSpec(StrictModel):
         gt=0.0,
         le=1.0,
         description="the most of the training time the in-memory copies may cost: the steps"
-        " between two copies grow until their measured cost fits (at most 100)",
+        " between two copies grow until their measured cost fits (at most 100); 1: no"
+        " limit, a copy at every step",
     )
 
 

@@ -124,13 +124,14 @@ class ShardHost:
         """Shard ``key``'s block states (parameters and optimizer), to move or checkpoint it."""
         return self._stage(key).state()
 
-    def copy(self, key: ShardKey) -> tuple[dict[int, Any], float]:
+    def copy(self, key: ShardKey) -> tuple[dict[int, Any], float, float]:
         """Shard ``key``'s block states in wire form (what Ray moves fastest; the executor
-        keeps them so, ``add`` and ``load`` take them back), and the seconds taking them
-        held this device (Ray storing them is not counted)."""
+        keeps them so, ``add`` and ``load`` take them back), the seconds taking them held
+        this device, and the wall clock then (the executor counts the time they take to
+        reach it too: Ray storing and moving them)."""
         started = time.perf_counter()
         states: dict[int, Any] = send_tree(self._stage(key).state())
-        return states, time.perf_counter() - started
+        return states, time.perf_counter() - started, time.time()
 
     def drop(self, key: ShardKey) -> None:
         """Forget shard ``key`` (it moved to another host, or its model ended)."""

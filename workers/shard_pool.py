@@ -159,7 +159,9 @@ class RayPool:
 
     def wait(self, calls: Sequence[Call], timeout: float) -> list[Call]:
         by_ref = {_own(c, _Remote).ref: c for c in calls}
-        done, _ = ray.wait(list(by_ref), num_returns=1, timeout=timeout, fetch_local=False)
+        # Done once here: a large result (a copy, a gathered state) is fetched from its
+        # worker's node meanwhile, so the loop blocks instead of spinning until it is.
+        done, _ = ray.wait(list(by_ref), num_returns=1, timeout=timeout)
         if not done and calls:
             raise PoolTimeout(f"no shard task finished within {timeout:g} s")
         ready, _ = ray.wait(list(by_ref), num_returns=len(by_ref), timeout=0)

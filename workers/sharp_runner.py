@@ -65,7 +65,7 @@ class _Copying:
     calls: set[Call]
     blocks: dict[int, Any] = field(default_factory=dict)
     seconds: float = 0.0
-    """The device seconds the hosts spent taking it."""
+    """What it cost: the seconds the hosts spent taking it and its parts took to arrive."""
 
 
 @dataclass
@@ -588,12 +588,12 @@ class SharpTrainer:
 
     def _copied(self, pool: HostPool, model: _Model, call: Call) -> None:
         """A host's part of ``model``'s copy is in; once every part is, the copy replaces
-        the model's last one, and its device seconds are the copies' measured cost."""
+        the model's last one, and what it took is the copies' measured cost."""
         copying = model.copying
         if copying is None or call not in copying.calls:
             return  # dropped meanwhile: the model rolled back, checkpointed or ended
         try:
-            states, seconds = pool.result(call)
+            states, seconds, finished = pool.result(call)
         except ShardFailed as exc:
             model.copying = None
             self._end(model, RunStatus.FAILED, str(exc))
@@ -604,7 +604,8 @@ class SharpTrainer:
             return
         copying.calls.discard(call)
         copying.blocks.update(states)
-        copying.seconds += seconds
+        # Its taking, and its way here: on a node whose cores train too, both cost them.
+        copying.seconds += seconds + max(0.0, time.time() - finished)
         if not copying.calls:
             model.saved, model.copying = (copying.step, copying.blocks), None
             model.cadence.observe_copy(copying.seconds)

@@ -18,6 +18,9 @@ def test_the_interval_is_the_fewest_steps_that_keep_copies_within_the_budget() -
     assert copy_interval(0.0, 0.100, 0.05) == 1
     assert copy_interval(10.0, 0.001, 0.05) == LONGEST_INTERVAL
     assert copy_interval(0.010, 0.0, 0.05) == LONGEST_INTERVAL
+    # The whole training time: no limit, however costly a copy.
+    assert copy_interval(10.0, 0.001, 1.0) == 1
+    assert copy_interval(0.2, 0.1, 0.99) == 3
     with pytest.raises(ValueError, match="copy_budget"):
         copy_interval(0.01, 0.1, 0.0)
 

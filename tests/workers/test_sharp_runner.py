@@ -609,9 +609,11 @@ def test_a_killed_ray_shard_worker_is_survived_exactly(ray_address: str, tmp_pat
     report = trainer.report("a", 0)
     assert report.status is RunStatus.SUCCEEDED, report.error
     (lost,) = [e for e in report.events if e.kind == "device_lost"]
-    assert lost.data["devices"] == [pool_devices[1].id] and lost.data["steps_replayed"] == 0
-    assert [m.step for m in report.metrics] == list(range(1, 41))
-    assert_alone(snaps[0], [m.loss for m in report.metrics])
+    assert lost.data["devices"] == [pool_devices[1].id]
+    assert lost.data["steps_replayed"] <= lost.data["most_replayed"], lost.data
+    latest = {m.step: m.loss for m in report.metrics}  # a replayed step's record replaces it
+    assert sorted(latest) == list(range(1, 41))
+    assert_alone(snaps[0], [latest[s] for s in range(1, 41)])
 
 
 class BrokenPool(LocalPool):
