@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Any
@@ -211,6 +212,32 @@ def test_blocks_move_between_stages_bit_for_bit_and_train_on(
     for i in range(BLOCKS):
         for name, tensor in stayed[i]["module"].items():
             assert torch.equal(moved_on[i]["module"][name], tensor), (i, name)
+
+
+def test_a_copy_goes_to_the_buddy_beside_training_as_the_snapshot_state(
+    make_group: MakeGroup, setup: StageSetup, kind: str
+) -> None:
+    """Stage 0 snapshots after a step, ships the copy and stage 1 holds it: the held copy
+    is the state the snapshot was of, though stage 0 trains a step more first. On Ray the
+    shipping runs beside the training calls: a shipment waiting for a copy that never comes
+    holds up none of them, and gives up naming the step."""
+    group = make_group([(0, 2), (2, 4)], setup)
+    one_step(group, micro_batches=2)
+    (state,) = group.get([group.submit(0, "state")], 60)
+    group.submit(0, "snapshot", 1)
+    shipped = group.submit(0, "shipment", 1, 30.0)
+    held = group.submit(1, "hold", "cpu-0", 1, shipped)
+    one_step(group, micro_batches=2)
+    group.get([held], 60)
+    (copy,) = group.get([group.submit(1, "export_copy", "cpu-0", 1, [0, 1])], 60)
+    assert_same_states(copy, state)
+    if kind == "ray":
+        stuck = group.submit(0, "shipment", 99, 5.0)
+        started = time.monotonic()
+        group.get([group.submit(0, "pid")], 60)
+        assert time.monotonic() - started < 4.0
+        with pytest.raises(StageFailed, match="no copy of step 99 started within 5 s"):
+            group.get([stuck], 60)
 
 
 def test_a_stage_refuses_to_adopt_blocks_it_has_no_state_for(
