@@ -76,6 +76,7 @@ class _StreamCopy:
 @dataclass
 class _Copy:
     step: int
+    number: int
     blocks: dict[int, _BlockCopy] = field(default_factory=dict)
 
 
@@ -87,8 +88,8 @@ class Copier:
         self._cuda = device.type == "cuda"
         self._kept: deque[_Copy] = deque(maxlen=generations)
         self._changed = threading.Condition()
-        self._dropped = 0
-        """How many times the kept copies were dropped (a waiter from before gives up)."""
+        self._started = 0
+        """The number of the latest copy started (``start``'s ``number``)."""
         self._threads = ThreadClock()
         self._training: int | None = None
         """The thread that starts copies (and trains): its time is booked as it goes."""
@@ -97,10 +98,22 @@ class Copier:
         self._stream: Any = _CUDA.Stream(device) if self._cuda else None
         self._thread: ThreadPoolExecutor | None = None
 
-    def start(self, step: int, blocks: Sequence[Block]) -> None:
-        """Start copying ``blocks`` as they are after ``step`` steps; returns at once."""
+    def start(self, step: int, number: int, blocks: Sequence[Block]) -> None:
+        """Start copy ``number`` (rising from 1 with each copy the runner asks for): of
+        ``blocks`` as they are after ``step`` steps; returns at once."""
         self._training = threading.get_ident()
-        copy = _Copy(step)
+        copy = _Copy(step, number)
+        try:
+            self._begin(copy, blocks)
+            self._unguarded.update(copy.blocks)
+        finally:  # a copy that failed to start counts as started and dropped
+            with self._changed:
+                if len(copy.blocks) == len(blocks):
+                    self._kept.append(copy)
+                self._started = max(self._started, number)
+                self._changed.notify_all()
+
+    def _begin(self, copy: _Copy, blocks: Sequence[Block]) -> None:
         live = [(b.index, _forward_changes_copied(b)) for b in blocks]
         if self._cuda:
             self._stream.wait_stream(torch.cuda.current_stream(self._device))
@@ -110,15 +123,11 @@ class Copier:
                     event = _CUDA.Event()
                     event.record(self._stream)
                     copy.blocks[index] = _StreamCopy(host, event)
-        else:
-            if self._thread is None:
-                self._thread = ThreadPoolExecutor(1, thread_name_prefix="shoal-copy")
-            for index, state in live:
-                copy.blocks[index] = _ThreadCopy(self._thread.submit(self._copy, state))
-        self._unguarded.update(copy.blocks)
-        with self._changed:
-            self._kept.append(copy)
-            self._changed.notify_all()
+            return
+        if self._thread is None:
+            self._thread = ThreadPoolExecutor(1, thread_name_prefix="shoal-copy")
+        for index, state in live:
+            copy.blocks[index] = _ThreadCopy(self._thread.submit(self._copy, state))
 
     def pending(self, index: int) -> bool:
         """Whether block ``index`` has a copy its next change must be ordered after."""
@@ -149,23 +158,22 @@ class Copier:
             return None
         return {index: block.result() for index, block in copy.blocks.items()}
 
-    def wait_for(self, step: int, timeout: float) -> dict[int, Any]:
-        """As ``result``, waiting up to ``timeout`` seconds for the copy of ``step`` to be
-        started (a call from another thread may come before the ``start`` it follows)."""
+    def wait_for(self, number: int, timeout: float) -> tuple[int, dict[int, Any]]:
+        """Copy ``number``'s step and blocks' host states, once complete, waiting up to
+        ``timeout`` seconds for it to start (a call from another thread may come before
+        the ``start`` it follows). A copy started and no longer kept (dropped by ``clear``,
+        or a later one started twice since) raises ``CopyDropped`` at once."""
         deadline = time.monotonic() + timeout
         with self._changed:
-            dropped = self._dropped
-            while not any(c.step == step for c in self._kept):
+            while self._started < number:
                 left = deadline - time.monotonic()
-                if self._dropped != dropped:
-                    raise CopyDropped(f"the copy of step {step} was dropped")
                 if left <= 0:
-                    raise TimeoutError(f"no copy of step {step} started within {timeout:g} s")
+                    raise TimeoutError(f"copy {number} did not start within {timeout:g} s")
                 self._changed.wait(left)
-        found = self.result(step)
-        if found is None:
-            raise CopyDropped(f"the copy of step {step} was dropped")
-        return found
+            copy = next((c for c in self._kept if c.number == number), None)
+        if copy is None:
+            raise CopyDropped(f"copy {number} was dropped: the worker moved on")
+        return copy.step, {index: block.result() for index, block in copy.blocks.items()}
 
     def clear(self) -> None:
         """Drop every copy (once complete): they are of a state that no longer runs."""
@@ -173,8 +181,6 @@ class Copier:
         self._unguarded.clear()
         with self._changed:
             self._kept.clear()
-            self._dropped += 1
-            self._changed.notify_all()
 
     def count_thread(self) -> None:
         """Count the calling thread's CPU time as the copies' from now on (the thread that

@@ -73,6 +73,8 @@ class Copies:
         """The step of the latest copy."""
         self._before: int | None = None
         """The step of the copy before it."""
+        self._number = 0
+        """Copies asked for so far (each worker's ``snapshot`` and ``shipment`` name one)."""
         self._unmeasured: int | None = None
 
     def due(self, step: int) -> bool:
@@ -102,13 +104,19 @@ class Copies:
         formed, and the next step's time would hold that too: it does not measure the copy."""
         self._before, self.taken = self.taken, step
         self._unmeasured = step if fresh else None
-        pending = []
-        for w, buddy in enumerate(buddies(layout)):
-            pending.append(group.submit(w, "snapshot", step))
-            if buddy is not None:  # a lone worker's copy stays with it
-                shipped = group.submit(w, "shipment", step, self._wait_s)
-                owner = layout.plans[w].device.id
-                pending.append(group.submit(buddy, "hold", owner, step, shipped))
+        self._number += 1
+        holders = buddies(layout)
+        pending = [group.submit(w, "snapshot", step, self._number) for w in range(len(holders))]
+        # Every shipment before any hold: a hold waits for its buddy's shipment, and no
+        # worker's own shipment queues behind that (calls beside training run in order).
+        shipped = [
+            (w, buddy, group.submit(w, "shipment", self._number, self._wait_s))
+            for w, buddy in enumerate(holders)
+            if buddy is not None  # a lone worker's copy stays with it
+        ]
+        for w, buddy, handle in shipped:
+            owner = layout.plans[w].device.id
+            pending += [handle, group.submit(buddy, "hold", owner, step, handle)]
         self._pending = pending
 
     def confirm(self, group: WorkerGroup, timeout: float) -> None:

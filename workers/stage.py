@@ -488,18 +488,20 @@ class Stage:
 
     # ------------------------------------------------- in-memory copies (lost devices)
 
-    def snapshot(self, step: int) -> None:
-        """Start copying the blocks' state after ``step`` steps (the last two are kept); the
-        copy is made while the next step runs (``workers.copier``)."""
+    def snapshot(self, step: int, number: int) -> None:
+        """Start copy ``number`` (rising with each copy the runner asks for) of the blocks'
+        state after ``step`` steps (the last two are kept); it is made while the next step
+        runs (``workers.copier``)."""
         self._timer.copying()
-        self._own.start(step, self.blocks)
+        self._own.start(step, number, self.blocks)
 
-    def shipment(self, step: int, timeout: float) -> dict[int, Any]:
-        """The copy of ``step`` in wire form, for the worker's buddy to ``hold``, once it is
+    def shipment(self, number: int, timeout: float) -> dict[int, Any]:
+        """Copy ``number`` in wire form, for the worker's buddy to ``hold``, once it is
         complete (a call beside training: it may come before the ``snapshot`` it follows,
         and waits up to ``timeout`` seconds for it)."""
         self._own.count_thread()
-        shipped: dict[int, Any] = send_tree(self._own.wait_for(step, timeout))
+        _, states = self._own.wait_for(number, timeout)
+        shipped: dict[int, Any] = send_tree(states)
         return shipped
 
     def hold(self, owner: str, step: int, states: Mapping[int, Any]) -> None:

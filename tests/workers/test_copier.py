@@ -79,7 +79,7 @@ def test_a_copy_is_the_boundary_state_though_the_next_step_runs_before_it_is_mad
     train_step(chain, copier, seed=0)  # Adam's state exists from here on
     copier.gate.clear()
     boundary = {b.index: b.state() for b in chain}
-    copier.start(1, chain)  # returns with the copy not made
+    copier.start(1, 1, chain)  # returns with the copy not made
     # The next step's forward (which moves the batch-norm statistics) and its updates,
     # the copy made 0.2 s later.
     copier.open_soon()
@@ -98,7 +98,7 @@ def test_a_copy_is_the_boundary_state_though_the_next_step_runs_before_it_is_mad
 
 def test_only_the_change_after_a_copy_waits_for_it() -> None:
     chain, copier = blocks(), LateCopier()
-    copier.start(0, chain)
+    copier.start(0, 1, chain)
     assert copier.pending(0) and copier.pending(1)
     forward_backward(chain, seed=0)  # forwards and backwards run with the copy not made
     assert not copier.gate.is_set()
@@ -112,7 +112,7 @@ def test_the_last_two_copies_are_kept_and_a_rollback_restores_either_exactly() -
     chain, copier = blocks(), Copier(torch.device("cpu"))
     states = {}
     for step in range(3):
-        copier.start(step, chain)
+        copier.start(step, step + 1, chain)
         states[step] = {b.index: b.state() for b in chain}
         train_step(chain, copier, seed=step)
     assert [s for s, _ in copier.steps()] == [1, 2]
@@ -124,36 +124,29 @@ def test_the_last_two_copies_are_kept_and_a_rollback_restores_either_exactly() -
         assert_states_equal(block.state(), states[1][block.index])
 
 
-def test_a_shipment_waits_for_its_copy_to_start_and_gives_up_when_it_is_dropped() -> None:
+def test_a_shipment_waits_for_its_copy_to_start_and_gives_up_at_once_if_it_was_dropped() -> None:
     chain, copier = blocks(), Copier(torch.device("cpu"))
     got: list[Any] = []
-    waiter = threading.Thread(target=lambda: got.append(copier.wait_for(4, timeout=30.0)))
+    waiter = threading.Thread(target=lambda: got.append(copier.wait_for(1, timeout=30.0)))
     waiter.start()
     time.sleep(0.1)  # the call beside training came first
     expected = {b.index: b.state() for b in chain}
-    copier.start(4, chain)
+    copier.start(4, 1, chain)
     waiter.join(timeout=30.0)
-    assert len(got) == 1
-    for index, state in got[0].items():
+    assert len(got) == 1 and got[0][0] == 4
+    for index, state in got[0][1].items():
         assert_states_equal(state, expected[index])
-
-    failed: list[BaseException] = []
-
-    def wait_dropped() -> None:
-        try:
-            copier.wait_for(5, timeout=30.0)
-        except CopyDropped as exc:
-            failed.append(exc)
-
-    waiter = threading.Thread(target=wait_dropped)
-    waiter.start()
-    time.sleep(0.1)
-    copier.clear()  # a rollback or new blocks: no copy of step 5 will come
-    waiter.join(timeout=30.0)
-    assert len(failed) == 1 and "step 5" in str(failed[0])
+    # Copy 2 started, then the worker moved on (new blocks, a rollback) before its
+    # shipment came: the shipment fails at once instead of waiting for a copy to come.
+    copier.start(5, 2, chain)
+    copier.clear()
+    started = time.monotonic()
+    with pytest.raises(CopyDropped, match="copy 2 was dropped"):
+        copier.wait_for(2, timeout=30.0)
+    assert time.monotonic() - started < 1.0
     assert copier.steps() == []
-    with pytest.raises(TimeoutError, match=r"no copy of step 6 started within 0\.1 s"):
-        copier.wait_for(6, timeout=0.1)
+    with pytest.raises(TimeoutError, match=r"copy 3 did not start within 0\.1 s"):
+        copier.wait_for(3, timeout=0.1)
 
 
 def test_held_copies_keep_the_last_two_steps_of_each_owner() -> None:
@@ -176,7 +169,7 @@ def test_a_cuda_copy_is_the_boundary_state_and_lands_in_pinned_memory() -> None:
         block.to(torch.device("cuda"))
     train_step(chain, copier, 0, "cuda")
     boundary = {b.index: b.state() for b in chain}
-    copier.start(1, chain)
+    copier.start(1, 1, chain)
     train_step(chain, copier, 1, "cuda")
     copied = copier.result(1)
     assert copied is not None
@@ -193,7 +186,7 @@ def burn(cpu_s: float) -> None:
 
 def test_the_threads_that_ship_and_hold_copies_count_as_their_cost_the_training_one_not() -> None:
     chain, copier = blocks(), Copier(torch.device("cpu"))
-    copier.start(0, chain)  # from the training thread
+    copier.start(0, 1, chain)  # from the training thread
     copier.settle()
     copier.take_busy()
     copier.count_thread()  # an in-process group ships from the training thread: not counted
