@@ -91,6 +91,9 @@ class Copier:
         self._started = 0
         """The number of the latest copy started (``start``'s ``number``)."""
         self._threads = ThreadClock()
+        """The thread beside training that ships and holds copies."""
+        self._copying_s = 0.0
+        """The copying thread's CPU seconds, measured around each copy (its exact cost)."""
         self._training: int | None = None
         """The thread that starts copies (and trains): its time is booked as it goes."""
         self._unguarded: dict[int, _BlockCopy] = {}
@@ -190,11 +193,16 @@ class Copier:
 
     def take_busy(self) -> float:
         """The CPU seconds the copies' threads spent since the last call (CPU devices)."""
-        return self._threads.take()
+        with self._changed:
+            copying, self._copying_s = self._copying_s, 0.0
+        return copying + self._threads.take()
 
     def _copy(self, state: Any) -> Any:
-        self._threads.join()
-        return map_tensors(state, _host_copy)
+        started = time.thread_time()
+        host = map_tensors(state, _host_copy)
+        with self._changed:  # before the copy is complete: booked with the step that waits
+            self._copying_s += time.thread_time() - started
+        return host
 
     def _to_pinned(self, tensor: Tensor) -> Tensor:
         if tensor.device.type == "cpu":  # such as Adam's step counts: tiny, copied now

@@ -441,12 +441,14 @@ def test_200_blocks_on_64_devices_plan_fast(
 ) -> None:
     costs, devices, w = big_problem(recompute)
     costs = growing_inputs(costs) if grow else costs
-    start = time.perf_counter()
+    # This thread's CPU time: the planner's own work, not a machine busy with other tests
+    # (a CI run once measured 1.36 s of wall time for what takes 0.02 s).
+    start = time.thread_time()
     plan = plan_partition(costs, devices, w, **kwargs)
-    elapsed = time.perf_counter() - start
+    elapsed = time.thread_time() - start
     check_plan(plan, costs, devices, w)
     assert len(plan.stages) == kwargs.get("stages", len(plan.stages))
-    assert elapsed < 0.5, f"planning took {elapsed:.3f} s"
+    assert elapsed < 0.5, f"planning took {elapsed:.3f} s of CPU"
 
 
 @given(
