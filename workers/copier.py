@@ -7,10 +7,12 @@ is the first thing to change the block's parameters and optimizer state: so the 
 exactly the boundary's state. What the forward pass changes itself (a module's buffers,
 such as batch-norm statistics) is copied before ``start`` returns; it is small.
 
-- On a CUDA device the copy runs on a side stream into pinned host memory (torch's caching
-  host allocator reuses it, so the generations kept are double-buffered rather than
-  reallocated), one event per block; ``guard`` makes the compute stream wait for the
-  block's event, so the host never waits for it.
+- On a CUDA device the copy runs on a side stream into pinned host memory, one event per
+  block; ``guard`` makes the compute stream wait for the block's event, so the host never
+  waits for it. Pinning host memory takes longer than a step (hundreds of megabytes:
+  ~0.1 s), so the first copy of a set of blocks pins what all the copies alive at once
+  need (the kept ones and the one being made) and hands it to torch's caching host
+  allocator, which the copies after reuse: double-buffered, never pinned afresh.
 - On a CPU device a background thread makes the copy; ``guard`` waits for the block's part
   of it. That thread's CPU time is the device's own time (a CPU device is its cores), and
   so is that of the thread that ships and holds copies (``count_thread``): it is reported
@@ -99,6 +101,8 @@ class Copier:
         self._unguarded: dict[int, _BlockCopy] = {}
         """Each block's latest copy its next change has not been ordered after yet."""
         self._stream: Any = _CUDA.Stream(device) if self._cuda else None
+        self._pinned = False
+        """Whether host memory for the blocks' copies is pinned and cached (CUDA)."""
         self._thread: ThreadPoolExecutor | None = None
 
     def start(self, step: int, number: int, blocks: Sequence[Block]) -> None:
@@ -119,6 +123,8 @@ class Copier:
     def _begin(self, copy: _Copy, blocks: Sequence[Block]) -> None:
         live = [(b.index, _forward_changes_copied(b)) for b in blocks]
         if self._cuda:
+            if not self._pinned:
+                self._pin([state for _, state in live])
             self._stream.wait_stream(torch.cuda.current_stream(self._device))
             with torch.cuda.stream(self._stream):
                 for index, state in live:
@@ -182,6 +188,7 @@ class Copier:
         """Drop every copy (once complete): they are of a state that no longer runs."""
         self.settle()
         self._unguarded.clear()
+        self._pinned = False  # the next blocks may differ
         with self._changed:
             self._kept.clear()
 
@@ -204,13 +211,25 @@ class Copier:
             self._copying_s += time.thread_time() - started
         return host
 
+    def _pin(self, states: list[Any]) -> None:
+        """Pin host memory for every copy alive at once and free it into torch's caching
+        host allocator, where the copies' ``torch.empty(pin_memory=True)`` find it."""
+        alive = (self._kept.maxlen or 0) + 1
+        spare = [map_tensors(states, _pinned_like) for _ in range(alive)]
+        del spare
+        self._pinned = True
+
     def _to_pinned(self, tensor: Tensor) -> Tensor:
         if tensor.device.type == "cpu":  # such as Adam's step counts: tiny, copied now
             return tensor.clone()
-        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        host = _pinned_like(tensor)
         host.copy_(tensor, non_blocking=True)
         tensor.record_stream(self._stream)
         return host
+
+
+def _pinned_like(tensor: Tensor) -> Tensor:
+    return torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
 
 
 class ThreadClock:
