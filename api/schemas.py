@@ -169,6 +169,12 @@ class DeviceOut(BaseModel):
     spot: bool
     state: str
     speed_gflops: float | None
+    overhead_mb: int | None = Field(
+        default=None,
+        description="what the device held for a worker before its stage (CUDA context,"
+        " kernels, library workspaces), as the last worker on it measured; stages are planned"
+        " in memory_mb less this. None until measured (CPU devices: never)",
+    )
     job_id: str | None
     draining: bool = False
     memory_used_bytes: int | None = Field(
@@ -188,6 +194,7 @@ class DeviceOut(BaseModel):
             spot=row.spot,
             state=row.state,
             speed_gflops=row.speed_gflops,
+            overhead_mb=row.overhead_mb,
             job_id=row.job_id,
             draining=row.draining,
             memory_used_bytes=memory_used_bytes,

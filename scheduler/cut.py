@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from itertools import accumulate
 from typing import TYPE_CHECKING
 
+from scheduler.memory import autocast_copy_bytes, transient_bytes
 from scheduler.profile import BlockCost
 from scheduler.types import BlockRange
 
@@ -50,10 +51,20 @@ class Model:
         self.n = len(costs)
         self.workload = workload
         self.time = [0.0, *accumulate(c.fwd_bwd_s for c in costs)]
-        # Without recompute: params + grads + optimizer; activations are added per in-flight.
+        # Without recompute: params + grads + optimizer; activations (and the weight copies
+        # bf16 autocast keeps with them) are added per in-flight micro-batch.
         self.static = [0, *accumulate(2 * c.param_bytes + c.optim_bytes for c in costs)]
-        mbs = workload.micro_batch_size
-        self.act = [0, *accumulate(mbs * c.activation_bytes_per_sample for c in costs)]
+        mbs, precision = workload.micro_batch_size, workload.precision
+        self.act = [
+            0,
+            *accumulate(
+                mbs * c.activation_bytes_per_sample + autocast_copy_bytes(c, precision)
+                for c in costs
+            ),
+        ]
+        # Every stage keeps room for the model's largest backward temporaries, as
+        # ``scheduler.memory.stage_memory`` counts them.
+        self.reserve = max((transient_bytes(c, mbs) for c in costs), default=0)
         self.inputs = [mbs * c.input_bytes_per_sample for c in costs]
         self._by_flight: dict[int, list[int]] = {}
         self._memory_stops: dict[tuple[int, int, int], int] = {}
@@ -75,7 +86,7 @@ class Model:
     def memory(self, start: int, stop: int, flight: int) -> int:
         prefix = self._memory_prefix(flight)
         kept = flight * self.inputs[start] if self.workload.recompute else 0
-        return prefix[stop] - prefix[start] + kept
+        return prefix[stop] - prefix[start] + kept + self.reserve
 
     def memory_stop(self, start: int, memory: int, flight: int) -> int:
         """``max_stop`` without a time limit, remembered: it does not change between probes."""
@@ -83,7 +94,8 @@ class Model:
         stop = self._memory_stops.get(key)
         if stop is None:
             prefix = self._memory_prefix(flight)
-            room = memory - (flight * self.inputs[start] if self.workload.recompute else 0)
+            kept = flight * self.inputs[start] if self.workload.recompute else 0
+            room = memory - kept - self.reserve
             stop = (
                 max(start, bisect_right(prefix, prefix[start] + room) - 1) if room >= 0 else start
             )

@@ -69,6 +69,14 @@ class Device:
     gpu: bool
     spot: bool = False
     emulate_slowdown: float = 1.0
+    overhead_mb: int = 0
+    """What the device holds for a worker before its stage (CUDA context, kernels, library
+    workspaces), as a worker measured it (``workers.device_memory``); 0 until measured."""
+
+    @property
+    def usable_bytes(self) -> int:
+        """The memory stages may plan in: the declared size less the measured overhead."""
+        return max(0, self.memory_mb - self.overhead_mb) * 2**20
 
 
 def parse_bool(value: str, *, what: str) -> bool:

@@ -54,7 +54,7 @@ def plan_layout(
     """Cut the blocks of ``costs`` into ``stages`` x ``replicas`` over ``devices`` (None: the
     partitioner chooses)."""
     speeds = relative_speeds(devices, gflops)
-    capacities = [DeviceCapacity(d.id, speeds[d.id], d.memory_mb * 2**20) for d in devices]
+    capacities = [DeviceCapacity(d.id, speeds[d.id], d.usable_bytes) for d in devices]
     plan = plan_partition(
         costs,
         capacities,

@@ -6,6 +6,15 @@ AdamW 2x: the two moment estimates), and the activations of the micro-batches in
 GPipe keeps all ``m`` until the first backward, 1F1B (PipeDream-Flush) at most ``p - s`` on
 stage ``s``. With rematerialization (GPipe's activation checkpointing) a stage keeps only its
 input per micro-batch in flight, plus one micro-batch's activations while it recomputes.
+
+Two more terms are what the device holds beyond those, measured on a GPU (README, "Memory"):
+under bf16 autocast every micro-batch in flight keeps bfloat16 copies of its blocks' weights
+for its backward (half the fp32 parameter bytes, per micro-batch: autocast casts afresh in
+each forward); and while one block runs its backward and update, it allocates a
+parameter-sized gradient beside the one accumulated, parameter-sized optimizer temporaries
+and the gradients of one micro-batch's activations (``transient``). Every stage keeps room
+for the model's largest block's: a bound on its own that keeps a stage's bytes a sum over
+its blocks, which the partitioner's exact cut relies on.
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ FLOAT_BYTES = 4
 
 _OPTIMIZER_STATE: dict[str, float] = {"sgd": 0.0, "adam": 2.0, "adamw": 2.0}
 _SCHEDULES = ("gpipe", "1f1b")
+_PRECISIONS = ("fp32", "bf16")
 
 
 @dataclass(frozen=True)
@@ -31,10 +41,21 @@ class StageMemory:
     grads: int
     optimizer: int
     activations: int
+    autocast: int = 0
+    """bf16 copies of the weights kept by the micro-batches in flight."""
+    transient: int = 0
+    """What a block's backward and update allocate for a moment (the model's largest)."""
 
     @property
     def total(self) -> int:
-        return self.params + self.grads + self.optimizer + self.activations
+        return (
+            self.params
+            + self.grads
+            + self.optimizer
+            + self.activations
+            + self.autocast
+            + self.transient
+        )
 
 
 def format_bytes(size: float) -> str:
@@ -72,6 +93,21 @@ def in_flight(schedule: str, stages: int, stage: int, micro_batches: int) -> int
     return min(micro_batches, stages - stage)
 
 
+def autocast_copy_bytes(cost: BlockCost, precision: str) -> int:
+    """The bf16 weight copies one micro-batch keeps of ``cost``'s block under ``precision``
+    (an upper bound: autocast casts the weights of matrix products, not of norms or lookups)."""
+    if precision not in _PRECISIONS:
+        raise ValueError(f"unknown precision {precision!r}; choose one of {list(_PRECISIONS)}")
+    return cost.param_bytes // 2 if precision == "bf16" else 0
+
+
+def transient_bytes(cost: BlockCost, micro_batch_size: int) -> int:
+    """What ``cost``'s block allocates for a moment in its backward and update: a gradient
+    beside the accumulated one, the optimizer's temporaries (a parameter-sized buffer each),
+    and the gradients of one micro-batch's activations."""
+    return 2 * cost.param_bytes + micro_batch_size * cost.activation_bytes_per_sample
+
+
 def stage_memory(
     costs: Sequence[BlockCost],
     blocks: BlockRange,
@@ -79,6 +115,7 @@ def stage_memory(
     micro_batch_size: int,
     in_flight: int,
     recompute: bool = False,
+    precision: str = "fp32",
 ) -> StageMemory:
     """The bytes of a stage holding ``blocks`` with ``in_flight`` micro-batches alive."""
     start, stop = blocks
@@ -89,11 +126,14 @@ def stage_memory(
         kept = in_flight * held[0].input_bytes_per_sample + per_sample
     else:
         kept = in_flight * per_sample
+    copies = (1 if recompute else in_flight) * sum(autocast_copy_bytes(c, precision) for c in held)
     return StageMemory(
         params=params,
         grads=params,
         optimizer=sum(c.optim_bytes for c in held),
         activations=micro_batch_size * kept,
+        autocast=copies,
+        transient=max((transient_bytes(c, micro_batch_size) for c in costs), default=0),
     )
 
 
@@ -105,18 +145,25 @@ def fits(
     micro_batch_size: int,
     in_flight: int,
     recompute: bool = False,
+    precision: str = "fp32",
 ) -> bool:
     """Whether a stage holding ``blocks`` fits in ``budget_bytes``."""
     need = stage_memory(
-        costs, blocks, micro_batch_size=micro_batch_size, in_flight=in_flight, recompute=recompute
+        costs,
+        blocks,
+        micro_batch_size=micro_batch_size,
+        in_flight=in_flight,
+        recompute=recompute,
+        precision=precision,
     )
     return need.total <= budget_bytes
 
 
-def _block_floor(cost: BlockCost, micro_batch_size: int) -> int:
-    """The least a stage holding this block needs: its state and one micro-batch of it."""
+def _block_floor(cost: BlockCost, micro_batch_size: int, transient: int) -> int:
+    """The least a stage holding this block needs: its state, one micro-batch of it and
+    the room every stage keeps for a backward's temporaries (``transient``)."""
     state = 2 * cost.param_bytes + cost.optim_bytes  # parameters, gradients, optimizer
-    return state + micro_batch_size * cost.activation_bytes_per_sample
+    return state + micro_batch_size * cost.activation_bytes_per_sample + transient
 
 
 def submission_refusal(
@@ -131,13 +178,15 @@ def submission_refusal(
     at most ``largest_device_bytes`` each. A lower bound, so it never refuses a job that
     fits: every byte of state lives on some device, every stage holds at least one
     micro-batch's activations of each of its blocks at its peak, so the busiest device holds
-    at least the average; and no device holds less than the largest block it gets."""
+    at least the average; no device holds less than the largest block it gets; and every
+    device keeps room for a backward's temporaries."""
     devices = max(1, min(max_devices, len(costs)))
     static = sum(2 * c.param_bytes + c.optim_bytes for c in costs)
     activations = micro_batch_size * sum(c.activation_bytes_per_sample for c in costs)
-    biggest = max(costs, key=lambda c: _block_floor(c, micro_batch_size))
-    even = -(-(static + activations) // devices)
-    floor = max(even, _block_floor(biggest, micro_batch_size))
+    transient = max(transient_bytes(c, micro_batch_size) for c in costs)
+    biggest = max(costs, key=lambda c: _block_floor(c, micro_batch_size, transient))
+    even = -(-(static + activations) // devices) + transient
+    floor = max(even, _block_floor(biggest, micro_batch_size, transient))
     if floor <= largest_device_bytes:
         return None
     if floor > even:
@@ -147,8 +196,9 @@ def submission_refusal(
     fixes = []
     if floor == even and devices < len(costs):
         fixes.append("allow more devices (resources.max_devices)")
-    activation_part = (
-        activations if floor == even else micro_batch_size * (biggest.activation_bytes_per_sample)
+    one = max(c.activation_bytes_per_sample for c in costs)  # in the temporaries
+    activation_part = micro_batch_size * one + (
+        activations if floor == even else micro_batch_size * biggest.activation_bytes_per_sample
     )
     if 2 * activation_part > floor:  # mostly activations: smaller micro-batches help
         fixes.append("use more micro_batches (smaller micro-batches)")
@@ -158,5 +208,6 @@ def submission_refusal(
         f"the model needs at least {format_bytes(floor)} per device {where}, but the largest"
         f" device has {format_bytes(largest_device_bytes)} ({params:,} parameters with"
         f" {optimizer}: {format_bytes(static)} of parameters, gradients and optimizer state,"
-        f" {format_bytes(activations)} of activations per micro-batch); {' or '.join(fixes)}"
+        f" {format_bytes(activations)} of activations per micro-batch, {format_bytes(transient)}"
+        f" for a backward's temporaries); {' or '.join(fixes)}"
     )

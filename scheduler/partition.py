@@ -89,6 +89,7 @@ class Workload:
     micro_batch_size: int = 1
     schedule: str = "1f1b"
     recompute: bool = False
+    precision: str = "fp32"
     stage_overhead_s: float = 0.0
     """Seconds a stage spends per micro-batch beyond its blocks' compute (framework calls,
     transfers): what makes one more stage cost more than it saves on a small model."""

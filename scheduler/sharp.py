@@ -50,7 +50,8 @@ class ShardError(ValueError):
 class Shard:
     """Blocks ``[start, stop)`` of a model: reference seconds of its forward and backward
     tasks, the bytes of its state (parameters, gradients, optimizer state: what a promotion
-    copies in) and of one micro-batch's activations (allocated on the device, not copied)."""
+    copies in) and of what its task allocates on the device besides (activations, autocast's
+    weight copies, backward temporaries: ``scheduler.memory``), not copied."""
 
     index: int
     blocks: BlockRange
@@ -72,6 +73,7 @@ def shard_model(
     *,
     micro_batches: int = 1,
     recompute: bool = True,
+    precision: str = "fp32",
     forward_fraction: float = FORWARD_FRACTION,
 ) -> tuple[Shard, ...]:
     """The fewest contiguous shards whose state and activations each fit half of
@@ -105,7 +107,9 @@ def shard_model(
             f" ({forward_fraction}) between 0 and 1"
         )
     half = budget_bytes // 2
-    workload = Workload(micro_batches, micro_batch_size, schedule="gpipe", recompute=recompute)
+    workload = Workload(
+        micro_batches, micro_batch_size, schedule="gpipe", recompute=recompute, precision=precision
+    )
     model = Model(costs, workload)
     count = _fewest_shards(model, half, budget_bytes)
     slots = [Slot.of([DeviceCapacity(f"shard-{i}", 1.0, half)]) for i in range(count)]
@@ -133,12 +137,13 @@ def _shard(
         micro_batch_size=workload.micro_batch_size,
         in_flight=workload.micro_batches,
         recompute=recompute,
+        precision=workload.precision,
     )
     work = sum(c.fwd_bwd_s for c in costs[blocks[0] : blocks[1]])
     forward = forward_fraction * work
     backward = work - forward + (forward if recompute else 0.0)
     state = need.params + need.grads + need.optimizer
-    return Shard(index, blocks, forward, backward, state, need.activations)
+    return Shard(index, blocks, forward, backward, state, need.total - state)
 
 
 def _even_out(model: Model, count: int, half: int, slowest: float) -> list[int] | None:
@@ -185,7 +190,8 @@ def _fewest_shards(model: Model, half: int, budget: int) -> int:
             raise ShardError(
                 f"block {end} needs {format_bytes(need)} (parameters, gradients, optimizer"
                 f" state and what {flight} micro-batch(es) of"
-                f" {model.workload.micro_batch_size} samples keep for the backward) but a"
+                f" {model.workload.micro_batch_size} samples keep for the backward, and a"
+                " backward's temporaries) but a"
                 f" SHARP shard may use at most {format_bytes(half)}, half of the smallest"
                 f" device's {format_bytes(budget)} (the other half holds the prefetched next"
                 " shard); use smaller micro-batches, recompute: true, or devices with more"

@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Sequence
 from contextlib import suppress
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 
 import sqlalchemy as sa
@@ -534,14 +534,19 @@ class Controller:
         some placed devices unused (they return to the pool)."""
         spec = JobSpec.model_validate(job.spec)
         ids = [d.id for d in devices]
-        gflops = {
-            row.id: row.speed_gflops
+        rows = {
+            row.id: row
             for row in session.scalars(sa.select(DeviceRow).where(DeviceRow.id.in_(ids)))
-            if row.speed_gflops
         }
+        gflops = {i: row.speed_gflops for i, row in rows.items() if row.speed_gflops}
+        # Stages go in what a device has beside its measured overhead (its last worker's).
+        measured = [
+            replace(d, overhead_mb=rows[d.id].overhead_mb or 0) if d.id in rows else d
+            for d in devices
+        ]
         stages, replicas = spec.parallelism.stages, spec.parallelism.replicas
         return plan_layout(
-            devices,
+            measured,
             gflops,
             costs=block_costs(job),
             stages=stages if isinstance(stages, int) else None,
@@ -551,6 +556,7 @@ class Controller:
                 micro_batch_size=spec.batch_size // spec.micro_batches,
                 schedule=spec.parallelism.schedule,
                 recompute=spec.parallelism.recompute,
+                precision=spec.precision,
                 stage_overhead_s=self._config.stage_overhead_s,
             ),
             sync_s_per_byte=self._config.allreduce_s_per_byte,

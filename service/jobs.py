@@ -214,10 +214,12 @@ def add_job(
 
 
 def largest_device_mb(factory: SessionFactory) -> int | None:
-    """Memory of the largest live device the controller has seen (None before it has seen one)."""
+    """Memory stages may use on the largest live device the controller has seen: its size
+    less the overhead a worker measured on it (None before it has seen one)."""
+    usable = DeviceRow.memory_mb - sa.func.coalesce(DeviceRow.overhead_mb, 0)
     with factory() as session:
         largest: int | None = session.scalar(
-            sa.select(sa.func.max(DeviceRow.memory_mb)).where(DeviceRow.state == "alive")
+            sa.select(sa.func.max(usable)).where(DeviceRow.state == "alive")
         )
         return largest
 

@@ -83,6 +83,7 @@ def planned_memory(jobs: Iterable[Job]) -> dict[str, int]:
                 micro_batch_size=int(job.spec["batch_size"]) // micro_batches,
                 in_flight=peak,
                 recompute=bool(parallelism.get("recompute", False)),
+                precision=str(job.spec.get("precision", "fp32")),
             )
             held[row["device_id"]] = held.get(row["device_id"], 0) + need.total
     return held

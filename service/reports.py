@@ -56,6 +56,10 @@ def persist_report(session: Session, job: Job, report: RunnerReport) -> None:
             row = session.get(DeviceRow, event.data["device_id"])
             if row is not None:
                 row.speed_gflops = float(event.data.get("gflops", 0.0))
+        elif event.kind == "device_memory" and "device_id" in event.data:
+            row = session.get(DeviceRow, event.data["device_id"])
+            if row is not None:
+                row.overhead_mb = -(-int(event.data.get("overhead_bytes", 0)) // 2**20)
     if report.metrics or report.status is RunStatus.SUCCEEDED:
         # Not otherwise: a new attempt reports step 0 until it has restored.
         job.step = report.step

@@ -305,7 +305,7 @@ well as entries: a key holds a whole config (a factory's may be most of a reques
 def _trace(spec: JobSpec, allowed: Sequence[str]) -> AcceptedSpec:
     """The spec with its blocks counted and costed by tracing the model on the meta device;
     a factory model that does not trace there is built once on the CPU to count its blocks.
-    Each distinct model, data, micro-batch size and optimizer is traced once."""
+    Each distinct model, data, micro-batch size, optimizer and precision is traced once."""
     from workers.profiler import TraceError, trace_costs
 
     model = ModelRef(spec.model.builtin, spec.model.factory, spec.model.config)
@@ -322,6 +322,7 @@ def _trace(spec: JobSpec, allowed: Sequence[str]) -> AcceptedSpec:
                 optimizer=spec.optimizer.name,
                 momentum=momentum,
                 allowed=allowed,
+                precision=spec.precision,
             )
         except TraceError as exc:
             if spec.model.factory is None:
@@ -341,7 +342,15 @@ def _trace(spec: JobSpec, allowed: Sequence[str]) -> AcceptedSpec:
         return _Traced(len(costs), costs, None)
 
     key = json.dumps(
-        [asdict(model), asdict(data), micro_batch_size, spec.optimizer.name, momentum, *allowed],
+        [
+            asdict(model),
+            asdict(data),
+            micro_batch_size,
+            spec.optimizer.name,
+            momentum,
+            spec.precision,
+            *allowed,
+        ],
         sort_keys=True,
         default=repr,
     )

@@ -363,6 +363,7 @@ def check_shards(accepted: AcceptedSpec, largest_device_mb: int | None) -> None:
             rows,
             micro_batches=accepted.spec.micro_batches,
             recompute=accepted.spec.parallelism.recompute,
+            precision=accepted.spec.precision,
         )
     except ShardError as exc:
         raise SpecError([("micro_batches", str(exc))]) from None

@@ -14,20 +14,36 @@ device, one doing ``REFERENCE_GFLOPS``; a device measured at g GFLOP/s runs them
 ``FlopCounterMode`` counts: the bulk of a deep model's time); element-wise work and the
 optimizer step are left out, so blocks without matrix products (an embedding lookup) cost
 next to nothing.
+
+The saved bytes are those of the kernels a GPU runs, not of the meta device's fallbacks:
+
+- Attention (``F.scaled_dot_product_attention``) runs its unfused math path on the meta
+  device, which saves the attention matrices; the fused kernels a GPU runs (flash,
+  memory-efficient) keep only the query, key, value, output and each row's log-sum-exp,
+  and that is what is counted.
+- Under ``precision: bf16`` the trace casts as autocast does (``_AsOnGpu``): matrix
+  products and attention take bfloat16 inputs, norms, softmaxes and losses float32 ones,
+  so their saved inputs are counted in the dtype autocast keeps. The bfloat16 copies of
+  the weights are left out here: ``scheduler.memory`` counts them per micro-batch in
+  flight.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.autograd.graph import saved_tensors_hooks
+from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from scheduler.memory import FLOAT_BYTES, optimizer_state_factor
 from scheduler.profile import REFERENCE_GFLOPS, BlockCost
+from workers.precision import autocast_dtype
 from workers.snapshot import DataRef, ModelRef
 from workers.zoo.data import loss_fn, sample_batch
 from workers.zoo.models import build_blocks, built_alike, count_blocks
@@ -50,26 +66,103 @@ class _Trace:
     output: Tensor
 
 
-def _trace_block(
-    block: nn.Module, x: Tensor, end: Callable[[Tensor], Tensor], *, input_grad: bool
-) -> _Trace:
-    """One block's forward, ``end`` (the loss, or nothing) and backward, counted; the input's
-    gradient only with ``input_grad`` (block 0's input is data and needs none)."""
-    params = {id(p) for p in block.parameters()}
-    saved = 0
+_LOW = frozenset(
+    {"linear", "matmul", "__matmul__", "mm", "bmm", "addmm", "baddbmm", "einsum", "conv1d",
+     "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
+     "scaled_dot_product_attention"}
+)  # fmt: skip
+"""Functions CUDA autocast runs in bfloat16 (matrix products, convolutions, attention)."""
 
-    def pack(tensor: Tensor) -> Tensor:
-        nonlocal saved
+_FLOAT32 = frozenset(
+    {"layer_norm", "group_norm", "softmax", "log_softmax", "cross_entropy",
+     "nll_loss", "mse_loss", "l1_loss", "smooth_l1_loss", "binary_cross_entropy_with_logits",
+     "kl_div", "exp", "log", "pow", "sum", "cumsum", "norm", "logsumexp"}
+)  # fmt: skip
+"""Functions CUDA autocast runs in float32 (norms, softmaxes, losses, reductions)."""
+
+
+class _Saved:
+    """The bytes autograd keeps for a block's backward, activations only."""
+
+    def __init__(self, params: set[int]) -> None:
+        self.bytes = 0
+        self.params = params
+        """Ids of the block's parameters and of their autocast copies: not activations."""
+        self.copies: list[Tensor] = []
+        """The copies, alive while the trace runs: no other tensor takes one's id."""
+
+    def pack(self, tensor: Tensor) -> Tensor:
         base = tensor._base if tensor._base is not None else tensor
-        if id(base) not in params:  # a parameter (or a view of one) is not an activation
-            saved += _nbytes(tensor)
+        if id(base) not in self.params:  # a parameter (or a view of one) is not an activation
+            self.bytes += _nbytes(tensor)
         return tensor
 
-    with FlopCounterMode(display=False) as flops, saved_tensors_hooks(pack, lambda t: t):
-        out = block(x.detach().requires_grad_(input_grad and x.is_floating_point()))
-        tail = end(out)
+
+class _AsOnGpu(TorchFunctionMode):
+    """Attention counted as the fused kernels keep it; under ``low`` (bfloat16), the casts
+    of CUDA autocast (module docstring)."""
+
+    def __init__(self, saved: _Saved, low: torch.dtype | None) -> None:
+        super().__init__()
+        self._saved, self._low = saved, low
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Sequence[type],
+        args: Sequence[Any] = (),
+        kwargs: Mapping[str, Any] | None = None,
+    ) -> Any:
+        kwargs = dict(kwargs or {})
+        name = getattr(func, "__name__", "")
+        if self._low is not None and name in _LOW:
+            args, kwargs = self._cast(args, kwargs, self._low)
+        elif self._low is not None and name in _FLOAT32:
+            args, kwargs = self._cast(args, kwargs, torch.float32)
+        if func is not F.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        before = self._saved.bytes
+        out = func(*args, **kwargs)
+        q, k, v = args[:3]
+        rows = q.numel() // q.shape[-1] * 4  # float32 log-sum-exp per query row
+        self._saved.bytes = before + sum(_nbytes(t) for t in (q, k, v, out)) + rows
+        return out
+
+    def _cast(
+        self, args: Sequence[Any], kwargs: dict[str, Any], dtype: torch.dtype
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        def cast(value: Any) -> Any:
+            if not (isinstance(value, Tensor) and value.is_floating_point()):
+                return value
+            if value.dtype == dtype:
+                return value
+            copy = value.to(dtype)
+            if id(value) in self._saved.params:  # a weight's copy: scheduler.memory counts it
+                self._saved.params.add(id(copy))
+                self._saved.copies.append(copy)
+            return copy
+
+        return tuple(cast(a) for a in args), {k: cast(v) for k, v in kwargs.items()}
+
+
+def _trace_block(
+    block: nn.Module,
+    x: Tensor,
+    end: Callable[[Tensor], Tensor],
+    *,
+    input_grad: bool,
+    low: torch.dtype | None,
+) -> _Trace:
+    """One block's forward, ``end`` (the loss, or nothing) and backward, counted; the input's
+    gradient only with ``input_grad`` (block 0's input is data and needs none); ``low``: the
+    autocast dtype of the forward and the loss (None: float32 throughout)."""
+    saved = _Saved({id(p) for p in block.parameters()})
+    with FlopCounterMode(display=False) as flops, saved_tensors_hooks(saved.pack, lambda t: t):
+        with _AsOnGpu(saved, low):
+            out = block(x.detach().requires_grad_(input_grad and x.is_floating_point()))
+            tail = end(out)
         tail.backward(torch.ones_like(tail))  # type: ignore[no-untyped-call]
-    return _Trace(flops.get_total_flops(), saved, out.detach())
+    return _Trace(flops.get_total_flops(), saved.bytes, out.detach())
 
 
 def trace_costs(
@@ -80,10 +173,13 @@ def trace_costs(
     optimizer: str,
     momentum: bool = False,
     allowed: Sequence[str] = (),
+    precision: str = "fp32",
 ) -> tuple[BlockCost, ...]:
     """Every block's cost for one micro-batch of ``micro_batch_size`` samples (see the module
-    docstring); ``optimizer`` sizes the optimizer state. Raises ``TraceError``."""
+    docstring); ``optimizer`` sizes the optimizer state, ``precision`` the activations.
+    Raises ``TraceError``."""
     state_factor = optimizer_state_factor(optimizer, momentum=momentum)
+    low = autocast_dtype(precision)
     rows = micro_batch_size
     try:
         # The sample batch is shapes on the meta device too: a submission builds no data.
@@ -107,7 +203,8 @@ def trace_costs(
                 block = blocks[alike[i]]
                 end = (lambda y: loss(y, target)) if last else (lambda y: y)
                 params = sum(p.numel() for p in block.parameters()) * FLOAT_BYTES
-                traced[key] = (_trace_block(block, x, end, input_grad=i > 0), params)
+                trace = _trace_block(block, x, end, input_grad=i > 0, low=low)
+                traced[key] = (trace, params)
             trace, params = traced[key]
             costs.append(
                 BlockCost(

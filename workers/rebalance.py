@@ -106,12 +106,11 @@ def snapshot_policy(snapshot: JobSnapshot) -> Policy | None:
         micro_batch_size=snapshot.batch_size // snapshot.micro_batches,
         schedule=snapshot.schedule,
         recompute=snapshot.recompute,
+        precision=snapshot.precision,
     )
 
     def policy(layout: Layout, history: Sequence[Sequence[StageSample]]) -> Decision:
-        devices = [
-            DeviceCapacity(p.device.id, 1.0, p.device.memory_mb * 2**20) for p in layout.plans
-        ]
+        devices = [DeviceCapacity(p.device.id, 1.0, p.device.usable_bytes) for p in layout.plans]
         return decide(
             layout.plan(),
             costs,

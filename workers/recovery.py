@@ -205,6 +205,7 @@ def plan_survivors(
             micro_batch_size=snapshot.batch_size // snapshot.micro_batches,
             schedule=snapshot.schedule,
             recompute=snapshot.recompute,
+            precision=snapshot.precision,
         ),
     )
     new = Layout(stage_plans(planned.devices, planned.ranges), tuple(planned.plan.micro_batches))

@@ -32,6 +32,7 @@ from typing import Any
 from scheduler.overlap import leaves_a_core, steps_per_call
 from workers.checkpoint_writer import CheckpointWriter
 from workers.checkpoints import CheckpointStore, Restorable
+from workers.device_memory import device_memory_event
 from workers.group import GroupFactory, RayGroup, StageFailed, StageLost, WorkerGroup
 from workers.rebalance import (
     Layout,
@@ -528,8 +529,13 @@ class Trainer:
         self._record(RunnerEvent("placement", step, f"{what}: {ranges}", {"stages": stages}))
         # One device at a time: concurrent benchmarks on shared cores would measure contention.
         for w, p in enumerate(plans):
-            (gflops,) = group.get([group.submit(w, "measure_speed")], self._timeout)
+            gflops, overhead = group.get(
+                [group.submit(w, "measure_speed"), group.submit(w, "device_overhead")],
+                self._timeout,
+            )
             self._gflops[p.device.id] = gflops
+            if overhead.how != "none":
+                self._record(device_memory_event(p, overhead, step))
             self._record(
                 RunnerEvent(
                     "device_speed",

@@ -351,6 +351,7 @@ class SharpTrainer:
             rows,
             micro_batches=snap.micro_batches,
             recompute=snap.recompute,
+            precision=snap.precision,
         )
         plan = ModelPlan(snap.job_id, shards, snap.steps, len(self._models))
         data = make_data(snap.data, snap.seed, snap.allowed_factories)

@@ -45,6 +45,7 @@ from workers.blocks import Block
 from workers.clipping import grad_norms, scale_grads
 from workers.collective import GlooCollective
 from workers.copier import Copier, Held
+from workers.device_memory import Overhead, measure_overhead
 from workers.host_memory import retain_freed_memory
 from workers.precision import autocast, autocast_dtype
 from workers.snapshot import JobSnapshot, ModelRef, OptimizerConf, StagePlan
@@ -163,6 +164,7 @@ class Stage:
             torch.set_num_threads(1)
         self._setup_slowdown = plan.device.emulate_slowdown
         self._timer = StepTimer(self.device, self._setup_slowdown)
+        self._overhead = measure_overhead(self.device)  # before the worker's own tensors
         indices = range(start, stop)
         modules = build_blocks(setup.model, setup.meta, setup.seed, indices, setup.allowed)
         self.blocks = [
@@ -539,6 +541,10 @@ class Stage:
                 f" step {step}"
             )
         return {i: receive_tree(states[i], torch.device("cpu")) for i in indices}
+
+    def device_overhead(self) -> Overhead:
+        """What the device held for this worker before its blocks (``workers.device_memory``)."""
+        return self._overhead
 
     def nbytes(self) -> int:
         """Bytes of the blocks' parameters and optimizer state (memory accounting)."""

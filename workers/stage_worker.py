@@ -26,6 +26,7 @@ STAGE_METHODS = frozenset(
         "export",
         "adopt",
         "snapshot",
+        "device_overhead",
         "shipment",
         "hold",
         "saved_steps",

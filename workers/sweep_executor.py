@@ -30,7 +30,7 @@ class SweepExecutor:
             (),
             devices,
             make_pool or RayPool,
-            budgets={d.id: d.memory_mb * 2**20 for d in devices},
+            budgets={d.id: d.usable_bytes for d in devices},
             policy=Policy(policy),
             keep_open=True,
         )

@@ -211,6 +211,12 @@ def print_sweep(console: Console, sweep: Json) -> None:
         )
 
 
+def _memory(device: Json) -> str:
+    """``2048 MB``, or ``2048 MB (612 held)`` once a worker measured the device's overhead."""
+    held = device.get("overhead_mb")
+    return f"{device['memory_mb']} MB" + (f" ({held} held)" if held else "")
+
+
 def devices_table(answer: Json) -> Table:
     table = _table(
         f"{len(answer['items'])} devices",
@@ -221,7 +227,7 @@ def devices_table(answer: Json) -> Table:
         table.add_row(
             device["id"],
             escape(device["kind"]),
-            f"{device['memory_mb']} MB",
+            _memory(device),
             "yes" if device["gpu"] else "no",
             "yes" if device["spot"] else "no",
             escape(device["state"]),

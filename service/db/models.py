@@ -155,6 +155,9 @@ class DeviceRow(Base):
     spot: Mapped[bool]
     state: Mapped[str] = mapped_column(sa.String(16))
     speed_gflops: Mapped[float | None] = mapped_column(default=None)
+    overhead_mb: Mapped[int | None] = mapped_column(default=None)
+    """What the device held for a worker before its stage, as the last worker measured it
+    (``workers.device_memory``); stages are planned in the rest."""
     job_id: Mapped[str | None] = mapped_column(sa.String(32), default=None)
     draining: Mapped[bool] = mapped_column(default=False, server_default=sa.false())
     """Jobs must leave it and none is placed on it (cleared when the device comes back

@@ -48,8 +48,20 @@ def test_stage_bytes_by_kind() -> None:
                   input_bytes_per_sample=7),
     ]  # fmt: skip
     kept = stage_memory(costs, (0, 2), micro_batch_size=4, in_flight=3)
-    assert kept == StageMemory(params=150, grads=150, optimizer=300, activations=3 * 4 * 30)
-    assert kept.total == 150 + 150 + 300 + 360
+    # The largest backward's temporaries, block 0's: two parameter-sized buffers and one
+    # micro-batch's activation gradients; every stage keeps room for them.
+    transient = 2 * 100 + 4 * 10
+    assert kept == StageMemory(
+        params=150, grads=150, optimizer=300, activations=3 * 4 * 30, transient=transient
+    )
+    assert kept.total == 150 + 150 + 300 + 360 + transient
+    assert stage_memory(costs, (1, 2), micro_batch_size=4, in_flight=3).transient == transient
+    # bf16 autocast: each micro-batch in flight keeps bfloat16 copies of the weights.
+    bf16 = stage_memory(costs, (0, 2), micro_batch_size=4, in_flight=3, precision="bf16")
+    assert bf16.autocast == 3 * 150 // 2
+    assert bf16.total == kept.total + bf16.autocast
+    with pytest.raises(ValueError, match="unknown precision 'fp8'"):
+        stage_memory(costs, (0, 2), micro_batch_size=4, in_flight=3, precision="fp8")
     # Rematerialization: the stage input per micro-batch in flight, one micro-batch recomputed.
     recomputed = stage_memory(costs, (1, 2), micro_batch_size=4, in_flight=3, recompute=True)
     assert recomputed.activations == 4 * (3 * 7 + 20)
@@ -74,10 +86,11 @@ def test_a_model_that_fits_nowhere_is_refused_with_numbers() -> None:
         max_devices=2,
     )
     assert message == (
-        "the model needs at least 1.5 GiB per device even split over 2 devices, but the"
+        "the model needs at least 1.6 GiB per device even split over 2 devices, but the"
         " largest device has 1.0 GiB (200,000,000 parameters with adam: 3.0 GiB of parameters,"
-        " gradients and optimizer state, 0 B of activations per micro-batch); allow more"
-        " devices (resources.max_devices) or use a smaller model"
+        " gradients and optimizer state, 0 B of activations per micro-batch, 152.6 MiB for a"
+        " backward's temporaries); allow more devices (resources.max_devices) or use a"
+        " smaller model"
     )
     roomy = submission_refusal(
         _blocks(200_000_000, 10, "sgd"),
@@ -95,7 +108,8 @@ def test_a_block_too_big_for_any_device_is_named() -> None:
         costs, optimizer="sgd", micro_batch_size=1, largest_device_bytes=GiB, max_devices=64
     )
     assert message is not None
-    assert message.startswith("the model needs at least 2.0 GiB per device for block 2 alone")
+    # 1 GiB of parameters, 1 GiB of gradients, 2 GiB of a backward's temporaries
+    assert message.startswith("the model needs at least 4.0 GiB per device for block 2 alone")
     assert "max_devices" not in message  # more devices cannot split a block
 
 

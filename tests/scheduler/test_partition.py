@@ -352,7 +352,8 @@ def test_the_fast_device_takes_the_heavy_end() -> None:
 def test_memory_decides_the_stage_count() -> None:
     costs = [BlockCost(i, 1.0, param_bytes=GiB // 4, optim_bytes=0, activation_bytes_per_sample=0)
              for i in range(8)]  # fmt: skip
-    devices = [DeviceCapacity(f"d{i}", 1.0, GiB) for i in range(4)]  # 2 blocks each (x2 grads)
+    # 2 blocks each (x2 grads: 1 GiB), with room for a block's backward (2 x 1/4 GiB)
+    devices = [DeviceCapacity(f"d{i}", 1.0, GiB + GiB // 2) for i in range(4)]
     plan = plan_partition(costs, devices, Workload(micro_batches=4))
     assert [s.blocks for s in plan.stages] == [(0, 2), (2, 4), (4, 6), (6, 8)]
 
@@ -378,7 +379,7 @@ def test_a_block_too_big_for_every_device_is_named() -> None:
         plan_partition(costs, devices, Workload(micro_batches=2))
     assert str(caught.value) == (
         "no partition into any number of stages fits device memory: block 2 alone needs"
-        " 6.0 GiB with one micro-batch in flight but the largest device has 4.0 GiB; use more"
+        " 12.0 GiB with one micro-batch in flight but the largest device has 4.0 GiB; use more"
         " micro_batches (smaller micro-batches), recompute, or a smaller model"
     )
 
@@ -476,11 +477,12 @@ def test_micro_batch_shares_are_optimal(
 
 
 def test_a_fit_only_an_unusual_device_order_allows_is_found_before_refusing() -> None:
-    """Devices of 10, 11 and 12 bytes fit this chain only as 12, 10, 11: none of the
-    heuristic's fastest/slowest/largest-first orders; the fallback search finds it."""
+    """Devices of 20, 21 and 22 bytes (10 of each kept for block 6's backward) fit this
+    chain only as 22, 20, 21: none of the heuristic's fastest/slowest/largest-first orders;
+    the fallback search finds it."""
     acts = [0, 2, 0, 0, 0, 1, 0]
     costs = [BlockCost(i, 1.0, 5 if i == 6 else 0, 1 if i == 6 else 0, acts[i]) for i in range(7)]
-    devices = [DeviceCapacity(f"d{i}", 0.5, 10 + i) for i in range(3)]
+    devices = [DeviceCapacity(f"d{i}", 0.5, 20 + i) for i in range(3)]
     w = Workload(micro_batches=3, micro_batch_size=2, schedule="gpipe")
     saved, partition._EXACT_WORK = partition._EXACT_WORK, 0
     try:

@@ -70,25 +70,28 @@ def device(name: str, node: str = "n0", speed: float = 1.0, budget: int = 16 * G
 
 
 def test_shards_fit_half_the_budget_and_cover_the_blocks_in_order() -> None:
-    costs = [block(i) for i in range(10)]  # 1 GiB of state each
-    shards = shard_model(costs, 8 * GiB, micro_batch_size=1)  # 4 blocks fit half of 8 GiB
+    costs = [block(i) for i in range(10)]  # 1 GiB of state each, 1/2 GiB of temporaries
+    shards = shard_model(costs, 9 * GiB, micro_batch_size=1)  # 4 blocks fit half of 9 GiB
     assert [s.blocks[0] for s in shards] + [10] == [0, *[s.blocks[1] for s in shards]]
     assert sorted(s.blocks[1] - s.blocks[0] for s in shards) == [3, 3, 4]
-    assert all(s.bytes <= 4 * GiB for s in shards)
+    assert all(s.bytes <= 4.5 * GiB for s in shards)
 
 
-def test_a_shard_is_its_blocks_state_and_one_micro_batch_of_activations() -> None:
+def test_a_shard_is_its_blocks_state_and_what_one_micro_batch_allocates() -> None:
     costs = [block(i, activation=1000) for i in range(4)]
     (only,) = shard_model(costs, 64 * GiB, micro_batch_size=8)
     need = stage_memory(costs, (0, 4), micro_batch_size=8, in_flight=1, recompute=True)
-    assert (only.state_bytes, only.activation_bytes) == (4 * GiB, need.activations)
+    assert (only.state_bytes, only.activation_bytes) == (4 * GiB, need.total - 4 * GiB)
+    assert only.activation_bytes == need.activations + need.transient
+    (bf16,) = shard_model(costs, 64 * GiB, micro_batch_size=8, precision="bf16")
+    assert bf16.activation_bytes == only.activation_bytes + 4 * GiB // 4 // 2  # weight copies
 
 
 def test_without_recompute_every_micro_batch_keeps_its_activations() -> None:
     costs = [block(i, activation=1000) for i in range(4)]
     (kept,) = shard_model(costs, 64 * GiB, 8, micro_batches=3, recompute=False)
     need = stage_memory(costs, (0, 4), micro_batch_size=8, in_flight=3, recompute=False)
-    assert kept.activation_bytes == need.activations
+    assert kept.activation_bytes == need.activations + need.transient
     (one,) = shard_model(costs, 64 * GiB, 8, micro_batches=1, recompute=False)
     assert kept.activation_bytes > one.activation_bytes
 
@@ -102,13 +105,13 @@ def test_backward_recomputes_the_forward() -> None:
 
 def test_fewest_shards_then_balanced_compute() -> None:
     costs = [block(i, seconds=s) for i, s in enumerate([4.0, 1.0, 1.0, 1.0, 1.0])]
-    shards = shard_model(costs, 8 * GiB, micro_batch_size=1)  # at most 4 blocks a shard
+    shards = shard_model(costs, 9 * GiB, micro_batch_size=1)  # at most 4 blocks a shard
     assert [s.blocks for s in shards] == [(0, 1), (1, 5)]
 
 
 def test_a_block_that_cannot_fit_alone_is_refused_with_the_fix() -> None:
-    costs = [block(0), block(1, params=GiB), block(2)]  # block 1: 4 GiB of state
-    with pytest.raises(ShardError, match=r"block 1 needs 4\.0 GiB .* at most 3\.0 GiB") as err:
+    costs = [block(0), block(1, params=GiB), block(2)]  # 4 GiB of state, 2 of temporaries
+    with pytest.raises(ShardError, match=r"block 1 needs 6\.0 GiB .* at most 3\.0 GiB") as err:
         shard_model(costs, 6 * GiB, micro_batch_size=1)
     assert "smaller micro-batches, recompute: true, or devices with more memory" in str(err.value)
 

@@ -799,3 +799,59 @@ def test_a_step_replayed_within_one_report_is_stored_once_as_rerun(
             .order_by(JobMetric.step)
         ).all()
     assert [tuple(r) for r in stored] == [(1, 0.5), (2, 0.3)]
+
+
+def test_a_device_overhead_a_worker_measured_is_kept_with_the_device(
+    session_factory: SessionFactory, tmp_path: Path
+) -> None:
+    from service.jobs import largest_device_mb
+    from service.reports import persist_report
+    from workers.snapshot import RunnerEvent, RunnerReport, RunStatus
+
+    controller = make_controller(session_factory, InProcessCluster(NODES), tmp_path)
+    controller.reconcile_once()  # the inventory: the node's two devices
+    with session_factory() as session:
+        rows = list(session.scalars(sa.select(DeviceRow).order_by(DeviceRow.id)))
+    assert [r.overhead_mb for r in rows] == [None, None]
+    memory = rows[0].memory_mb
+    assert largest_device_mb(session_factory) == memory
+    who = owner(session_factory)
+    job_id = submit(session_factory, who)
+    measured = RunnerEvent(
+        "device_memory",
+        0,
+        "held before any stage",
+        {"device_id": rows[0].id, "overhead_bytes": 600 * 2**20 + 1, "how": "process"},
+    )
+    with session_factory() as session, session.begin():
+        row = session.get(Job, job_id)
+        assert row is not None
+        persist_report(session, row, RunnerReport(RunStatus.RUNNING, 0, 1, (), (measured,), None))
+    with session_factory() as session:
+        kept = session.get(DeviceRow, rows[0].id)
+        assert kept is not None and kept.overhead_mb == 601  # whole MiB, rounded up
+    # Both devices measured: submission sizes jobs by what stages can use.
+    with session_factory() as session, session.begin():
+        for device in session.scalars(sa.select(DeviceRow)):
+            device.overhead_mb = 601
+    assert largest_device_mb(session_factory) == memory - 601
+
+
+def test_stages_are_planned_in_what_a_device_has_beside_its_overhead(
+    session_factory: SessionFactory, tmp_path: Path
+) -> None:
+    controller = make_controller(session_factory, InProcessCluster(NODES), tmp_path)
+    controller.reconcile_once()
+    with session_factory() as session, session.begin():
+        for device in session.scalars(sa.select(DeviceRow)):
+            device.overhead_mb = device.memory_mb  # nothing left for a stage
+    job_id = submit(session_factory, owner(session_factory))
+    reconcile_until(
+        controller,
+        lambda: job(session_factory, job_id).state != JobState.QUEUED.value,
+        what=lambda: job(session_factory, job_id).state,
+    )
+    failed = job(session_factory, job_id)
+    assert failed.state == JobState.FAILED.value, failed.state
+    assert "fits device memory" in str(failed.error), failed.error
+    assert "has 0 B" in str(failed.error), failed.error

@@ -238,5 +238,7 @@ def test_a_job_on_a_gpu_steps_in_one_call_and_equals_the_relayed_reference(
     assert [m.loss for m in trainer.report(0).metrics] == [
         m.loss for m in reference.report(0).metrics
     ]
+    (held,) = [e for e in trainer.report(0).events if e.kind == "device_memory"]
+    assert held.data["device_id"] == gpu.id and held.data["overhead_bytes"] > 0, held.message
     speeds = [e.data["gflops"] for e in trainer.report(0).events if e.kind == "device_speed"]
     assert speeds and speeds[0] > 1000  # compute-bound: a GPU is measured in TFLOP/s

@@ -13,6 +13,7 @@ import torch
 
 from scheduler.copies import LONGEST_INTERVAL
 from scheduler.devices import Device
+from scheduler.memory import transient_bytes
 from scheduler.sharp import Policy
 from tests.workers.runs import final_states, reference
 from workers.checkpoints import CheckpointStore
@@ -70,8 +71,10 @@ def assert_alone(snap: JobSnapshot, losses: list[float]) -> None:
 
 def budget_for_shards(snap: JobSnapshot, shards: int) -> int:
     """A device budget under which the model needs about ``shards`` shards."""
-    total = sum(c.param_bytes * 2 + c.optim_bytes for c in snap.block_costs)
-    return 2 * (total // shards + max(c.activation_bytes_per_sample for c in snap.block_costs) * 8)
+    costs = snap.block_costs
+    total = sum(c.param_bytes * 2 + c.optim_bytes for c in costs)
+    kept = max(c.activation_bytes_per_sample for c in costs) * 8
+    return 2 * (total // shards + kept + max(transient_bytes(c, 8) for c in costs))
 
 
 def devices(node: str = "n0000000a") -> list[Device]:

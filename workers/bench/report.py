@@ -339,8 +339,8 @@ class SharpSettings:
     lr: float = 1e-3
     budget_fraction: float = 0.75
     """One device's memory budget as a fraction of one model's state (parameters, gradients,
-    optimizer state): below 1, no model fits one device; SHARP cuts it into shards of at
-    most half the budget."""
+    optimizer state), plus room in each half for a block's backward temporaries: below 1, no
+    model fits one device; SHARP cuts it into shards of at most half the budget."""
     seed: int = 0
     spot_devices: int = 512
     spot_models: int = 300

@@ -26,6 +26,7 @@ from typing import Any
 import ray
 
 from scheduler.devices import Device
+from scheduler.memory import transient_bytes
 from scheduler.profile import BlockCost
 from scheduler.sharp import ShardError, shard_model
 from scheduler.types import DeviceId
@@ -223,7 +224,10 @@ def measure(
         raise BenchError(f"the bench needs 2 devices, the cluster shows {len(devices)}")
     costs = model_costs(s)
     state = state_bytes(costs)
-    budget = int(s.budget_fraction * state)
+    # Each half of a device (a running shard, a prefetched one) keeps room for a block's
+    # backward temporaries too (``scheduler.memory``): the fraction sizes the rest.
+    room = max(transient_bytes(c, s.batch_size) for c in costs)
+    budget = int(s.budget_fraction * state) + 2 * room
     try:
         shards = shard_model(costs, budget, s.batch_size, recompute=False)
     except ShardError as exc:
