@@ -368,7 +368,7 @@ def test_sharp_bench_in_process_trains_every_variant_to_the_same_losses(tmp_path
     s = SharpSettings(models=2, hidden=16, layers=6, features=8, outputs=2, batch_size=8, steps=3)
     devices = [Device(f"n0000000a-cpu-{i}", "n0000000a", i, "cpu", 2048, False) for i in range(2)]
     result = measure(s, devices, tmp_path, LocalPool, LocalGroup)
-    assert result["model_state_bytes"] > result["budget_bytes"]  # no model fits one device
+    assert result["model_bytes"] > result["budget_bytes"]  # no model fits one device
     assert len(result["shards_per_model"]) == 2 and min(result["shards_per_model"]) >= 2
     for key in ("sharp_seconds", "sequential_seconds", "no_prefetch_seconds"):
         assert result[key] > 0

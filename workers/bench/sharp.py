@@ -26,7 +26,7 @@ from typing import Any
 import ray
 
 from scheduler.devices import Device
-from scheduler.memory import transient_bytes
+from scheduler.memory import stage_memory, transient_bytes
 from scheduler.profile import BlockCost
 from scheduler.sharp import ShardError, shard_model
 from scheduler.types import DeviceId
@@ -228,6 +228,8 @@ def measure(
     # backward temporaries too (``scheduler.memory``): the fraction sizes the rest.
     room = max(transient_bytes(c, s.batch_size) for c in costs)
     budget = int(s.budget_fraction * state) + 2 * room
+    # What one device would need to hold a whole model (reported beside the budget).
+    whole = stage_memory(costs, (0, len(costs)), micro_batch_size=s.batch_size, in_flight=1)
     try:
         shards = shard_model(costs, budget, s.batch_size, recompute=False)
     except ShardError as exc:
@@ -266,6 +268,7 @@ def measure(
         "no_prefetch_promoted_bytes": lazy["promoted_bytes"],
         "shards_per_model": sharp["shards_per_model"],
         "model_state_bytes": state,
+        "model_bytes": whole.total,
         "budget_bytes": budget,
         "final_losses": [losses[-1] for losses in sharp["losses"]],
         "model": f"{s.models} x mlp {s.num_blocks} blocks ({s.layers} x {s.hidden} hidden,"
