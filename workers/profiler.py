@@ -123,7 +123,7 @@ class _AsOnGpu(TorchFunctionMode):
             return func(*args, **kwargs)
         before = self._saved.bytes
         out = func(*args, **kwargs)
-        q, k, v = args[:3]
+        q, k, v = _attention_inputs(args, kwargs)
         rows = q.numel() // q.shape[-1] * 4  # float32 log-sum-exp per query row
         self._saved.bytes = before + sum(_nbytes(t) for t in (q, k, v, out)) + rows
         return out
@@ -143,6 +143,13 @@ class _AsOnGpu(TorchFunctionMode):
             return copy
 
         return tuple(cast(a) for a in args), {k: cast(v) for k, v in kwargs.items()}
+
+
+def _attention_inputs(args: Sequence[Any], kwargs: Mapping[str, Any]) -> tuple[Tensor, ...]:
+    """The query, key and value of a ``scaled_dot_product_attention`` call, by position or
+    by name."""
+    names = ("query", "key", "value")
+    return tuple(args[i] if i < len(args) else kwargs[n] for i, n in enumerate(names))
 
 
 def _trace_block(

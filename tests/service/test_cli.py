@@ -233,6 +233,7 @@ def _stub_app(stub: Stub) -> FastAPI:
                     "spot": False,
                     "state": "busy",
                     "speed_gflops": 12.5,
+                    "overhead_mb": 612,
                     "job_id": "0" * 32,
                 },
                 {
@@ -704,7 +705,9 @@ def test_devices_table_and_json(api: str) -> None:
     result = shoal("devices")
     assert result.exit_code == 0, result.output
     out = cells(result.stdout)
-    assert re.search(r"n1-cpu-fast-0\s+cpu-fast\s+2048 MB\s+no\s+no\s+busy\s+12\.5\s+0{32}", out)
+    assert re.search(
+        r"n1-cpu-fast-0\s+cpu-fast\s+2048 MB \(612 held\)\s+no\s+no\s+busy\s+12\.5\s+0{32}", out
+    )
     assert re.search(r"n2-cpu-slow-0\s+cpu-slow\s+1024 MB\s+no\s+yes\s+free\s+-\s+-", out)
     assert len(json.loads(shoal("devices", "--json").stdout)["items"]) == 2
 

@@ -139,3 +139,13 @@ def test_bf16_traces_what_autocast_keeps_without_the_weight_copies() -> None:
                for b, f in zip(bf16[1:-1], fp32[1:-1], strict=True))  # fmt: skip
     with pytest.raises(ValueError, match="precision: unknown precision 'fp8'"):
         trace_costs(model, REGRESSION, micro_batch_size=rows, optimizer="sgd", precision="fp8")
+
+
+def test_attention_called_by_keyword_counts_alike() -> None:
+    """A model may name the query, key and value: the trace counts that call as it counts
+    a positional one."""
+    from workers.profiler import _attention_inputs
+
+    q, k, v = (torch.empty(1, device="meta") for _ in range(3))
+    assert _attention_inputs((q,), {"key": k, "value": v}) == (q, k, v)
+    assert _attention_inputs((q, k, v), {}) == (q, k, v)
