@@ -70,12 +70,16 @@ def _detached_copy(value: Any) -> Any:
     return map_tensors(value, lambda t: t.detach().to("cpu", copy=True))
 
 
-def _tensors(value: Any) -> Iterable[torch.Tensor]:
+def tensors_in(value: Any) -> Iterable[torch.Tensor]:
+    """Every tensor in ``value`` (nested dicts, lists and tuples, such as a block's state)."""
     if isinstance(value, torch.Tensor):
         yield value
     elif isinstance(value, dict):
         for v in value.values():
-            yield from _tensors(v)
+            yield from tensors_in(v)
+    elif isinstance(value, list | tuple):
+        for v in value:
+            yield from tensors_in(v)
 
 
 class Block:
@@ -131,5 +135,5 @@ class Block:
     def nbytes(self) -> int:
         """Bytes of the parameters, buffers and optimizer state."""
         tensors = [*self.module.parameters(), *self.module.buffers()]
-        tensors.extend(_tensors(self.optimizer.state))
+        tensors.extend(tensors_in(self.optimizer.state))
         return sum(t.numel() * t.element_size() for t in tensors)

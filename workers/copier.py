@@ -10,9 +10,11 @@ such as batch-norm statistics) is copied before ``start`` returns; it is small.
 - On a CUDA device the copy runs on a side stream into pinned host memory, one event per
   block; ``guard`` makes the compute stream wait for the block's event, so the host never
   waits for it. Pinning host memory takes longer than a step (hundreds of megabytes:
-  ~0.1 s), so the first copy of a set of blocks pins what all the copies alive at once
+  ~0.1 s), so a copy that needs more than is pinned pins what all the copies alive at once
   need (the kept ones and the one being made) and hands it to torch's caching host
-  allocator, which the copies after reuse: double-buffered, never pinned afresh.
+  allocator, which the copies after reuse: double-buffered, never pinned afresh. That is
+  the first copy, and the first after the state grew: a job's first copy, at step 0, is
+  taken before its optimizer has any state (Adam's moments appear with the first step).
 - On a CPU device a background thread makes the copy; ``guard`` waits for the block's part
   of it. That thread's CPU time is the device's own time (a CPU device is its cores), and
   so is that of the thread that ships and holds copies (``count_thread``): it is reported
@@ -25,7 +27,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -34,7 +36,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from workers.blocks import Block, map_tensors
+from workers.blocks import Block, map_tensors, tensors_in
 
 _CUDA: Any = torch.cuda  # torch's stubs leave Stream and Event untyped
 
@@ -101,9 +103,17 @@ class Copier:
         self._unguarded: dict[int, _BlockCopy] = {}
         """Each block's latest copy its next change has not been ordered after yet."""
         self._stream: Any = _CUDA.Stream(device) if self._cuda else None
-        self._pinned = False
-        """Whether host memory for the blocks' copies is pinned and cached (CUDA)."""
+        self._pinned: Counter[int] = Counter()
+        """The host tensors of each size in bytes one copy holds that pinned memory is
+        cached for, for every copy alive at once (CUDA)."""
         self._thread: ThreadPoolExecutor | None = None
+
+    def reserve(self, blocks: Sequence[Block]) -> None:
+        """Make ready the host memory a copy of ``blocks`` needs (CUDA: pin what is not
+        pinned yet; a one-off, not each copy's cost, so it is kept out of the time a copy
+        is measured to take). ``start`` does it too where it was not done."""
+        if self._cuda:
+            self._pin([b.live_state() for b in blocks])
 
     def start(self, step: int, number: int, blocks: Sequence[Block]) -> None:
         """Start copy ``number`` (rising from 1 with each copy the runner asks for): of
@@ -123,8 +133,7 @@ class Copier:
     def _begin(self, copy: _Copy, blocks: Sequence[Block]) -> None:
         live = [(b.index, _forward_changes_copied(b)) for b in blocks]
         if self._cuda:
-            if not self._pinned:
-                self._pin([state for _, state in live])
+            self._pin([state for _, state in live])
             self._stream.wait_stream(torch.cuda.current_stream(self._device))
             with torch.cuda.stream(self._stream):
                 for index, state in live:
@@ -137,6 +146,12 @@ class Copier:
             self._thread = ThreadPoolExecutor(1, thread_name_prefix="shoal-copy")
         for index, state in live:
             copy.blocks[index] = _ThreadCopy(self._thread.submit(self._copy, state))
+
+    def skip(self, number: int) -> None:
+        """Copy ``number`` will not be made: a ``wait_for`` it raises ``CopyDropped``."""
+        with self._changed:
+            self._started = max(self._started, number)
+            self._changed.notify_all()
 
     def pending(self, index: int) -> bool:
         """Whether block ``index`` has a copy its next change must be ordered after."""
@@ -188,7 +203,7 @@ class Copier:
         """Drop every copy (once complete): they are of a state that no longer runs."""
         self.settle()
         self._unguarded.clear()
-        self._pinned = False  # the next blocks may differ
+        self._pinned.clear()  # the next blocks may differ
         with self._changed:
             self._kept.clear()
 
@@ -212,12 +227,21 @@ class Copier:
         return host
 
     def _pin(self, states: list[Any]) -> None:
-        """Pin host memory for every copy alive at once and free it into torch's caching
-        host allocator, where the copies' ``torch.empty(pin_memory=True)`` find it."""
+        """Pin the host memory a copy of ``states`` needs beyond what is pinned, for every
+        copy alive at once, and free it into torch's caching host allocator, where the
+        copies' ``torch.empty(pin_memory=True)`` find it (it caches by size)."""
+        needs = Counter(t.nbytes for t in tensors_in(states) if t.device.type != "cpu")
+        missing = needs - self._pinned
+        if not missing:
+            return
         alive = (self._kept.maxlen or 0) + 1
-        spare = [map_tensors(states, _pinned_like) for _ in range(alive)]
+        spare = [
+            torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            for nbytes, count in missing.items()
+            for _ in range(count * alive)
+        ]
         del spare
-        self._pinned = True
+        self._pinned |= needs
 
     def _to_pinned(self, tensor: Tensor) -> Tensor:
         if tensor.device.type == "cpu":  # such as Adam's step counts: tiny, copied now

@@ -67,7 +67,8 @@ class Copies:
     def __init__(self, budget: float, wait_s: float) -> None:
         self._wait_s = wait_s
         """How long a worker's shipment waits for its copy to start."""
-        self._pending: list[Handle] = []
+        self._pending: list[tuple[int, list[Handle]]] = []
+        """The calls of each copy asked for and not confirmed yet, with its step."""
         self.cadence = CopyCadence(budget)
         self.taken: int | None = None
         """The step of the latest copy."""
@@ -117,11 +118,14 @@ class Copies:
         for w, buddy, handle in shipped:
             owner = layout.plans[w].device.id
             pending += [handle, group.submit(buddy, "hold", owner, step, handle)]
-        self._pending = pending
+        self._pending.append((step, pending))
 
-    def confirm(self, group: WorkerGroup, timeout: float) -> None:
-        pending, self._pending = self._pending, []
-        group.get(pending, timeout)
+    def confirm(self, group: WorkerGroup, step: int, timeout: float) -> None:
+        """Surface the errors of the copies of steps before ``step`` (one of ``step`` itself
+        may have been asked for ahead of the steps up to it: it is confirmed later)."""
+        due = [h for at, handles in self._pending if at < step for h in handles]
+        self._pending = [(at, handles) for at, handles in self._pending if at >= step]
+        group.get(due, timeout)
 
     def drop(self) -> None:
         self._pending = []

@@ -258,17 +258,21 @@ class Trainer:
         and the steps done."""
         snap = self.snapshot
         flight = self._ahead or self._start(group, layout, data, step, rebalancer, copies)
-        quiet = self._quiet(flight, rebalancer, copies)
-        self._ahead = (
-            self._start(group, layout, data, flight.end, rebalancer, copies, flight.count)
-            if quiet
-            else None
-        )
+        quiet = self._quiet(flight, rebalancer)
+        self._ahead = None
+        if quiet:
+            if copies is not None and copies.due(flight.end):
+                # Each worker runs its calls in order: the copy falls between the two.
+                self._plan_copies(copies, flight.end)
+                copies.refresh(group, layout, flight.end)
+            self._ahead = self._start(
+                group, layout, data, flight.end, rebalancer, copies, flight.count
+            )
         steps, self._ended = finish_step(
             snap, group, flight, timeout=self._timeout, clock=self._clock, since=self._ended
         )
         if copies is not None:
-            copies.confirm(group, self._timeout)  # the previous boundary's copies
+            copies.confirm(group, flight.end, self._timeout)  # earlier boundaries' copies
         *inside, last = steps
         for metrics in inside:  # boundaries within the call: the policy is not asked there
             self._record(metrics)
@@ -464,12 +468,13 @@ class Trainer:
         with self._lock:
             return next((m for m in reversed(self._log) if isinstance(m, StepMetrics)), None)
 
-    def _quiet(self, flight: Flight, rebalancer: Rebalancer | None, copies: Copies | None) -> bool:
-        """Whether the boundary after ``flight`` needs nothing of the workers, so the next
-        call can be handed out before ``flight`` is collected: the steps are one call per
-        worker, the runner's work leaves the workers their cores (``scheduler.overlap``),
-        and no checkpoint, copy, move, relayout, cancel or suspend is due there. A request
-        that comes in later waits one more call."""
+    def _quiet(self, flight: Flight, rebalancer: Rebalancer | None) -> bool:
+        """Whether the boundary after ``flight`` needs nothing of the workers but calls
+        that can be queued behind it (an in-memory copy), so the next call can be handed
+        out before ``flight`` is collected: the steps are one call per worker, the runner's
+        work leaves the workers their cores (``scheduler.overlap``), and no checkpoint,
+        move, relayout, cancel or suspend is due there. A request that comes in later waits
+        one more call."""
         done = flight.end
         with self._lock:
             requested = self._relayout is not None
@@ -478,7 +483,6 @@ class Trainer:
             and leaves_a_core([p.device for p in flight.layout.plans], self._cores)
             and done < self.snapshot.steps
             and not self._checkpoint_due(done)
-            and (copies is None or not copies.due(done))
             and (rebalancer is None or not rebalancer.asks_after(flight.count))
             and not (requested or self._cancelled.is_set() or self._suspending.is_set())
         )

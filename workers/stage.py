@@ -180,6 +180,9 @@ class Stage:
         self._links = Links(self.device)
         self._own = Copier(self.device, _GENERATIONS)
         self._held = Held(_GENERATIONS)
+        self._failed_step = False
+        """A step failed since the blocks were last loaded or rolled back: their state is
+        no step's, and no copy of it is taken."""
 
     # ----------------------------------------------------------------------- timing
 
@@ -340,6 +343,7 @@ class Stage:
                 with self._timer.span("allreduce"):
                     self._reduce(self._collective)
         except BaseException:
+            self._failed_step = True
             self._links.close()
             raise
         norms = self.grad_norms()
@@ -443,6 +447,7 @@ class Stage:
             raise KeyError(f"stage {self.index} got no state for blocks {missing}")
         for block in self.blocks:
             block.load(states[block.index])
+        self._failed_step = False
 
     def _forget(self) -> None:
         """Drop the in-memory copies: they are of a layout that no longer runs."""
@@ -493,7 +498,16 @@ class Stage:
     def snapshot(self, step: int, number: int) -> None:
         """Start copy ``number`` (rising with each copy the runner asks for) of the blocks'
         state after ``step`` steps (the last two are kept); it is made while the next step
-        runs (``workers.copier``)."""
+        runs (``workers.copier``). Host memory it needs first (pinned, once for a set of
+        blocks) is not timed as the copy: the copies' cadence plans with what every copy
+        costs."""
+        if self._failed_step:  # a copy handed out ahead, after a step that then failed
+            self._own.skip(number)
+            raise StageStateError(
+                f"stage {self.index} failed a step since its blocks were restored: they hold"
+                f" no step's state, so copy {number} (of step {step}) is not taken"
+            )
+        self._own.reserve(self.blocks)
         self._timer.copying()
         self._own.start(step, number, self.blocks)
 

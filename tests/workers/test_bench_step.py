@@ -136,6 +136,8 @@ def test_a_tiny_run_reports_positive_consistent_numbers(ray_address: str) -> Non
     assert result["shoal_over_plain"] == pytest.approx(shoal / plain)
     assert result["copies_overhead"] == pytest.approx(1 - copies / shoal)
     assert 1 <= result["copy_interval_steps"] <= LONGEST_INTERVAL  # the job's own choice
+    copy_s = result["copies_engine_copy_s"]  # what the job measured a copy to cost
+    assert copy_s is None or 0 < copy_s < result["wall_s"], copy_s
     assert len(result["stage_busy"]) == 2
     assert all(0 < b <= 1 for b in result["stage_busy"]), result["stage_busy"]
     assert result["device"] == "cpu"

@@ -178,6 +178,29 @@ def test_a_cuda_copy_is_the_boundary_state_and_lands_in_pinned_memory() -> None:
     assert copied[1]["module"]["weight"].is_pinned()
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_copies_pin_host_memory_only_when_the_state_grows() -> None:
+    """A job's first copy comes before its optimizer has state; the copy after Adam's
+    moments appear pins for them, and every copy after that reuses pinned memory."""
+    chain, copier = blocks(), Copier(torch.device("cuda"))
+    for block in chain:
+        block.to(torch.device("cuda"))
+
+    def pinned_allocations() -> int:
+        return int(torch.cuda.host_memory_stats()["num_host_alloc"])
+
+    copier.start(0, 1, chain)  # no optimizer state yet
+    train_step(chain, copier, 0, "cuda")
+    copier.start(1, 2, chain)  # the moments appeared: pinned now
+    settled = pinned_allocations()
+    for step in range(2, 8):
+        train_step(chain, copier, step, "cuda")
+        copier.start(step, step + 1, chain)
+    copier.settle()
+    assert pinned_allocations() == settled
+
+
 def burn(cpu_s: float) -> None:
     start = time.thread_time()
     while time.thread_time() - start < cpu_s:

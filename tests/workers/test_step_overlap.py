@@ -101,16 +101,35 @@ def test_steps_are_handed_out_together_and_early_except_where_a_boundary_needs_t
 
 
 @pytest.mark.integration
-def test_clipping_and_copies_collect_every_step_before_the_next(one_stage: JobSnapshot) -> None:
+def test_clipping_collects_every_step_before_the_next(one_stage: JobSnapshot) -> None:
     clipped = replace(one_stage, optimizer=replace(SGD, clip_grad_norm=0.05), steps=3)
     _, (spy,) = _spied(clipped)
     assert spy.collected == [(1, 1)] * 3  # the update waits for every stage's norms
-    # Copies that may cost the whole training time: one at every boundary.
+
+
+@pytest.mark.integration
+def test_copies_are_queued_between_step_calls_handed_out_early(
+    one_stage: JobSnapshot, tmp_path: Path
+) -> None:
+    # Copies that may cost the whole training time: one at every boundary, each handed out
+    # behind the step call before it and ahead of the next, which need not wait for the
+    # runner to collect the first.
     copied = replace(one_stage, keep_copies=True, copy_budget=1.0, steps=3, job_id="job-copies")
-    _, (spy,) = _spied(copied)
-    assert spy.collected == [(1, 1)] * 3
+    trainer, (spy,) = _spied(copied)
+    assert spy.collected == [(2, 1), (2, 1), (1, 1)]
+    calls = [
+        "step" if m in STEP_CALLS else m for m in spy.methods if m in STEP_CALLS | {"snapshot"}
+    ]
+    assert calls == ["snapshot", "step"] * 3  # the start's copy, then one after steps 1, 2
     # A lone worker has no buddy to hold its copy: the state stays with it, never shipped.
-    assert spy.methods.count("snapshot") >= 3 and "shipment" not in spy.methods
+    assert "shipment" not in spy.methods
+    local = replace(copied, checkpoint_root=str(tmp_path / "local"), stages=plans([(0, 4)]))
+    reference = Trainer(local, LocalGroup)
+    assert reference.run() is RunStatus.SUCCEEDED
+    assert [m.loss for m in trainer.report(0).metrics] == [
+        m.loss for m in reference.report(0).metrics
+    ]
+    assert_bitwise_equal(final_states(copied), final_states(local))
 
 
 @pytest.mark.integration
@@ -121,7 +140,7 @@ def test_copies_costlier_than_their_budget_are_taken_less_often(one_stage: JobSn
     # call (until then one step per call: a copy at every boundary).
     sparse = replace(one_stage, keep_copies=True, copy_budget=1e-9, steps=6, job_id="job-sparse")
     trainer, (spy,) = _spied(sparse)
-    assert spy.collected == [(1, 1), (1, 1), (1, 4)]
+    assert spy.collected == [(2, 1), (2, 1), (1, 4)]
     assert spy.methods.count("snapshot") == 3  # at the start and after steps 1 and 2
     (event,) = [e for e in trainer.report(0).events if e.kind == "copies"]
     assert (event.step, event.data["interval"]) == (2, LONGEST_INTERVAL), event

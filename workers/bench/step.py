@@ -267,6 +267,7 @@ def run_step(s: StepSettings, progress: Progress = lambda _: None) -> dict[str, 
             "copies_stage_busy": busy_fractions(copies_metrics, s.warmup),
             "copy_interval_steps": cadence[-1]["interval"] if cadence else 1,
             "copies_engine_overhead": cadence[-1]["overhead"] if cadence else None,
+            "copies_engine_copy_s": cadence[-1]["copy_s"] if cadence else None,
             "loss_max_abs_diff": max(
                 abs(m.loss - want)
                 for ms in (metrics, copies_metrics)
