@@ -34,6 +34,7 @@ formed when the group starts, in ``RayGroup``.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import pairwise
@@ -67,6 +68,15 @@ __all__ = [
     "StageLost",
     "WorkerGroup",
 ]
+
+
+CANNOT_HOST = "its node is gone or cannot host it"
+"""Why a stage is lost when Ray cannot place its worker or lost an object with its node."""
+
+NEW_NODE_S = 10.0
+"""How long a worker Ray refuses a place on its node is started again (``RayGroup``)."""
+
+NEW_NODE_RETRY_S = 0.5
 
 
 class StageLost(RuntimeError):
@@ -236,8 +246,7 @@ class RayGroup:
         self._link_count = 0
         self._device_keys: dict[str, str] = {}
         try:
-            self._actors = [launch.start_stage_worker(p, setup) for p in plans]
-            _wait_ready(self, self._plans, start_timeout_s)
+            self._start_ready(dict(enumerate(self._plans)), {})
             self._form_collectives(start_timeout_s)
         except GroupTimeout:
             self.shutdown()
@@ -266,18 +275,42 @@ class RayGroup:
         ]
         self.get(joins, timeout)
 
+    def _start_ready(
+        self, plans: Mapping[int, StagePlan], kept: Mapping[int, ActorHandle[Any]]
+    ) -> None:
+        """Start workers for ``plans`` beside the ``kept`` ones (both by position) and wait
+        until every worker is built. A worker refused a place on its node is started again
+        for up to ``NEW_NODE_S`` while its node is alive: a node that has just joined is in
+        Ray's cluster table, where devices are found, a moment before every node's
+        scheduler knows it."""
+        deadline = time.monotonic() + NEW_NODE_S
+        started = {w: launch.start_stage_worker(p, self._setup) for w, p in plans.items()}
+        self._actors = [kept[w] if w in kept else started[w] for w in range(len(self._plans))]
+        while True:
+            try:
+                _wait_ready(self, self._plans, self._start_timeout_s)
+                return
+            except StageLost as exc:
+                refused = [w for w, p in plans.items() if p.device.id == exc.device_id]
+                if (
+                    exc.reason != CANNOT_HOST
+                    or not refused
+                    or time.monotonic() > deadline
+                    or not launch.node_alive(plans[refused[0]].device.node_id)
+                ):
+                    raise
+            time.sleep(NEW_NODE_RETRY_S)
+            for w in refused:
+                launch.kill_worker(self._actors[w])
+                self._actors[w] = launch.start_stage_worker(plans[w], self._setup)
+
     def regroup(self, plans: Sequence[StagePlan], keep: Mapping[int, int]) -> None:
-        old, kept = self._actors, set(keep.values())
-        started = {
-            w: launch.start_stage_worker(p, self._setup)
-            for w, p in enumerate(plans)
-            if w not in keep
-        }
-        self._parked += [a for i, a in enumerate(old) if i not in kept]
-        self._actors = [old[keep[w]] if w in keep else started[w] for w in range(len(plans))]
+        old = self._actors
+        self._parked += [a for i, a in enumerate(old) if i not in set(keep.values())]
         self._plans = list(plans)
+        started = {w: p for w, p in enumerate(plans) if w not in keep}
         try:
-            _wait_ready(self, self._plans, self._start_timeout_s)
+            self._start_ready(started, {w: old[i] for w, i in keep.items()})
         except GroupTimeout:
             raise GroupTimeout(
                 f"new stage workers did not start within {self._start_timeout_s:g} s on"
@@ -390,7 +423,7 @@ class RayGroup:
         # Unschedulable, or an object a call returned or took lost with its node (a call
         # whose worker died returns no object: it cannot be rebuilt).
         plan = self._plans[_failed_stage(waited)]
-        return StageLost(plan.index, plan.device.id, "its node is gone or cannot host it")
+        return StageLost(plan.index, plan.device.id, CANNOT_HOST)
 
     def _blame(self, waited: Sequence[_Ref]) -> Exception:
         """A transfer between neighbours failed, and a stage that fails closes its links,

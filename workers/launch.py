@@ -132,6 +132,12 @@ def _head_node_id() -> str:
     return str(ray.get_runtime_context().get_node_id())
 
 
+def node_alive(node_id: str) -> bool:
+    """Whether Ray's cluster table has node ``node_id`` alive."""
+    nodes = ray.nodes()  # type: ignore[no-untyped-call]
+    return any(n.get("Alive") and n["NodeID"] == node_id for n in nodes)
+
+
 HEAD_RESOURCE = "node:__internal_head__"
 """The resource Ray gives only the head node."""
 

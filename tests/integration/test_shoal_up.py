@@ -97,6 +97,22 @@ class Api:
     def job(self, job_id: str) -> Json:
         return self.get(f"/jobs/{job_id}")
 
+    def cancel(self, job_id: str) -> Json:
+        """Cancel the job and wait until it has ended: the job, CANCELLED."""
+        response = httpx.post(
+            f"{self.shoal.url}/api/v1/jobs/{job_id}/cancel", headers=self.headers, timeout=30.0
+        )
+        assert response.status_code == 200, (
+            f"cancel {job_id}: {response.status_code} {response.text}"
+        )
+        ended: Json = wait_until(
+            lambda: (job := self.job(job_id))["state"] == "CANCELLED" and job,
+            JOB_TIMEOUT_S,
+            f"job {job_id} to be cancelled",
+            on_timeout=lambda: self.report(job_id),
+        )
+        return ended
+
     def items(self, job_id: str, what: str, **params: Any) -> list[Json]:
         items: list[Json] = self.get(f"/jobs/{job_id}/{what}", **params)["items"]
         return items

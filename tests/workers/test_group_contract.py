@@ -16,6 +16,7 @@ from scheduler.devices import Device
 from scheduler.types import BlockRange
 from workers.clipping import clip_coefficient
 from workers.group import (
+    NEW_NODE_S,
     GroupFactory,
     Handle,
     LocalGroup,
@@ -240,6 +241,30 @@ def test_a_copy_goes_to_the_buddy_beside_training_as_the_snapshot_state(
             group.get([stuck], 60)
 
 
+def test_a_stage_whose_step_failed_takes_no_copy_until_its_blocks_are_restored(
+    make_group: MakeGroup, setup: StageSetup
+) -> None:
+    """A copy handed out behind a step call (the runner queues it there) must not label a
+    failed step's leftovers as that step's state: it is refused, and its shipment gives
+    up at once rather than wait out its timeout."""
+    group = make_group([(0, 4)], setup)
+    (state,) = group.get([group.submit(0, "state")], 60)
+    _, y = make_data(DATA, SEED).batch(0, 2)
+    bad = send(torch.zeros(2, 3))  # 3 features, the model wants 8
+    with pytest.raises(StageFailed, match="stage 0 failed in step"):
+        group.get([group.submit(0, "step", "1f1b", 1, 1, bad, send(y), 1.0, True)], 60)
+    with pytest.raises(StageFailed, match="failed a step since its blocks were restored"):
+        group.get([group.submit(0, "snapshot", 1, 1)], 60)
+    started = time.monotonic()
+    with pytest.raises(StageFailed, match="copy 1 was dropped"):
+        group.get([group.submit(0, "shipment", 1, 30.0)], 60)
+    assert time.monotonic() - started < 20.0  # not after the shipment's 30 s
+    group.get([group.submit(0, "load", state)], 60)
+    group.get([group.submit(0, "snapshot", 0, 2)], 60)
+    (shipped,) = group.get([group.submit(0, "shipment", 2, 30.0)], 60)
+    assert sorted(shipped) == [0, 1, 2, 3]
+
+
 def test_a_stage_refuses_to_adopt_blocks_it_has_no_state_for(
     make_group: MakeGroup, setup: StageSetup
 ) -> None:
@@ -415,5 +440,8 @@ def test_a_stage_placed_on_a_vanished_node_is_reported_lost(
 
     node = ray.get_runtime_context().get_node_id()
     gone = plans([(2, 4)], "ab" * 28)[0]
+    started = time.monotonic()
     with pytest.raises(StageLost, match="stage 1 on device abababab-cpu-0 was lost: its node is"):
         RayGroup([plans([(0, 2)], node)[0], replace(gone, index=1)], setup)
+    # Not started again as on a node that has just joined: Ray has no such node alive.
+    assert time.monotonic() - started < NEW_NODE_S
