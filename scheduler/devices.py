@@ -71,12 +71,28 @@ class Device:
     emulate_slowdown: float = 1.0
     overhead_mb: int = 0
     """What the device holds for a worker before its stage (CUDA context, kernels, library
-    workspaces), as a worker measured it (``workers.device_memory``); 0 until measured."""
+    workspaces): as a worker measured it (``workers.device_memory``), else as
+    ``planned_overhead_mb`` estimates it."""
 
     @property
     def usable_bytes(self) -> int:
         """The memory stages may plan in: the declared size less the measured overhead."""
         return max(0, self.memory_mb - self.overhead_mb) * 2**20
+
+
+UNMEASURED_GPU_OVERHEAD_MB = 1024
+"""What a GPU device is planned to hold for a worker before its stage until a worker has
+measured it there: above the 0.5-0.8 GiB per process measured on an H200 with torch 2.11
+(README, "Memory"), so the first job on a GPU, and a sweep's shard workers, plan in what the
+device has."""
+
+
+def planned_overhead_mb(measured_mb: int | None, gpu: bool) -> int:
+    """The overhead stages are planned around: the measured one, else the estimate on a GPU
+    (``UNMEASURED_GPU_OVERHEAD_MB``); a CPU device's memory is the host's: none."""
+    if measured_mb is not None:
+        return measured_mb
+    return UNMEASURED_GPU_OVERHEAD_MB if gpu else 0
 
 
 def parse_bool(value: str, *, what: str) -> bool:

@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Sequence
 from contextlib import suppress
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from functools import partial
 
 import sqlalchemy as sa
@@ -103,7 +103,7 @@ class Controller:
         """One tick. Each job's and each sweep's step is isolated (``service.isolation``):
         its fault ends that job or sweep FAILED with the reason, and the tick goes on."""
         nodes = self._cluster.nodes()
-        devices = inventory(nodes)
+        devices = inventory(self._factory, nodes)
         with self._factory() as session:
             active = list(session.scalars(sa.select(Job.id).where(Job.state.in_(_ACTIVE))))
         for job_id in active:
@@ -539,14 +539,9 @@ class Controller:
             for row in session.scalars(sa.select(DeviceRow).where(DeviceRow.id.in_(ids)))
         }
         gflops = {i: row.speed_gflops for i, row in rows.items() if row.speed_gflops}
-        # Stages go in what a device has beside its measured overhead (its last worker's).
-        measured = [
-            replace(d, overhead_mb=rows[d.id].overhead_mb or 0) if d.id in rows else d
-            for d in devices
-        ]
         stages, replicas = spec.parallelism.stages, spec.parallelism.replicas
         return plan_layout(
-            measured,
+            devices,
             gflops,
             costs=block_costs(job),
             stages=stages if isinstance(stages, int) else None,

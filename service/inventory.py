@@ -1,14 +1,22 @@
-"""The device inventory: read from Ray's nodes, and mirrored into the devices table (new
-devices, lost ones, the job holding each, the devices of nodes Ray is draining)."""
+"""The device inventory: read from Ray's nodes, with each device's overhead as measured
+(the devices table), and mirrored into the devices table (new devices, lost ones, the job
+holding each, the devices of nodes Ray is draining)."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import replace
 
 import sqlalchemy as sa
 
-from scheduler.devices import Device, InventoryError, NodeInfo, node_devices
+from scheduler.devices import (
+    Device,
+    InventoryError,
+    NodeInfo,
+    node_devices,
+    planned_overhead_mb,
+)
 from service.db.models import DeviceRow, Job
 from service.db.session import SessionFactory, transaction
 from service.holdings import ACTIVE_JOBS
@@ -16,14 +24,23 @@ from service.holdings import ACTIVE_JOBS
 log = logging.getLogger(__name__)
 
 
-def inventory(nodes: Sequence[NodeInfo]) -> list[Device]:
+def inventory(factory: SessionFactory, nodes: Sequence[NodeInfo]) -> list[Device]:
+    """The devices of ``nodes``, each with the overhead stages are planned around: what a
+    worker last measured on it, else the estimate (``planned_overhead_mb``)."""
     devices: list[Device] = []
     for node in nodes:
         try:
             devices.extend(node_devices(node))
         except InventoryError as exc:
             log.warning("node %s ignored: %s", node.node_id[:8], exc)
-    return devices
+    with factory() as session:
+        rows = session.execute(
+            sa.select(DeviceRow.id, DeviceRow.overhead_mb).where(
+                DeviceRow.id.in_([d.id for d in devices])
+            )
+        )
+        measured = {device_id: overhead for device_id, overhead in rows}
+    return [replace(d, overhead_mb=planned_overhead_mb(measured.get(d.id), d.gpu)) for d in devices]
 
 
 def _set_if_changed(row: DeviceRow, **values: object) -> None:

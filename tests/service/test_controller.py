@@ -16,7 +16,13 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from scheduler.devices import DEVICE_RESOURCE, LABEL_KIND, NodeInfo
+from scheduler.devices import (
+    DEVICE_RESOURCE,
+    LABEL_KIND,
+    LABEL_MEMORY_MB,
+    UNMEASURED_GPU_OVERHEAD_MB,
+    NodeInfo,
+)
 from scheduler.placement import Quota
 from service.auth import Principal
 from service.cluster import Cluster, InProcessCluster, RayCluster
@@ -835,6 +841,32 @@ def test_a_device_overhead_a_worker_measured_is_kept_with_the_device(
         for device in session.scalars(sa.select(DeviceRow)):
             device.overhead_mb = 601
     assert largest_device_mb(session_factory) == memory - 601
+
+
+def test_devices_are_planned_around_their_measured_overhead_or_a_gpus_estimate(
+    session_factory: SessionFactory,
+) -> None:
+    """What the controller plans with (placement, resizes, a sweep's shard budgets) and the
+    submission check: each device less what a worker measured it to hold, or, before any
+    has, less the estimate on a GPU (a CPU device's memory is the host's: nothing)."""
+    from service.inventory import inventory, sync_devices
+    from service.jobs import largest_device_mb
+
+    gpu = NodeInfo("e" * 56, True, {"GPU": 1.0}, {LABEL_MEMORY_MB: "81559"})
+    nodes = [*NODES, gpu]
+    devices = inventory(session_factory, nodes)
+    assert sorted((d.gpu, d.overhead_mb) for d in devices) == [
+        (False, 0),
+        (False, 0),
+        (True, UNMEASURED_GPU_OVERHEAD_MB),
+    ]
+    sync_devices(session_factory, devices, set())
+    assert largest_device_mb(session_factory) == 81559 - UNMEASURED_GPU_OVERHEAD_MB
+    with session_factory() as session, session.begin():
+        for row in session.scalars(sa.select(DeviceRow)):
+            row.overhead_mb = 600
+    assert {d.overhead_mb for d in inventory(session_factory, nodes)} == {600}
+    assert largest_device_mb(session_factory) == 81559 - 600
 
 
 def test_stages_are_planned_in_what_a_device_has_beside_its_overhead(
