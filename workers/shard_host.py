@@ -80,9 +80,9 @@ class ShardHost:
         self._host = torch.device("cpu")
         self._shards: dict[ShardKey, Stage] = {}
         self._saves: dict[ShardKey, MovableSaves] = {}
-        self._built: dict[ShardKey, tuple[StageSetup, tuple[int, int]]] = {}
+        self._built: dict[ShardKey, tuple[StageSetup, tuple[int, int], int]] = {}
         self._resident: OrderedDict[ShardKey, int] = OrderedDict()
-        """Shards on the device and their bytes, least recently used first."""
+        """Shards on the device and the bytes each takes there, least recently used first."""
         self._side = (
             torch.cuda.Stream(self._target)  # type: ignore[no-untyped-call]
             if self._target.type == "cuda"
@@ -96,10 +96,15 @@ class ShardHost:
         key: ShardKey,
         setup: StageSetup,
         blocks: tuple[int, int],
+        planned: int,
         state: Mapping[int, Any] | None = None,
     ) -> int:
         """Hold shard ``key`` (blocks ``[start, stop)`` of the model ``setup`` builds) in host
-        memory, from ``state`` (block states by index) or freshly initialised; its bytes."""
+        memory, from ``state`` (block states by index) or freshly initialised. On the device
+        it takes what ``scheduler.sharp`` planned it to need there (``planned``: its state,
+        gradients, the activations its tasks keep, autocast's copies, a backward's
+        temporaries), not its state alone: the shards kept resident leave its tasks that
+        room. The bytes it takes there."""
         if key in self._shards:
             raise StageStateError(f"shard {key} is already held on {self.device.id}")
         # Built in host memory; promoted onto the device when a task needs it.
@@ -109,16 +114,16 @@ class ShardHost:
             stage.load(receive_tree(state, self._host))
         self._shards[key] = stage
         self._saves[key] = MovableSaves(lambda: _parameters(stage))
-        self._built[key] = (setup, blocks)
-        return stage.nbytes()
+        self._built[key] = (setup, blocks, planned)
+        return max(stage.nbytes(), planned)
 
     def load(self, key: ShardKey, state: Mapping[int, Any]) -> int:
         """Back to ``state`` (a copy kept elsewhere, as tensors or as ``copy`` gave it), as
         if shard ``key`` had just been added with it: kept micro-batches and gradients are
         dropped (a rollback)."""
-        setup, blocks = self._built[key]
+        setup, blocks, planned = self._built[key]
         self.drop(key)
-        return self.add(key, setup, blocks, state)
+        return self.add(key, setup, blocks, planned, state)
 
     def export(self, key: ShardKey) -> dict[int, Any]:
         """Shard ``key``'s block states (parameters and optimizer), to move or checkpoint it."""
@@ -210,7 +215,8 @@ class ShardHost:
         if key in self._resident:
             self._resident.move_to_end(key)
             return 0
-        size = stage.nbytes()
+        copied = stage.nbytes()
+        size = max(copied, self._built[key][2])
         if size > self.budget_bytes:
             raise BudgetError(
                 f"shard {key} needs {size} bytes, more than {self.device.id}'s budget of"
@@ -225,7 +231,7 @@ class ShardHost:
             return 0  # a prefetch with no room: the shard is promoted when its task comes
         self._move(key, self._target)
         self._resident[key] = size
-        return size
+        return copied
 
     def _demote(self, key: ShardKey) -> None:
         if self._resident.pop(key, None) is not None:

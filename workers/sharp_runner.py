@@ -377,7 +377,7 @@ class SharpTrainer:
             start, stop = shard.blocks
             state = {i: states[i] for i in range(start, stop)} if states else None
             key = (snap.job_id, shard.index)
-            adds.append(pool.submit(host, "add", key, setup, shard.blocks, state))
+            adds.append(pool.submit(host, "add", key, setup, shard.blocks, shard.bytes, state))
         with self._lock:
             self._models[snap.job_id] = model
         model.origin = states or None
@@ -729,7 +729,7 @@ class SharpTrainer:
                 continue
             else:  # built from its seed again, as when it was placed
                 calls.append(pool.submit(host, "drop", key))
-            calls.append(pool.submit(host, "add", key, setup, shard.blocks, state))
+            calls.append(pool.submit(host, "add", key, setup, shard.blocks, shard.bytes, state))
         try:
             self._await_all(pool, calls)
         except HostLost as exc:  # another device went meanwhile: its models roll back too

@@ -160,7 +160,7 @@ def test_a_host_keeps_within_its_budget_and_a_shard_run_again_stays(tmp_path: Pa
     data = make_data(snap.data, snap.seed)
     setup = StageSetup.of(snap, data.meta)
     host = ShardHost(devices()[0], budget_bytes=0)
-    sizes = [host.add(("a", i), setup, (i, i + 1)) for i in range(3)]
+    sizes = [host.add(("a", i), setup, (i, i + 1), 0) for i in range(3)]
     host.budget_bytes = max(sizes[0] + sizes[1], sizes[1] + sizes[2])  # two shards at a time
     x = [send(data.batch(0, 4)[0])]
     outputs, first = host.forward(("a", 0), x, prefetch=("a", 1))
@@ -173,6 +173,32 @@ def test_a_host_keeps_within_its_budget_and_a_shard_run_again_stays(tmp_path: Pa
     host.budget_bytes = sizes[0] - 1
     with pytest.raises(BudgetError, match="more than n0000000-cpu-0's budget"):
         host.forward(("a", 0), x)
+
+
+@pytest.mark.unit
+def test_a_host_keeps_room_for_what_a_resident_shards_tasks_were_planned_to_need(
+    tmp_path: Path,
+) -> None:
+    """Two shards whose states fit the budget together, but not what the plan gives each
+    (its activations and a backward's temporaries besides): one is demoted for the other."""
+    from workers.shard_host import ShardHost
+    from workers.stage import StageSetup
+    from workers.wire import send
+    from workers.zoo.data import make_data
+
+    snap = model(tmp_path, "a")
+    data = make_data(snap.data, snap.seed)
+    setup = StageSetup.of(snap, data.meta)
+    host = ShardHost(devices()[0], budget_bytes=0)
+    states = [host.add(("s", i), setup, (i, i + 1), 0) for i in range(2)]
+    host.budget_bytes = 2 * max(states)  # both states fit
+    planned = [host.add(("a", i), setup, (i, i + 1), host.budget_bytes // 2 + 1) for i in range(2)]
+    assert planned == [host.budget_bytes // 2 + 1] * 2
+    x = [send(data.batch(0, 4)[0])]
+    outputs, first = host.forward(("a", 0), x, prefetch=("a", 1))
+    assert first.promoted_bytes == states[0]  # the state is copied; no room for the prefetch
+    host.forward(("a", 1), outputs)
+    assert host.held()["resident"] == [("a", 1)], host.held()
 
 
 @pytest.mark.unit
