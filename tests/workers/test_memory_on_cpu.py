@@ -22,6 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from scheduler.devices import Device
 from scheduler.memory import format_bytes, in_flight, stage_memory
+from tests.workers.memory_cases import CASES, MICRO_BATCHES
 from workers.profiler import trace_costs
 from workers.snapshot import DataRef, ModelRef, OptimizerConf, StagePlan
 from workers.stage import Stage, StageSetup
@@ -40,18 +41,9 @@ GPT = (
     DataRef("synthetic-lm", None, {"vocab_size": 128, "seq_len": 64}),
     16,
 )
-MICRO_BATCHES = 4
 OVER = 1.25
 """How far above the counted peak a prediction may be (the GPU test holds 15% against the
 allocator's reserved peak, which rounds every block up; counted bytes are exact)."""
-
-CASES = [
-    (case, precision, schedule, recompute)
-    for case in ("mlp", "gpt")
-    for precision in ("fp32", "bf16")
-    for schedule in ("gpipe", "1f1b")
-    for recompute in (False, True)
-]
 
 
 class LiveBytes(TorchDispatchMode):

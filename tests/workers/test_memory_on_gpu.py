@@ -17,6 +17,7 @@ import torch
 from scheduler.devices import Device
 from scheduler.memory import format_bytes, in_flight, stage_memory
 from tests.factories import job
+from tests.workers.memory_cases import CASES, MICRO_BATCHES
 from workers.group import LocalGroup
 from workers.profiler import trace_costs
 from workers.runner import Trainer
@@ -37,15 +38,6 @@ GPT = (
     DataRef("synthetic-lm", None, {"vocab_size": 256, "seq_len": 128}),
     32,
 )
-MICRO_BATCHES = 4
-
-CASES = [
-    (case, precision, schedule, recompute)
-    for case in ("mlp", "gpt")
-    for precision in ("fp32", "bf16")
-    for schedule in ("gpipe", "1f1b")
-    for recompute in (False, True)
-]
 
 
 def workspace_bytes(device: torch.device) -> int:
