@@ -17,6 +17,7 @@ from workers.bench.step_settings import (
     DEFAULT_SIZE,
     STEP_KEYS,
     StepSettings,
+    copies_overhead,
     step_result,
     step_seconds,
 )
@@ -30,6 +31,7 @@ def _canned(s: StepSettings) -> dict[str, Any]:
         plain=100.0,
         shoal=80.0,
         shoal_copies=60.0,
+        copies_overhead=0.25,
         stage_busy=[0.9],
         device="cpu",
         machine={
@@ -74,6 +76,16 @@ def test_step_seconds_are_the_gaps_between_step_boundaries() -> None:
     assert step_seconds(1.0, [3.0, 3.5, 4.5]) == [2.0, 0.5, 1.0]
     assert step_seconds(1.0, [3.0, 4.0, 4.0, 4.0, 4.5]) == [2.0, 1 / 3, 1 / 3, 1 / 3, 0.5]
     assert step_seconds(1.0, []) == []
+
+
+@pytest.mark.unit
+def test_the_copies_overhead_is_over_the_whole_timed_runs_not_a_median_window() -> None:
+    # Copies every 4 steps cost 1 s each: in windows of 2 steps, half the windows have none,
+    # and a median of windows could read 0; over the whole run it is 2 s of 10.
+    without = [9.0] + [1.0] * 8
+    with_copies = [9.0] + [2.0, 1.0, 1.0, 1.0] * 2
+    assert copies_overhead(without, with_copies, warmup=1) == pytest.approx(0.2)
+    assert copies_overhead(without, without, warmup=1) == 0.0
 
 
 @pytest.mark.unit
@@ -132,9 +144,10 @@ def test_a_tiny_run_reports_positive_consistent_numbers(ray_address: str) -> Non
         assert key in result, key
     rates = [result[f"{k}_samples_per_s"] for k in ("plain", "shoal", "shoal_copies")]
     assert all(math.isfinite(r) and r > 0 for r in rates), rates
-    plain, shoal, copies = rates
+    plain, shoal, _ = rates
     assert result["shoal_over_plain"] == pytest.approx(shoal / plain)
-    assert result["copies_overhead"] == pytest.approx(1 - copies / shoal)
+    timed = result["timed_s"]  # the copies' overhead is over the whole timed runs
+    assert result["copies_overhead"] == pytest.approx(1 - timed["shoal"] / timed["shoal_copies"])
     assert 1 <= result["copy_interval_steps"] <= LONGEST_INTERVAL  # the job's own choice
     copy_s = result["copies_engine_copy_s"]  # what the job measured a copy to cost
     assert copy_s is None or 0 < copy_s < result["wall_s"], copy_s

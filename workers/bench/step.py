@@ -30,7 +30,7 @@ from workers.bench.report import (
     median_throughput,
     stage_bounds,
 )
-from workers.bench.step_settings import StepSettings, step_result, step_seconds
+from workers.bench.step_settings import StepSettings, copies_overhead, step_result, step_seconds
 from workers.blocks import Block
 from workers.group import RayGroup
 from workers.host_memory import retain_freed_memory
@@ -251,6 +251,7 @@ def run_step(s: StepSettings, progress: Progress = lambda _: None) -> dict[str, 
         plain=rate(plain),
         shoal=rate(shoal),
         shoal_copies=rate(copies),
+        copies_overhead=copies_overhead(shoal, copies, s.warmup),
         stage_busy=busy_fractions(metrics, s.warmup),
         device="cpu" if device.type == "cpu" else torch.cuda.get_device_name(device),
         machine=_machine(device),
@@ -260,6 +261,7 @@ def run_step(s: StepSettings, progress: Progress = lambda _: None) -> dict[str, 
             "plain_step_s": median_step_s(plain, s.warmup, s.repeats),
             "shoal_step_s": median_step_s(shoal, s.warmup, s.repeats),
             "shoal_copies_step_s": median_step_s(copies, s.warmup, s.repeats),
+            "timed_s": {"shoal": sum(shoal[s.warmup :]), "shoal_copies": sum(copies[s.warmup :])},
             "engine_timed_samples_per_s": {
                 "shoal": engine_rate(metrics),
                 "shoal_copies": engine_rate(copies_metrics),

@@ -167,12 +167,22 @@ def step_seconds(started: float, arrivals: Sequence[float]) -> list[float]:
     return times
 
 
+def copies_overhead(without: Sequence[float], with_copies: Sequence[float], warmup: int) -> float:
+    """The share of the training time copies cost: one less the ratio of the whole timed
+    runs' seconds, without and with them (each run's steps after ``warmup``). Not a median
+    of windows: copies every k steps fall in only some windows, and a median would pick one
+    without."""
+    timed = sum(with_copies[warmup:])
+    return 1.0 - sum(without[warmup:]) / timed if timed > 0 else 0.0
+
+
 def step_result(
     s: StepSettings,
     *,
     plain: float,
     shoal: float,
     shoal_copies: float,
+    copies_overhead: float,
     stage_busy: Sequence[float],
     device: str,
     machine: dict[str, Any],
@@ -180,14 +190,15 @@ def step_result(
     started: float,
     extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The JSON object of ``shoal bench step``: the throughputs (samples/s), their ratios,
-    the settings echoed; ``STEP_KEYS`` first."""
+    """The JSON object of ``shoal bench step``: the throughputs (samples/s, the median
+    window's), Shoal's over the plain loop's, the copies' overhead (``copies_overhead``:
+    over the whole timed runs), the settings echoed; ``STEP_KEYS`` first."""
     return {
         "plain_samples_per_s": plain,
         "shoal_samples_per_s": shoal,
         "shoal_copies_samples_per_s": shoal_copies,
         "shoal_over_plain": shoal / plain if plain > 0 else 0.0,
-        "copies_overhead": 1.0 - shoal_copies / shoal if shoal > 0 else 0.0,
+        "copies_overhead": copies_overhead,
         "stage_busy": list(stage_busy),
         "device": device,
         "machine": machine,
