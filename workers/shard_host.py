@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from scheduler.devices import Device
+from workers.device_memory import measure_overhead
 from workers.saved import MovableSaves
 from workers.snapshot import StagePlan
 from workers.stage import Stage, StageSetup, StageStateError, torch_device
@@ -75,8 +76,14 @@ class ShardHost:
 
     def __init__(self, device: Device, budget_bytes: int) -> None:
         self.device = device
-        self.budget_bytes = budget_bytes
         self._target = torch_device(device)
+        self.overhead = measure_overhead(self._target)  # before the first shard
+        """What the device holds for this process before any shard (``workers.device_memory``)."""
+        beside = max(0, device.memory_mb * 2**20 - self.overhead.bytes)
+        self.budget_bytes = min(budget_bytes, beside) if self.overhead.bytes else budget_bytes
+        """The given budget, within what the device has beside this process's overhead
+        where it holds any (a GPU): the budget was planned with an overhead measured or
+        estimated before."""
         self._host = torch.device("cpu")
         self._shards: dict[ShardKey, Stage] = {}
         self._saves: dict[ShardKey, MovableSaves] = {}
@@ -157,6 +164,7 @@ class ShardHost:
             "resident": list(self._resident),
             "resident_bytes": sum(self._resident.values()),
             "budget_bytes": self.budget_bytes,
+            "overhead_bytes": self.overhead.bytes,
         }
 
     # ------------------------------------------------------------------------ tasks

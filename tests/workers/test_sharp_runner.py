@@ -176,6 +176,23 @@ def test_a_host_keeps_within_its_budget_and_a_shard_run_again_stays(tmp_path: Pa
 
 
 @pytest.mark.unit
+def test_a_host_keeps_its_budget_within_what_the_device_has_beside_its_overhead(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A shard worker measures what its device holds for it before any shard (on a GPU:
+    the CUDA context, libraries); a budget planned with a smaller overhead shrinks to fit."""
+    from workers import shard_host
+    from workers.device_memory import Overhead
+
+    device = replace(devices()[0], memory_mb=1024)
+    assert shard_host.ShardHost(device, 800 * 2**20).held()["overhead_bytes"] == 0  # a CPU
+    monkeypatch.setattr(shard_host, "measure_overhead", lambda _: Overhead(600 * 2**20, "process"))
+    held = shard_host.ShardHost(device, 800 * 2**20).held()
+    assert (held["budget_bytes"], held["overhead_bytes"]) == (424 * 2**20, 600 * 2**20)
+    assert shard_host.ShardHost(device, 300 * 2**20).budget_bytes == 300 * 2**20
+
+
+@pytest.mark.unit
 def test_a_host_keeps_room_for_what_a_resident_shards_tasks_were_planned_to_need(
     tmp_path: Path,
 ) -> None:
