@@ -90,6 +90,10 @@ class ShardHost:
         self._built: dict[ShardKey, tuple[StageSetup, tuple[int, int], int]] = {}
         self._resident: OrderedDict[ShardKey, int] = OrderedDict()
         """Shards on the device and the bytes each takes there, least recently used first."""
+        self._residue: dict[ShardKey, int] = {}
+        """Demoted shards between a forward and its backward: the bytes of the micro-batches'
+        inputs and outputs they keep, which stay on the device (autograd's other saved
+        tensors move with the shard)."""
         self._side = (
             torch.cuda.Stream(self._target)  # type: ignore[no-untyped-call]
             if self._target.type == "cuda"
@@ -149,6 +153,7 @@ class ShardHost:
         """Forget shard ``key`` (it moved to another host, or its model ended)."""
         self._stage(key)
         self._demote(key)
+        self._residue.pop(key, None)
         del self._shards[key]
         del self._saves[key]
         del self._built[key]
@@ -163,6 +168,7 @@ class ShardHost:
             "shards": sorted(self._shards),
             "resident": list(self._resident),
             "resident_bytes": sum(self._resident.values()),
+            "residue_bytes": sum(self._residue.values()),
             "budget_bytes": self.budget_bytes,
             "overhead_bytes": self.overhead.bytes,
         }
@@ -209,16 +215,18 @@ class ShardHost:
 
     def _begin(self, key: ShardKey, prefetch: ShardKey | None) -> tuple[Stage, int]:
         """Promote ``key`` (and start promoting ``prefetch``, which must leave room for it)."""
-        promoted = self._promote(key, keep=())
+        promoted = self._promote(key, keep=(), optional=False)
         if self._side is not None:
             torch.cuda.current_stream(self._target).wait_stream(self._side)
         if prefetch is not None and prefetch in self._shards and prefetch != key:
-            promoted += self._promote(prefetch, keep=(key,))
+            promoted += self._promote(prefetch, keep=(key,), optional=True)
         return self._shards[key], promoted
 
-    def _promote(self, key: ShardKey, keep: Sequence[ShardKey]) -> int:
+    def _promote(self, key: ShardKey, keep: Sequence[ShardKey], *, optional: bool) -> int:
         """Shard ``key`` onto the device, demoting the least recently used others (never
-        those in ``keep``) until it fits; the bytes copied (0 when it was there)."""
+        those in ``keep``) until it fits beside the demoted shards' residue; the bytes
+        copied (0 when it was there). An ``optional`` promotion (a prefetch) with no room
+        does nothing; a task's own shard goes on the device whatever residue is left."""
         stage = self._stage(key)
         if key in self._resident:
             self._resident.move_to_end(key)
@@ -231,19 +239,26 @@ class ShardHost:
                 f" {self.budget_bytes}"
             )
         for other in list(self._resident):
-            if sum(self._resident.values()) + size <= self.budget_bytes:
+            if self._used() + size <= self.budget_bytes:
                 break
             if other not in keep:
                 self._demote(other)
-        if sum(self._resident.values()) + size > self.budget_bytes:
+        if optional and self._used() + size > self.budget_bytes:
             return 0  # a prefetch with no room: the shard is promoted when its task comes
+        self._residue.pop(key, None)  # its kept tensors are part of its size again
         self._move(key, self._target)
         self._resident[key] = size
         return copied
 
+    def _used(self) -> int:
+        return sum(self._resident.values()) + sum(self._residue.values())
+
     def _demote(self, key: ShardKey) -> None:
         if self._resident.pop(key, None) is not None:
             self._move(key, self._host)
+            kept = self._shards[key].kept_bytes()
+            if kept:
+                self._residue[key] = kept
 
     def _move(self, key: ShardKey, device: torch.device) -> None:
         stage, saves = self._shards[key], self._saves[key]

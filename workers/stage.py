@@ -564,6 +564,12 @@ class Stage:
         """Bytes of the blocks' parameters and optimizer state (memory accounting)."""
         return sum(block.nbytes() for block in self.blocks)
 
+    def kept_bytes(self) -> int:
+        """Bytes of the inputs and outputs kept for the backwards of micro-batches in
+        flight (memory accounting)."""
+        kept = [t for k in self._kept.values() for t in (k.input, k.output)]
+        return sum(t.numel() * t.element_size() for t in kept if isinstance(t, Tensor))
+
     def pid(self) -> int:
         """The worker's process id (shown in the placement event, for operators)."""
         return os.getpid()

@@ -161,8 +161,12 @@ def test_a_host_keeps_within_its_budget_and_a_shard_run_again_stays(tmp_path: Pa
     setup = StageSetup.of(snap, data.meta)
     host = ShardHost(devices()[0], budget_bytes=0)
     sizes = [host.add(("a", i), setup, (i, i + 1), 0) for i in range(3)]
-    host.budget_bytes = max(sizes[0] + sizes[1], sizes[1] + sizes[2])  # two shards at a time
-    x = [send(data.batch(0, 4)[0])]
+    batch = data.batch(0, 4)[0]
+    x = [send(batch)]
+    # Two shards at a time, and room for what a demoted one keeps for its backward (with
+    # the job's recompute, its micro-batch's input).
+    kept = batch.numel() * batch.element_size()
+    host.budget_bytes = max(sizes[0] + sizes[1], sizes[1] + sizes[2]) + kept
     outputs, first = host.forward(("a", 0), x, prefetch=("a", 1))
     assert first.promoted_bytes == sizes[0] + sizes[1]
     outputs, again = host.forward(("a", 1), outputs)  # prefetched: nothing to copy
@@ -216,6 +220,35 @@ def test_a_host_keeps_room_for_what_a_resident_shards_tasks_were_planned_to_need
     assert first.promoted_bytes == states[0]  # the state is copied; no room for the prefetch
     host.forward(("a", 1), outputs)
     assert host.held()["resident"] == [("a", 1)], host.held()
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("recompute", [False, True])
+def test_a_shard_demoted_between_its_forward_and_backward_leaves_its_kept_tensors_counted(
+    tmp_path: Path, recompute: bool
+) -> None:
+    """A shard's kept micro-batch inputs (and, without recompute, outputs) stay where they
+    were made when it is demoted before its backward: the host counts them against its
+    budget, so a prefetch that would fit beside the resident shards alone waits."""
+    from workers.shard_host import ShardHost
+    from workers.stage import StageSetup
+    from workers.wire import send
+    from workers.zoo.data import make_data
+
+    snap = model(tmp_path, "a", recompute=recompute)
+    data = make_data(snap.data, snap.seed)
+    setup = StageSetup.of(snap, data.meta)
+    host = ShardHost(devices()[0], budget_bytes=2**40)
+    planned = 2**24  # each shard's planned need, far above its state
+    for i in range(3):
+        host.add(("a", i), setup, (i, i + 1), planned)
+    x = data.batch(0, 4)[0]
+    out, _ = host.forward(("a", 0), [send(x)])
+    kept = x.numel() * x.element_size() + (0 if recompute else out[0].nbytes)
+    host.budget_bytes = 2 * planned + kept - 1  # two shards, but not two and the residue
+    host.forward(("a", 1), out, prefetch=("a", 2))
+    held = host.held()
+    assert held["resident"] == [("a", 1)] and held["residue_bytes"] == kept, held
 
 
 @pytest.mark.unit
