@@ -16,7 +16,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.orm import Session, defer
 
-from scheduler.devices import UNMEASURED_GPU_OVERHEAD_MB
+from scheduler.devices import planned_overhead_mb
 from service.auth import Principal
 from service.db.models import Checkpoint, DeviceRow, Job, JobEvent, JobMetric, User, utcnow
 from service.db.session import SessionFactory, transaction
@@ -218,13 +218,14 @@ def largest_device_mb(factory: SessionFactory) -> int | None:
     """Memory stages may use on the largest live device the controller has seen: its size
     less the overhead a worker measured on it, or the estimate where none has
     (``planned_overhead_mb``); None before it has seen one."""
-    estimate = sa.case((DeviceRow.gpu, UNMEASURED_GPU_OVERHEAD_MB), else_=0)
-    usable = DeviceRow.memory_mb - sa.func.coalesce(DeviceRow.overhead_mb, estimate)
     with factory() as session:
-        largest: int | None = session.scalar(
-            sa.select(sa.func.max(usable)).where(DeviceRow.state == "alive")
+        rows = session.execute(
+            sa.select(DeviceRow.memory_mb, DeviceRow.overhead_mb, DeviceRow.gpu).where(
+                DeviceRow.state == "alive"
+            )
         )
-        return largest
+        usable = [memory - planned_overhead_mb(overhead, gpu) for memory, overhead, gpu in rows]
+    return max(usable, default=None)
 
 
 def request_cancel(factory: SessionFactory, principal: Principal, job_id: str) -> Job:

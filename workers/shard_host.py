@@ -79,8 +79,10 @@ class ShardHost:
         self._target = torch_device(device)
         self.overhead = measure_overhead(self._target)  # before the first shard
         """What the device holds for this process before any shard (``workers.device_memory``)."""
-        beside = max(0, device.memory_mb * 2**20 - self.overhead.bytes)
-        self.budget_bytes = min(budget_bytes, beside) if self.overhead.bytes else budget_bytes
+        measured = replace(device, overhead_mb=-(-self.overhead.bytes // 2**20))
+        self.budget_bytes = (
+            min(budget_bytes, measured.usable_bytes) if self.overhead.bytes else budget_bytes
+        )
         """The given budget, within what the device has beside this process's overhead
         where it holds any (a GPU): the budget was planned with an overhead measured or
         estimated before."""

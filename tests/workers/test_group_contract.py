@@ -432,6 +432,33 @@ def test_a_crashed_stage_worker_is_reported_lost(ray_address: str, setup: StageS
         group.shutdown()
 
 
+def test_a_worker_refused_a_place_on_a_node_ray_lists_alive_is_started_again(
+    ray_address: str, setup: StageSetup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A node that has just joined is in Ray's cluster table before every scheduler knows
+    it: a worker refused there is started again until ``NEW_NODE_S``, then the stage is
+    lost. (Here the node never comes: Ray's table is made to list it alive.)"""
+    import ray
+
+    from workers import group, launch
+
+    starts: list[str] = []
+    start = launch.start_stage_worker
+
+    def counted(plan: StagePlan, stage_setup: StageSetup) -> Any:
+        starts.append(plan.device.id)
+        return start(plan, stage_setup)
+
+    monkeypatch.setattr(launch, "start_stage_worker", counted)
+    monkeypatch.setattr(launch, "node_alive", lambda _: True)
+    monkeypatch.setattr(group, "NEW_NODE_S", 1.5)
+    node = ray.get_runtime_context().get_node_id()
+    joining = plans([(2, 4)], "cd" * 28)[0]
+    with pytest.raises(StageLost, match="its node is gone or cannot host it"):
+        RayGroup([plans([(0, 2)], node)[0], replace(joining, index=1)], setup)
+    assert starts.count(joining.device.id) >= 2, starts
+
+
 @pytest.mark.integration
 def test_a_stage_placed_on_a_vanished_node_is_reported_lost(
     ray_address: str, setup: StageSetup
