@@ -24,8 +24,9 @@ from dataclasses import dataclass
 
 import torch
 
+from scheduler.devices import Device
 from scheduler.memory import format_bytes
-from workers.snapshot import RunnerEvent, StagePlan
+from workers.snapshot import RunnerEvent
 
 _SMI_TIMEOUT_S = 10.0
 
@@ -105,15 +106,15 @@ def parse_process_mib(smi_csv: str, pid: int) -> int | None:
     return found
 
 
-def device_memory_event(plan: StagePlan, overhead: Overhead, step: int) -> RunnerEvent:
+def device_memory_event(device: Device, overhead: Overhead, step: int) -> RunnerEvent:
     """The event that reports a device's measured overhead; the control plane keeps it with
-    the device and plans its stages in the rest (``scheduler.devices.usable_bytes``)."""
-    device = plan.device
+    the device and plans its stages (or a sweep's shards) in the rest
+    (``scheduler.devices.usable_bytes``)."""
     return RunnerEvent(
         "device_memory",
         step,
         f"device {device.id} ({device.kind}): {format_bytes(overhead.bytes)} of its"
-        f" {format_bytes(device.memory_mb * 2**20)} held before any stage (CUDA context,"
+        f" {format_bytes(device.memory_mb * 2**20)} held before any stage or shard (CUDA context,"
         f" kernels, library workspaces; {_HOW.get(overhead.how, overhead.how)})",
         {"device_id": device.id, "overhead_bytes": overhead.bytes, "how": overhead.how},
     )

@@ -539,7 +539,7 @@ class Trainer:
             )
             self._gflops[p.device.id] = gflops
             if overhead.how != "none":
-                self._record(device_memory_event(p, overhead, step))
+                self._record(device_memory_event(p.device, overhead, step))
             self._record(
                 RunnerEvent(
                     "device_speed",

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from scheduler.devices import Device
-from workers.device_memory import measure_overhead
+from workers.device_memory import Overhead, measure_overhead
 from workers.saved import MovableSaves
 from workers.snapshot import StagePlan
 from workers.stage import Stage, StageSetup, StageStateError, torch_device
@@ -77,11 +77,11 @@ class ShardHost:
     def __init__(self, device: Device, budget_bytes: int) -> None:
         self.device = device
         self._target = torch_device(device)
-        self.overhead = measure_overhead(self._target)  # before the first shard
+        self._overhead = measure_overhead(self._target)  # before the first shard
         """What the device holds for this process before any shard (``workers.device_memory``)."""
-        measured = replace(device, overhead_mb=-(-self.overhead.bytes // 2**20))
+        measured = replace(device, overhead_mb=-(-self._overhead.bytes // 2**20))
         self.budget_bytes = (
-            min(budget_bytes, measured.usable_bytes) if self.overhead.bytes else budget_bytes
+            min(budget_bytes, measured.usable_bytes) if self._overhead.bytes else budget_bytes
         )
         """The given budget, within what the device has beside this process's overhead
         where it holds any (a GPU): the budget was planned with an overhead measured or
@@ -160,6 +160,10 @@ class ShardHost:
         del self._saves[key]
         del self._built[key]
 
+    def overhead(self) -> Overhead:
+        """What the device held for this worker before any shard, and how it was measured."""
+        return self._overhead
+
     def pid(self) -> int:
         """The worker's process id (for operators, and tests that kill it)."""
         return os.getpid()
@@ -172,7 +176,7 @@ class ShardHost:
             "resident_bytes": sum(self._resident.values()),
             "residue_bytes": sum(self._residue.values()),
             "budget_bytes": self.budget_bytes,
-            "overhead_bytes": self.overhead.bytes,
+            "overhead_bytes": self._overhead.bytes,
         }
 
     # ------------------------------------------------------------------------ tasks
@@ -292,7 +296,7 @@ def _pin(module: torch.nn.Module) -> None:
 
 
 SHARD_METHODS = frozenset(
-    {"add", "load", "export", "copy", "drop", "held", "forward", "backward", "pid"}
+    {"add", "load", "export", "copy", "drop", "held", "overhead", "forward", "backward", "pid"}
 )
 """The ``ShardHost`` methods the executor may call."""
 

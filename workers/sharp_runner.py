@@ -43,6 +43,7 @@ from scheduler.sharp import (
 )
 from scheduler.types import DeviceId
 from workers.checkpoints import CheckpointStore
+from workers.device_memory import device_memory_event
 from workers.recovery import copies_event
 from workers.runner import resumed_event, write_checkpoint
 from workers.shard_host import ShardFailed, ShardKey, TaskResult
@@ -162,6 +163,8 @@ class SharpTrainer:
         self._dispatched = 0
         self._dead: set[int] = set()
         """Pool positions of devices that were lost."""
+        self._reported: set[int] = set()
+        """Pool positions of devices whose overhead a model's events have said."""
         self._in_flight: dict[Call, tuple[_Model, int]] = {}
         """Shard tasks under way: their model and pool position."""
         self._copy_calls: dict[Call, _Model] = {}
@@ -298,6 +301,8 @@ class SharpTrainer:
             adds = [c for snap in arriving for c in self._place(pool, snap)]
             try:
                 self._await_all(pool, adds)
+                for snap in arriving:
+                    self._report_overhead(pool, self._models[snap.job_id])
             except HostLost as exc:  # its models (new ones too) are placed again
                 self._lose(pool, self._host_of(exc), str(exc))
             for snap in arriving:
@@ -308,6 +313,17 @@ class SharpTrainer:
                     model.saved = (model.step, self._gather(pool, model))
                 except HostLost as exc:  # it trained nothing yet: no copy is needed
                     self._lose(pool, self._host_of(exc), str(exc))
+
+    def _report_overhead(self, pool: HostPool, model: _Model) -> None:
+        """The first model placed on a device says in an event what the device holds for
+        its worker (measured on a GPU): the control plane keeps it with the device and plans
+        later placements and sweeps in the rest."""
+        hosts = sorted(set(model.homes) - self._reported - self._dead)
+        answers = self._await_all(pool, [pool.submit(h, "overhead") for h in hosts])
+        for host, overhead in zip(hosts, answers, strict=True):
+            self._reported.add(host)
+            if overhead.how != "none":
+                self._record(model, device_memory_event(self._devices[host], overhead, model.step))
 
     def _reap(self, pool: HostPool) -> None:
         """End the models to stop (cancelled, or a checkpoint failed) with no task in flight

@@ -13,7 +13,6 @@ from workers.device_memory import (
     measure_overhead,
     parse_process_mib,
 )
-from workers.snapshot import StagePlan
 
 SMI = """\
 4242, 612
@@ -40,7 +39,7 @@ def test_a_cpu_device_has_no_overhead() -> None:
 @pytest.mark.unit
 def test_the_event_names_the_device_its_size_and_how_it_was_measured() -> None:
     device = Device("n1-gpu-0", "n1", 0, "h100", 81559, gpu=True)
-    event = device_memory_event(StagePlan(0, (0, 4), device), Overhead(640 * 2**20, "process"), 3)
+    event = device_memory_event(device, Overhead(640 * 2**20, "process"), 3)
     assert (event.kind, event.step) == ("device_memory", 3)
     assert event.data == {"device_id": "n1-gpu-0", "overhead_bytes": 640 * 2**20, "how": "process"}
     assert event.message == (

@@ -197,6 +197,37 @@ def test_a_host_keeps_its_budget_within_what_the_device_has_beside_its_overhead(
 
 
 @pytest.mark.unit
+def test_the_first_model_on_each_device_reports_what_the_device_holds_for_its_worker(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """As a pipeline job's runner does (a ``device_memory`` event, which the control plane
+    keeps with the device): once per device, by the first model placed there; a CPU device
+    has nothing to report."""
+    from workers import shard_host
+    from workers.device_memory import Overhead
+
+    def memory_events(trainer: SharpTrainer, snaps: list[JobSnapshot]) -> list[Any]:
+        reports = {s.job_id: trainer.report(s.job_id, 0) for s in snaps}
+        return [
+            (job, e.data)
+            for job, r in reports.items()
+            for e in r.events
+            if e.kind == "device_memory"
+        ]
+
+    cpu = [model(tmp_path / "cpu", "a", steps=1)]
+    assert memory_events(train(cpu, LocalPool, budget_for_shards(cpu[0], 2)), cpu) == []
+    measured = Overhead(64 * 2**20, "process")
+    monkeypatch.setattr(shard_host, "measure_overhead", lambda _: measured)
+    snaps = [model(tmp_path, "a", steps=1), model(tmp_path, "b", seed=9, steps=1)]
+    events = memory_events(train(snaps, LocalPool, budget_for_shards(snaps[0], 2)), snaps)
+    assert sorted(data["device_id"] for _, data in events) == [d.id for d in devices()], events
+    assert {(job, data["overhead_bytes"], data["how"]) for job, data in events} == {
+        ("a", measured.bytes, "process")
+    }, events
+
+
+@pytest.mark.unit
 def test_a_host_keeps_room_for_what_a_resident_shards_tasks_were_planned_to_need(
     tmp_path: Path,
 ) -> None:
