@@ -242,16 +242,22 @@ def _preemption_and_growth(
         metrics = job.trainer.report(0).metrics
         time.sleep(metrics[-1].step_time_s / 2)
         before = len(job.trainer.report(0).metrics)
+        known = len(job.trainer.report(0).events)
         killed = time.monotonic()
         cluster.kill_node(kinds.index(victim.kind))
-        done = job.wait(
-            lambda m, e: len(m) > before and any(x.kind == "recovered" for x in e),
-            300,
-            "the first step after the node loss",
-        )
+        phases: dict[str, float] = {}  # seconds from the kill to each event's first sight
+
+        def stepped_after_recovery(m: list[StepMetrics], e: list[RunnerEvent]) -> bool:
+            for x in e[known:]:
+                phases.setdefault(x.kind, round(time.monotonic() - killed, 2))
+            return len(m) > before and "recovered" in phases
+
+        done = job.wait(stepped_after_recovery, 300, "the first step after the node loss")
         events = list(job.trainer.report(0).events)
         lost = [e for e in events if e.kind == "device_lost"]
         recovery = done - killed
+        # The runner's own time to re-form the job; before it, the loss was being detected.
+        restore = next(e.data["seconds"] for e in events[known:] if e.kind == "recovered")
         replayed = lost[0].data["steps_replayed"] if lost else None
         # The copies' cadence in force at the loss, as the job measured and reported it.
         prior = events[: events.index(lost[0])] if lost else events
@@ -260,6 +266,7 @@ def _preemption_and_growth(
         progress(ELASTIC_PHASES[5])
         joined = time.monotonic()
         cluster.add_node(parse_devices("1xcpu-new:4096")[0])
+        node_up = time.monotonic()
         by_id = {d.id: d for d in cluster_devices()}
         new = next(d for d in by_id.values() if d.kind == "cpu-new")
         running = [by_id[row["device_id"]] for row in _latest_rows(job.trainer)]
@@ -281,19 +288,20 @@ def _preemption_and_growth(
             300,
             "a step on the new device",
         )
+        relayout = next(e for e in reversed(job.trainer.report(0).events) if e.kind == "relayout")
         return {
             "recovery_seconds": recovery,
+            "recovery_events_s": phases,
+            "recovery_detect_s": round(phases["recovered"] - restore, 2),
+            "recovery_restore_s": round(restore, 2),
             "steps_replayed": replayed,
             "copy_interval_steps": cadence[-1]["interval"] if cadence else 1,
             "copies_overhead": cadence[-1]["overhead"] if cadence else None,
             "growth_seconds": used - joined,
+            "growth_node_start_s": round(node_up - joined, 2),
+            "growth_relayout_s": round(relayout.data["seconds"], 2),
             "killed_device": victim.id,
-            "grown_layout": [
-                r["blocks"]
-                for r in next(
-                    e for e in reversed(job.trainer.report(0).events) if e.kind == "relayout"
-                ).data["to"]
-            ],
+            "grown_layout": [r["blocks"] for r in relayout.data["to"]],
         }
     finally:
         job.stop()
