@@ -128,10 +128,17 @@ class WorkerGroup(Protocol):
         """The handles' values, in order; if some failed, raises one of their errors."""
         ...
 
+    def prepare(self, plans: Sequence[StagePlan]) -> None:
+        """Begin starting, without waiting, the workers a later ``regroup`` to ``plans`` would
+        start (those on devices the group has no worker on), so that it finds them built;
+        workers prepared earlier for other plans are stopped."""
+        ...
+
     def regroup(self, plans: Sequence[StagePlan], keep: Mapping[int, int]) -> None:
         """Become the group of ``plans``: position ``new`` is the old worker ``keep[new]``
-        where given, a new worker (blocks freshly built, to be loaded) otherwise. Old workers
-        not kept stay alive, answering what was submitted to them, until ``retire``."""
+        where given, a new worker (blocks freshly built, to be loaded) otherwise: one
+        ``prepare``d for its plan, or started now. Old workers not kept stay alive, answering
+        what was submitted to them, until ``retire``."""
         ...
 
     def retire(self) -> None:
@@ -172,6 +179,9 @@ class LocalGroup:
         ]
         self._plans = list(plans)
         _wait_ready(self, self._plans, timeout=0.0)
+
+    def prepare(self, plans: Sequence[StagePlan]) -> None:
+        """Nothing to start ahead: an in-process worker is built when ``regroup`` needs it."""
 
     def retire(self) -> None:
         """Nothing to stop: left-out in-process workers are dropped by ``regroup``."""
@@ -240,6 +250,8 @@ class RayGroup:
         self._start_timeout_s = start_timeout_s
         self._actors: list[ActorHandle[Any]] = []
         self._parked: list[ActorHandle[Any]] = []
+        self._prepared: dict[str, tuple[StagePlan, ActorHandle[Any]]] = {}
+        """Workers started ahead of a regroup (``prepare``), by device id, with their plan."""
         self._shut = False
         # Formed links, by the (lower, upper) actor pair they join; the names are unique.
         self._links: dict[tuple[str, str], str] = {}
@@ -284,7 +296,7 @@ class RayGroup:
         Ray's cluster table, where devices are found, a moment before every node's
         scheduler knows it."""
         deadline = time.monotonic() + NEW_NODE_S
-        started = {w: launch.start_stage_worker(p, self._setup) for w, p in plans.items()}
+        started = {w: self._take_prepared(p) for w, p in plans.items()}
         self._actors = [kept[w] if w in kept else started[w] for w in range(len(self._plans))]
         while True:
             try:
@@ -304,6 +316,26 @@ class RayGroup:
                 launch.kill_worker(self._actors[w])
                 self._actors[w] = launch.start_stage_worker(plans[w], self._setup)
 
+    def _take_prepared(self, plan: StagePlan) -> ActorHandle[Any]:
+        """The worker ``prepare`` started for ``plan``, else one started now."""
+        prepared = self._prepared.pop(plan.device.id, None)
+        if prepared is not None and prepared[0] == plan:
+            return prepared[1]
+        if prepared is not None:
+            launch.kill_worker(prepared[1])
+        return launch.start_stage_worker(plan, self._setup)
+
+    def prepare(self, plans: Sequence[StagePlan]) -> None:
+        have = {p.device.id for p in self._plans}
+        wanted = {p.device.id: p for p in plans if p.device.id not in have}
+        for device_id, (plan, actor) in list(self._prepared.items()):
+            if wanted.get(device_id) != plan:
+                launch.kill_worker(actor)
+                del self._prepared[device_id]
+        for device_id, plan in wanted.items():
+            if device_id not in self._prepared:
+                self._prepared[device_id] = (plan, launch.start_stage_worker(plan, self._setup))
+
     def regroup(self, plans: Sequence[StagePlan], keep: Mapping[int, int]) -> None:
         old = self._actors
         self._parked += [a for i, a in enumerate(old) if i not in set(keep.values())]
@@ -316,6 +348,8 @@ class RayGroup:
                 f"new stage workers did not start within {self._start_timeout_s:g} s on"
                 f" devices {[plans[w].device.id for w in started]}"
             ) from None
+        finally:
+            self.prepare(())  # workers prepared for other plans free their devices
         self._form_collectives(self._start_timeout_s)
 
     def connect(self) -> str | None:
@@ -481,7 +515,9 @@ class RayGroup:
         # ray.kill is asynchronous, and a killed actor may still answer a call submitted
         # right after it (measured: 4 times in 15).
         self._shut = True
-        for actor in [*self._actors, *self._parked]:
+        prepared = [actor for _, actor in self._prepared.values()]
+        self._prepared = {}
+        for actor in [*self._actors, *self._parked, *prepared]:
             launch.kill_worker(actor)
 
 

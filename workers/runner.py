@@ -268,6 +268,7 @@ class Trainer:
             self._ahead = self._start(
                 group, layout, data, flight.end, rebalancer, copies, flight.count
             )
+        self._prepare_relayout(group)
         steps, self._ended = finish_step(
             snap, group, flight, timeout=self._timeout, clock=self._clock, since=self._ended
         )
@@ -304,6 +305,14 @@ class Trainer:
             self._plan_copies(copies, done)
             copies.refresh(group, layout, done, fresh=moved)
         return layout, done
+
+    def _prepare_relayout(self, group: WorkerGroup) -> None:
+        """Start the workers a requested relayout adds while the steps under way train: the
+        boundary that carries it out finds them built (a worker takes seconds to start)."""
+        with self._lock:
+            request = self._relayout
+        if request is not None:
+            group.prepare(request[0])
 
     def _plan_copies(self, copies: Copies, step: int) -> None:
         """Re-decide how often the copies are taken; say so when that is news."""

@@ -460,6 +460,52 @@ def test_a_worker_refused_a_place_on_a_node_ray_lists_alive_is_started_again(
 
 
 @pytest.mark.integration
+def test_a_regroup_takes_the_workers_prepared_for_its_plans_and_stops_the_others(
+    ray_address: str, setup: StageSetup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A relayout's new workers start while the old layout still trains (``prepare``): the
+    regroup to those plans starts none of its own; a worker prepared for plans replaced
+    since is stopped, not left holding its device. The moved job trains on exactly."""
+    import ray
+
+    from workers import launch
+    from workers.rebalance import Layout, move_blocks
+
+    starts: list[tuple[str, BlockRange]] = []
+    actors: list[Any] = []
+    start = launch.start_stage_worker
+
+    def counted(plan: StagePlan, stage_setup: StageSetup) -> Any:
+        starts.append((plan.device.id, plan.blocks))
+        actors.append(start(plan, stage_setup))
+        return actors[-1]
+
+    monkeypatch.setattr(launch, "start_stage_worker", counted)
+    node = ray.get_runtime_context().get_node_id()
+    old = plans([(0, 2), (2, 4)], node)
+    spare = replace(old[1].device, id=f"{node[:8]}-cpu-2", index=2)
+    first, then = (plans([(0, 2), r], node)[1] for r in ((1, 4), (2, 4)))
+    new = [old[0], replace(then, device=spare)]
+    group = RayGroup(old, setup)
+    reference = LocalGroup(old, setup)
+    try:
+        assert one_step(group, micro_batches=2) == one_step(reference, micro_batches=2)
+        group.prepare([old[0], replace(first, device=spare)])  # replaced before its boundary
+        group.prepare(new)
+        assert starts[2:] == [(spare.id, (1, 4)), (spare.id, (2, 4))], starts
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(actors[2].call.remote("pid"), timeout=60)  # replaced: stopped
+        move_blocks(group, Layout(tuple(old), (2,)), Layout(tuple(new), (2,)), 60, {0: 0})
+        group.retire()
+        assert len(starts) == 4, starts  # the regroup took the prepared worker
+        assert one_step(group, micro_batches=2) == one_step(reference, micro_batches=2)
+        assert_same_states(gather(group, 2), gather(reference, 2))
+    finally:
+        group.shutdown()
+        reference.shutdown()
+
+
+@pytest.mark.integration
 def test_a_stage_placed_on_a_vanished_node_is_reported_lost(
     ray_address: str, setup: StageSetup
 ) -> None:

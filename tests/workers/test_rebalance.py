@@ -262,6 +262,30 @@ def test_a_relayout_onto_other_devices_stages_and_replicas_keeps_the_math(
 
 
 @pytest.mark.unit
+def test_a_requested_relayout_has_its_workers_prepared_while_the_step_before_trains(
+    tmp_path: Path,
+) -> None:
+    """The runner asks the group to start a requested relayout's workers between handing a
+    step out and collecting it (``WorkerGroup.prepare``), before the boundary that moves."""
+    log: list[tuple[str, list[str]]] = []
+
+    class Watched(LocalGroup):
+        def prepare(self, plans: Sequence[StagePlan]) -> None:
+            log.append(("prepare", [p.device.id for p in plans]))
+
+        def regroup(self, plans: Sequence[StagePlan], keep: Any) -> None:
+            log.append(("regroup", [p.device.id for p in plans]))
+            super().regroup(plans, keep)
+
+    first, second = on_devices([(0, 2), (2, 4)], 1, 0), on_devices([(0, 1), (1, 4)], 1, 2)
+    trainer = Trainer(job(tmp_path, [], stages=first, steps=3, optimizer=SGD), Watched)
+    trainer.relayout(second, (2,))
+    assert trainer.run() is RunStatus.SUCCEEDED, trainer.report(0).error
+    ids = [p.device.id for p in second]
+    assert log == [("prepare", ids), ("regroup", ids)], log
+
+
+@pytest.mark.unit
 def test_a_relayout_that_does_not_cover_the_model_fails_the_run_with_why(tmp_path: Path) -> None:
     trainer = Trainer(job(tmp_path, [(0, 2), (2, 4)], steps=2), LocalGroup)
     trainer.relayout(on_devices([(0, 3)], 1, 5), (2,))
