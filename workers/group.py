@@ -128,10 +128,11 @@ class WorkerGroup(Protocol):
         """The handles' values, in order; if some failed, raises one of their errors."""
         ...
 
-    def prepare(self, plans: Sequence[StagePlan]) -> None:
-        """Begin starting, without waiting, the workers a later ``regroup`` to ``plans`` would
-        start (those on devices the group has no worker on), so that it finds them built;
-        workers prepared earlier for other plans are stopped."""
+    def prepare(self, plans: Sequence[StagePlan]) -> bool:
+        """Start, without waiting, the workers a later ``regroup`` to ``plans`` would start
+        (those on devices the group has no worker on), so that it finds them built; stop
+        workers prepared earlier for other plans. Whether they are all built, or failed to
+        start (the regroup reports it), or have taken too long (the regroup times out)."""
         ...
 
     def regroup(self, plans: Sequence[StagePlan], keep: Mapping[int, int]) -> None:
@@ -180,8 +181,9 @@ class LocalGroup:
         self._plans = list(plans)
         _wait_ready(self, self._plans, timeout=0.0)
 
-    def prepare(self, plans: Sequence[StagePlan]) -> None:
+    def prepare(self, plans: Sequence[StagePlan]) -> bool:
         """Nothing to start ahead: an in-process worker is built when ``regroup`` needs it."""
+        return True
 
     def retire(self) -> None:
         """Nothing to stop: left-out in-process workers are dropped by ``regroup``."""
@@ -239,6 +241,21 @@ class _Ref(Handle):
     ref: ray.ObjectRef[Any]
 
 
+@dataclass
+class _Prepared:
+    """A worker started ahead of a regroup to ``plan`` (``RayGroup.prepare``), and the
+    answer that says it is built."""
+
+    plan: StagePlan
+    actor: ActorHandle[Any]
+    built: ray.ObjectRef[Any]
+    since: float
+
+    def built_or_failed(self) -> bool:
+        ready, _ = ray.wait([self.built], timeout=0)
+        return bool(ready)
+
+
 class RayGroup:
     """One StageWorker actor per stage; handles are object refs, passed actor to actor."""
 
@@ -250,8 +267,8 @@ class RayGroup:
         self._start_timeout_s = start_timeout_s
         self._actors: list[ActorHandle[Any]] = []
         self._parked: list[ActorHandle[Any]] = []
-        self._prepared: dict[str, tuple[StagePlan, ActorHandle[Any]]] = {}
-        """Workers started ahead of a regroup (``prepare``), by device id, with their plan."""
+        self._prepared: dict[str, _Prepared] = {}
+        """Workers started ahead of a regroup (``prepare``), by device id."""
         self._shut = False
         # Formed links, by the (lower, upper) actor pair they join; the names are unique.
         self._links: dict[tuple[str, str], str] = {}
@@ -319,22 +336,27 @@ class RayGroup:
     def _take_prepared(self, plan: StagePlan) -> ActorHandle[Any]:
         """The worker ``prepare`` started for ``plan``, else one started now."""
         prepared = self._prepared.pop(plan.device.id, None)
-        if prepared is not None and prepared[0] == plan:
-            return prepared[1]
+        if prepared is not None and prepared.plan == plan:
+            return prepared.actor
         if prepared is not None:
-            launch.kill_worker(prepared[1])
+            launch.kill_worker(prepared.actor)
         return launch.start_stage_worker(plan, self._setup)
 
-    def prepare(self, plans: Sequence[StagePlan]) -> None:
+    def prepare(self, plans: Sequence[StagePlan]) -> bool:
         have = {p.device.id for p in self._plans}
         wanted = {p.device.id: p for p in plans if p.device.id not in have}
-        for device_id, (plan, actor) in list(self._prepared.items()):
-            if wanted.get(device_id) != plan:
-                launch.kill_worker(actor)
+        for device_id, prepared in list(self._prepared.items()):
+            if wanted.get(device_id) != prepared.plan:
+                launch.kill_worker(prepared.actor)
                 del self._prepared[device_id]
         for device_id, plan in wanted.items():
             if device_id not in self._prepared:
-                self._prepared[device_id] = (plan, launch.start_stage_worker(plan, self._setup))
+                actor = launch.start_stage_worker(plan, self._setup)
+                built: ray.ObjectRef[Any] = actor.call.remote("nbytes")
+                self._prepared[device_id] = _Prepared(plan, actor, built, time.monotonic())
+        pending = [p for p in self._prepared.values() if not p.built_or_failed()]
+        late = time.monotonic() - self._start_timeout_s
+        return all(p.since < late for p in pending)
 
     def regroup(self, plans: Sequence[StagePlan], keep: Mapping[int, int]) -> None:
         old = self._actors
@@ -515,7 +537,7 @@ class RayGroup:
         # ray.kill is asynchronous, and a killed actor may still answer a call submitted
         # right after it (measured: 4 times in 15).
         self._shut = True
-        prepared = [actor for _, actor in self._prepared.values()]
+        prepared = [p.actor for p in self._prepared.values()]
         self._prepared = {}
         for actor in [*self._actors, *self._parked, *prepared]:
             launch.kill_worker(actor)

@@ -147,8 +147,9 @@ class Trainer:
 
     def relayout(self, plans: Sequence[StagePlan], split: Sequence[int]) -> None:
         """Move to ``plans`` (replica-major, on any devices, any number of stages and
-        replicas) with ``split`` micro-batches per replica at the next step boundary; a
-        later request replaces one not yet carried out."""
+        replicas) with ``split`` micro-batches per replica at the first step boundary once
+        the workers it adds are started (the job trains on meanwhile); a later request
+        replaces one not yet carried out."""
         with self._lock:
             self._relayout = (tuple(plans), tuple(split))
 
@@ -257,8 +258,9 @@ class Trainer:
         the last: checkpoint, rebalance, relayout, copy. The layout the next step runs on,
         and the steps done."""
         snap = self.snapshot
+        ready = self._relayout_ready(group)
         flight = self._ahead or self._start(group, layout, data, step, rebalancer, copies)
-        quiet = self._quiet(flight, rebalancer)
+        quiet = self._quiet(flight, rebalancer, ready)
         self._ahead = None
         if quiet:
             if copies is not None and copies.due(flight.end):
@@ -268,7 +270,6 @@ class Trainer:
             self._ahead = self._start(
                 group, layout, data, flight.end, rebalancer, copies, flight.count
             )
-        self._prepare_relayout(group)
         steps, self._ended = finish_step(
             snap, group, flight, timeout=self._timeout, clock=self._clock, since=self._ended
         )
@@ -293,8 +294,7 @@ class Trainer:
             layout = rebalancer.after_step(group, layout, last)  # quiet: never moves
         if quiet:  # a relayout requested meanwhile waits for the next boundary
             return layout, done
-        with self._lock:
-            request, self._relayout = self._relayout, None
+        request = self._take_relayout(group)
         if request is not None:
             layout = self._move(group, layout, Layout(*request), done)
             if rebalancer is not None:
@@ -306,13 +306,27 @@ class Trainer:
             copies.refresh(group, layout, done, fresh=moved)
         return layout, done
 
-    def _prepare_relayout(self, group: WorkerGroup) -> None:
-        """Start the workers a requested relayout adds while the steps under way train: the
-        boundary that carries it out finds them built (a worker takes seconds to start)."""
+    def _relayout_ready(self, group: WorkerGroup) -> bool:
+        """Whether a relayout is requested and the workers it adds are started (or failed
+        to: the move reports it); else they are being started while the job trains on its
+        layout (a worker takes seconds to start)."""
         with self._lock:
             request = self._relayout
-        if request is not None:
-            group.prepare(request[0])
+        return request is not None and group.prepare(request[0])
+
+    def _take_relayout(
+        self, group: WorkerGroup
+    ) -> tuple[tuple[StagePlan, ...], tuple[int, ...]] | None:
+        """The requested relayout, taken, if it is ready (``_relayout_ready``)."""
+        with self._lock:
+            request = self._relayout
+        if request is None or not group.prepare(request[0]):
+            return None
+        with self._lock:
+            if self._relayout != request:  # replaced meanwhile: prepared at the next boundary
+                return None
+            self._relayout = None
+        return request
 
     def _plan_copies(self, copies: Copies, step: int) -> None:
         """Re-decide how often the copies are taken; say so when that is news."""
@@ -477,23 +491,21 @@ class Trainer:
         with self._lock:
             return next((m for m in reversed(self._log) if isinstance(m, StepMetrics)), None)
 
-    def _quiet(self, flight: Flight, rebalancer: Rebalancer | None) -> bool:
+    def _quiet(self, flight: Flight, rebalancer: Rebalancer | None, relayout: bool) -> bool:
         """Whether the boundary after ``flight`` needs nothing of the workers but calls
         that can be queued behind it (an in-memory copy), so the next call can be handed
         out before ``flight`` is collected: the steps are one call per worker, the runner's
         work leaves the workers their cores (``scheduler.overlap``), and no checkpoint,
-        move, relayout, cancel or suspend is due there. A request that comes in later waits
-        one more call."""
+        move, ``relayout`` (one whose workers are started), cancel or suspend is due there.
+        A request that comes in later waits one more call."""
         done = flight.end
-        with self._lock:
-            requested = self._relayout is not None
         return (
             flight.one_call
             and leaves_a_core([p.device for p in flight.layout.plans], self._cores)
             and done < self.snapshot.steps
             and not self._checkpoint_due(done)
             and (rebalancer is None or not rebalancer.asks_after(flight.count))
-            and not (requested or self._cancelled.is_set() or self._suspending.is_set())
+            and not (relayout or self._cancelled.is_set() or self._suspending.is_set())
         )
 
     def _checkpoint_due(self, done: int) -> bool:

@@ -463,9 +463,10 @@ def test_a_worker_refused_a_place_on_a_node_ray_lists_alive_is_started_again(
 def test_a_regroup_takes_the_workers_prepared_for_its_plans_and_stops_the_others(
     ray_address: str, setup: StageSetup, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A relayout's new workers start while the old layout still trains (``prepare``): the
-    regroup to those plans starts none of its own; a worker prepared for plans replaced
-    since is stopped, not left holding its device. The moved job trains on exactly."""
+    """A relayout's new workers start while the old layout still trains (``prepare`` says
+    when they are built): the regroup to those plans starts none of its own; a worker
+    prepared for plans replaced since is stopped, not left holding its device. The moved
+    job trains on exactly."""
     import ray
 
     from workers import launch
@@ -491,8 +492,13 @@ def test_a_regroup_takes_the_workers_prepared_for_its_plans_and_stops_the_others
     try:
         assert one_step(group, micro_batches=2) == one_step(reference, micro_batches=2)
         group.prepare([old[0], replace(first, device=spare)])  # replaced before its boundary
-        group.prepare(new)
+        assert not group.prepare(new)  # just started: an actor takes seconds to build
         assert starts[2:] == [(spare.id, (1, 4)), (spare.id, (2, 4))], starts
+        deadline = time.monotonic() + 60
+        while not group.prepare(new):
+            assert time.monotonic() < deadline, "the prepared worker was not built in 60 s"
+            time.sleep(0.05)
+        assert len(starts) == 4, starts  # asked again: nothing more started
         with pytest.raises(ray.exceptions.RayActorError):
             ray.get(actors[2].call.remote("pid"), timeout=60)  # replaced: stopped
         move_blocks(group, Layout(tuple(old), (2,)), Layout(tuple(new), (2,)), 60, {0: 0})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import tempfile
+import time
 from collections.abc import Sequence
 from dataclasses import replace
 from itertools import pairwise
@@ -262,27 +263,41 @@ def test_a_relayout_onto_other_devices_stages_and_replicas_keeps_the_math(
 
 
 @pytest.mark.unit
-def test_a_requested_relayout_has_its_workers_prepared_while_the_step_before_trains(
+def test_a_requested_relayout_waits_for_its_workers_while_the_job_trains_on(
     tmp_path: Path,
 ) -> None:
-    """The runner asks the group to start a requested relayout's workers between handing a
-    step out and collecting it (``WorkerGroup.prepare``), before the boundary that moves."""
+    """The runner asks the group to start a requested relayout's workers
+    (``WorkerGroup.prepare``) and trains on its layout until they are started; the first
+    boundary after that moves."""
     log: list[tuple[str, list[str]]] = []
 
     class Watched(LocalGroup):
-        def prepare(self, plans: Sequence[StagePlan]) -> None:
+        applied = 0
+
+        def submit(self, stage: int, method: str, *args: Any) -> Any:
+            if method == "apply_step" and stage == 0:
+                self.applied += 1
+            return super().submit(stage, method, *args)
+
+        def prepare(self, plans: Sequence[StagePlan]) -> bool:
             log.append(("prepare", [p.device.id for p in plans]))
+            return self.applied >= 3  # started as the third step is applied
 
         def regroup(self, plans: Sequence[StagePlan], keep: Any) -> None:
             log.append(("regroup", [p.device.id for p in plans]))
             super().regroup(plans, keep)
 
     first, second = on_devices([(0, 2), (2, 4)], 1, 0), on_devices([(0, 1), (1, 4)], 1, 2)
-    trainer = Trainer(job(tmp_path, [], stages=first, steps=3, optimizer=SGD), Watched)
+    snap = job(tmp_path, [], stages=first, steps=5, optimizer=SGD)
+    trainer = Trainer(snap, Watched)
     trainer.relayout(second, (2,))
     assert trainer.run() is RunStatus.SUCCEEDED, trainer.report(0).error
     ids = [p.device.id for p in second]
-    assert log == [("prepare", ids), ("regroup", ids)], log
+    asked = len(log) - 1
+    assert asked >= 3 and log == [("prepare", ids)] * asked + [("regroup", ids)], log
+    (event,) = [e for e in trainer.report(0).events if e.kind == "relayout"]
+    assert event.step == 3, event  # steps 1-3 on the old layout, 4-5 on the new
+    assert_matches_reference(snap, metrics(trainer))
 
 
 @pytest.mark.unit
@@ -306,6 +321,18 @@ def test_ray_stages_move_blocks_and_train_exactly(ray_address: str, tmp_path: Pa
     assert_matches_reference(snap, metrics(trainer))
 
 
+class Patient(RayGroup):
+    """A RayGroup whose ``prepare`` waits until the workers are built: the relayout is
+    carried out at the first boundary, however fast the job's steps."""
+
+    def prepare(self, plans: Sequence[StagePlan]) -> bool:
+        deadline = time.monotonic() + 120
+        while not super().prepare(plans):
+            assert time.monotonic() < deadline, "the prepared workers were not built in 120 s"
+            time.sleep(0.05)
+        return True
+
+
 @pytest.mark.integration
 def test_ray_job_grows_onto_new_workers_and_replicas(ray_address: str, tmp_path: Path) -> None:
     """2 stages on 2 actors, then 2 stages x 2 replicas on 4: two actors start, the kept
@@ -321,7 +348,7 @@ def test_ray_job_grows_onto_new_workers_and_replicas(ray_address: str, tmp_path:
         micro_batches=4,
         optimizer=SGD,
     )
-    trainer = Trainer(snap, RayGroup)
+    trainer = Trainer(snap, Patient)
     trainer.relayout(dp_plans([(0, 1), (1, 4)], 2, node), (2, 2))
     assert trainer.run() is RunStatus.SUCCEEDED, trainer.report(0).error
     report = trainer.report(0)
