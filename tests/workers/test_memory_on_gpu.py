@@ -1,5 +1,7 @@
 """The memory model against what a GPU holds: a stage's predicted peak is never under
-``torch.cuda.max_memory_reserved()`` and at most 15% over, fp32 and bf16, GPipe and 1F1B.
+``torch.cuda.max_memory_reserved()`` and at most 15% over, fp32 and bf16, GPipe and 1F1B;
+so is the most a SHARP device accounted for while two models' shards alternated on it
+(``tests.workers.sharp_memory``), with and without recompute.
 
 One stage runs in this process (``LocalGroup``), so the allocator's peak is the stage's. The
 prediction is ``scheduler.memory.stage_memory`` from the meta-device trace, plus the
@@ -18,6 +20,7 @@ from scheduler.devices import Device
 from scheduler.memory import format_bytes, in_flight, stage_memory
 from tests.factories import job
 from tests.workers.memory_cases import CASES, MICRO_BATCHES
+from tests.workers.sharp_memory import alternate
 from workers.group import LocalGroup
 from workers.profiler import trace_costs
 from workers.runner import Trainer
@@ -111,4 +114,27 @@ def test_a_stage_holds_what_was_predicted_never_more_and_at_most_15_percent_less
 ) -> None:
     predicted, peak, state = predicted_and_peak(tmp_path, case, precision, schedule, recompute)
     print(state)  # the README's table reads them (pytest -s)
+    assert peak <= predicted <= 1.15 * peak, state
+
+
+@pytest.mark.parametrize(
+    ("precision", "recompute"), [(p, r) for p in ("fp32", "bf16") for r in (False, True)]
+)
+def test_a_sharp_device_holds_what_it_accounted_for_never_more_and_at_most_15_percent_less(
+    precision: str, recompute: bool
+) -> None:
+    device = torch.device("cuda", 0)
+    workspace = workspace_bytes(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    gpu = Device("gpu-0", "node-0", 0, "gpu", 40960, gpu=True)
+    host, accounted, tasks = alternate(gpu, precision, recompute)
+    peak = int(torch.cuda.max_memory_reserved(device))
+    predicted = accounted + workspace
+    state = (
+        f"SHARP gpt {precision} recompute={recompute}, {tasks} tasks: accounted at most"
+        f" {format_bytes(accounted)} of a budget of {format_bytes(host.budget_bytes)},"
+        f" + workspace {format_bytes(workspace)}; peak reserved {format_bytes(peak)}"
+        f" ({predicted / peak:.3f}x)"
+    )
+    print(state)  # the README reads them (pytest -s)
     assert peak <= predicted <= 1.15 * peak, state

@@ -1,0 +1,114 @@
+"""A SHARP device's accounting against what it holds: two models' shards alternating on one
+``ShardHost``, as the executor dispatches them (each model's forwards, then its backwards,
+the models taking turns task by task, the next task's shard prefetched).
+
+``alternate`` runs it and returns the most the host accounted for at once (its resident
+shards, each at what its tasks were planned to need, and the kept tensors of shards demoted
+between a forward and a backward) and the number of tasks run; the GPU test compares that
+with the allocator's peak.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from scheduler.devices import Device
+from scheduler.memory import in_flight, stage_memory
+from scheduler.sharp import Shard, shard_model
+from tests.workers.memory_cases import MICRO_BATCHES
+from workers.profiler import trace_costs
+from workers.shard_host import ShardHost, ShardKey
+from workers.snapshot import DataRef, ModelRef, OptimizerConf
+from workers.stage import StageSetup
+from workers.wire import Wire, send
+from workers.zoo.data import make_data
+
+GPT = (
+    ModelRef("gpt", None, {"d_model": 512, "n_layers": 8, "n_heads": 8}),
+    DataRef("synthetic-lm", None, {"vocab_size": 256, "seq_len": 128}),
+    32,
+)
+MODELS = {"a": 1, "b": 2}
+"""The two models (same shape, different seeds) and their seeds."""
+
+
+def shards_for(precision: str, recompute: bool) -> tuple[tuple[Shard, ...], int]:
+    """The model's shards under a device budget of 3/4 of what the whole model needs on
+    one device (so it takes several), and that budget."""
+    model, data, batch = GPT
+    rows = batch // MICRO_BATCHES
+    costs = trace_costs(model, data, micro_batch_size=rows, optimizer="adamw", precision=precision)
+    whole = stage_memory(
+        costs,
+        (0, len(costs)),
+        micro_batch_size=rows,
+        in_flight=in_flight("gpipe", 1, 0, MICRO_BATCHES),
+        recompute=recompute,
+        precision=precision,
+    ).total
+    budget = whole * 3 // 4
+    shards = shard_model(
+        costs,
+        budget,
+        rows,
+        micro_batches=MICRO_BATCHES,
+        recompute=recompute,
+        precision=precision,
+    )
+    return shards, budget
+
+
+def alternate(
+    device: Device, precision: str, recompute: bool, steps: int = 2
+) -> tuple[ShardHost, int, int]:
+    """Train both models ``steps`` steps on one host; the host, the most it accounted for
+    at once (after each task: what it held through that task) and the tasks run."""
+    model, data, batch = GPT
+    rows = batch // MICRO_BATCHES
+    shards, budget = shards_for(precision, recompute)
+    host = ShardHost(device, budget)
+    source = make_data(data, 0)
+    for name, seed in MODELS.items():
+        setup = StageSetup(
+            model=model,
+            meta=source.meta,
+            optimizer=OptimizerConf("adamw", 3e-4),
+            seed=seed,
+            num_blocks=shards[-1].blocks[1],
+            recompute=recompute,
+            precision=precision,
+        )
+        for shard in shards:
+            host.add((name, shard.index), setup, shard.blocks, shard.bytes)
+    count = len(shards)
+    order = [(name, t) for t in range(2 * count) for name in MODELS]
+    accounted, tasks = 0, 0
+    for step in range(steps):
+        x, y = source.batch(step, batch)
+        parts = [slice(j * rows, (j + 1) * rows) for j in range(MICRO_BATCHES)]
+        carried: dict[str, list[Wire | None]] = {n: [send(x[p]) for p in parts] for n in MODELS}
+        for position, (name, t) in enumerate(order):
+            after = order[position + 1] if position + 1 < len(order) else None
+            prefetch: ShardKey | None = (
+                (after[0], _shard_of(after[1], count)) if after is not None else None
+            )
+            key = (name, _shard_of(t, count))
+            if t < count:
+                targets = [send(y[p]) for p in parts] if t == count - 1 else None
+                inputs = [w for w in carried[name] if w is not None]
+                carried[name], _ = host.forward(key, inputs, targets, rows / batch, prefetch)
+                if t == count - 1:
+                    carried[name] = [None] * MICRO_BATCHES
+            else:
+                carried[name], _ = host.backward(key, carried[name], prefetch)
+            held = host.held()
+            accounted = max(accounted, held["resident_bytes"] + held["residue_bytes"])
+            tasks += 1
+    if device.gpu:
+        torch.cuda.synchronize()
+    return host, accounted, tasks
+
+
+def _shard_of(task: int, count: int) -> int:
+    """The shard of a model's ``task``-th task in a step: forwards up, backwards down."""
+    return task if task < count else 2 * count - 1 - task
