@@ -43,7 +43,7 @@ def test_the_event_names_the_device_its_size_and_how_it_was_measured() -> None:
     assert (event.kind, event.step) == ("device_memory", 3)
     assert event.data == {"device_id": "n1-gpu-0", "overhead_bytes": 640 * 2**20, "how": "process"}
     assert event.message == (
-        "device n1-gpu-0 (h100): 640.0 MiB of its 79.6 GiB held before any stage (CUDA"
+        "device n1-gpu-0 (h100): 640.0 MiB of its 79.6 GiB held before any stage or shard (CUDA"
         " context, kernels, library workspaces; nvidia-smi's count for the worker)"
     )
 
