@@ -345,10 +345,7 @@ class RayGroup:
     def prepare(self, plans: Sequence[StagePlan]) -> bool:
         have = {p.device.id for p in self._plans}
         wanted = {p.device.id: p for p in plans if p.device.id not in have}
-        for device_id, prepared in list(self._prepared.items()):
-            if wanted.get(device_id) != prepared.plan:
-                launch.kill_worker(prepared.actor)
-                del self._prepared[device_id]
+        self._drop_prepared(wanted)
         for device_id, plan in wanted.items():
             if device_id not in self._prepared:
                 actor = launch.start_stage_worker(plan, self._setup)
@@ -357,6 +354,13 @@ class RayGroup:
         pending = [p for p in self._prepared.values() if not p.built_or_failed()]
         late = time.monotonic() - self._start_timeout_s
         return all(p.since < late for p in pending)
+
+    def _drop_prepared(self, wanted: Mapping[str, StagePlan] | None = None) -> None:
+        """Stop the prepared workers that are not for ``wanted`` (plans by device id)."""
+        for device_id, prepared in list(self._prepared.items()):
+            if (wanted or {}).get(device_id) != prepared.plan:
+                launch.kill_worker(prepared.actor)
+                del self._prepared[device_id]
 
     def regroup(self, plans: Sequence[StagePlan], keep: Mapping[int, int]) -> None:
         old = self._actors
@@ -371,7 +375,7 @@ class RayGroup:
                 f" devices {[plans[w].device.id for w in started]}"
             ) from None
         finally:
-            self.prepare(())  # workers prepared for other plans free their devices
+            self._drop_prepared()  # workers prepared for other plans free their devices
         self._form_collectives(self._start_timeout_s)
 
     def connect(self) -> str | None:
@@ -537,9 +541,8 @@ class RayGroup:
         # ray.kill is asynchronous, and a killed actor may still answer a call submitted
         # right after it (measured: 4 times in 15).
         self._shut = True
-        prepared = [p.actor for p in self._prepared.values()]
-        self._prepared = {}
-        for actor in [*self._actors, *self._parked, *prepared]:
+        self._drop_prepared()
+        for actor in [*self._actors, *self._parked]:
             launch.kill_worker(actor)
 
 
