@@ -43,7 +43,7 @@ from workers.saved import MovableSaves
 from workers.snapshot import StagePlan
 from workers.stage import Stage, StageSetup, StageStateError, torch_device
 from workers.stage_worker import one_line
-from workers.wire import Wire, receive_tree, send_tree
+from workers.wire import Wire, receive, receive_tree, send, send_tree
 
 ShardKey = tuple[str, int]
 """(model id, shard index)."""
@@ -66,6 +66,18 @@ class TaskResult:
 
 Outputs = list[Wire | None]
 """A shard task's tensors for the model's next task, one per micro-batch."""
+
+
+@dataclass(frozen=True)
+class Stashed:
+    """A task's inputs are the outputs of the model's task at ``position`` - 1, which ran on
+    this same host and left them in its stash (``keep``): on the device, never serialized."""
+
+    position: int
+
+
+Inputs = Sequence[Wire | None] | Stashed
+"""What a shard task computes from: tensors sent to it, or what the host's stash holds."""
 
 TASK_METHODS = frozenset({"forward", "backward"})
 """The methods that return ``(Outputs, TaskResult)``."""
@@ -92,6 +104,9 @@ class ShardHost:
         self._built: dict[ShardKey, tuple[StageSetup, tuple[int, int], int]] = {}
         self._resident: OrderedDict[ShardKey, int] = OrderedDict()
         """Shards on the device and the bytes each takes there, least recently used first."""
+        self._stash: dict[tuple[str, int], list[torch.Tensor | None]] = {}
+        """Outputs of tasks whose model's next task runs here, by (model, that task's
+        position): they stay on the device (``keep``) until it takes them."""
         self._residue: dict[ShardKey, int] = {}
         """Demoted shards between a forward and its backward: the bytes of the micro-batches'
         inputs and outputs they keep, which stay on the device (autograd's other saved
@@ -152,8 +167,11 @@ class ShardHost:
         return states, time.perf_counter() - started, time.time()
 
     def drop(self, key: ShardKey) -> None:
-        """Forget shard ``key`` (it moved to another host, or its model ended)."""
+        """Forget shard ``key`` (it moved to another host, or its model ended, or rolls
+        back), and whatever this host keeps for its model's next tasks."""
         self._stage(key)
+        for kept in [k for k in self._stash if k[0] == key[0]]:
+            del self._stash[kept]
         self._demote(key)
         self._residue.pop(key, None)
         del self._shards[key]
@@ -175,6 +193,7 @@ class ShardHost:
             "resident": list(self._resident),
             "resident_bytes": sum(self._resident.values()),
             "residue_bytes": sum(self._residue.values()),
+            "stash_bytes": self._stash_bytes(),
             "budget_bytes": self.budget_bytes,
             "overhead_bytes": self._overhead.bytes,
         }
@@ -184,32 +203,86 @@ class ShardHost:
     def forward(
         self,
         key: ShardKey,
-        inputs: Sequence[Wire],
+        inputs: Inputs,
         targets: Sequence[Wire] | None = None,
         scale: float = 1.0,
         prefetch: ShardKey | None = None,
+        keep: int | None = None,
     ) -> tuple[Outputs, TaskResult]:
         """Run every micro-batch through shard ``key``, keeping what its backward needs:
         the outputs are the next shard's inputs; on the model's last shard (``targets``
-        given) there are none, and the losses, ``scale`` times the mean, are in the result."""
+        given) there are none, and the losses, ``scale`` times the mean, are in the result.
+        ``keep``: the position of the model's next task, which runs on this host too: the
+        outputs stay here for it (``Stashed``) instead of leaving."""
         stage, promoted = self._begin(key, prefetch)
+        xs = _every(self._take(key[0], inputs, stage), key)
         with self._saves[key].hooks():
             if targets is None:
-                outputs: Outputs = [stage.forward(j, x) for j, x in enumerate(inputs)]
-                return outputs, TaskResult([], stage.lap().compute_s, promoted)
-            pairs = zip(inputs, targets, strict=True)
-            losses = [stage.forward_loss(j, x, y, scale) for j, (x, y) in enumerate(pairs)]
-        return [], TaskResult(losses, stage.lap().compute_s, promoted)
+                outputs = [stage.forward_tensor(j, x) for j, x in enumerate(xs)]
+                handed = self._hand_on(key[0], outputs, keep, copy=True)
+                return handed, TaskResult([], stage.lap().compute_s, promoted)
+            ys = [receive(y, stage.device) for y in targets]
+            pairs = zip(xs, ys, strict=True)
+            losses = [stage.loss_tensor(j, x, y, scale) for j, (x, y) in enumerate(pairs)]
+        values = torch.stack(losses).tolist()  # the task's one read of the device
+        return [], TaskResult([float(v) for v in values], stage.lap().compute_s, promoted)
 
     def backward(
-        self, key: ShardKey, grads: Sequence[Wire | None], prefetch: ShardKey | None = None
+        self,
+        key: ShardKey,
+        grads: Inputs,
+        prefetch: ShardKey | None = None,
+        keep: int | None = None,
     ) -> tuple[Outputs, TaskResult]:
         """Backpropagate every micro-batch through shard ``key`` from its output gradients
         (None on the last shard: from the losses), then apply the shard's step; the outputs
-        are the gradients of its inputs."""
+        are the gradients of its inputs (kept here for the next task as in ``forward``)."""
         stage, promoted = self._begin(key, prefetch)
-        outputs = [stage.backward(j, g) for j, g in enumerate(grads)]
-        return outputs, TaskResult([], stage.apply_step().compute_s, promoted)
+        upstream = self._take(key[0], grads, stage)
+        outputs = [stage.backward_tensor(j, g) for j, g in enumerate(upstream)]
+        clock = stage.apply_step()
+        return self._hand_on(key[0], outputs, keep, copy=False), TaskResult(
+            [], clock.compute_s, promoted
+        )
+
+    def _take(self, model: str, inputs: Inputs, stage: Stage) -> list[torch.Tensor | None]:
+        """A task's input tensors on the device: from the stash, or received."""
+        if isinstance(inputs, Stashed):
+            kept = self._stash.pop((model, inputs.position), None)
+            if kept is None:
+                raise StageStateError(
+                    f"no outputs are kept on {self.device.id} for task {inputs.position} of"
+                    f" model {model}"
+                )
+            return kept
+        return [None if x is None else receive(x, stage.device) for x in inputs]
+
+    def _hand_on(
+        self,
+        model: str,
+        outputs: Sequence[torch.Tensor | None],
+        keep: int | None,
+        *,
+        copy: bool,
+    ) -> Outputs:
+        """Outputs for the model's next task: kept here (on the device) when it runs here,
+        else in wire form. A forward's output is copied: the shard that made it still
+        holds it for its backward, and the next shard may change its input in place."""
+        if keep is None:
+            return [None if t is None else send(t) for t in outputs]
+        with torch.no_grad():
+            self._stash[(model, keep)] = [
+                None if t is None else (t.detach().clone() if copy else t.detach()) for t in outputs
+            ]
+        return []
+
+    def _stash_bytes(self) -> int:
+        return sum(
+            t.numel() * t.element_size()
+            for kept in self._stash.values()
+            for t in kept
+            if t is not None
+        )
 
     # ------------------------------------------------------------ promotion (spilling)
 
@@ -257,7 +330,8 @@ class ShardHost:
         return copied
 
     def _used(self) -> int:
-        return sum(self._resident.values()) + sum(self._residue.values())
+        held = sum(self._resident.values()) + sum(self._residue.values())
+        return held + self._stash_bytes()
 
     def _demote(self, key: ShardKey) -> None:
         if self._resident.pop(key, None) is not None:
@@ -283,6 +357,14 @@ class ShardHost:
                     _pin(block.module)
             saves.to(device, pin=pin)
         stage.device = device
+
+
+def _every(tensors: Sequence[torch.Tensor | None], key: ShardKey) -> list[torch.Tensor]:
+    """A forward's inputs: one tensor per micro-batch, none missing."""
+    present = [t for t in tensors if t is not None]
+    if len(present) != len(tensors):
+        raise StageStateError(f"shard {key}'s forward was given no input for a micro-batch")
+    return present
 
 
 def _parameters(stage: Stage) -> list[torch.Tensor]:

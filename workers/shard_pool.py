@@ -8,8 +8,9 @@ have finished, ``result`` gives a call's value or raises ``ShardFailed`` (the wo
 raised), ``HostLost`` (the worker, its device or its node is gone) or ``InputLost`` (the
 call's input, another task's outputs, was lost with the node that held it). A shard task's
 (``forward``, ``backward``) value is its ``TaskResult``; its tensors for the model's next task
-are ``outputs``, a handle to pass to that task's ``submit``: on Ray an object reference, so
-activations and gradients go from worker to worker and never through the executor.
+are ``outputs``, a handle to pass to that task's ``submit``, even before the task has run: on
+Ray an object reference, so activations and gradients go from worker to worker and never
+through the executor, and the next task waits for them on its worker's queue.
 """
 
 from __future__ import annotations
@@ -82,7 +83,8 @@ class HostPool(Protocol):
         ...
 
     def outputs(self, call: Call) -> Any:
-        """A finished shard task's outputs, as an argument for the model's next task."""
+        """A shard task's outputs, as an argument for the model's next task: that task
+        runs once they are there (``InputLost`` if they never come)."""
         ...
 
     def shutdown(self) -> None: ...
@@ -94,6 +96,13 @@ PoolFactory = Callable[[Sequence[Device], Mapping[DeviceId, int]], "HostPool"]
 
 @dataclass(frozen=True, eq=False)
 class _Local(Call):
+    future: Future[Any]
+
+
+@dataclass(frozen=True)
+class _Later:
+    """A local task's outputs, as another task's argument: taken once the task is done."""
+
     future: Future[Any]
 
 
@@ -113,8 +122,16 @@ class LocalPool:
         return _Local(host, method, future)
 
     def _call(self, host: int, method: str, *args: Any) -> Any:
+        # Inputs first, outside the turn: the task that makes them may be waiting for it.
+        values = [self._resolve(host, a) if isinstance(a, _Later) else a for a in args]
         with self._turn:
-            return self._workers[host].call(method, *args)
+            return self._workers[host].call(method, *values)
+
+    def _resolve(self, host: int, later: _Later) -> Any:
+        try:
+            return later.future.result()[0]
+        except Exception:  # the task that was to make them failed (and says why itself)
+            raise InputLost(self.devices[host].id) from None
 
     def wait(self, calls: Sequence[Call], timeout: float) -> list[Call]:
         by_future = {_own(c, _Local).future: c for c in calls}
@@ -128,7 +145,7 @@ class LocalPool:
         return value[1] if call.method in TASK_METHODS else value
 
     def outputs(self, call: Call) -> Any:
-        return _own(call, _Local).future.result(timeout=0)[0]
+        return _Later(_own(call, _Local).future)
 
     def shutdown(self) -> None:
         for thread in self._threads:
@@ -176,20 +193,26 @@ class RayPool:
             if isinstance(exc.cause, ShardFailed):
                 raise exc.cause from None
             if isinstance(exc.cause, RayActorError):
-                raise HostLost(device, "its worker died") from None
+                raise self._actor_error(remote, exc.cause) from None
             if isinstance(exc.cause, ObjectLostError):
                 raise self._lost_object(remote) from None
             raise
         except ObjectLostError:
             raise self._lost_object(remote) from None
         except RayActorError as exc:
-            reason = "its node was preempted" if exc.preempted else "its worker died"
-            raise HostLost(device, reason) from None
+            raise self._actor_error(remote, exc) from None
         except ActorUnschedulableError:
             raise HostLost(device, "its node is gone or cannot host it") from None
 
     def outputs(self, call: Call) -> Any:
         return _own(call, _Remote).outputs
+
+    def _actor_error(self, call: _Remote, exc: RayActorError) -> HostLost | InputLost:
+        """The call's worker died, or the one whose task was to make its input did."""
+        device = self.devices[call.host].id
+        if exc.actor_id is not None and exc.actor_id != self._actors[call.host]._actor_id.hex():
+            return InputLost(device)
+        return HostLost(device, "its node was preempted" if exc.preempted else "its worker died")
 
     def _lost_object(self, call: _Remote) -> HostLost | InputLost:
         """An object the call needs is gone: its own result, lost with its worker's node

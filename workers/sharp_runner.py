@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -46,7 +47,7 @@ from workers.checkpoints import CheckpointStore
 from workers.device_memory import device_memory_event
 from workers.recovery import copies_event
 from workers.runner import resumed_event, write_checkpoint
-from workers.shard_host import ShardFailed, ShardKey, TaskResult
+from workers.shard_host import ShardFailed, ShardKey, Stashed, TaskResult
 from workers.shard_pool import Call, HostLost, HostPool, InputLost, PoolFactory
 from workers.snapshot import JobSnapshot, RunnerEvent, RunnerReport, RunStatus, StepMetrics
 from workers.stage import StageSetup
@@ -55,6 +56,10 @@ from workers.wire import Wire, send
 from workers.zoo.data import DataSource, make_data
 
 DEFAULT_TASK_TIMEOUT_S = 600.0
+
+QUEUE_DEPTH = 2
+"""Tasks queued on a device at once: the one it runs and the next, so it never waits for
+this loop between two tasks (Hydra's executor, like any, pays a round trip per task)."""
 
 
 @dataclass
@@ -79,10 +84,15 @@ class _Model:
     homes: list[int]
     """The pool position of the device holding each shard."""
     done: int = 0
+    """Tasks finished, in chain order (``ModelPlan.task`` positions)."""
+    submitted: int = 0
+    """Tasks handed to a device: those from ``done`` on are in flight, each queued behind
+    the one before it in the chain (``_dispatch``)."""
     ratio: float = 1.0
     last_run: int = -1
     carry: Any = None
-    """The inputs of the model's next task: a batch, or a ``HostPool.outputs`` handle."""
+    """The inputs of the model's next task to submit: a batch, a ``HostPool.outputs``
+    handle (made on another device) or ``Stashed`` (kept on its own device)."""
     targets: list[Wire] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
     step_started: float = 0.0
@@ -121,6 +131,30 @@ class _Model:
     @property
     def runnable(self) -> bool:
         return self.active and self.lost is None
+
+    @property
+    def can_submit(self) -> bool:
+        """Its next task may be queued: it has one, and it is not the first of a step
+        whose last task's end (its copy, checkpoint, suspension) is still to be seen."""
+        at = self.submitted
+        new_step = at % (2 * len(self.plan.shards)) == 0
+        return self.runnable and at < self.plan.tasks and (not new_step or self.done == at)
+
+    def restart(self, step: int) -> None:
+        """Train on from the end of ``step`` (placed from a checkpoint, or rolled back)."""
+        self.done = self.submitted = step * 2 * len(self.plan.shards)
+        self.carry, self.losses = None, []
+
+
+@dataclass(frozen=True)
+class _Task:
+    """A shard task in flight: its model, device (pool position), chain position and
+    dispatch number (a model's tasks finish in that order)."""
+
+    model: _Model
+    host: int
+    position: int
+    number: int
 
 
 class SharpTrainer:
@@ -165,8 +199,8 @@ class SharpTrainer:
         """Pool positions of devices that were lost."""
         self._reported: set[int] = set()
         """Pool positions of devices whose overhead a model's events have said."""
-        self._in_flight: dict[Call, tuple[_Model, int]] = {}
-        """Shard tasks under way: their model and pool position."""
+        self._in_flight: dict[Call, _Task] = {}
+        """Shard tasks under way, up to ``QUEUE_DEPTH`` per device."""
         self._copy_calls: dict[Call, _Model] = {}
         """Copy calls under way (``_Model.copying``), by the model they copy."""
         self._stopped: str | None = None
@@ -282,13 +316,14 @@ class SharpTrainer:
             if waiting:
                 done = pool.wait(waiting, self._timeout)
                 # Copies first: a host took its part before its next task of the model, so
-                # a step's end then finds the copy before it whole.
-                for call in sorted(done, key=lambda c: c not in self._copy_calls):
-                    if call in self._copy_calls:
-                        self._copied(pool, self._copy_calls.pop(call), call)
-                        continue
-                    model, host = self._in_flight.pop(call)
-                    self._complete(pool, model, host, call)
+                # a step's end then finds the copy before it whole. Tasks in dispatch order:
+                # a model's in its chain's.
+                copies = [c for c in done if c in self._copy_calls]
+                for call in copies:
+                    self._copied(pool, self._copy_calls.pop(call), call)
+                tasks = sorted((c for c in done if c in self._in_flight), key=self._number)
+                for call in tasks:
+                    self._complete(pool, self._in_flight.pop(call), call)
             elif self._open or self._incoming:
                 self._wakeup.wait(timeout=1.0)
             else:
@@ -338,7 +373,10 @@ class SharpTrainer:
                 self._drop(pool, model)
 
     def _busy_models(self) -> set[str]:
-        return {m.snap.job_id for m, _ in self._in_flight.values()}
+        return {t.model.snap.job_id for t in self._in_flight.values()}
+
+    def _number(self, call: Call) -> int:
+        return self._in_flight[call].number
 
     def _drop(self, pool: HostPool, model: _Model) -> None:
         model.copying = None
@@ -400,7 +438,8 @@ class SharpTrainer:
         if latest is not None or restorable.skipped:
             self._record(model, resumed_event(restorable))
         if latest is not None:
-            model.done = model.placed = latest.step * 2 * len(shards)
+            model.restart(latest.step)
+            model.placed = model.done
             with self._lock:
                 model.step = latest.step
         where = ", ".join(
@@ -439,37 +478,43 @@ class SharpTrainer:
     # ----------------------------------------------------------------------- dispatch
 
     def _dispatch(self, pool: HostPool) -> None:
-        """Give every idle device a task of a model whose next shard it holds."""
-        busy_models = self._busy_models()
-        busy_hosts = {h for _, h in self._in_flight.values()}
+        """Keep every device's queue ``QUEUE_DEPTH`` tasks deep, each a task of a model
+        whose next shard it holds: the device starts its next task as soon as it ends
+        one, with no round trip through this loop between them, and the task's inputs
+        come from the task before it in its model's chain without passing through here
+        (kept on the device when that ran there too, else straight from that device)."""
         plans = {m.snap.job_id: m.plan for m in self._models.values()}
-        for host, device in enumerate(self._devices):
-            if host in busy_hosts or host in self._dead:
-                continue
-            here = [
-                m
-                for m in self._models.values()
-                if m.runnable
-                and m.snap.job_id not in busy_models
-                and m.homes[m.plan.shard_at(m.done).index] == host
-            ]
-            if not here:
-                continue
-            idle = IdleDevice(device.id, device.node_id, 1.0, self._budgets[device.id])
-            runnable = [progress(m.plan, m.done, ratio=m.ratio, last_run=m.last_run) for m in here]
-            residency = {m.snap.job_id: Residence(device.id, device.node_id) for m in here}
-            chosen = assign(
-                self._policy, [idle], runnable, plans, residency, sequence=self._dispatched
-            )
-            if not chosen:
-                continue
-            (picked,) = chosen
-            model = self._models[picked.task.model]
-            nxt = picked.prefetch if self._prefetch else None
-            prefetch = self._prefetch_key(nxt, host)
-            self._in_flight[self._submit(pool, model, host, picked.task, prefetch)] = (model, host)
-            model.last_run = self._dispatched
-            self._dispatched += 1
+        queued = Counter(t.host for t in self._in_flight.values())
+        for depth in range(1, QUEUE_DEPTH + 1):  # a task for every device before a second
+            for host, device in enumerate(self._devices):
+                if queued[host] >= depth or host in self._dead:
+                    continue
+                here = [
+                    m
+                    for m in self._models.values()
+                    if m.can_submit and m.homes[m.plan.shard_at(m.submitted).index] == host
+                ]
+                if not here:
+                    continue
+                idle = IdleDevice(device.id, device.node_id, 1.0, self._budgets[device.id])
+                runnable = [
+                    progress(m.plan, m.submitted, ratio=m.ratio, last_run=m.last_run) for m in here
+                ]
+                residency = {m.snap.job_id: Residence(device.id, device.node_id) for m in here}
+                chosen = assign(
+                    self._policy, [idle], runnable, plans, residency, sequence=self._dispatched
+                )
+                if not chosen:
+                    continue
+                (picked,) = chosen
+                model = self._models[picked.task.model]
+                nxt = picked.prefetch if self._prefetch else None
+                call = self._submit(pool, model, host, picked.task, self._prefetch_key(nxt, host))
+                self._in_flight[call] = _Task(model, host, model.submitted, self._dispatched)
+                model.submitted += 1
+                model.last_run = self._dispatched
+                self._dispatched += 1
+                queued[host] += 1
 
     def _prefetch_key(self, task: ShardTask | None, host: int) -> ShardKey | None:
         if task is None:
@@ -485,20 +530,35 @@ class SharpTrainer:
         task: ShardTask,
         prefetch: ShardKey | None,
     ) -> Call:
+        """Queue ``task`` (the model's next, at ``model.submitted``) on ``host``, and note
+        where the task after it takes its inputs from."""
         key = (model.snap.job_id, task.shard)
-        last = task.shard == len(model.plan.shards) - 1
+        plan, position = model.plan, model.submitted
+        last = task.shard == len(plan.shards) - 1
+        # A forward's activations go to the next shard's forward, a backward's gradients
+        # to the shard before's backward; the last forward and the first backward, one
+        # shard's pair, pass nothing (the loss stays in the shard), nor does the last task.
+        passes = (task.shard > 0) if task.op is Op.BACKWARD else not last
+        after = plan.shard_at(position + 1).index if passes else None
+        keep = position + 1 if after is not None and model.homes[after] == host else None
         if task.op is Op.FORWARD:
             if task.shard == 0:
                 self._load_batch(model, task.step)
             if last:
                 snap = model.snap
                 scale = (snap.batch_size // snap.micro_batches) / snap.batch_size
-                return pool.submit(
-                    host, "forward", key, model.carry, model.targets, scale, prefetch
-                )
-            return pool.submit(host, "forward", key, model.carry, None, 1.0, prefetch)
-        grads = [None] * model.snap.micro_batches if last else model.carry
-        return pool.submit(host, "backward", key, grads, prefetch)
+                args: tuple[Any, ...] = (model.carry, model.targets, scale, prefetch, keep)
+            else:
+                args = (model.carry, None, 1.0, prefetch, keep)
+            call = pool.submit(host, "forward", key, *args)
+        else:
+            grads = [None] * model.snap.micro_batches if last else model.carry
+            call = pool.submit(host, "backward", key, grads, prefetch, keep)
+        if keep is not None:
+            model.carry = Stashed(keep)
+        else:
+            model.carry = pool.outputs(call) if passes else None
+        return call
 
     def _load_batch(self, model: _Model, step: int) -> None:
         snap = model.snap
@@ -514,30 +574,34 @@ class SharpTrainer:
 
     # --------------------------------------------------------------------- completion
 
-    def _complete(self, pool: HostPool, model: _Model, host: int, call: Call) -> None:
-        task = model.plan.task(model.done)
+    def _complete(self, pool: HostPool, task: _Task, call: Call) -> None:
+        """A task is done: its model moves on (and ends its step after its last task), or,
+        when it failed, fails, or rolls back once its tasks in flight are done."""
+        model = task.model
         try:
             result: TaskResult = pool.result(call)
         except ShardFailed as exc:
-            self._end(model, RunStatus.FAILED, str(exc))
-            return
+            if model.lost is None:  # else a consequence of the loss it rolls back from
+                self._end(model, RunStatus.FAILED, str(exc))
         except HostLost as exc:
-            self._lose(pool, host, str(exc))
-            return
+            self._lose(pool, task.host, str(exc))
         except InputLost as exc:  # its input was on a device lost meanwhile
             model.lost = model.lost or str(exc)
-            self._roll_back(pool, model)
-            return
-        if model.lost is not None:  # the result of a step that is rolled back
-            self._roll_back(pool, model)
-            return
+        else:
+            if model.lost is None and model.status is RunStatus.RUNNING:
+                self._account(pool, model, result)
+        if model.lost is not None and model.snap.job_id not in self._busy_models():
+            self._roll_back(pool, model)  # a step rolled back: the results since are dropped
+
+    def _account(self, pool: HostPool, model: _Model, result: TaskResult) -> None:
+        """The model's next task in its chain (``done``) finished with ``result``."""
+        task = model.plan.task(model.done)
         self.promoted_bytes += result.promoted_bytes
         estimated = model.plan.task_s(model.done)
         model.ratio = refine_ratio(model.ratio, estimated, result.compute_s)
         model.step_compute_s += result.compute_s
         if result.losses:
             model.losses = result.losses
-        model.carry = pool.outputs(call)
         model.done += 1
         if task.op is Op.BACKWARD and task.shard == 0:
             self._finish_step(pool, model, task.step + 1)
@@ -753,7 +817,7 @@ class SharpTrainer:
             self._lose(pool, self._host_of(exc), str(exc))
             return
         replayed = model.step - step
-        model.done, model.carry, model.losses = step * 2 * len(model.plan.shards), None, []
+        model.restart(step)
         self._record(
             model,
             RunnerEvent(

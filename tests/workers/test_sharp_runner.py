@@ -138,6 +138,85 @@ def test_prefetch_moves_the_same_bytes_earlier_and_a_resumed_model_goes_on_exact
     assert [m.loss for m in report.metrics] == ref.losses[2:]
 
 
+class QueueWatchingPool(LocalPool):
+    """A LocalPool that notes, at each shard task it is given, how many tasks its device
+    had not finished yet, and which tasks took their inputs from the device's stash."""
+
+    def __init__(self, devices: Any, budgets: Any) -> None:
+        super().__init__(devices, budgets)
+        self.depths: list[int] = []
+        self.stashed = 0
+        self.kept = 0
+        self._tasks: list[Any] = []
+
+    def submit(self, host: int, method: str, *args: Any) -> Any:
+        from workers.shard_host import Stashed
+
+        if method in ("forward", "backward"):
+            waiting = [c for c in self._tasks if c.host == host and not c.future.done()]
+            self.depths.append(len(waiting) + 1)
+            self.stashed += isinstance(args[1], Stashed)
+            self.kept += args[-1] is not None
+        call = super().submit(host, method, *args)
+        if method in ("forward", "backward"):
+            self._tasks.append(call)
+        return call
+
+
+@pytest.mark.unit
+def test_each_device_has_its_next_task_queued_behind_the_one_it_runs(tmp_path: Path) -> None:
+    """A device is given its next task while it runs one (never more than the two), so it
+    goes on without waiting for the executor; the math stays that of each model alone."""
+    snaps = [model(tmp_path, "a", steps=3), model(tmp_path, "b", seed=9, steps=3)]
+    pools: list[QueueWatchingPool] = []
+
+    def watched(devs: Any, budgets: Any) -> QueueWatchingPool:
+        pools.append(QueueWatchingPool(devs, budgets))
+        return pools[-1]
+
+    trainer = train(snaps, watched, budget_for_shards(snaps[0], 3))
+    (pool,) = pools
+    assert max(pool.depths) == 2, pool.depths
+    for snap in snaps:
+        assert_alone(snap, [m.loss for m in trainer.report(snap.job_id, 0).metrics])
+
+
+@pytest.mark.unit
+def test_a_task_whose_next_runs_on_the_same_device_leaves_its_outputs_there(
+    tmp_path: Path,
+) -> None:
+    """On one device every shard's outputs feed the next shard there: each is kept in the
+    device's stash (never serialized) and taken by the next task, and the models train
+    exactly as alone."""
+    snaps = [
+        model(tmp_path, "a", steps=3),
+        model(tmp_path, "b", seed=9, steps=3, recompute=False),
+    ]
+    pools: list[QueueWatchingPool] = []
+
+    def watched(devs: Any, budgets: Any) -> QueueWatchingPool:
+        pools.append(QueueWatchingPool(devs, budgets))
+        return pools[-1]
+
+    (device, _) = devices()
+    budget = budget_for_shards(snaps[0], 3)
+    trainer = SharpTrainer(snaps, [device], watched, budgets={device.id: budget})
+    assert trainer.run() == {s.job_id: RunStatus.SUCCEEDED for s in snaps}
+    (pool,) = pools
+    shards = [
+        len(e.data["stages"])
+        for s in snaps
+        for e in trainer.report(s.job_id, 0).events
+        if e.kind == "placement"
+    ]
+    # Per step, each shard but the last passes its activations on, each but the first
+    # its gradients back: 2 (k - 1) tasks a step hand on, all through the stash.
+    handed = sum(2 * (k - 1) * 3 for k in shards)
+    assert min(shards) >= 2 and pool.kept == pool.stashed == handed
+    for snap in snaps:
+        assert_alone(snap, [m.loss for m in trainer.report(snap.job_id, 0).metrics])
+
+
 @pytest.mark.integration
 def test_ray_shard_workers_train_models_together_exactly(ray_address: str, tmp_path: Path) -> None:
     import ray
