@@ -20,6 +20,7 @@ import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
+from heapq import heapify, heappop, heappush
 from typing import TypeAlias
 
 from scheduler.cut import Model, Slot, cut
@@ -199,6 +200,54 @@ def _fewest_shards(model: Model, half: int, budget: int) -> int:
             )
         count, end = count + 1, furthest
     return count
+
+
+@dataclass(frozen=True)
+class Home:
+    """A device that may hold shards: its relative speed, the largest shard it can run
+    (its memory budget) and the reference seconds of the work of the shards it holds."""
+
+    device: DeviceId
+    speed: float = 1.0
+    load_s: float = 0.0
+    budget_bytes: int = 2**62
+
+
+def home_shards(shards: Sequence[Shard], steps: int, devices: Sequence[Home]) -> list[DeviceId]:
+    """Where each of a model's shards lives (its host memory, and the device that runs its
+    tasks): heaviest first, each on a device that can run it where its ``steps`` steps of
+    work would end soonest after what that device holds ((load + work) / speed; ties to the
+    lowest id): longest-processing-time-first, so the devices' work is even for their
+    speeds. O(shards x device classes x log devices). A ``ShardError`` when a shard fits
+    none of them."""
+    heaps: dict[tuple[float, int], list[tuple[float, DeviceId]]] = {}
+    for d in devices:
+        heaps.setdefault((d.speed, d.budget_bytes), []).append((d.load_s, d.device))
+    for heap in heaps.values():
+        heapify(heap)
+    homes: dict[int, DeviceId] = {}
+    for shard in sorted(shards, key=lambda s: (-(s.forward_s + s.backward_s), s.index)):
+        work = steps * (shard.forward_s + shard.backward_s)
+        fits = [key for key in heaps if key[1] >= shard.bytes]
+        if not fits:
+            largest = max((d.budget_bytes for d in devices), default=0)
+            raise ShardError(
+                f"shard {shard.index} needs {format_bytes(shard.bytes)} but the largest device"
+                f" has {format_bytes(largest)}; cut its shards for the smallest device"
+            )
+        key = min(fits, key=lambda k: ((heaps[k][0][0] + work) / k[0], heaps[k][0][1]))
+        load, device = heappop(heaps[key])
+        heappush(heaps[key], (load + work, device))
+        homes[shard.index] = device
+    return [homes[s.index] for s in shards]
+
+
+def move_pays(copy_s: float, here_s: float, wait_s: float, home_s: float) -> bool:
+    """Whether a shard at rest should move to an idle device of its node for its next task:
+    copying its state there and running it there ends sooner than waiting ``wait_s`` for
+    its home device and running it there (Hydra lets any free device take a shard; an
+    executor whose shards live with their device's worker moves one only where it pays)."""
+    return copy_s + here_s < wait_s + home_s
 
 
 # ------------------------------------------------------------------ tasks and progress

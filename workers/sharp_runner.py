@@ -31,13 +31,16 @@ from scheduler.copies import CopyCadence, most_replayed
 from scheduler.devices import Device
 from scheduler.profile import BlockCost
 from scheduler.sharp import (
+    Home,
     IdleDevice,
     ModelPlan,
     Op,
     Policy,
     Residence,
+    Shard,
     ShardTask,
     assign,
+    home_shards,
     progress,
     refine_ratio,
     shard_model,
@@ -88,6 +91,8 @@ class _Model:
     submitted: int = 0
     """Tasks handed to a device: those from ``done`` on are in flight, each queued behind
     the one before it in the chain (``_dispatch``)."""
+    last_host: int = -1
+    """The device of its last submitted task."""
     ratio: float = 1.0
     last_run: int = -1
     carry: Any = None
@@ -132,13 +137,18 @@ class _Model:
     def runnable(self) -> bool:
         return self.active and self.lost is None
 
-    @property
-    def can_submit(self) -> bool:
-        """Its next task may be queued: it has one, and it is not the first of a step
-        whose last task's end (its copy, checkpoint, suspension) is still to be seen."""
+    def can_submit(self, host: int) -> bool:
+        """Its next task may be queued on ``host``: it has one, its shard lives there, it
+        is not the first of a step whose last task's end (its copy, checkpoint,
+        suspension) is still to be seen, and its input will be there when ``host`` gets
+        to it: the task before it has ended, or runs on ``host`` first (a task waiting
+        for a producer elsewhere would hold up the tasks queued behind it)."""
         at = self.submitted
+        if not (self.runnable and at < self.plan.tasks):
+            return False
         new_step = at % (2 * len(self.plan.shards)) == 0
-        return self.runnable and at < self.plan.tasks and (not new_step or self.done == at)
+        ready = self.done == at or (not new_step and self.last_host == host)
+        return self.homes[self.plan.shard_at(at).index] == host and ready
 
     def restart(self, step: int) -> None:
         """Train on from the end of ``step`` (placed from a checkpoint, or rolled back)."""
@@ -416,12 +426,7 @@ class SharpTrainer:
             with self._lock:
                 self._models[snap.job_id] = model
             return []
-        homes = {}
-        for shard in sorted(shards, key=lambda s: -(s.forward_s + s.backward_s)):
-            host = min(live, key=lambda h: (self._load[h], h))
-            self._load[host] += snap.steps * (shard.forward_s + shard.backward_s)
-            homes[shard.index] = host
-        model = _Model(snap, plan, data, [homes[s.index] for s in shards])
+        model = _Model(snap, plan, data, self._home(shards, snap.steps, live))
         store = CheckpointStore(snap.checkpoint_root)
         restorable = store.restorable(snap.job_id)
         latest, states = restorable.info, restorable.blocks
@@ -467,6 +472,18 @@ class SharpTrainer:
         )
         return adds
 
+    def _home(self, shards: Sequence[Shard], steps: int, live: Sequence[int]) -> list[int]:
+        """The pool positions ``shards`` live on (``scheduler.sharp.home_shards``), their
+        work counted on those devices."""
+        ids = home_shards(
+            shards, steps, [Home(self._devices[h].id, 1.0, self._load[h]) for h in live]
+        )
+        position = {self._devices[h].id: h for h in live}
+        homes = [position[i] for i in ids]
+        for shard, host in zip(shards, homes, strict=True):
+            self._load[host] += steps * (shard.forward_s + shard.backward_s)
+        return homes
+
     def _await_all(self, pool: HostPool, calls: Sequence[Call]) -> list[Any]:
         pending, values = list(calls), {}
         while pending:
@@ -479,21 +496,18 @@ class SharpTrainer:
 
     def _dispatch(self, pool: HostPool) -> None:
         """Keep every device's queue ``QUEUE_DEPTH`` tasks deep, each a task of a model
-        whose next shard it holds: the device starts its next task as soon as it ends
-        one, with no round trip through this loop between them, and the task's inputs
-        come from the task before it in its model's chain without passing through here
-        (kept on the device when that ran there too, else straight from that device)."""
+        whose next shard it holds and whose input will be there in time: the device starts
+        its next task as soon as it ends one, with no round trip through this loop between
+        them, and the task's inputs come from the task before it in its model's chain
+        without passing through here (kept on the device when that ran there too, else
+        straight from that device)."""
         plans = {m.snap.job_id: m.plan for m in self._models.values()}
         queued = Counter(t.host for t in self._in_flight.values())
         for depth in range(1, QUEUE_DEPTH + 1):  # a task for every device before a second
             for host, device in enumerate(self._devices):
                 if queued[host] >= depth or host in self._dead:
                     continue
-                here = [
-                    m
-                    for m in self._models.values()
-                    if m.can_submit and m.homes[m.plan.shard_at(m.submitted).index] == host
-                ]
+                here = [m for m in self._models.values() if m.can_submit(host)]
                 if not here:
                     continue
                 idle = IdleDevice(device.id, device.node_id, 1.0, self._budgets[device.id])
@@ -512,6 +526,7 @@ class SharpTrainer:
                 call = self._submit(pool, model, host, picked.task, self._prefetch_key(nxt, host))
                 self._in_flight[call] = _Task(model, host, model.submitted, self._dispatched)
                 model.submitted += 1
+                model.last_host = host
                 model.last_run = self._dispatched
                 self._dispatched += 1
                 queued[host] += 1
@@ -797,13 +812,19 @@ class SharpTrainer:
         calls = []
         data = make_data(model.snap.data, model.snap.seed, model.snap.allowed_factories)
         setup = StageSetup.of(model.snap, data.meta)
+        orphans = [s for s in model.plan.shards if model.homes[s.index] in self._dead]
+        moved = dict(
+            zip(
+                [s.index for s in orphans],
+                self._home(orphans, model.snap.steps, live),
+                strict=True,
+            )
+        )
         for shard in model.plan.shards:
             key, host = (job_id, shard.index), model.homes[shard.index]
             state = None if blocks is None else {i: blocks[i] for i in range(*shard.blocks)}
             if host in self._dead:
-                host = min(live, key=lambda h: (self._load[h], h))
-                self._load[host] += model.snap.steps * (shard.forward_s + shard.backward_s)
-                model.homes[shard.index] = host
+                host = model.homes[shard.index] = moved[shard.index]
             elif state is not None:
                 calls.append(pool.submit(host, "load", key, state))
                 continue
