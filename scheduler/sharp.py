@@ -17,17 +17,16 @@ and ``scheduler.simulate`` runs the same code on a modelled cluster.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from enum import StrEnum
-from heapq import heapify, heappop, heappush
 from typing import TypeAlias
 
 from scheduler.cut import Model, Slot, cut
 from scheduler.memory import format_bytes, stage_memory
 from scheduler.partition import DeviceCapacity, Workload
 from scheduler.profile import BlockCost
-from scheduler.types import BlockRange, DeviceId, NodeId
+from scheduler.types import BlockRange, DeviceId
 
 ModelId: TypeAlias = str
 """A model trained under SHARP (a sweep's trial): unique among the models sharing devices."""
@@ -214,40 +213,27 @@ class Home:
 
 
 def home_shards(shards: Sequence[Shard], steps: int, devices: Sequence[Home]) -> list[DeviceId]:
-    """Where each of a model's shards lives (its host memory, and the device that runs its
-    tasks): heaviest first, each on a device that can run it where its ``steps`` steps of
-    work would end soonest after what that device holds ((load + work) / speed; ties to the
-    lowest id): longest-processing-time-first, so the devices' work is even for their
-    speeds. O(shards x device classes x log devices). A ``ShardError`` when a shard fits
-    none of them."""
-    heaps: dict[tuple[float, int], list[tuple[float, DeviceId]]] = {}
-    for d in devices:
-        heaps.setdefault((d.speed, d.budget_bytes), []).append((d.load_s, d.device))
-    for heap in heaps.values():
-        heapify(heap)
-    homes: dict[int, DeviceId] = {}
-    for shard in sorted(shards, key=lambda s: (-(s.forward_s + s.backward_s), s.index)):
-        work = steps * (shard.forward_s + shard.backward_s)
-        fits = [key for key in heaps if key[1] >= shard.bytes]
-        if not fits:
-            largest = max((d.budget_bytes for d in devices), default=0)
-            raise ShardError(
-                f"shard {shard.index} needs {format_bytes(shard.bytes)} but the largest device"
-                f" has {format_bytes(largest)}; cut its shards for the smallest device"
-            )
-        key = min(fits, key=lambda k: ((heaps[k][0][0] + work) / k[0], heaps[k][0][1]))
-        load, device = heappop(heaps[key])
-        heappush(heaps[key], (load + work, device))
-        homes[shard.index] = device
-    return [homes[s.index] for s in shards]
+    """Where a model's shards live (the host memory of the device whose worker runs their
+    tasks): all on the one device that can run each of them where the model's ``steps``
+    steps of work would end soonest after what the device holds ((load + work) / speed;
+    ties to the lowest id). Placing models heaviest first this way is longest-processing-
+    time-first over the devices' speeds.
 
-
-def move_pays(copy_s: float, here_s: float, wait_s: float, home_s: float) -> bool:
-    """Whether a shard at rest should move to an idle device of its node for its next task:
-    copying its state there and running it there ends sooner than waiting ``wait_s`` for
-    its home device and running it there (Hydra lets any free device take a shard; an
-    executor whose shards live with their device's worker moves one only where it pays)."""
-    return copy_s + here_s < wait_s + home_s
+    Together, because a model's tasks form one chain: spread over several devices its
+    shards gain no parallelism (the parallelism is across models), while each hop between
+    devices costs a transfer and leaves both devices waiting on the other (simulated:
+    ``scheduler.simsharp``). A ``ShardError`` when no device can run its largest shard."""
+    need = max((s.bytes for s in shards), default=0)
+    fit = [d for d in devices if d.budget_bytes >= need]
+    if not fit:
+        largest = max((d.budget_bytes for d in devices), default=0)
+        raise ShardError(
+            f"a shard needs {format_bytes(need)} but the largest device has"
+            f" {format_bytes(largest)}; cut its shards for the smallest device"
+        )
+    work = steps * sum(s.forward_s + s.backward_s for s in shards)
+    best = min(fit, key=lambda d: ((d.load_s + work) / d.speed, d.device))
+    return [best.device] * len(shards)
 
 
 # ------------------------------------------------------------------ tasks and progress
@@ -397,201 +383,61 @@ def next_model(policy: Policy, runnable: Iterable[Progress]) -> ModelId | None:
 
 @dataclass(frozen=True)
 class IdleDevice:
-    """A device to take a task: relative speed, memory budget, host<->device GB/s, and the
-    seconds until it is free (0: it is idle). A busy device is offered so that a model may
-    wait for it rather than start now on a device where it would finish later."""
+    """A device with room for a task: relative speed, memory budget, host->device GB/s."""
 
     device: DeviceId
-    node: NodeId
     speed: float
     budget_bytes: int
     bandwidth_gbps: float = math.inf
-    free_in_s: float = 0.0
-
-
-@dataclass(frozen=True)
-class Residence:
-    """Where a model's next shard is: on ``device`` (no copy needed) and in the host memory
-    of ``node``; None where unknown (not loaded yet: any node is as good)."""
-
-    device: DeviceId | None = None
-    node: NodeId | None = None
-
-
-class Locality(StrEnum):
-    RESIDENT = "resident"
-    """The shard is already on the device: it stays, nothing moves."""
-    LOCAL = "local"
-    """Copied in from the host memory of the device's own node."""
-    REMOTE = "remote"
-    """Copied from another node's host memory, over the network."""
 
 
 @dataclass(frozen=True)
 class Assignment:
-    """Run ``task`` on ``device`` now. ``prefetch`` is the device's likeliest next task as
-    seen now (``lookahead``), whose shard can be copied in while ``task`` computes; an
-    executor whose copies are shorter than its tasks may ask ``lookahead`` again later."""
+    """Run ``task`` on ``device`` next. ``prefetch`` is the device's likeliest task after
+    it (``lookahead``), whose shard can be copied in while ``task`` computes."""
 
     device: DeviceId
     task: ShardTask
-    locality: Locality
     prefetch: ShardTask | None
 
 
-def transfer_s(size: int, device: IdleDevice, remote: bool, network_gbps: float) -> float:
-    """Seconds to copy ``size`` bytes onto ``device``, through the network when ``remote``."""
-    rate = min(device.bandwidth_gbps, network_gbps) if remote else device.bandwidth_gbps
+def transfer_s(size: int, device: IdleDevice) -> float:
+    """Seconds to copy ``size`` bytes from host memory onto ``device``."""
+    rate = device.bandwidth_gbps
     return 0.0 if size == 0 or math.isinf(rate) else size / (rate * 1e9)
-
-
-class _Pool:
-    """Idle devices indexed so that one model's best device costs O(classes + node size):
-    devices of one class (speed, bandwidth, budget) differ only by node and id. Busy
-    devices (few: the caller offers the soonest free of each class, and those taken here)
-    are kept apart, each with the time it is free once the models given it have run."""
-
-    def __init__(self, offered: Sequence[IdleDevice], network_gbps: float) -> None:
-        ordered = sorted(offered, key=lambda d: d.device)
-        if len({d.device for d in ordered}) != len(ordered):
-            raise ValueError("devices must be offered once each")
-        self.by_id = {d.device: d for d in ordered if d.free_in_s <= 0}
-        self.busy = {d.device: d for d in ordered if d.free_in_s > 0}
-        self.classes: dict[tuple[float, float, int], list[IdleDevice]] = {}
-        self.nodes: dict[NodeId, list[IdleDevice]] = {}
-        for d in self.by_id.values():
-            self.classes.setdefault((d.speed, d.bandwidth_gbps, d.budget_bytes), []).append(d)
-            self.nodes.setdefault(d.node, []).append(d)
-        self.front = dict.fromkeys(self.classes, 0)
-        self.used: set[DeviceId] = set()
-        self.network_gbps = network_gbps
-
-    def __len__(self) -> int:
-        return len(self.by_id)
-
-    def _first_away(self, key: tuple[float, float, int], node: NodeId | None) -> IdleDevice | None:
-        devices, i = self.classes[key], self.front[key]
-        while i < len(devices) and devices[i].device in self.used:
-            i += 1
-        self.front[key] = i
-        return next((d for d in devices[i:] if d.device not in self.used and d.node != node), None)
-
-    def take(
-        self,
-        fit: int,
-        move: int,
-        compute_s: float,
-        home: Residence,
-        late: Callable[[float], bool] = lambda _: False,
-    ) -> tuple[IdleDevice, Locality] | None:
-        """The unused idle device that finishes the task first (copy-in + compute), ties
-        going to the resident device, then the same node, then the lowest id; marked used.
-        Unless that would finish ``late``: then the device that finishes it first, busy
-        ones included (the copy overlapping the wait, as a prefetch does), and a busy one
-        so chosen is free that much later for the next model."""
-        options: list[tuple[float, int, DeviceId, Locality]] = []
-        own = self.by_id.get(home.device) if home.device is not None else None
-        if own is not None and own.device not in self.used and own.budget_bytes >= fit:
-            options.append((compute_s / own.speed, 0, own.device, Locality.RESIDENT))
-        for d in self.nodes.get(home.node, []) if home.node is not None else []:
-            if d.device not in self.used and d.budget_bytes >= fit and d is not own:
-                finish = transfer_s(move, d, False, self.network_gbps) + compute_s / d.speed
-                options.append((finish, 1, d.device, Locality.LOCAL))
-        remote = home.node is not None
-        for key in self.classes:
-            away = self._first_away(key, home.node) if key[2] >= fit else None
-            if away is not None:
-                finish = transfer_s(move, away, remote, self.network_gbps) + compute_s / away.speed
-                where = Locality.REMOTE if remote else Locality.LOCAL
-                options.append((finish, 2 if remote else 1, away.device, where))
-        best = min(options, default=None)
-        if best is None or late(best[0]):
-            for b in self.busy.values():
-                if b.budget_bytes >= fit:
-                    there = Locality.RESIDENT if b.device == home.device else Locality.LOCAL
-                    far = remote and b.node != home.node
-                    copy = (
-                        0.0
-                        if there is Locality.RESIDENT
-                        else transfer_s(move, b, far, self.network_gbps)
-                    )
-                    finish = max(b.free_in_s, copy) + compute_s / b.speed
-                    if best is None or finish < best[0]:
-                        best = (finish, 3, b.device, Locality.REMOTE if far else there)
-        if best is None:
-            return None
-        finish, _, chosen, where = best
-        if chosen in self.busy:
-            self.busy[chosen] = replace(self.busy[chosen], free_in_s=finish)
-            return self.busy[chosen], where
-        self.used.add(chosen)  # busy from now on: a later model may still wait for it
-        self.busy[chosen] = replace(self.by_id[chosen], free_in_s=finish)
-        return self.by_id[chosen], where
 
 
 def assign(
     policy: Policy,
-    idle: Sequence[IdleDevice],
+    device: IdleDevice,
     runnable: Sequence[Progress],
     plans: Mapping[ModelId, ModelPlan],
-    residency: Mapping[ModelId, Residence],
     *,
     sequence: int = 0,
-    network_gbps: float = math.inf,
-    horizon_s: float = math.inf,
-) -> tuple[Assignment, ...]:
-    """Tasks for idle devices, at most one per model and per device.
-
-    Runnable models go in ``policy`` order, each to the unused idle device that would finish
-    its task first, copy-in included (earliest finish time, as HEFT places tasks): among
-    equal devices that is where its shard already is (it stays, nothing moves), then a
-    device on the node whose host memory holds it, then the lowest id. A device takes a
-    shard only within its memory budget; a model no device can hold waits.
-
-    Busy devices may be offered too (``free_in_s`` > 0). On a heterogeneous cluster a model
-    on the critical path should not start on a slow device now when a fast one soon free
-    would finish its task sooner; one with slack should, so the slow devices work. So a
-    model waits for a busy device (which no later model in this call counts on) only where
-    that finishes its task first *and* starting on the best idle device would make it late:
-    its task there, then the rest of its chain on the fastest device offered, would end
-    after ``horizon_s`` (from now; the caller's estimate of when all the work can be done,
-    e.g. the remaining work over the capacity; infinite: never wait).
-
-    Each assignment carries its device's likeliest next task (``lookahead``; a waiting
-    model is promised to one device only). ``sequence`` is the dispatch number of the
-    first assignment (round-robin's clock)."""
+) -> Assignment | None:
+    """The task ``device`` runs next: the next task of the ``policy``'s first model among
+    ``runnable`` (models whose next shard lives on the device) whose shard fits its budget,
+    None when none does; with its likeliest next task (``lookahead`` among the others) to
+    prefetch. ``sequence`` is the dispatch number of this task (round-robin's clock)."""
     seen: set[ModelId] = set()
     for p in runnable:
         if p.model in seen:
             raise ValueError(
-                f"model {p.model} is listed twice as runnable; a model has at most one task"
-                " in flight"
+                f"model {p.model} is listed twice as runnable; a device takes one task of a"
+                " model at a time"
+            )
+        if p.done >= plans[p.model].tasks:
+            raise ValueError(
+                f"model {p.model} has finished its {plans[p.model].tasks} tasks; not runnable"
             )
         seen.add(p.model)
-    pool = _Pool(idle, network_gbps)
-    fastest = max((d.speed for d in idle), default=1.0)
-    placed: list[tuple[Progress, IdleDevice, Locality]] = []
-    waiting: list[Progress] = []
-    for p in sorted(runnable, key=lambda p: priority(policy, p)):
-        plan = plans[p.model]
-        if p.done >= plan.tasks:
-            raise ValueError(f"model {p.model} has finished its {plan.tasks} tasks; not runnable")
-        got = None
-        if len(placed) < len(pool):
-            shard = plan.shard_at(p.done)
-            home = residency.get(p.model, Residence())
-            task_s = plan.task_s(p.done) * p.ratio
-            rest = (p.remaining_s - task_s) / fastest
-
-            def late(finish: float, rest: float = rest) -> bool:
-                return finish + rest > horizon_s
-
-            got = pool.take(shard.bytes, shard.state_bytes, task_s, home, late)
-        if got is None or got[0].free_in_s > 0:
-            waiting.append(p)
-        else:
-            placed.append((p, *got))
-    return _with_prefetch(policy, placed, waiting, plans, sequence)
+    fitting = [p for p in runnable if plans[p.model].shard_at(p.done).bytes <= device.budget_bytes]
+    best = min(fitting, key=lambda p: priority(policy, p), default=None)
+    if best is None:
+        return None
+    others = [p for p in fitting if p is not best]
+    nxt = lookahead(policy, device, best, plans, others, stamp=sequence)
+    return Assignment(device.device, plans[best.model].task(best.done), nxt)
 
 
 def lookahead(
@@ -625,23 +471,3 @@ def lookahead(
     if other is not None and (best is None or priority(policy, other) < best[0]):
         best = (priority(policy, other), plans[other.model].task(other.done))
     return None if best is None else best[1]
-
-
-def _with_prefetch(
-    policy: Policy,
-    placed: Sequence[tuple[Progress, IdleDevice, Locality]],
-    waiting: Sequence[Progress],
-    plans: Mapping[ModelId, ModelPlan],
-    sequence: int,
-) -> tuple[Assignment, ...]:
-    """Each placed task with its device's next task (``lookahead``); a waiting model is
-    promised to one device only."""
-    claimed: set[ModelId] = set()
-    out = []
-    for i, (p, device, where) in enumerate(placed):
-        free = [w for w in waiting if w.model not in claimed]
-        nxt = lookahead(policy, device, p, plans, free, stamp=sequence + i)
-        if nxt is not None and nxt.model != p.model:
-            claimed.add(nxt.model)
-        out.append(Assignment(device.device, plans[p.model].task(p.done), where, nxt))
-    return tuple(out)

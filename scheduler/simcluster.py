@@ -1,9 +1,9 @@
-"""Modelled clusters for the SHARP simulator: device kinds, nodes, spot outages, workloads.
+"""Modelled clusters for the SHARP simulator: device kinds, spot outages, workloads.
 
-A cluster is device kinds and counts, ``per_node`` devices to a node, a network between
-nodes and a trace of spot outages. A *setting* is a cluster and the models to train on it;
-the builders here make the benchmark's settings: Hydra's own (8 identical devices, 12 models
-each needing 2-4 devices' memory), a heterogeneous spot cluster, and a sweep of sizes.
+A cluster is device kinds and counts and a trace of spot outages. A *setting* is a cluster
+and the models to train on it; the builders here make the benchmark's settings: Hydra's own
+(8 identical devices, 12 models each needing 2-4 devices' memory), a heterogeneous spot
+cluster, and a sweep of sizes.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from scheduler.profile import REFERENCE_GFLOPS, BlockCost
 from scheduler.sharp import ModelId, ModelPlan, shard_model
-from scheduler.types import DeviceId, NodeId
+from scheduler.types import DeviceId
 
 GiB = 2**30
 
@@ -59,35 +59,27 @@ class Outage:
 @dataclass(frozen=True)
 class SimDevice:
     id: DeviceId
-    node: NodeId
     kind: DeviceKind
 
 
 @dataclass(frozen=True)
 class Cluster:
-    """Devices of ``kinds`` (kind, count), ``per_node`` to a node; ``network_gbps`` between
-    nodes (a copy from another node's host memory runs at the slower of it and the device's
-    own bandwidth)."""
+    """Devices of ``kinds`` (kind, count), and the outages of its spot devices. A model's
+    shards live in the host memory of the device that runs them (``scheduler.simsharp``),
+    so nodes and the network between them do not enter the model."""
 
     kinds: tuple[tuple[DeviceKind, int], ...]
-    per_node: int = 8
-    network_gbps: float = 12.5
     outages: tuple[Outage, ...] = ()
 
     def __post_init__(self) -> None:
         names = [kind.name for kind, _ in self.kinds]
         if len(set(names)) != len(names) or any(count < 0 for _, count in self.kinds):
             raise ValueError(f"cluster kinds {names} must have distinct names and counts >= 0")
-        if self.per_node < 1 or not self.network_gbps > 0:
-            raise ValueError(
-                f"per_node ({self.per_node}) must be >= 1 and network_gbps"
-                f" ({self.network_gbps}) > 0"
-            )
 
     def devices(self) -> tuple[SimDevice, ...]:
-        """Every device, named ``<kind>-<index>`` on node ``<kind>-n<index // per_node>``."""
+        """Every device, named ``<kind>-<index>``."""
         return tuple(
-            SimDevice(f"{kind.name}-{i:04d}", f"{kind.name}-n{i // self.per_node:03d}", kind)
+            SimDevice(f"{kind.name}-{i:04d}", kind)
             for kind, count in self.kinds
             for i in range(count)
         )

@@ -87,7 +87,7 @@ class _Gangs:
         self.plans = {p.model: p for p in plans}
         self.devices = {d.id: d for d in cluster.devices()}
         self.links = {
-            d.id: IdleDevice(d.id, d.node, d.kind.speed, d.kind.budget_bytes, d.kind.bandwidth_gbps)
+            d.id: IdleDevice(d.id, d.kind.speed, d.kind.budget_bytes, d.kind.bandwidth_gbps)
             for d in self.devices.values()
         }
         self.free = sorted(self._rank(d) for d in self.devices.values())
@@ -169,9 +169,7 @@ class _Gangs:
             self._start(model, now)
 
     def _copy_s(self, shard: Shard, device: SimDevice) -> float:
-        return transfer_s(
-            shard.state_bytes, self.links[device.id], False, self.cluster.network_gbps
-        )
+        return transfer_s(shard.state_bytes, self.links[device.id])
 
     def _start(self, model: ModelId, now: float) -> None:
         plan, position = self.plans[model], self.done[model]

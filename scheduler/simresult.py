@@ -7,7 +7,7 @@ count into one ``Tally`` and turn it into a ``SimResult``.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from scheduler.sharp import ModelId, ModelPlan
 from scheduler.simcluster import Cluster, lower_bound
@@ -69,9 +69,11 @@ class Tally:
     busy: dict[DeviceId, float] = field(default_factory=dict)
     peaks: dict[DeviceId, int] = field(default_factory=dict)
     records: list[TaskRecord] = field(default_factory=list)
+    count: int = 0
 
-    def ran(self, task: TaskRecord, compute_s: float, copy_s: float) -> None:
-        """A task ended: completed (its compute counts) or lost with its device."""
+    def ran(self, task: TaskRecord, compute_s: float, copy_s: float) -> int:
+        """A task ended: completed (its compute counts) or lost with its device. Its
+        number, for ``undo``."""
         if task.completed:
             self.tasks += 1
             self.busy[task.device] = self.busy.get(task.device, 0.0) + compute_s
@@ -80,8 +82,19 @@ class Tally:
         else:
             self.lost_tasks += 1
         self.peaks[task.device] = max(self.peaks.get(task.device, 0), task.device_bytes)
+        self.count += 1
         if self.record:
             self.records.append(task)
+        return self.count - 1
+
+    def undo(self, number: int, device: DeviceId, compute_s: float, copy_s: float) -> None:
+        """A completed task's work was lost after all (its model rolled back past it)."""
+        self.tasks -= 1
+        self.lost_tasks += 1
+        self.busy[device] -= compute_s
+        self.exposed_transfer_s -= copy_s
+        if self.record:
+            self.records[number] = replace(self.records[number], completed=False)
 
     def result(
         self,

@@ -1,73 +1,81 @@
-"""The SHARP engine of the simulator: a discrete-event run of ``scheduler.sharp``'s decisions.
+"""The SHARP engine of the simulator: the executor (``workers.sharp_runner``) as discrete events.
 
-The model of a run:
+What it models is what the executor does, with the same decisions (``scheduler.sharp``):
 
-- A task computes for its reference seconds over the device's speed (times the model's
-  ``truth`` factor: how much slower it really is than estimated, which Sharded-LRTF's
-  measured-ratio refinement is there to learn).
-- Copy-in: a task first promotes its shard's state from host memory at the device's
-  bandwidth (the slower of it and the network's where the state's host is another node),
-  unless a copy of that shard is already on the device. Copy-out (spilling a finished shard
-  asynchronously, so the host always holds the state of a model's last completed task) and
-  the few bytes of saved boundary activations are not charged.
-- Prefetch (Hydra's double buffering): while a task computes, the device's next shard is
-  copied in beside it, so only the part of that copy longer than the compute is exposed.
-  The next task is chosen as late as the copy allows (``lookahead`` when the remaining
-  compute equals the longest copy; the assignment's own ``prefetch`` when the task is
-  shorter than that), because a decision taken at the start of a long task sees a stale
-  queue. A waiting model so chosen is promised to the device; the device's own model's next
-  shard is copied speculatively and the model competes again when the task ends (an idle,
-  faster device may still take it). Without prefetch copies serialize with compute.
-- A spot outage ends its device's in-flight task (its work is lost, the model redoes it from
-  its last completed task), voids the device's promise and empties it; a device may come
-  back, empty.
-- Beside the idle devices, ``assign`` is offered the busy device of each class that is free
-  soonest, with the lower bound of the work left as its horizon: on a heterogeneous
-  cluster a model that starting on a slow device now would make late waits for a fast one
-  (as a model with no device does, competing again at the next event).
+- *Homes.* Each model's shards live on a device from the start (``home_shards``, the
+  executor's own placement, models heaviest first: the host memory of the device's
+  worker, which runs every task of the shard). Nothing moves but what a lost device held.
+- *Queues.* The executor keeps each live device ``depth`` tasks deep, choosing with
+  ``assign`` among the models whose next task's shard lives there. It acts ``latency_s``
+  after a task ends (the result's way to it) and a task it submits reaches the device
+  ``latency_s`` later. A model's next task may be queued before the one before it has
+  run, within a step; the first task of a step waits until the executor has seen the
+  step before end (it takes the step's copy, checkpoint or suspension there).
+- *A task* starts once its device has run the tasks queued before it and its input is
+  there: at once when its producer ran on the same device (the worker's stash), else
+  ``latency_s`` after the producer ended. Its shard's state is copied in at the device's
+  bandwidth unless the device's last task ran the same shard; with prefetch the copy
+  starts when the task reaches the device, behind the task before it (double buffering),
+  so only what it takes beyond that is exposed. Then it computes for its reference seconds
+  over the device's speed (times the model's ``truth``).
+- *Spot outages.* The device's tasks are lost; each model with a shard there rolls back to
+  the start of its step (the executor's in-memory copies), its tasks queued elsewhere
+  dropped and those running elsewhere wasted, its shards on the lost device re-homed on
+  the live ones (``home_shards``); it runs on once the executor has seen its tasks in
+  flight end. A device that comes back is empty: only models placed later, or with no
+  live device left meanwhile, live on it.
 
-Per event the work is a few heap operations and one ``assign`` over a shortlist of idle
-devices (per device class the first few, plus those near the candidates' state) and one
-busy device per class.
+Per event the work is a few heap operations and, per submission, one ``assign`` over the
+models waiting at one device.
 """
 
 from __future__ import annotations
 
-import math
-from bisect import bisect_left, insort
-from collections import Counter
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from collections import Counter, deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from heapq import heappop, heappush
 
 from scheduler.memory import format_bytes
 from scheduler.sharp import (
-    Assignment,
+    Home,
     IdleDevice,
-    Locality,
     ModelId,
     ModelPlan,
     Policy,
-    Priority,
     Progress,
-    Residence,
+    ShardError,
     assign,
-    lookahead,
-    priority,
+    home_shards,
     progress,
     refine_ratio,
     transfer_s,
 )
-from scheduler.simcluster import Cluster, SimDevice, capacity
+from scheduler.simcluster import Cluster, SimDevice
 from scheduler.simresult import SimulationError, Tally, TaskRecord
-from scheduler.types import DeviceId, NodeId
+from scheduler.types import DeviceId
 
-_LOOK, _DONE, _LOST, _BACK = 0, 1, 2, 3
+_LOST, _BACK, _END, _WAKE, _SEE = range(5)
 """Event kinds, in the order they are handled at equal times."""
 
-_PEEK = 8
-"""Waiting models a busy device considers for its next task (enough unless many of the best
-do not fit it)."""
+
+@dataclass(frozen=True)
+class Engine:
+    """The executor's constants: tasks queued per device (``QUEUE_DEPTH``) and the one-way
+    latency between it and a worker (and between two workers)."""
+
+    depth: int = 2
+    latency_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.depth < 1 or not self.latency_s >= 0:
+            raise SimulationError(
+                f"engine depth ({self.depth}) must be >= 1 and latency_s ({self.latency_s}) >= 0"
+            )
+
+
+ENGINE = Engine()
+"""The executor as it runs by default: two tasks queued per device, no latency."""
 
 
 @dataclass
@@ -75,93 +83,47 @@ class _Job:
     ident: int
     model: ModelId
     position: int
-    start_s: float
-    end_s: float
-    compute_s: float
-    copy_s: float
-    device_bytes: int
+    epoch: int
+    arrive_s: float
+    start_s: float = 0.0
+    compute_s: float = 0.0
+    copy_s: float = 0.0
 
 
 @dataclass
 class _Device:
     sim: SimDevice
     idle: IdleDevice
-    look_s: float
-    """The longest copy-in this device may need: how long before a task's end it decides."""
     alive: bool = True
+    running: _Job | None = None
+    queue: deque[_Job] = field(default_factory=deque)
+    in_flight: int = 0
+    """Tasks the executor has given it and not yet seen end."""
+    last: tuple[ModelId, int] | None = None
+    """The (model, shard) of its last task: still on the device."""
+    woken: float = -1.0
+
+
+@dataclass
+class _Model:
+    plan: ModelPlan
+    homes: list[DeviceId]
+    done: int = 0
+    submitted: int = 0
+    seen: int = 0
+    """Tasks the executor has seen end (it starts a step only after seeing the last one)."""
     epoch: int = 0
-    job: _Job | None = None
-    next: ModelId | None = None
-    """A waiting model promised this device's next task (its shard is being copied in)."""
-    copies: dict[ModelId, tuple[int, float]] = field(default_factory=dict)
-    """Shard copies held: model -> (the position they serve, when the copy is complete)."""
-
-
-class _IdleIndex:
-    """Idle devices by class (sorted ids) and node, to shortlist the few ``assign`` needs."""
-
-    def __init__(self, devices: Mapping[DeviceId, _Device]) -> None:
-        self.devices = devices
-        self.classes: dict[tuple[float, float, int], list[DeviceId]] = {}
-        self.nodes: dict[NodeId, set[DeviceId]] = {}
-        self.ids: set[DeviceId] = set()
-
-    @staticmethod
-    def _key(d: IdleDevice) -> tuple[float, float, int]:
-        return (d.speed, d.bandwidth_gbps, d.budget_bytes)
-
-    def add(self, d: IdleDevice) -> None:
-        insort(self.classes.setdefault(self._key(d), []), d.device)
-        self.nodes.setdefault(d.node, set()).add(d.device)
-        self.ids.add(d.device)
-
-    def remove(self, d: IdleDevice) -> None:
-        ids = self.classes[self._key(d)]
-        del ids[bisect_left(ids, d.device)]
-        self.nodes[d.node].discard(d.device)
-        self.ids.discard(d.device)
-
-    def shortlist(self, width: int, homes: Iterable[Residence]) -> list[IdleDevice]:
-        """Idle devices enough for ``assign`` to decide as over all of them: in each class
-        the first ``width`` (more than the candidates plus one node's devices), and every
-        idle device where a candidate's shard is."""
-        chosen: set[DeviceId] = set()
-        for ids in self.classes.values():
-            chosen.update(ids[:width])
-        for home in homes:
-            if home.device in self.ids:
-                chosen.add(home.device)
-            if home.node is not None:
-                chosen.update(self.nodes.get(home.node, ()))
-        return [self.devices[d].idle for d in sorted(chosen)]
-
-
-class _BusyIndex:
-    """Busy devices by class, the soonest done first: per class the one a model may choose
-    to wait for (entries of tasks that ended or were lost are dropped as they come up)."""
-
-    def __init__(self, devices: Mapping[DeviceId, _Device]) -> None:
-        self.devices = devices
-        self.classes: dict[tuple[float, float, int], list[tuple[float, int, DeviceId]]] = {}
-
-    def add(self, device: _Device, job: _Job) -> None:
-        key = _IdleIndex._key(device.idle)
-        heappush(self.classes.setdefault(key, []), (job.end_s, job.ident, device.sim.id))
-
-    def soonest(self, now: float, after: Callable[[_Device], float]) -> list[IdleDevice]:
-        """The first busy device of each class to be free, ``free_in_s`` from ``now``: once
-        its task and the task it is promised next (``after`` it, in seconds) are done."""
-        offered = []
-        for heap in self.classes.values():
-            while heap:
-                end, ident, name = heap[0]
-                device = self.devices[name]
-                if device.job is not None and device.job.ident == ident:
-                    free = end - now + after(device)
-                    offered.append(replace(device.idle, free_in_s=free))
-                    break
-                heappop(heap)  # that task is over
-        return offered
+    ratio: float = 1.0
+    last_run: int = -1
+    paused_until: float = 0.0
+    input_at: dict[int, float] = field(default_factory=dict)
+    """When the input of a task (by position) is on its device."""
+    waiting_at: DeviceId | None = None
+    last_device: DeviceId | None = None
+    """Where its last submitted task runs."""
+    step_runs: list[tuple[int, DeviceId, float, float]] = field(default_factory=list)
+    """The tally's numbers of the step under way's tasks (with device, compute, copy):
+    undone by a roll back."""
 
 
 class _Sharp:
@@ -174,37 +136,32 @@ class _Sharp:
         policy: Policy,
         prefetch: bool,
         truth: Mapping[ModelId, float],
+        engine: Engine,
         record: bool,
     ) -> None:
         self.cluster, self.policy, self.prefetch, self.truth = cluster, policy, prefetch, truth
-        self.plans = {p.model: p for p in plans}
-        largest = max((s.state_bytes for p in plans for s in p.shards), default=0)
-        sims = cluster.devices()
-        remote = len({d.node for d in sims}) > 1
+        self.engine = engine
         self.devices: dict[DeviceId, _Device] = {}
-        for d in sims:
+        for d in cluster.devices():
             kind = d.kind
-            idle = IdleDevice(d.id, d.node, kind.speed, kind.budget_bytes, kind.bandwidth_gbps)
-            look = transfer_s(largest, idle, remote, cluster.network_gbps)
-            self.devices[d.id] = _Device(d, idle, look)
-        self.idle = _IdleIndex(self.devices)
-        self.busy = _BusyIndex(self.devices)
+            idle = IdleDevice(d.id, kind.speed, kind.budget_bytes, kind.bandwidth_gbps)
+            self.devices[d.id] = _Device(d, idle)
+        self.load: dict[DeviceId, float] = dict.fromkeys(self.devices, 0.0)
+        self.plans = {p.model: p for p in plans}
+        self.models: dict[ModelId, _Model] = {}
+        for plan in sorted(plans, key=lambda p: (-p.work_s, p.order, p.model)):  # as admitted
+            self.models[plan.model] = _Model(plan, self._home(plan, range(len(plan.shards))))
+        self.waiting: dict[DeviceId, set[ModelId]] = {d: set() for d in self.devices}
+        """Models whose next task may be queued now, by the device its shard lives on."""
         self.speeds = Counter(d.idle.speed for d in self.devices.values())
-        """Devices up, by speed."""
         self.work_left = sum(p.work_s for p in plans)
-        """Reference seconds of the tasks not done yet."""
-        for device in self.devices.values():
-            self.idle.add(device.idle)
-        self.done = dict.fromkeys(self.plans, 0)
-        self.ratio = dict.fromkeys(self.plans, 1.0)
-        self.last_run = dict.fromkeys(self.plans, -1)
-        self.host: dict[ModelId, NodeId | None] = dict.fromkeys(self.plans)
-        self.holder: dict[ModelId, DeviceId | None] = dict.fromkeys(self.plans)
-        self.running: set[ModelId] = set()
-        self.ready: list[tuple[Priority, ModelId]] = []
         self.events: list[tuple[float, int, int, DeviceId, int]] = []
+        self.homeless: set[ModelId] = set()
+        """Models with shards on lost devices and no live device to move them to."""
+        self.notes: dict[int, tuple[ModelId, int, int]] = {}
+        """What each pending ``_SEE`` event tells the executor (``_note``)."""
         self.seq = self.sequence = 0
-        self.left = len(self.plans)
+        self.left = len(plans)
         self.tally = Tally(tuple(self.devices), record)
         for outage in cluster.outages:
             if outage.device not in self.devices:
@@ -212,8 +169,8 @@ class _Sharp:
             self._event(outage.lost_s, _LOST, outage.device, 0)
             if outage.back_s is not None:
                 self._event(outage.back_s, _BACK, outage.device, 0)
-        for model in self.plans:
-            self._push(model)
+        for model in self.models.values():
+            self._refresh(model)
 
     def run(self) -> Tally:
         now = 0.0
@@ -225,14 +182,16 @@ class _Sharp:
             while self.events and self.events[0][0] == now:
                 _, kind, _, name, tag = heappop(self.events)
                 device = self.devices[name]
-                if kind == _LOOK:
-                    self._look(device, tag, now)
-                elif kind == _DONE:
-                    self._finish(device, tag, now)
-                elif kind == _LOST:
+                if kind == _LOST:
                     self._lose(device, now)
+                elif kind == _BACK:
+                    self._return(device, now)
+                elif kind == _END:
+                    self._end(device, tag, now)
+                elif kind == _WAKE:
+                    self._try_start(device, now)
                 else:
-                    self._return(device)
+                    self._see(device, tag, now)
             self._dispatch(now)
         return self.tally
 
@@ -242,218 +201,264 @@ class _Sharp:
         self.seq += 1
         heappush(self.events, (time, kind, self.seq, device, tag))
 
-    def _progress(self, model: ModelId) -> Progress:
-        return progress(
-            self.plans[model],
-            self.done[model],
-            ratio=self.ratio[model],
-            last_run=self.last_run[model],
+    def _home(self, plan: ModelPlan, shards: Sequence[int]) -> list[DeviceId]:
+        """Homes for ``shards`` of ``plan`` (all of them when it arrives, those of a lost
+        device after), placed as the executor places them; their work counted there."""
+        live = [
+            Home(name, d.idle.speed, self.load[name], d.idle.budget_bytes)
+            for name, d in self.devices.items()
+            if d.alive
+        ]
+        chosen = [plan.shards[i] for i in shards]
+        try:
+            homes = home_shards(chosen, plan.steps, live)
+        except ShardError as exc:
+            raise SimulationError(f"model {plan.model} cannot be placed: {exc}") from None
+        for shard, home in zip(chosen, homes, strict=True):
+            self.load[home] += plan.steps * (shard.forward_s + shard.backward_s)
+        return homes
+
+    def _can_submit(self, model: _Model, now: float) -> bool:
+        """As ``workers.sharp_runner._Model.can_submit``: a next task, not the first of a
+        step before the executor has seen the step before end, and its input there by the
+        time its device gets to it (the task before it has ended, or runs there first)."""
+        at, k = model.submitted, len(model.plan.shards)
+        new_step = at % (2 * k) == 0
+        home = model.homes[model.plan.shard_at(at).index] if at < model.plan.tasks else None
+        return (
+            at < model.plan.tasks
+            and now >= model.paused_until
+            and (not new_step or model.seen >= at)
+            and (model.seen >= at or model.last_device == home)
         )
 
-    def _push(self, model: ModelId) -> None:
-        """A model becomes runnable; its priority is fixed until it runs again (Sharded-LRTF:
-        only the model that just ran changes its remaining time)."""
-        heappush(self.ready, (priority(self.policy, self._progress(model)), model))
+    def _refresh(self, model: _Model, now: float = 0.0) -> None:
+        """File ``model`` under the device its next task may be queued on, if any."""
+        if model.waiting_at is not None:
+            self.waiting[model.waiting_at].discard(model.plan.model)
+            model.waiting_at = None
+        if self._can_submit(model, now):
+            home = model.homes[model.plan.shard_at(model.submitted).index]
+            self.waiting[home].add(model.plan.model)
+            model.waiting_at = home
 
-    def _copy_s(self, size: int, device: _Device, host: NodeId | None) -> float:
-        remote = host is not None and host != device.sim.node
-        return transfer_s(size, device.idle, remote, self.cluster.network_gbps)
+    def _progress(self, model: _Model) -> Progress:
+        return progress(model.plan, model.submitted, ratio=model.ratio, last_run=model.last_run)
 
-    def _clear(self, device: _Device) -> None:
-        """Drop every shard copy ``device`` holds (evicted, or lost with it)."""
-        for model in device.copies:
-            if self.holder[model] == device.sim.id:
-                self.holder[model] = None
-        device.copies = {}
+    def _task_s(self, model: _Model, position: int, device: _Device) -> float:
+        scale = self.truth.get(model.plan.model, 1.0)
+        return model.plan.task_s(position) * scale / device.idle.speed
 
     # ------------------------------------------------------------------------ decisions
 
     def _dispatch(self, now: float) -> None:
-        """Give idle devices tasks, in batches of the policy's best runnable models."""
-        passed: list[tuple[Priority, ModelId]] = []
-        while self.ready and self.idle.ids:
-            width = min(len(self.ready), 2 * len(self.idle.ids) + 1)
-            batch = [heappop(self.ready) for _ in range(width)]
-            homes = {m: Residence(self.holder[m], self.host[m]) for _, m in batch}
-            idle = self.idle.shortlist(width + self.cluster.per_node + 1, homes.values())
-            chosen = assign(
-                self.policy,
-                idle + self.busy.soonest(now, self._promised_s),
-                [self._progress(m) for _, m in batch],
-                self.plans,
-                homes,
-                sequence=self.sequence,
-                network_gbps=self.cluster.network_gbps,
-                horizon_s=self._horizon_s(),
-            )
-            taken = {a.task.model for a in chosen}
-            for a in chosen:
-                promised = self._start(a, now)
-                if promised is not None:
-                    taken.add(promised)
-            passed.extend(entry for entry in batch if entry[1] not in taken)
-        for entry in passed:
-            heappush(self.ready, entry)
+        """The executor fills every live device's queue to ``depth``, a first task for each
+        device before a second."""
+        for depth in range(1, self.engine.depth + 1):
+            for name in sorted(d for d, models in self.waiting.items() if models):
+                device = self.devices[name]
+                while device.alive and device.in_flight < depth and self.waiting[name]:
+                    here = [self.models[m] for m in sorted(self.waiting[name])]
+                    chosen = assign(
+                        self.policy,
+                        device.idle,
+                        [self._progress(m) for m in here],
+                        self.plans,
+                        sequence=self.sequence,
+                    )
+                    if chosen is None:
+                        break  # homes are placed where shards fit: only a planning bug
+                    self._submit(device, self.models[chosen.task.model], now)
 
-    def _promised_s(self, device: _Device) -> float:
-        """Seconds of the task ``device`` is promised next (0: none)."""
-        if device.next is None:
-            return 0.0
-        plan = self.plans[device.next]
-        return plan.task_s(self.done[device.next]) * self.ratio[device.next] / device.idle.speed
-
-    def _horizon_s(self) -> float:
-        """When the work left could be done at the soonest: over the capacity of the
-        fastest devices up, one per model left (the lower bound, from now)."""
-        rate = capacity(self.speeds, self.left)
-        return self.work_left / rate if rate > 0 else math.inf
-
-    def _look(self, device: _Device, ident: int, now: float) -> None:
-        """The last moment to choose the device's next task and still hide its copy."""
-        job = device.job
-        if job is None or job.ident != ident or device.next is not None:
-            return
-        batch = [heappop(self.ready) for _ in range(min(_PEEK, len(self.ready)))]
-        waiting = [self._progress(m) for _, m in batch]
-        current = self._progress(job.model)
-        nxt = lookahead(self.policy, device.idle, current, self.plans, waiting, stamp=self.sequence)
-        promised = None if nxt is None else self._prefetch(device, nxt.model, now)
-        for entry in batch:
-            if entry[1] != promised:
-                heappush(self.ready, entry)
-
-    def _prefetch(self, device: _Device, model: ModelId, at: float) -> ModelId | None:
-        """Copy ``model``'s next shard onto the busy ``device`` from ``at``; returns it when
-        it is a waiting model, now promised to this device."""
-        job = device.job
-        if job is None:
-            return None
-        position = job.position + 1 if model == job.model else self.done[model]
-        shard = self.plans[model].shard_at(position)
-        current = self.plans[job.model].shard_at(job.position)
-        if model != job.model or shard.index != current.index:  # else it stays: no copy
-            ready = at + self._copy_s(shard.state_bytes, device, self.host[model])
-            device.copies[model] = (position, ready)
-            job.device_bytes += shard.bytes
-        if model == job.model:
-            return None
-        device.next = model
-        return model
+    def _submit(self, device: _Device, model: _Model, now: float) -> None:
+        self.seq += 1
+        arrive = now + self.engine.latency_s
+        job = _Job(self.seq, model.plan.model, model.submitted, model.epoch, arrive)
+        if model.submitted % (2 * len(model.plan.shards)) == 0:
+            model.input_at[model.submitted] = arrive  # the batch comes with the task
+        device.queue.append(job)
+        device.in_flight += 1
+        model.submitted += 1
+        model.last_device = device.sim.id
+        model.last_run = self.sequence
+        self.sequence += 1
+        self._refresh(model, now)
+        self._try_start(device, now)
 
     # ---------------------------------------------------------------------- the events
 
-    def _start(self, a: Assignment, now: float) -> ModelId | None:
-        """Run ``a``; returns the waiting model it promised the device next, if any."""
-        device, model = self.devices[a.device], a.task.model
-        plan, position = self.plans[model], self.done[model]
-        shard = plan.shard_at(position)
-        copy = device.copies.get(model)
-        if copy is not None and copy[0] == position:
-            copy_s = max(0.0, copy[1] - now)
-        else:
-            copy_s = self._copy_s(shard.state_bytes, device, self.host[model])
-        holder = self.holder[model]
-        if holder is not None:  # its copies elsewhere go stale as it runs
-            self.devices[holder].copies.pop(model, None)
-            self.holder[model] = None
-        self._clear(device)
-        if device.sim.id in self.idle.ids:
-            self.idle.remove(device.idle)
-        compute_s = plan.task_s(position) * self.truth.get(model, 1.0) / device.idle.speed
-        begin = now + copy_s
-        end = begin + compute_s
-        self.seq += 1
-        device.job = _Job(self.seq, model, position, now, end, compute_s, copy_s, shard.bytes)
-        self.busy.add(device, device.job)
-        self.running.add(model)
-        self.last_run[model] = self.sequence
-        self.sequence += 1
-        self._event(end, _DONE, device.sim.id, device.epoch)
-        if not self.prefetch:
-            return None
-        look = end - device.look_s
-        if a.prefetch is not None and look <= begin:  # decided now: the copy starts at once
-            return self._prefetch(device, a.prefetch.model, begin)
-        self._event(max(begin, look), _LOOK, device.sim.id, device.job.ident)
-        return None
-
-    def _finish(self, device: _Device, epoch: int, now: float) -> None:
-        job = device.job
-        if job is None or epoch != device.epoch:
-            return  # the device was lost meanwhile: this task already went back
-        device.job = None
-        model, plan = job.model, self.plans[job.model]
-        record = TaskRecord(
-            device.sim.id, model, job.position, job.start_s, now, True, job.device_bytes
-        )
-        self.tally.ran(record, job.compute_s, job.copy_s)
-        self.running.discard(model)
-        estimated = plan.task_s(job.position) / device.idle.speed
-        self.ratio[model] = refine_ratio(self.ratio[model], estimated, job.compute_s)
-        done = self.done[model] = job.position + 1
-        self.work_left -= plan.task_s(job.position)
-        self.host[model] = device.sim.node
-        if done == plan.tasks:
-            self.left -= 1
-        else:
-            if plan.shard_at(done).index == plan.shard_at(job.position).index:
-                device.copies[model] = (done, now)  # its next task needs this very shard
-            self._push(model)
-        promised, device.next = device.next, None
-        if promised is not None:
-            task = self.plans[promised].task(self.done[promised])
-            self._start(Assignment(device.sim.id, task, Locality.RESIDENT, None), now)
+    def _try_start(self, device: _Device, now: float) -> None:
+        """Start the device's first queued task if it can run now, or wake it when it can."""
+        if not device.alive or device.running is not None or not device.queue:
             return
-        for other, (at, _) in device.copies.items():
-            fresh = other not in self.running and self.done[other] == at
-            if fresh and self.holder[other] is None:
-                self.holder[other] = device.sim.id
-        self.idle.add(device.idle)
+        job = device.queue[0]
+        model = self.models[job.model]
+        ready = model.input_at.get(job.position)
+        if ready is None:
+            return  # its producer has not ended: its end starts it
+        begin = max(now, job.arrive_s, ready)
+        if begin > now:
+            if device.woken != begin:
+                device.woken = begin
+                self._event(begin, _WAKE, device.sim.id, 0)
+            return
+        device.queue.popleft()
+        shard = model.plan.shard_at(job.position)
+        copy = 0.0
+        if device.last != (job.model, shard.index):
+            copy = transfer_s(shard.state_bytes, device.idle)
+            if self.prefetch:  # copied in since it reached the device
+                copy = max(0.0, job.arrive_s + copy - now)
+        device.last = (job.model, shard.index)
+        job.start_s, job.copy_s = now, copy
+        job.compute_s = self._task_s(model, job.position, device)
+        device.running = job
+        self._event(now + copy + job.compute_s, _END, device.sim.id, job.ident)
+
+    def _end(self, device: _Device, ident: int, now: float) -> None:
+        job = device.running
+        if job is None or job.ident != ident:
+            return  # lost with its device
+        device.running = None
+        model = self.models[job.model]
+        plan = model.plan
+        valid = job.epoch == model.epoch
+        record = TaskRecord(
+            device.sim.id,
+            job.model,
+            job.position,
+            job.start_s,
+            now,
+            valid,
+            plan.shard_at(job.position).bytes,
+        )
+        number = self.tally.ran(
+            record, job.compute_s if valid else 0.0, job.copy_s if valid else 0.0
+        )
+        if valid:
+            model.step_runs.append((number, device.sim.id, job.compute_s, job.copy_s))
+            model.done = job.position + 1
+            estimated = plan.task_s(job.position) / device.idle.speed
+            model.ratio = refine_ratio(model.ratio, estimated, job.compute_s)
+            self.work_left -= plan.task_s(job.position)
+            if model.done == plan.tasks:
+                self.left -= 1
+            elif model.done % (2 * len(plan.shards)) == 0:
+                model.step_runs = []  # a whole step: what a loss rolls back to
+            else:
+                after = model.homes[plan.shard_at(model.done).index]
+                there = 0.0 if after == device.sim.id else self.engine.latency_s
+                model.input_at[model.done] = now + there
+                self._try_start(self.devices[after], now)
+        seen_at = now + self.engine.latency_s
+        self._note(seen_at, device.sim.id, job.model, job.position + 1, job.epoch)
+        self._try_start(device, now)
+
+    def _note(self, at: float, device: DeviceId, model: ModelId, done: int, epoch: int) -> None:
+        """The executor learns at ``at`` that ``model`` has ``done`` tasks done (as of
+        ``epoch``), a task of ``device`` having ended (or, ``done`` -1, that it may go on
+        after a loss)."""
+        self.notes[self.seq + 1] = (model, done, epoch)
+        self._event(at, _SEE, device, self.seq + 1)
+
+    def _see(self, device: _Device, tag: int, now: float) -> None:
+        name, done, epoch = self.notes.pop(tag)
+        model = self.models[name]
+        if done >= 0:
+            device.in_flight = max(0, device.in_flight - 1)
+            if epoch == model.epoch:
+                model.seen = max(model.seen, done)
+        self._refresh(model, now)
+
+    def _return(self, device: _Device, now: float) -> None:
+        """A device is back, empty; models that had no device left live on it."""
+        if device.alive:
+            return
+        device.alive = True
+        self.speeds[device.idle.speed] += 1
+        for name in sorted(self.homeless):
+            model = self.models[name]
+            self._rehome(model)
+            self._refresh(model, now)
 
     def _lose(self, device: _Device, now: float) -> None:
         if not device.alive:
             return
         device.alive = False
-        device.epoch += 1
         self.speeds[device.idle.speed] -= 1
-        job, promised = device.job, device.next
-        device.job = device.next = None
-        if job is None:
-            self.idle.remove(device.idle)
-        else:  # only the in-flight task is lost: the host keeps the last completed state
+        job = device.running
+        if job is not None:
+            bytes_ = self.models[job.model].plan.shard_at(job.position).bytes
             record = TaskRecord(
-                device.sim.id, job.model, job.position, job.start_s, now, False, job.device_bytes
+                device.sim.id, job.model, job.position, job.start_s, now, False, bytes_
             )
             self.tally.ran(record, 0.0, 0.0)
-            self.running.discard(job.model)
-            self._push(job.model)
-        if promised is not None:
-            self._push(promised)  # the promise is void: it waits like the others
-        self._clear(device)
+        device.running, device.queue, device.in_flight, device.last = None, deque(), 0, None
+        name = device.sim.id
+        for model in self.models.values():
+            if name in model.homes and model.done < model.plan.tasks:
+                self._roll_back(model, now)
 
-    def _return(self, device: _Device) -> None:
-        if device.alive:
+    def _roll_back(self, model: _Model, now: float) -> None:
+        """Back to the start of its step: its queued tasks dropped, those running elsewhere
+        wasted, its shards on lost devices re-homed; it runs on once the executor has seen
+        them end."""
+        plan = model.plan
+        model.epoch += 1
+        busy_until = now
+        for device in self.devices.values():
+            if device.running is not None and device.running.model == plan.model:
+                job = device.running
+                busy_until = max(busy_until, job.start_s + job.copy_s + job.compute_s)
+            kept = deque(j for j in device.queue if j.model != plan.model)
+            device.in_flight -= len(device.queue) - len(kept)
+            device.queue = kept
+        self._rehome(model)
+        for number, device_id, compute_s, copy_s in model.step_runs:
+            self.tally.undo(number, device_id, compute_s, copy_s)
+        k = 2 * len(plan.shards)
+        start = model.done // k * k
+        self.work_left += sum(plan.task_s(p) for p in range(start, model.done))
+        model.done = model.submitted = model.seen = start
+        model.step_runs, model.input_at = [], {}
+        model.paused_until = busy_until + self.engine.latency_s
+        self._note(model.paused_until, model.homes[0], plan.model, -1, model.epoch)
+        self._refresh(model, now)
+
+    def _rehome(self, model: _Model) -> None:
+        """Its shards on lost devices go to live ones (as the executor re-homes them); with
+        none live, it waits for a device to come back."""
+        plan = model.plan
+        orphans = [s.index for s in plan.shards if not self.devices[model.homes[s.index]].alive]
+        if not orphans:
             return
-        device.alive = True
-        self.speeds[device.idle.speed] += 1
-        device.copies = {}
-        self.idle.add(device.idle)
+        if not any(d.alive for d in self.devices.values()):
+            self.homeless.add(plan.model)
+            return
+        self.homeless.discard(plan.model)
+        for index, home in zip(orphans, self._home(plan, orphans), strict=True):
+            shard = plan.shards[index]
+            self.load[model.homes[index]] -= plan.steps * (shard.forward_s + shard.backward_s)
+            model.homes[index] = home
 
     def _stuck(self) -> str:
         up = [d for d in self.devices.values() if d.alive]
-        if not up or not self.ready:
+        if not up:
             return (
                 f"{self.left} model(s) cannot finish: every device is lost and none comes back;"
                 " add devices or expect fewer outages"
             )
-        _, model = min(self.ready)
-        shard = self.plans[model].shard_at(self.done[model])
         largest = max(d.idle.budget_bytes for d in up)
-        return (
-            f"model {model} cannot finish: shard {shard.index} needs"
-            f" {format_bytes(shard.bytes)} but the largest device that is up has"
-            f" {format_bytes(largest)}; cut its shards for the smallest device"
-        )
+        for model in self.models.values():
+            if model.done < model.plan.tasks:
+                shard = model.plan.shard_at(model.done)
+                if shard.bytes > largest:
+                    return (
+                        f"model {model.plan.model} cannot finish: shard {shard.index} needs"
+                        f" {format_bytes(shard.bytes)} but the largest device that is up has"
+                        f" {format_bytes(largest)}; cut its shards for the smallest device"
+                    )
+        return f"{self.left} model(s) cannot finish: their shards' devices are lost for good"
 
 
 def run_sharp(
@@ -463,7 +468,8 @@ def run_sharp(
     *,
     prefetch: bool = True,
     truth: Mapping[ModelId, float] | None = None,
+    engine: Engine = ENGINE,
     record: bool = False,
 ) -> Tally:
     """Train ``plans`` together on ``cluster`` with SHARP under ``policy``."""
-    return _Sharp(cluster, plans, policy, prefetch, truth or {}, record).run()
+    return _Sharp(cluster, plans, policy, prefetch, truth or {}, engine, record).run()

@@ -15,7 +15,7 @@ from scheduler.sharp import ModelId, ModelPlan, Policy
 from scheduler.simcluster import Cluster, Setting, sweep_settings
 from scheduler.simgang import run_gangs
 from scheduler.simresult import SimResult, SimulationError
-from scheduler.simsharp import run_sharp
+from scheduler.simsharp import ENGINE, Engine, run_sharp
 
 
 class Strategy(StrEnum):
@@ -43,10 +43,12 @@ def simulate(
     *,
     prefetch: bool = True,
     truth: Mapping[ModelId, float] | None = None,
+    engine: Engine = ENGINE,
     record: bool = False,
 ) -> SimResult:
     """Train ``plans`` together on ``cluster`` under ``strategy``. ``truth`` makes a model's
-    tasks take that factor longer than estimated; ``record`` keeps every task's record."""
+    tasks take that factor longer than estimated; ``engine`` is SHARP's executor (its queue
+    depth and latency); ``record`` keeps every task's record."""
     names = [p.model for p in plans]
     if len(set(names)) != len(names):
         raise SimulationError("model ids must be unique among the models sharing a cluster")
@@ -58,7 +60,13 @@ def simulate(
         raise SimulationError(f"truth factor of model {bad} must be > 0, got {scale[bad]}")
     if strategy in _POLICIES:
         tally = run_sharp(
-            cluster, plans, _POLICIES[strategy], prefetch=prefetch, truth=scale, record=record
+            cluster,
+            plans,
+            _POLICIES[strategy],
+            prefetch=prefetch,
+            truth=scale,
+            engine=engine,
+            record=record,
         )
     else:
         one = strategy is Strategy.MODEL_PARALLEL

@@ -36,7 +36,6 @@ from scheduler.sharp import (
     ModelPlan,
     Op,
     Policy,
-    Residence,
     Shard,
     ShardTask,
     assign,
@@ -343,7 +342,12 @@ class SharpTrainer:
         with self._lock:
             arriving, self._incoming = self._incoming, []
         if arriving:
-            adds = [c for snap in arriving for c in self._place(pool, snap)]
+            # Heaviest first, each to the device where it ends soonest (``home_shards``):
+            # longest-processing-time-first over the models that arrive together.
+            placing = sorted(
+                arriving, key=lambda s: -s.steps * sum(c.fwd_bwd_s for c in s.block_costs)
+            )
+            adds = [c for snap in placing for c in self._place(pool, snap)]
             try:
                 self._await_all(pool, adds)
                 for snap in arriving:
@@ -510,17 +514,13 @@ class SharpTrainer:
                 here = [m for m in self._models.values() if m.can_submit(host)]
                 if not here:
                     continue
-                idle = IdleDevice(device.id, device.node_id, 1.0, self._budgets[device.id])
+                idle = IdleDevice(device.id, 1.0, self._budgets[device.id])
                 runnable = [
                     progress(m.plan, m.submitted, ratio=m.ratio, last_run=m.last_run) for m in here
                 ]
-                residency = {m.snap.job_id: Residence(device.id, device.node_id) for m in here}
-                chosen = assign(
-                    self._policy, [idle], runnable, plans, residency, sequence=self._dispatched
-                )
-                if not chosen:
+                picked = assign(self._policy, idle, runnable, plans, sequence=self._dispatched)
+                if picked is None:
                     continue
-                (picked,) = chosen
                 model = self._models[picked.task.model]
                 nxt = picked.prefetch if self._prefetch else None
                 call = self._submit(pool, model, host, picked.task, self._prefetch_key(nxt, host))

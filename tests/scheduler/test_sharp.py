@@ -3,8 +3,6 @@ the assignment of tasks to idle devices (locality, memory, prefetch)."""
 
 from __future__ import annotations
 
-import math
-from dataclasses import replace
 from itertools import combinations
 
 import pytest
@@ -15,17 +13,17 @@ from scheduler.memory import stage_memory
 from scheduler.profile import BlockCost
 from scheduler.sharp import (
     Assignment,
+    Home,
     IdleDevice,
-    Locality,
     ModelPlan,
     Op,
     Policy,
     Progress,
-    Residence,
     Shard,
     ShardError,
     ShardTask,
     assign,
+    home_shards,
     lookahead,
     next_model,
     priority,
@@ -62,8 +60,8 @@ def plan(
     return ModelPlan(model, chain, steps, order)
 
 
-def device(name: str, node: str = "n0", speed: float = 1.0, budget: int = 16 * GiB) -> IdleDevice:
-    return IdleDevice(name, node, speed, budget, bandwidth_gbps=10.0)
+def device(name: str, speed: float = 1.0, budget: int = 16 * GiB) -> IdleDevice:
+    return IdleDevice(name, speed, budget, bandwidth_gbps=10.0)
 
 
 # ------------------------------------------------------------------------------ shards
@@ -237,120 +235,46 @@ def test_ties_go_to_the_lowest_model_id() -> None:
 
 
 def _assign(
-    idle: list[IdleDevice],
-    plans: list[ModelPlan],
-    residency: dict[str, Residence] | None = None,
-    policy: Policy = Policy.LRTF,
-    network_gbps: float = math.inf,
-) -> tuple[Assignment, ...]:
-    progresses = [progress(p, 0) for p in plans]
-    by_id = {p.model: p for p in plans}
-    return assign(policy, idle, progresses, by_id, residency or {}, network_gbps=network_gbps)
+    dev: IdleDevice, plans: list[ModelPlan], policy: Policy = Policy.LRTF
+) -> Assignment | None:
+    return assign(policy, dev, [progress(p, 0) for p in plans], {p.model: p for p in plans})
 
 
-def test_a_shard_stays_on_the_device_that_holds_it() -> None:
-    idle = [device("d0"), device("d1"), device("d2")]
-    (a,) = _assign(idle, [plan("m")], {"m": Residence("d1", "n0")})
-    assert (a.device, a.locality) == ("d1", Locality.RESIDENT)
-
-
-def test_then_a_device_on_the_node_holding_it_then_any() -> None:
-    idle = [device("d0", "n0"), device("d1", "n1"), device("d2", "n1")]
-    (near,) = _assign(idle, [plan("m")], {"m": Residence(None, "n1")}, network_gbps=5.0)
-    assert (near.device, near.locality) == ("d1", Locality.LOCAL)
-    gone = {"m": Residence("dx", "n9")}
-    (far,) = _assign(idle, [plan("m")], gone, network_gbps=5.0)
-    assert (far.device, far.locality) == ("d0", Locality.REMOTE)
-
-
-def test_a_much_faster_idle_device_beats_staying() -> None:
-    idle = [device("slow", speed=0.25), device("fast", speed=3.0)]
-    (a,) = _assign(idle, [plan("m")], {"m": Residence("slow", "n0")})
-    assert a.device == "fast"
-
-
-def test_a_late_model_waits_for_a_fast_device_soon_free_rather_than_start_on_a_slow_one() -> None:
-    # plan("m")'s first task: 1 reference second; 4.1 s on the slow device (copy included),
-    # 1.33 s once the fast one is free in 1 s; the rest of its chain: 5 s, 5/3 s on the fast.
-    slow = device("slow", speed=0.25)
-    soon = replace(device("fast", speed=3.0), free_in_s=1.0)
-    m = [progress(plan("m"), 0)]
-    plans = {"m": plan("m")}
-
-    def run(
-        offered: list[IdleDevice], horizon: float, more: tuple[Progress, ...] = ()
-    ) -> tuple[Assignment, ...]:
-        both = {**plans, **{p.model: plan(p.model) for p in more}}
-        return assign(Policy.LRTF, offered, [*m, *more], both, {}, horizon_s=horizon)
-
-    assert run([slow, soon], horizon=4.0) == ()  # 4.1 + 5/3 s would be late: it waits
-    (a,) = run([slow, soon], horizon=10.0)
-    assert a.device == "slow"  # it has the slack: the slow device works
-    (a,) = run([slow, soon], horizon=math.inf)
-    assert a.device == "slow"  # no horizon: never waits
-    (a,) = run([slow, replace(soon, free_in_s=5.0)], horizon=4.0)
-    assert a.device == "slow"  # late either way, and later there
-    # Once m waits for it, the fast device is free 1/3 s later: the next model weighs that.
-    # On a 0.7 device: m would end at 1.53 + 5/3 s, late for 3 s, so it waits (1.33 s); n
-    # then ends at 1.67 s on the fast one but at 1.53 s here, so it starts here.
-    slow = device("slow", speed=0.7)
-    n = progress(plan("n"), 0)
-    (b,) = run([slow, soon], horizon=3.0, more=(n,))
-    assert (b.task.model, b.device) == ("n", "slow")
-
-
-def test_models_in_policy_order_take_the_idle_devices() -> None:
+def test_the_policys_first_model_runs_next() -> None:
     plans = [plan("a", steps=1, order=0), plan("b", steps=3, order=1), plan("c", steps=2, order=2)]
-    lrtf = _assign([device("d0")], plans)
-    fifo = _assign([device("d0")], plans, policy=Policy.FIFO)
-    assert [a.task.model for a in lrtf] == ["b"] and [a.task.model for a in fifo] == ["a"]
+    lrtf = _assign(device("d0"), plans)
+    fifo = _assign(device("d0"), plans, policy=Policy.FIFO)
+    assert lrtf is not None and lrtf.task == ShardTask("b", 0, Op.FORWARD, 0)
+    assert fifo is not None and (fifo.device, fifo.task.model) == ("d0", "a")
 
 
 def test_a_device_takes_only_what_fits_its_budget() -> None:
-    big = plan("big", size=10 * GiB)
+    big = plan("big", size=10 * GiB, steps=3)
     small = plan("small", size=GiB)
-    out = _assign([device("d0", budget=8 * GiB)], [big, small])
-    assert [a.task.model for a in out] == ["small"]
-    assert _assign([device("d0", budget=8 * GiB)], [big]) == ()
+    out = _assign(device("d0", budget=8 * GiB), [big, small])
+    assert out is not None and out.task.model == "small"
+    assert _assign(device("d0", budget=8 * GiB), [big]) is None
 
 
-def test_one_task_per_model_and_per_device() -> None:
-    plans = [plan(m) for m in "abcde"]
-    out = _assign([device(f"d{i}") for i in range(3)], plans)
-    assert len({a.task.model for a in out}) == len({a.device for a in out}) == 3
-    twice = [progress(plans[0], 0), progress(plans[0], 0)]
-    with pytest.raises(ValueError, match="at most one task in flight"):
-        assign(Policy.LRTF, [device("d0")], twice, {"a": plans[0]}, {})
-
-
-def test_a_finished_model_is_not_runnable() -> None:
-    done = plan("m")
+def test_a_model_is_runnable_once_and_until_its_last_task() -> None:
+    m = plan("m")
+    twice = [progress(m, 0), progress(m, 0)]
+    with pytest.raises(ValueError, match="listed twice"):
+        assign(Policy.LRTF, device("d0"), twice, {"m": m})
     with pytest.raises(ValueError, match="finished"):
-        assign(Policy.LRTF, [device("d0")], [progress(done, done.tasks)], {"m": done}, {})
-
-
-def test_assignment_is_deterministic_and_ties_go_to_the_lowest_device_id() -> None:
-    idle = [device("d2"), device("d0"), device("d1")]
-    first = _assign(idle, [plan("m"), plan("n")])
-    assert first == _assign(list(reversed(idle)), [plan("n"), plan("m")])
-    assert [a.device for a in first] == ["d0", "d1"]
+        assign(Policy.LRTF, device("d0"), [progress(m, m.tasks)], {"m": m})
 
 
 def test_prefetch_names_the_devices_likeliest_next_task() -> None:
     long, short = plan("long", steps=3), plan("short", steps=1)
-    (a,) = _assign([device("d0")], [long, short])
-    assert a.task.model == "long" and a.prefetch == ShardTask("long", 1, Op.FORWARD, 0)
-    rivals = [plan("a", steps=2), plan("b", steps=2), plan("c", steps=1)]
-    out = _assign([device("d0"), device("d1")], rivals)
-    assert [x.prefetch for x in out] == [
-        ShardTask("a", 1, Op.FORWARD, 0),
-        ShardTask("b", 1, Op.FORWARD, 0),
-    ]
+    a = _assign(device("d0"), [long, short])
+    assert a is not None and a.task.model == "long"
+    assert a.prefetch == ShardTask("long", 1, Op.FORWARD, 0)
 
 
 def test_round_robin_prefetches_the_waiting_model() -> None:
-    (a,) = _assign([device("d0")], [plan("a"), plan("b")], policy=Policy.ROUND_ROBIN)
-    assert (a.task.model, a.prefetch) == ("a", ShardTask("b", 0, Op.FORWARD, 0))
+    a = _assign(device("d0"), [plan("a"), plan("b")], policy=Policy.ROUND_ROBIN)
+    assert a is not None and (a.task.model, a.prefetch) == ("a", ShardTask("b", 0, Op.FORWARD, 0))
 
 
 def test_lookahead_respects_memory_and_the_end_of_the_chain() -> None:
@@ -369,7 +293,26 @@ def test_lookahead_respects_memory_and_the_end_of_the_chain() -> None:
 
 
 def test_transfer_estimates() -> None:
-    d = device("d0")
-    assert transfer_s(10 * 10**9, d, False, 2.0) == 1.0
-    assert transfer_s(10 * 10**9, d, True, 2.0) == 5.0
-    assert transfer_s(10, IdleDevice("x", "n", 1.0, 1), False, math.inf) == 0.0
+    assert transfer_s(10 * 10**9, device("d0")) == 1.0  # 10 GB/s
+    assert transfer_s(10, IdleDevice("x", 1.0, 1)) == 0.0  # no bandwidth given: free
+
+
+# ------------------------------------------------------------------------ homes
+
+
+def test_a_models_shards_live_together_where_its_work_ends_soonest() -> None:
+    shards = [shard(0), shard(1)]  # 3 s a step each
+    busy = Home("busy", speed=1.0, load_s=10.0)
+    idle = Home("idle", speed=1.0)
+    assert home_shards(shards, 2, [busy, idle]) == ["idle", "idle"]
+    fast = Home("fast", speed=4.0, load_s=10.0)  # (10 + 12) / 4 < 12
+    assert home_shards(shards, 2, [idle, fast]) == ["fast", "fast"]
+    assert home_shards(shards, 2, [Home("b"), Home("a")]) == ["a", "a"]  # ties: lowest id
+
+
+def test_a_model_lives_only_where_its_largest_shard_fits() -> None:
+    shards = [shard(0, size=GiB), shard(1, size=4 * GiB)]
+    small, large = Home("small", budget_bytes=2 * GiB), Home("large", load_s=99.0)
+    assert home_shards(shards, 1, [small, large]) == ["large", "large"]
+    with pytest.raises(ShardError, match=r"largest device has 2\.0 GiB"):
+        home_shards(shards, 1, [small])

@@ -25,6 +25,7 @@ from scheduler.simcluster import (
     sweep_settings,
 )
 from scheduler.simresult import SimResult, SimulationError
+from scheduler.simsharp import Engine
 from scheduler.simulate import Strategy, compare, simulate
 
 pytestmark = pytest.mark.unit
@@ -95,21 +96,51 @@ def test_measured_slowness_scales_the_run() -> None:
 # --------------------------------------------------------------------------- the policies
 
 
-def test_lrtf_beats_fifo_when_fifo_leaves_the_long_model_for_last() -> None:
-    plans = [chain("a", 1, 2, 0), chain("b", 1, 2, 1), chain("c", 1, 4, 2)]  # 6, 6, 12 s
-    lrtf = simulate(cluster(2), plans, Strategy.LRTF)
-    fifo = simulate(cluster(2), plans, Strategy.FIFO)
-    assert fifo.makespan_s == pytest.approx(18.0) and lrtf.makespan_s < fifo.makespan_s
+def test_on_a_device_lrtf_runs_the_model_with_the_most_left_first() -> None:
+    plans = [chain("a", 1, 1, 0), chain("b", 1, 1, 1), chain("c", 1, 4, 2)]  # 3, 3, 12 s
+    lrtf = simulate(cluster(1), plans, Strategy.LRTF, record=True)
+    fifo = simulate(cluster(1), plans, Strategy.FIFO, record=True)
+    assert [r.model for r in lrtf.records][:2] == ["c", "c"]
+    assert [r.model for r in fifo.records][:2] == ["a", "a"]
+    assert lrtf.makespan_s == fifo.makespan_s == pytest.approx(18.0)  # one device: all work
 
 
-def test_hydra_setting_lrtf_is_near_the_lower_bound() -> None:
+def test_hydra_setting_runs_within_what_pinned_homes_allow() -> None:
+    """Measured 1.233 (the executor's homes: a model's shards on one device, models placed
+    heaviest first); Hydra, whose shards go to any free device, reports ~1.01."""
     setting = hydra_setting()
     results = {r.strategy: r for r in compare(setting)}
-    assert results["sharp-lrtf"].ratio <= 1.1
+    assert 1.0 <= results["sharp-lrtf"].ratio <= 1.25
     assert min(r.ratio for r in results.values()) >= 1.0
-    assert results["sharp-lrtf"].makespan_s <= results["sharp-fifo"].makespan_s
     assert results["sharp-lrtf"].makespan_s < results["task-parallel"].makespan_s
     assert results["task-parallel"].makespan_s < results["model-parallel"].makespan_s
+
+
+def test_a_model_lives_where_its_work_ends_soonest_for_the_devices_speed() -> None:
+    mixed = Cluster(
+        (
+            (DeviceKind("fast", 8.0, 16 * GiB, math.inf), 1),
+            (DeviceKind("slow", 1.0, 16 * GiB, math.inf), 1),
+        )
+    )
+    plans = [chain(m, shards=2, steps=4, order=i) for i, m in enumerate("abc")]  # 24 s each
+    result = simulate(mixed, plans, Strategy.LRTF, record=True)
+    assert {r.device for r in result.records} == {"fast-0000"}  # 72 / 8 < 24 (the slow one)
+    assert result.makespan_s == pytest.approx(72 / 8)
+
+
+# ---------------------------------------------------------------------------- the engine
+
+
+def test_the_executor_latency_is_paid_at_step_boundaries_with_a_queue_of_two() -> None:
+    """Two tasks queued per device hide the round trip between a model's tasks on one
+    device; only the first task and each step's first (queued once the executor has seen
+    the step before end) wait for it."""
+    plan = chain("m", shards=2, steps=2)  # 12 s of work, 8 tasks
+    queued = simulate(cluster(), [plan], engine=Engine(depth=2, latency_s=0.5))
+    assert queued.makespan_s == pytest.approx(12.0 + 0.5 + 2 * 0.5)
+    alone = simulate(cluster(), [plan], engine=Engine(depth=1, latency_s=0.5))
+    assert alone.makespan_s == pytest.approx(12.0 + 0.5 + 7 * 2 * 0.5)  # a round trip each
 
 
 def test_prefetch_never_slows_sharp_down() -> None:
@@ -135,23 +166,26 @@ def test_compare_runs_each_strategy_in_order() -> None:
 # ---------------------------------------------------------------------------- spot losses
 
 
-def test_a_spot_loss_costs_only_the_in_flight_task() -> None:
+def test_a_spot_loss_costs_the_step_under_way() -> None:
+    """As the executor's in-memory copies allow: the model rolls back to its step's start
+    on the device left (its first copy-in again), the tasks of that step done before lost."""
     plan = chain("m", forward=10.0, backward=20.0, state=10**9)  # 1 s copies at 1 GB/s
     base = simulate(cluster(2, gbps=1.0, spot=True), [plan], record=True)
     assert base.records[1].start_s < 15.0 < base.records[1].end_s  # F1 runs at 15 s
     lost = simulate(
         cluster(2, gbps=1.0, spot=True, outages=(Outage("k-0000", 15.0),)), [plan], record=True
     )
-    assert (lost.lost_tasks, lost.tasks) == (1, plan.tasks)
-    assert lost.makespan_s <= base.makespan_s + plan.task_s(1) + 1.0
-    assert [r.position for r in lost.records if not r.completed] == [1]
+    assert (lost.lost_tasks, lost.tasks) == (2, plan.tasks)
+    assert sorted(r.position for r in lost.records if not r.completed) == [0, 1]
+    assert {r.device for r in lost.records if r.completed} == {"k-0001"}
+    assert lost.makespan_s == pytest.approx(15.0 + 1.0 + plan.work_s)
 
 
 def test_a_device_may_come_back() -> None:
     plan = chain("m", forward=10.0, backward=20.0)
     outage = Outage("k-0000", 15.0, back_s=30.0)
     result = simulate(cluster(1, spot=True, outages=(outage,)), [plan])
-    assert result.lost_tasks == 1 and result.makespan_s == pytest.approx(30.0 + 10.0 + 40.0)
+    assert result.lost_tasks == 2 and result.makespan_s == pytest.approx(30.0 + plan.work_s)
 
 
 def test_losing_every_device_for_good_is_a_clear_error() -> None:
@@ -275,14 +309,14 @@ def worlds(draw: st.DrawFn, max_shards: int = 3) -> tuple[Cluster, list[ModelPla
             for i in range(draw(st.integers(1, max_shards)))
         )
         plans.append(ModelPlan(f"m{m}", shards, draw(st.integers(1, 2)), draw(st.integers(0, 3))))
-    cluster_ = Cluster(tuple(kinds), per_node=draw(st.sampled_from([1, 2, 8])))
+    cluster_ = Cluster(tuple(kinds))
     spot = [d.id for d in cluster_.devices() if d.kind.spot]
     outages = tuple(
         Outage(d, draw(st.floats(0.0, 20.0)), draw(st.none() | st.floats(20.0, 40.0)))
         for d in spot
         if draw(st.booleans())
     )
-    return Cluster(cluster_.kinds, cluster_.per_node, 5.0, outages), plans
+    return Cluster(cluster_.kinds, outages), plans
 
 
 def check_schedule(world: Cluster, plans: list[ModelPlan], result: SimResult) -> None:
@@ -338,24 +372,3 @@ def test_a_thousand_models_on_a_thousand_devices() -> None:
     print(f"1,024 devices x 1,000 models: {time.perf_counter() - began:.1f} s wall")
     assert result.tasks == sum(p.tasks for p in setting.plans)
     assert 1.0 <= result.ratio < 3.0 and 0.0 < result.mean_utilization <= 1.0
-
-
-def test_on_mixed_devices_a_late_model_waits_for_a_fast_device(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    # One device 8x faster than the other; three models of long chains. Without busy
-    # devices offered, every model starts on whichever device is idle.
-    mixed = Cluster(
-        (
-            (DeviceKind("fast", 8.0, 16 * GiB, math.inf), 1),
-            (DeviceKind("slow", 1.0, 16 * GiB, math.inf), 1),
-        )
-    )
-    plans = [chain(m, shards=2, steps=4, order=i) for i, m in enumerate("abc")]
-    waiting = simulate(mixed, plans, Strategy.LRTF, record=True)
-    from scheduler import simsharp
-
-    monkeypatch.setattr(simsharp._BusyIndex, "soonest", lambda *_: [])
-    greedy = simulate(mixed, plans, Strategy.LRTF, record=True)
-    assert waiting.makespan_s < greedy.makespan_s
-    assert waiting.ratio < 1.03  # measured 1.016; starting wherever idle: 1.042

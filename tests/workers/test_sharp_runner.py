@@ -298,11 +298,16 @@ def test_the_first_model_on_each_device_reports_what_the_device_holds_for_its_wo
     assert memory_events(train(cpu, LocalPool, budget_for_shards(cpu[0], 2)), cpu) == []
     measured = Overhead(64 * 2**20, "process")
     monkeypatch.setattr(shard_host, "measure_overhead", lambda _: measured)
-    snaps = [model(tmp_path, "a", steps=1), model(tmp_path, "b", seed=9, steps=1)]
+    snaps = [model(tmp_path, name, seed=i, steps=1) for i, name in enumerate("abc")]
     events = memory_events(train(snaps, LocalPool, budget_for_shards(snaps[0], 2)), snaps)
-    assert sorted(data["device_id"] for _, data in events) == [d.id for d in devices()], events
-    assert {(job, data["overhead_bytes"], data["how"]) for job, data in events} == {
-        ("a", measured.bytes, "process")
+    # A model lives on one device: a on the first, b on the other, c beside a.
+    first, second = devices()
+    assert sorted((data["device_id"], job) for job, data in events) == [
+        (first.id, "a"),
+        (second.id, "b"),
+    ], events
+    assert {(data["overhead_bytes"], data["how"]) for _, data in events} == {
+        (measured.bytes, "process")
     }, events
 
 
@@ -470,9 +475,9 @@ def test_a_checkpoint_that_cannot_be_written_fails_its_model_only(
 
 
 class LosingPool(LocalPool):
-    """A LocalPool whose device 1 is lost at its ``lose_at``-th call: it and every later one
-    fail. With ``inputs_there``, the next shard task on device 0 fails too, its input (the
-    outputs of a task that ran on device 1) lost with that node."""
+    """A LocalPool whose device 0 (where the first model placed lives) is lost at its
+    ``lose_at``-th call: it and every later one fail. With ``inputs_there``, the next shard
+    task on device 1 fails too, as if its input had been made on device 0."""
 
     lose_at = 12
     inputs_there = False
@@ -488,10 +493,10 @@ class LosingPool(LocalPool):
         from workers.shard_pool import HostLost, InputLost, _Local
 
         failure: Exception | None = None
-        if host == 1:
+        if host == 0:
             self.calls += 1
             if self.calls >= self.lose_at:
-                failure = HostLost(self.devices[1].id, "its node was preempted")
+                failure = HostLost(self.devices[0].id, "its node was preempted")
         elif (
             self.inputs_there
             and self.calls >= self.lose_at
@@ -499,7 +504,7 @@ class LosingPool(LocalPool):
             and method in ("forward", "backward")
         ):
             self.inputs_lost += 1
-            failure = InputLost(self.devices[0].id)
+            failure = InputLost(self.devices[1].id)
         if failure is None:
             return super().submit(host, method, *args)
         gone: Future[Any] = Future()
@@ -508,7 +513,7 @@ class LosingPool(LocalPool):
 
 
 class CopyLosingPool(LocalPool):
-    """A LocalPool whose device 1 is lost as it is asked for a shard's state the
+    """A LocalPool whose device 0 is lost as it is asked for a shard's state the
     ``copy_at``-th time (the first copy is taken when the model is placed, the k-th after
     step k - 1; the last step's is its checkpoint's): as the copy after a step is taken."""
 
@@ -524,13 +529,13 @@ class CopyLosingPool(LocalPool):
 
         from workers.shard_pool import HostLost, _Local
 
-        if host == 1 and method in ("export", "copy") and not self.gone:
+        if host == 0 and method in ("export", "copy") and not self.gone:
             self.copies[args[0]] = self.copies.get(args[0], 0) + 1
             self.gone = min(self.copies.values()) >= self.copy_at
-        if host != 1 or not self.gone:
+        if host != 0 or not self.gone:
             return super().submit(host, method, *args)
         gone: Future[Any] = Future()
-        gone.set_exception(HostLost(self.devices[1].id, "its node was preempted"))
+        gone.set_exception(HostLost(self.devices[0].id, "its node was preempted"))
         return _Local(host, method, gone)
 
 
@@ -547,7 +552,7 @@ class PlacementLosingPool(LosingPool):
 
 
 class LateLosingPool(LosingPool):
-    lose_at = 20  # a few steps in, after a checkpoint
+    lose_at = 40  # a few steps in, after a checkpoint
 
 
 @pytest.mark.unit
@@ -564,7 +569,7 @@ def test_a_lost_device_costs_only_the_step_under_way_and_the_math_stays_exact(
         model(tmp_path, "b", seed=9, steps=6, keep_copies=True, copy_budget=1.0),
     ]
     trainer = train(snaps, LosingPool, budget_for_shards(snaps[0], 3))
-    dead = devices()[1].id
+    dead = devices()[0].id
     hit = 0
     for snap in snaps:
         report = trainer.report(snap.job_id, 0)
@@ -647,7 +652,7 @@ def test_a_device_lost_while_a_step_is_copied_rolls_back_to_the_copy_before(
     assert report.status is RunStatus.SUCCEEDED, report.error
     (lost,) = [e for e in report.events if e.kind == "device_lost"]
     assert lost.data == {
-        "devices": [devices()[1].id],
+        "devices": [devices()[0].id],
         "step": step,
         "resume_step": resumed,
         "steps_replayed": step - resumed,
@@ -687,7 +692,7 @@ def test_without_copies_a_lost_device_ends_its_models_as_lost_and_a_new_run_resu
     trainer, thread = open_trainer(snap, pool, LateLosingPool)
     lost = ended(trainer, thread, "a")
     assert lost.status is RunStatus.LOST and "keep_copies is off" in (lost.error or "")
-    assert lost.lost_devices == (pool[1].id,) and trainer.lost_devices() == [pool[1].id]
+    assert lost.lost_devices == (pool[0].id,) and trainer.lost_devices() == [pool[0].id]
     trainer.add(replace(snap, attempt=2))
     trainer.close()
     thread.join(120)
@@ -792,13 +797,13 @@ def test_a_killed_ray_shard_worker_is_survived_exactly(ray_address: str, tmp_pat
     while trainer.report("a", 0).step < 3:
         thread.join(0.05)
     pool = pools[0]
-    (pid,) = [pool.result(c) for c in pool.wait([pool.submit(1, "pid")], 60)]
+    (pid,) = [pool.result(c) for c in pool.wait([pool.submit(0, "pid")], 60)]
     os.kill(pid, signal.SIGKILL)
     thread.join(300)
     report = trainer.report("a", 0)
     assert report.status is RunStatus.SUCCEEDED, report.error
     (lost,) = [e for e in report.events if e.kind == "device_lost"]
-    assert lost.data["devices"] == [pool_devices[1].id]
+    assert lost.data["devices"] == [pool_devices[0].id]
     assert lost.data["steps_replayed"] <= lost.data["most_replayed"], lost.data
     latest = {m.step: m.loss for m in report.metrics}  # a replayed step's record replaces it
     assert sorted(latest) == list(range(1, 41))

@@ -54,10 +54,10 @@ def simulate_local(
     shards: Sequence[Shard], models: int, steps: int, budget: int, devices: int = 2
 ) -> dict[str, float]:
     """The real half's run as the simulator sees it: ``models`` models of ``shards`` on
-    ``devices`` devices of one node whose copies cost nothing (CPU devices share host
+    ``devices`` devices whose copies cost nothing (CPU devices share host
     memory). What scheduling alone leaves idle, before any framework overhead."""
     kind = DeviceKind("local-cpu", 1.0, budget, 1e6)
-    cluster = Cluster(((kind, devices),), per_node=devices)
+    cluster = Cluster(((kind, devices),))
     plans = [ModelPlan(f"model-{i}", tuple(shards), steps, i) for i in range(models)]
     sharp = simulate(cluster, plans, Strategy.LRTF)
     plain = simulate(cluster, plans, Strategy.MODEL_PARALLEL)
