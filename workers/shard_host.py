@@ -153,13 +153,10 @@ class ShardHost:
         self.drop(key)
         return self.add(key, setup, blocks, planned, state)
 
-    def export(self, key: ShardKey) -> dict[int, Any]:
-        """Shard ``key``'s block states (parameters and optimizer), to move or checkpoint it."""
-        return self._stage(key).state()
-
     def copy(self, key: ShardKey) -> tuple[dict[int, Any], float, float]:
-        """Shard ``key``'s block states in wire form (what Ray moves fastest; the executor
-        keeps them so, ``add`` and ``load`` take them back), the seconds taking them held
+        """Shard ``key``'s block states (parameters and optimizer) in wire form (what Ray
+        moves fastest; the executor keeps them so, ``add`` and ``load`` take them back, its
+        checkpoints read them back as tensors), the seconds taking them held
         this device, and the wall clock then (the executor counts the time they take to
         reach it too: Ray storing and moving them)."""
         started = time.perf_counter()
@@ -378,7 +375,7 @@ def _pin(module: torch.nn.Module) -> None:
 
 
 SHARD_METHODS = frozenset(
-    {"add", "load", "export", "copy", "drop", "held", "overhead", "forward", "backward", "pid"}
+    {"add", "load", "copy", "drop", "held", "overhead", "forward", "backward", "pid"}
 )
 """The ``ShardHost`` methods the executor may call."""
 

@@ -27,6 +27,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from scheduler.copies import CopyCadence, most_replayed
 from scheduler.devices import Device
 from scheduler.profile import BlockCost
@@ -54,7 +56,7 @@ from workers.shard_pool import Call, HostLost, HostPool, InputLost, PoolFactory
 from workers.snapshot import JobSnapshot, RunnerEvent, RunnerReport, RunStatus, StepMetrics
 from workers.stage import StageSetup
 from workers.stage_worker import one_line
-from workers.wire import Wire, send
+from workers.wire import Wire, receive_tree, send
 from workers.zoo.data import DataSource, make_data
 
 DEFAULT_TASK_TIMEOUT_S = 600.0
@@ -709,14 +711,14 @@ class SharpTrainer:
                 self._record(model, copies_event(model.cadence, model.step))
 
     def _gather(self, pool: HostPool, model: _Model) -> dict[int, Any]:
-        """Every block's state, from the model's shards (each host answers after its task)."""
+        """Every block's state in wire form (what Ray moves and unpickles fastest), from the
+        model's shards (each host answers after its task)."""
         job_id = model.snap.job_id
         calls = [
-            pool.submit(model.homes[s.index], "export", (job_id, s.index))
-            for s in model.plan.shards
+            pool.submit(model.homes[s.index], "copy", (job_id, s.index)) for s in model.plan.shards
         ]
         blocks: dict[int, Any] = {}
-        for states in self._await_all(pool, calls):
+        for states, _, _ in self._await_all(pool, calls):
             blocks.update(states)
         return blocks
 
@@ -749,7 +751,8 @@ class SharpTrainer:
         last = step == snap.steps or leave
         try:
             store = CheckpointStore(snap.checkpoint_root)
-            event = write_checkpoint(store, snap, step, blocks, stages, (snap.micro_batches,))
+            tensors = receive_tree(blocks, torch.device("cpu"))
+            event = write_checkpoint(store, snap, step, tensors, stages, (snap.micro_batches,))
         except Exception as exc:  # a boundary: the model fails with why, the others go on
             reason = f"its checkpoint of step {step} could not be written: {one_line(exc)}"
             if last:  # its shards are gone already

@@ -372,7 +372,8 @@ def _sharp_tables(console: Console, result: dict[str, Any]) -> None:
     local, busy = result["sim_two_devices"], result["sharp_device_busy"]
     console.print(
         f"SHARP's devices computing {' and '.join(f'{b:.2f}' for b in busy)} of the time;"
-        f" the simulator, same shards with free copies and no overhead:"
+        f" the simulator, same shards at their measured task times and the executor's"
+        f" measured latency ({local['latency_s'] * 1e3:.1f} ms), free copies:"
         f" {local['lrtf_mean_utilization']:.2f} busy,"
         f" {local['speedup_vs_model_parallel']:.2f}x over model parallelism"
     )

@@ -272,7 +272,11 @@ def _sharp_canned() -> tuple[dict[str, Any], dict[str, Any]]:
         "sequential_train_seconds": 15.0,
         "no_prefetch_train_seconds": 12.0,
         "sharp_device_busy": [0.5, 0.25],
-        "sim_two_devices": {"lrtf_mean_utilization": 0.99, "speedup_vs_model_parallel": 2.0},
+        "sim_two_devices": {
+            "lrtf_mean_utilization": 0.99,
+            "speedup_vs_model_parallel": 2.0,
+            "latency_s": 0.001,
+        },
         "model": "4 x mlp",
         "shards_per_model": [4, 4, 4, 4],
     }
@@ -373,8 +377,14 @@ def test_sharp_bench_in_process_trains_every_variant_to_the_same_losses(tmp_path
     for key in ("sharp_seconds", "sequential_seconds", "no_prefetch_seconds"):
         assert result[key] > 0
     assert result["promoted_bytes"] > 0 and len(result["final_losses"]) == 2
-    # Two models on two devices, no overhead: the simulator keeps both devices busy.
+    # Two models on two devices at their measured task times: the simulator keeps both busy.
     assert result["sim_two_devices"]["speedup_vs_model_parallel"] > 1.5
+    assert set(result["sharp_task_seconds"]) == {
+        f"{op} {i}"
+        for op in ("forward", "backward")
+        for i in range(min(result["shards_per_model"]))
+    }
+    assert result["sharp_round_trip_seconds"] > 0
     with pytest.raises(BenchError, match="needs 2 devices"):
         measure(s, devices[:1], tmp_path, LocalPool, LocalGroup)
 

@@ -529,7 +529,7 @@ class CopyLosingPool(LocalPool):
 
         from workers.shard_pool import HostLost, _Local
 
-        if host == 0 and method in ("export", "copy") and not self.gone:
+        if host == 0 and method == "copy" and not self.gone:
             self.copies[args[0]] = self.copies.get(args[0], 0) + 1
             self.gone = min(self.copies.values()) >= self.copy_at
         if host != 0 or not self.gone:

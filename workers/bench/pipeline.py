@@ -72,7 +72,8 @@ def pipeline_phases(rounds: int) -> list[str]:
 
 
 RUNNER_THREADS = 1
-"""Torch threads of the runner in a bench, as in a job: Ray starts the runner actor with
+"""Torch threads of the runner in a bench (and of the SHARP executor in ``bench.sharp``), as
+in a job: Ray starts the runner actor with
 OMP_NUM_THREADS=1. With the driver's default (every core), the runner's idle OpenMP threads
 spin after each batch it draws and take cores from the stages: measured 18.7 ms against
 8.8 ms for a tiny model's step (2 stages, 8 micro-batches, 2 cores)."""

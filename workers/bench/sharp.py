@@ -18,8 +18,10 @@ parameters: the bench runs them on Ray actors, the unit tests in-process.
 from __future__ import annotations
 
 import os
+import statistics
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -28,10 +30,11 @@ import ray
 from scheduler.devices import Device
 from scheduler.memory import stage_memory, transient_bytes
 from scheduler.profile import BlockCost
-from scheduler.sharp import ShardError, shard_model
+from scheduler.sharp import Shard, ShardError, shard_model
 from scheduler.types import DeviceId
 from service.localray import LocalRay
 from workers.bench.elastic import cluster_devices
+from workers.bench.pipeline import RUNNER_THREADS, threads
 from workers.bench.report import (
     SHARP_PHASES,
     BenchError,
@@ -112,27 +115,39 @@ def snapshots(
 
 
 class _Watched:
-    """A host pool that notes when the first shard task went out and each device's
-    compute seconds, for the bench's breakdown of where SHARP's time goes."""
+    """A host pool that notes when the first shard task went out, each device's compute
+    seconds, each task's compute seconds by (op, shard) and the round trips of the calls
+    the executor waits on outright (``overhead``): what calibrates the simulator's run of
+    the same work (``bench.simulation.simulate_local``)."""
 
     def __init__(self, inner: HostPool) -> None:
         self.inner = inner
         self.devices = inner.devices
         self.first_task: float | None = None
         self.compute_s = [0.0] * len(inner.devices)
+        self.task_s: dict[tuple[str, int], list[float]] = {}
+        self.round_trips: list[float] = []
+        self._calls: dict[Call, tuple[str, int, float]] = {}
 
     def submit(self, host: int, method: str, *args: Any) -> Call:
         if self.first_task is None and method in ("forward", "backward"):
             self.first_task = time.perf_counter()
-        return self.inner.submit(host, method, *args)
+        call = self.inner.submit(host, method, *args)
+        shard = args[0][1] if method in ("forward", "backward") else -1
+        self._calls[call] = (method, shard, time.perf_counter())
+        return call
 
     def wait(self, calls: Sequence[Call], timeout: float) -> list[Call]:
         return self.inner.wait(calls, timeout)
 
     def result(self, call: Call) -> Any:
         value = self.inner.result(call)
+        method, shard, sent = self._calls.pop(call, ("", -1, 0.0))
         if isinstance(value, TaskResult):
             self.compute_s[call.host] += value.compute_s
+            self.task_s.setdefault((method, shard), []).append(value.compute_s)
+        elif method == "overhead":
+            self.round_trips.append(time.perf_counter() - sent)
         return value
 
     def outputs(self, call: Call) -> Any:
@@ -176,6 +191,8 @@ def train_sharp(
         "seconds": ended - started,
         "train_seconds": train_s,
         "device_busy": [c / train_s for c in pool.compute_s],
+        "task_seconds": {key: statistics.median(v) for key, v in pool.task_s.items()},
+        "round_trip_seconds": statistics.median(pool.round_trips) if pool.round_trips else 0.0,
         "driver_cpu_seconds": cpu,
         "losses": [[m.loss for m in r.metrics] for r in reports],
         "promoted_bytes": trainer.promoted_bytes,
@@ -210,6 +227,20 @@ def train_one_after_another(
     }
 
 
+def measured_shards(
+    shards: Sequence[Shard], task_s: Mapping[tuple[str, int], float]
+) -> tuple[Shard, ...]:
+    """``shards`` with the median seconds their forward and backward tasks took."""
+    return tuple(
+        replace(
+            shard,
+            forward_s=task_s.get(("forward", shard.index), shard.forward_s),
+            backward_s=task_s.get(("backward", shard.index), shard.backward_s),
+        )
+        for shard in shards
+    )
+
+
 def measure(
     s: SharpSettings,
     devices: Sequence[Device],
@@ -236,16 +267,21 @@ def measure(
         raise BenchError(f"{exc} (here: raise budget_fraction or add layers)") from None
     if len(shards) < 2:
         raise BenchError(f"one model fits half of a {budget}-byte device; lower budget_fraction")
-    progress(SHARP_PHASES[4])
-    plain = train_one_after_another(snapshots(s, root, "sequential", costs, devices), make_group)
-    progress(SHARP_PHASES[5])
-    sharp = train_sharp(
-        snapshots(s, root, "sharp", costs), devices, budget, make_pool, prefetch=True
-    )
-    progress(SHARP_PHASES[6])
-    lazy = train_sharp(
-        snapshots(s, root, "no-prefetch", costs), devices, budget, make_pool, prefetch=False
-    )
+    # Each variant's driver (a job's runner, the sweep's executor) with one torch thread, as
+    # its Ray actor has in the service: idle OpenMP threads would spin on the devices' cores.
+    with threads(RUNNER_THREADS):
+        progress(SHARP_PHASES[4])
+        plain = train_one_after_another(
+            snapshots(s, root, "sequential", costs, devices), make_group
+        )
+        progress(SHARP_PHASES[5])
+        sharp = train_sharp(
+            snapshots(s, root, "sharp", costs), devices, budget, make_pool, prefetch=True
+        )
+        progress(SHARP_PHASES[6])
+        lazy = train_sharp(
+            snapshots(s, root, "no-prefetch", costs), devices, budget, make_pool, prefetch=False
+        )
     same_losses(
         {
             "one after another": plain["losses"],
@@ -263,7 +299,18 @@ def measure(
         "sharp_device_busy": sharp["device_busy"],
         "sequential_device_busy": plain["device_busy"],
         "sharp_driver_cpu_seconds": sharp["driver_cpu_seconds"],
-        "sim_two_devices": simulate_local(shards, s.models, s.steps, budget),
+        "sim_two_devices": simulate_local(
+            measured_shards(shards, sharp["task_seconds"]),
+            s.models,
+            s.steps,
+            budget,
+            latency_s=sharp["round_trip_seconds"] / 2,
+        ),
+        "sharp_task_seconds": {
+            f"{op} {shard}": seconds
+            for (op, shard), seconds in sorted(sharp["task_seconds"].items())
+        },
+        "sharp_round_trip_seconds": sharp["round_trip_seconds"],
         "promoted_bytes": sharp["promoted_bytes"],
         "no_prefetch_promoted_bytes": lazy["promoted_bytes"],
         "shards_per_model": sharp["shards_per_model"],

@@ -21,6 +21,7 @@ from scheduler.simcluster import (
     mixed_setting,
     spot_setting,
 )
+from scheduler.simsharp import Engine
 from scheduler.simulate import Strategy, simulate
 from workers.bench.report import SHARP_PHASES, Progress, SharpSettings
 
@@ -51,20 +52,29 @@ def simulate_setting(setting: Setting) -> dict[str, Any]:
 
 
 def simulate_local(
-    shards: Sequence[Shard], models: int, steps: int, budget: int, devices: int = 2
+    shards: Sequence[Shard],
+    models: int,
+    steps: int,
+    budget: int,
+    devices: int = 2,
+    *,
+    latency_s: float = 0.0,
 ) -> dict[str, float]:
-    """The real half's run as the simulator sees it: ``models`` models of ``shards`` on
-    ``devices`` devices whose copies cost nothing (CPU devices share host
-    memory). What scheduling alone leaves idle, before any framework overhead."""
+    """The real half's run as the simulator sees it: ``models`` models of ``shards`` (the
+    real run's measured task seconds, when the bench has them) on ``devices`` devices whose
+    copies cost nothing (CPU devices share host memory), with the executor's measured
+    ``latency_s``: what the engine would reach with the machine's cores to itself."""
     kind = DeviceKind("local-cpu", 1.0, budget, 1e6)
     cluster = Cluster(((kind, devices),))
     plans = [ModelPlan(f"model-{i}", tuple(shards), steps, i) for i in range(models)]
-    sharp = simulate(cluster, plans, Strategy.LRTF)
+    engine = Engine(latency_s=latency_s)
+    sharp = simulate(cluster, plans, Strategy.LRTF, engine=engine)
     plain = simulate(cluster, plans, Strategy.MODEL_PARALLEL)
     return {
         "lrtf_ratio": sharp.ratio,
         "lrtf_mean_utilization": sharp.mean_utilization,
         "speedup_vs_model_parallel": plain.makespan_s / sharp.makespan_s,
+        "latency_s": latency_s,
     }
 
 
