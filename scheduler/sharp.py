@@ -236,6 +236,28 @@ def home_shards(shards: Sequence[Shard], steps: int, devices: Sequence[Home]) ->
     return [best.device] * len(shards)
 
 
+def moved_end_s(
+    left_s: float,
+    home: tuple[float, float],
+    there: tuple[float, float],
+    copy_s: float,
+) -> tuple[float, float]:
+    """When the later of two devices would end the work of the models living on them, as
+    things stand and if a model at a step boundary with ``left_s`` reference seconds of
+    work to go moved from ``home`` to ``there`` (each: the work to go of its models, the
+    home's including this one, and its speed), its state copied over in ``copy_s``.
+
+    Homes are fixed when models arrive; as models end, devices fall idle while others
+    still hold several, or a device faster than a lone model's falls idle. A move is worth
+    it where the second is the sooner: that evens the devices out, and a model moved back
+    would not pass the same test (Hydra gets the balance from letting any free device take
+    any shard)."""
+    (home_left, home_speed), (there_left, there_speed) = home, there
+    now = max(home_left / home_speed, there_left / there_speed)
+    moved = max((home_left - left_s) / home_speed, copy_s + (there_left + left_s) / there_speed)
+    return now, moved
+
+
 # ------------------------------------------------------------------ tasks and progress
 
 

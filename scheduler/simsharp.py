@@ -4,7 +4,9 @@ What it models is what the executor does, with the same decisions (``scheduler.s
 
 - *Homes.* Each model's shards live on a device from the start (``home_shards``, the
   executor's own placement, models heaviest first: the host memory of the device's
-  worker, which runs every task of the shard). Nothing moves but what a lost device held.
+  worker, which runs every task of the shard). Once the executor has seen a model's step
+  end, the model may move whole to another device where that ends both devices' work
+  sooner (``moved_end_s``), its state copied over at the device's bandwidth first.
 - *Queues.* The executor keeps each live device ``depth`` tasks deep, choosing with
   ``assign`` among the models whose next task's shard lives there. It acts ``latency_s``
   after a task ends (the result's way to it) and a task it submits reaches the device
@@ -22,8 +24,7 @@ What it models is what the executor does, with the same decisions (``scheduler.s
   the start of its step (the executor's in-memory copies), its tasks queued elsewhere
   dropped and those running elsewhere wasted, its shards on the lost device re-homed on
   the live ones (``home_shards``); it runs on once the executor has seen its tasks in
-  flight end. A device that comes back is empty: only models placed later, or with no
-  live device left meanwhile, live on it.
+  flight end. A device that comes back is empty until a model moves there.
 
 Per event the work is a few heap operations and, per submission, one ``assign`` over the
 models waiting at one device.
@@ -47,6 +48,7 @@ from scheduler.sharp import (
     ShardError,
     assign,
     home_shards,
+    moved_end_s,
     progress,
     refine_ratio,
     transfer_s,
@@ -61,11 +63,14 @@ _LOST, _BACK, _END, _WAKE, _SEE = range(5)
 
 @dataclass(frozen=True)
 class Engine:
-    """The executor's constants: tasks queued per device (``QUEUE_DEPTH``) and the one-way
-    latency between it and a worker (and between two workers)."""
+    """The executor's constants: tasks queued per device (``QUEUE_DEPTH``), the one-way
+    latency between it and a worker (and between two workers), and whether a model at a
+    step boundary moves to another device where that ends both devices' work sooner
+    (``moved_end_s``)."""
 
     depth: int = 2
     latency_s: float = 0.0
+    moves: bool = True
 
     def __post_init__(self) -> None:
         if self.depth < 1 or not self.latency_s >= 0:
@@ -75,7 +80,7 @@ class Engine:
 
 
 ENGINE = Engine()
-"""The executor as it runs by default: two tasks queued per device, no latency."""
+"""The executor as it runs by default: two tasks queued per device, moves, no latency."""
 
 
 @dataclass
@@ -149,8 +154,14 @@ class _Sharp:
         self.load: dict[DeviceId, float] = dict.fromkeys(self.devices, 0.0)
         self.plans = {p.model: p for p in plans}
         self.models: dict[ModelId, _Model] = {}
+        self.residents: dict[DeviceId, set[ModelId]] = {d: set() for d in self.devices}
+        """The models with work left that live on each device."""
+        self.left_at: dict[DeviceId, float] = dict.fromkeys(self.devices, 0.0)
+        """Reference seconds of the work left of the models living on each device."""
         for plan in sorted(plans, key=lambda p: (-p.work_s, p.order, p.model)):  # as admitted
-            self.models[plan.model] = _Model(plan, self._home(plan, range(len(plan.shards))))
+            model = _Model(plan, self._home(plan, range(len(plan.shards))))
+            self.models[plan.model] = model
+            self._settle(model)
         self.waiting: dict[DeviceId, set[ModelId]] = {d: set() for d in self.devices}
         """Models whose next task may be queued now, by the device its shard lives on."""
         self.speeds = Counter(d.idle.speed for d in self.devices.values())
@@ -341,8 +352,10 @@ class _Sharp:
             estimated = plan.task_s(job.position) / device.idle.speed
             model.ratio = refine_ratio(model.ratio, estimated, job.compute_s)
             self.work_left -= plan.task_s(job.position)
+            self.left_at[model.homes[0]] -= plan.task_s(job.position)
             if model.done == plan.tasks:
                 self.left -= 1
+                self._unsettle(model)
             elif model.done % (2 * len(plan.shards)) == 0:
                 model.step_runs = []  # a whole step: what a loss rolls back to
             else:
@@ -368,7 +381,56 @@ class _Sharp:
             device.in_flight = max(0, device.in_flight - 1)
             if epoch == model.epoch:
                 model.seen = max(model.seen, done)
+                at_boundary = done == model.submitted and done % (2 * len(model.plan.shards)) == 0
+                if at_boundary and done < model.plan.tasks and self.engine.moves:
+                    self._maybe_move(model, now)
         self._refresh(model, now)
+
+    def _maybe_move(self, model: _Model, now: float) -> None:
+        """At a step boundary the model moves whole to the live device where that ends the
+        two devices' work soonest, if sooner than staying (``moved_end_s``, the executor's
+        rule)."""
+        home = self.devices[model.homes[0]]
+        plan = model.plan
+        state = sum(s.state_bytes for s in plan.shards)
+        left = plan.remaining_s(model.done)
+        here = (self.left_at[home.sim.id], home.idle.speed)
+        best: tuple[float, DeviceId] | None = None
+        for name, device in self.devices.items():
+            if device.alive and name != home.sim.id:
+                copy_s = transfer_s(state, device.idle)
+                there = (self.left_at[name], device.idle.speed)
+                ends, moved = moved_end_s(left, here, there, copy_s)
+                if moved < ends and (best is None or (moved, name) < best):
+                    best = (moved, name)
+        if best is None:
+            return
+        there_device = self.devices[best[1]]
+        copy_s = transfer_s(state, there_device.idle)
+        self._unsettle(model)
+        for shard in plan.shards:
+            work = plan.steps * (shard.forward_s + shard.backward_s)
+            self.load[model.homes[shard.index]] -= work
+            self.load[there_device.sim.id] += work
+        model.homes = [there_device.sim.id] * len(plan.shards)
+        self._settle(model)
+        if copy_s > 0:  # its state is copied over before its next step
+            model.paused_until = now + copy_s
+            self._note(model.paused_until, there_device.sim.id, plan.model, -1, model.epoch)
+
+    def _settle(self, model: _Model) -> None:
+        """Count ``model`` (with work left) on its home device."""
+        home = model.homes[0]
+        self.residents[home].add(model.plan.model)
+        self.left_at[home] += model.plan.remaining_s(model.done)
+
+    def _unsettle(self, model: _Model) -> None:
+        """No longer count ``model`` on its home (it ended, moves or lost its device)."""
+        home = model.homes[0]
+        self.residents[home].discard(model.plan.model)
+        self.left_at[home] -= model.plan.remaining_s(model.done)
+        if not self.residents[home]:
+            self.left_at[home] = 0.0  # what float sums leave
 
     def _return(self, device: _Device, now: float) -> None:
         """A device is back, empty; models that had no device left live on it."""
@@ -378,7 +440,9 @@ class _Sharp:
         self.speeds[device.idle.speed] += 1
         for name in sorted(self.homeless):
             model = self.models[name]
+            self._unsettle(model)
             self._rehome(model)
+            self._settle(model)
             self._refresh(model, now)
 
     def _lose(self, device: _Device, now: float) -> None:
@@ -404,6 +468,7 @@ class _Sharp:
         wasted, its shards on lost devices re-homed; it runs on once the executor has seen
         them end."""
         plan = model.plan
+        self._unsettle(model)
         model.epoch += 1
         busy_until = now
         for device in self.devices.values():
@@ -422,6 +487,7 @@ class _Sharp:
         model.done = model.submitted = model.seen = start
         model.step_runs, model.input_at = [], {}
         model.paused_until = busy_until + self.engine.latency_s
+        self._settle(model)
         self._note(model.paused_until, model.homes[0], plan.model, -1, model.epoch)
         self._refresh(model, now)
 

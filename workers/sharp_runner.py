@@ -42,6 +42,7 @@ from scheduler.sharp import (
     ShardTask,
     assign,
     home_shards,
+    moved_end_s,
     progress,
     refine_ratio,
     shard_model,
@@ -490,6 +491,18 @@ class SharpTrainer:
             self._load[host] += steps * (shard.forward_s + shard.backward_s)
         return homes
 
+    def _rows(self, model: _Model) -> list[dict[str, Any]]:
+        """The model's shards as stage rows (its layout, for the control plane)."""
+        return [
+            {
+                "stage": s.index,
+                "replica": 0,
+                "device_id": self._devices[h].id,
+                "blocks": list(s.blocks),
+            }
+            for s, h in zip(model.plan.shards, model.homes, strict=True)
+        ]
+
     def _await_all(self, pool: HostPool, calls: Sequence[Call]) -> list[Any]:
         pending, values = list(calls), {}
         while pending:
@@ -673,6 +686,76 @@ class SharpTrainer:
             self._checkpoint(model, step, blocks, leave)
         if step == snap.steps or leave:
             self._drop(pool, model)  # it ends once its last checkpoint is written
+        else:
+            self._maybe_move(pool, model, step, blocks or None)
+
+    def _maybe_move(
+        self, pool: HostPool, model: _Model, step: int, blocks: dict[int, Any] | None
+    ) -> None:
+        """At a step boundary ``model`` moves whole to the live device where that ends the
+        two devices' work soonest, if sooner than staying (``scheduler.sharp.moved_end_s``):
+        as models end, some devices fall idle while others still hold several. Its state
+        (the step's gathered ``blocks``, else its copy of this step, else gathered now) is
+        loaded there; nothing is replayed."""
+        home = model.homes[0]
+        left = dict.fromkeys((h for h in range(len(self._devices)) if h not in self._dead), 0.0)
+        for m in self._models.values():
+            if m.active and m.homes[0] in left:
+                left[m.homes[0]] += m.plan.remaining_s(m.done)
+        if home not in left:
+            return  # its device is lost: it rolls back instead
+        mine = model.plan.remaining_s(model.done)
+        best: tuple[float, int] | None = None
+        for host, work in left.items():
+            if host != home:
+                ends, moved = moved_end_s(mine, (left[home], 1.0), (work, 1.0), 0.0)
+                if moved < ends and (best is None or (moved, host) < best):
+                    best = (moved, host)
+        if best is None:
+            return
+        there = best[1]
+        try:
+            if blocks is None:
+                saved = model.saved
+                blocks = saved[1] if saved and saved[0] == step else self._gather(pool, model)
+            job_id = model.snap.job_id
+            data = make_data(model.snap.data, model.snap.seed, model.snap.allowed_factories)
+            setup = StageSetup.of(model.snap, data.meta)
+            calls = [pool.submit(home, "drop", (job_id, s.index)) for s in model.plan.shards]
+            calls += [
+                pool.submit(
+                    there,
+                    "add",
+                    (job_id, s.index),
+                    setup,
+                    s.blocks,
+                    s.bytes,
+                    {i: blocks[i] for i in range(*s.blocks)},
+                )
+                for s in model.plan.shards
+            ]
+            self._await_all(pool, calls)
+        except HostLost as exc:  # before it moved or after: it rolls back from its copy
+            model.lost = str(exc)
+            self._lose(pool, self._host_of(exc), str(exc))
+            if model.lost is not None:
+                self._roll_back(pool, model)
+            return
+        work = model.snap.steps * sum(s.forward_s + s.backward_s for s in model.plan.shards)
+        self._load[home] -= work
+        self._load[there] += work
+        model.homes = [there] * len(model.plan.shards)
+        old, new = self._devices[home].id, self._devices[there].id
+        self._record(
+            model,
+            RunnerEvent(
+                "relayout",
+                step,
+                f"SHARP: moved from {old} to {new} at step {step}, where the two devices'"
+                " models end sooner",
+                {"to": self._rows(model), "removed": [old], "added": [new]},
+            ),
+        )
 
     def _start_copy(self, pool: HostPool, model: _Model, step: int) -> None:
         """Have the model's shard hosts copy it as it is after ``step`` steps (each host
@@ -859,22 +942,13 @@ class SharpTrainer:
                 },
             ),
         )
-        rows = [
-            {
-                "stage": s.index,
-                "replica": 0,
-                "device_id": self._devices[h].id,
-                "blocks": list(s.blocks),
-            }
-            for s, h in zip(model.plan.shards, model.homes, strict=True)
-        ]
         self._record(
             model,
             RunnerEvent(
                 "recovered",
                 step,
                 f"shards re-homed off {', '.join(gone)}",
-                {"to": rows, "steps_replayed": replayed},
+                {"to": self._rows(model), "steps_replayed": replayed},
             ),
         )
 

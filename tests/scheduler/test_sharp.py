@@ -25,6 +25,7 @@ from scheduler.sharp import (
     assign,
     home_shards,
     lookahead,
+    moved_end_s,
     next_model,
     priority,
     progress,
@@ -316,3 +317,14 @@ def test_a_model_lives_only_where_its_largest_shard_fits() -> None:
     assert home_shards(shards, 1, [small, large]) == ["large", "large"]
     with pytest.raises(ShardError, match=r"largest device has 2\.0 GiB"):
         home_shards(shards, 1, [small])
+
+
+def test_a_model_moves_where_both_devices_then_end_sooner() -> None:
+    # Home: 10 s to go (this model's 4 among them) at speed 1; an idle device of speed 1.
+    assert moved_end_s(4.0, (10.0, 1.0), (0.0, 1.0), 0.0) == (10.0, 6.0)
+    assert moved_end_s(4.0, (10.0, 1.0), (0.0, 1.0), 7.0) == (10.0, 11.0)  # the copy is long
+    # Alone at home: only a faster device pays, and moving back never does.
+    assert moved_end_s(4.0, (4.0, 1.0), (0.0, 1.0), 0.0) == (4.0, 4.0)
+    assert moved_end_s(4.0, (4.0, 1.0), (0.0, 4.0), 0.0) == (4.0, 1.0)
+    ends, back = moved_end_s(4.0, (4.0, 4.0), (0.0, 1.0), 0.0)
+    assert back > ends

@@ -105,12 +105,15 @@ def test_on_a_device_lrtf_runs_the_model_with_the_most_left_first() -> None:
     assert lrtf.makespan_s == fifo.makespan_s == pytest.approx(18.0)  # one device: all work
 
 
-def test_hydra_setting_runs_within_what_pinned_homes_allow() -> None:
-    """Measured 1.233 (the executor's homes: a model's shards on one device, models placed
-    heaviest first); Hydra, whose shards go to any free device, reports ~1.01."""
+def test_hydra_setting_is_near_the_lower_bound_once_models_move() -> None:
+    """The executor's homes (a model's shards on one device, models placed heaviest first)
+    and its moves at step boundaries: measured 1.041; without moves 1.233 (devices fall
+    idle as the models placed on them end while others still hold two)."""
     setting = hydra_setting()
     results = {r.strategy: r for r in compare(setting)}
-    assert 1.0 <= results["sharp-lrtf"].ratio <= 1.25
+    assert 1.0 <= results["sharp-lrtf"].ratio <= 1.1
+    pinned = simulate(setting.cluster, setting.plans, engine=Engine(moves=False))
+    assert pinned.makespan_s > results["sharp-lrtf"].makespan_s
     assert min(r.ratio for r in results.values()) >= 1.0
     assert results["sharp-lrtf"].makespan_s < results["task-parallel"].makespan_s
     assert results["task-parallel"].makespan_s < results["model-parallel"].makespan_s

@@ -354,9 +354,9 @@ def test_simulated_half_runs_every_strategy_and_takes_the_worst_setting() -> Non
             assert strategy["ratio"] >= 1.0 - 1e-9  # no schedule beats the lower bound
     lrtf = [row["results"]["sharp-lrtf"]["ratio"] for row in (hydra, spot)]
     assert result["sim_lrtf_over_lower_bound"] == max(lrtf)
-    # Shoal's executor on Hydra's setting (each model's shards on one device: 1.233), not
-    # Hydra's, whose shards go to any free device (it reports ~1.01).
-    assert hydra["results"]["sharp-lrtf"]["ratio"] <= 1.25
+    # Shoal's executor on Hydra's setting: each model's shards on one device, models moving
+    # at step boundaries where that ends two devices' work sooner (measured 1.041).
+    assert hydra["results"]["sharp-lrtf"]["ratio"] <= 1.1
     assert result["sim_1024_devices_seconds"] > 0 and result["sim_scale"]["models"] == 3
 
 

@@ -435,6 +435,35 @@ def test_a_suspended_model_checkpoints_its_step_and_resumes_elsewhere_replaying_
 
 
 @pytest.mark.unit
+def test_a_model_moves_at_a_step_boundary_to_a_device_no_model_lives_on(tmp_path: Path) -> None:
+    """a and c live on the first device, b on the other; b is cancelled before it trains:
+    at its first step boundary one of a and c moves whole to the device left idle (its
+    state loaded there, nothing replayed), and both still train exactly as alone."""
+    snaps = [model(tmp_path, name, seed=i, steps=4) for i, name in enumerate("abc")]
+    pool = devices()
+    budget = budget_for_shards(snaps[0], 3)
+    trainer = SharpTrainer(snaps, pool, LocalPool, budgets={d.id: budget for d in pool})
+    trainer.cancel("b")
+    statuses = trainer.run()
+    assert statuses == {
+        "a": RunStatus.SUCCEEDED,
+        "b": RunStatus.CANCELLED,
+        "c": RunStatus.SUCCEEDED,
+    }
+    moves = [
+        (name, e) for name in "ac" for e in trainer.report(name, 0).events if e.kind == "relayout"
+    ]
+    assert len(moves) == 1, moves
+    _, move = moves[0]
+    assert (move.data["removed"], move.data["added"]) == ([pool[0].id], [pool[1].id])
+    assert {row["device_id"] for row in move.data["to"]} == {pool[1].id}
+    for snap in (snaps[0], snaps[2]):
+        report = trainer.report(snap.job_id, 0)
+        assert [m.step for m in report.metrics] == [1, 2, 3, 4]  # nothing replayed
+        assert_alone(snap, [m.loss for m in report.metrics])
+
+
+@pytest.mark.unit
 def test_cancelling_a_model_that_has_ended_changes_nothing(tmp_path: Path) -> None:
     """A pruning decision may arrive after the trial's last step, while others train."""
 
