@@ -2,13 +2,14 @@
 
 Hydra's shard alternator parallelism (Nagrecha & Kumar): each model is cut into shards that
 fit half of the smallest device (``scheduler.sharp.shard_model``; the other half holds the
-prefetched next shard), its shards are spread over the devices' host memory
-(``workers.shard_host``), and whenever a device is free it runs the next task of one of the
-models whose next shard it holds, chosen by the policy (Sharded-LRTF by default:
-``scheduler.sharp.assign``), prefetching the shard it will likely run after. A model's step
-is the chain forward 0..k-1, backward k-1..0, one task in flight; the parallelism is across
-models. A shard stays on the device that holds it: its backward needs the inputs its forward
-kept there.
+prefetched next shard), all its shards live in the host memory of one device
+(``scheduler.sharp.home_shards``, ``workers.shard_host``), and each device has two tasks
+queued, each the next task of one of the models living there, chosen by the policy
+(Sharded-LRTF by default: ``scheduler.sharp.assign``), prefetching the shard it will likely
+run after. A model's step is the chain forward 0..k-1, backward k-1..0, so the parallelism
+is across models; a task's outputs stay on the device for the next one. Once a step has
+ended a model may move whole to another device (``scheduler.sharp.moved_end_s``); between a
+shard's forward and backward it stays: its backward needs what its forward kept there.
 
 Each model trains exactly as it would alone: the same micro-batches, gradients accumulated
 in the same order, each shard stepping once its backward is done (``workers.shard_host``).
@@ -64,7 +65,7 @@ DEFAULT_TASK_TIMEOUT_S = 600.0
 
 QUEUE_DEPTH = 2
 """Tasks queued on a device at once: the one it runs and the next, so it never waits for
-this loop between two tasks (Hydra's executor, like any, pays a round trip per task)."""
+this loop (a round trip through Ray and the policy) between two tasks."""
 
 
 @dataclass
