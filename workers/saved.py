@@ -75,6 +75,9 @@ class MovableSaves:
         """Move the saved activations to ``device`` (page-locked on the host when ``pin``)."""
         for box in list(self._boxes):
             moved = box.tensor.to(device, non_blocking=True)
+            if box.tensor.is_cuda and device.type == "cpu":
+                # Its device memory is reused only once the copy out of it is done.
+                box.tensor.record_stream(torch.cuda.current_stream(box.tensor.device))
             box.tensor = moved.pin_memory() if pin and device.type == "cpu" else moved
 
 

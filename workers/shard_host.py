@@ -39,6 +39,7 @@ import torch
 
 from scheduler.devices import Device
 from workers.device_memory import Overhead, measure_overhead
+from workers.pinned import PinnedState
 from workers.saved import MovableSaves
 from workers.snapshot import StagePlan
 from workers.stage import Stage, StageSetup, StageStateError, torch_device
@@ -101,6 +102,7 @@ class ShardHost:
         self._host = torch.device("cpu")
         self._shards: dict[ShardKey, Stage] = {}
         self._saves: dict[ShardKey, MovableSaves] = {}
+        self._pinned: dict[ShardKey, PinnedState] = {}
         self._built: dict[ShardKey, tuple[StageSetup, tuple[int, int], int]] = {}
         self._resident: OrderedDict[ShardKey, int] = OrderedDict()
         """Shards on the device and the bytes each takes there, least recently used first."""
@@ -142,6 +144,7 @@ class ShardHost:
             stage.load(receive_tree(state, self._host))
         self._shards[key] = stage
         self._saves[key] = MovableSaves(lambda: _parameters(stage))
+        self._pinned[key] = PinnedState(stage.blocks)
         self._built[key] = (setup, blocks, planned)
         return max(stage.nbytes(), planned)
 
@@ -160,6 +163,7 @@ class ShardHost:
         this device, and the wall clock then (the executor counts the time they take to
         reach it too: Ray storing and moving them)."""
         started = time.perf_counter()
+        self._settle()
         states: dict[int, Any] = send_tree(self._stage(key).state())
         return states, time.perf_counter() - started, time.time()
 
@@ -170,9 +174,11 @@ class ShardHost:
         for kept in [k for k in self._stash if k[0] == key[0]]:
             del self._stash[kept]
         self._demote(key)
+        self._settle()
         self._residue.pop(key, None)
         del self._shards[key]
         del self._saves[key]
+        del self._pinned[key]
         del self._built[key]
 
     def overhead(self) -> Overhead:
@@ -338,22 +344,26 @@ class ShardHost:
                 self._residue[key] = kept
 
     def _move(self, key: ShardKey, device: torch.device) -> None:
-        stage, saves = self._shards[key], self._saves[key]
-        if device == stage.device:
+        """Shard ``key`` onto the GPU or back into its pinned host buffers, asynchronously
+        on the side stream (``workers.pinned``); its saved activations with it."""
+        stage, saves, side = self._shards[key], self._saves[key], self._side
+        if device == stage.device or side is None:
             return  # a CPU device: host and device memory are one, the budget is accounting
-        if self._side is not None and device.type == "cuda":
-            with torch.cuda.stream(self._side):
-                for block in stage.blocks:
-                    block.to(device)
+        if device.type == "cuda":
+            self._pinned[key].to_device(device, side)
+            with torch.cuda.stream(side):
                 saves.to(device)
         else:
-            pin = device.type == "cpu" and self._side is not None
-            for block in stage.blocks:
-                block.to(device)
-                if pin:
-                    _pin(block.module)
-            saves.to(device, pin=pin)
+            self._pinned[key].to_host(side)  # after the compute that last wrote it
+            with torch.cuda.stream(side):
+                saves.to(device, pin=True)
         stage.device = device
+
+    def _settle(self) -> None:
+        """Wait for the copies under way on the side stream: before the host reads a shard
+        it has sent back to host memory."""
+        if self._side is not None:
+            self._side.synchronize()
 
 
 def _every(tensors: Sequence[torch.Tensor | None], key: ShardKey) -> list[torch.Tensor]:
@@ -366,12 +376,6 @@ def _every(tensors: Sequence[torch.Tensor | None], key: ShardKey) -> list[torch.
 
 def _parameters(stage: Stage) -> list[torch.Tensor]:
     return [p for block in stage.blocks for p in block.module.parameters()]
-
-
-def _pin(module: torch.nn.Module) -> None:
-    """Page-lock a demoted shard's tensors, so its next promotion is an asynchronous copy."""
-    for param in module.parameters():
-        param.data = param.data.pin_memory()
 
 
 SHARD_METHODS = frozenset(

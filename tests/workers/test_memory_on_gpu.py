@@ -138,3 +138,40 @@ def test_a_sharp_device_holds_what_it_accounted_for_never_more_and_at_most_15_pe
     )
     print(state)  # the README reads them (pytest -s)
     assert peak <= predicted <= 1.15 * peak, state
+
+
+def test_sharp_shards_through_pinned_host_memory_train_as_on_the_host() -> None:
+    """The same alternation on the GPU (every shard promoted and demoted again and again,
+    asynchronously through its pinned buffers, its optimizer never rebuilt) and on a CPU
+    device (nothing moves) ends with the same parameters and optimizer state, to float
+    tolerance: a copy read before it had landed, or memory reused under one, would not."""
+    gpu = Device("gpu-0", "node-0", 0, "gpu", 40960, gpu=True)
+    cpu = Device("cpu-0", "node-0", 0, "cpu", 40960, gpu=False)
+    on_gpu, _, tasks = alternate(gpu, "fp32", recompute=False)
+    on_cpu, _, _ = alternate(cpu, "fp32", recompute=False)
+    shards = on_gpu.held()["shards"]
+    assert tasks > 2 * len(shards) and shards == on_cpu.held()["shards"]
+    for key in shards:
+        got, want = on_gpu.copy(key)[0], on_cpu.copy(key)[0]
+        for index, block in want.items():
+            for part in ("module", "optimizer"):
+                flat_got = _arrays(got[index][part])
+                flat_want = _arrays(block[part])
+                assert len(flat_got) == len(flat_want), (key, index, part)
+                for a, b in zip(flat_got, flat_want, strict=True):
+                    assert torch.allclose(
+                        torch.as_tensor(a).float(), torch.as_tensor(b).float(), rtol=1e-4, atol=1e-5
+                    ), (key, index, part)
+
+
+def _arrays(value: object) -> list[object]:
+    """Every array in a wire-form state, in a fixed order."""
+    import numpy as np
+
+    if isinstance(value, np.ndarray):
+        return [value]
+    if isinstance(value, dict):
+        return [a for k in sorted(value, key=str) for a in _arrays(value[k])]
+    if isinstance(value, list | tuple):
+        return [a for v in value for a in _arrays(v)]
+    return []

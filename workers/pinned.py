@@ -1,0 +1,89 @@
+"""A SHARP shard's state between page-locked host memory and its GPU, moved asynchronously.
+
+Hydra's double buffering needs a shard's copy onto the device to overlap the compute of the
+task before it. A copy from pageable memory is synchronous, so each shard keeps page-locked
+(pinned) host buffers of its own, made once and reused: its parameters, buffers and
+optimizer state go back and forth with non-blocking copies on the host's side stream. The
+tensors are moved in place (``.data`` and the optimizer's state entries), so the module's
+parameter objects, and the optimizer over them, are the same after every move: nothing is
+rebuilt. The caller orders the streams: the compute stream waits for the side stream before
+a task, the side stream for the compute stream before a shard leaves, and the host waits
+for the side stream (``settle``) before it reads a shard it has sent back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+
+from workers.blocks import Block
+
+Slot = tuple[Callable[[], torch.Tensor], Callable[[torch.Tensor], None]]
+"""One tensor of a shard's state: how to read it and how to put another in its place."""
+
+
+class PinnedState:
+    """The pinned host buffers of one shard's blocks, and the moves through them."""
+
+    def __init__(self, blocks: Sequence[Block]) -> None:
+        self._blocks = list(blocks)
+        self._buffers: list[torch.Tensor] = []
+
+    def to_device(self, device: torch.device, stream: torch.cuda.Stream) -> None:
+        """Copy the state onto ``device`` on ``stream``, without waiting for it."""
+        with torch.cuda.stream(stream):
+            for read, write in self._slots():
+                write(read().to(device, non_blocking=True))
+
+    def to_host(self, stream: torch.cuda.Stream) -> None:
+        """Copy the state into its pinned buffers on ``stream``, after the work queued on
+        the current stream so far (the last task that wrote it), without waiting for it.
+        The device memory is released once the copies are done (``record_stream``)."""
+        stream.wait_stream(torch.cuda.current_stream(stream.device))
+        with torch.cuda.stream(stream):
+            for i, (read, write) in enumerate(self._slots()):
+                live = read()
+                if live.device.type != "cuda":
+                    continue
+                buffer = self._buffer(i, live)
+                buffer.copy_(live, non_blocking=True)
+                live.record_stream(stream)
+                write(buffer)
+
+    def _buffer(self, i: int, like: torch.Tensor) -> torch.Tensor:
+        while len(self._buffers) <= i:
+            self._buffers.append(torch.empty(0))
+        buffer = self._buffers[i]
+        if buffer.shape != like.shape or buffer.dtype != like.dtype:
+            buffer = torch.empty(like.shape, dtype=like.dtype).pin_memory()
+            self._buffers[i] = buffer
+        return buffer
+
+    def _slots(self) -> Iterator[Slot]:
+        """Every tensor of the state, in a fixed order: each block's parameters, buffers,
+        then optimizer state. Adam's step counters stay on the host (0-dim CPU tensors:
+        where a non-capturable optimizer wants them)."""
+        for block in self._blocks:
+            for tensor in [*block.module.parameters(), *block.module.buffers()]:
+                yield _data_slot(tensor)
+            for param in block.module.parameters():
+                state = block.optimizer.state.get(param, {})
+                for name in sorted(state):
+                    value = state[name]
+                    if isinstance(value, torch.Tensor) and value.dim() > 0:
+                        yield _entry_slot(state, name)
+
+
+def _data_slot(tensor: torch.Tensor) -> Slot:
+    def write(value: torch.Tensor) -> None:
+        tensor.data = value
+
+    return (lambda: tensor.data), write
+
+
+def _entry_slot(state: dict[str, torch.Tensor], name: str) -> Slot:
+    def write(value: torch.Tensor) -> None:
+        state[name] = value
+
+    return (lambda: state[name]), write
