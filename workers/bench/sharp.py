@@ -124,6 +124,10 @@ class _Watched:
         self.inner = inner
         self.devices = inner.devices
         self.first_task: float | None = None
+        self.last_task: float | None = None
+        """When the executor had the last shard task's result: training's end, before
+        the writer thread's final checkpoints (one after another's step times leave its
+        out too)."""
         self.compute_s = [0.0] * len(inner.devices)
         self.task_s: dict[tuple[str, int], list[float]] = {}
         self.round_trips: list[float] = []
@@ -144,6 +148,7 @@ class _Watched:
         value = self.inner.result(call)
         method, shard, sent = self._calls.pop(call, ("", -1, 0.0))
         if isinstance(value, TaskResult):
+            self.last_task = time.perf_counter()
             self.compute_s[call.host] += value.compute_s
             self.task_s.setdefault((method, shard), []).append(value.compute_s)
         elif method == "overhead":
@@ -166,7 +171,8 @@ def train_sharp(
     prefetch: bool,
 ) -> dict[str, Any]:
     """Train ``snaps`` together under SHARP: wall seconds (from starting the workers), the
-    seconds from the first shard task, each device's busy share of those, every loss."""
+    seconds from the first shard task's submission to the last one's result, each
+    device's busy share of those, every loss."""
     pools: list[_Watched] = []
 
     def watched(devs: Sequence[Device], budgets: Mapping[DeviceId, int]) -> HostPool:
@@ -184,7 +190,7 @@ def train_sharp(
     if failed:
         raise BenchError(f"SHARP (prefetch {'on' if prefetch else 'off'}) failed: {failed}")
     (pool,) = pools
-    train_s = ended - (pool.first_task or started)
+    train_s = (pool.last_task or ended) - (pool.first_task or started)
     reports = [trainer.report(snap.job_id, 0) for snap in snaps]
     placements = [e for r in reports for e in r.events if e.kind == "placement"]
     return {
