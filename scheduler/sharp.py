@@ -454,9 +454,10 @@ def assign(
             )
         seen.add(p.model)
     fitting = [p for p in runnable if plans[p.model].shard_at(p.done).bytes <= device.budget_bytes]
-    best = min(fitting, key=lambda p: priority(policy, p), default=None)
-    if best is None:
+    chosen = next_model(policy, fitting)
+    if chosen is None:
         return None
+    best = next(p for p in fitting if p.model == chosen)
     others = [p for p in fitting if p is not best]
     nxt = lookahead(policy, device, best, plans, others, stamp=sequence)
     return Assignment(device.device, plans[best.model].task(best.done), nxt)
