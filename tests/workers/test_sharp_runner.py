@@ -434,15 +434,14 @@ def test_a_suspended_model_checkpoints_its_step_and_resumes_elsewhere_replaying_
     assert_alone(moving, losses)
 
 
-@pytest.mark.unit
-def test_a_model_moves_at_a_step_boundary_to_a_device_no_model_lives_on(tmp_path: Path) -> None:
+def moves_to_the_idle_device(tmp_path: Path, make_pool: PoolFactory, node: str) -> None:
     """a and c live on the first device, b on the other; b is cancelled before it trains:
     at its first step boundary one of a and c moves whole to the device left idle (its
     state loaded there, nothing replayed), and both still train exactly as alone."""
     snaps = [model(tmp_path, name, seed=i, steps=4) for i, name in enumerate("abc")]
-    pool = devices()
+    pool = devices(node)
     budget = budget_for_shards(snaps[0], 3)
-    trainer = SharpTrainer(snaps, pool, LocalPool, budgets={d.id: budget for d in pool})
+    trainer = SharpTrainer(snaps, pool, make_pool, budgets={d.id: budget for d in pool})
     trainer.cancel("b")
     statuses = trainer.run()
     assert statuses == {
@@ -461,6 +460,19 @@ def test_a_model_moves_at_a_step_boundary_to_a_device_no_model_lives_on(tmp_path
         report = trainer.report(snap.job_id, 0)
         assert [m.step for m in report.metrics] == [1, 2, 3, 4]  # nothing replayed
         assert_alone(snap, [m.loss for m in report.metrics])
+
+
+@pytest.mark.unit
+def test_a_model_moves_at_a_step_boundary_to_a_device_no_model_lives_on(tmp_path: Path) -> None:
+    moves_to_the_idle_device(tmp_path, LocalPool, "n0000000a")
+
+
+@pytest.mark.integration
+def test_a_model_moves_between_ray_shard_workers(ray_address: str, tmp_path: Path) -> None:
+    """The same, its state going from one ShardWorker actor to the other through Ray."""
+    import ray
+
+    moves_to_the_idle_device(tmp_path, RayPool, ray.get_runtime_context().get_node_id())
 
 
 @pytest.mark.unit
