@@ -156,7 +156,7 @@ def test_a_node_killed_mid_run_is_recovered_in_place_and_the_losses_stay_exact(
         **SPEC,
         "name": "preempted",
         "model": {"builtin": "mlp", "config": {"hidden": 64, "layers": 3}},
-        "steps": 60,
+        "steps": 600,  # its steps take ~3 ms: 60 could all end before the kill lands
         "parallelism": {"stages": 2, "replicas": 1, "schedule": "1f1b"},
         "resources": {"min_devices": 1, "max_devices": 2},
         "elastic": {"repartition": False, "keep_copies": True},
