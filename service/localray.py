@@ -91,6 +91,9 @@ class VirtualNode:
     memory_mb: int
     slowdown: float = 1.0
     spot: bool = False
+    gpus: int | None = None
+    """The GPUs the node offers: None for those Ray finds on the machine (its devices are
+    then the GPUs), 0 for none (virtual CPU devices even on a GPU machine)."""
 
     @property
     def group(self) -> str:
@@ -558,6 +561,8 @@ def node_command(
         f"--resources={json.dumps({DEVICE_RESOURCE: spec.count})}",
         "--labels=" + ",".join(f"{key}={value}" for key, value in spec.labels.items()),
     ]
+    if spec.gpus is not None:
+        args.append(f"--num-gpus={spec.gpus}")
     if shared_machine:
         args += [
             f"--node-ip-address={_HOST}",

@@ -19,7 +19,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from service.cli.bench_output import JSON_OPTION, caption, fmt, phases
+from service.cli.bench_output import JSON_OPTION, bench_device, caption, device_option, fmt, phases
 from service.cli.bench_step import step
 from service.cli.options import InputError
 from service.cli.render import make_console
@@ -282,7 +282,12 @@ def elastic(hidden: int, layers: int, slowdown: float, steps: int, as_json: bool
 @click.option("--models", default=4, show_default=True, type=click.IntRange(1, 32))
 @_hidden(2048)
 @_layers(8, what="each MLP")
-@_batch_size(128)
+@click.option(
+    "--batch-size",
+    default=None,
+    type=click.IntRange(1, 65536),
+    help="Rows per step [default: 128 on cpu, 4096 on cuda].",
+)
 @click.option(
     "--budget-fraction",
     default=0.75,
@@ -290,31 +295,40 @@ def elastic(hidden: int, layers: int, slowdown: float, steps: int, as_json: bool
     type=float,
     help="Each device's memory budget as a fraction of one model's state (0.5-1).",
 )
+@device_option("the two devices of the real half")
 @JSON_OPTION
 def sharp(
+    device: str | None,
     steps: int,
     models: int,
     hidden: int,
     layers: int,
-    batch_size: int,
+    batch_size: int | None,
     budget_fraction: float,
     as_json: bool,
 ) -> None:
     """SHARP vs one model after another on 2 local devices; simulated SHARP orderings on
-    Hydra's setting and a 512-device spot cluster against the lower bound."""
+    Hydra's setting and a 512-device spot cluster against the lower bound.
+
+    On cuda the two devices are the machine's GPU (two Ray nodes that both see it), each
+    with a memory budget under one model, so shards alternate between the GPU and pinned
+    host memory."""
     import time
+    from dataclasses import replace
 
     from service.localray import LocalRay, LocalRayError, parse_devices
-    from workers.bench.report import SHARP_PHASES, SharpSettings
+    from workers.bench.report import SHARP_BATCH_SIZE, SHARP_PHASES, SharpSettings
     from workers.bench.simulation import run_simulated
 
+    chosen = bench_device(device)
     try:
         settings = SharpSettings(
+            device=chosen,
             steps=steps,
             models=models,
             hidden=hidden,
             layers=layers,
-            batch_size=batch_size,
+            batch_size=batch_size or SHARP_BATCH_SIZE[chosen],
             budget_fraction=budget_fraction,
         )
     except ValueError as exc:
@@ -328,7 +342,10 @@ def sharp(
         # Simulated first, with no Ray processes beside it to slow the timed simulation.
         simulated = run_simulated(settings, progress)
         progress(SHARP_PHASES[3])
-        cluster = LocalRay(parse_devices(settings.devices), Path(tmp) / "logs")
+        # On cpu the nodes offer no GPU, so their devices are virtual CPU ones on any machine.
+        gpus = None if chosen == "cuda" else 0
+        nodes = [replace(node, gpus=gpus) for node in parse_devices(settings.devices)]
+        cluster = LocalRay(nodes, Path(tmp) / "logs")
         try:
             cluster.start()
         except LocalRayError as exc:

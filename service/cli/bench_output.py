@@ -3,7 +3,7 @@ numbers, and the caption saying where and when they were taken."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -11,9 +11,35 @@ import click
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from service.cli.options import InputError
+from workers.bench.report import DEVICES
+
 JSON_OPTION = click.option(
     "--json", "as_json", is_flag=True, help="Print one JSON object on the last line."
 )
+
+
+def device_option(what: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """``--device cpu|cuda``: where ``what`` runs."""
+    return click.option(
+        "--device",
+        type=click.Choice(DEVICES),
+        default=None,
+        help=f"Where {what} run [default: cuda when PyTorch sees a GPU, else cpu].",
+    )
+
+
+def bench_device(requested: str | None) -> str:
+    """The device to bench on: the one asked for, else CUDA when PyTorch sees it, else CPU."""
+    import torch
+
+    available = torch.cuda.is_available()
+    if requested == "cuda" and not available:
+        raise InputError(
+            "--device cuda: PyTorch sees no CUDA device on this machine"
+            " (torch.cuda.is_available() is false); run on a GPU machine or use --device cpu"
+        )
+    return requested or ("cuda" if available else "cpu")
 
 
 @contextmanager
@@ -50,7 +76,8 @@ def fmt(value: float, digits: int = 1) -> str:
 def caption(result: dict[str, Any]) -> str:
     """A bench table's caption from its result's ``machine`` and ``wall_s``."""
     m = result["machine"]
+    gpu = f", {m['gpu']}" if m.get("gpu") else ""
     return (
-        f"{m['date']}, {m['cpus']} cpus, load {m['load_average_1m']}, torch {m['torch']},"
+        f"{m['date']}, {m['cpus']} cpus{gpu}, load {m['load_average_1m']}, torch {m['torch']},"
         f" ray {m['ray']}, {result['wall_s']} s"
     )

@@ -9,32 +9,14 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from service.cli.bench_output import JSON_OPTION, caption, fmt, phases
+from service.cli.bench_output import JSON_OPTION, bench_device, caption, device_option, fmt, phases
 from service.cli.options import InputError
 from service.cli.render import make_console
-from workers.bench.step_settings import DEFAULT_SIZE, DEVICES, SIZES, StepSettings
-
-
-def _device(requested: str | None) -> str:
-    """The device to bench on: the one asked for, else CUDA when PyTorch sees it, else CPU."""
-    import torch
-
-    available = torch.cuda.is_available()
-    if requested == "cuda" and not available:
-        raise InputError(
-            "--device cuda: PyTorch sees no CUDA device on this machine"
-            " (torch.cuda.is_available() is false); run on a GPU machine or use --device cpu"
-        )
-    return requested or ("cuda" if available else "cpu")
+from workers.bench.step_settings import DEFAULT_SIZE, SIZES, StepSettings
 
 
 @click.command()
-@click.option(
-    "--device",
-    type=click.Choice(DEVICES),
-    default=None,
-    help="Where both contenders run [default: cuda when PyTorch sees a GPU, else cpu].",
-)
+@device_option("both contenders")
 @click.option(
     "--stages",
     default=1,
@@ -93,7 +75,7 @@ def step(
     from workers.bench.report import BenchError
     from workers.bench.step import STEP_PHASES, run_step
 
-    chosen = _device(device)
+    chosen = bench_device(device)
     try:
         settings = StepSettings(
             device=chosen,

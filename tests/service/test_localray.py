@@ -138,6 +138,17 @@ def test_a_node_in_a_container_of_its_own_joins_with_its_devices_and_no_local_po
     assert dict(pair.split("=") for pair in labels.split(",")) == node.labels
     assert not [a for a in alone if a.startswith(("--node-ip-address", "--dashboard-agent"))]
     assert "--node-ip-address=127.0.0.1" in shared and set(alone) < set(shared)
+    assert not [a for a in shared if a.startswith("--num-gpus")]  # Ray finds the GPUs
+
+
+@pytest.mark.unit
+def test_a_node_declared_without_gpus_offers_none_even_on_a_gpu_machine() -> None:
+    """``shoal bench sharp --device cpu``: its nodes' devices are virtual CPU devices even
+    where Ray would find a GPU (a node with GPUs offers those as its devices)."""
+    node = VirtualNode(1, "cpu-a", 4096, gpus=0)
+    head = node_command(Path("ray"), node, head_port=6390)
+    assert "--num-gpus=0" in head and "--head" in head
+    assert "--num-gpus=0" in node_command(Path("ray"), node, address="127.0.0.1:6390")
 
 
 @pytest.mark.unit

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 from service.cli import cli
@@ -18,6 +20,7 @@ from workers.bench.report import (
     PipelineSettings,
     efficiency,
     ideal_samples_per_s,
+    machine,
     median_throughput,
     pipeline_result,
     round_samples_per_s,
@@ -279,6 +282,8 @@ def _sharp_canned() -> tuple[dict[str, Any], dict[str, Any]]:
         },
         "model": "4 x mlp",
         "shards_per_model": [4, 4, 4, 4],
+        "device": "cpu",
+        "machine": {**machine(), "memory_gib": 24.0},
     }
     row = {"ratio": 1.0, "makespan_s": 1.0, "lower_bound_s": 1.0, "mean_utilization": 1.0}
     settings = [
@@ -314,6 +319,9 @@ def test_sharp_settings_refuse_a_budget_that_fits_a_model_or_not_half() -> None:
     from workers.bench.report import SharpSettings
 
     assert SharpSettings().devices.count("1xcpu-") == 2
+    assert SharpSettings(device="cuda").devices.count("1xgpu-") == 2
+    with pytest.raises(ValueError, match="device 'tpu' is none of cpu, cuda"):
+        SharpSettings(device="tpu")
     with pytest.raises(ValueError, match="a whole model would fit one device"):
         SharpSettings(budget_fraction=1.0)
     with pytest.raises(ValueError, match="must fit"):
@@ -385,8 +393,42 @@ def test_sharp_bench_in_process_trains_every_variant_to_the_same_losses(tmp_path
         for i in range(min(result["shards_per_model"]))
     }
     assert result["sharp_round_trip_seconds"] > 0
+    assert result["device"] == "cpu" and result["host_to_device_gbps"] is None
+    assert result["machine"]["memory_gib"] > 0
     with pytest.raises(BenchError, match="needs 2 devices"):
         measure(s, devices[:1], tmp_path, LocalPool, LocalGroup)
+    # Asked for cuda, given CPU devices: refused before anything trains.
+    with pytest.raises(BenchError, match=r"runs on cuda devices, the cluster shows .*\(cpu\)"):
+        measure(replace(s, device="cuda"), devices, tmp_path, LocalPool, LocalGroup)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_sharp_bench_on_the_gpu_trains_every_variant_to_the_same_losses(tmp_path: Path) -> None:
+    """``shoal bench sharp --device cuda``'s real half in-process: two devices on the GPU,
+    each under one model, so every shard comes in from pinned host memory."""
+    from scheduler.devices import Device
+    from workers.bench.report import SharpSettings
+    from workers.bench.sharp import measure
+    from workers.group import LocalGroup
+    from workers.shard_pool import LocalPool
+
+    s = SharpSettings(
+        device="cuda",
+        models=2,
+        hidden=256,
+        layers=6,
+        features=64,
+        outputs=4,
+        batch_size=512,
+        steps=3,
+    )
+    devices = [Device(f"n0000000a-gpu-{i}", "n0000000a", i, "gpu", 4096, True) for i in range(2)]
+    result = measure(s, devices, tmp_path, LocalPool, LocalGroup)
+    assert result["device"] == torch.cuda.get_device_name(0)
+    assert result["machine"]["gpu"] == result["device"]
+    assert result["model_bytes"] > result["budget_bytes"] and result["promoted_bytes"] > 0
+    assert result["host_to_device_gbps"] > 1.0  # pinned copies, measured
 
 
 @pytest.mark.unit
@@ -400,8 +442,10 @@ def test_bench_sharp_prints_a_table_or_json(monkeypatch: pytest.MonkeyPatch) -> 
         """Stands in for the local Ray cluster the command starts."""
 
         client_env: dict[str, str] = {}
+        nodes: list[Any] = []
 
-        def __init__(self, *args: Any) -> None: ...
+        def __init__(self, nodes: list[Any], *args: Any) -> None:
+            NoCluster.nodes = nodes
 
         def start(self) -> None: ...
 
@@ -415,8 +459,10 @@ def test_bench_sharp_prints_a_table_or_json(monkeypatch: pytest.MonkeyPatch) -> 
         "run_sharp",
         lambda s, simulated, *args: sharp_result(SharpSettings(), real, simulated, 0.0),
     )
-    result = CliRunner().invoke(cli, ["bench", "sharp"], catch_exceptions=False)
+    result = CliRunner().invoke(cli, ["bench", "sharp", "--device", "cpu"], catch_exceptions=False)
     assert result.exit_code == 0, result.output
+    # CPU devices even on a GPU machine: the nodes offer no GPU.
+    assert [n.gpus for n in NoCluster.nodes] == [0, 0]
     assert "SHARP, Sharded-LRTF" in result.output and "1.90x" in result.output
     assert "1.50x" in result.output  # training only: 15 s against 10 s
     assert "devices computing 0.50 and 0.25 of the time" in result.output
@@ -425,3 +471,6 @@ def test_bench_sharp_prints_a_table_or_json(monkeypatch: pytest.MonkeyPatch) -> 
     assert _last_json(result.output)["speedup_vs_sequential"] == pytest.approx(1.9)
     result = CliRunner().invoke(cli, ["bench", "sharp", "--budget-fraction", "1.5"])
     assert result.exit_code == 2 and "budget_fraction" in result.output
+    if not torch.cuda.is_available():
+        result = CliRunner().invoke(cli, ["bench", "sharp", "--device", "cuda"])
+        assert result.exit_code == 2 and "--device cuda: PyTorch sees no CUDA" in result.output

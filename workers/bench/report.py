@@ -309,6 +309,9 @@ SHARP_KEYS = (
 )
 """The keys ``shoal bench sharp --json`` always prints (the SHARP issue)."""
 
+DEVICES = ("cpu", "cuda")
+"""What a bench's devices may be: virtual CPU devices, or the machine's GPUs."""
+
 SHARP_PHASES = (
     "simulated: Hydra's 8 devices x 12 models",
     "simulated: heterogeneous spot cluster",
@@ -320,6 +323,10 @@ SHARP_PHASES = (
 )
 
 
+SHARP_BATCH_SIZE = {"cpu": 128, "cuda": 4096}
+"""``shoal bench sharp``'s default batch on each kind of device."""
+
+
 @dataclass(frozen=True)
 class SharpSettings:
     """The sizes of ``shoal bench sharp``: ``models`` identical MLPs (seeds differ) on two
@@ -327,8 +334,12 @@ class SharpSettings:
 
     The default MLP has ~30M parameters (8 hidden 2048-wide layers): a shard task computes
     for ~50 ms on one core, large against Ray's ~10-40 ms per task round trip on 2 cores.
+    On ``cuda`` the devices are the machine's GPU (``devices``) and the batch is
+    ``SHARP_BATCH_SIZE``'s: a shard's forward then computes about as long as its state
+    takes to come in from pinned host memory, where prefetching can hide the copy.
     """
 
+    device: str = "cpu"
     models: int = 4
     hidden: int = 2048
     layers: int = 8
@@ -348,6 +359,8 @@ class SharpSettings:
     scale_models: int = 1000
 
     def __post_init__(self) -> None:
+        if self.device not in DEVICES:
+            raise ValueError(f"device {self.device!r} is none of {', '.join(DEVICES)}")
         if self.models < 1 or self.steps < 1 or self.batch_size < 1 or self.layers < 1:
             raise ValueError("models, steps, batch_size and layers must be >= 1")
         if not 0.5 < self.budget_fraction < 1.0:
@@ -365,8 +378,10 @@ class SharpSettings:
 
     @property
     def devices(self) -> str:
-        """The local cluster: two nodes of one device each."""
-        return "1xcpu-a:4096,1xcpu-b:4096"
+        """The local cluster: two nodes of one device each (on ``cuda`` each node offers the
+        machine's GPU: two devices on one GPU when it has one)."""
+        kind = "gpu" if self.device == "cuda" else "cpu"
+        return f"1x{kind}-a:4096,1x{kind}-b:4096"
 
 
 def sharp_result(
@@ -386,7 +401,6 @@ def sharp_result(
         **{k: v for k, v in real.items() if k not in SHARP_KEYS},
         **{k: v for k, v in sim.items() if k not in SHARP_KEYS},
         "settings": asdict(s),
-        "machine": machine(),
         "wall_s": round(time.perf_counter() - started, 1),
     }
 

@@ -1,5 +1,8 @@
 """``shoal bench sharp``: SHARP against training the models one after another, on 2 devices.
 
+The devices are virtual CPU devices, or (``--device cuda``) two devices on the machine's GPU,
+each with a memory budget under one model's state, so shards come in from pinned host memory.
+
 Several identical MLPs (their seeds differ), each larger than one device's memory budget,
 train on the same two devices three ways, every one through Shoal's own engine:
 
@@ -34,6 +37,7 @@ from scheduler.sharp import Shard, ShardError, shard_model
 from scheduler.types import DeviceId
 from service.localray import LocalRay
 from workers.bench.elastic import cluster_devices
+from workers.bench.hardware import device_name, host_to_device_gbps, machine_with
 from workers.bench.pipeline import RUNNER_THREADS, threads
 from workers.bench.report import (
     SHARP_PHASES,
@@ -59,6 +63,7 @@ from workers.snapshot import (
     RunStatus,
     stage_plans,
 )
+from workers.stage import torch_device
 
 
 def refs(s: SharpSettings) -> tuple[ModelRef, DataRef, OptimizerConf]:
@@ -259,6 +264,13 @@ def measure(
     breakdowns, after checking that they trained every model alike."""
     if len(devices) != 2:
         raise BenchError(f"the bench needs 2 devices, the cluster shows {len(devices)}")
+    if any(d.gpu != (s.device == "cuda") for d in devices):
+        shown = ", ".join(f"{d.id} ({'gpu' if d.gpu else 'cpu'})" for d in devices)
+        raise BenchError(
+            f"the bench runs on {s.device} devices, the cluster shows {shown}; on cuda every"
+            " node must see a GPU, on cpu none may offer one"
+        )
+    target = torch_device(devices[0])
     costs = model_costs(s)
     state = state_bytes(costs)
     # Each half of a device (a running shard, a prefetched one) keeps room for a block's
@@ -288,6 +300,8 @@ def measure(
         lazy = train_sharp(
             snapshots(s, root, "no-prefetch", costs), devices, budget, make_pool, prefetch=False
         )
+    # The rate shards come in at on a GPU (measured here, after the runs, in this process).
+    gbps = host_to_device_gbps(target) if target.type == "cuda" else None
     same_losses(
         {
             "one after another": plain["losses"],
@@ -311,7 +325,9 @@ def measure(
             s.steps,
             budget,
             latency_s=sharp["round_trip_seconds"] / 2,
+            bandwidth_gbps=gbps,
         ),
+        "host_to_device_gbps": gbps,
         "sharp_task_seconds": {
             f"{op} {shard}": seconds
             for (op, shard), seconds in sorted(sharp["task_seconds"].items())
@@ -326,6 +342,8 @@ def measure(
         "final_losses": [losses[-1] for losses in sharp["losses"]],
         "model": f"{s.models} x mlp {s.num_blocks} blocks ({s.layers} x {s.hidden} hidden,"
         f" {s.features} in, {s.outputs} out), sgd, batch {s.batch_size}, {s.steps} steps",
+        "device": device_name(target),
+        "machine": machine_with(target),
     }
 
 

@@ -59,12 +59,15 @@ def simulate_local(
     devices: int = 2,
     *,
     latency_s: float = 0.0,
+    bandwidth_gbps: float | None = None,
 ) -> dict[str, float]:
     """The real half's run as the simulator sees it: ``models`` models of ``shards`` (the
-    real run's measured task seconds, when the bench has them) on ``devices`` devices whose
-    copies cost nothing (CPU devices share host memory), with the executor's measured
-    ``latency_s``: what the engine would reach with the machine's cores to itself."""
-    kind = DeviceKind("local-cpu", 1.0, budget, 1e6)
+    real run's measured task seconds, when the bench has them) on ``devices`` devices with
+    the executor's measured ``latency_s``, their shards copied in at ``bandwidth_gbps``
+    (a GPU's measured host-to-device rate; None: copies cost nothing, as on CPU devices that
+    share host memory): what the engine would reach with the machine's cores to itself."""
+    free = bandwidth_gbps is None
+    kind = DeviceKind("local-cpu" if free else "local-gpu", 1.0, budget, bandwidth_gbps or 1e6)
     cluster = Cluster(((kind, devices),))
     plans = [ModelPlan(f"model-{i}", tuple(shards), steps, i) for i in range(models)]
     engine = Engine(latency_s=latency_s)

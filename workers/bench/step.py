@@ -21,11 +21,11 @@ import ray
 import torch
 
 from scheduler.devices import Device
+from workers.bench.hardware import device_name, machine_with
 from workers.bench.pipeline import RUNNER_THREADS, busy_fractions, ray_session, threads
 from workers.bench.report import (
     BenchError,
     Progress,
-    machine,
     median_step_s,
     median_throughput,
     stage_bounds,
@@ -186,22 +186,6 @@ def shoal_step_times(
         return step_seconds(started, arrivals), list(report.metrics), list(report.events)
 
 
-def _machine(device: torch.device) -> dict[str, Any]:
-    """``report.machine()`` with the memory, and the GPU when the bench runs on one."""
-    pages = os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 0
-    extra: dict[str, Any] = {
-        "memory_gib": round(pages * os.sysconf("SC_PAGE_SIZE") / 2**30, 1) if pages else None
-    }
-    if device.type == "cuda":
-        props = torch.cuda.get_device_properties(device)
-        extra |= {
-            "gpu": props.name,
-            "gpus": torch.cuda.device_count(),
-            "gpu_memory_gib": round(props.total_memory / 2**30, 1),
-        }
-    return {**machine(), **extra}
-
-
 def _notes(s: StepSettings) -> list[str]:
     notes = [
         "Shoal's step seconds are wall time between step boundaries as the driver sees them"
@@ -253,8 +237,8 @@ def run_step(s: StepSettings, progress: Progress = lambda _: None) -> dict[str, 
         shoal_copies=rate(copies),
         copies_overhead=copies_overhead(shoal, copies, s.warmup),
         stage_busy=busy_fractions(metrics, s.warmup),
-        device="cpu" if device.type == "cpu" else torch.cuda.get_device_name(device),
-        machine=_machine(device),
+        device=device_name(device),
+        machine=machine_with(device),
         notes=_notes(s),
         started=started,
         extra={

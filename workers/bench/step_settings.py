@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from workers.bench.report import DEVICES
 from workers.zoo.registry import data_meta, resolve_model
 
 STEP_KEYS = (
@@ -35,7 +36,6 @@ STEP_KEYS = (
 )
 """The keys ``shoal bench step --json`` always prints."""
 
-DEVICES = ("cpu", "cuda")
 DATASETS = {"gpt": "synthetic-lm", "mlp": "synthetic-regression"}
 
 
