@@ -367,7 +367,7 @@ def sharp(
 def _sharp_tables(console: Console, result: dict[str, Any]) -> None:
     total, train = result["sequential_seconds"], result["sequential_train_seconds"]
     real = Table(title=f"shoal bench sharp: {result['model']}", caption=caption(result))
-    real.add_column("on 2 devices")
+    real.add_column(f"on 2 devices ({result['device']})")
     real.add_column("seconds", justify="right")
     real.add_column("speedup", justify="right")
     real.add_column("training only", justify="right")

@@ -464,6 +464,7 @@ def test_bench_sharp_prints_a_table_or_json(monkeypatch: pytest.MonkeyPatch) -> 
     # CPU devices even on a GPU machine: the nodes offer no GPU.
     assert [n.gpus for n in NoCluster.nodes] == [0, 0]
     assert "SHARP, Sharded-LRTF" in result.output and "1.90x" in result.output
+    assert "on 2 devices (cpu)" in result.output
     assert "1.50x" in result.output  # training only: 15 s against 10 s
     assert "devices computing 0.50 and 0.25 of the time" in result.output
     assert "simulated with Sharded-LRTF in 7.50 s" in result.output
