@@ -11,14 +11,11 @@ from bisect import bisect_right
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
-from typing import TYPE_CHECKING
 
 from scheduler.memory import autocast_copy_bytes, transient_bytes
 from scheduler.profile import BlockCost
 from scheduler.types import BlockRange
-
-if TYPE_CHECKING:  # only for annotations: scheduler.partition imports this module
-    from scheduler.partition import DeviceCapacity, Workload
+from scheduler.workload import DeviceCapacity, Workload
 
 _TOLERANCE = 1e-9
 """Relative gap at which the bisection on the bottleneck time stops."""

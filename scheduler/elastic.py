@@ -27,15 +27,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from scheduler.partition import (
-    DeviceCapacity,
     PartitionPlan,
     StageAssignment,
-    Workload,
     evaluate,
     order_partition,
 )
 from scheduler.profile import BlockCost, range_time
 from scheduler.types import BlockRange, DeviceId
+from scheduler.workload import DeviceCapacity, Workload
 
 
 @dataclass(frozen=True)

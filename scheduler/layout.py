@@ -15,9 +15,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from scheduler.devices import Device
-from scheduler.partition import DeviceCapacity, PartitionPlan, Workload, plan_partition
+from scheduler.partition import PartitionPlan, plan_partition
 from scheduler.profile import REFERENCE_GFLOPS, BlockCost
 from scheduler.types import BlockRange, DeviceId
+from scheduler.workload import DeviceCapacity, Workload
 
 
 @dataclass(frozen=True)

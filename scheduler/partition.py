@@ -56,6 +56,7 @@ from scheduler.memory import format_bytes
 from scheduler.profile import BlockCost
 from scheduler.shares import flight_limit, share
 from scheduler.types import BlockRange, DeviceId
+from scheduler.workload import DeviceCapacity, Workload
 
 _EXACT_WORK = 300_000
 """Largest exhaustive search (devices subsets x blocks^2 x devices^2) worth its time."""
@@ -70,29 +71,6 @@ _SCHEDULES = ("gpipe", "1f1b")
 
 class PartitionError(ValueError):
     """No partition meets the request; the message names the constraint and how to fix it."""
-
-
-@dataclass(frozen=True)
-class DeviceCapacity:
-    """A device as the partitioner sees it: measured relative speed, memory budget in bytes."""
-
-    device_id: DeviceId
-    speed: float
-    memory_bytes: int
-
-
-@dataclass(frozen=True)
-class Workload:
-    """How one mini-batch runs: ``micro_batches`` of ``micro_batch_size`` samples each."""
-
-    micro_batches: int
-    micro_batch_size: int = 1
-    schedule: str = "1f1b"
-    recompute: bool = False
-    precision: str = "fp32"
-    stage_overhead_s: float = 0.0
-    """Seconds a stage spends per micro-batch beyond its blocks' compute (framework calls,
-    transfers): what makes one more stage cost more than it saves on a small model."""
 
 
 @dataclass(frozen=True)

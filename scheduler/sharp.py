@@ -24,9 +24,9 @@ from typing import TypeAlias
 
 from scheduler.cut import Model, Slot, cut
 from scheduler.memory import format_bytes, stage_memory
-from scheduler.partition import DeviceCapacity, Workload
 from scheduler.profile import BlockCost
 from scheduler.types import BlockRange, DeviceId
+from scheduler.workload import DeviceCapacity, Workload
 
 ModelId: TypeAlias = str
 """A model trained under SHARP (a sweep's trial): unique among the models sharing devices."""

@@ -27,9 +27,10 @@ from sqlalchemy.orm import Session
 
 from scheduler.devices import Device
 from scheduler.layout import Layout, plan_layout
-from scheduler.partition import PartitionError, Workload
+from scheduler.partition import PartitionError
 from scheduler.placement import JobRequest, Placement, Quota, Running, place, preemptions
 from scheduler.resize import Candidate, candidate, worth_growing
+from scheduler.workload import Workload
 from service.cluster import Cluster, ClusterUnavailable, RunnerGone
 from service.db.models import Checkpoint, DeviceRow, Job, utcnow
 from service.db.session import SessionFactory, transaction

@@ -18,8 +18,9 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from scheduler.elastic import Decision, Repartition, StageSample, current_plan, decide
-from scheduler.partition import DeviceCapacity, PartitionPlan, Workload
+from scheduler.partition import PartitionPlan
 from scheduler.profile import uniform_costs
+from scheduler.workload import DeviceCapacity, Workload
 from workers.group import Handle, WorkerGroup
 from workers.snapshot import JobSnapshot, RunnerEvent, StagePlan, StepMetrics
 

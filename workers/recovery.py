@@ -29,8 +29,8 @@ from typing import Any
 
 from scheduler.copies import CopyCadence, most_replayed
 from scheduler.layout import plan_layout
-from scheduler.partition import Workload
 from scheduler.profile import uniform_costs
+from scheduler.workload import Workload
 from workers.group import GroupTimeout, Handle, StageLost, WorkerGroup
 from workers.rebalance import Layout, settle
 from workers.snapshot import JobSnapshot, RunnerEvent, StepMetrics, stage_plans

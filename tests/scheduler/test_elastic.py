@@ -17,8 +17,8 @@ from scheduler.elastic import (
     measured_speeds,
     moved_blocks,
 )
-from scheduler.partition import DeviceCapacity, Workload
 from scheduler.profile import BlockCost, uniform_costs
+from scheduler.workload import DeviceCapacity, Workload
 
 pytestmark = pytest.mark.unit
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from scheduler.layout import plan_layout, relative_speeds
-from scheduler.partition import Workload
 from scheduler.profile import REFERENCE_GFLOPS, BlockCost, uniform_costs
+from scheduler.workload import Workload
 from tests.factories import device
 
 pytestmark = pytest.mark.unit

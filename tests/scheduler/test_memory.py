@@ -15,10 +15,11 @@ from scheduler.memory import (
     stage_memory,
     submission_refusal,
 )
-from scheduler.partition import DeviceCapacity, PartitionError, Workload, plan_partition
+from scheduler.partition import PartitionError, plan_partition
 from scheduler.profile import BlockCost
 from scheduler.schedules import build
 from scheduler.schedules import in_flight as peak_in_flight
+from scheduler.workload import DeviceCapacity, Workload
 
 pytestmark = pytest.mark.unit
 

@@ -15,10 +15,8 @@ from hypothesis import strategies as st
 from scheduler import partition, shares
 from scheduler.memory import fits, in_flight
 from scheduler.partition import (
-    DeviceCapacity,
     PartitionError,
     PartitionPlan,
-    Workload,
     balanced_partition,
     evaluate,
     even_partition,
@@ -27,6 +25,7 @@ from scheduler.partition import (
 )
 from scheduler.profile import BlockCost, range_time, uniform_costs
 from scheduler.types import BlockRange
+from scheduler.workload import DeviceCapacity, Workload
 
 pytestmark = pytest.mark.unit
 

@@ -33,11 +33,11 @@ import ray
 from scheduler.devices import Device, NodeInfo, node_devices
 from scheduler.elastic import ElasticConfig
 from scheduler.layout import plan_layout
-from scheduler.partition import Workload
 from scheduler.placement import JobRequest
 from scheduler.profile import BlockCost, range_time
 from scheduler.resize import candidate
 from scheduler.types import BlockRange
+from scheduler.workload import Workload
 from service.localray import LocalRay, parse_devices
 from workers.bench.report import (
     ELASTIC_KEYS,
