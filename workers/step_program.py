@@ -16,7 +16,7 @@ the schedule's order, so the arithmetic and the RNG draws are those of the relay
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from torch import Tensor
 
@@ -25,15 +25,26 @@ from scheduler.schedules import Op
 from workers.timing import StepTimer
 from workers.transport import Links, Pending, Shape
 
-if TYPE_CHECKING:
-    from workers.stage import Stage
+
+class ProgramStage(Protocol):
+    """What a step program runs on: a ``workers.stage.Stage``'s forwards and backwards."""
+
+    index: int
+    first: bool
+    last: bool
+
+    def forward_tensor(self, mb: int, inp: Tensor) -> Tensor: ...
+
+    def loss_tensor(self, mb: int, inp: Tensor, target: Tensor, scale: float) -> Tensor: ...
+
+    def backward_tensor(self, mb: int, upstream: Tensor | None) -> Tensor | None: ...
 
 
 @dataclass
 class _Step:
     """The transfers of one step on one stage."""
 
-    stage: Stage
+    stage: ProgramStage
     links: Links
     timer: StepTimer
     inputs: Tensor | None
@@ -117,7 +128,7 @@ class _Step:
 
 
 def run_program(
-    stage: Stage,
+    stage: ProgramStage,
     links: Links,
     timer: StepTimer,
     program: Program,
