@@ -78,7 +78,7 @@ class RayCluster:
     def __init__(self, address: str | None, *, timeout_s: float) -> None:
         import ray
 
-        from workers.launch import RUNNER_NAMESPACE
+        from workers.actors import RUNNER_NAMESPACE
 
         if not ray.is_initialized():
             ray.init(
@@ -106,7 +106,7 @@ class RayCluster:
         ]
 
     def start_runner(self, snapshot: JobSnapshot) -> None:
-        from workers.launch import start_runner
+        from workers.actors import start_runner
 
         start_runner(snapshot)
 
@@ -126,7 +126,7 @@ class RayCluster:
             ) from None
 
     def _call(self, job_id: JobId, method: str, *args: Any) -> Any:
-        from workers.launch import find_runner
+        from workers.actors import find_runner
 
         return self._ask(find_runner(job_id), f"runner of job {job_id}", method, *args)
 
@@ -144,22 +144,22 @@ class RayCluster:
         self._call(job_id, "relayout", tuple(plans), tuple(split))
 
     def stop_runner(self, job_id: JobId) -> None:
-        from workers.launch import kill_runner
+        from workers.actors import kill_runner
 
         kill_runner(job_id)
 
     def start_pool(self, sweep_id: str, devices: Sequence[Device], policy: str) -> None:
-        from workers.launch import start_pool
+        from workers.actors import start_pool
 
         start_pool(sweep_id, devices, policy)
 
     def has_pool(self, sweep_id: str) -> bool:
-        from workers.launch import find_pool
+        from workers.actors import find_pool
 
         return find_pool(sweep_id) is not None
 
     def _pool_call(self, sweep_id: str, method: str, *args: Any) -> Any:
-        from workers.launch import find_pool
+        from workers.actors import find_pool
 
         return self._ask(find_pool(sweep_id), f"the executor of sweep {sweep_id}", method, *args)
 
@@ -180,7 +180,7 @@ class RayCluster:
         return set(self._pool_call(sweep_id, "lost_devices"))
 
     def close_pool(self, sweep_id: str) -> None:
-        from workers.launch import kill_pool
+        from workers.actors import kill_pool
 
         try:
             self._pool_call(sweep_id, "close")

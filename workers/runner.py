@@ -10,7 +10,7 @@ workers (no checkpoint, copy, move or request due) and the runner's work cannot 
 worker's core (``scheduler.overlap``), the next step is handed out before this one
 is collected, so the workers go from one step to the next without waiting for a round trip
 through the runner; a request that comes in meanwhile waits one more step. ``JobRunner`` is
-what ``workers.launch`` runs as the job's detached Ray actor: ``run`` trains (one thread),
+what ``workers.actors`` runs as the job's detached Ray actor: ``run`` trains (one thread),
 ``poll`` and ``cancel`` answer from the others.
 
 Steps are counted as completed optimizer updates: step k's metrics and a checkpoint at step
@@ -678,7 +678,7 @@ def write_checkpoint(
 
 
 class JobRunner:
-    """One job's runner; ``workers.launch`` runs it as a detached, threaded Ray actor."""
+    """One job's runner; ``workers.actors`` runs it as a detached, threaded Ray actor."""
 
     def __init__(
         self,

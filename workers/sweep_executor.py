@@ -1,6 +1,6 @@
 """A sweep's SHARP executor as the control plane drives it: the actor around ``SharpTrainer``.
 
-``workers.launch`` runs ``SweepExecutor`` as a detached, threaded Ray actor named after the
+``workers.actors`` runs ``SweepExecutor`` as a detached, threaded Ray actor named after the
 sweep (an in-process cluster runs it on a thread): ``run`` trains on one thread while the
 others add trials, cancel pruned ones, suspend those leaving with the sweep for other
 devices, and answer polls; ``close`` lets it end.

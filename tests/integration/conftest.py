@@ -233,7 +233,7 @@ def shoal_cluster(tmp_path: Path) -> Iterator[Callable[[Path, str, str], ShoalUp
 @pytest.fixture
 def runner_reaper(ray_address: str) -> Iterator[list[str]]:
     """Job ids whose runner actors (detached, in the session's Ray) are killed at the end."""
-    from workers.launch import kill_runner
+    from workers.actors import kill_runner
 
     job_ids: list[str] = []
     yield job_ids

@@ -284,7 +284,7 @@ def test_four_stages_train_exactly_like_one_through_the_api(
 def test_a_restarted_control_plane_adopts_the_running_job(
     shoal_up: StartShoal, empty_database: str, runner_reaper: list[str], tmp_path: Path
 ) -> None:
-    from workers.launch import find_runner
+    from workers.actors import find_runner
 
     home = tmp_path / "home"
     first = shoal_up(home, empty_database)

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from scheduler.devices import DEVICE_RESOURCE, Device
-from workers.launch import find_runner, kill_runner, runner_name, start_runner
+from workers.actors import find_runner, kill_runner, runner_name, start_runner
 from workers.snapshot import (
     DataRef,
     JobSnapshot,

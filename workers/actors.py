@@ -1,0 +1,144 @@
+"""The detached, named actors the control plane starts: a job's runner and a sweep's
+SHARP executor.
+
+A **JobRunner** per job is detached and named ``shoal-job-<id>`` in the ``shoal`` namespace,
+so it outlives the control plane that started it and is found again by name after a
+restart; a sweep's **SweepExecutor** likewise as ``shoal-sweep-<id>``. Both run on the
+head node. Nothing inside ``workers/`` imports this module: it sits above the engines it
+starts (their own workers are started by ``workers.launch``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import ray
+from ray.actor import ActorHandle
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from scheduler.devices import Device
+from scheduler.types import JobId
+from workers.runner import JobRunner
+from workers.snapshot import JobSnapshot
+from workers.sweep_executor import SweepExecutor
+
+RUNNER_NAMESPACE = "shoal"
+RUNNER_CONCURRENCY = 4
+"""Threads of a runner actor: ``run`` holds one for the whole job; ``poll``/``cancel`` use the
+others, so they answer while it trains."""
+
+
+def runner_name(job_id: JobId) -> str:
+    return f"shoal-job-{job_id}"
+
+
+def find_runner(job_id: JobId) -> ActorHandle[Any] | None:
+    """The job's live runner actor, or None if there is none (never started, or dead)."""
+    try:
+        return ray.get_actor(runner_name(job_id), namespace=RUNNER_NAMESPACE)
+    except ValueError:  # Ray's answer for "no live actor of that name"
+        return None
+
+
+def start_runner(snapshot: JobSnapshot) -> ActorHandle[Any]:
+    """The job's runner, started and set training unless it already exists.
+
+    ``get_if_exists`` makes two racing starts share one actor; ``JobRunner.run`` ignores a
+    second call, so the race at worst sends one no-op.
+    """
+    existing = find_runner(snapshot.job_id)
+    if existing is not None:
+        return existing
+    runner_actor: Any = ray.remote(JobRunner)
+    runner: ActorHandle[Any] = runner_actor.options(
+        name=runner_name(snapshot.job_id),
+        namespace=RUNNER_NAMESPACE,
+        lifetime="detached",
+        get_if_exists=True,
+        num_cpus=0,
+        max_concurrency=RUNNER_CONCURRENCY,
+        max_restarts=0,
+        # On the head (on-demand, beside the control plane, in a cluster of spot workers):
+        # losing a stage's node must not take the runner that recovers it along. Hard: with
+        # soft=True, Ray 2.60 placed it on another node of a 2-node local cluster (measured).
+        scheduling_strategy=NodeAffinitySchedulingStrategy(_head_node_id(), soft=False),
+    ).remote(snapshot)
+    # Not awaited: ``run`` returns when training ends; progress is read with ``poll``.
+    runner.run.remote()
+    return runner
+
+
+def pool_name(sweep_id: str) -> str:
+    return f"shoal-sweep-{sweep_id}"
+
+
+def find_pool(sweep_id: str) -> ActorHandle[Any] | None:
+    """The sweep's live SHARP executor actor, or None."""
+    try:
+        return ray.get_actor(pool_name(sweep_id), namespace=RUNNER_NAMESPACE)
+    except ValueError:
+        return None
+
+
+def start_pool(sweep_id: str, devices: Sequence[Device], policy: str) -> ActorHandle[Any]:
+    """The sweep's SHARP executor (``workers.sweep_executor.SweepExecutor``) on ``devices``,
+    started and running unless it exists: detached and named, on the head node, like a
+    job's runner, so it outlives the control plane and is found again."""
+    existing = find_pool(sweep_id)
+    if existing is not None:
+        return existing
+    pool_actor: Any = ray.remote(SweepExecutor)
+    pool: ActorHandle[Any] = pool_actor.options(
+        name=pool_name(sweep_id),
+        namespace=RUNNER_NAMESPACE,
+        lifetime="detached",
+        get_if_exists=True,
+        num_cpus=0,
+        max_concurrency=RUNNER_CONCURRENCY,
+        max_restarts=0,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(_head_node_id(), soft=False),
+    ).remote(list(devices), None, policy)
+    pool.run.remote()
+    return pool
+
+
+def kill_pool(sweep_id: str) -> bool:
+    """Kill the sweep's executor (and so its shard workers); False if there was none."""
+    return _kill_named(lambda: find_pool(sweep_id))
+
+
+def _head_node_id() -> str:
+    """The head node's id (Ray marks it with the ``node:__internal_head__`` resource); this
+    process's node if none is marked."""
+    for node in ray.nodes():  # type: ignore[no-untyped-call]
+        if node.get("Alive") and HEAD_RESOURCE in (node.get("Resources") or {}):
+            return str(node["NodeID"])
+    return str(ray.get_runtime_context().get_node_id())
+
+
+HEAD_RESOURCE = "node:__internal_head__"
+"""The resource Ray gives only the head node."""
+
+
+def kill_runner(job_id: JobId) -> bool:
+    """Kill the job's runner (and so its stage workers); False if there was none."""
+    return _kill_named(lambda: find_runner(job_id))
+
+
+def _kill_named(find: Callable[[], ActorHandle[Any] | None], wait_s: float = 30.0) -> bool:
+    """Kill the named actor ``find`` returns; False if there is none.
+
+    ``ray.kill`` is asynchronous: this waits (up to ``wait_s``) until the name is free, so
+    an actor started under it next (a job's next attempt, a sweep's executor on new
+    devices) is a new actor, not the dying one.
+    """
+    actor = find()
+    if actor is None:
+        return False
+    ray.kill(actor, no_restart=True)
+    deadline = time.monotonic() + wait_s
+    while find() is not None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return True
