@@ -90,8 +90,8 @@ def pipeline(
     as_json: bool,
 ) -> None:
     """Single-process PyTorch vs Shoal (2 stages, 2 devices) vs torch.distributed.pipelining."""
-    from workers.bench.pipeline import pipeline_phases, run_pipeline
-    from workers.bench.report import PipelineSettings
+    from service.bench.pipeline import pipeline_phases, run_pipeline
+    from service.bench.report import PipelineSettings
 
     try:
         settings = PipelineSettings(
@@ -161,7 +161,7 @@ def pipeline(
 @JSON_OPTION
 def transport(repeats: int, calls: int, sizes: tuple[int, ...], as_json: bool) -> None:
     """Ray object refs vs Compiled Graphs between two actors; torch tensors vs numpy arrays."""
-    from workers.bench.transport import TransportSettings, run_transport
+    from service.bench.transport import TransportSettings, run_transport
 
     settings = TransportSettings(repeats=repeats, calls=calls)
     if sizes:
@@ -224,8 +224,8 @@ def transport(repeats: int, calls: int, sizes: tuple[int, ...], as_json: bool) -
 def elastic(hidden: int, layers: int, slowdown: float, steps: int, as_json: bool) -> None:
     """Rebalancing around a straggler, recovery from a killed node, growth onto a new one,
     on a local multi-node Ray cluster."""
+    from service.bench.report import ELASTIC_PHASES, ElasticSettings
     from service.localray import LocalRay, LocalRayError, parse_devices
-    from workers.bench.report import ELASTIC_PHASES, ElasticSettings
 
     try:
         settings = ElasticSettings(hidden=hidden, layers=layers, slowdown=slowdown, steps=steps)
@@ -245,7 +245,7 @@ def elastic(hidden: int, layers: int, slowdown: float, steps: int, as_json: bool
         try:
             # Ray reads its token when first imported: the cluster's must be set before.
             os.environ.update(cluster.client_env)
-            from workers.bench.elastic import run_elastic
+            from service.bench.elastic import run_elastic
 
             result = run_elastic(settings, cluster, Path(tmp), progress)
         finally:
@@ -316,9 +316,9 @@ def sharp(
     import time
     from dataclasses import replace
 
+    from service.bench.report import SHARP_BATCH_SIZE, SHARP_PHASES, SharpSettings
+    from service.bench.simulation import run_simulated
     from service.localray import LocalRay, LocalRayError, parse_devices
-    from workers.bench.report import SHARP_BATCH_SIZE, SHARP_PHASES, SharpSettings
-    from workers.bench.simulation import run_simulated
 
     chosen = bench_device(device)
     try:
@@ -353,7 +353,7 @@ def sharp(
         try:
             # Ray reads its token when first imported: the cluster's must be set before.
             os.environ.update(cluster.client_env)
-            from workers.bench.sharp import run_sharp
+            from service.bench.sharp import run_sharp
 
             result = run_sharp(settings, simulated, cluster, Path(tmp), progress, started)
         finally:
@@ -426,7 +426,7 @@ def _sharp_tables(console: Console, result: dict[str, Any]) -> None:
 def dashboard(jobs: int, repeats: int, chromium: Path, as_json: bool) -> None:
     """The jobs page with JOBS jobs in chromium: navigation to every row shown, vs the list
     request alone."""
-    from service.dashboard_bench import BrowserMissing, run_dashboard_bench
+    from service.bench.dashboard import BrowserMissing, run_dashboard_bench
 
     console = make_console()
     with phases(console, 3, as_json) as progress:
@@ -505,8 +505,8 @@ def api(
 ) -> None:
     """Load on the REST API on loopback: CLIENTS clients reading job status and lists for
     DURATION seconds, then SUBMISSIONS idempotent submissions each sent twice at once."""
-    from service.api_bench import API_PHASES, ApiSettings, check, run_api_bench
-    from workers.bench.report import BenchError
+    from service.bench.api import API_PHASES, ApiSettings, check, run_api_bench
+    from service.bench.report import BenchError
 
     try:
         settings = ApiSettings(

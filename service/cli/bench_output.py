@@ -11,8 +11,8 @@ import click
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from service.bench.report import DEVICES
 from service.cli.options import InputError
-from workers.bench.report import DEVICES
 
 JSON_OPTION = click.option(
     "--json", "as_json", is_flag=True, help="Print one JSON object on the last line."

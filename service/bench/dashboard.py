@@ -17,7 +17,7 @@ from typing import Any
 
 import httpx
 
-from service.bench_data import fill
+from service.bench.data import fill
 from service.db.session import make_engine, make_session_factory
 from service.settings import Settings
 
@@ -47,8 +47,8 @@ def run_dashboard_bench(
     """Medians (and every run) of the jobs page's time to show ``jobs`` rows, and of the
     list request alone."""
     from api.app import create_app
+    from service.bench.report import machine
     from service.server import serving
-    from workers.bench.report import machine
 
     playwright = _browser(chromium)
     with tempfile.TemporaryDirectory(prefix="shoal-bench-dashboard-") as tmp:

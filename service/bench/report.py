@@ -16,6 +16,8 @@ from datetime import UTC, datetime
 from importlib import metadata
 from typing import Any
 
+from workers.snapshot import DataRef, ModelRef, OptimizerConf
+
 Progress = Callable[[str], None]
 """Told the name of each phase as it starts (the CLI's progress bar)."""
 
@@ -131,6 +133,14 @@ class PipelineSettings:
     @property
     def num_blocks(self) -> int:
         return self.layers + 1
+
+    def refs(self) -> tuple[ModelRef, DataRef, OptimizerConf]:
+        """The model, data and optimizer every contender trains."""
+        model = ModelRef("mlp", None, {"hidden": self.hidden, "layers": self.layers})
+        data = DataRef(
+            "synthetic-regression", None, {"features": self.features, "outputs": self.outputs}
+        )
+        return model, data, OptimizerConf("sgd", self.lr)
 
     @property
     def parameters(self) -> int:

@@ -21,16 +21,16 @@ import ray
 import torch
 
 from scheduler.devices import Device
-from workers.bench.hardware import device_name, machine_with
-from workers.bench.pipeline import RUNNER_THREADS, busy_fractions, ray_session, threads
-from workers.bench.report import (
+from service.bench.hardware import device_name, machine_with
+from service.bench.pipeline import RUNNER_THREADS, busy_fractions, ray_session, threads
+from service.bench.report import (
     BenchError,
     Progress,
     median_step_s,
     median_throughput,
     stage_bounds,
 )
-from workers.bench.step_settings import StepSettings, copies_overhead, step_result, step_seconds
+from service.bench.step_settings import StepSettings, copies_overhead, step_result, step_seconds
 from workers.blocks import Block
 from workers.group import RayGroup
 from workers.host_memory import retain_freed_memory

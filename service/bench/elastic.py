@@ -38,8 +38,7 @@ from scheduler.profile import BlockCost, range_time
 from scheduler.resize import candidate
 from scheduler.types import BlockRange
 from scheduler.workload import Workload
-from service.localray import LocalRay, parse_devices
-from workers.bench.report import (
+from service.bench.report import (
     ELASTIC_KEYS,
     ELASTIC_PHASES,
     BenchError,
@@ -48,6 +47,7 @@ from workers.bench.report import (
     machine,
     stage_bounds,
 )
+from service.localray import LocalRay, parse_devices
 from workers.group import RayGroup
 from workers.profiler import trace_costs
 from workers.rebalance import snapshot_policy

@@ -4,7 +4,7 @@ Every contender trains the same MLP on the same batches with the same micro-batc
 gradient accumulation (the ``workers.reference`` contract), so they do the same math; only
 where it runs differs. Shoal runs through the real engine (``workers.runner.Trainer`` with a
 ``RayGroup`` of StageWorker actors on virtual CPU devices, one thread each); the peer is
-``torch.distributed.pipelining`` (``workers.bench.peer``). Every process keeps its freed host
+``torch.distributed.pipelining`` (``service.bench.peer``). Every process keeps its freed host
 memory as Shoal's workers do (``workers.host_memory``), so the allocator is not what differs.
 """
 
@@ -26,8 +26,8 @@ import ray
 import torch
 
 from scheduler.devices import DEVICE_RESOURCE, LABEL_KIND, LABEL_MEMORY_MB, Device
-from workers.bench import peer
-from workers.bench.report import (
+from service.bench import peer
+from service.bench.report import (
     BenchError,
     PipelineRound,
     PipelineSettings,
@@ -41,10 +41,7 @@ from workers.group import RayGroup
 from workers.host_memory import retain_freed_memory
 from workers.runner import Trainer
 from workers.snapshot import (
-    DataRef,
     JobSnapshot,
-    ModelRef,
-    OptimizerConf,
     RunStatus,
     StagePlan,
     StepMetrics,
@@ -91,12 +88,6 @@ def threads(count: int | None) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def refs(s: PipelineSettings) -> tuple[ModelRef, DataRef, OptimizerConf]:
-    model = ModelRef("mlp", None, {"hidden": s.hidden, "layers": s.layers})
-    data = DataRef("synthetic-regression", None, {"features": s.features, "outputs": s.outputs})
-    return model, data, OptimizerConf("sgd", s.lr)
-
-
 @contextmanager
 def ray_session(devices: int) -> Iterator[str]:
     """This process's Ray (reused if already connected), with ``devices`` virtual devices;
@@ -129,7 +120,7 @@ def ray_session(devices: int) -> Iterator[str]:
 
 def single_process_step_times(s: PipelineSettings, threads: int) -> list[float]:
     """Seconds of each step of a plain PyTorch run with ``threads`` threads (the reference)."""
-    model, data, opt = refs(s)
+    model, data, opt = s.refs()
     source = make_data(data, s.seed, ())
     modules = build_blocks(model, source.meta, s.seed, range(s.num_blocks))
     blocks = [Block(i, m, opt) for i, m in enumerate(modules)]
@@ -185,7 +176,7 @@ def side_by_side_step_times(s: PipelineSettings) -> list[list[float]]:
 
 def shoal_step_times(s: PipelineSettings, node_id: str, steps: int) -> list[StepMetrics]:
     """Each step's metrics from Shoal's engine: ``s.stages`` StageWorkers, one per device."""
-    model, data, opt = refs(s)
+    model, data, opt = s.refs()
     devices = [
         Device(f"{node_id[:8]}-cpu-{i}", node_id, i, "cpu", 8192, gpu=False)
         for i in range(s.stages)

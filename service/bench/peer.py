@@ -25,7 +25,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from torch.multiprocessing.spawn import ProcessException
 from torch.multiprocessing.spawn import spawn as _untyped_spawn
 
-from workers.bench.report import BenchError, PipelineSettings, stage_bounds
+from service.bench.report import BenchError, PipelineSettings, stage_bounds
 from workers.host_memory import retain_freed_memory
 from workers.zoo.data import loss_fn, make_data
 from workers.zoo.models import build_blocks
@@ -35,16 +35,13 @@ _SCHEDULES: dict[str, Any] = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
 
 def _rank(rank: int, world: int, store: str, fields: dict[str, Any], out: str) -> None:
-    # Imported here: the spawned child imports this module, and refs lives beside it.
-    from workers.bench.pipeline import refs
-
     s = PipelineSettings(**fields)
     torch.set_num_threads(1)
     retain_freed_memory()  # as Shoal's workers do: the allocator is not what is compared
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
-        model, data, _ = refs(s)
+        model, data, _ = s.refs()
         source = make_data(data, s.seed, ())
         start, stop = stage_bounds(s.num_blocks, world)[rank]
         module = nn.Sequential(*build_blocks(model, source.meta, s.seed, range(start, stop)))

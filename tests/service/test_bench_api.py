@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-from service.api_bench import (
+from service.bench.api import (
     API_KEYS,
     ApiSettings,
     Samples,

@@ -1,7 +1,7 @@
 """The sizes and settings of ``shoal bench step``, and its JSON object.
 
 Pure on purpose (no torch, no Ray): the CLI reads the sizes for its options and the unit
-tests check the arithmetic; ``workers.bench.step`` measures.
+tests check the arithmetic; ``service.bench.step`` measures.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from workers.bench.report import DEVICES
+from service.bench.report import DEVICES
 from workers.zoo.registry import data_meta, resolve_model
 
 STEP_KEYS = (

@@ -35,11 +35,10 @@ from scheduler.memory import stage_memory, transient_bytes
 from scheduler.profile import BlockCost
 from scheduler.sharp import Shard, ShardError, shard_model
 from scheduler.types import DeviceId
-from service.localray import LocalRay
-from workers.bench.elastic import cluster_devices
-from workers.bench.hardware import device_name, host_to_device_gbps, machine_with
-from workers.bench.pipeline import RUNNER_THREADS, threads
-from workers.bench.report import (
+from service.bench.elastic import cluster_devices
+from service.bench.hardware import device_name, host_to_device_gbps, machine_with
+from service.bench.pipeline import RUNNER_THREADS, threads
+from service.bench.report import (
     SHARP_PHASES,
     BenchError,
     Progress,
@@ -48,7 +47,8 @@ from workers.bench.report import (
     sharp_result,
     stage_bounds,
 )
-from workers.bench.simulation import simulate_local
+from service.bench.simulation import simulate_local
+from service.localray import LocalRay
 from workers.group import GroupFactory, RayGroup
 from workers.profiler import trace_costs
 from workers.runner import Trainer

@@ -23,7 +23,7 @@ from scheduler.simcluster import (
 )
 from scheduler.simsharp import Engine
 from scheduler.simulate import Strategy, simulate
-from workers.bench.report import SHARP_PHASES, Progress, SharpSettings
+from service.bench.report import SHARP_PHASES, Progress, SharpSettings
 
 NO_PREFETCH = "sharp-lrtf-no-prefetch"
 """Sharded-LRTF with every shard copied in only when its task starts."""

@@ -42,12 +42,12 @@ from typing import Any
 import httpx
 import sqlalchemy as sa
 
-from service.bench_data import SPEC, fill
+from service.bench.data import SPEC, fill
+from service.bench.report import BenchError, Progress, machine
 from service.db.models import Job
 from service.db.scratch import create_database, drop_database
 from service.db.session import make_engine
 from service.settings import Settings
-from workers.bench.report import BenchError, Progress, machine
 
 API_KEYS = (
     "status_requests_per_s",
