@@ -433,9 +433,8 @@ def test_sharp_bench_on_the_gpu_trains_every_variant_to_the_same_losses(tmp_path
 
 @pytest.mark.unit
 def test_bench_sharp_prints_a_table_or_json(monkeypatch: pytest.MonkeyPatch) -> None:
-    import service.localray
+    from service.bench import local
     from service.bench import sharp as sharp_bench
-    from service.bench import simulation
     from service.bench.report import SharpSettings, sharp_result
 
     class NoCluster:
@@ -452,8 +451,8 @@ def test_bench_sharp_prints_a_table_or_json(monkeypatch: pytest.MonkeyPatch) -> 
         def stop(self) -> None: ...
 
     real, sim = _sharp_canned()
-    monkeypatch.setattr(service.localray, "LocalRay", NoCluster)
-    monkeypatch.setattr(simulation, "run_simulated", lambda s, progress: sim)
+    monkeypatch.setattr(local, "LocalRay", NoCluster)
+    monkeypatch.setattr(local, "run_simulated", lambda s, progress: sim)
     monkeypatch.setattr(
         sharp_bench,
         "run_sharp",
