@@ -1,6 +1,6 @@
 """How often the in-memory copies are taken: as often as their measured cost allows.
 
-A copy of every worker's state (``workers.recovery``) delays the step after it by the
+A copy of every worker's state (``workers.pipeline.recovery``) delays the step after it by the
 seconds its workers spend taking and holding it (measured where they run, ``copy_s`` of a
 stage's timing). Taken every k steps of s seconds, copies of c seconds cost c / (k s) of
 the training time; the interval is the smallest k that keeps this within the job's budget

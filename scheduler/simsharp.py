@@ -1,4 +1,4 @@
-"""The SHARP engine of the simulator: the executor (``workers.sharp_runner``) as discrete events.
+"""The SHARP engine of the simulator: the executor (``workers.sharp.runner``) as discrete events.
 
 What it models is what the executor does, with the same decisions (``scheduler.sharp``):
 
@@ -230,7 +230,7 @@ class _Sharp:
         return homes
 
     def _can_submit(self, model: _Model, now: float) -> bool:
-        """As ``workers.sharp_runner._Model.can_submit``: a next task, not the first of a
+        """As ``workers.sharp.runner._Model.can_submit``: a next task, not the first of a
         step before the executor has seen the step before end, and its input there by the
         time its device gets to it (the task before it has ended, or runs there first)."""
         at, k = model.submitted, len(model.plan.shards)

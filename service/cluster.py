@@ -15,7 +15,7 @@ from scheduler.types import JobId
 from workers.snapshot import JobSnapshot, RunnerReport, StagePlan
 
 if TYPE_CHECKING:
-    from workers.shard_pool import PoolFactory
+    from workers.sharp.shard_pool import PoolFactory
 
 
 class RunnerGone(RuntimeError):
@@ -197,13 +197,13 @@ def _first_line(exc: BaseException) -> str:
 class InProcessCluster:
     """``Cluster`` whose runners are threads of this process, on in-process stages.
 
-    The same runner code drives ``workers.group.LocalGroup`` instead of Ray actors: the
+    The same runner code drives ``workers.pipeline.group.LocalGroup`` instead of Ray actors: the
     controller's contract tests run against it and against ``RayCluster`` alike.
     """
 
     def __init__(self, nodes: Sequence[NodeInfo], make_pool: PoolFactory | None = None) -> None:
-        from workers.runner import JobRunner
-        from workers.shard_pool import LocalPool
+        from workers.pipeline.runner import JobRunner
+        from workers.sharp.shard_pool import LocalPool
 
         self._nodes = list(nodes)
         self._make_pool: PoolFactory = make_pool or LocalPool
@@ -217,8 +217,8 @@ class InProcessCluster:
         return list(self._nodes)
 
     def start_runner(self, snapshot: JobSnapshot) -> None:
-        from workers.group import LocalGroup
-        from workers.runner import JobRunner
+        from workers.pipeline.group import LocalGroup
+        from workers.pipeline.runner import JobRunner
 
         with self._lock:
             if snapshot.job_id in self._runners:
@@ -253,7 +253,7 @@ class InProcessCluster:
         self._runner(job_id).relayout(plans, split)
 
     def start_pool(self, sweep_id: str, devices: Sequence[Device], policy: str) -> None:
-        from workers.sweep_executor import SweepExecutor
+        from workers.sharp.sweep_executor import SweepExecutor
 
         with self._lock:
             if sweep_id in self._pools:

@@ -20,9 +20,9 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from scheduler.devices import Device
 from scheduler.types import JobId
-from workers.runner import JobRunner
+from workers.pipeline.runner import JobRunner
+from workers.sharp.sweep_executor import SweepExecutor
 from workers.snapshot import JobSnapshot
-from workers.sweep_executor import SweepExecutor
 
 RUNNER_NAMESPACE = "shoal"
 RUNNER_CONCURRENCY = 4
@@ -83,7 +83,7 @@ def find_pool(sweep_id: str) -> ActorHandle[Any] | None:
 
 
 def start_pool(sweep_id: str, devices: Sequence[Device], policy: str) -> ActorHandle[Any]:
-    """The sweep's SHARP executor (``workers.sweep_executor.SweepExecutor``) on ``devices``,
+    """The sweep's SHARP executor (``workers.sharp.sweep_executor.SweepExecutor``) on ``devices``,
     started and running unless it exists: detached and named, on the head node, like a
     job's runner, so it outlives the control plane and is found again."""
     existing = find_pool(sweep_id)

@@ -4,7 +4,7 @@ A block is one link of a model's chain together with its own optimizer: moving, 
 checkpointing and restoring a model are all "move these blocks". One optimizer per block
 gives the same updates as one optimizer over the whole model because SGD, Adam and AdamW
 are element-wise; a global operation (gradient-norm clipping) is an explicit reduction
-across stages, which is the engine's business, not the block's (``workers.clipping``).
+across stages, which is the engine's business, not the block's (``workers.pipeline.clipping``).
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ class Block:
 
     def live_state(self) -> dict[str, Any]:
         """``state``'s layout holding the live tensors themselves (detached), not copies:
-        what a copy made later reads (``workers.copier``)."""
+        what a copy made later reads (``workers.pipeline.copier``)."""
         return {"module": self.module.state_dict(), "optimizer": self.optimizer.state_dict()}
 
     def load(self, state: dict[str, Any]) -> None:

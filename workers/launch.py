@@ -3,7 +3,7 @@ each on its device's node.
 
 **StageWorkers** are created by their runner (inside the runner actor), which makes the
 runner their owner: they die with it, and nothing else needs to clean them up.
-**ShardWorkers** (one per device of the SHARP executor, ``workers.shard_host``) are owned
+**ShardWorkers** (one per device of the SHARP executor, ``workers.sharp.shard_host``) are owned
 the same way by the runner that trains their models. The runner and sweep actors
 themselves are started by ``workers.actors``.
 """
@@ -17,13 +17,13 @@ from ray.actor import ActorHandle
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from scheduler.devices import DEVICE_RESOURCE, Device
-from workers.shard_host import ShardWorker
+from workers.pipeline.stage import StageSetup
+from workers.pipeline.stage_worker import StageWorker
+from workers.sharp.shard_host import ShardWorker
 from workers.snapshot import StagePlan
-from workers.stage import StageSetup
-from workers.stage_worker import StageWorker
 
 COPIES_GROUP = "copies"
-"""The StageWorker's concurrency group for ``workers.stage_worker.COPIES`` calls."""
+"""The StageWorker's concurrency group for ``workers.pipeline.stage_worker.COPIES`` calls."""
 # Ray's typing of remote classes is partial; the actor classes are used untyped.
 _remote: Any = ray.remote
 _StageWorkerActor: Any = _remote(concurrency_groups={COPIES_GROUP: 1})(StageWorker)
@@ -42,7 +42,7 @@ def start_stage_worker(plan: StagePlan, setup: StageSetup) -> ActorHandle[Any]:
     A GPU device takes one ``GPU`` (Ray sets CUDA_VISIBLE_DEVICES for it); a virtual device
     takes one ``shoal_device``. One thread for its training calls, never restarted and
     never retried, so Ray runs those calls from the runner in submission order (see
-    ``workers.group``) and a lost worker is reported, not silently replaced without its
+    ``workers.pipeline.group``) and a lost worker is reported, not silently replaced without its
     state; a second thread runs the in-memory copies' calls beside them (``COPIES_GROUP``).
     """
     worker: ActorHandle[Any] = _StageWorkerActor.options(**_on_device(plan.device)).remote(

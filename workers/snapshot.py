@@ -38,7 +38,7 @@ class DataRef:
 class OptimizerConf:
     """``name`` is sgd, adam or adamw; ``params`` are its keyword arguments besides ``lr``.
     ``clip_grad_norm`` clips the L2 norm of the whole model's gradient before every step
-    (``workers.clipping``); None: no clipping."""
+    (``workers.pipeline.clipping``); None: no clipping."""
 
     name: str
     lr: float
@@ -114,7 +114,7 @@ class JobSnapshot:
     """Runtime repartitioning (``scheduler.elastic``); None: the layout never changes."""
     keep_copies: bool = False
     """Keep every worker's state of the last steps in host memory on another node, so that
-    a lost device is recovered in the runner (``workers.recovery``)."""
+    a lost device is recovered in the runner (``workers.pipeline.recovery``)."""
     copy_budget: float = 0.05
     """The most of the training time those copies may cost (``scheduler.copies``)."""
     min_devices: int = 1
@@ -162,7 +162,7 @@ class StageTiming:
     allreduce_s: float = 0.0
     transfer_s: float = 0.0
     copy_s: float = 0.0
-    """Seconds its in-memory copies (``workers.recovery``) took just before this step."""
+    """Seconds its in-memory copies (``workers.pipeline.recovery``) took just before this step."""
 
 
 @dataclass(frozen=True)

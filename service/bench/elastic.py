@@ -48,10 +48,10 @@ from service.bench.report import (
     stage_bounds,
 )
 from service.localray import LocalRay, parse_devices
-from workers.group import RayGroup
+from workers.pipeline.group import RayGroup
+from workers.pipeline.rebalance import snapshot_policy
+from workers.pipeline.runner import Trainer
 from workers.profiler import trace_costs
-from workers.rebalance import snapshot_policy
-from workers.runner import Trainer
 from workers.snapshot import (
     DataRef,
     JobSnapshot,

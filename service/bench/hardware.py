@@ -36,7 +36,7 @@ def device_name(device: torch.device) -> str:
 
 def host_to_device_gbps(device: torch.device, size: int = 256 * 2**20, repeats: int = 5) -> float:
     """GB/s of a ``size``-byte copy from page-locked host memory to ``device`` (a CUDA GPU),
-    the median of ``repeats``: the way a SHARP shard comes in (``workers.pinned``)."""
+    the median of ``repeats``: the way a SHARP shard comes in (``workers.sharp.pinned``)."""
     source = torch.empty(size, dtype=torch.uint8).pin_memory()
     target = torch.empty(size, dtype=torch.uint8, device=device)
     seconds = []

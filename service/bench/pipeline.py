@@ -2,9 +2,10 @@
 
 Every contender trains the same MLP on the same batches with the same micro-batching and
 gradient accumulation (the ``workers.reference`` contract), so they do the same math; only
-where it runs differs. Shoal runs through the real engine (``workers.runner.Trainer`` with a
-``RayGroup`` of StageWorker actors on virtual CPU devices, one thread each); the peer is
-``torch.distributed.pipelining`` (``service.bench.peer``). Every process keeps its freed host
+where it runs differs. Shoal runs through the real engine
+(``workers.pipeline.runner.Trainer`` with a ``RayGroup`` of StageWorker actors on virtual CPU
+devices, one thread each); the peer is ``torch.distributed.pipelining``
+(``service.bench.peer``). Every process keeps its freed host
 memory as Shoal's workers do (``workers.host_memory``), so the allocator is not what differs.
 """
 
@@ -37,9 +38,9 @@ from service.bench.report import (
     stage_bounds,
 )
 from workers.blocks import Block
-from workers.group import RayGroup
 from workers.host_memory import retain_freed_memory
-from workers.runner import Trainer
+from workers.pipeline.group import RayGroup
+from workers.pipeline.runner import Trainer
 from workers.snapshot import (
     JobSnapshot,
     RunStatus,

@@ -285,7 +285,7 @@ def pipeline_result(
     together, where medians taken separately would pair one minute's Shoal with another's
     peer. Each round's values are under ``rounds``.
 
-    A virtual CPU device runs one thread (``workers.stage``), so the single-device
+    A virtual CPU device runs one thread (``workers.pipeline.stage``), so the single-device
     throughput of the ideal is the single-thread one. The side-by-side ideal takes instead
     one thread's throughput while the other devices' threads also run (on a CPU they share
     memory bandwidth; ``pipeline.side_by_side_step_times``).
@@ -417,7 +417,7 @@ def sharp_result(
 
 def same_losses(variants: dict[str, Sequence[Sequence[float]]]) -> None:
     """Every variant trained every model to the same losses, bit for bit (SHARP does the
-    same math as a plain run: ``workers.sharp_runner``); raises ``BenchError`` naming the
+    same math as a plain run: ``workers.sharp.runner``); raises ``BenchError`` naming the
     first model and step where two differ."""
     names = list(variants)
     first = variants[names[0]]

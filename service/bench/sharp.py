@@ -6,9 +6,9 @@ each with a memory budget under one model's state, so shards come in from pinned
 Several identical MLPs (their seeds differ), each larger than one device's memory budget,
 train on the same two devices three ways, every one through Shoal's own engine:
 
-1. One after another with plain model parallelism: ``workers.runner.Trainer`` with two
+1. One after another with plain model parallelism: ``workers.pipeline.runner.Trainer`` with two
    stages over the two devices and one micro-batch, so one device computes at a time.
-2. Together under SHARP (``workers.sharp_runner.SharpTrainer``, Sharded-LRTF, prefetch on):
+2. Together under SHARP (``workers.sharp.runner.SharpTrainer``, Sharded-LRTF, prefetch on):
    each model cut into shards of at most half a device's budget, the devices running shard
    tasks of different models at once.
 3. SHARP with prefetch off.
@@ -49,12 +49,13 @@ from service.bench.report import (
 )
 from service.bench.simulation import simulate_local
 from service.localray import LocalRay
-from workers.group import GroupFactory, RayGroup
+from workers.pipeline.group import GroupFactory, RayGroup
+from workers.pipeline.runner import Trainer
+from workers.pipeline.stage import torch_device
 from workers.profiler import trace_costs
-from workers.runner import Trainer
-from workers.shard_host import TaskResult
-from workers.shard_pool import Call, HostPool, PoolFactory, RayPool
-from workers.sharp_runner import SharpTrainer
+from workers.sharp.runner import SharpTrainer
+from workers.sharp.shard_host import TaskResult
+from workers.sharp.shard_pool import Call, HostPool, PoolFactory, RayPool
 from workers.snapshot import (
     DataRef,
     JobSnapshot,
@@ -63,7 +64,6 @@ from workers.snapshot import (
     RunStatus,
     stage_plans,
 )
-from workers.stage import torch_device
 
 
 def refs(s: SharpSettings) -> tuple[ModelRef, DataRef, OptimizerConf]:

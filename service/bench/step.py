@@ -3,7 +3,7 @@
 Both train the same blocks (``build_blocks``, same seed) on the same batches with the same
 micro-batches, gradient accumulation and one optimizer per block: the ``workers.reference``
 step, which the engine reproduces exactly. The plain loop is that step in this process on
-the device; Shoal runs it through ``workers.runner.Trainer`` with a ``RayGroup`` of
+the device; Shoal runs it through ``workers.pipeline.runner.Trainer`` with a ``RayGroup`` of
 StageWorker actors, once without and once with in-memory copies (``keep_copies``), so the
 bench shows what the engine costs over plain PyTorch and what the copies cost on top.
 """
@@ -32,9 +32,9 @@ from service.bench.report import (
 )
 from service.bench.step_settings import StepSettings, copies_overhead, step_result, step_seconds
 from workers.blocks import Block
-from workers.group import RayGroup
 from workers.host_memory import retain_freed_memory
-from workers.runner import Trainer
+from workers.pipeline.group import RayGroup
+from workers.pipeline.runner import Trainer
 from workers.snapshot import (
     DataRef,
     JobSnapshot,
@@ -71,7 +71,7 @@ def plain_step_times(s: StepSettings) -> tuple[list[float], list[float]]:
     """Seconds and loss of each step of a plain PyTorch loop on ``s.device``, the
     ``workers.reference`` step exactly: micro-batches summed into the gradient, the loss read
     once per step, the gradient norm measured, every block's optimizer stepped. On a CPU it
-    runs one thread, as a Shoal virtual device runs its stage (``workers.stage``)."""
+    runs one thread, as a Shoal virtual device runs its stage (``workers.pipeline.stage``)."""
     model, data, opt = refs(s)
     source = make_data(data, s.seed)
     modules = build_blocks(model, source.meta, s.seed, range(s.num_blocks))

@@ -2,7 +2,7 @@
 
 Two questions for issue 3's "Transport" choice, each on a 2-actor chain like two stages:
 
-1. Ray object refs (what ``workers.group`` does now: the driver passes stage 0's result ref
+1. Ray object refs (what ``workers.pipeline.group`` does now: the driver passes stage 0's result ref
    to stage 1) against a Ray Compiled Graph of the same chain (``InputNode`` ->
    ``a.relay.bind`` -> ``b.relay.bind``, ``experimental_compile``), one call at a time and
    with several in flight, for a small and an activation-sized tensor.

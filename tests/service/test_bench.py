@@ -373,8 +373,8 @@ def test_sharp_bench_in_process_trains_every_variant_to_the_same_losses(tmp_path
     from scheduler.devices import Device
     from service.bench.report import SharpSettings
     from service.bench.sharp import measure
-    from workers.group import LocalGroup
-    from workers.shard_pool import LocalPool
+    from workers.pipeline.group import LocalGroup
+    from workers.sharp.shard_pool import LocalPool
 
     # In-process the threads take turns: the plumbing and the exactness check, not timing.
     s = SharpSettings(models=2, hidden=16, layers=6, features=8, outputs=2, batch_size=8, steps=3)
@@ -410,8 +410,8 @@ def test_sharp_bench_on_the_gpu_trains_every_variant_to_the_same_losses(tmp_path
     from scheduler.devices import Device
     from service.bench.report import SharpSettings
     from service.bench.sharp import measure
-    from workers.group import LocalGroup
-    from workers.shard_pool import LocalPool
+    from workers.pipeline.group import LocalGroup
+    from workers.sharp.shard_pool import LocalPool
 
     s = SharpSettings(
         device="cuda",

@@ -8,8 +8,8 @@ from service.db.models import Job
 from service.snapshots import build_snapshot
 from service.specs import validate_job_spec
 from tests.factories import device, job_spec
+from workers.pipeline.stage import StageSetup
 from workers.snapshot import JobSnapshot
-from workers.stage import StageSetup
 from workers.zoo.data import make_data
 
 pytestmark = pytest.mark.unit

@@ -35,7 +35,7 @@ from service.sweepspec import validate_sweep_spec
 from tests.factories import sweep_spec
 from tests.service.test_controller import NODES, make_controller, owner, reconcile_until
 from workers.reference import train_reference
-from workers.shard_pool import HostLost, LocalPool, _Local
+from workers.sharp.shard_pool import HostLost, LocalPool, _Local
 from workers.snapshot import DataRef, ModelRef, OptimizerConf
 
 pytestmark = pytest.mark.integration

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from workers.checkpoints import CheckpointStore
+from workers.pipeline.runner import Trainer
 from workers.reference import ReferenceResult, train_reference
-from workers.runner import Trainer
 from workers.snapshot import JobSnapshot, StepMetrics
 
 

@@ -16,10 +16,10 @@ from scheduler.devices import Device
 from scheduler.memory import in_flight, stage_memory
 from scheduler.sharp import Shard, shard_model
 from tests.workers.memory_cases import MICRO_BATCHES
+from workers.pipeline.stage import StageSetup
 from workers.profiler import trace_costs
-from workers.shard_host import ShardHost, ShardKey
+from workers.sharp.shard_host import ShardHost, ShardKey
 from workers.snapshot import DataRef, ModelRef, OptimizerConf
-from workers.stage import StageSetup
 from workers.wire import Wire, send
 from workers.zoo.data import make_data
 

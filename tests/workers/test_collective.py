@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from workers.collective import (
+from workers.pipeline.collective import (
     GlooCollective,
     flatten_grads,
     ordered_sum,

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from workers.blocks import Block
-from workers.copier import Copier, CopyDropped, Held
+from workers.pipeline.copier import Copier, CopyDropped, Held
 from workers.snapshot import OptimizerConf
 
 pytestmark = pytest.mark.unit

@@ -14,8 +14,8 @@ import torch
 
 from scheduler.devices import Device
 from scheduler.types import BlockRange
-from workers.clipping import clip_coefficient
-from workers.group import (
+from workers.pipeline.clipping import clip_coefficient
+from workers.pipeline.group import (
     NEW_NODE_S,
     GroupFactory,
     Handle,
@@ -25,9 +25,9 @@ from workers.group import (
     StageLost,
     WorkerGroup,
 )
+from workers.pipeline.stage import StageSetup
 from workers.reference import train_reference
 from workers.snapshot import DataRef, ModelRef, OptimizerConf, StagePlan
-from workers.stage import StageSetup
 from workers.wire import Bits, send
 from workers.zoo.data import make_data
 
@@ -440,7 +440,8 @@ def test_a_worker_refused_a_place_on_a_node_ray_lists_alive_is_started_again(
     lost. (Here the node never comes: Ray's table is made to list it alive.)"""
     import ray
 
-    from workers import group, launch
+    from workers import launch
+    from workers.pipeline import group
 
     starts: list[str] = []
     start = launch.start_stage_worker
@@ -470,7 +471,7 @@ def test_a_regroup_takes_the_workers_prepared_for_its_plans_and_stops_the_others
     import ray
 
     from workers import launch
-    from workers.rebalance import Layout, move_blocks
+    from workers.pipeline.rebalance import Layout, move_blocks
 
     starts: list[tuple[str, BlockRange]] = []
     actors: list[Any] = []

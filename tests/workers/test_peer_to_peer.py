@@ -18,10 +18,10 @@ from scheduler.partition import even_partition
 from scheduler.types import BlockRange
 from tests.factories import GPT, SGD, TOKENS, dp_plans, job, plans
 from tests.workers.runs import assert_bitwise_equal, final_states
-from workers.group import LocalGroup, RayGroup, StageFailed, StageLost
-from workers.runner import Trainer
+from workers.pipeline.group import LocalGroup, RayGroup, StageFailed, StageLost
+from workers.pipeline.runner import Trainer
+from workers.pipeline.stage import StageSetup
 from workers.snapshot import DataRef, ModelRef, OptimizerConf, RunStatus, StagePlan
-from workers.stage import StageSetup
 from workers.wire import send
 from workers.zoo.data import make_data
 

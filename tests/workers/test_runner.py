@@ -20,8 +20,9 @@ from scheduler.partition import even_partition
 from tests.factories import ADAM, GPT, MLP, REGRESSION, SGD, TOKENS, dp_plans, job, plans
 from tests.workers.runs import assert_matches_reference, final_states, metrics, reference
 from workers.checkpoints import CheckpointStore
-from workers.group import Handle, LocalGroup, RayGroup, WorkerGroup
-from workers.runner import JobRunner, Trainer
+from workers.pipeline.group import Handle, LocalGroup, RayGroup, WorkerGroup
+from workers.pipeline.runner import JobRunner, Trainer
+from workers.pipeline.stage import StageSetup
 from workers.snapshot import (
     JobSnapshot,
     ModelRef,
@@ -29,7 +30,6 @@ from workers.snapshot import (
     RunStatus,
     StagePlan,
 )
-from workers.stage import StageSetup
 
 
 @st.composite
@@ -521,12 +521,12 @@ def test_checkpoints_are_written_while_the_next_steps_train(
 ) -> None:
     """Each write waits (5 s at most) until the trainer has finished the next step: with
     the write on the step's path, that never happens."""
-    import workers.runner
+    import workers.pipeline.runner
 
     snap = job(tmp_path, [(0, 2), (2, 4)], steps=4, checkpoint_every=1, checkpoint_keep=0)
     trainer = Trainer(snap, LocalGroup)
     overlapped: dict[int, bool] = {}
-    real = workers.runner.write_checkpoint
+    real = workers.pipeline.runner.write_checkpoint
 
     def write_later(store: Any, snapshot: Any, step: int, *args: Any) -> Any:
         deadline = time.monotonic() + 5
@@ -535,7 +535,7 @@ def test_checkpoints_are_written_while_the_next_steps_train(
         overlapped[step] = trainer.report(0).step > step
         return real(store, snapshot, step, *args)
 
-    monkeypatch.setattr(workers.runner, "write_checkpoint", write_later)
+    monkeypatch.setattr(workers.pipeline.runner, "write_checkpoint", write_later)
     assert trainer.run() is RunStatus.SUCCEEDED, trainer.report(0).error
     assert overlapped == {1: True, 2: True, 3: True, 4: False}
     report = trainer.report(0)
@@ -549,12 +549,12 @@ def test_checkpoints_are_written_while_the_next_steps_train(
 def test_a_failed_checkpoint_write_fails_the_run_with_its_reason(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import workers.runner
+    import workers.pipeline.runner
 
     def broken(*args: Any) -> Any:
         raise OSError("No space left on device")
 
-    monkeypatch.setattr(workers.runner, "write_checkpoint", broken)
+    monkeypatch.setattr(workers.pipeline.runner, "write_checkpoint", broken)
     snap = job(tmp_path, [(0, 2), (2, 4)], steps=4, checkpoint_every=1)
     trainer = Trainer(snap, LocalGroup)
     assert trainer.run() is RunStatus.FAILED

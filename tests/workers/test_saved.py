@@ -1,11 +1,11 @@
-"""A shard's saved tensors while its graph waits for the backward (``workers.saved``)."""
+"""A shard's saved tensors while its graph waits for the backward (``workers.sharp.saved``)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from workers.saved import MovableSaves
+from workers.sharp.saved import MovableSaves
 
 
 def _model() -> nn.Sequential:

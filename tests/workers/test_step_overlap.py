@@ -16,13 +16,13 @@ from scheduler.elastic import Decision, ElasticConfig, Keep, StageSample
 from tests.factories import SGD, job, plans
 from tests.workers.runs import assert_bitwise_equal, final_states
 from workers.checkpoints import CheckpointStore
-from workers.group import Handle, LocalGroup, RayGroup
-from workers.rebalance import Layout
-from workers.runner import Trainer
+from workers.pipeline.group import Handle, LocalGroup, RayGroup
+from workers.pipeline.rebalance import Layout
+from workers.pipeline.runner import Trainer
+from workers.pipeline.stage import StepOutcome
+from workers.pipeline.step_driver import Flight, finish_step
+from workers.pipeline.timing import StepClock
 from workers.snapshot import JobSnapshot, RunStatus
-from workers.stage import StepOutcome
-from workers.step_driver import Flight, finish_step
-from workers.timing import StepClock
 
 STEP_CALLS = {"step", "steps"}
 

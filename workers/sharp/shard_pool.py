@@ -35,7 +35,7 @@ from ray.exceptions import (
 from scheduler.devices import Device
 from scheduler.types import DeviceId
 from workers import launch
-from workers.shard_host import TASK_METHODS, ShardFailed, ShardWorker
+from workers.sharp.shard_host import TASK_METHODS, ShardFailed, ShardWorker
 
 
 class HostLost(RuntimeError):

@@ -2,7 +2,7 @@
 
 A group holds one ``StageWorker`` per stage plan, addressed by the plan's position in the
 list the group was built from (with one replica per stage, the stage index; with data
-parallelism, ``workers.runner`` lays replicas out replica-major). The runner calls
+parallelism, ``workers.pipeline.runner`` lays replicas out replica-major). The runner calls
 ``submit(worker, method, *args)`` and gets a ``Handle``; a handle may be passed as an
 argument of a later submit, which is how stage s's forward output becomes stage s+1's
 input without the runner seeing it. ``get`` waits for handles and raises typed errors:
@@ -19,17 +19,17 @@ every stage's actions in a dependency-respecting global order
 schedule.
 
 Peer to peer: ``connect`` links every two neighbouring stages of each replica
-(``workers.transport``: gloo on CPU, NCCL on GPU), forming only the links that are
+(``workers.pipeline.transport``: gloo on CPU, NCCL on GPU), forming only the links that are
 missing (after a start, a relayout, a recovery or a failed step) and closing those whose
 pair is gone; a worker's ``step`` call then runs its whole step against its neighbours
-(``workers.step_program``). ``LocalGroup`` has no links: its runner relays every
+(``workers.pipeline.step_program``). ``LocalGroup`` has no links: its runner relays every
 activation, the reference the peer-to-peer path is tested against. A failed step's links
 are broken (each stage closes its links when it fails), so ``disconnect`` forgets them.
 
 Data parallelism: ``all_reduce(workers)`` sums the accumulated block gradients of the given
 workers (the replicas of one stage, in replica order) into each of them, through
-``workers.collective``: in-process in ``LocalGroup``, over one gloo process group per stage,
-formed when the group starts, in ``RayGroup``.
+``workers.pipeline.collective``: in-process in ``LocalGroup``, over one gloo process group per
+stage, formed when the group starts, in ``RayGroup``.
 """
 
 from __future__ import annotations
@@ -53,10 +53,10 @@ from ray.exceptions import (
 )
 
 from workers import launch
-from workers.collective import sum_in_process
+from workers.pipeline.collective import sum_in_process
+from workers.pipeline.stage import StageSetup
+from workers.pipeline.stage_worker import COPIES, LinkFailed, StageFailed, StageWorker, one_line
 from workers.snapshot import StagePlan
-from workers.stage import StageSetup
-from workers.stage_worker import COPIES, LinkFailed, StageFailed, StageWorker, one_line
 
 __all__ = [
     "GroupFactory",

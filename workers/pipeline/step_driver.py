@@ -3,7 +3,7 @@
 A mini-batch: replica r runs its own pipeline schedule over its micro-batches (those after
 replicas 0..r-1's), then each stage's gradients are summed over its replicas, then the
 gradient norm is reduced over replica 0's stages (the replicas now hold the same
-gradients) and every worker steps, clipping first if the job asks (``workers.clipping``).
+gradients) and every worker steps, clipping first if the job asks (``workers.pipeline.clipping``).
 The loss scale is the micro-batch's share of the whole mini-batch, so the replicas' summed
 gradients are the reference's.
 
@@ -11,13 +11,13 @@ Two ways to drive it, the same arithmetic in the same order (bitwise equal resul
 
 * **Peer to peer** (``RayGroup`` with linked neighbours): one ``steps`` call per worker
   (``step`` and ``apply_step`` with clipping: the coefficient needs every stage's norms
-  first); each stage runs its own program (``workers.step_program``) and exchanges
+  first); each stage runs its own program (``workers.pipeline.step_program``) and exchanges
   activations with its neighbours directly. The runner moves only the steps' inputs and
   targets, and reads back losses, norms and timings. One call may carry several steps,
   run back to back, where the boundaries between them need nothing of the runner
   (``scheduler.overlap``). A call is handed out (``start_step``) and collected
   (``finish_step``) separately, so the runner can hand out the next call before collecting
-  this one when nothing has to happen between them (``workers.runner``): each worker then
+  this one when nothing has to happen between them (``workers.pipeline.runner``): each worker then
   starts it as soon as it ends this one, instead of after a round trip through the runner.
 * **Relayed** (``LocalGroup``, the reference; and wherever neighbours cannot link): every
   forward and backward is its own call, and each activation goes stage -> runner -> stage
@@ -34,11 +34,11 @@ from typing import Any
 from torch import Tensor
 
 from scheduler.schedules import Action, Op, build, submission_order
-from workers.clipping import clip_coefficient
-from workers.group import GroupTimeout, Handle, StageFailed, StageLost, WorkerGroup
-from workers.rebalance import Layout
+from workers.pipeline.clipping import clip_coefficient
+from workers.pipeline.group import GroupTimeout, Handle, StageFailed, StageLost, WorkerGroup
+from workers.pipeline.rebalance import Layout
+from workers.pipeline.timing import StepClock
 from workers.snapshot import JobSnapshot, StageTiming, StepMetrics
-from workers.timing import StepClock
 from workers.wire import Wire, send
 from workers.zoo.data import DataSource
 
@@ -327,7 +327,7 @@ def _submit_pipeline(
 
 @functools.cache
 def _order(schedule: str, stages: int, micro_batches: int) -> tuple[Action, ...]:
-    """The submission order of one replica's schedule (``workers.group``: ordering)."""
+    """The submission order of one replica's schedule (``workers.pipeline.group``: ordering)."""
     return submission_order(build(schedule, stages, micro_batches))
 
 

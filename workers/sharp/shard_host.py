@@ -4,7 +4,7 @@ Hydra's shard alternator parallelism (Nagrecha & Kumar): every model is cut into
 that fit a device; a device runs one shard task at a time — the forward of a shard over
 every micro-batch of a mini-batch, or its backward — of whichever model the scheduler picks
 (``scheduler.sharp``), while the shards it is not running wait in host memory. A
-``ShardHost`` is that device: each shard it holds is a ``workers.stage.Stage`` (the same
+``ShardHost`` is that device: each shard it holds is a ``workers.pipeline.stage.Stage`` (the same
 blocks, per-block optimizers and rematerialization as a pipeline stage) living in host
 memory until a task *promotes* it onto the device; it is *demoted* back when room is needed.
 The device holds at most ``budget_bytes`` of shards: by accounting on a CPU device, in CUDA
@@ -17,7 +17,7 @@ shard keeps what its backward needs, so its backward runs on the host that ran i
 with the job's ``recompute`` on, its micro-batches' inputs (the boundary activations, which
 its backward recomputes the forward from, as GPipe's rematerialization does); with it off,
 the autograd graph, whose saved activations move with the shard when it is demoted and whose
-saved parameters are read back from wherever they are by then (``workers.saved``), so no
+saved parameters are read back from wherever they are by then (``workers.sharp.saved``), so no
 forward runs twice.
 
 After its backward a shard applies its optimizer step at once: its gradients are complete
@@ -39,11 +39,11 @@ import torch
 
 from scheduler.devices import Device
 from workers.device_memory import Overhead, measure_overhead
-from workers.pinned import PinnedState
-from workers.saved import MovableSaves
+from workers.pipeline.stage import Stage, StageSetup, StageStateError, torch_device
+from workers.pipeline.stage_worker import one_line
+from workers.sharp.pinned import PinnedState
+from workers.sharp.saved import MovableSaves
 from workers.snapshot import StagePlan
-from workers.stage import Stage, StageSetup, StageStateError, torch_device
-from workers.stage_worker import one_line
 from workers.wire import Wire, receive, receive_tree, send, send_tree
 
 ShardKey = tuple[str, int]
@@ -345,7 +345,7 @@ class ShardHost:
 
     def _move(self, key: ShardKey, device: torch.device) -> None:
         """Shard ``key`` onto the GPU or back into its pinned host buffers, asynchronously
-        on the side stream (``workers.pinned``); its saved activations with it."""
+        on the side stream (``workers.sharp.pinned``); its saved activations with it."""
         stage, saves, side = self._shards[key], self._saves[key], self._side
         if device == stage.device or side is None:
             return  # a CPU device: host and device memory are one, the budget is accounting

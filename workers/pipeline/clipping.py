@@ -19,7 +19,7 @@ with the same float32 operations reproduces torch's bits: on CPU, a pipeline wit
 replicas clips bitwise like ``clip_grad_norm_`` in one process (tests/workers/test_runner.py
 asserts it). A sum of squares per stage would associate the sum differently, agreeing only
 to float tolerance. With replicas the gradients themselves differ from one process's by
-rounding (see ``workers.collective``), so the clipped result agrees to the same tolerance.
+rounding (see ``workers.pipeline.collective``), so the clipped result agrees to the same tolerance.
 """
 
 from __future__ import annotations

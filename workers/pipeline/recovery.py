@@ -31,10 +31,10 @@ from scheduler.copies import CopyCadence, most_replayed
 from scheduler.layout import plan_layout
 from scheduler.profile import uniform_costs
 from scheduler.workload import Workload
-from workers.group import GroupTimeout, Handle, StageLost, WorkerGroup
-from workers.rebalance import Layout, settle
+from workers.pipeline.group import GroupTimeout, Handle, StageLost, WorkerGroup
+from workers.pipeline.rebalance import Layout, settle
+from workers.pipeline.stage_worker import StageFailed
 from workers.snapshot import JobSnapshot, RunnerEvent, StepMetrics, stage_plans
-from workers.stage_worker import StageFailed
 
 MIN_PING_S = 30.0
 """The least a survivor is given to answer after a loss. Its calls of the broken step that

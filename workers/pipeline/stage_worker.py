@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from workers.pipeline.stage import Stage, StageSetup
+from workers.pipeline.transport import LinkError
 from workers.snapshot import StagePlan
-from workers.stage import Stage, StageSetup
-from workers.transport import LinkError
 
 STAGE_METHODS = frozenset(
     {

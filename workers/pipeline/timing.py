@@ -29,7 +29,7 @@ PARTS = ("compute", "transfer", "wait", "allreduce", "copy")
 class StepClock:
     """Seconds one stage spent in one step computing, moving activations and gradients
     (turning them into and out of their wire form), waiting for its neighbours' transfers,
-    summing gradients over its replicas, and on in-memory copies (``workers.recovery``):
+    summing gradients over its replicas, and on in-memory copies (``workers.pipeline.recovery``):
     the turnaround a copy's boundary costs, waiting for the copy before the optimizer step,
     and on a CPU device the copying thread's time."""
 

@@ -3,7 +3,7 @@
 Hydra's shard alternator parallelism (Nagrecha & Kumar): each model is cut into shards that
 fit half of the smallest device (``scheduler.sharp.shard_model``; the other half holds the
 prefetched next shard), all its shards live in the host memory of one device
-(``scheduler.sharp.home_shards``, ``workers.shard_host``), and each device has two tasks
+(``scheduler.sharp.home_shards``, ``workers.sharp.shard_host``), and each device has two tasks
 queued, each the next task of one of the models living there, chosen by the policy
 (Sharded-LRTF by default: ``scheduler.sharp.assign``), prefetching the shard it will likely
 run after. A model's step is the chain forward 0..k-1, backward k-1..0, so the parallelism
@@ -12,7 +12,7 @@ ended a model may move whole to another device (``scheduler.sharp.moved_end_s``)
 shard's forward and backward it stays: its backward needs what its forward kept there.
 
 Each model trains exactly as it would alone: the same micro-batches, gradients accumulated
-in the same order, each shard stepping once its backward is done (``workers.shard_host``).
+in the same order, each shard stepping once its backward is done (``workers.sharp.shard_host``).
 Its metrics, events and checkpoints are those of a job (``RunnerReport``), so the control
 plane follows every model like a job. ``SharpTrainer`` is plain Python over a ``HostPool``
 (threads in-process, or ShardWorker actors on Ray).
@@ -51,13 +51,13 @@ from scheduler.sharp import (
 from scheduler.types import DeviceId
 from workers.checkpoints import CheckpointStore
 from workers.device_memory import device_memory_event
-from workers.recovery import copies_event
-from workers.runner import resumed_event, write_checkpoint
-from workers.shard_host import ShardFailed, ShardKey, Stashed, TaskResult
-from workers.shard_pool import Call, HostLost, HostPool, InputLost, PoolFactory
+from workers.pipeline.recovery import copies_event
+from workers.pipeline.runner import resumed_event, write_checkpoint
+from workers.pipeline.stage import StageSetup
+from workers.pipeline.stage_worker import one_line
+from workers.sharp.shard_host import ShardFailed, ShardKey, Stashed, TaskResult
+from workers.sharp.shard_pool import Call, HostLost, HostPool, InputLost, PoolFactory
 from workers.snapshot import JobSnapshot, RunnerEvent, RunnerReport, RunStatus, StepMetrics
-from workers.stage import StageSetup
-from workers.stage_worker import one_line
 from workers.wire import Wire, receive_tree, send
 from workers.zoo.data import DataSource, make_data
 

@@ -2,10 +2,10 @@
 
 ``Trainer`` is the engine, plain Python: it restores the job's latest checkpoint, then for
 every step links the stages (only links that are missing) and drives the step
-(``workers.step_driver``: each stage runs its whole step and exchanges activations with its
+(``workers.pipeline.step_driver``: each stage runs its whole step and exchanges activations with its
 neighbours, or, where they cannot link, the runner relays them), records ``StepMetrics``
 and ``RunnerEvent``s, and hands checkpoints to a writer thread
-(``workers.checkpoint_writer``). Where the boundary after a step needs nothing of the
+(``workers.pipeline.checkpoint_writer``). Where the boundary after a step needs nothing of the
 workers (no checkpoint, copy, move or request due) and the runner's work cannot take a
 worker's core (``scheduler.overlap``), the next step is handed out before this one
 is collected, so the workers go from one step to the next without waiting for a round trip
@@ -16,7 +16,7 @@ what ``workers.actors`` runs as the job's detached Ray actor: ``run`` trains (on
 Steps are counted as completed optimizer updates: step k's metrics and a checkpoint at step
 k describe the model after k updates, which consumed data batches 0..k-1 (the data cursor is
 the step). Only the thread in ``run`` submits to the stages; that single submitter is what
-keeps each stage's calls in schedule order (see ``workers.group``).
+keeps each stage's calls in schedule order (see ``workers.pipeline.group``).
 """
 
 from __future__ import annotations
@@ -30,11 +30,11 @@ from itertools import pairwise
 from typing import Any
 
 from scheduler.overlap import leaves_a_core, steps_per_call
-from workers.checkpoint_writer import CheckpointWriter
 from workers.checkpoints import CheckpointStore, Restorable
 from workers.device_memory import device_memory_event
-from workers.group import GroupFactory, RayGroup, StageFailed, StageLost, WorkerGroup
-from workers.rebalance import (
+from workers.pipeline.checkpoint_writer import CheckpointWriter
+from workers.pipeline.group import GroupFactory, RayGroup, StageFailed, StageLost, WorkerGroup
+from workers.pipeline.rebalance import (
     Layout,
     Policy,
     Rebalancer,
@@ -42,7 +42,10 @@ from workers.rebalance import (
     policy_every,
     snapshot_policy,
 )
-from workers.recovery import Copies, copies_event, recover
+from workers.pipeline.recovery import Copies, copies_event, recover
+from workers.pipeline.stage import StageSetup
+from workers.pipeline.step_driver import Flight, finish_step, in_one_call, start_step
+from workers.pipeline.transport import LINK_TIMEOUT_S
 from workers.snapshot import (
     JobSnapshot,
     RunnerEvent,
@@ -51,9 +54,6 @@ from workers.snapshot import (
     StagePlan,
     StepMetrics,
 )
-from workers.stage import StageSetup
-from workers.step_driver import Flight, finish_step, in_one_call, start_step
-from workers.transport import LINK_TIMEOUT_S
 from workers.zoo.data import DataSource, make_data
 
 DEFAULT_STEP_TIMEOUT_S = 600.0
@@ -355,7 +355,7 @@ class Trainer:
         self, group: WorkerGroup, layout: Layout, cause: StageLost, step: int, copies: Copies
     ) -> tuple[Layout, int]:
         """A worker was lost during step ``step + 1``: re-form the job from the survivors'
-        in-memory copies (``workers.recovery``); the layout and the step to run next."""
+        in-memory copies (``workers.pipeline.recovery``); the layout and the step to run next."""
         copies.drop()
         started = time.perf_counter()
         last = self._last_step()

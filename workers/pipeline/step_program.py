@@ -10,7 +10,7 @@ losses stay tensors until the step's one read.
 
 The forwards and backwards are the stage's own (``Stage.forward_tensor`` and the rest), in
 the schedule's order, so the arithmetic and the RNG draws are those of the relayed path
-(``workers.step_driver``): the two are bitwise equal.
+(``workers.pipeline.step_driver``): the two are bitwise equal.
 """
 
 from __future__ import annotations
@@ -22,12 +22,12 @@ from torch import Tensor
 
 from scheduler.programs import Flow, Post, Program, Run, Transfer, Wait
 from scheduler.schedules import Op
-from workers.timing import StepTimer
-from workers.transport import Links, Pending, Shape
+from workers.pipeline.timing import StepTimer
+from workers.pipeline.transport import Links, Pending, Shape
 
 
 class ProgramStage(Protocol):
-    """What a step program runs on: a ``workers.stage.Stage``'s forwards and backwards."""
+    """What a step program runs on: a ``workers.pipeline.stage.Stage``'s forwards and backwards."""
 
     index: int
     first: bool

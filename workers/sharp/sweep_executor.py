@@ -13,8 +13,8 @@ from collections.abc import Sequence
 
 from scheduler.devices import Device
 from scheduler.sharp import Policy
-from workers.shard_pool import PoolFactory
-from workers.sharp_runner import SharpTrainer
+from workers.sharp.runner import SharpTrainer
+from workers.sharp.shard_pool import PoolFactory
 from workers.snapshot import JobSnapshot, RunnerReport, RunStatus
 
 
@@ -24,7 +24,7 @@ class SweepExecutor:
     def __init__(
         self, devices: Sequence[Device], make_pool: PoolFactory | None = None, policy: str = "lrtf"
     ) -> None:
-        from workers.shard_pool import RayPool
+        from workers.sharp.shard_pool import RayPool
 
         self._trainer = SharpTrainer(
             (),

@@ -1,13 +1,13 @@
 """One pipeline stage: a contiguous range of blocks on one device, run one micro-batch at a time.
 
-A ``Stage`` is plain Python: ``workers.group`` runs it in-process (``LocalGroup``) or as the
-StageWorker Ray actor (``RayGroup``), unchanged. Per micro-batch it keeps what its backward
-needs: the input and the output (the autograd graph), or, with rematerialization
+A ``Stage`` is plain Python: ``workers.pipeline.group`` runs it in-process (``LocalGroup``) or
+as the StageWorker Ray actor (``RayGroup``), unchanged. Per micro-batch it keeps what its
+backward needs: the input and the output (the autograd graph), or, with rematerialization
 (activation checkpointing, as in GPipe), only the input, recomputing the forward under
 autograd in ``backward``. Gradients accumulate over the micro-batches of a mini-batch and
 ``apply_step`` applies them once, so the math equals one process training the whole model.
 With gradient-norm clipping, ``grad_norms`` and ``apply_step``'s coefficient are this
-stage's part of the cross-stage reduction (``workers.clipping``). With mixed precision,
+stage's part of the cross-stage reduction (``workers.pipeline.clipping``). With mixed precision,
 the forward and the loss, recomputed ones included, run under the job's autocast
 (``workers.precision``).
 
@@ -20,9 +20,9 @@ Blocks move between stages at step boundaries (elastic repartitioning): ``export
 out the state of some held blocks, ``adopt`` takes a new block range, keeping what it
 holds and building the rest from exported states.
 
-In-memory copies (``workers.recovery``): ``snapshot`` starts copying the blocks beside
-training (``workers.copier``) and returns at once; ``shipment`` and ``hold`` run beside the
-training calls too (the worker's ``COPIES`` calls, ``workers.stage_worker``): the first
+In-memory copies (``workers.pipeline.recovery``): ``snapshot`` starts copying the blocks beside
+training (``workers.pipeline.copier``) and returns at once; ``shipment`` and ``hold`` run beside the
+training calls too (the worker's ``COPIES`` calls, ``workers.pipeline.stage_worker``): the first
 hands the finished copy out for the worker's buddy, the second keeps a neighbour's.
 """
 
@@ -42,16 +42,16 @@ from scheduler.devices import Device
 from scheduler.programs import programs_for
 from scheduler.types import BlockRange
 from workers.blocks import Block
-from workers.clipping import grad_norms, scale_grads
-from workers.collective import GlooCollective
-from workers.copier import Copier, Held
 from workers.device_memory import Overhead, measure_overhead
 from workers.host_memory import retain_freed_memory
+from workers.pipeline.clipping import grad_norms, scale_grads
+from workers.pipeline.collective import GlooCollective
+from workers.pipeline.copier import Copier, Held
+from workers.pipeline.step_program import run_program
+from workers.pipeline.timing import StepClock, StepTimer
+from workers.pipeline.transport import LinkError, Links
 from workers.precision import autocast, autocast_dtype
 from workers.snapshot import JobSnapshot, ModelRef, OptimizerConf, StagePlan
-from workers.step_program import run_program
-from workers.timing import StepClock, StepTimer
-from workers.transport import LinkError, Links
 from workers.wire import Wire, receive, receive_tree, send, send_tree
 from workers.zoo.data import loss_fn
 from workers.zoo.models import build_blocks
@@ -99,7 +99,7 @@ class StageSetup:
 @dataclass(frozen=True)
 class StepOutcome:
     """What one stage's ``step`` returns: the last stage's micro-batch losses (empty
-    elsewhere), its gradients' norms (``workers.clipping``), where its time went, and the
+    elsewhere), its gradients' norms (``workers.pipeline.clipping``), where its time went, and the
     step's wall seconds on this stage (from its call to its end, waits included)."""
 
     losses: tuple[float, ...]
@@ -278,7 +278,7 @@ class Stage:
 
     def grad_norms(self) -> Wire:
         """The L2 norm of each accumulated gradient, block and parameter order: this stage's
-        part of the gradient-norm reduction (``workers.clipping``)."""
+        part of the gradient-norm reduction (``workers.pipeline.clipping``)."""
         with self._compute():
             return grad_norms(self.blocks)
 
@@ -498,7 +498,7 @@ class Stage:
     def snapshot(self, step: int, number: int) -> None:
         """Start copy ``number`` (rising with each copy the runner asks for) of the blocks'
         state after ``step`` steps (the last two are kept); it is made while the next step
-        runs (``workers.copier``). Host memory it needs first (pinned, once for a set of
+        runs (``workers.pipeline.copier``). Host memory it needs first (pinned, once for a set of
         blocks) is not timed as the copy: the copies' cadence plans with what every copy
         costs."""
         if self._failed_step:  # a copy handed out ahead, after a step that then failed
