@@ -47,7 +47,8 @@ from service.bench.report import (
     machine,
     stage_bounds,
 )
-from service.localray import LocalRay, parse_devices
+from service.devicespec import parse_devices
+from service.localray import LocalRay
 from workers.pipeline.group import RayGroup
 from workers.pipeline.rebalance import snapshot_policy
 from workers.pipeline.runner import Trainer

@@ -25,7 +25,8 @@ from service.bench.report import (
     SharpSettings,
 )
 from service.bench.simulation import run_simulated
-from service.localray import LocalRay, LocalRayError, VirtualNode, parse_devices
+from service.devicespec import VirtualNode, parse_devices
+from service.localray import LocalRay, LocalRayError
 
 
 @contextmanager

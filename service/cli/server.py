@@ -15,15 +15,14 @@ import click
 from service.cli.options import F, InputError, make_settings
 from service.cli.render import make_console, print_banner
 from service.client import write_config
+from service.devicespec import DeviceSpecError, parse_devices
 from service.localray import (
     HEALTH_CHECKS,
     RAY_ENV,
-    DeviceSpecError,
     LocalRay,
     LocalRayError,
     free_port,
     node_command,
-    parse_devices,
 )
 from service.localray_record import RECORD
 from service.settings import Settings, UnsafeSettings

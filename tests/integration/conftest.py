@@ -16,11 +16,7 @@ from typing import IO, Any
 import httpx
 import pytest
 
-from service.localray import (
-    HEALTH_CHECKS,
-    RAY_ENV,
-    LocalRay,
-)
+from service.localray import HEALTH_CHECKS, RAY_ENV, LocalRay
 from service.nodeprocs import kill_session
 
 SHOAL = Path(sys.executable).parent / "shoal"

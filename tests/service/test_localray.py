@@ -24,15 +24,8 @@ from scheduler.devices import (
     NodeInfo,
     inventory,
 )
-from service.localray import (
-    DeviceSpecError,
-    LocalRay,
-    LocalRayError,
-    VirtualNode,
-    free_port,
-    node_command,
-    parse_devices,
-)
+from service.devicespec import DeviceSpecError, VirtualNode, parse_devices
+from service.localray import LocalRay, LocalRayError, free_port, node_command
 from service.localray_record import RECORD, ClusterRecord, NodeRecord, ProcessId
 from service.nodeprocs import kill_session
 from service.settings import DEFAULT_DEVICES
