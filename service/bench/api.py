@@ -27,7 +27,6 @@ import math
 import os
 import random
 import re
-import socket
 import subprocess
 import sys
 import tempfile
@@ -43,10 +42,12 @@ import httpx
 import sqlalchemy as sa
 
 from service.bench.data import SPEC, fill
+from service.bench.http_load import Connection
 from service.bench.report import BenchError, Progress, machine
 from service.db.models import Job
 from service.db.scratch import create_database, drop_database
 from service.db.session import make_engine
+from service.localray import free_port
 from service.settings import Settings
 
 API_KEYS = (
@@ -203,18 +204,11 @@ def scratch_database(server_url: str | None, home: Path) -> Iterator[str]:
         drop_database(server_url, url)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 @contextmanager
 def server(database: str, home: Path, workers: int) -> Iterator[tuple[str, int]]:
     """uvicorn serving the API as ``shoal up`` does (``service.server.api_app``, ``workers``
     processes) in a child process, ready; its URL and process id."""
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, **rate_limits(), "SHOAL_HOME": str(home), "SHOAL_DATABASE_URL": database}
     env.pop("SHOAL_ADMIN_TOKEN", None)
     log = home / "server.log"
@@ -346,46 +340,6 @@ async def status_load(
     await asyncio.gather(*tasks)
     samples.seconds = time.perf_counter() - window[0]
     return samples
-
-
-class Connection:
-    """One keep-alive HTTP/1.1 connection sending authenticated GETs: the status phase's
-    client, a few lines of asyncio rather than an HTTP library, so that the load generator
-    takes as little as it can of the CPUs it shares with the server (with httpx it took
-    half as much CPU per request as the server). It reads the responses the API sends (a status
-    line, headers with ``Content-Length``, a body); anything else is an error."""
-
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self._reader, self._writer = reader, writer
-        self._head = b""
-
-    @classmethod
-    async def open(cls, url: str, token: str) -> Connection:
-        address = httpx.URL(url)
-        port = address.port or 80
-        reader, writer = await asyncio.open_connection(address.host, port)
-        connection = cls(reader, writer)
-        connection._head = (
-            f"Host: {address.host}:{port}\r\nAuthorization: Bearer {token}\r\n\r\n"
-        ).encode()
-        return connection
-
-    async def get(self, path: str) -> int:
-        """``GET path``: the response's status code, once its body has been read."""
-        self._writer.write(b"GET " + path.encode() + b" HTTP/1.1\r\n" + self._head)
-        head = await self._reader.readuntil(b"\r\n\r\n")
-        length = None
-        for line in head.split(b"\r\n")[1:]:
-            name, _, value = line.partition(b":")
-            if name.strip().lower() == b"content-length":
-                length = int(value)
-        if length is None:
-            raise ConnectionError("a response without Content-Length")
-        await self._reader.readexactly(length)
-        return int(head[9:12])
-
-    def close(self) -> None:
-        self._writer.close()
 
 
 async def _get(connection: Connection, path: str, kind: str, samples: Samples) -> None:
