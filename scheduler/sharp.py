@@ -20,7 +20,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import TypeAlias
+from typing import TypeAlias, TypeVar
 
 from scheduler.cut import Model, Slot, cut
 from scheduler.memory import format_bytes, stage_memory
@@ -256,6 +256,29 @@ def moved_end_s(
     now = max(home_left / home_speed, there_left / there_speed)
     moved = max((home_left - left_s) / home_speed, copy_s + (there_left + left_s) / there_speed)
     return now, moved
+
+
+Place = TypeVar("Place", str, int)
+"""How a caller names devices: the simulator by id, the executor by pool position."""
+
+
+def move_target(
+    left_s: float,
+    home: tuple[float, float],
+    others: Mapping[Place, tuple[float, float, float]],
+) -> Place | None:
+    """Where a model at a step boundary with ``left_s`` reference seconds to go moves from
+    ``home`` (its models' work to go, this one's included, and its speed): the device of
+    ``others`` (each: its models' work to go, its speed, the seconds to copy the model
+    there) where the later of the two devices' ends comes soonest (``moved_end_s``), if
+    sooner than staying, ties to the first name; None: it stays. The executor and the
+    simulator move models with this one rule."""
+    best: tuple[float, Place] | None = None
+    for name, (left, speed, copy_s) in others.items():
+        ends, moved = moved_end_s(left_s, home, (left, speed), copy_s)
+        if moved < ends and (best is None or (moved, name) < best):
+            best = (moved, name)
+    return None if best is None else best[1]
 
 
 # ------------------------------------------------------------------ tasks and progress

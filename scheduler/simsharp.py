@@ -6,7 +6,7 @@ What it models is what the executor does, with the same decisions (``scheduler.s
   executor's own placement, models heaviest first: the host memory of the device's
   worker, which runs every task of the shard). Once the executor has seen a model's step
   end, the model may move whole to another device where that ends both devices' work
-  sooner (``moved_end_s``), its state copied over at the device's bandwidth first.
+  sooner (``move_target``), its state copied over at the device's bandwidth first.
 - *Queues.* The executor keeps each live device ``depth`` tasks deep, choosing with
   ``assign`` among the models whose next task's shard lives there. It acts ``latency_s``
   after a task ends (the result's way to it) and a task it submits reaches the device
@@ -48,7 +48,7 @@ from scheduler.sharp import (
     ShardError,
     assign,
     home_shards,
-    moved_end_s,
+    move_target,
     progress,
     refine_ratio,
     transfer_s,
@@ -66,7 +66,7 @@ class Engine:
     """The executor's constants: tasks queued per device (``QUEUE_DEPTH``), the one-way
     latency between it and a worker (and between two workers), and whether a model at a
     step boundary moves to another device where that ends both devices' work sooner
-    (``moved_end_s``)."""
+    (``move_target``)."""
 
     depth: int = 2
     latency_s: float = 0.0
@@ -388,25 +388,22 @@ class _Sharp:
 
     def _maybe_move(self, model: _Model, now: float) -> None:
         """At a step boundary the model moves whole to the live device where that ends the
-        two devices' work soonest, if sooner than staying (``moved_end_s``, the executor's
+        two devices' work soonest, if sooner than staying (``move_target``, the executor's
         rule)."""
         home = self.devices[model.homes[0]]
         plan = model.plan
         state = sum(s.state_bytes for s in plan.shards)
-        left = plan.remaining_s(model.done)
         here = (self.left_at[home.sim.id], home.idle.speed)
-        best: tuple[float, DeviceId] | None = None
-        for name, device in self.devices.items():
-            if device.alive and name != home.sim.id:
-                copy_s = transfer_s(state, device.idle)
-                there = (self.left_at[name], device.idle.speed)
-                ends, moved = moved_end_s(left, here, there, copy_s)
-                if moved < ends and (best is None or (moved, name) < best):
-                    best = (moved, name)
-        if best is None:
+        others = {
+            name: (self.left_at[name], device.idle.speed, transfer_s(state, device.idle))
+            for name, device in self.devices.items()
+            if device.alive and name != home.sim.id
+        }
+        there = move_target(plan.remaining_s(model.done), here, others)
+        if there is None:
             return
-        there_device = self.devices[best[1]]
-        copy_s = transfer_s(state, there_device.idle)
+        there_device = self.devices[there]
+        copy_s = others[there][2]
         self._unsettle(model)
         for shard in plan.shards:
             work = plan.steps * (shard.forward_s + shard.backward_s)

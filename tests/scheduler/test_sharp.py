@@ -25,6 +25,7 @@ from scheduler.sharp import (
     assign,
     home_shards,
     lookahead,
+    move_target,
     moved_end_s,
     next_model,
     priority,
@@ -328,3 +329,16 @@ def test_a_model_moves_where_both_devices_then_end_sooner() -> None:
     assert moved_end_s(4.0, (4.0, 1.0), (0.0, 4.0), 0.0) == (4.0, 1.0)
     ends, back = moved_end_s(4.0, (4.0, 4.0), (0.0, 1.0), 0.0)
     assert back > ends
+
+
+def test_a_model_moves_to_the_device_where_that_ends_soonest_or_stays() -> None:
+    """``move_target``, the rule the executor and the simulator share."""
+    home = (5.0, 1.0)  # 5 s to go at speed 1, this model's 4 among them
+    # Moved, the later end: an idle slow device 8 s, an idle fast one 2 s, a busy fast 5 s.
+    others = {"slow": (0.0, 0.5, 0.0), "fast": (0.0, 2.0, 0.0), "busy": (6.0, 2.0, 0.0)}
+    assert move_target(4.0, home, others) == "fast"
+    assert move_target(4.0, home, {k: others[k] for k in ("slow", "busy")}) is None
+    assert move_target(4.0, home, {"fast": (0.0, 2.0, 9.0)}) is None  # the copy is too long
+    # Sooner on either of two alike devices (both then end at 6 s, the home's other work):
+    # the first name.
+    assert move_target(4.0, (10.0, 1.0), {2: (0.0, 1.0, 0.0), 1: (0.0, 1.0, 0.0)}) == 1

@@ -8,7 +8,7 @@ queued, each the next task of one of the models living there, chosen by the poli
 (Sharded-LRTF by default: ``scheduler.sharp.assign``), prefetching the shard it will likely
 run after. A model's step is the chain forward 0..k-1, backward k-1..0, so the parallelism
 is across models; a task's outputs stay on the device for the next one. Once a step has
-ended a model may move whole to another device (``scheduler.sharp.moved_end_s``); between a
+ended a model may move whole to another device (``scheduler.sharp.move_target``); between a
 shard's forward and backward it stays: its backward needs what its forward kept there.
 
 Each model trains exactly as it would alone: the same micro-batches, gradients accumulated
@@ -43,7 +43,7 @@ from scheduler.sharp import (
     ShardTask,
     assign,
     home_shards,
-    moved_end_s,
+    move_target,
     progress,
     refine_ratio,
     shard_model,
@@ -694,7 +694,7 @@ class SharpTrainer:
         self, pool: HostPool, model: _Model, step: int, blocks: dict[int, Any] | None
     ) -> None:
         """At a step boundary ``model`` moves whole to the live device where that ends the
-        two devices' work soonest, if sooner than staying (``scheduler.sharp.moved_end_s``):
+        two devices' work soonest, if sooner than staying (``scheduler.sharp.move_target``):
         as models end, some devices fall idle while others still hold several. Its state
         (the step's gathered ``blocks``, else its copy of this step, else gathered now) is
         loaded there; nothing is replayed."""
@@ -706,15 +706,10 @@ class SharpTrainer:
         if home not in left:
             return  # its device is lost: it rolls back instead
         mine = model.plan.remaining_s(model.done)
-        best: tuple[float, int] | None = None
-        for host, work in left.items():
-            if host != home:
-                ends, moved = moved_end_s(mine, (left[home], 1.0), (work, 1.0), 0.0)
-                if moved < ends and (best is None or (moved, host) < best):
-                    best = (moved, host)
-        if best is None:
+        others = {host: (work, 1.0, 0.0) for host, work in left.items() if host != home}
+        there = move_target(mine, (left[home], 1.0), others)
+        if there is None:
             return
-        there = best[1]
         try:
             if blocks is None:
                 saved = model.saved
