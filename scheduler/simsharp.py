@@ -34,7 +34,6 @@ from __future__ import annotations
 
 from collections import Counter, deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from heapq import heappop, heappush
 
 from scheduler.memory import format_bytes
@@ -53,82 +52,13 @@ from scheduler.sharp import (
     refine_ratio,
     transfer_s,
 )
-from scheduler.simcluster import Cluster, SimDevice
+from scheduler.simcluster import Cluster
 from scheduler.simresult import SimulationError, Tally, TaskRecord
+from scheduler.simstate import ENGINE, Engine, SimModel, SimQueue, SimTask
 from scheduler.types import DeviceId
 
 _LOST, _BACK, _END, _WAKE, _SEE = range(5)
 """Event kinds, in the order they are handled at equal times."""
-
-
-@dataclass(frozen=True)
-class Engine:
-    """The executor's constants: tasks queued per device (``QUEUE_DEPTH``), the one-way
-    latency between it and a worker (and between two workers), and whether a model at a
-    step boundary moves to another device where that ends both devices' work sooner
-    (``move_target``)."""
-
-    depth: int = 2
-    latency_s: float = 0.0
-    moves: bool = True
-
-    def __post_init__(self) -> None:
-        if self.depth < 1 or not self.latency_s >= 0:
-            raise SimulationError(
-                f"engine depth ({self.depth}) must be >= 1 and latency_s ({self.latency_s}) >= 0"
-            )
-
-
-ENGINE = Engine()
-"""The executor as it runs by default: two tasks queued per device, moves, no latency."""
-
-
-@dataclass
-class _Job:
-    ident: int
-    model: ModelId
-    position: int
-    epoch: int
-    arrive_s: float
-    start_s: float = 0.0
-    compute_s: float = 0.0
-    copy_s: float = 0.0
-
-
-@dataclass
-class _Device:
-    sim: SimDevice
-    idle: IdleDevice
-    alive: bool = True
-    running: _Job | None = None
-    queue: deque[_Job] = field(default_factory=deque)
-    in_flight: int = 0
-    """Tasks the executor has given it and not yet seen end."""
-    last: tuple[ModelId, int] | None = None
-    """The (model, shard) of its last task: still on the device."""
-    woken: float = -1.0
-
-
-@dataclass
-class _Model:
-    plan: ModelPlan
-    homes: list[DeviceId]
-    done: int = 0
-    submitted: int = 0
-    seen: int = 0
-    """Tasks the executor has seen end (it starts a step only after seeing the last one)."""
-    epoch: int = 0
-    ratio: float = 1.0
-    last_run: int = -1
-    paused_until: float = 0.0
-    input_at: dict[int, float] = field(default_factory=dict)
-    """When the input of a task (by position) is on its device."""
-    waiting_at: DeviceId | None = None
-    last_device: DeviceId | None = None
-    """Where its last submitted task runs."""
-    step_runs: list[tuple[int, DeviceId, float, float]] = field(default_factory=list)
-    """The tally's numbers of the step under way's tasks (with device, compute, copy):
-    undone by a roll back."""
 
 
 class _Sharp:
@@ -146,20 +76,20 @@ class _Sharp:
     ) -> None:
         self.cluster, self.policy, self.prefetch, self.truth = cluster, policy, prefetch, truth
         self.engine = engine
-        self.devices: dict[DeviceId, _Device] = {}
+        self.devices: dict[DeviceId, SimQueue] = {}
         for d in cluster.devices():
             kind = d.kind
             idle = IdleDevice(d.id, kind.speed, kind.budget_bytes, kind.bandwidth_gbps)
-            self.devices[d.id] = _Device(d, idle)
+            self.devices[d.id] = SimQueue(d, idle)
         self.load: dict[DeviceId, float] = dict.fromkeys(self.devices, 0.0)
         self.plans = {p.model: p for p in plans}
-        self.models: dict[ModelId, _Model] = {}
+        self.models: dict[ModelId, SimModel] = {}
         self.residents: dict[DeviceId, set[ModelId]] = {d: set() for d in self.devices}
         """The models with work left that live on each device."""
         self.left_at: dict[DeviceId, float] = dict.fromkeys(self.devices, 0.0)
         """Reference seconds of the work left of the models living on each device."""
         for plan in sorted(plans, key=lambda p: (-p.work_s, p.order, p.model)):  # as admitted
-            model = _Model(plan, self._home(plan, range(len(plan.shards))))
+            model = SimModel(plan, self._home(plan, range(len(plan.shards))))
             self.models[plan.model] = model
             self._settle(model)
         self.waiting: dict[DeviceId, set[ModelId]] = {d: set() for d in self.devices}
@@ -229,8 +159,8 @@ class _Sharp:
             self.load[home] += plan.steps * (shard.forward_s + shard.backward_s)
         return homes
 
-    def _can_submit(self, model: _Model, now: float) -> bool:
-        """As ``workers.sharp.runner._Model.can_submit``: a next task, not the first of a
+    def _can_submit(self, model: SimModel, now: float) -> bool:
+        """As ``workers.sharp.runner.SimModel.can_submit``: a next task, not the first of a
         step before the executor has seen the step before end, and its input there by the
         time its device gets to it (the task before it has ended, or runs there first)."""
         at, k = model.submitted, len(model.plan.shards)
@@ -243,7 +173,7 @@ class _Sharp:
             and (model.seen >= at or model.last_device == home)
         )
 
-    def _refresh(self, model: _Model, now: float = 0.0) -> None:
+    def _refresh(self, model: SimModel, now: float = 0.0) -> None:
         """File ``model`` under the device its next task may be queued on, if any."""
         if model.waiting_at is not None:
             self.waiting[model.waiting_at].discard(model.plan.model)
@@ -253,10 +183,10 @@ class _Sharp:
             self.waiting[home].add(model.plan.model)
             model.waiting_at = home
 
-    def _progress(self, model: _Model) -> Progress:
+    def _progress(self, model: SimModel) -> Progress:
         return progress(model.plan, model.submitted, ratio=model.ratio, last_run=model.last_run)
 
-    def _task_s(self, model: _Model, position: int, device: _Device) -> float:
+    def _task_s(self, model: SimModel, position: int, device: SimQueue) -> float:
         scale = self.truth.get(model.plan.model, 1.0)
         return model.plan.task_s(position) * scale / device.idle.speed
 
@@ -281,10 +211,10 @@ class _Sharp:
                         break  # homes are placed where shards fit: only a planning bug
                     self._submit(device, self.models[chosen.task.model], now)
 
-    def _submit(self, device: _Device, model: _Model, now: float) -> None:
+    def _submit(self, device: SimQueue, model: SimModel, now: float) -> None:
         self.seq += 1
         arrive = now + self.engine.latency_s
-        job = _Job(self.seq, model.plan.model, model.submitted, model.epoch, arrive)
+        job = SimTask(self.seq, model.plan.model, model.submitted, model.epoch, arrive)
         if model.submitted % (2 * len(model.plan.shards)) == 0:
             model.input_at[model.submitted] = arrive  # the batch comes with the task
         device.queue.append(job)
@@ -298,7 +228,7 @@ class _Sharp:
 
     # ---------------------------------------------------------------------- the events
 
-    def _try_start(self, device: _Device, now: float) -> None:
+    def _try_start(self, device: SimQueue, now: float) -> None:
         """Start the device's first queued task if it can run now, or wake it when it can."""
         if not device.alive or device.running is not None or not device.queue:
             return
@@ -326,7 +256,7 @@ class _Sharp:
         device.running = job
         self._event(now + copy + job.compute_s, _END, device.sim.id, job.ident)
 
-    def _end(self, device: _Device, ident: int, now: float) -> None:
+    def _end(self, device: SimQueue, ident: int, now: float) -> None:
         job = device.running
         if job is None or job.ident != ident:
             return  # lost with its device
@@ -374,7 +304,7 @@ class _Sharp:
         self.notes[self.seq + 1] = (model, done, epoch)
         self._event(at, _SEE, device, self.seq + 1)
 
-    def _see(self, device: _Device, tag: int, now: float) -> None:
+    def _see(self, device: SimQueue, tag: int, now: float) -> None:
         name, done, epoch = self.notes.pop(tag)
         model = self.models[name]
         if done >= 0:
@@ -386,7 +316,7 @@ class _Sharp:
                     self._maybe_move(model, now)
         self._refresh(model, now)
 
-    def _maybe_move(self, model: _Model, now: float) -> None:
+    def _maybe_move(self, model: SimModel, now: float) -> None:
         """At a step boundary the model moves whole to the live device where that ends the
         two devices' work soonest, if sooner than staying (``move_target``, the executor's
         rule)."""
@@ -415,13 +345,13 @@ class _Sharp:
             model.paused_until = now + copy_s
             self._note(model.paused_until, there_device.sim.id, plan.model, -1, model.epoch)
 
-    def _settle(self, model: _Model) -> None:
+    def _settle(self, model: SimModel) -> None:
         """Count ``model`` (with work left) on its home device."""
         home = model.homes[0]
         self.residents[home].add(model.plan.model)
         self.left_at[home] += model.plan.remaining_s(model.done)
 
-    def _unsettle(self, model: _Model) -> None:
+    def _unsettle(self, model: SimModel) -> None:
         """No longer count ``model`` on its home (it ended, moves or lost its device)."""
         home = model.homes[0]
         self.residents[home].discard(model.plan.model)
@@ -429,7 +359,7 @@ class _Sharp:
         if not self.residents[home]:
             self.left_at[home] = 0.0  # what float sums leave
 
-    def _return(self, device: _Device, now: float) -> None:
+    def _return(self, device: SimQueue, now: float) -> None:
         """A device is back, empty; models that had no device left live on it."""
         if device.alive:
             return
@@ -442,7 +372,7 @@ class _Sharp:
             self._settle(model)
             self._refresh(model, now)
 
-    def _lose(self, device: _Device, now: float) -> None:
+    def _lose(self, device: SimQueue, now: float) -> None:
         if not device.alive:
             return
         device.alive = False
@@ -460,7 +390,7 @@ class _Sharp:
             if name in model.homes and model.done < model.plan.tasks:
                 self._roll_back(model, now)
 
-    def _roll_back(self, model: _Model, now: float) -> None:
+    def _roll_back(self, model: SimModel, now: float) -> None:
         """Back to the start of its step: its queued tasks dropped, those running elsewhere
         wasted, its shards on lost devices re-homed; it runs on once the executor has seen
         them end."""
@@ -488,7 +418,7 @@ class _Sharp:
         self._note(model.paused_until, model.homes[0], plan.model, -1, model.epoch)
         self._refresh(model, now)
 
-    def _rehome(self, model: _Model) -> None:
+    def _rehome(self, model: SimModel) -> None:
         """Its shards on lost devices go to live ones (as the executor re-homes them); with
         none live, it waits for a device to come back."""
         plan = model.plan

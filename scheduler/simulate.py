@@ -15,7 +15,8 @@ from scheduler.sharp import ModelId, ModelPlan, Policy
 from scheduler.simcluster import Cluster, Setting, sweep_settings
 from scheduler.simgang import run_gangs
 from scheduler.simresult import SimResult, SimulationError
-from scheduler.simsharp import ENGINE, Engine, run_sharp
+from scheduler.simsharp import run_sharp
+from scheduler.simstate import ENGINE, Engine
 
 
 class Strategy(StrEnum):

@@ -21,7 +21,7 @@ from scheduler.simcluster import (
     mixed_setting,
     spot_setting,
 )
-from scheduler.simsharp import Engine
+from scheduler.simstate import Engine
 from scheduler.simulate import Strategy, simulate
 from service.bench.report import SHARP_PHASES, Progress, SharpSettings
 

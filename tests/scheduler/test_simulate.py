@@ -25,7 +25,7 @@ from scheduler.simcluster import (
     sweep_settings,
 )
 from scheduler.simresult import SimResult, SimulationError
-from scheduler.simsharp import Engine
+from scheduler.simstate import Engine
 from scheduler.simulate import Strategy, compare, simulate
 
 pytestmark = pytest.mark.unit

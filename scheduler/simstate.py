@@ -1,0 +1,90 @@
+"""The simulated SHARP executor's state (``scheduler.simsharp``): its constants, each
+device's queue, each model's progress, each task.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from scheduler.sharp import IdleDevice, ModelId, ModelPlan
+from scheduler.simcluster import SimDevice
+from scheduler.simresult import SimulationError
+from scheduler.types import DeviceId
+
+
+@dataclass(frozen=True)
+class Engine:
+    """The executor's constants: tasks queued per device (``QUEUE_DEPTH``), the one-way
+    latency between it and a worker (and between two workers), and whether a model at a
+    step boundary moves to another device where that ends both devices' work sooner
+    (``move_target``)."""
+
+    depth: int = 2
+    latency_s: float = 0.0
+    moves: bool = True
+
+    def __post_init__(self) -> None:
+        if self.depth < 1 or not self.latency_s >= 0:
+            raise SimulationError(
+                f"engine depth ({self.depth}) must be >= 1 and latency_s ({self.latency_s}) >= 0"
+            )
+
+
+ENGINE = Engine()
+"""The executor as it runs by default: two tasks queued per device, moves, no latency."""
+
+
+@dataclass
+class SimTask:
+    """A task given to a device: its model, chain position and the model's epoch then
+    (a roll back makes it stale), when it reached the device and how it ran."""
+
+    ident: int
+    model: ModelId
+    position: int
+    epoch: int
+    arrive_s: float
+    start_s: float = 0.0
+    compute_s: float = 0.0
+    copy_s: float = 0.0
+
+
+@dataclass
+class SimQueue:
+    """A device as the executor drives it: the task it runs and those queued behind."""
+
+    sim: SimDevice
+    idle: IdleDevice
+    alive: bool = True
+    running: SimTask | None = None
+    queue: deque[SimTask] = field(default_factory=deque)
+    in_flight: int = 0
+    """Tasks the executor has given it and not yet seen end."""
+    last: tuple[ModelId, int] | None = None
+    """The (model, shard) of its last task: still on the device."""
+    woken: float = -1.0
+
+
+@dataclass
+class SimModel:
+    """A model's progress as the simulated executor tracks it."""
+
+    plan: ModelPlan
+    homes: list[DeviceId]
+    done: int = 0
+    submitted: int = 0
+    seen: int = 0
+    """Tasks the executor has seen end (it starts a step only after seeing the last one)."""
+    epoch: int = 0
+    ratio: float = 1.0
+    last_run: int = -1
+    paused_until: float = 0.0
+    input_at: dict[int, float] = field(default_factory=dict)
+    """When the input of a task (by position) is on its device."""
+    waiting_at: DeviceId | None = None
+    last_device: DeviceId | None = None
+    """Where its last submitted task runs."""
+    step_runs: list[tuple[int, DeviceId, float, float]] = field(default_factory=list)
+    """The tally's numbers of the step under way's tasks (with device, compute, copy):
+    undone by a roll back."""
