@@ -88,6 +88,15 @@ ADAM = OptimizerConf("adam", 0.01)
 SGD = OptimizerConf("sgd", 0.1, {"momentum": 0.9})
 
 
+def even_ranges(num_blocks: int, stages: int) -> list[BlockRange]:
+    """``num_blocks`` cut into ``stages`` contiguous ranges of equal counts, the remainder
+    to the last stages."""
+    share, rest = divmod(num_blocks, stages)
+    sizes = [share] * (stages - rest) + [share + 1] * rest
+    starts = [sum(sizes[:i]) for i in range(stages)]
+    return [(start, start + size) for start, size in zip(starts, sizes, strict=True)]
+
+
 def plans(ranges: Sequence[BlockRange], node: str = "n0000000a") -> tuple[StagePlan, ...]:
     return tuple(
         StagePlan(i, r, Device(f"{node[:8]}-cpu-{i}", node, i, "cpu", 2048, False))

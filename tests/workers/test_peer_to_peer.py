@@ -14,9 +14,8 @@ from typing import Any
 import pytest
 
 from scheduler.devices import Device
-from scheduler.partition import even_partition
 from scheduler.types import BlockRange
-from tests.factories import GPT, SGD, TOKENS, dp_plans, job, plans
+from tests.factories import GPT, SGD, TOKENS, dp_plans, even_ranges, job, plans
 from tests.workers.runs import assert_bitwise_equal, final_states
 from workers.pipeline.group import LocalGroup, RayGroup, StageFailed, StageLost
 from workers.pipeline.runner import Trainer
@@ -57,7 +56,7 @@ def test_peer_to_peer_steps_equal_the_relayed_reference_bitwise(
     node: str, tmp_path: Path, case: str
 ) -> None:
     fields = {"batch_size": 16, "steps": 3, **CASES[case]}
-    ranges = even_partition(4, 3)
+    ranges = even_ranges(4, 3)
     snap = job(tmp_path / "ray", ranges, stages=plans(ranges, node), **fields)
     trainer = Trainer(snap, RayGroup)
     assert trainer.run() is RunStatus.SUCCEEDED, trainer.report(0).error

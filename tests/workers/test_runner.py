@@ -16,8 +16,18 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from scheduler.partition import even_partition
-from tests.factories import ADAM, GPT, MLP, REGRESSION, SGD, TOKENS, dp_plans, job, plans
+from tests.factories import (
+    ADAM,
+    GPT,
+    MLP,
+    REGRESSION,
+    SGD,
+    TOKENS,
+    dp_plans,
+    even_ranges,
+    job,
+    plans,
+)
 from tests.workers.runs import assert_matches_reference, final_states, metrics, reference
 from workers.checkpoints import CheckpointStore
 from workers.pipeline.group import Handle, LocalGroup, RayGroup, WorkerGroup
@@ -192,7 +202,7 @@ def test_a_checkpoint_restores_onto_another_replica_count(
     tmp_path: Path, before: tuple[int, int], after: tuple[int, int]
 ) -> None:
     def layout(replicas: int, stages: int, steps: int) -> JobSnapshot:
-        ranges = even_partition(4, stages)
+        ranges = even_ranges(4, stages)
         return job(
             tmp_path,
             [],
@@ -476,7 +486,7 @@ def test_ray_pipeline_trains_exactly_like_one_process(ray_address: str, tmp_path
     import ray
 
     node = ray.get_runtime_context().get_node_id()
-    snap = job(tmp_path, even_partition(4, 3), stages=plans(even_partition(4, 3), node))
+    snap = job(tmp_path, even_ranges(4, 3), stages=plans(even_ranges(4, 3), node))
     snap = replace(snap, micro_batches=4, recompute=True)
     trainer = Trainer(snap, RayGroup)
     assert trainer.run() is RunStatus.SUCCEEDED, trainer.report(0).error
