@@ -34,7 +34,7 @@ unit: $(STAMP)
 test: lint typecheck
 	$(BIN)/pytest -q
 
-# The README's dashboard pictures: the browser tests take them (needs chromium).
+# The README's and docs' dashboard pictures: the browser tests take them (needs chromium).
 screenshots: $(STAMP)
 	SHOAL_TEST_ARTIFACTS=build/test-artifacts SHOAL_REQUIRE_BROWSER=1 $(BIN)/pytest -q tests/dashboard
 	mkdir -p docs/screenshots

@@ -83,8 +83,8 @@ class Device:
 UNMEASURED_GPU_OVERHEAD_MB = 1024
 """What a GPU device is planned to hold for a worker before its stage until a worker has
 measured it there: above the 0.5-0.8 GiB per process measured on an H200 with torch 2.11
-(README, "Memory"), so the first job on a GPU, and a sweep's shard workers, plan in what the
-device has."""
+(docs/architecture.md, "Memory"), so the first job on a GPU, and a sweep's shard workers,
+plan in what the device has."""
 
 
 def planned_overhead_mb(measured_mb: int | None, gpu: bool) -> int:

@@ -46,7 +46,7 @@ class ElasticConfig:
     horizon_steps: int = 100
     """Steps within which the saved seconds must repay the migration."""
     transfer_bytes_per_s: float = 0.7e9
-    """Block-state bandwidth between devices (measured gloo/Ray figures: README)."""
+    """Block-state bandwidth between devices (measured gloo/Ray figures: docs/benchmarks.md)."""
     migration_overhead_s: float = 0.5
     """Fixed seconds of one migration: the calls that export and adopt blocks."""
 

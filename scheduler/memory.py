@@ -7,7 +7,8 @@ GPipe keeps all ``m`` until the first backward, 1F1B (PipeDream-Flush) at most `
 stage ``s``. With rematerialization (GPipe's activation checkpointing) a stage keeps only its
 input per micro-batch in flight, plus one micro-batch's activations while it recomputes.
 
-Two more terms are what the device holds beyond those, measured on a GPU (README, "Memory"):
+Two more terms are what the device holds beyond those, measured on a GPU
+(docs/architecture.md, "Memory"):
 under bf16 autocast every micro-batch in flight keeps bfloat16 copies of its blocks' weights
 for its backward (half the fp32 parameter bytes, per micro-batch: autocast casts afresh in
 each forward); and while one block runs its backward and update, it allocates a

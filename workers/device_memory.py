@@ -3,10 +3,10 @@
 A process on a CUDA device pays, before it holds any tensor of its own, for its CUDA
 context, the kernels it loads and its libraries' handles and workspaces (cuBLAS reserves its
 workspaces through PyTorch's allocator at the first matrix product). On an H200 with torch
-2.11 that came to roughly 0.5-0.8 GiB per process (README, "Memory"): memory the device's
-declared size does not have for stages. ``measure_overhead`` warms the device up the way a
-stage's first step would (a float32 and a bfloat16 matrix product, forward and backward)
-and reads what the process then holds:
+2.11 that came to roughly 0.5-0.8 GiB per process (docs/architecture.md, "Memory"): memory
+the device's declared size does not have for stages. ``measure_overhead`` warms the device
+up the way a stage's first step would (a float32 and a bfloat16 matrix product, forward and
+backward) and reads what the process then holds:
 
 - ``nvidia-smi``'s count for this process, where it lists the process;
 - else the memory the whole device has in use (``torch.cuda.mem_get_info``), which also

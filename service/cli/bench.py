@@ -62,7 +62,7 @@ def _batch_size(default: int) -> Decorator:
 
 @click.group()
 def bench() -> None:
-    """Benchmarks of the engine on this machine (see README, "Benchmarks")."""
+    """Benchmarks of the engine on this machine (see docs/benchmarks.md)."""
 
 
 bench.add_command(step)

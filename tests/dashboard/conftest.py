@@ -115,7 +115,7 @@ def page(browser: Any, request: pytest.FixtureRequest, expected_errors: list[str
 
 def snap(page: Any, name: str) -> None:
     """A screenshot of the page as it is now: ``pages/NAME.png`` among the artifacts (the
-    README's pictures are these, ``make screenshots``)."""
+    README's and docs/user-guide.md's pictures are these, ``make screenshots``)."""
     (ARTIFACTS / "pages").mkdir(parents=True, exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / "pages" / f"{name}.png"), full_page=True)
 

@@ -83,7 +83,7 @@ def check_alone(kind: str, payload: dict[str, Any], timeout_s: float = 120) -> d
     )
     assert done.returncode == 0, done.stderr[-3000:]
     result: dict[str, Any] = json.loads(done.stdout.splitlines()[-1])
-    print(kind, result)  # the figures, for the README's table (pytest -s)
+    print(kind, result)  # the figures, for docs/reliability.md's table (pytest -s)
     return result
 
 

@@ -126,5 +126,5 @@ def test_a_cpu_stage_holds_what_was_predicted_never_more(
     case: str, precision: str, schedule: str, recompute: bool
 ) -> None:
     predicted, peak, state = predicted_and_peak(case, precision, schedule, recompute)
-    print(state)  # the README reads them (pytest -s)
+    print(state)  # docs/architecture.md reads them (pytest -s)
     assert peak <= predicted <= OVER * peak, state

@@ -113,7 +113,7 @@ def test_a_stage_holds_what_was_predicted_never_more_and_at_most_15_percent_less
     tmp_path: Path, case: str, precision: str, schedule: str, recompute: bool
 ) -> None:
     predicted, peak, state = predicted_and_peak(tmp_path, case, precision, schedule, recompute)
-    print(state)  # the README's table reads them (pytest -s)
+    print(state)  # docs/architecture.md's table reads them (pytest -s)
     assert peak <= predicted <= 1.15 * peak, state
 
 
@@ -136,7 +136,7 @@ def test_a_sharp_device_holds_what_it_accounted_for_never_more_and_at_most_15_pe
         f" + workspace {format_bytes(workspace)}; peak reserved {format_bytes(peak)}"
         f" ({predicted / peak:.3f}x)"
     )
-    print(state)  # the README reads them (pytest -s)
+    print(state)  # docs/architecture.md reads them (pytest -s)
     assert peak <= predicted <= 1.15 * peak, state
 
 
