@@ -25,12 +25,11 @@ import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from scheduler.copies import CopyCadence, most_replayed
+from scheduler.copies import most_replayed
 from scheduler.devices import Device
 from scheduler.profile import BlockCost
 from scheduler.sharp import (
@@ -51,123 +50,21 @@ from scheduler.sharp import (
 from scheduler.types import DeviceId
 from workers.checkpoints import CheckpointStore
 from workers.device_memory import device_memory_event
-from workers.pipeline.recovery import copies_event
 from workers.pipeline.runner import resumed_event, write_checkpoint
 from workers.pipeline.stage import StageSetup
 from workers.pipeline.stage_worker import one_line
+from workers.sharp.models import Copying, ModelRun, Task
 from workers.sharp.shard_host import ShardFailed, ShardKey, Stashed, TaskResult
 from workers.sharp.shard_pool import Call, HostLost, HostPool, InputLost, PoolFactory
 from workers.snapshot import JobSnapshot, RunnerEvent, RunnerReport, RunStatus, StepMetrics
-from workers.wire import Wire, receive_tree, send
-from workers.zoo.data import DataSource, make_data
+from workers.wire import receive_tree, send
+from workers.zoo.data import make_data
 
 DEFAULT_TASK_TIMEOUT_S = 600.0
 
 QUEUE_DEPTH = 2
 """Tasks queued on a device at once: the one it runs and the next, so it never waits for
 this loop (a round trip through Ray and the policy) between two tasks."""
-
-
-@dataclass
-class _Copying:
-    """A copy of a model's shards after ``step`` steps, taken by their hosts (``copy``
-    calls); it replaces the model's ``saved`` copy once every call has answered."""
-
-    step: int
-    calls: set[Call]
-    blocks: dict[int, Any] = field(default_factory=dict)
-    seconds: float = 0.0
-    """What it cost: the seconds the hosts spent taking it and its parts took to arrive."""
-
-
-@dataclass
-class _Model:
-    """One model's training state in the executor."""
-
-    snap: JobSnapshot
-    plan: ModelPlan
-    data: DataSource
-    homes: list[int]
-    """The pool position of the device holding each shard."""
-    done: int = 0
-    """Tasks finished, in chain order (``ModelPlan.task`` positions)."""
-    submitted: int = 0
-    """Tasks handed to a device: those from ``done`` on are in flight, each queued behind
-    the one before it in the chain (``_dispatch``)."""
-    last_host: int = -1
-    """The device of its last submitted task."""
-    ratio: float = 1.0
-    last_run: int = -1
-    carry: Any = None
-    """The inputs of the model's next task to submit: a batch, a ``HostPool.outputs``
-    handle (made on another device) or ``Stashed`` (kept on its own device)."""
-    targets: list[Wire] = field(default_factory=list)
-    losses: list[float] = field(default_factory=list)
-    step_started: float = 0.0
-    status: RunStatus = RunStatus.RUNNING
-    error: str | None = None
-    log: list[StepMetrics | RunnerEvent] = field(default_factory=list)
-    step: int = 0
-    saved: tuple[int, dict[int, Any]] | None = None
-    """Every block's state at the last copy (``keep_copies``), in this process: what the
-    model rolls back to when a device holding one of its shards is lost."""
-    copying: _Copying | None = None
-    """The copy under way: its shards' hosts take it while the executor dispatches on."""
-    step_compute_s: float = 0.0
-    """The device seconds of the step under way's tasks: the copies' yardstick."""
-    cadence: CopyCadence = field(init=False)
-    """How often the copy is taken (``scheduler.copies``, at the model's budget)."""
-    lost: str | None = None
-    """Why the model must roll back (a device holding a shard was lost), until it does."""
-    placed: int = 0
-    """Tasks done when it was placed; while ``done`` is still that, a lost shard is built
-    again from ``origin`` (its checkpoint's block states, or None: from its seed)."""
-    origin: dict[int, Any] | None = None
-    leaving: bool = False
-    """It trains no more here: its shards are dropped, and the writer thread ends it
-    (SUSPENDED with the checkpoint of the step it stopped at, or LOST) once the checkpoints
-    it has under way are written."""
-
-    def __post_init__(self) -> None:
-        self.cadence = CopyCadence(self.snap.copy_budget)
-
-    @property
-    def active(self) -> bool:
-        running = self.status is RunStatus.RUNNING and not self.leaving
-        return running and self.done < self.plan.tasks
-
-    @property
-    def runnable(self) -> bool:
-        return self.active and self.lost is None
-
-    def can_submit(self, host: int) -> bool:
-        """Its next task may be queued on ``host``: it has one, its shard lives there, it
-        is not the first of a step whose last task's end (its copy, checkpoint,
-        suspension) is still to be seen, and its input will be there when ``host`` gets
-        to it: the task before it has ended, or runs on ``host`` first (a task waiting
-        for a producer elsewhere would hold up the tasks queued behind it)."""
-        at = self.submitted
-        if not (self.runnable and at < self.plan.tasks):
-            return False
-        new_step = at % (2 * len(self.plan.shards)) == 0
-        ready = self.done == at or (not new_step and self.last_host == host)
-        return self.homes[self.plan.shard_at(at).index] == host and ready
-
-    def restart(self, step: int) -> None:
-        """Train on from the end of ``step`` (placed from a checkpoint, or rolled back)."""
-        self.done = self.submitted = step * 2 * len(self.plan.shards)
-        self.carry, self.losses = None, []
-
-
-@dataclass(frozen=True)
-class _Task:
-    """A shard task in flight: its model, device (pool position), chain position and
-    dispatch number (a model's tasks finish in that order)."""
-
-    model: _Model
-    host: int
-    position: int
-    number: int
 
 
 class SharpTrainer:
@@ -196,7 +93,7 @@ class SharpTrainer:
         self._timeout = task_timeout_s
         self._clock = clock
         self._lock = threading.Lock()
-        self._models: dict[str, _Model] = {}
+        self._models: dict[str, ModelRun] = {}
         self._incoming: list[JobSnapshot] = []
         self._stopping: dict[str, tuple[RunStatus, str | None]] = {}
         """Models to end, with how, once they have no task in flight."""
@@ -212,10 +109,10 @@ class SharpTrainer:
         """Pool positions of devices that were lost."""
         self._reported: set[int] = set()
         """Pool positions of devices whose overhead a model's events have said."""
-        self._in_flight: dict[Call, _Task] = {}
+        self._in_flight: dict[Call, Task] = {}
         """Shard tasks under way, up to ``QUEUE_DEPTH`` per device."""
-        self._copy_calls: dict[Call, _Model] = {}
-        """Copy calls under way (``_Model.copying``), by the model they copy."""
+        self._copy_calls: dict[Call, ModelRun] = {}
+        """Copy calls under way (``ModelRun.copying``), by the model they copy."""
         self._stopped: str | None = None
         """Why ``run`` has returned; a model added after that fails with it."""
         for snap in models:
@@ -285,16 +182,6 @@ class SharpTrainer:
                     self._devices[h].id for h in sorted(set(model.homes) & self._dead) if lost
                 ),
             )
-
-    def _record(self, model: _Model, item: StepMetrics | RunnerEvent) -> None:
-        with self._lock:
-            model.log.append(item)
-            if isinstance(item, StepMetrics):
-                model.step = item.step
-
-    def _end(self, model: _Model, status: RunStatus, error: str | None = None) -> None:
-        with self._lock:
-            model.status, model.error = status, error
 
     # ----------------------------------------------------------------------- training
 
@@ -367,7 +254,7 @@ class SharpTrainer:
                 except HostLost as exc:  # it trained nothing yet: no copy is needed
                     self._lose(pool, self._host_of(exc), str(exc))
 
-    def _report_overhead(self, pool: HostPool, model: _Model) -> None:
+    def _report_overhead(self, pool: HostPool, model: ModelRun) -> None:
         """The first model placed on a device says in an event what the device holds for
         its worker (measured on a GPU): the control plane keeps it with the device and plans
         later placements and sweeps in the rest."""
@@ -376,7 +263,7 @@ class SharpTrainer:
         for host, overhead in zip(hosts, answers, strict=True):
             self._reported.add(host)
             if overhead.how != "none":
-                self._record(model, device_memory_event(self._devices[host], overhead, model.step))
+                model.record(device_memory_event(self._devices[host], overhead, model.step))
 
     def _reap(self, pool: HostPool) -> None:
         """End the models to stop (cancelled, or a checkpoint failed) with no task in flight
@@ -387,7 +274,7 @@ class SharpTrainer:
             ending = [(self._models[j], *self._stopping.pop(j)) for j in ready]
         for model, status, error in ending:
             if model.active:  # one that has trained all its steps freed its shards
-                self._end(model, status, error)
+                model.end(status, error)
                 self._drop(pool, model)
 
     def _busy_models(self) -> set[str]:
@@ -396,7 +283,7 @@ class SharpTrainer:
     def _number(self, call: Call) -> int:
         return self._in_flight[call].number
 
-    def _drop(self, pool: HostPool, model: _Model) -> None:
+    def _drop(self, pool: HostPool, model: ModelRun) -> None:
         model.copying = None
         job_id = model.snap.job_id
         calls = [
@@ -429,12 +316,12 @@ class SharpTrainer:
         data = make_data(snap.data, snap.seed, snap.allowed_factories)
         live = [h for h in range(len(self._devices)) if h not in self._dead]
         if not live:  # it waits for the control plane to place the sweep again
-            model = _Model(snap, plan, data, [0] * len(shards), status=RunStatus.LOST)
+            model = ModelRun(snap, plan, data, [0] * len(shards), self._lock, status=RunStatus.LOST)
             model.error = "every device of this executor was lost; no device is left"
             with self._lock:
                 self._models[snap.job_id] = model
             return []
-        model = _Model(snap, plan, data, self._home(shards, snap.steps, live))
+        model = ModelRun(snap, plan, data, self._home(shards, snap.steps, live), self._lock)
         store = CheckpointStore(snap.checkpoint_root)
         restorable = store.restorable(snap.job_id)
         latest, states = restorable.info, restorable.blocks
@@ -449,7 +336,7 @@ class SharpTrainer:
             self._models[snap.job_id] = model
         model.origin = states or None
         if latest is not None or restorable.skipped:
-            self._record(model, resumed_event(restorable))
+            model.record(resumed_event(restorable))
         if latest is not None:
             model.restart(latest.step)
             model.placed = model.done
@@ -459,23 +346,12 @@ class SharpTrainer:
             f"{s.blocks[0]}-{s.blocks[1] - 1}@{self._devices[h].id}"
             for s, h in zip(shards, model.homes, strict=True)
         )
-        rows_out = [
-            {
-                "stage": s.index,
-                "replica": 0,
-                "device_id": self._devices[h].id,
-                "blocks": list(s.blocks),
-                "bytes": s.state_bytes,
-            }
-            for s, h in zip(shards, model.homes, strict=True)
-        ]
-        self._record(
-            model,
+        model.record(
             RunnerEvent(
                 "placement",
                 model.step,
                 f"SHARP: {len(shards)} shards: {where}",
-                {"executor": "sharp", "stages": rows_out},
+                {"executor": "sharp", "stages": model.rows(self._devices, sizes=True)},
             ),
         )
         return adds
@@ -491,18 +367,6 @@ class SharpTrainer:
         for shard, host in zip(shards, homes, strict=True):
             self._load[host] += steps * (shard.forward_s + shard.backward_s)
         return homes
-
-    def _rows(self, model: _Model) -> list[dict[str, Any]]:
-        """The model's shards as stage rows (its layout, for the control plane)."""
-        return [
-            {
-                "stage": s.index,
-                "replica": 0,
-                "device_id": self._devices[h].id,
-                "blocks": list(s.blocks),
-            }
-            for s, h in zip(model.plan.shards, model.homes, strict=True)
-        ]
 
     def _await_all(self, pool: HostPool, calls: Sequence[Call]) -> list[Any]:
         pending, values = list(calls), {}
@@ -540,7 +404,7 @@ class SharpTrainer:
                 model = self._models[picked.task.model]
                 nxt = picked.prefetch if self._prefetch else None
                 call = self._submit(pool, model, host, picked.task, self._prefetch_key(nxt, host))
-                self._in_flight[call] = _Task(model, host, model.submitted, self._dispatched)
+                self._in_flight[call] = Task(model, host, model.submitted, self._dispatched)
                 model.submitted += 1
                 model.last_host = host
                 model.last_run = self._dispatched
@@ -556,7 +420,7 @@ class SharpTrainer:
     def _submit(
         self,
         pool: HostPool,
-        model: _Model,
+        model: ModelRun,
         host: int,
         task: ShardTask,
         prefetch: ShardKey | None,
@@ -591,7 +455,7 @@ class SharpTrainer:
             model.carry = pool.outputs(call) if passes else None
         return call
 
-    def _load_batch(self, model: _Model, step: int) -> None:
+    def _load_batch(self, model: ModelRun, step: int) -> None:
         snap = model.snap
         inputs, targets = model.data.batch(step, snap.batch_size)
         rows = snap.batch_size // snap.micro_batches
@@ -605,7 +469,7 @@ class SharpTrainer:
 
     # --------------------------------------------------------------------- completion
 
-    def _complete(self, pool: HostPool, task: _Task, call: Call) -> None:
+    def _complete(self, pool: HostPool, task: Task, call: Call) -> None:
         """A task is done: its model moves on (and ends its step after its last task), or,
         when it failed, fails, or rolls back once its tasks in flight are done."""
         model = task.model
@@ -613,7 +477,7 @@ class SharpTrainer:
             result: TaskResult = pool.result(call)
         except ShardFailed as exc:
             if model.lost is None:  # else a consequence of the loss it rolls back from
-                self._end(model, RunStatus.FAILED, str(exc))
+                model.end(RunStatus.FAILED, str(exc))
         except HostLost as exc:
             self._lose(pool, task.host, str(exc))
         except InputLost as exc:  # its input was on a device lost meanwhile
@@ -624,7 +488,7 @@ class SharpTrainer:
         if model.lost is not None and model.snap.job_id not in self._busy_models():
             self._roll_back(pool, model)  # a step rolled back: the results since are dropped
 
-    def _account(self, pool: HostPool, model: _Model, result: TaskResult) -> None:
+    def _account(self, pool: HostPool, model: ModelRun, result: TaskResult) -> None:
         """The model's next task in its chain (``done``) finished with ``result``."""
         task = model.plan.task(model.done)
         self.promoted_bytes += result.promoted_bytes
@@ -637,7 +501,7 @@ class SharpTrainer:
         if task.op is Op.BACKWARD and task.shard == 0:
             self._finish_step(pool, model, task.step + 1)
 
-    def _finish_step(self, pool: HostPool, model: _Model, step: int) -> None:
+    def _finish_step(self, pool: HostPool, model: ModelRun, step: int) -> None:
         """Record ``step``, and take its copy (``keep_copies``) where one is due: as often
         as its measured cost allows (``scheduler.copies``). The shards' hosts take the copy
         while the executor dispatches on (``_copied``); a loss replays the steps since the
@@ -669,8 +533,7 @@ class SharpTrainer:
             self._start_copy(pool, model, step)
         if snap.keep_copies:
             model.cadence.observe_step(model.step_compute_s)
-        self._record(
-            model,
+        model.record(
             StepMetrics(
                 step=step,
                 loss=float(sum(model.losses)),
@@ -691,7 +554,7 @@ class SharpTrainer:
             self._maybe_move(pool, model, step, blocks or None)
 
     def _maybe_move(
-        self, pool: HostPool, model: _Model, step: int, blocks: dict[int, Any] | None
+        self, pool: HostPool, model: ModelRun, step: int, blocks: dict[int, Any] | None
     ) -> None:
         """At a step boundary ``model`` moves whole to the live device where that ends the
         two devices' work soonest, if sooner than staying (``scheduler.sharp.move_target``):
@@ -742,28 +605,27 @@ class SharpTrainer:
         self._load[there] += work
         model.homes = [there] * len(model.plan.shards)
         old, new = self._devices[home].id, self._devices[there].id
-        self._record(
-            model,
+        model.record(
             RunnerEvent(
                 "relayout",
                 step,
                 f"SHARP: moved from {old} to {new} at step {step}, where the two devices'"
                 " models end sooner",
-                {"to": self._rows(model), "removed": [old], "added": [new]},
+                {"to": model.rows(self._devices), "removed": [old], "added": [new]},
             ),
         )
 
-    def _start_copy(self, pool: HostPool, model: _Model, step: int) -> None:
+    def _start_copy(self, pool: HostPool, model: ModelRun, step: int) -> None:
         """Have the model's shard hosts copy it as it is after ``step`` steps (each host
         takes its part after the task it runs, before any later task of the model there)."""
         job_id = model.snap.job_id
         calls = {
             pool.submit(model.homes[s.index], "copy", (job_id, s.index)) for s in model.plan.shards
         }
-        model.copying = _Copying(step, calls)
+        model.copying = Copying(step, calls)
         self._copy_calls.update(dict.fromkeys(calls, model))
 
-    def _copied(self, pool: HostPool, model: _Model, call: Call) -> None:
+    def _copied(self, pool: HostPool, model: ModelRun, call: Call) -> None:
         """A host's part of ``model``'s copy is in; once every part is, the copy replaces
         the model's last one, and what it took is the copies' measured cost."""
         copying = model.copying
@@ -773,23 +635,15 @@ class SharpTrainer:
             states, seconds, finished = pool.result(call)
         except ShardFailed as exc:
             model.copying = None
-            self._end(model, RunStatus.FAILED, str(exc))
+            model.end(RunStatus.FAILED, str(exc))
             return
         except HostLost as exc:
             model.copying = None
             self._lose(pool, self._host_of(exc), str(exc))
             return
-        copying.calls.discard(call)
-        copying.blocks.update(states)
-        # Its taking, and its way here: on a node whose cores train too, both cost them.
-        copying.seconds += seconds + max(0.0, time.time() - finished)
-        if not copying.calls:
-            model.saved, model.copying = (copying.step, copying.blocks), None
-            model.cadence.observe_copy(copying.seconds)
-            if model.cadence.plan():
-                self._record(model, copies_event(model.cadence, model.step))
+        model.took_part(call, states, seconds, finished)
 
-    def _gather(self, pool: HostPool, model: _Model) -> dict[int, Any]:
+    def _gather(self, pool: HostPool, model: ModelRun) -> dict[int, Any]:
         """Every block's state in wire form (what Ray moves and unpickles fastest), from the
         model's shards (each host answers after its task)."""
         job_id = model.snap.job_id
@@ -802,7 +656,7 @@ class SharpTrainer:
         return blocks
 
     def _checkpoint(
-        self, model: _Model, step: int, blocks: dict[int, Any], leave: bool = False
+        self, model: ModelRun, step: int, blocks: dict[int, Any], leave: bool = False
     ) -> None:
         """Write ``model``'s checkpoint of ``step`` in the writer thread while the devices
         train on (a file of the whole model's state takes seconds); its last one ends it
@@ -820,7 +674,7 @@ class SharpTrainer:
 
     def _write(
         self,
-        model: _Model,
+        model: ModelRun,
         step: int,
         blocks: dict[int, Any],
         stages: list[dict[str, Any]],
@@ -835,17 +689,17 @@ class SharpTrainer:
         except Exception as exc:  # a boundary: the model fails with why, the others go on
             reason = f"its checkpoint of step {step} could not be written: {one_line(exc)}"
             if last:  # its shards are gone already
-                self._end(model, RunStatus.FAILED, reason)
+                model.end(RunStatus.FAILED, reason)
             else:
                 self._stop(snap.job_id, RunStatus.FAILED, reason)
             return
-        self._record(model, event)
+        model.record(event)
         if leave:
             message = f"suspended at step {step}, checkpointed: resumes from there"
-            self._record(model, RunnerEvent("suspended", step, message, {"step": step}))
-            self._end(model, RunStatus.SUSPENDED)
+            model.record(RunnerEvent("suspended", step, message, {"step": step}))
+            model.end(RunStatus.SUSPENDED)
         elif last:
-            self._end(model, RunStatus.SUCCEEDED)
+            model.end(RunStatus.SUCCEEDED)
 
     # ------------------------------------------------------------------- lost devices
 
@@ -866,7 +720,7 @@ class SharpTrainer:
             if model.snap.job_id not in busy:
                 self._roll_back(pool, model)
 
-    def _roll_back(self, pool: HostPool, model: _Model) -> None:
+    def _roll_back(self, pool: HostPool, model: ModelRun) -> None:
         """Re-form ``model`` from its last copy: the shards of lost devices move to the
         least loaded live ones, every shard reloads its state of that step, and the model
         runs on from there (Hydra's promise: a lost device costs its in-flight task; here
@@ -886,7 +740,7 @@ class SharpTrainer:
             self._drop(pool, model)  # its shards on the devices left
             # Ended after the checkpoints it has under way: its report then names them all,
             # and the control plane resumes it from the latest.
-            self._writer.submit(self._end, model, RunStatus.LOST, f"{reason}; {why}")
+            self._writer.submit(model.end, RunStatus.LOST, f"{reason}; {why}")
             return
         step, blocks = copy
         job_id = model.snap.job_id
@@ -921,8 +775,7 @@ class SharpTrainer:
             return
         replayed = model.step - step
         model.restart(step)
-        self._record(
-            model,
+        model.record(
             RunnerEvent(
                 "device_lost",
                 model.step,
@@ -938,13 +791,12 @@ class SharpTrainer:
                 },
             ),
         )
-        self._record(
-            model,
+        model.record(
             RunnerEvent(
                 "recovered",
                 step,
                 f"shards re-homed off {', '.join(gone)}",
-                {"to": self._rows(model), "steps_replayed": replayed},
+                {"to": model.rows(self._devices), "steps_replayed": replayed},
             ),
         )
 

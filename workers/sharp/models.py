@@ -1,0 +1,168 @@
+"""One model's state in the SHARP executor (``workers.sharp.runner``): where its shards
+live, how far its chain of shard tasks has got, its copies and its log; and a shard task in
+flight."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from scheduler.copies import CopyCadence
+from scheduler.devices import Device
+from scheduler.sharp import ModelPlan
+from workers.pipeline.recovery import copies_event
+from workers.sharp.shard_pool import Call
+from workers.snapshot import JobSnapshot, RunnerEvent, RunStatus, StepMetrics
+from workers.wire import Wire
+from workers.zoo.data import DataSource
+
+
+@dataclass
+class Copying:
+    """A copy of a model's shards after ``step`` steps, taken by their hosts (``copy``
+    calls); it replaces the model's ``saved`` copy once every call has answered."""
+
+    step: int
+    calls: set[Call]
+    blocks: dict[int, Any] = field(default_factory=dict)
+    seconds: float = 0.0
+    """What it cost: the seconds the hosts spent taking it and its parts took to arrive."""
+
+
+@dataclass
+class ModelRun:
+    """One model's training state in the executor."""
+
+    snap: JobSnapshot
+    plan: ModelPlan
+    data: DataSource
+    homes: list[int]
+    """The pool position of the device holding each shard."""
+    lock: threading.Lock
+    """The executor's: guards ``log``, ``step``, ``status`` and ``error``, which
+    ``SharpTrainer.report`` reads from other threads."""
+    done: int = 0
+    """Tasks finished, in chain order (``ModelPlan.task`` positions)."""
+    submitted: int = 0
+    """Tasks handed to a device: those from ``done`` on are in flight, each queued behind
+    the one before it in the chain (``_dispatch``)."""
+    last_host: int = -1
+    """The device of its last submitted task."""
+    ratio: float = 1.0
+    last_run: int = -1
+    carry: Any = None
+    """The inputs of the model's next task to submit: a batch, a ``HostPool.outputs``
+    handle (made on another device) or ``Stashed`` (kept on its own device)."""
+    targets: list[Wire] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
+    step_started: float = 0.0
+    status: RunStatus = RunStatus.RUNNING
+    error: str | None = None
+    log: list[StepMetrics | RunnerEvent] = field(default_factory=list)
+    step: int = 0
+    saved: tuple[int, dict[int, Any]] | None = None
+    """Every block's state at the last copy (``keep_copies``), in this process: what the
+    model rolls back to when a device holding one of its shards is lost."""
+    copying: Copying | None = None
+    """The copy under way: its shards' hosts take it while the executor dispatches on."""
+    step_compute_s: float = 0.0
+    """The device seconds of the step under way's tasks: the copies' yardstick."""
+    cadence: CopyCadence = field(init=False)
+    """How often the copy is taken (``scheduler.copies``, at the model's budget)."""
+    lost: str | None = None
+    """Why the model must roll back (a device holding a shard was lost), until it does."""
+    placed: int = 0
+    """Tasks done when it was placed; while ``done`` is still that, a lost shard is built
+    again from ``origin`` (its checkpoint's block states, or None: from its seed)."""
+    origin: dict[int, Any] | None = None
+    leaving: bool = False
+    """It trains no more here: its shards are dropped, and the writer thread ends it
+    (SUSPENDED with the checkpoint of the step it stopped at, or LOST) once the checkpoints
+    it has under way are written."""
+
+    def __post_init__(self) -> None:
+        self.cadence = CopyCadence(self.snap.copy_budget)
+
+    @property
+    def active(self) -> bool:
+        running = self.status is RunStatus.RUNNING and not self.leaving
+        return running and self.done < self.plan.tasks
+
+    @property
+    def runnable(self) -> bool:
+        return self.active and self.lost is None
+
+    def can_submit(self, host: int) -> bool:
+        """Its next task may be queued on ``host``: it has one, its shard lives there, it
+        is not the first of a step whose last task's end (its copy, checkpoint,
+        suspension) is still to be seen, and its input will be there when ``host`` gets
+        to it: the task before it has ended, or runs on ``host`` first (a task waiting
+        for a producer elsewhere would hold up the tasks queued behind it)."""
+        at = self.submitted
+        if not (self.runnable and at < self.plan.tasks):
+            return False
+        new_step = at % (2 * len(self.plan.shards)) == 0
+        ready = self.done == at or (not new_step and self.last_host == host)
+        return self.homes[self.plan.shard_at(at).index] == host and ready
+
+    def restart(self, step: int) -> None:
+        """Train on from the end of ``step`` (placed from a checkpoint, or rolled back)."""
+        self.done = self.submitted = step * 2 * len(self.plan.shards)
+        self.carry, self.losses = None, []
+
+    def record(self, item: StepMetrics | RunnerEvent) -> None:
+        with self.lock:
+            self.log.append(item)
+            if isinstance(item, StepMetrics):
+                self.step = item.step
+
+    def end(self, status: RunStatus, error: str | None = None) -> None:
+        with self.lock:
+            self.status, self.error = status, error
+
+    def took_part(
+        self, call: Call, states: dict[int, Any], seconds: float, finished: float
+    ) -> None:
+        """A host's part of the copy under way is in (``states``, taken in ``seconds``,
+        sent at wall time ``finished``); once every part is, the copy replaces the last
+        one, and what it took is the copies' measured cost."""
+        copying = self.copying
+        if copying is None or call not in copying.calls:
+            return  # dropped meanwhile: the model rolled back, checkpointed or ended
+        copying.calls.discard(call)
+        copying.blocks.update(states)
+        # Its taking, and its way here: on a node whose cores train too, both cost them.
+        copying.seconds += seconds + max(0.0, time.time() - finished)
+        if not copying.calls:
+            self.saved, self.copying = (copying.step, copying.blocks), None
+            self.cadence.observe_copy(copying.seconds)
+            if self.cadence.plan():
+                self.record(copies_event(self.cadence, self.step))
+
+    def rows(self, devices: Sequence[Device], *, sizes: bool = False) -> list[dict[str, Any]]:
+        """Its shards as stage rows (its layout, for the control plane), with their state's
+        bytes when ``sizes``."""
+        return [
+            {
+                "stage": s.index,
+                "replica": 0,
+                "device_id": devices[h].id,
+                "blocks": list(s.blocks),
+                **({"bytes": s.state_bytes} if sizes else {}),
+            }
+            for s, h in zip(self.plan.shards, self.homes, strict=True)
+        ]
+
+
+@dataclass(frozen=True)
+class Task:
+    """A shard task in flight: its model, device (pool position), chain position and
+    dispatch number (a model's tasks finish in that order)."""
+
+    model: ModelRun
+    host: int
+    position: int
+    number: int
