@@ -798,13 +798,13 @@ def test_a_lost_model_ends_after_the_checkpoints_it_had_under_way_and_reports_th
     a write still under way when the devices went must be in the LOST report."""
     import time
 
-    import workers.sharp.runner
+    import workers.sharp.checkpointing
 
     def slowly(*args: Any, **kwargs: Any) -> Any:
         time.sleep(0.1)
         return write_checkpoint(*args, **kwargs)
 
-    monkeypatch.setattr(workers.sharp.runner, "write_checkpoint", slowly)
+    monkeypatch.setattr(workers.sharp.checkpointing, "write_checkpoint", slowly)
     snap = model(tmp_path, "a", steps=30, keep_copies=True, checkpoint_every=1)
     trainer, thread = open_trainer(snap, devices(), LateEveryDeviceLosingPool)
     lost = ended(trainer, thread, "a")

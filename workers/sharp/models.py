@@ -6,18 +6,27 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from scheduler.copies import CopyCadence
 from scheduler.devices import Device
-from scheduler.sharp import ModelPlan
+from scheduler.sharp import ModelPlan, Shard
 from workers.pipeline.recovery import copies_event
-from workers.sharp.shard_pool import Call
+from workers.pipeline.stage import StageSetup
+from workers.sharp.shard_pool import Call, HostPool
 from workers.snapshot import JobSnapshot, RunnerEvent, RunStatus, StepMetrics
 from workers.wire import Wire
 from workers.zoo.data import DataSource
+
+Blocks = Mapping[int, Any]
+"""Block states by block index (in wire form), as gathered, copied or checkpointed."""
+
+
+def part(shard: Shard, blocks: Blocks | None) -> dict[int, Any] | None:
+    """``shard``'s blocks' states out of ``blocks``; None when there are none."""
+    return {i: blocks[i] for i in range(*shard.blocks)} if blocks else None
 
 
 @dataclass
@@ -141,6 +150,63 @@ class ModelRun:
             self.cadence.observe_copy(copying.seconds)
             if self.cadence.plan():
                 self.record(copies_event(self.cadence, self.step))
+
+    def add(self, pool: HostPool, host: int, shard: Shard, blocks: Blocks | None) -> Call:
+        """Load ``shard`` into ``host``'s memory with its blocks' states from ``blocks``
+        (None or empty: built from the model's seed)."""
+        setup = StageSetup.of(self.snap, self.data.meta)
+        key = (self.snap.job_id, shard.index)
+        return pool.submit(host, "add", key, setup, shard.blocks, shard.bytes, part(shard, blocks))
+
+    def placement(self, devices: Sequence[Device]) -> RunnerEvent:
+        """The event that says where its shards are."""
+        where = ", ".join(
+            f"{s.blocks[0]}-{s.blocks[1] - 1}@{devices[h].id}"
+            for s, h in zip(self.plan.shards, self.homes, strict=True)
+        )
+        return RunnerEvent(
+            "placement",
+            self.step,
+            f"SHARP: {len(self.plan.shards)} shards: {where}",
+            {"executor": "sharp", "stages": self.rows(devices, sizes=True)},
+        )
+
+    def recovered(
+        self,
+        devices: Sequence[Device],
+        gone: Sequence[str],
+        reason: str,
+        step: int,
+        replayed: int,
+        bound: int,
+    ) -> None:
+        """Record that it lost the devices ``gone`` (``reason``) and rolled back to ``step``,
+        replaying ``replayed`` steps (at most ``bound`` by its copies' interval)."""
+        lost = ", ".join(gone)
+        self.record(
+            RunnerEvent(
+                "device_lost",
+                self.step,
+                f"lost {lost} ({reason}); restoring step {step} from the copy in host memory"
+                f" ({replayed} steps replayed)",
+                {
+                    "devices": list(gone),
+                    "step": self.step,
+                    "resume_step": step,
+                    "steps_replayed": replayed,
+                    "copy_interval": self.cadence.interval,
+                    "most_replayed": bound,
+                },
+            )
+        )
+        self.record(
+            RunnerEvent(
+                "recovered",
+                step,
+                f"shards re-homed off {lost}",
+                {"to": self.rows(devices), "steps_replayed": replayed},
+            )
+        )
 
     def rows(self, devices: Sequence[Device], *, sizes: bool = False) -> list[dict[str, Any]]:
         """Its shards as stage rows (its layout, for the control plane), with their state's

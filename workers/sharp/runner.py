@@ -24,10 +24,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
-
-import torch
 
 from scheduler.copies import most_replayed
 from scheduler.devices import Device
@@ -50,14 +47,14 @@ from scheduler.sharp import (
 from scheduler.types import DeviceId
 from workers.checkpoints import CheckpointStore
 from workers.device_memory import device_memory_event
-from workers.pipeline.runner import resumed_event, write_checkpoint
-from workers.pipeline.stage import StageSetup
+from workers.pipeline.runner import resumed_event
 from workers.pipeline.stage_worker import one_line
-from workers.sharp.models import Copying, ModelRun, Task
+from workers.sharp.checkpointing import CheckpointThread
+from workers.sharp.models import Copying, ModelRun, Task, part
 from workers.sharp.shard_host import ShardFailed, ShardKey, Stashed, TaskResult
 from workers.sharp.shard_pool import Call, HostLost, HostPool, InputLost, PoolFactory
 from workers.snapshot import JobSnapshot, RunnerEvent, RunnerReport, RunStatus, StepMetrics
-from workers.wire import receive_tree, send
+from workers.wire import send
 from workers.zoo.data import make_data
 
 DEFAULT_TASK_TIMEOUT_S = 600.0
@@ -101,7 +98,7 @@ class SharpTrainer:
         """Models to checkpoint and end SUSPENDED at their next step boundary."""
         self._open = keep_open
         self._wakeup = threading.Event()
-        self._writer = ThreadPoolExecutor(1, thread_name_prefix="sharp-checkpoints")
+        self._writer = CheckpointThread(self._stop)
         self._load = [0.0] * len(self._devices)
         """Reference seconds of the shards each device holds: new shards go to the least."""
         self._dispatched = 0
@@ -203,7 +200,7 @@ class SharpTrainer:
             with self._lock:
                 self._stopped = self._stopped or "the SHARP executor had stopped (closed)"
             pool.shutdown()
-            self._writer.shutdown(wait=True)  # the checkpoints under way are written
+            self._writer.close()  # the checkpoints under way are written
         return {job_id: m.status for job_id, m in self._models.items()}
 
     def _loop(self, pool: HostPool) -> None:
@@ -325,13 +322,7 @@ class SharpTrainer:
         store = CheckpointStore(snap.checkpoint_root)
         restorable = store.restorable(snap.job_id)
         latest, states = restorable.info, restorable.blocks
-        setup = StageSetup.of(snap, data.meta)
-        adds = []
-        for shard, host in zip(shards, model.homes, strict=True):
-            start, stop = shard.blocks
-            state = {i: states[i] for i in range(start, stop)} if states else None
-            key = (snap.job_id, shard.index)
-            adds.append(pool.submit(host, "add", key, setup, shard.blocks, shard.bytes, state))
+        adds = [model.add(pool, h, s, states) for s, h in zip(shards, model.homes, strict=True)]
         with self._lock:
             self._models[snap.job_id] = model
         model.origin = states or None
@@ -342,18 +333,7 @@ class SharpTrainer:
             model.placed = model.done
             with self._lock:
                 model.step = latest.step
-        where = ", ".join(
-            f"{s.blocks[0]}-{s.blocks[1] - 1}@{self._devices[h].id}"
-            for s, h in zip(shards, model.homes, strict=True)
-        )
-        model.record(
-            RunnerEvent(
-                "placement",
-                model.step,
-                f"SHARP: {len(shards)} shards: {where}",
-                {"executor": "sharp", "stages": model.rows(self._devices, sizes=True)},
-            ),
-        )
+        model.record(model.placement(self._devices))
         return adds
 
     def _home(self, shards: Sequence[Shard], steps: int, live: Sequence[int]) -> list[int]:
@@ -547,7 +527,7 @@ class SharpTrainer:
             with self._lock:
                 self._suspending.discard(snap.job_id)
         if due:
-            self._checkpoint(model, step, blocks, leave)
+            self._writer.write(model, step, blocks, self._devices, leave)
         if step == snap.steps or leave:
             self._drop(pool, model)  # it ends once its last checkpoint is written
         else:
@@ -578,21 +558,8 @@ class SharpTrainer:
                 saved = model.saved
                 blocks = saved[1] if saved and saved[0] == step else self._gather(pool, model)
             job_id = model.snap.job_id
-            data = make_data(model.snap.data, model.snap.seed, model.snap.allowed_factories)
-            setup = StageSetup.of(model.snap, data.meta)
             calls = [pool.submit(home, "drop", (job_id, s.index)) for s in model.plan.shards]
-            calls += [
-                pool.submit(
-                    there,
-                    "add",
-                    (job_id, s.index),
-                    setup,
-                    s.blocks,
-                    s.bytes,
-                    {i: blocks[i] for i in range(*s.blocks)},
-                )
-                for s in model.plan.shards
-            ]
+            calls += [model.add(pool, there, s, blocks) for s in model.plan.shards]
             self._await_all(pool, calls)
         except HostLost as exc:  # before it moved or after: it rolls back from its copy
             model.lost = str(exc)
@@ -655,52 +622,6 @@ class SharpTrainer:
             blocks.update(states)
         return blocks
 
-    def _checkpoint(
-        self, model: ModelRun, step: int, blocks: dict[int, Any], leave: bool = False
-    ) -> None:
-        """Write ``model``'s checkpoint of ``step`` in the writer thread while the devices
-        train on (a file of the whole model's state takes seconds); its last one ends it
-        SUCCEEDED (SUSPENDED if it ``leave``s there), or FAILED if it cannot be written."""
-        stages = [
-            {
-                "index": s.index,
-                "replica": 0,
-                "blocks": list(s.blocks),
-                "device_id": self._devices[model.homes[s.index]].id,
-            }
-            for s in model.plan.shards
-        ]
-        self._writer.submit(self._write, model, step, blocks, stages, leave)
-
-    def _write(
-        self,
-        model: ModelRun,
-        step: int,
-        blocks: dict[int, Any],
-        stages: list[dict[str, Any]],
-        leave: bool,
-    ) -> None:
-        snap = model.snap
-        last = step == snap.steps or leave
-        try:
-            store = CheckpointStore(snap.checkpoint_root)
-            tensors = receive_tree(blocks, torch.device("cpu"))
-            event = write_checkpoint(store, snap, step, tensors, stages, (snap.micro_batches,))
-        except Exception as exc:  # a boundary: the model fails with why, the others go on
-            reason = f"its checkpoint of step {step} could not be written: {one_line(exc)}"
-            if last:  # its shards are gone already
-                model.end(RunStatus.FAILED, reason)
-            else:
-                self._stop(snap.job_id, RunStatus.FAILED, reason)
-            return
-        model.record(event)
-        if leave:
-            message = f"suspended at step {step}, checkpointed: resumes from there"
-            model.record(RunnerEvent("suspended", step, message, {"step": step}))
-            model.end(RunStatus.SUSPENDED)
-        elif last:
-            model.end(RunStatus.SUCCEEDED)
-
     # ------------------------------------------------------------------- lost devices
 
     def _host_of(self, exc: HostLost) -> int:
@@ -740,14 +661,12 @@ class SharpTrainer:
             self._drop(pool, model)  # its shards on the devices left
             # Ended after the checkpoints it has under way: its report then names them all,
             # and the control plane resumes it from the latest.
-            self._writer.submit(model.end, RunStatus.LOST, f"{reason}; {why}")
+            self._writer.then(model.end, RunStatus.LOST, f"{reason}; {why}")
             return
         step, blocks = copy
         job_id = model.snap.job_id
         gone = sorted({self._devices[h].id for h in model.homes if h in self._dead})
         calls = []
-        data = make_data(model.snap.data, model.snap.seed, model.snap.allowed_factories)
-        setup = StageSetup.of(model.snap, data.meta)
         orphans = [s for s in model.plan.shards if model.homes[s.index] in self._dead]
         moved = dict(
             zip(
@@ -757,8 +676,7 @@ class SharpTrainer:
             )
         )
         for shard in model.plan.shards:
-            key, host = (job_id, shard.index), model.homes[shard.index]
-            state = None if blocks is None else {i: blocks[i] for i in range(*shard.blocks)}
+            key, host, state = (job_id, shard.index), model.homes[shard.index], part(shard, blocks)
             if host in self._dead:
                 host = model.homes[shard.index] = moved[shard.index]
             elif state is not None:
@@ -766,7 +684,7 @@ class SharpTrainer:
                 continue
             else:  # built from its seed again, as when it was placed
                 calls.append(pool.submit(host, "drop", key))
-            calls.append(pool.submit(host, "add", key, setup, shard.blocks, shard.bytes, state))
+            calls.append(model.add(pool, host, shard, blocks))
         try:
             self._await_all(pool, calls)
         except HostLost as exc:  # another device went meanwhile: its models roll back too
@@ -775,30 +693,7 @@ class SharpTrainer:
             return
         replayed = model.step - step
         model.restart(step)
-        model.record(
-            RunnerEvent(
-                "device_lost",
-                model.step,
-                f"lost {', '.join(gone)} ({reason}); restoring step {step} from the copy in"
-                f" host memory ({replayed} steps replayed)",
-                {
-                    "devices": gone,
-                    "step": model.step,
-                    "resume_step": step,
-                    "steps_replayed": replayed,
-                    "copy_interval": model.cadence.interval,
-                    "most_replayed": bound,
-                },
-            ),
-        )
-        model.record(
-            RunnerEvent(
-                "recovered",
-                step,
-                f"shards re-homed off {', '.join(gone)}",
-                {"to": model.rows(self._devices), "steps_replayed": replayed},
-            ),
-        )
+        model.recovered(self._devices, gone, reason or "", step, replayed, bound)
 
 
 def _costs(costs: Sequence[BlockCost]) -> list[BlockCost]:
