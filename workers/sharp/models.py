@@ -6,18 +6,19 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from scheduler.copies import CopyCadence
 from scheduler.devices import Device
-from scheduler.sharp import ModelPlan, Shard
+from scheduler.sharp import ModelPlan, Op, Shard, ShardTask
 from workers.pipeline.recovery import copies_event
 from workers.pipeline.stage import StageSetup
+from workers.sharp.shard_host import ShardKey, Stashed
 from workers.sharp.shard_pool import Call, HostPool
 from workers.snapshot import JobSnapshot, RunnerEvent, RunStatus, StepMetrics
-from workers.wire import Wire
+from workers.wire import Wire, send
 from workers.zoo.data import DataSource
 
 Blocks = Mapping[int, Any]
@@ -121,6 +122,58 @@ class ModelRun:
         """Train on from the end of ``step`` (placed from a checkpoint, or rolled back)."""
         self.done = self.submitted = step * 2 * len(self.plan.shards)
         self.carry, self.losses = None, []
+
+    def submit(
+        self,
+        pool: HostPool,
+        host: int,
+        task: ShardTask,
+        prefetch: ShardKey | None,
+        number: int,
+        clock: Callable[[], float],
+    ) -> Call:
+        """Queue ``task`` (its next, at ``submitted``) on ``host`` as dispatch ``number``
+        with the shard to ``prefetch`` after it, and note where the task after it takes its
+        inputs from. A step's first task draws the step's batch (``clock``: its start)."""
+        key = (self.snap.job_id, task.shard)
+        plan, position = self.plan, self.submitted
+        last = task.shard == len(plan.shards) - 1
+        # A forward's activations go to the next shard's forward, a backward's gradients
+        # to the shard before's backward; the last forward and the first backward, one
+        # shard's pair, pass nothing (the loss stays in the shard), nor does the last task.
+        passes = (task.shard > 0) if task.op is Op.BACKWARD else not last
+        after = plan.shard_at(position + 1).index if passes else None
+        keep = position + 1 if after is not None and self.homes[after] == host else None
+        if task.op is Op.FORWARD:
+            if task.shard == 0:
+                self._draw_batch(task.step, clock())
+            if last:
+                snap = self.snap
+                scale = (snap.batch_size // snap.micro_batches) / snap.batch_size
+                args: tuple[Any, ...] = (self.carry, self.targets, scale, prefetch, keep)
+            else:
+                args = (self.carry, None, 1.0, prefetch, keep)
+            call = pool.submit(host, "forward", key, *args)
+        else:
+            grads = [None] * self.snap.micro_batches if last else self.carry
+            call = pool.submit(host, "backward", key, grads, prefetch, keep)
+        if keep is not None:
+            self.carry = Stashed(keep)
+        else:
+            self.carry = pool.outputs(call) if passes else None
+        self.submitted += 1
+        self.last_host, self.last_run = host, number
+        return call
+
+    def _draw_batch(self, step: int, now: float) -> None:
+        snap = self.snap
+        inputs, targets = self.data.batch(step, snap.batch_size)
+        rows = snap.batch_size // snap.micro_batches
+        self.carry = [send(inputs[j * rows : (j + 1) * rows]) for j in range(snap.micro_batches)]
+        self.targets = [send(targets[j * rows : (j + 1) * rows]) for j in range(snap.micro_batches)]
+        self.losses = []
+        self.step_started = now
+        self.step_compute_s = 0.0
 
     def record(self, item: StepMetrics | RunnerEvent) -> None:
         with self.lock:

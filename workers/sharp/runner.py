@@ -51,10 +51,9 @@ from workers.pipeline.runner import resumed_event
 from workers.pipeline.stage_worker import one_line
 from workers.sharp.checkpointing import CheckpointThread
 from workers.sharp.models import Copying, ModelRun, Task, part
-from workers.sharp.shard_host import ShardFailed, ShardKey, Stashed, TaskResult
+from workers.sharp.shard_host import ShardFailed, ShardKey, TaskResult
 from workers.sharp.shard_pool import Call, HostLost, HostPool, InputLost, PoolFactory
 from workers.snapshot import JobSnapshot, RunnerEvent, RunnerReport, RunStatus, StepMetrics
-from workers.wire import send
 from workers.zoo.data import make_data
 
 DEFAULT_TASK_TIMEOUT_S = 600.0
@@ -383,11 +382,12 @@ class SharpTrainer:
                     continue
                 model = self._models[picked.task.model]
                 nxt = picked.prefetch if self._prefetch else None
-                call = self._submit(pool, model, host, picked.task, self._prefetch_key(nxt, host))
-                self._in_flight[call] = Task(model, host, model.submitted, self._dispatched)
-                model.submitted += 1
-                model.last_host = host
-                model.last_run = self._dispatched
+                prefetch = self._prefetch_key(nxt, host)
+                position = model.submitted
+                call = model.submit(
+                    pool, host, picked.task, prefetch, self._dispatched, self._clock
+                )
+                self._in_flight[call] = Task(model, host, position, self._dispatched)
                 self._dispatched += 1
                 queued[host] += 1
 
@@ -396,56 +396,6 @@ class SharpTrainer:
             return None
         model = self._models[task.model]
         return (task.model, task.shard) if model.homes[task.shard] == host else None
-
-    def _submit(
-        self,
-        pool: HostPool,
-        model: ModelRun,
-        host: int,
-        task: ShardTask,
-        prefetch: ShardKey | None,
-    ) -> Call:
-        """Queue ``task`` (the model's next, at ``model.submitted``) on ``host``, and note
-        where the task after it takes its inputs from."""
-        key = (model.snap.job_id, task.shard)
-        plan, position = model.plan, model.submitted
-        last = task.shard == len(plan.shards) - 1
-        # A forward's activations go to the next shard's forward, a backward's gradients
-        # to the shard before's backward; the last forward and the first backward, one
-        # shard's pair, pass nothing (the loss stays in the shard), nor does the last task.
-        passes = (task.shard > 0) if task.op is Op.BACKWARD else not last
-        after = plan.shard_at(position + 1).index if passes else None
-        keep = position + 1 if after is not None and model.homes[after] == host else None
-        if task.op is Op.FORWARD:
-            if task.shard == 0:
-                self._load_batch(model, task.step)
-            if last:
-                snap = model.snap
-                scale = (snap.batch_size // snap.micro_batches) / snap.batch_size
-                args: tuple[Any, ...] = (model.carry, model.targets, scale, prefetch, keep)
-            else:
-                args = (model.carry, None, 1.0, prefetch, keep)
-            call = pool.submit(host, "forward", key, *args)
-        else:
-            grads = [None] * model.snap.micro_batches if last else model.carry
-            call = pool.submit(host, "backward", key, grads, prefetch, keep)
-        if keep is not None:
-            model.carry = Stashed(keep)
-        else:
-            model.carry = pool.outputs(call) if passes else None
-        return call
-
-    def _load_batch(self, model: ModelRun, step: int) -> None:
-        snap = model.snap
-        inputs, targets = model.data.batch(step, snap.batch_size)
-        rows = snap.batch_size // snap.micro_batches
-        model.carry = [send(inputs[j * rows : (j + 1) * rows]) for j in range(snap.micro_batches)]
-        model.targets = [
-            send(targets[j * rows : (j + 1) * rows]) for j in range(snap.micro_batches)
-        ]
-        model.losses = []
-        model.step_started = self._clock()
-        model.step_compute_s = 0.0
 
     # --------------------------------------------------------------------- completion
 
