@@ -30,16 +30,12 @@ from scheduler.copies import most_replayed
 from scheduler.devices import Device
 from scheduler.profile import BlockCost
 from scheduler.sharp import (
-    Home,
     IdleDevice,
     ModelPlan,
     Op,
     Policy,
-    Shard,
     ShardTask,
     assign,
-    home_shards,
-    move_target,
     progress,
     refine_ratio,
     shard_model,
@@ -50,6 +46,7 @@ from workers.device_memory import device_memory_event
 from workers.pipeline.runner import resumed_event
 from workers.pipeline.stage_worker import one_line
 from workers.sharp.checkpointing import CheckpointThread
+from workers.sharp.homes import Homes
 from workers.sharp.models import Copying, ModelRun, Task, part
 from workers.sharp.shard_host import ShardFailed, ShardKey, TaskResult
 from workers.sharp.shard_pool import Call, HostLost, HostPool, InputLost, PoolFactory
@@ -98,11 +95,8 @@ class SharpTrainer:
         self._open = keep_open
         self._wakeup = threading.Event()
         self._writer = CheckpointThread(self._stop)
-        self._load = [0.0] * len(self._devices)
-        """Reference seconds of the shards each device holds: new shards go to the least."""
         self._dispatched = 0
-        self._dead: set[int] = set()
-        """Pool positions of devices that were lost."""
+        self._homes = Homes(self._devices)
         self._reported: set[int] = set()
         """Pool positions of devices whose overhead a model's events have said."""
         self._in_flight: dict[Call, Task] = {}
@@ -144,8 +138,7 @@ class SharpTrainer:
 
     def lost_devices(self) -> list[DeviceId]:
         """The devices found lost; the models go on on the others."""
-        with self._lock:
-            return [self._devices[h].id for h in sorted(self._dead)]
+        return self._homes.lost()
 
     def _stop(self, job_id: str, status: RunStatus, error: str | None) -> None:
         with self._lock:
@@ -174,9 +167,7 @@ class SharpTrainer:
                 metrics=tuple(m for m in news if isinstance(m, StepMetrics)),
                 events=tuple(e for e in news if isinstance(e, RunnerEvent)),
                 error=model.error,
-                lost_devices=tuple(
-                    self._devices[h].id for h in sorted(set(model.homes) & self._dead) if lost
-                ),
+                lost_devices=tuple(self._homes.lost(model.homes) if lost else ()),
             )
 
     # ----------------------------------------------------------------------- training
@@ -240,7 +231,7 @@ class SharpTrainer:
                 for snap in arriving:
                     self._report_overhead(pool, self._models[snap.job_id])
             except HostLost as exc:  # its models (new ones too) are placed again
-                self._lose(pool, self._host_of(exc), str(exc))
+                self._lose(pool, self._homes.host_of(exc.device_id), str(exc))
             for snap in arriving:
                 model = self._models[snap.job_id]
                 if not (snap.keep_copies and model.active):
@@ -248,13 +239,13 @@ class SharpTrainer:
                 try:
                     model.saved = (model.step, self._gather(pool, model))
                 except HostLost as exc:  # it trained nothing yet: no copy is needed
-                    self._lose(pool, self._host_of(exc), str(exc))
+                    self._lose(pool, self._homes.host_of(exc.device_id), str(exc))
 
     def _report_overhead(self, pool: HostPool, model: ModelRun) -> None:
         """The first model placed on a device says in an event what the device holds for
         its worker (measured on a GPU): the control plane keeps it with the device and plans
         later placements and sweeps in the rest."""
-        hosts = sorted(set(model.homes) - self._reported - self._dead)
+        hosts = sorted(h for h in set(model.homes) - self._reported if self._homes.alive(h))
         answers = self._await_all(pool, [pool.submit(h, "overhead") for h in hosts])
         for host, overhead in zip(hosts, answers, strict=True):
             self._reported.add(host)
@@ -285,14 +276,13 @@ class SharpTrainer:
         calls = [
             pool.submit(host, "drop", (job_id, s.index))
             for s, host in zip(model.plan.shards, model.homes, strict=True)
-            if host not in self._dead
+            if self._homes.alive(host)
         ]
         try:
             self._await_all(pool, calls)
         except HostLost as exc:  # its shards there are gone anyway; the others' roll back
-            self._lose(pool, self._host_of(exc), str(exc))
-        for shard, host in zip(model.plan.shards, model.homes, strict=True):
-            self._load[host] -= model.snap.steps * (shard.forward_s + shard.backward_s)
+            self._lose(pool, self._homes.host_of(exc.device_id), str(exc))
+        self._homes.release(model)
 
     def _place(self, pool: HostPool, snap: JobSnapshot) -> list[Call]:
         """Cut a model into shards and spread them over the devices' host memory, each to
@@ -310,14 +300,13 @@ class SharpTrainer:
         )
         plan = ModelPlan(snap.job_id, shards, snap.steps, len(self._models))
         data = make_data(snap.data, snap.seed, snap.allowed_factories)
-        live = [h for h in range(len(self._devices)) if h not in self._dead]
-        if not live:  # it waits for the control plane to place the sweep again
+        if not self._homes.live():  # it waits for the control plane to place the sweep again
             model = ModelRun(snap, plan, data, [0] * len(shards), self._lock, status=RunStatus.LOST)
             model.error = "every device of this executor was lost; no device is left"
             with self._lock:
                 self._models[snap.job_id] = model
             return []
-        model = ModelRun(snap, plan, data, self._home(shards, snap.steps, live), self._lock)
+        model = ModelRun(snap, plan, data, self._homes.place(shards, snap.steps), self._lock)
         store = CheckpointStore(snap.checkpoint_root)
         restorable = store.restorable(snap.job_id)
         latest, states = restorable.info, restorable.blocks
@@ -334,18 +323,6 @@ class SharpTrainer:
                 model.step = latest.step
         model.record(model.placement(self._devices))
         return adds
-
-    def _home(self, shards: Sequence[Shard], steps: int, live: Sequence[int]) -> list[int]:
-        """The pool positions ``shards`` live on (``scheduler.sharp.home_shards``), their
-        work counted on those devices."""
-        ids = home_shards(
-            shards, steps, [Home(self._devices[h].id, 1.0, self._load[h]) for h in live]
-        )
-        position = {self._devices[h].id: h for h in live}
-        homes = [position[i] for i in ids]
-        for shard, host in zip(shards, homes, strict=True):
-            self._load[host] += steps * (shard.forward_s + shard.backward_s)
-        return homes
 
     def _await_all(self, pool: HostPool, calls: Sequence[Call]) -> list[Any]:
         pending, values = list(calls), {}
@@ -368,7 +345,7 @@ class SharpTrainer:
         queued = Counter(t.host for t in self._in_flight.values())
         for depth in range(1, QUEUE_DEPTH + 1):  # a task for every device before a second
             for host, device in enumerate(self._devices):
-                if queued[host] >= depth or host in self._dead:
+                if queued[host] >= depth or not self._homes.alive(host):
                     continue
                 here = [m for m in self._models.values() if m.can_submit(host)]
                 if not here:
@@ -453,7 +430,7 @@ class SharpTrainer:
                 blocks = self._gather(pool, model)
             except HostLost as exc:  # a shard's device went between the step and the gather
                 model.lost = str(exc)
-                self._lose(pool, self._host_of(exc), str(exc))
+                self._lose(pool, self._homes.host_of(exc.device_id), str(exc))
                 if model.lost is not None:  # its last step: ``_lose`` passes it by
                     self._roll_back(pool, model)
                 return
@@ -491,16 +468,7 @@ class SharpTrainer:
         as models end, some devices fall idle while others still hold several. Its state
         (the step's gathered ``blocks``, else its copy of this step, else gathered now) is
         loaded there; nothing is replayed."""
-        home = model.homes[0]
-        left = dict.fromkeys((h for h in range(len(self._devices)) if h not in self._dead), 0.0)
-        for m in self._models.values():
-            if m.active and m.homes[0] in left:
-                left[m.homes[0]] += m.plan.remaining_s(m.done)
-        if home not in left:
-            return  # its device is lost: it rolls back instead
-        mine = model.plan.remaining_s(model.done)
-        others = {host: (work, 1.0, 0.0) for host, work in left.items() if host != home}
-        there = move_target(mine, (left[home], 1.0), others)
+        home, there = model.homes[0], self._homes.target(model, self._models.values())
         if there is None:
             return
         try:
@@ -513,14 +481,11 @@ class SharpTrainer:
             self._await_all(pool, calls)
         except HostLost as exc:  # before it moved or after: it rolls back from its copy
             model.lost = str(exc)
-            self._lose(pool, self._host_of(exc), str(exc))
+            self._lose(pool, self._homes.host_of(exc.device_id), str(exc))
             if model.lost is not None:
                 self._roll_back(pool, model)
             return
-        work = model.snap.steps * sum(s.forward_s + s.backward_s for s in model.plan.shards)
-        self._load[home] -= work
-        self._load[there] += work
-        model.homes = [there] * len(model.plan.shards)
+        self._homes.move(model, there)
         old, new = self._devices[home].id, self._devices[there].id
         model.record(
             RunnerEvent(
@@ -556,7 +521,7 @@ class SharpTrainer:
             return
         except HostLost as exc:
             model.copying = None
-            self._lose(pool, self._host_of(exc), str(exc))
+            self._lose(pool, self._homes.host_of(exc.device_id), str(exc))
             return
         model.took_part(call, states, seconds, finished)
 
@@ -574,15 +539,11 @@ class SharpTrainer:
 
     # ------------------------------------------------------------------- lost devices
 
-    def _host_of(self, exc: HostLost) -> int:
-        return next(h for h, d in enumerate(self._devices) if d.id == exc.device_id)
-
     def _lose(self, pool: HostPool, host: int, reason: str) -> None:
         """Device ``host`` is gone with the shards it held: every model with one there rolls
         back to its last copy (now, or once its task in flight elsewhere is done); only the
         work since that step boundary is lost."""
-        with self._lock:
-            self._dead.add(host)
+        self._homes.lose(host)
         busy = self._busy_models()
         for model in list(self._models.values()):
             if not model.active or host not in model.homes:
@@ -601,7 +562,7 @@ class SharpTrainer:
             taken, before = model.copying.step, taken
         bound = most_replayed(model.cadence.interval, taken, before)
         reason, model.lost, model.copying = model.lost, None, None
-        live = [h for h in range(len(self._devices)) if h not in self._dead]
+        live = self._homes.live()
         copy: tuple[int, dict[int, Any] | None] | None = model.saved
         if copy is None and model.done == model.placed:  # nothing trained since placement
             copy = (model.step, model.origin)
@@ -615,19 +576,19 @@ class SharpTrainer:
             return
         step, blocks = copy
         job_id = model.snap.job_id
-        gone = sorted({self._devices[h].id for h in model.homes if h in self._dead})
+        gone = self._homes.lost(model.homes)
         calls = []
-        orphans = [s for s in model.plan.shards if model.homes[s.index] in self._dead]
+        orphans = [s for s in model.plan.shards if not self._homes.alive(model.homes[s.index])]
         moved = dict(
             zip(
                 [s.index for s in orphans],
-                self._home(orphans, model.snap.steps, live),
+                self._homes.place(orphans, model.snap.steps),
                 strict=True,
             )
         )
         for shard in model.plan.shards:
             key, host, state = (job_id, shard.index), model.homes[shard.index], part(shard, blocks)
-            if host in self._dead:
+            if not self._homes.alive(host):
                 host = model.homes[shard.index] = moved[shard.index]
             elif state is not None:
                 calls.append(pool.submit(host, "load", key, state))
@@ -639,7 +600,7 @@ class SharpTrainer:
             self._await_all(pool, calls)
         except HostLost as exc:  # another device went meanwhile: its models roll back too
             model.lost = str(exc)
-            self._lose(pool, self._host_of(exc), str(exc))
+            self._lose(pool, self._homes.host_of(exc.device_id), str(exc))
             return
         replayed = model.step - step
         model.restart(step)
