@@ -28,30 +28,25 @@ from typing import Any
 
 from scheduler.copies import most_replayed
 from scheduler.devices import Device
-from scheduler.profile import BlockCost
 from scheduler.sharp import (
     IdleDevice,
-    ModelPlan,
     Op,
     Policy,
     ShardTask,
     assign,
     progress,
     refine_ratio,
-    shard_model,
 )
 from scheduler.types import DeviceId
-from workers.checkpoints import CheckpointStore
 from workers.device_memory import device_memory_event
-from workers.pipeline.runner import resumed_event
 from workers.pipeline.stage_worker import one_line
 from workers.sharp.checkpointing import CheckpointThread
 from workers.sharp.homes import Homes
 from workers.sharp.models import Copying, ModelRun, Task, part
+from workers.sharp.placing import arrive
 from workers.sharp.shard_host import ShardFailed, ShardKey, TaskResult
 from workers.sharp.shard_pool import Call, HostLost, HostPool, InputLost, PoolFactory
 from workers.snapshot import JobSnapshot, RunnerEvent, RunnerReport, RunStatus, StepMetrics
-from workers.zoo.data import make_data
 
 DEFAULT_TASK_TIMEOUT_S = 600.0
 
@@ -285,44 +280,16 @@ class SharpTrainer:
         self._homes.release(model)
 
     def _place(self, pool: HostPool, snap: JobSnapshot) -> list[Call]:
-        """Cut a model into shards and spread them over the devices' host memory, each to
-        the device with the least reference work so far; restore its latest checkpoint.
-        The calls that load the shards."""
+        """Make ``snap`` a model here (``placing.arrive``); the calls that load its shards
+        into their devices' memory."""
         smallest = min(self._budgets[d.id] for d in self._devices)
-        rows = snap.batch_size // snap.micro_batches
-        shards = shard_model(
-            _costs(snap.block_costs),
-            smallest,
-            rows,
-            micro_batches=snap.micro_batches,
-            recompute=snap.recompute,
-            precision=snap.precision,
-        )
-        plan = ModelPlan(snap.job_id, shards, snap.steps, len(self._models))
-        data = make_data(snap.data, snap.seed, snap.allowed_factories)
-        if not self._homes.live():  # it waits for the control plane to place the sweep again
-            model = ModelRun(snap, plan, data, [0] * len(shards), self._lock, status=RunStatus.LOST)
-            model.error = "every device of this executor was lost; no device is left"
-            with self._lock:
-                self._models[snap.job_id] = model
-            return []
-        model = ModelRun(snap, plan, data, self._homes.place(shards, snap.steps), self._lock)
-        store = CheckpointStore(snap.checkpoint_root)
-        restorable = store.restorable(snap.job_id)
-        latest, states = restorable.info, restorable.blocks
-        adds = [model.add(pool, h, s, states) for s, h in zip(shards, model.homes, strict=True)]
+        model = arrive(snap, smallest, len(self._models), self._homes, self._lock)
         with self._lock:
             self._models[snap.job_id] = model
-        model.origin = states or None
-        if latest is not None or restorable.skipped:
-            model.record(resumed_event(restorable))
-        if latest is not None:
-            model.restart(latest.step)
-            model.placed = model.done
-            with self._lock:
-                model.step = latest.step
-        model.record(model.placement(self._devices))
-        return adds
+        if model.status is RunStatus.LOST:
+            return []
+        shards, homes = model.plan.shards, model.homes
+        return [model.add(pool, h, s, model.origin) for s, h in zip(shards, homes, strict=True)]
 
     def _await_all(self, pool: HostPool, calls: Sequence[Call]) -> list[Any]:
         pending, values = list(calls), {}
@@ -605,7 +572,3 @@ class SharpTrainer:
         replayed = model.step - step
         model.restart(step)
         model.recovered(self._devices, gone, reason or "", step, replayed, bound)
-
-
-def _costs(costs: Sequence[BlockCost]) -> list[BlockCost]:
-    return sorted(costs, key=lambda c: c.index)
