@@ -308,38 +308,40 @@ class SharpTrainer:
         them, and the task's inputs come from the task before it in its model's chain
         without passing through here (kept on the device when that ran there too, else
         straight from that device)."""
-        plans = {m.snap.job_id: m.plan for m in self._models.values()}
         queued = Counter(t.host for t in self._in_flight.values())
         for depth in range(1, QUEUE_DEPTH + 1):  # a task for every device before a second
             for host, device in enumerate(self._devices):
                 if queued[host] >= depth or not self._homes.alive(host):
                     continue
-                here = [m for m in self._models.values() if m.can_submit(host)]
-                if not here:
-                    continue
-                idle = IdleDevice(device.id, 1.0, self._budgets[device.id])
-                runnable = [
-                    progress(m.plan, m.submitted, ratio=m.ratio, last_run=m.last_run) for m in here
-                ]
-                picked = assign(self._policy, idle, runnable, plans, sequence=self._dispatched)
+                budget = self._budgets[device.id]
+                picked = self._pick(host, IdleDevice(device.id, 1.0, budget))
                 if picked is None:
                     continue
-                model = self._models[picked.task.model]
-                nxt = picked.prefetch if self._prefetch else None
-                prefetch = self._prefetch_key(nxt, host)
+                model, task, prefetch = picked
                 position = model.submitted
-                call = model.submit(
-                    pool, host, picked.task, prefetch, self._dispatched, self._clock
-                )
+                call = model.submit(pool, host, task, prefetch, self._dispatched, self._clock)
                 self._in_flight[call] = Task(model, host, position, self._dispatched)
                 self._dispatched += 1
                 queued[host] += 1
 
-    def _prefetch_key(self, task: ShardTask | None, host: int) -> ShardKey | None:
-        if task is None:
+    def _pick(
+        self, host: int, device: IdleDevice
+    ) -> tuple[ModelRun, ShardTask, ShardKey | None] | None:
+        """The policy's next task for ``host`` among the models that may queue one there
+        (``ModelRun.can_submit``), with the shard to prefetch behind it (one of its own)."""
+        here = [m for m in self._models.values() if m.can_submit(host)]
+        if not here:
             return None
-        model = self._models[task.model]
-        return (task.model, task.shard) if model.homes[task.shard] == host else None
+        plans = {m.snap.job_id: m.plan for m in self._models.values()}
+        runnable = [progress(m.plan, m.submitted, ratio=m.ratio, last_run=m.last_run) for m in here]
+        picked = assign(self._policy, device, runnable, plans, sequence=self._dispatched)
+        if picked is None:
+            return None
+        nxt = picked.prefetch if self._prefetch else None
+        key = None
+        if nxt is not None and self._models[nxt.model].homes[nxt.shard] == host:
+            key = (nxt.model, nxt.shard)
+        return self._models[picked.task.model], picked.task, key
 
     # --------------------------------------------------------------------- completion
 
