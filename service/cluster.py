@@ -202,7 +202,7 @@ class InProcessCluster:
     """
 
     def __init__(self, nodes: Sequence[NodeInfo], make_pool: PoolFactory | None = None) -> None:
-        from workers.pipeline.runner import JobRunner
+        from workers.pipeline.job_runner import JobRunner
         from workers.sharp.shard_pool import LocalPool
 
         self._nodes = list(nodes)
@@ -218,7 +218,7 @@ class InProcessCluster:
 
     def start_runner(self, snapshot: JobSnapshot) -> None:
         from workers.pipeline.group import LocalGroup
-        from workers.pipeline.runner import JobRunner
+        from workers.pipeline.job_runner import JobRunner
 
         with self._lock:
             if snapshot.job_id in self._runners:

@@ -20,7 +20,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from scheduler.devices import Device
 from scheduler.types import JobId
-from workers.pipeline.runner import JobRunner
+from workers.pipeline.job_runner import JobRunner
 from workers.sharp.sweep_executor import SweepExecutor
 from workers.snapshot import JobSnapshot
 

@@ -31,7 +31,8 @@ from tests.factories import (
 from tests.workers.runs import assert_matches_reference, final_states, metrics, reference
 from workers.checkpoints import CheckpointStore
 from workers.pipeline.group import Handle, LocalGroup, RayGroup, WorkerGroup
-from workers.pipeline.runner import JobRunner, Trainer
+from workers.pipeline.job_runner import JobRunner
+from workers.pipeline.runner import Trainer
 from workers.pipeline.stage import StageSetup
 from workers.snapshot import (
     JobSnapshot,

@@ -16,8 +16,8 @@ from scheduler.devices import Device
 from scheduler.memory import transient_bytes
 from scheduler.sharp import Policy
 from tests.workers.runs import final_states, reference
+from workers.checkpoint_events import write_checkpoint
 from workers.checkpoints import CheckpointStore
-from workers.pipeline.runner import write_checkpoint
 from workers.profiler import trace_costs
 from workers.reference import train_reference
 from workers.sharp.runner import SharpTrainer

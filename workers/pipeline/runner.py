@@ -10,8 +10,8 @@ workers (no checkpoint, copy, move or request due) and the runner's work cannot 
 worker's core (``scheduler.overlap``), the next step is handed out before this one
 is collected, so the workers go from one step to the next without waiting for a round trip
 through the runner; a request that comes in meanwhile waits one more step. ``JobRunner`` is
-what ``workers.actors`` runs as the job's detached Ray actor: ``run`` trains (one thread),
-``poll`` and ``cancel`` answer from the others.
+(``workers.pipeline.job_runner``) is what ``workers.actors`` runs as the job's detached Ray
+actor.
 
 Steps are counted as completed optimizer updates: step k's metrics and a checkpoint at step
 k describe the model after k updates, which consumed data batches 0..k-1 (the data cursor is
@@ -25,22 +25,21 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict
 from itertools import pairwise
 from typing import Any
 
 from scheduler.overlap import leaves_a_core, steps_per_call
+from workers.checkpoint_events import resumed_event, write_checkpoint
 from workers.checkpoints import CheckpointStore, Restorable
 from workers.device_memory import device_memory_event
 from workers.pipeline.checkpoint_writer import CheckpointWriter
-from workers.pipeline.group import GroupFactory, RayGroup, StageFailed, StageLost, WorkerGroup
+from workers.pipeline.group import GroupFactory, StageFailed, StageLost, WorkerGroup
 from workers.pipeline.rebalance import (
     Layout,
     Policy,
     Rebalancer,
     move_blocks,
     policy_every,
-    snapshot_policy,
 )
 from workers.pipeline.recovery import Copies, copies_event, recover
 from workers.pipeline.stage import StageSetup
@@ -618,100 +617,3 @@ class Trainer:
         ]
         split, snap = layout.split, self.snapshot
         self._writer.submit(lambda: write_checkpoint(store, snap, step, blocks, stages, split))
-
-
-def resumed_event(restorable: Restorable) -> RunnerEvent:
-    """The event of a run that restored a checkpoint, naming the newer ones it passed over
-    as corrupt (or that found none usable and starts from its seed)."""
-    latest, skipped = restorable.info, restorable.skipped
-    step = latest.step if latest is not None else 0
-    message = (
-        f"resumed from the checkpoint at step {step}"
-        if latest is not None
-        else "no usable checkpoint: training from the start"
-    )
-    if skipped:
-        passed = "; ".join(f"step {s}: {why}" for s, why in skipped)
-        message += f" (passed over as unusable: {passed})"
-    data: dict[str, Any] = {"step": step, "path": latest.path if latest is not None else None}
-    if skipped:
-        data["skipped"] = [{"step": s, "reason": why} for s, why in skipped]
-    return RunnerEvent("resumed", step, message, data)
-
-
-def write_checkpoint(
-    store: CheckpointStore,
-    snap: JobSnapshot,
-    step: int,
-    blocks: dict[int, Any],
-    stages: list[dict[str, Any]],
-    split: Sequence[int],
-) -> RunnerEvent:
-    """Write the job's checkpoint of ``step`` (every block's state, and the layout it ran
-    under: ``stages`` rows and the replicas' micro-batch ``split``), apply the retention,
-    and return the event that says so."""
-    manifest = {
-        "model": asdict(snap.model),
-        "data": asdict(snap.data),
-        "optimizer": asdict(snap.optimizer),
-        "precision": snap.precision,
-        "num_blocks": snap.num_blocks,
-        "stages": stages,
-        "replicas": len(split),
-        "replica_micro_batches": list(split),
-        "step": step,
-        "data_cursor": step,
-        "seed": snap.seed,
-        "batch_size": snap.batch_size,
-        "micro_batches": snap.micro_batches,
-        "schedule": snap.schedule,
-        "attempt": snap.attempt,
-    }
-    info = store.write(snap.job_id, step, blocks, manifest)
-    deleted = store.retain(snap.job_id, snap.checkpoint_keep) if snap.checkpoint_keep else []
-    return RunnerEvent(
-        "checkpoint",
-        step,
-        f"checkpoint at step {step} ({info.nbytes} bytes)",
-        {"step": step, "path": info.path, "bytes": info.nbytes, "deleted": list(deleted)},
-    )
-
-
-class JobRunner:
-    """One job's runner; ``workers.actors`` runs it as a detached, threaded Ray actor."""
-
-    def __init__(
-        self,
-        snapshot: JobSnapshot,
-        make_group: GroupFactory = RayGroup,
-        *,
-        step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S,
-    ) -> None:
-        self._trainer = Trainer(
-            snapshot,
-            make_group,
-            step_timeout_s=step_timeout_s,
-            policy=snapshot_policy(snapshot),
-        )
-        self._started = False
-        self._lock = threading.Lock()
-
-    def run(self) -> RunStatus:
-        """Train (blocking until the job ends); a second call returns the status at once."""
-        with self._lock:
-            if self._started:
-                return self._trainer.status
-            self._started = True
-        return self._trainer.run()
-
-    def poll(self, cursor: int) -> RunnerReport:
-        return self._trainer.report(cursor)
-
-    def cancel(self) -> None:
-        self._trainer.cancel()
-
-    def suspend(self) -> None:
-        self._trainer.suspend()
-
-    def relayout(self, plans: Sequence[StagePlan], split: Sequence[int]) -> None:
-        self._trainer.relayout(plans, split)

@@ -11,8 +11,8 @@ from typing import Any
 import torch
 
 from scheduler.devices import Device
+from workers.checkpoint_events import write_checkpoint
 from workers.checkpoints import CheckpointStore
-from workers.pipeline.runner import write_checkpoint
 from workers.pipeline.stage_worker import one_line
 from workers.sharp.models import ModelRun
 from workers.snapshot import RunnerEvent, RunStatus

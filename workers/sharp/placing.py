@@ -6,8 +6,8 @@ from __future__ import annotations
 import threading
 
 from scheduler.sharp import ModelPlan, shard_model
+from workers.checkpoint_events import resumed_event
 from workers.checkpoints import CheckpointStore
-from workers.pipeline.runner import resumed_event
 from workers.sharp.homes import Homes
 from workers.sharp.models import ModelRun
 from workers.snapshot import JobSnapshot, RunStatus
