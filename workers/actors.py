@@ -53,21 +53,29 @@ def start_runner(snapshot: JobSnapshot) -> ActorHandle[Any]:
         return existing
     runner_actor: Any = ray.remote(JobRunner)
     runner: ActorHandle[Any] = runner_actor.options(
-        name=runner_name(snapshot.job_id),
-        namespace=RUNNER_NAMESPACE,
-        lifetime="detached",
-        get_if_exists=True,
-        num_cpus=0,
-        max_concurrency=RUNNER_CONCURRENCY,
-        max_restarts=0,
-        # On the head (on-demand, beside the control plane, in a cluster of spot workers):
-        # losing a stage's node must not take the runner that recovers it along. Hard: with
-        # soft=True, Ray 2.60 placed it on another node of a 2-node local cluster (measured).
-        scheduling_strategy=NodeAffinitySchedulingStrategy(_head_node_id(), soft=False),
+        **_detached_on_head(runner_name(snapshot.job_id))
     ).remote(snapshot)
     # Not awaited: ``run`` returns when training ends; progress is read with ``poll``.
     runner.run.remote()
     return runner
+
+
+def _detached_on_head(name: str) -> dict[str, Any]:
+    """Actor options of a runner or sweep executor: detached and named (found again by a
+    restarted control plane; two racing starts share one actor), threaded, never restarted,
+    on the head node (on-demand, beside the control plane, in a cluster of spot workers:
+    losing a stage's node must not take the runner that recovers it along). Hard: with
+    soft=True, Ray 2.60 placed it on another node of a 2-node local cluster (measured)."""
+    return {
+        "name": name,
+        "namespace": RUNNER_NAMESPACE,
+        "lifetime": "detached",
+        "get_if_exists": True,
+        "num_cpus": 0,
+        "max_concurrency": RUNNER_CONCURRENCY,
+        "max_restarts": 0,
+        "scheduling_strategy": NodeAffinitySchedulingStrategy(_head_node_id(), soft=False),
+    }
 
 
 def pool_name(sweep_id: str) -> str:
@@ -90,16 +98,9 @@ def start_pool(sweep_id: str, devices: Sequence[Device], policy: str) -> ActorHa
     if existing is not None:
         return existing
     pool_actor: Any = ray.remote(SweepExecutor)
-    pool: ActorHandle[Any] = pool_actor.options(
-        name=pool_name(sweep_id),
-        namespace=RUNNER_NAMESPACE,
-        lifetime="detached",
-        get_if_exists=True,
-        num_cpus=0,
-        max_concurrency=RUNNER_CONCURRENCY,
-        max_restarts=0,
-        scheduling_strategy=NodeAffinitySchedulingStrategy(_head_node_id(), soft=False),
-    ).remote(list(devices), None, policy)
+    pool: ActorHandle[Any] = pool_actor.options(**_detached_on_head(pool_name(sweep_id))).remote(
+        list(devices), None, policy
+    )
     pool.run.remote()
     return pool
 
