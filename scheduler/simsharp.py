@@ -38,7 +38,6 @@ from heapq import heappop, heappush
 
 from scheduler.memory import format_bytes
 from scheduler.sharp import (
-    Home,
     IdleDevice,
     ModelId,
     ModelPlan,
@@ -46,12 +45,11 @@ from scheduler.sharp import (
     Progress,
     ShardError,
     assign,
-    home_shards,
-    move_target,
     progress,
     refine_ratio,
     transfer_s,
 )
+from scheduler.sharp_homes import Home, home_shards, move_target
 from scheduler.simcluster import Cluster
 from scheduler.simresult import SimulationError, Tally, TaskRecord
 from scheduler.simstate import ENGINE, Engine, SimModel, SimQueue, SimTask

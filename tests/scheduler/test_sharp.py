@@ -13,7 +13,6 @@ from scheduler.memory import stage_memory
 from scheduler.profile import BlockCost
 from scheduler.sharp import (
     Assignment,
-    Home,
     IdleDevice,
     ModelPlan,
     Op,
@@ -23,10 +22,7 @@ from scheduler.sharp import (
     ShardError,
     ShardTask,
     assign,
-    home_shards,
     lookahead,
-    move_target,
-    moved_end_s,
     next_model,
     priority,
     progress,
@@ -34,6 +30,7 @@ from scheduler.sharp import (
     shard_model,
     transfer_s,
 )
+from scheduler.sharp_homes import Home, home_shards, move_target, moved_end_s
 
 pytestmark = pytest.mark.unit
 

@@ -1,6 +1,6 @@
 """Where the SHARP executor's models live: its devices (by pool position), those found lost,
 and the reference seconds of work each device's models hold, which place new shards
-(``scheduler.sharp.home_shards``) and move models (``scheduler.sharp.move_target``)."""
+(``scheduler.sharp_homes.home_shards``) and move models (``scheduler.sharp_homes.move_target``)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import threading
 from collections.abc import Iterable, Sequence
 
 from scheduler.devices import Device
-from scheduler.sharp import Home, Shard, home_shards, move_target
+from scheduler.sharp import Shard
+from scheduler.sharp_homes import Home, home_shards, move_target
 from scheduler.types import DeviceId
 from workers.sharp.models import ModelRun
 

@@ -3,12 +3,12 @@
 Hydra's shard alternator parallelism (Nagrecha & Kumar): each model is cut into shards that
 fit half of the smallest device (``scheduler.sharp.shard_model``; the other half holds the
 prefetched next shard), all its shards live in the host memory of one device
-(``scheduler.sharp.home_shards``, ``workers.sharp.shard_host``), and each device has two tasks
+(``scheduler.sharp_homes.home_shards``, ``workers.sharp.shard_host``), and each device has two tasks
 queued, each the next task of one of the models living there, chosen by the policy
 (Sharded-LRTF by default: ``scheduler.sharp.assign``), prefetching the shard it will likely
 run after. A model's step is the chain forward 0..k-1, backward k-1..0, so the parallelism
 is across models; a task's outputs stay on the device for the next one. Once a step has
-ended a model may move whole to another device (``scheduler.sharp.move_target``); between a
+ended a model may move whole to another device (``scheduler.sharp_homes.move_target``); between a
 shard's forward and backward it stays: its backward needs what its forward kept there.
 
 Each model trains exactly as it would alone: the same micro-batches, gradients accumulated
@@ -433,7 +433,7 @@ class SharpTrainer:
         self, pool: HostPool, model: ModelRun, step: int, blocks: dict[int, Any] | None
     ) -> None:
         """At a step boundary ``model`` moves whole to the live device where that ends the
-        two devices' work soonest, if sooner than staying (``scheduler.sharp.move_target``):
+        two devices' work soonest, if sooner than staying (``scheduler.sharp_homes.move_target``):
         as models end, some devices fall idle while others still hold several. Its state
         (the step's gathered ``blocks``, else its copy of this step, else gathered now) is
         loaded there; nothing is replayed."""
