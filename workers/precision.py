@@ -11,7 +11,7 @@ dtype the forward produced; ``workers.wire`` carries bfloat16 bit for bit.
 
 Exactness: cutting the model into stages changes neither the ops nor their order, so a bf16
 pipeline without replicas equals a bf16 ``workers.reference`` run bitwise on CPU (measured
-on the test MLP and GPT with and without recompute; tests/workers/test_runner.py asserts
+on the test MLP and GPT with and without recompute; tests/workers/pipeline/test_runner.py asserts
 it). With replicas the summed gradients round differently, as in fp32; measured over two
 steps the parameters stayed within 1.2e-7 of the reference, but a float32 difference that
 flips a bfloat16 rounding in the next forward is larger, so long bf16 runs with replicas

@@ -16,10 +16,11 @@ Exactness: torch computes the total as the norm of the per-tensor norms
 (``torch._foreach_norm``, then ``vector_norm`` of their stack). Shipping those per-tensor
 norms (one float per parameter tensor, not one sum of squares per stage) and folding them
 with the same float32 operations reproduces torch's bits: on CPU, a pipeline without
-replicas clips bitwise like ``clip_grad_norm_`` in one process (tests/workers/test_runner.py
-asserts it). A sum of squares per stage would associate the sum differently, agreeing only
-to float tolerance. With replicas the gradients themselves differ from one process's by
-rounding (see ``workers.pipeline.collective``), so the clipped result agrees to the same tolerance.
+replicas clips bitwise like ``clip_grad_norm_`` in one process
+(tests/workers/pipeline/test_runner.py asserts it). A sum of squares per stage would
+associate the sum differently, agreeing only to float tolerance. With replicas the gradients
+themselves differ from one process's by rounding (see ``workers.pipeline.collective``), so
+the clipped result agrees to the same tolerance.
 """
 
 from __future__ import annotations
