@@ -217,8 +217,8 @@ class InProcessCluster:
         return list(self._nodes)
 
     def start_runner(self, snapshot: JobSnapshot) -> None:
-        from workers.pipeline.group import LocalGroup
         from workers.pipeline.job_runner import JobRunner
+        from workers.pipeline.local_group import LocalGroup
 
         with self._lock:
             if snapshot.job_id in self._runners:

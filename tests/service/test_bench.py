@@ -373,7 +373,7 @@ def test_sharp_bench_in_process_trains_every_variant_to_the_same_losses(tmp_path
     from scheduler.devices import Device
     from service.bench.report import SharpSettings
     from service.bench.sharp import measure
-    from workers.pipeline.group import LocalGroup
+    from workers.pipeline.local_group import LocalGroup
     from workers.sharp.shard_pool import LocalPool
 
     # In-process the threads take turns: the plumbing and the exactness check, not timing.
@@ -410,7 +410,7 @@ def test_sharp_bench_on_the_gpu_trains_every_variant_to_the_same_losses(tmp_path
     from scheduler.devices import Device
     from service.bench.report import SharpSettings
     from service.bench.sharp import measure
-    from workers.pipeline.group import LocalGroup
+    from workers.pipeline.local_group import LocalGroup
     from workers.sharp.shard_pool import LocalPool
 
     s = SharpSettings(

@@ -21,7 +21,7 @@ from scheduler.memory import format_bytes, in_flight, stage_memory
 from tests.factories import job
 from tests.workers.memory_cases import CASES, MICRO_BATCHES
 from tests.workers.sharp_memory import alternate
-from workers.pipeline.group import LocalGroup
+from workers.pipeline.local_group import LocalGroup
 from workers.pipeline.runner import Trainer
 from workers.profiler import trace_costs
 from workers.snapshot import DataRef, ModelRef, OptimizerConf, RunStatus, StagePlan

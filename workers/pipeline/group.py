@@ -35,10 +35,10 @@ stage, formed when the group starts, in ``RayGroup``.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from itertools import pairwise
-from typing import Any, Protocol, TypeVar
+from typing import Any
 
 import ray
 from ray.actor import ActorHandle
@@ -53,22 +53,16 @@ from ray.exceptions import (
 )
 
 from workers import launch
-from workers.pipeline.collective import sum_in_process
 from workers.pipeline.stage import StageSetup
-from workers.pipeline.stage_worker import COPIES, LinkFailed, StageFailed, StageWorker, one_line
+from workers.pipeline.stage_worker import COPIES, LinkFailed, StageFailed
+from workers.pipeline.worker_group import (
+    GroupTimeout,
+    Handle,
+    StageLost,
+    own,
+    wait_ready,
+)
 from workers.snapshot import StagePlan
-
-__all__ = [
-    "GroupFactory",
-    "GroupTimeout",
-    "Handle",
-    "LocalGroup",
-    "RayGroup",
-    "StageFailed",
-    "StageLost",
-    "WorkerGroup",
-]
-
 
 CANNOT_HOST = "its node is gone or cannot host it"
 """Why a stage is lost when Ray cannot place its worker or lost an object with its node."""
@@ -79,161 +73,10 @@ NEW_NODE_S = 10.0
 NEW_NODE_RETRY_S = 0.5
 
 
-class StageLost(RuntimeError):
-    """A stage's worker is gone (process, node or device lost); its blocks are lost with it."""
-
-    def __init__(self, stage: int, device_id: str, reason: str) -> None:
-        super().__init__(f"stage {stage} on device {device_id} was lost: {reason}")
-        self.stage = stage
-        self.device_id = device_id
-        self.reason = reason
-
-
 BLAME_WAIT_S = 30.0
 """How long a failed step waits for its other calls to end, to blame the right stage: a
 worker killed with its process is reported lost within ~0.1 s, a lost node's within
 ~15 s (measured, Ray 2.60)."""
-
-
-class GroupTimeout(TimeoutError):
-    """The stages did not answer in time."""
-
-
-@dataclass(frozen=True, eq=False)
-class Handle:
-    """The pending result of one submitted call; ``stage`` is the worker's position."""
-
-    stage: int
-    method: str
-
-
-class WorkerGroup(Protocol):
-    def submit(self, stage: int, method: str, *args: Any) -> Handle: ...
-
-    def all_reduce(self, workers: Sequence[int]) -> list[Handle]:
-        """Sum the block gradients of ``workers`` (replicas of one stage, in replica order)
-        into each of them; one handle per worker, its value the seconds spent."""
-        ...
-
-    def connect(self) -> str | None:
-        """Link the neighbouring stages of every replica where they are not linked yet;
-        None when they exchange activations peer to peer, else why the runner relays them."""
-        ...
-
-    def disconnect(self) -> None:
-        """Forget the links: a step failed and its stages closed theirs."""
-        ...
-
-    def get(self, handles: Sequence[Handle], timeout: float) -> list[Any]:
-        """The handles' values, in order; if some failed, raises one of their errors."""
-        ...
-
-    def prepare(self, plans: Sequence[StagePlan]) -> bool:
-        """Start, without waiting, the workers a later ``regroup`` to ``plans`` would start
-        (those on devices the group has no worker on), so that it finds them built; stop
-        workers prepared earlier for other plans. Whether they are all built, or failed to
-        start (the regroup reports it), or have taken too long (the regroup times out)."""
-        ...
-
-    def regroup(self, plans: Sequence[StagePlan], keep: Mapping[int, int]) -> None:
-        """Become the group of ``plans``: position ``new`` is the old worker ``keep[new]``
-        where given, a new worker (blocks freshly built, to be loaded) otherwise: one
-        ``prepare``d for its plan, or started now. Old workers not kept stay alive, answering
-        what was submitted to them, until ``retire``."""
-        ...
-
-    def retire(self) -> None:
-        """Stop the workers the last ``regroup`` left out."""
-        ...
-
-    def shutdown(self) -> None: ...
-
-
-GroupFactory = Callable[[Sequence[StagePlan], StageSetup], WorkerGroup]
-"""How a runner gets a group for its plans: ``LocalGroup`` or ``RayGroup`` themselves."""
-
-
-# --------------------------------------------------------------------------- in-process
-
-
-@dataclass(frozen=True, eq=False)
-class _Done(Handle):
-    value: Any = None
-    error: Exception | None = None
-
-
-class LocalGroup:
-    """Every stage in this process, each call run when submitted (unit tests, no Ray)."""
-
-    def __init__(self, plans: Sequence[StagePlan], setup: StageSetup) -> None:
-        self._plans = list(plans)
-        self._setup = setup
-        self._workers: list[StageWorker] | None = [StageWorker(p, setup) for p in plans]
-        _wait_ready(self, self._plans, timeout=0.0)
-
-    def regroup(self, plans: Sequence[StagePlan], keep: Mapping[int, int]) -> None:
-        if self._workers is None:
-            raise StageLost(plans[0].index, plans[0].device.id, "the group was shut down")
-        old = self._workers
-        self._workers = [
-            old[keep[w]] if w in keep else StageWorker(p, self._setup) for w, p in enumerate(plans)
-        ]
-        self._plans = list(plans)
-        _wait_ready(self, self._plans, timeout=0.0)
-
-    def prepare(self, plans: Sequence[StagePlan]) -> bool:
-        """Nothing to start ahead: an in-process worker is built when ``regroup`` needs it."""
-        return True
-
-    def retire(self) -> None:
-        """Nothing to stop: left-out in-process workers are dropped by ``regroup``."""
-
-    def connect(self) -> str | None:
-        return "an in-process group relays activations through its runner"
-
-    def disconnect(self) -> None:
-        """Nothing to forget: an in-process group has no links."""
-
-    def submit(self, stage: int, method: str, *args: Any) -> Handle:
-        if self._workers is None:
-            plan = self._plans[stage]
-            lost = StageLost(plan.index, plan.device.id, "the group was shut down")
-            return _Done(stage, method, error=lost)
-        failed = next((a.error for a in args if isinstance(a, _Done) and a.error), None)
-        if failed is not None:
-            return _Done(stage, method, error=failed)
-        values = [a.value if isinstance(a, _Done) else a for a in args]
-        try:
-            return _Done(stage, method, value=self._workers[stage].call(method, *values))
-        except StageFailed as exc:
-            return _Done(stage, method, error=exc)
-
-    def all_reduce(self, workers: Sequence[int]) -> list[Handle]:
-        first = self._plans[workers[0]]
-        if self._workers is None:
-            lost = StageLost(first.index, first.device.id, "the group was shut down")
-            return [_Done(w, "all_reduce", error=lost) for w in workers]
-        try:
-            sum_in_process([self._workers[w].stage for w in workers])
-        except StageFailed as exc:
-            return [_Done(w, "all_reduce", error=exc) for w in workers]
-        except Exception as exc:  # a boundary, as in StageWorker.call
-            failed = StageFailed(first.index, "all_reduce", one_line(exc))
-            return [_Done(w, "all_reduce", error=failed) for w in workers]
-        return [_Done(w, "all_reduce", value=0.0) for w in workers]
-
-    def get(self, handles: Sequence[Handle], timeout: float) -> list[Any]:
-        done = [_own(h, _Done) for h in handles]
-        for handle in done:
-            if handle.error is not None:
-                raise handle.error
-        return [h.value for h in done]
-
-    def shutdown(self) -> None:
-        self._workers = None
-
-
-# ---------------------------------------------------------------------------------- Ray
 
 
 @dataclass(frozen=True, eq=False)
@@ -317,7 +160,7 @@ class RayGroup:
         self._actors = [kept[w] if w in kept else started[w] for w in range(len(self._plans))]
         while True:
             try:
-                _wait_ready(self, self._plans, self._start_timeout_s)
+                wait_ready(self, self._plans, self._start_timeout_s)
                 return
             except StageLost as exc:
                 refused = [w for w, p in plans.items() if p.device.id == exc.device_id]
@@ -450,7 +293,7 @@ class RayGroup:
         return [self.submit(w, "all_reduce") for w in workers]
 
     def get(self, handles: Sequence[Handle], timeout: float) -> list[Any]:
-        refs = [_own(h, _Ref) for h in handles]
+        refs = [own(h, _Ref) for h in handles]
         if self._shut and refs:
             plan = self._plans[refs[0].stage]
             raise StageLost(plan.index, plan.device.id, "the group was shut down")
@@ -546,9 +389,6 @@ class RayGroup:
             launch.kill_worker(actor)
 
 
-H = TypeVar("H", bound=Handle)
-
-
 def _neighbours(plans: Sequence[StagePlan]) -> list[int]:
     """Positions ``w`` whose worker ``w + 1`` is the next stage of the same replica."""
     return [
@@ -576,14 +416,3 @@ def _failed_stage(waited: Sequence[_Ref]) -> int:
         except RayError:
             return handle.stage
     return waited[0].stage
-
-
-def _own(handle: Handle, kind: type[H]) -> H:
-    if not isinstance(handle, kind):
-        raise TypeError(f"a {type(handle).__name__} is not a handle of this group")
-    return handle
-
-
-def _wait_ready(group: WorkerGroup, plans: Sequence[StagePlan], timeout: float) -> None:
-    """Wait until every stage is built; a stage that could not build raises StageFailed."""
-    group.get([group.submit(i, "nbytes") for i in range(len(plans))], timeout)

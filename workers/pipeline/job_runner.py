@@ -7,9 +7,10 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 
-from workers.pipeline.group import GroupFactory, RayGroup
+from workers.pipeline.group import RayGroup
 from workers.pipeline.rebalance import snapshot_policy
 from workers.pipeline.runner import DEFAULT_STEP_TIMEOUT_S, Trainer
+from workers.pipeline.worker_group import GroupFactory
 from workers.snapshot import JobSnapshot, RunnerReport, RunStatus, StagePlan
 
 

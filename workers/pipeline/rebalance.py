@@ -21,7 +21,7 @@ from scheduler.elastic import Decision, Repartition, StageSample, current_plan, 
 from scheduler.partition import PartitionPlan
 from scheduler.profile import uniform_costs
 from scheduler.workload import DeviceCapacity, Workload
-from workers.pipeline.group import Handle, WorkerGroup
+from workers.pipeline.worker_group import Handle, WorkerGroup
 from workers.snapshot import JobSnapshot, RunnerEvent, StagePlan, StepMetrics
 
 Policy = Callable[["Layout", Sequence[Sequence[StageSample]]], Decision]

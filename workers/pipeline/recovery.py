@@ -31,9 +31,9 @@ from scheduler.copies import CopyCadence, most_replayed
 from scheduler.layout import plan_layout
 from scheduler.profile import uniform_costs
 from scheduler.workload import Workload
-from workers.pipeline.group import GroupTimeout, Handle, StageLost, WorkerGroup
 from workers.pipeline.rebalance import Layout, settle
 from workers.pipeline.stage_worker import StageFailed
+from workers.pipeline.worker_group import GroupTimeout, Handle, StageLost, WorkerGroup
 from workers.snapshot import JobSnapshot, RunnerEvent, StepMetrics, stage_plans
 
 MIN_PING_S = 30.0

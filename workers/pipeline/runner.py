@@ -33,7 +33,6 @@ from workers.checkpoint_events import resumed_event, write_checkpoint
 from workers.checkpoints import CheckpointStore, Restorable
 from workers.device_memory import device_memory_event
 from workers.pipeline.checkpoint_writer import CheckpointWriter
-from workers.pipeline.group import GroupFactory, StageFailed, StageLost, WorkerGroup
 from workers.pipeline.rebalance import (
     Layout,
     Policy,
@@ -43,8 +42,10 @@ from workers.pipeline.rebalance import (
 )
 from workers.pipeline.recovery import Copies, copies_event, recover
 from workers.pipeline.stage import StageSetup
+from workers.pipeline.stage_worker import StageFailed
 from workers.pipeline.step_driver import Flight, finish_step, in_one_call, start_step
 from workers.pipeline.transport import LINK_TIMEOUT_S
+from workers.pipeline.worker_group import GroupFactory, StageLost, WorkerGroup
 from workers.snapshot import (
     JobSnapshot,
     RunnerEvent,

@@ -35,9 +35,10 @@ from torch import Tensor
 
 from scheduler.schedules import Action, Op, build, submission_order
 from workers.pipeline.clipping import clip_coefficient
-from workers.pipeline.group import GroupTimeout, Handle, StageFailed, StageLost, WorkerGroup
 from workers.pipeline.rebalance import Layout
+from workers.pipeline.stage_worker import StageFailed
 from workers.pipeline.timing import StepClock
+from workers.pipeline.worker_group import GroupTimeout, Handle, StageLost, WorkerGroup
 from workers.snapshot import JobSnapshot, StageTiming, StepMetrics
 from workers.wire import Wire, send
 from workers.zoo.data import DataSource

@@ -17,9 +17,12 @@ from scheduler.devices import Device
 from scheduler.types import BlockRange
 from tests.factories import GPT, SGD, TOKENS, dp_plans, even_ranges, job, plans
 from tests.workers.runs import assert_bitwise_equal, final_states
-from workers.pipeline.group import LocalGroup, RayGroup, StageFailed, StageLost
+from workers.pipeline.group import RayGroup
+from workers.pipeline.local_group import LocalGroup
 from workers.pipeline.runner import Trainer
 from workers.pipeline.stage import StageSetup
+from workers.pipeline.stage_worker import StageFailed
+from workers.pipeline.worker_group import StageLost
 from workers.snapshot import DataRef, ModelRef, OptimizerConf, RunStatus, StagePlan
 from workers.wire import send
 from workers.zoo.data import make_data

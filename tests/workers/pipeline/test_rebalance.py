@@ -27,9 +27,11 @@ from scheduler.elastic import (
 from scheduler.types import BlockRange
 from tests.factories import SGD, dp_plans, job, plans
 from tests.workers.runs import assert_matches_reference, final_states, metrics
-from workers.pipeline.group import LocalGroup, RayGroup, StageLost
+from workers.pipeline.group import RayGroup
+from workers.pipeline.local_group import LocalGroup
 from workers.pipeline.rebalance import Layout, Rebalancer, snapshot_policy
 from workers.pipeline.runner import Trainer
+from workers.pipeline.worker_group import StageLost
 from workers.snapshot import JobSnapshot, RunStatus, StagePlan, StageTiming, StepMetrics
 
 
@@ -371,7 +373,7 @@ class LoseDevice(LocalGroup):
         if method == "apply_step" and stage == 0:
             self.steps += 1
         if plan.device.id == self.device and self.steps > self.after:
-            from workers.pipeline.group import _Done
+            from workers.pipeline.local_group import _Done
 
             return _Done(stage, method, error=StageLost(plan.index, plan.device.id, "node lost"))
         return super().submit(stage, method, *args)

@@ -30,10 +30,12 @@ from tests.factories import (
 )
 from tests.workers.runs import assert_matches_reference, final_states, metrics, reference
 from workers.checkpoints import CheckpointStore
-from workers.pipeline.group import Handle, LocalGroup, RayGroup, WorkerGroup
+from workers.pipeline.group import RayGroup
 from workers.pipeline.job_runner import JobRunner
+from workers.pipeline.local_group import LocalGroup
 from workers.pipeline.runner import Trainer
 from workers.pipeline.stage import StageSetup
+from workers.pipeline.worker_group import Handle, WorkerGroup
 from workers.snapshot import (
     JobSnapshot,
     ModelRef,

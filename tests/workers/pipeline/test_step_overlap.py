@@ -16,12 +16,14 @@ from scheduler.elastic import Decision, ElasticConfig, Keep, StageSample
 from tests.factories import SGD, job, plans
 from tests.workers.runs import assert_bitwise_equal, final_states
 from workers.checkpoints import CheckpointStore
-from workers.pipeline.group import Handle, LocalGroup, RayGroup
+from workers.pipeline.group import RayGroup
+from workers.pipeline.local_group import LocalGroup
 from workers.pipeline.rebalance import Layout
 from workers.pipeline.runner import Trainer
 from workers.pipeline.stage import StepOutcome
 from workers.pipeline.step_driver import Flight, finish_step
 from workers.pipeline.timing import StepClock
+from workers.pipeline.worker_group import Handle
 from workers.snapshot import JobSnapshot, RunStatus
 
 STEP_CALLS = {"step", "steps"}

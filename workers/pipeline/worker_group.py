@@ -1,0 +1,96 @@
+"""The worker group's contract: what a runner calls on the group of its stage workers, and
+the errors a group raises. ``workers.pipeline.group`` has the doc of how a group works;
+``LocalGroup`` (in-process, ``workers.pipeline.local_group``) and ``RayGroup`` (Ray actors,
+``workers.pipeline.group``) keep it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
+
+from workers.pipeline.stage import StageSetup
+from workers.snapshot import StagePlan
+
+
+class StageLost(RuntimeError):
+    """A stage's worker is gone (process, node or device lost); its blocks are lost with it."""
+
+    def __init__(self, stage: int, device_id: str, reason: str) -> None:
+        super().__init__(f"stage {stage} on device {device_id} was lost: {reason}")
+        self.stage = stage
+        self.device_id = device_id
+        self.reason = reason
+
+
+class GroupTimeout(TimeoutError):
+    """The stages did not answer in time."""
+
+
+@dataclass(frozen=True, eq=False)
+class Handle:
+    """The pending result of one submitted call; ``stage`` is the worker's position."""
+
+    stage: int
+    method: str
+
+
+class WorkerGroup(Protocol):
+    def submit(self, stage: int, method: str, *args: Any) -> Handle: ...
+
+    def all_reduce(self, workers: Sequence[int]) -> list[Handle]:
+        """Sum the block gradients of ``workers`` (replicas of one stage, in replica order)
+        into each of them; one handle per worker, its value the seconds spent."""
+        ...
+
+    def connect(self) -> str | None:
+        """Link the neighbouring stages of every replica where they are not linked yet;
+        None when they exchange activations peer to peer, else why the runner relays them."""
+        ...
+
+    def disconnect(self) -> None:
+        """Forget the links: a step failed and its stages closed theirs."""
+        ...
+
+    def get(self, handles: Sequence[Handle], timeout: float) -> list[Any]:
+        """The handles' values, in order; if some failed, raises one of their errors."""
+        ...
+
+    def prepare(self, plans: Sequence[StagePlan]) -> bool:
+        """Start, without waiting, the workers a later ``regroup`` to ``plans`` would start
+        (those on devices the group has no worker on), so that it finds them built; stop
+        workers prepared earlier for other plans. Whether they are all built, or failed to
+        start (the regroup reports it), or have taken too long (the regroup times out)."""
+        ...
+
+    def regroup(self, plans: Sequence[StagePlan], keep: Mapping[int, int]) -> None:
+        """Become the group of ``plans``: position ``new`` is the old worker ``keep[new]``
+        where given, a new worker (blocks freshly built, to be loaded) otherwise: one
+        ``prepare``d for its plan, or started now. Old workers not kept stay alive, answering
+        what was submitted to them, until ``retire``."""
+        ...
+
+    def retire(self) -> None:
+        """Stop the workers the last ``regroup`` left out."""
+        ...
+
+    def shutdown(self) -> None: ...
+
+
+GroupFactory = Callable[[Sequence[StagePlan], StageSetup], WorkerGroup]
+"""How a runner gets a group for its plans: ``LocalGroup`` or ``RayGroup`` themselves."""
+
+
+H = TypeVar("H", bound=Handle)
+
+
+def own(handle: Handle, kind: type[H]) -> H:
+    if not isinstance(handle, kind):
+        raise TypeError(f"a {type(handle).__name__} is not a handle of this group")
+    return handle
+
+
+def wait_ready(group: WorkerGroup, plans: Sequence[StagePlan], timeout: float) -> None:
+    """Wait until every stage is built; a stage that could not build raises StageFailed."""
+    group.get([group.submit(i, "nbytes") for i in range(len(plans))], timeout)
