@@ -45,6 +45,7 @@ from service.bench.report import (
     ElasticSettings,
     Progress,
     machine,
+    mlp_refs,
     stage_bounds,
 )
 from service.devicespec import parse_devices
@@ -66,9 +67,7 @@ from workers.snapshot import (
 
 
 def _refs(s: ElasticSettings) -> tuple[ModelRef, DataRef, OptimizerConf]:
-    model = ModelRef("mlp", None, {"hidden": s.hidden, "layers": s.layers})
-    data = DataRef("synthetic-regression", None, {"features": s.features, "outputs": s.outputs})
-    return model, data, OptimizerConf("sgd", 1e-3)
+    return mlp_refs(s.hidden, s.layers, s.features, s.outputs, 1e-3)
 
 
 def cluster_devices() -> list[Device]:

@@ -136,11 +136,7 @@ class PipelineSettings:
 
     def refs(self) -> tuple[ModelRef, DataRef, OptimizerConf]:
         """The model, data and optimizer every contender trains."""
-        model = ModelRef("mlp", None, {"hidden": self.hidden, "layers": self.layers})
-        data = DataRef(
-            "synthetic-regression", None, {"features": self.features, "outputs": self.outputs}
-        )
-        return model, data, OptimizerConf("sgd", self.lr)
+        return mlp_refs(self.hidden, self.layers, self.features, self.outputs, self.lr)
 
     @property
     def parameters(self) -> int:
@@ -212,6 +208,15 @@ def _version(package: str) -> str:
         return metadata.version(package)
     except metadata.PackageNotFoundError:
         return "-"
+
+
+def mlp_refs(
+    hidden: int, layers: int, features: int, outputs: int, lr: float
+) -> tuple[ModelRef, DataRef, OptimizerConf]:
+    """The engine benches' model: the built-in MLP on synthetic regression data, SGD."""
+    model = ModelRef("mlp", None, {"hidden": hidden, "layers": layers})
+    data = DataRef("synthetic-regression", None, {"features": features, "outputs": outputs})
+    return model, data, OptimizerConf("sgd", lr)
 
 
 def machine() -> dict[str, Any]:
@@ -344,9 +349,10 @@ class SharpSettings:
 
     The default MLP has ~30M parameters (8 hidden 2048-wide layers): a shard task computes
     for ~50 ms on one core, large against Ray's ~10-40 ms per task round trip on 2 cores.
-    On ``cuda`` the devices are the machine's GPU (``devices``) and the batch is
-    ``SHARP_BATCH_SIZE``'s: a shard's forward then computes about as long as its state
-    takes to come in from pinned host memory, where prefetching can hide the copy.
+    On ``cuda`` the devices are the machine's GPU (``devices``); the CLI's default batch
+    there is ``SHARP_BATCH_SIZE``'s, sized (not measured) so that a shard's forward computes
+    about as long as its state takes to come in from pinned host memory, where prefetching
+    can hide the copy.
     """
 
     device: str = "cpu"

@@ -43,6 +43,7 @@ from service.bench.report import (
     BenchError,
     Progress,
     SharpSettings,
+    mlp_refs,
     same_losses,
     sharp_result,
     stage_bounds,
@@ -68,9 +69,7 @@ from workers.snapshot import (
 
 
 def refs(s: SharpSettings) -> tuple[ModelRef, DataRef, OptimizerConf]:
-    model = ModelRef("mlp", None, {"hidden": s.hidden, "layers": s.layers})
-    data = DataRef("synthetic-regression", None, {"features": s.features, "outputs": s.outputs})
-    return model, data, OptimizerConf("sgd", s.lr)
+    return mlp_refs(s.hidden, s.layers, s.features, s.outputs, s.lr)
 
 
 def model_costs(s: SharpSettings) -> tuple[BlockCost, ...]:

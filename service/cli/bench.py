@@ -9,13 +9,11 @@ a table.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import click
 
-from service.cli.bench_output import JSON_OPTION, bench_device, device_option, phases
+from service.cli.bench_output import JSON_OPTION, Decorator, bench_device, device_option, phases
 from service.cli.bench_step import step
 from service.cli.bench_tables import (
     api_table,
@@ -27,9 +25,6 @@ from service.cli.bench_tables import (
 )
 from service.cli.options import InputError
 from service.cli.render import make_console
-
-Decorator = Callable[[Callable[..., Any]], Callable[..., Any]]
-"""What an option maker below returns: ``click.option(...)`` for one command's defaults."""
 
 
 def _repeats(default: int, most: int = 50, what: str | None = None) -> Decorator:

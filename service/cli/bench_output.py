@@ -14,12 +14,15 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from service.bench.report import DEVICES
 from service.cli.options import InputError
 
+Decorator = Callable[[Callable[..., Any]], Callable[..., Any]]
+"""What an option maker returns: ``click.option(...)`` for one command's defaults."""
+
 JSON_OPTION = click.option(
     "--json", "as_json", is_flag=True, help="Print one JSON object on the last line."
 )
 
 
-def device_option(what: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+def device_option(what: str) -> Decorator:
     """``--device cpu|cuda``: where ``what`` runs."""
     return click.option(
         "--device",
