@@ -366,7 +366,9 @@ def test_a_sweep_that_lost_every_device_resumes_its_trials_elsewhere_from_checkp
             assert len(losses) == 1 and not set(trial.job.devices) & gone
             assert states[-4:] == ["RECOVERING", "QUEUED", "RUNNING", "SUCCEEDED"]
             (resumed,) = [e for e in history if e.kind == "resumed"]
-            assert resumed.data["step"] == losses[-1].data["resume_step"] in (20, 40, 60, 80)
+            # A checkpoint before the last step: how far the trials got before Ray saw the
+            # node die depends on the machine's load.
+            assert resumed.data["step"] == losses[-1].data["resume_step"] in range(20, 120, 20)
     assert lost == 2
 
 
