@@ -365,9 +365,10 @@ class SharpSettings:
     steps: int = 24
     lr: float = 1e-3
     budget_fraction: float = 0.75
-    """One device's memory budget as a fraction of one model's state (parameters, gradients,
-    optimizer state), plus room in each half for a block's backward temporaries: below 1, no
-    model fits one device; SHARP cuts it into shards of at most half the budget."""
+    """One device's memory budget as a fraction of what one model holds through a step
+    (parameters, gradients, optimizer state and what the batch keeps for the backward), plus
+    room in each half for a block's backward temporaries: below 1, no model fits one device;
+    SHARP cuts it into shards of at most half the budget."""
     seed: int = 0
     spot_devices: int = 512
     spot_models: int = 300

@@ -78,9 +78,13 @@ def model_costs(s: SharpSettings) -> tuple[BlockCost, ...]:
     return trace_costs(model, data, micro_batch_size=s.batch_size, optimizer="sgd")
 
 
-def state_bytes(costs: Sequence[BlockCost]) -> int:
-    """One model's state: parameters, gradients and optimizer state."""
-    return sum(2 * c.param_bytes + c.optim_bytes for c in costs)
+def held_bytes(costs: Sequence[BlockCost], batch_size: int) -> int:
+    """What one model holds through a step: its parameters, gradients and optimizer state,
+    and what a batch of ``batch_size`` keeps for the backward."""
+    return sum(
+        2 * c.param_bytes + c.optim_bytes + batch_size * c.activation_bytes_per_sample
+        for c in costs
+    )
 
 
 def snapshots(
@@ -272,11 +276,11 @@ def measure(
         )
     target = torch_device(devices[0])
     costs = model_costs(s)
-    state = state_bytes(costs)
     # Each half of a device (a running shard, a prefetched one) keeps room for a block's
     # backward temporaries too (``scheduler.memory``): the fraction sizes the rest.
     room = max(transient_bytes(c, s.batch_size) for c in costs)
-    budget = int(s.budget_fraction * state) + 2 * room
+    held = held_bytes(costs, s.batch_size)
+    budget = int(s.budget_fraction * held) + 2 * room
     # What one device would need to hold a whole model (reported beside the budget).
     whole = stage_memory(costs, (0, len(costs)), micro_batch_size=s.batch_size, in_flight=1)
     try:
@@ -336,7 +340,7 @@ def measure(
         "promoted_bytes": sharp["promoted_bytes"],
         "no_prefetch_promoted_bytes": lazy["promoted_bytes"],
         "shards_per_model": sharp["shards_per_model"],
-        "model_state_bytes": state,
+        "model_held_bytes": held,
         "model_bytes": whole.total,
         "budget_bytes": budget,
         "final_losses": [losses[-1] for losses in sharp["losses"]],

@@ -208,7 +208,8 @@ def elastic(hidden: int, layers: int, slowdown: float, steps: int, as_json: bool
     default=0.75,
     show_default=True,
     type=float,
-    help="Each device's memory budget as a fraction of one model's state (0.5-1).",
+    help="Each device's memory budget as a fraction of what one model holds through a step"
+    " (its state and the batch's kept activations; 0.5-1).",
 )
 @device_option("the two devices of the real half")
 @JSON_OPTION
