@@ -71,13 +71,23 @@ class MovableSaves:
         """Bytes of saved activations still waiting for their backward."""
         return sum(b.tensor.numel() * b.tensor.element_size() for b in self._boxes)
 
-    def to(self, device: torch.device, *, pin: bool = False) -> None:
-        """Move the saved activations to ``device`` (page-locked on the host when ``pin``)."""
+    def to(
+        self,
+        device: torch.device,
+        *,
+        pin: bool = False,
+        reader: torch.cuda.Stream | None = None,
+    ) -> None:
+        """Move the saved activations to ``device`` (page-locked on the host when ``pin``).
+        Onto a GPU, ``reader`` is the stream the backward will read them on, when it is not
+        the one copying them: their memory is reused only once that backward is done."""
         for box in list(self._boxes):
             moved = box.tensor.to(device, non_blocking=True)
             if box.tensor.is_cuda and device.type == "cpu":
                 # Its device memory is reused only once the copy out of it is done.
                 box.tensor.record_stream(torch.cuda.current_stream(box.tensor.device))
+            if moved.is_cuda and reader is not None:
+                moved.record_stream(reader)
             box.tensor = moved.pin_memory() if pin and device.type == "cpu" else moved
 
 
