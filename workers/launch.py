@@ -17,7 +17,7 @@ from ray.actor import ActorHandle
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from scheduler.devices import DEVICE_RESOURCE, Device
-from workers.pipeline.stage import StageSetup
+from workers.pipeline.stage_types import StageSetup
 from workers.pipeline.stage_worker import StageWorker
 from workers.sharp.shard_host import ShardWorker
 from workers.snapshot import StagePlan

@@ -52,7 +52,7 @@ from service.bench.simulation import simulate_local
 from service.localray import LocalRay
 from workers.pipeline.group import RayGroup
 from workers.pipeline.runner import Trainer
-from workers.pipeline.stage import torch_device
+from workers.pipeline.stage_types import torch_device
 from workers.pipeline.worker_group import GroupFactory
 from workers.profiler import trace_costs
 from workers.sharp.runner import SharpTrainer

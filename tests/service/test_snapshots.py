@@ -8,7 +8,7 @@ from service.db.models import Job
 from service.snapshots import build_snapshot
 from service.specs import validate_job_spec
 from tests.factories import device, job_spec
-from workers.pipeline.stage import StageSetup
+from workers.pipeline.stage_types import StageSetup
 from workers.snapshot import JobSnapshot
 from workers.zoo.data import make_data
 

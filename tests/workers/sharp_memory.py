@@ -16,7 +16,7 @@ from scheduler.devices import Device
 from scheduler.memory import in_flight, stage_memory
 from scheduler.sharp import Shard, shard_model
 from tests.workers.memory_cases import MICRO_BATCHES
-from workers.pipeline.stage import StageSetup
+from workers.pipeline.stage_types import StageSetup
 from workers.profiler import trace_costs
 from workers.sharp.shard_host import ShardHost, ShardKey
 from workers.snapshot import DataRef, ModelRef, OptimizerConf

@@ -23,7 +23,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from scheduler.devices import Device
 from scheduler.memory import format_bytes, in_flight, stage_memory
 from tests.workers.memory_cases import CASES, MICRO_BATCHES
-from workers.pipeline.stage import Stage, StageSetup
+from workers.pipeline.stage import Stage
+from workers.pipeline.stage_types import StageSetup
 from workers.profiler import trace_costs
 from workers.snapshot import DataRef, ModelRef, OptimizerConf, StagePlan
 from workers.wire import send

@@ -53,7 +53,7 @@ from ray.exceptions import (
 )
 
 from workers import launch
-from workers.pipeline.stage import StageSetup
+from workers.pipeline.stage_types import StageSetup
 from workers.pipeline.stage_worker import COPIES, LinkFailed, StageFailed
 from workers.pipeline.worker_group import (
     GroupTimeout,

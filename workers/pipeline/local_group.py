@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from workers.pipeline.collective import sum_in_process
-from workers.pipeline.stage import StageSetup
+from workers.pipeline.stage_types import StageSetup
 from workers.pipeline.stage_worker import StageFailed, StageWorker, one_line
 from workers.pipeline.worker_group import Handle, StageLost, own, wait_ready
 from workers.snapshot import StagePlan

@@ -1,17 +1,18 @@
 """The job runner: trains one job through a worker group, step by step, and reports progress.
 
-``Trainer`` is the engine, plain Python: it restores the job's latest checkpoint, then for
+``Trainer`` is the engine, plain Python: it starts the job on its workers
+(``workers.pipeline.job_start``: placement, device speeds, the latest checkpoint), then for
 every step links the stages (only links that are missing) and drives the step
-(``workers.pipeline.step_driver``: each stage runs its whole step and exchanges activations with its
-neighbours, or, where they cannot link, the runner relays them), records ``StepMetrics``
-and ``RunnerEvent``s, and hands checkpoints to a writer thread
-(``workers.pipeline.checkpoint_writer``). Where the boundary after a step needs nothing of the
-workers (no checkpoint, copy, move or request due) and the runner's work cannot take a
-worker's core (``scheduler.overlap``), the next step is handed out before this one
-is collected, so the workers go from one step to the next without waiting for a round trip
-through the runner; a request that comes in meanwhile waits one more step. ``JobRunner`` is
-(``workers.pipeline.job_runner``) is what ``workers.actors`` runs as the job's detached Ray
-actor.
+(``workers.pipeline.step_driver``: each stage runs its whole step and exchanges activations
+with its neighbours, or, where they cannot link, the runner relays them), records
+``StepMetrics`` and ``RunnerEvent``s in its ``workers.run_log.RunLog``, and hands
+checkpoints to a writer thread (``workers.pipeline.checkpoint_writer``). Where the boundary
+after a step needs nothing of the workers (no checkpoint, copy, move or request due) and
+the runner's work cannot take a worker's core (``scheduler.overlap``), the next step is
+handed out before this one is collected, so the workers go from one step to the next
+without waiting for a round trip through the runner; a request that comes in meanwhile
+waits one more step. ``JobRunner`` (``workers.pipeline.job_runner``) is what
+``workers.actors`` runs as the job's detached Ray actor.
 
 Steps are counted as completed optimizer updates: step k's metrics and a checkpoint at step
 k describe the model after k updates, which consumed data batches 0..k-1 (the data cursor is
@@ -25,14 +26,13 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from itertools import pairwise
 from typing import Any
 
 from scheduler.overlap import leaves_a_core, steps_per_call
-from workers.checkpoint_events import resumed_event, write_checkpoint
-from workers.checkpoints import CheckpointStore, Restorable
-from workers.device_memory import device_memory_event
+from workers.checkpoint_events import write_checkpoint
+from workers.checkpoints import CheckpointStore
 from workers.pipeline.checkpoint_writer import CheckpointWriter
+from workers.pipeline.job_start import PlanError, announce, check_plans, restore
 from workers.pipeline.rebalance import (
     Layout,
     Policy,
@@ -41,58 +41,23 @@ from workers.pipeline.rebalance import (
     policy_every,
 )
 from workers.pipeline.recovery import Copies, copies_event, recover
-from workers.pipeline.stage import StageSetup
+from workers.pipeline.stage_types import StageSetup
 from workers.pipeline.stage_worker import StageFailed
 from workers.pipeline.step_driver import Flight, finish_step, in_one_call, start_step
 from workers.pipeline.transport import LINK_TIMEOUT_S
 from workers.pipeline.worker_group import GroupFactory, StageLost, WorkerGroup
+from workers.run_log import RunLog
 from workers.snapshot import (
     JobSnapshot,
     RunnerEvent,
     RunnerReport,
     RunStatus,
     StagePlan,
-    StepMetrics,
 )
 from workers.zoo.data import DataSource, make_data
 
 DEFAULT_STEP_TIMEOUT_S = 600.0
 """How long one step may take before the runner gives up on its stages."""
-
-
-class PlanError(ValueError):
-    """The snapshot's stages do not form a pipeline over the model's blocks."""
-
-
-def check_plans(stages: Sequence[StagePlan], num_blocks: int, replicas: int = 1) -> list[StagePlan]:
-    """The plans laid out replica-major (worker ``r * p + s`` is stage s of replica r), if
-    every replica's stages cover blocks [0, num_blocks) contiguously with the same ranges."""
-    by_replica: dict[int, list[StagePlan]] = {}
-    for plan in stages:
-        by_replica.setdefault(plan.replica, []).append(plan)
-    if sorted(by_replica) != list(range(replicas)):
-        raise PlanError(
-            f"the stages name replicas {sorted(by_replica)}; a job of {replicas} replicas needs"
-            f" each of 0..{replicas - 1}"
-        )
-    layouts: list[list[StagePlan]] = []
-    for r in range(replicas):
-        plans = sorted(by_replica[r], key=lambda p: p.index)
-        if [p.index for p in plans] != list(range(len(plans))) or not plans:
-            raise PlanError(
-                f"stage indices of replica {r} must be 0..p-1, got {[p.index for p in plans]}"
-            )
-        bounds = [p.blocks for p in plans]
-        contiguous = all(a[1] == b[0] for a, b in pairwise(bounds))
-        if bounds[0][0] != 0 or bounds[-1][1] != num_blocks or not contiguous:
-            raise PlanError(f"stage block ranges {bounds} must cover [0, {num_blocks}) in order")
-        if layouts and bounds != [p.blocks for p in layouts[0]]:
-            raise PlanError(
-                f"replica {r} has stage ranges {bounds}, replica 0 has"
-                f" {[p.blocks for p in layouts[0]]}; replicas must hold the same blocks"
-            )
-        layouts.append(plans)
-    return [p for plans in layouts for p in plans]
 
 
 class Trainer:
@@ -118,15 +83,11 @@ class Trainer:
         self._lock = threading.Lock()
         self._cancelled = threading.Event()
         self._suspending = threading.Event()
-        self._log: list[StepMetrics | RunnerEvent] = []
-        self._status = RunStatus.RUNNING
-        self._error: str | None = None
-        self._lost: tuple[str, ...] = ()
+        self._run = RunLog()
         self._relayout: tuple[tuple[StagePlan, ...], tuple[int, ...]] | None = None
         self._gflops: dict[str, float] = {}
-        self._writer = CheckpointWriter(self._record)
+        self._writer = CheckpointWriter(self._run.record)
         self._relay_reason: str | None = ""  # none said yet: "" is never a reason
-        self._step = 0
         self._cores = cores or os.cpu_count() or 1
         self._ahead: Flight | None = None
         """The next step, handed out before the last one was collected."""
@@ -155,41 +116,18 @@ class Trainer:
 
     @property
     def status(self) -> RunStatus:
-        return self._status
+        return self._run.status
 
     def report(self, cursor: int) -> RunnerReport:
         """Metrics and events recorded after ``cursor`` (0 = from the start), and the status."""
-        with self._lock:
-            news = self._log[max(0, cursor) :]
-            return RunnerReport(
-                status=self._status,
-                cursor=len(self._log),
-                step=self._step,
-                metrics=tuple(m for m in news if isinstance(m, StepMetrics)),
-                events=tuple(e for e in news if isinstance(e, RunnerEvent)),
-                error=self._error,
-                lost_devices=self._lost,
-            )
-
-    def _record(self, item: StepMetrics | RunnerEvent) -> None:
-        with self._lock:
-            self._log.append(item)
-            if isinstance(item, StepMetrics):
-                self._step = item.step
-
-    def _finish(
-        self, status: RunStatus, error: str | None = None, *, lost: tuple[str, ...] = ()
-    ) -> RunStatus:
-        with self._lock:
-            self._status, self._error, self._lost = status, error, lost
-        return status
+        return self._run.report(cursor)
 
     # ------------------------------------------------------------------------- training
 
     def run(self) -> RunStatus:
         """Train to ``snapshot.steps``; never raises: failures become FAILED with a reason."""
         group: WorkerGroup | None = None
-        self._writer = CheckpointWriter(self._record)
+        self._writer = CheckpointWriter(self._run.record)
         try:
             snap = self.snapshot
             plans = check_plans(snap.stages, snap.num_blocks, snap.replicas)
@@ -198,10 +136,11 @@ class Trainer:
             store = CheckpointStore(snap.checkpoint_root)
             group = self._make_group(plans, StageSetup.of(snap, data.meta))
             restorable = store.restorable(snap.job_id)
-            self._announce(group, plans, restorable.info.step if restorable.info else 0)
-            start = self._restore(group, plans, restorable)
+            at = restorable.info.step if restorable.info else 0
+            self._gflops = announce(group, plans, snap.replicas, at, self._run, self._timeout)
+            start = restore(group, plans, restorable, snap.num_blocks, self._run, self._timeout)
             rebalancer = (
-                Rebalancer(self._policy, policy_every(snap), self._timeout, self._record)
+                Rebalancer(self._policy, policy_every(snap), self._timeout, self._run.record)
                 if self._policy
                 else None
             )
@@ -213,7 +152,7 @@ class Trainer:
                 # A request is carried out between steps: once a step handed out ahead is in.
                 if self._cancelled.is_set() and self._ahead is None:
                     self._writer.flush()
-                    return self._finish(RunStatus.CANCELLED)
+                    return self._run.end(RunStatus.CANCELLED)
                 if self._suspending.is_set() and self._ahead is None:
                     return self._suspend(group, layout, store, step)
                 try:
@@ -227,17 +166,17 @@ class Trainer:
                     if rebalancer is not None:
                         rebalancer.restart()
             self._writer.flush()  # SUCCEEDED once the last checkpoint is complete
-            return self._finish(RunStatus.SUCCEEDED)
+            return self._run.end(RunStatus.SUCCEEDED)
         except StageLost as exc:  # the message names the stage and device
             self._writer.close()  # a restart resumes from the checkpoints under way
-            return self._finish(RunStatus.LOST, str(exc), lost=(exc.device_id,))
+            return self._run.end(RunStatus.LOST, str(exc), (exc.device_id,))
         except StageFailed as exc:
             self._writer.close()
-            return self._finish(RunStatus.FAILED, str(exc))
+            return self._run.end(RunStatus.FAILED, str(exc))
         except Exception as exc:  # the run's boundary: whatever broke, the job reports why
             self._writer.close()
             text = " ".join(str(exc).split())
-            return self._finish(RunStatus.FAILED, f"{type(exc).__name__}: {text}")
+            return self._run.end(RunStatus.FAILED, f"{type(exc).__name__}: {text}")
         finally:
             self._writer.close()
             if group is not None:
@@ -277,10 +216,10 @@ class Trainer:
             copies.confirm(group, flight.end, self._timeout)  # earlier boundaries' copies
         *inside, last = steps
         for metrics in inside:  # boundaries within the call: the policy is not asked there
-            self._record(metrics)
+            self._run.record(metrics)
             if rebalancer is not None:
                 rebalancer.after_step(group, layout, metrics)
-        self._record(last)
+        self._run.record(last)
         if copies is not None:
             for metrics in steps:
                 copies.observe(metrics)
@@ -331,7 +270,7 @@ class Trainer:
     def _plan_copies(self, copies: Copies, step: int) -> None:
         """Re-decide how often the copies are taken; say so when that is news."""
         if copies.cadence.plan():
-            self._record(copies_event(copies.cadence, step))
+            self._run.record(copies_event(copies.cadence, step))
 
     def _suspend(
         self, group: WorkerGroup, layout: Layout, store: CheckpointStore, step: int
@@ -341,7 +280,7 @@ class Trainer:
         if latest is None or latest.step != step:
             self._checkpoint(group, layout, store, step)
             self._writer.flush()
-        self._record(
+        self._run.record(
             RunnerEvent(
                 "suspended",
                 step,
@@ -349,7 +288,7 @@ class Trainer:
                 {"step": step},
             )
         )
-        return self._finish(RunStatus.SUSPENDED)
+        return self._run.end(RunStatus.SUSPENDED)
 
     def _recover(
         self, group: WorkerGroup, layout: Layout, cause: StageLost, step: int, copies: Copies
@@ -358,7 +297,7 @@ class Trainer:
         in-memory copies (``workers.pipeline.recovery``); the layout and the step to run next."""
         copies.drop()
         started = time.perf_counter()
-        last = self._last_step()
+        last = self._run.last_metrics()
         # A survivor busy with a long micro-batch still answers within a few step times;
         # one waiting on a silently lost neighbour, once its link times out.
         ping = max(3 * last.step_time_s if last is not None else 0.0, LINK_TIMEOUT_S + 5)
@@ -368,7 +307,7 @@ class Trainer:
         seconds = time.perf_counter() - started
         lost = sorted({cause.device_id, *found.lost})
         replayed = step - found.restore_step
-        self._record(
+        self._run.record(
             RunnerEvent(
                 "device_lost",
                 step,
@@ -384,7 +323,7 @@ class Trainer:
                 },
             )
         )
-        self._record(
+        self._run.record(
             RunnerEvent(
                 "recovered",
                 found.restore_step,
@@ -418,7 +357,7 @@ class Trainer:
         seconds = time.perf_counter() - started
         before = {p.device.id for p in old.plans}
         after = {p.device.id for p in checked.plans}
-        self._record(
+        self._run.record(
             RunnerEvent(
                 "relayout",
                 step,
@@ -483,13 +422,9 @@ class Trainer:
             until = min(until, max(1, copies.steps_to_next(step)))
         if rebalancer is not None:
             until = min(until, rebalancer.steps_to_ask(unrecorded))
-        last = self._last_step()
+        last = self._run.last_metrics()
         step_s = last.step_time_s if last is not None else None
         return steps_per_call(step_s, self._batch_bytes, until)
-
-    def _last_step(self) -> StepMetrics | None:
-        with self._lock:
-            return next((m for m in reversed(self._log) if isinstance(m, StepMetrics)), None)
 
     def _quiet(self, flight: Flight, rebalancer: Rebalancer | None, relayout: bool) -> bool:
         """Whether the boundary after ``flight`` needs nothing of the workers but calls
@@ -522,82 +457,9 @@ class Trainer:
                 if reason is None
                 else f"activations are relayed through the runner: {reason}"
             )
-            self._record(RunnerEvent("transport", step, how, {"relayed": reason}))
+            self._run.record(RunnerEvent("transport", step, how, {"relayed": reason}))
         self._relay_reason = reason
         return reason is not None
-
-    def _call_all(self, group: WorkerGroup, method: str, *args: Any) -> list[Any]:
-        count = len(self.snapshot.stages)
-        return group.get([group.submit(w, method, *args) for w in range(count)], self._timeout)
-
-    def _announce(self, group: WorkerGroup, plans: list[StagePlan], step: int) -> None:
-        sizes = self._call_all(group, "nbytes")
-        pids = self._call_all(group, "pid")
-        stages = [
-            {
-                "stage": p.index,
-                "replica": p.replica,
-                "device_id": p.device.id,
-                "kind": p.device.kind,
-                "node_id": p.device.node_id,
-                "blocks": list(p.blocks),
-                "bytes": size,
-                "pid": pid,
-            }
-            for p, size, pid in zip(plans, sizes, pids, strict=True)
-        ]
-        ranges = ", ".join(f"{p.blocks[0]}-{p.blocks[1] - 1}@{p.device.id}" for p in plans)
-        replicas = self.snapshot.replicas
-        what = f"{len(plans) // replicas} stages" + (
-            f" x {replicas} replicas" if replicas > 1 else ""
-        )
-        self._record(RunnerEvent("placement", step, f"{what}: {ranges}", {"stages": stages}))
-        # One device at a time: concurrent benchmarks on shared cores would measure contention.
-        for w, p in enumerate(plans):
-            gflops, overhead = group.get(
-                [group.submit(w, "measure_speed"), group.submit(w, "device_overhead")],
-                self._timeout,
-            )
-            self._gflops[p.device.id] = gflops
-            if overhead.how != "none":
-                self._record(device_memory_event(p.device, overhead, step))
-            self._record(
-                RunnerEvent(
-                    "device_speed",
-                    step,
-                    f"device {p.device.id} ({p.device.kind}): {gflops:.2f} GFLOP/s",
-                    {
-                        "device_id": p.device.id,
-                        "stage": p.index,
-                        "replica": p.replica,
-                        "gflops": gflops,
-                    },
-                )
-            )
-
-    def _restore(self, group: WorkerGroup, plans: list[StagePlan], restorable: Restorable) -> int:
-        """Load the checkpoint to resume from into the stages; the step to run from."""
-        snap, latest = self.snapshot, restorable.info
-        if latest is None:
-            if restorable.skipped:  # every checkpoint unusable: from the seed, said so
-                self._record(resumed_event(restorable))
-            return 0
-        states = restorable.blocks
-        missing = sorted(set(range(snap.num_blocks)) - set(states))
-        if missing:
-            raise PlanError(
-                f"the checkpoint at step {latest.step} has no state for blocks {missing};"
-                " it was written for another model"
-            )
-        loads = [
-            group.submit(w, "load", {i: states[i] for i in range(*p.blocks)})
-            for w, p in enumerate(plans)
-        ]
-        group.get(loads, self._timeout)
-        self._record(resumed_event(restorable))
-        with self._lock:
-            self._step = latest.step
-        return latest.step
 
     def _checkpoint(
         self, group: WorkerGroup, layout: Layout, store: CheckpointStore, step: int

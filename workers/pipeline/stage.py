@@ -2,10 +2,11 @@
 
 A ``Stage`` is plain Python: ``workers.pipeline.group`` runs it in-process (``LocalGroup``) or
 as the StageWorker Ray actor (``RayGroup``), unchanged. Per micro-batch it keeps what its
-backward needs: the input and the output (the autograd graph), or, with rematerialization
-(activation checkpointing, as in GPipe), only the input, recomputing the forward under
-autograd in ``backward``. Gradients accumulate over the micro-batches of a mini-batch and
-``apply_step`` applies them once, so the math equals one process training the whole model.
+backward needs (``workers.pipeline.micro_batches``): the input and the output (the autograd
+graph), or, with rematerialization (activation checkpointing, as in GPipe), only the input,
+recomputing the forward under autograd in ``backward``. Gradients accumulate over the
+micro-batches of a mini-batch and ``apply_step`` applies them once, so the math equals one
+process training the whole model.
 With gradient-norm clipping, ``grad_norms`` and ``apply_step``'s coefficient are this
 stage's part of the cross-stage reduction (``workers.pipeline.clipping``). With mixed precision,
 the forward and the loss, recomputed ones included, run under the job's autocast
@@ -32,13 +33,11 @@ import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from scheduler.devices import Device
 from scheduler.programs import programs_for
 from scheduler.types import BlockRange
 from workers.blocks import Block
@@ -47,15 +46,21 @@ from workers.host_memory import retain_freed_memory
 from workers.pipeline.clipping import grad_norms, scale_grads
 from workers.pipeline.collective import GlooCollective
 from workers.pipeline.copier import Copier, Held
+from workers.pipeline.micro_batches import InFlight
+from workers.pipeline.stage_types import (
+    StageSetup,
+    StageStateError,
+    StepOutcome,
+    torch_device,
+)
 from workers.pipeline.step_program import run_program
 from workers.pipeline.timing import StepClock, StepTimer
 from workers.pipeline.transport import LinkError, Links
 from workers.precision import autocast, autocast_dtype
-from workers.snapshot import JobSnapshot, ModelRef, OptimizerConf, StagePlan
+from workers.snapshot import StagePlan
 from workers.wire import Wire, receive, receive_tree, send, send_tree
 from workers.zoo.data import loss_fn
 from workers.zoo.models import build_blocks
-from workers.zoo.registry import DataMeta
 
 _GENERATIONS = 2
 """Steps of in-memory copies kept: the last one may be incomplete when a device is lost."""
@@ -63,83 +68,6 @@ _SPEED_SIZE = 256
 _SPEED_REPEATS = 16
 _CUDA_SPEED_SIZE = 4096
 """Large enough that a GPU's matmuls are compute-bound (256 measured an H100 at 55 GFLOP/s)."""
-
-
-class StageStateError(RuntimeError):
-    """A stage was driven out of order (a schedule or runner bug, never user input)."""
-
-
-@dataclass(frozen=True)
-class StageSetup:
-    """What every stage of a job is built from; the plan says which blocks and where."""
-
-    model: ModelRef
-    meta: DataMeta
-    optimizer: OptimizerConf
-    seed: int
-    num_blocks: int
-    recompute: bool = False
-    allowed: tuple[str, ...] = ()
-    precision: str = "fp32"
-
-    @classmethod
-    def of(cls, snapshot: JobSnapshot, meta: DataMeta) -> StageSetup:
-        return cls(
-            model=snapshot.model,
-            meta=meta,
-            optimizer=snapshot.optimizer,
-            seed=snapshot.seed,
-            num_blocks=snapshot.num_blocks,
-            recompute=snapshot.recompute,
-            allowed=snapshot.allowed_factories,
-            precision=snapshot.precision,
-        )
-
-
-@dataclass(frozen=True)
-class StepOutcome:
-    """What one stage's ``step`` returns: the last stage's micro-batch losses (empty
-    elsewhere), its gradients' norms (``workers.pipeline.clipping``), where its time went, and the
-    step's wall seconds on this stage (from its call to its end, waits included)."""
-
-    losses: tuple[float, ...]
-    norms: Wire
-    clock: StepClock
-    seconds: float = 0.0
-
-
-@dataclass
-class _Replay:
-    """How to recompute a stage's forward exactly: the function and the RNG it ran under."""
-
-    rerun: Callable[[Tensor], Tensor]
-    device: torch.device
-    cpu_rng: Tensor
-    cuda_rng: Tensor | None
-
-    def run(self, x: Tensor) -> Tensor:
-        cuda = self.device.type == "cuda"
-        with torch.random.fork_rng(devices=[self.device] if cuda else []):
-            torch.set_rng_state(self.cpu_rng)
-            if self.cuda_rng is not None:
-                torch.cuda.set_rng_state(self.cuda_rng, self.device)
-            return self.rerun(x)
-
-
-@dataclass
-class _Kept:
-    """What one micro-batch's backward needs: its input and its output, or how to redo it."""
-
-    input: Tensor
-    output: Tensor | _Replay
-    is_loss: bool
-
-
-def torch_device(device: Device) -> torch.device:
-    if device.gpu and torch.cuda.is_available():
-        # A Ray actor sees only its own GPU, as index 0; a single process sees all of them.
-        return torch.device("cuda", device.index % torch.cuda.device_count())
-    return torch.device("cpu")
 
 
 class Stage:
@@ -173,9 +101,8 @@ class Stage:
         for block in self.blocks:
             block.to(self.device)
         self._loss = loss_fn(setup.meta.task)
-        self._recompute = setup.recompute
         self._amp_dtype = autocast_dtype(setup.precision)
-        self._kept: dict[int, _Kept] = {}
+        self._in_flight = InFlight(plan.index, self.device, setup.recompute)
         self._collective: GlooCollective | None = None
         self._links = Links(self.device)
         self._own = Copier(self.device, _GENERATIONS)
@@ -207,26 +134,12 @@ class Stage:
     def _keep(
         self, mb: int, inp: Tensor, head: Callable[[Tensor], Tensor], is_loss: bool
     ) -> Tensor:
-        if mb in self._kept:
-            raise StageStateError(f"stage {self.index} already holds micro-batch {mb}")
-        if not self.first:
-            inp.requires_grad_()
-
-        def rerun(y: Tensor) -> Tensor:
-            # Inside rerun, so a recomputed forward runs under the same autocast.
+        def run(y: Tensor) -> Tensor:
+            # Under the job's autocast, a recomputed forward too.
             with autocast(self._amp_dtype, self.device):
                 return head(self._run(y))
 
-        if not self._recompute:
-            out = rerun(inp)
-            self._kept[mb] = _Kept(inp, out, is_loss)
-            return out
-        cuda_rng = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
-        replay = _Replay(rerun, self.device, torch.get_rng_state(), cuda_rng)
-        with torch.no_grad():
-            out = rerun(inp)
-        self._kept[mb] = _Kept(inp, replay, is_loss)
-        return out
+        return self._in_flight.forward(mb, inp, run, is_loss=is_loss, input_grad=not self.first)
 
     def forward(self, mb: int, x: Wire) -> Wire:
         """Run micro-batch ``mb`` through the stage; the output goes to the next stage."""
@@ -261,17 +174,9 @@ class Stage:
 
     def backward_tensor(self, mb: int, upstream: Tensor | None) -> Tensor | None:
         """``backward`` on the device: the input's gradient tensor (None on stage 0)."""
-        kept = self._kept.pop(mb, None)
-        if kept is None:
-            raise StageStateError(f"stage {self.index} has no forward of micro-batch {mb}")
-        if upstream is None and not kept.is_loss:
-            raise StageStateError(
-                f"stage {self.index} needs the output gradient of micro-batch {mb}"
-            )
+        kept = self._in_flight.take(mb, upstream=upstream is not None)
         with self._compute():
-            # Rematerialization: recompute the forward under autograd, RNG as it was.
-            out = kept.output if isinstance(kept.output, Tensor) else kept.output.run(kept.input)
-            torch.autograd.backward(out, upstream)
+            torch.autograd.backward(kept.graph(), upstream)
         if self.first or kept.input.grad is None:
             return None
         return kept.input.grad
@@ -290,11 +195,7 @@ class Stage:
         return self.lap()
 
     def _update(self, clip: float | None) -> None:
-        if self._kept:
-            raise StageStateError(
-                f"stage {self.index} still holds micro-batches {sorted(self._kept)}; every"
-                " forward needs its backward before the step"
-            )
+        self._in_flight.require_none("every forward needs its backward before the step")
         with self._compute():
             if clip is not None:
                 scale_grads(self.blocks, clip)
@@ -466,11 +367,7 @@ class Stage:
         """Be stage ``index`` holding blocks ``[start, stop)`` from now on, between two steps:
         keep the held blocks, build the others from their states in ``parts`` (``export``s of
         their holders), drop the rest. The stage's bytes after the move."""
-        if self._kept:
-            raise StageStateError(
-                f"stage {self.index} still holds micro-batches {sorted(self._kept)}; blocks"
-                " move only between steps"
-            )
+        self._in_flight.require_none("blocks move only between steps")
         start, stop = blocks
         if not 0 <= start < stop <= self._setup.num_blocks:
             raise ValueError(f"stage {self.index} cannot hold blocks [{start}, {stop})")
@@ -489,7 +386,7 @@ class Stage:
             held[i] = block
         self.blocks = [held[i] for i in range(start, stop)]
         self._forget()
-        self.index = index
+        self.index = self._in_flight.stage = index
         self.first, self.last = start == 0, stop == s.num_blocks
         return self.nbytes()
 
@@ -540,7 +437,7 @@ class Stage:
         states = self._own.result(step)
         if states is None:
             raise StageStateError(f"stage {self.index} kept no state of step {step}")
-        self._kept.clear()
+        self._in_flight.clear()
         for block in self.blocks:
             block.optimizer.zero_grad(set_to_none=True)
         self._load(states)
@@ -567,8 +464,7 @@ class Stage:
     def kept_bytes(self) -> int:
         """Bytes of the inputs and outputs kept for the backwards of micro-batches in
         flight (memory accounting)."""
-        kept = [t for k in self._kept.values() for t in (k.input, k.output)]
-        return sum(t.numel() * t.element_size() for t in kept if isinstance(t, Tensor))
+        return self._in_flight.nbytes()
 
     def pid(self) -> int:
         """The worker's process id (shown in the placement event, for operators)."""

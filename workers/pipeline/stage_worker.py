@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from workers.pipeline.stage import Stage, StageSetup
+from workers.pipeline.stage import Stage
+from workers.pipeline.stage_types import StageSetup
 from workers.pipeline.transport import LinkError
 from workers.snapshot import StagePlan
 

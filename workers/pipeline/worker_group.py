@@ -10,7 +10,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
-from workers.pipeline.stage import StageSetup
+from workers.pipeline.stage_types import StageSetup
 from workers.snapshot import StagePlan
 
 

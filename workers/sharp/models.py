@@ -4,7 +4,6 @@ flight."""
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -14,9 +13,10 @@ from scheduler.copies import CopyCadence
 from scheduler.devices import Device
 from scheduler.sharp import ModelPlan, Op, Shard, ShardTask
 from workers.pipeline.recovery import copies_event
-from workers.pipeline.stage import StageSetup
+from workers.pipeline.stage_types import StageSetup
+from workers.run_log import RunLog
 from workers.sharp.shard_host import ShardKey, Stashed
-from workers.sharp.shard_pool import Call, HostPool
+from workers.sharp.shard_pool import Call, HostPool, await_all
 from workers.snapshot import JobSnapshot, RunnerEvent, RunStatus, StepMetrics
 from workers.wire import Wire, send
 from workers.zoo.data import DataSource
@@ -51,9 +51,6 @@ class ModelRun:
     data: DataSource
     homes: list[int]
     """The pool position of the device holding each shard."""
-    lock: threading.Lock
-    """The executor's: guards ``log``, ``step``, ``status`` and ``error``, which
-    ``SharpTrainer.report`` reads from other threads."""
     done: int = 0
     """Tasks finished, in chain order (``ModelPlan.task`` positions)."""
     submitted: int = 0
@@ -69,10 +66,9 @@ class ModelRun:
     targets: list[Wire] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
     step_started: float = 0.0
-    status: RunStatus = RunStatus.RUNNING
-    error: str | None = None
-    log: list[StepMetrics | RunnerEvent] = field(default_factory=list)
-    step: int = 0
+    run: RunLog = field(default_factory=RunLog)
+    """Its metrics, events and status, as ``SharpTrainer.report`` reads them from other
+    threads."""
     saved: tuple[int, dict[int, Any]] | None = None
     """Every block's state at the last copy (``keep_copies``), in this process: what the
     model rolls back to when a device holding one of its shards is lost."""
@@ -175,15 +171,19 @@ class ModelRun:
         self.step_started = now
         self.step_compute_s = 0.0
 
+    @property
+    def status(self) -> RunStatus:
+        return self.run.status
+
+    @property
+    def step(self) -> int:
+        return self.run.step
+
     def record(self, item: StepMetrics | RunnerEvent) -> None:
-        with self.lock:
-            self.log.append(item)
-            if isinstance(item, StepMetrics):
-                self.step = item.step
+        self.run.record(item)
 
     def end(self, status: RunStatus, error: str | None = None) -> None:
-        with self.lock:
-            self.status, self.error = status, error
+        self.run.end(status, error)
 
     def took_part(
         self, call: Call, states: dict[int, Any], seconds: float, finished: float
@@ -204,6 +204,24 @@ class ModelRun:
             if self.cadence.plan():
                 self.record(copies_event(self.cadence, self.step))
 
+    def saved_at(self, step: int) -> dict[int, Any] | None:
+        """Its copy in this process (``saved``), if that is of ``step``."""
+        return self.saved[1] if self.saved is not None and self.saved[0] == step else None
+
+    def copy_calls(self, pool: HostPool) -> list[Call]:
+        """Have its shards' hosts copy them as they are after the tasks queued there so far
+        (each answers with its blocks' states in wire form)."""
+        job_id, shards = self.snap.job_id, self.plan.shards
+        return [pool.submit(self.homes[s.index], "copy", (job_id, s.index)) for s in shards]
+
+    def gather(self, pool: HostPool, timeout: float) -> dict[int, Any]:
+        """Every block's state in wire form (what Ray moves and unpickles fastest), from
+        its shards (each host answers after its task)."""
+        blocks: dict[int, Any] = {}
+        for states, _, _ in await_all(pool, self.copy_calls(pool), timeout):
+            blocks.update(states)
+        return blocks
+
     def add(self, pool: HostPool, host: int, shard: Shard, blocks: Blocks | None) -> Call:
         """Load ``shard`` into ``host``'s memory with its blocks' states from ``blocks``
         (None or empty: built from the model's seed)."""
@@ -222,6 +240,19 @@ class ModelRun:
             self.step,
             f"SHARP: {len(self.plan.shards)} shards: {where}",
             {"executor": "sharp", "stages": self.rows(devices, sizes=True)},
+        )
+
+    def moved(self, devices: Sequence[Device], home: int, step: int) -> None:
+        """Record that it moved whole from ``home`` to where it lives now, at ``step``."""
+        old, new = devices[home].id, devices[self.homes[0]].id
+        self.record(
+            RunnerEvent(
+                "relayout",
+                step,
+                f"SHARP: moved from {old} to {new} at step {step}, where the two devices'"
+                " models end sooner",
+                {"to": self.rows(devices), "removed": [old], "added": [new]},
+            ),
         )
 
     def recovered(

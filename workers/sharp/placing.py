@@ -1,22 +1,20 @@
-"""A model's arrival in the SHARP executor: cut into shards for the smallest device, given
-homes, restored from its latest checkpoint."""
+"""Where a model's shards live in the SHARP executor: on its arrival, cut into shards for
+the smallest device, given homes and restored from its latest checkpoint; after a loss,
+the shards of lost devices given new homes and every shard put back to one step."""
 
 from __future__ import annotations
-
-import threading
 
 from scheduler.sharp import ModelPlan, shard_model
 from workers.checkpoint_events import resumed_event
 from workers.checkpoints import CheckpointStore
 from workers.sharp.homes import Homes
-from workers.sharp.models import ModelRun
+from workers.sharp.models import Blocks, ModelRun, part
+from workers.sharp.shard_pool import Call, HostPool
 from workers.snapshot import JobSnapshot, RunStatus
 from workers.zoo.data import make_data
 
 
-def arrive(
-    snap: JobSnapshot, budget: int, order: int, homes: Homes, lock: threading.Lock
-) -> ModelRun:
+def arrive(snap: JobSnapshot, budget: int, order: int, homes: Homes) -> ModelRun:
     """``snap`` as a model of the executor: cut into shards that fit half of ``budget`` (the
     smallest device's), living where ``homes`` places them (heaviest models placed first
     by the caller), at the step of its latest checkpoint, whose block states become its
@@ -33,10 +31,11 @@ def arrive(
     plan = ModelPlan(snap.job_id, shards, snap.steps, order)
     data = make_data(snap.data, snap.seed, snap.allowed_factories)
     if not homes.live():
-        model = ModelRun(snap, plan, data, [0] * len(shards), lock, status=RunStatus.LOST)
-        model.error = "every device of this executor was lost; no device is left"
+        model = ModelRun(snap, plan, data, [0] * len(shards))
+        why = "every device of this executor was lost; no device is left"
+        model.run.end(RunStatus.LOST, why, tuple(homes.lost(model.homes)))
         return model
-    model = ModelRun(snap, plan, data, homes.place(shards, snap.steps), lock)
+    model = ModelRun(snap, plan, data, homes.place(shards, snap.steps))
     restorable = CheckpointStore(snap.checkpoint_root).restorable(snap.job_id)
     latest = restorable.info
     model.origin = restorable.blocks or None
@@ -45,7 +44,28 @@ def arrive(
     if latest is not None:
         model.restart(latest.step)
         model.placed = model.done
-        with lock:
-            model.step = latest.step
+        model.run.resumed_at(latest.step)
     model.record(model.placement(homes.devices))
     return model
+
+
+def rehome(model: ModelRun, homes: Homes, pool: HostPool, blocks: Blocks | None) -> list[Call]:
+    """After a loss: ``model``'s shards on lost devices move to the least loaded live ones
+    (``Homes.place``), and every shard goes back to its states in ``blocks`` (a step's, or
+    None: built from the seed again, as when it was placed). The calls that do it."""
+    job_id, shards = model.snap.job_id, model.plan.shards
+    orphans = [s for s in shards if not homes.alive(model.homes[s.index])]
+    places = homes.place(orphans, model.snap.steps)
+    moved = {s.index: host for s, host in zip(orphans, places, strict=True)}
+    calls = []
+    for shard in shards:
+        key, host, state = (job_id, shard.index), model.homes[shard.index], part(shard, blocks)
+        if not homes.alive(host):
+            host = model.homes[shard.index] = moved[shard.index]
+        elif state is not None:
+            calls.append(pool.submit(host, "load", key, state))
+            continue
+        else:  # built from its seed again
+            calls.append(pool.submit(host, "drop", key))
+        calls.append(model.add(pool, host, shard, blocks))
+    return calls

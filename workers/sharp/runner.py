@@ -42,11 +42,19 @@ from workers.device_memory import device_memory_event
 from workers.pipeline.stage_worker import one_line
 from workers.sharp.checkpointing import CheckpointThread
 from workers.sharp.homes import Homes
-from workers.sharp.models import Copying, ModelRun, Task, part
-from workers.sharp.placing import arrive
+from workers.sharp.inbox import Inbox
+from workers.sharp.models import Copying, ModelRun, Task
+from workers.sharp.placing import arrive, rehome
 from workers.sharp.shard_host import ShardFailed, ShardKey, TaskResult
-from workers.sharp.shard_pool import Call, HostLost, HostPool, InputLost, PoolFactory
-from workers.snapshot import JobSnapshot, RunnerEvent, RunnerReport, RunStatus, StepMetrics
+from workers.sharp.shard_pool import (
+    Call,
+    HostLost,
+    HostPool,
+    InputLost,
+    PoolFactory,
+    await_all,
+)
+from workers.snapshot import JobSnapshot, RunnerReport, RunStatus, StepMetrics
 
 DEFAULT_TASK_TIMEOUT_S = 600.0
 
@@ -82,14 +90,9 @@ class SharpTrainer:
         self._clock = clock
         self._lock = threading.Lock()
         self._models: dict[str, ModelRun] = {}
-        self._incoming: list[JobSnapshot] = []
-        self._stopping: dict[str, tuple[RunStatus, str | None]] = {}
-        """Models to end, with how, once they have no task in flight."""
-        self._suspending: set[str] = set()
-        """Models to checkpoint and end SUSPENDED at their next step boundary."""
-        self._open = keep_open
-        self._wakeup = threading.Event()
-        self._writer = CheckpointThread(self._stop)
+        """Every model it has trained or trains; ``_lock`` guards it against readers."""
+        self._inbox = Inbox(keep_open)
+        self._writer = CheckpointThread(self._inbox.stop)
         self._dispatched = 0
         self._homes = Homes(self._devices)
         self._reported: set[int] = set()
@@ -98,8 +101,6 @@ class SharpTrainer:
         """Shard tasks under way, up to ``QUEUE_DEPTH`` per device."""
         self._copy_calls: dict[Call, ModelRun] = {}
         """Copy calls under way (``ModelRun.copying``), by the model they copy."""
-        self._stopped: str | None = None
-        """Why ``run`` has returned; a model added after that fails with it."""
         for snap in models:
             self.add(snap)
         self.promoted_bytes = 0
@@ -113,57 +114,36 @@ class SharpTrainer:
         if not snap.block_costs:
             raise ValueError(f"model {snap.job_id} has no block costs to cut its shards by")
         with self._lock:
-            training = {j for j, m in self._models.items() if m.status is RunStatus.RUNNING}
-            if snap.job_id in training | {s.job_id for s in self._incoming}:
-                raise ValueError(f"model {snap.job_id} is already trained here")
-            self._suspending.discard(snap.job_id)  # requests to the run that ended
-            self._stopping.pop(snap.job_id, None)
-            self._incoming.append(snap)
-        self._wakeup.set()
+            training = [j for j, m in self._models.items() if m.status is RunStatus.RUNNING]
+        self._inbox.add(snap, training)
 
     def cancel(self, job_id: str) -> None:
         """Stop training ``job_id`` once its task in flight is done (CANCELLED)."""
-        self._stop(job_id, RunStatus.CANCELLED, None)
+        self._inbox.stop(job_id, RunStatus.CANCELLED, None)
 
     def suspend(self, job_id: str) -> None:
         """Checkpoint ``job_id`` at its next step boundary and end it there (SUSPENDED): it
         resumes from that checkpoint wherever it is added next, replaying nothing."""
-        with self._lock:
-            self._suspending.add(job_id)
+        self._inbox.suspend(job_id)
 
     def lost_devices(self) -> list[DeviceId]:
         """The devices found lost; the models go on on the others."""
         return self._homes.lost()
 
-    def _stop(self, job_id: str, status: RunStatus, error: str | None) -> None:
-        with self._lock:
-            self._stopping.setdefault(job_id, (status, error))
-        self._wakeup.set()
-
     def close(self) -> None:
         """No more models come: ``run`` returns once those it has end."""
-        self._open = False
-        self._wakeup.set()
+        self._inbox.close()
 
     def report(self, job_id: str, cursor: int) -> RunnerReport:
         """Model ``job_id``'s metrics and events after ``cursor``, like a job runner's."""
         with self._lock:
             model = self._models.get(job_id)
-            if model is None and self._stopped is not None:  # added after the end: never runs
-                return RunnerReport(RunStatus.FAILED, 0, 0, (), (), self._stopped)
-            if model is None:
-                return RunnerReport(RunStatus.RUNNING, 0, 0, (), (), None)
-            news = model.log[max(0, cursor) :]
-            lost = model.status is RunStatus.LOST
-            return RunnerReport(
-                status=model.status,
-                cursor=len(model.log),
-                step=model.step,
-                metrics=tuple(m for m in news if isinstance(m, StepMetrics)),
-                events=tuple(e for e in news if isinstance(e, RunnerEvent)),
-                error=model.error,
-                lost_devices=tuple(self._homes.lost(model.homes) if lost else ()),
-            )
+        if model is not None:
+            return model.run.report(cursor)
+        stopped = self._inbox.stopped
+        if stopped is not None:  # added after the end: never runs
+            return RunnerReport(RunStatus.FAILED, 0, 0, (), (), stopped)
+        return RunnerReport(RunStatus.RUNNING, 0, 0, (), (), None)
 
     # ----------------------------------------------------------------------- training
 
@@ -175,22 +155,18 @@ class SharpTrainer:
             self._loop(pool)
         except Exception as exc:  # the executor's boundary: its models fail with the reason
             reason = f"the SHARP executor failed: {one_line(exc)}"
-            with self._lock:
-                self._open = False
-                self._stopped = reason
-                for model in self._models.values():
-                    if model.status is RunStatus.RUNNING:
-                        model.status, model.error = RunStatus.FAILED, reason
+            self._inbox.end(reason)
+            for model in self._models.values():
+                model.run.fail_if_running(reason)
         finally:
-            with self._lock:
-                self._stopped = self._stopped or "the SHARP executor had stopped (closed)"
+            self._inbox.end("the SHARP executor had stopped (closed)")
             pool.shutdown()
             self._writer.close()  # the checkpoints under way are written
         return {job_id: m.status for job_id, m in self._models.items()}
 
     def _loop(self, pool: HostPool) -> None:
         while True:
-            self._wakeup.clear()
+            self._inbox.begin_round()
             self._admit(pool)
             self._reap(pool)
             self._dispatch(pool)
@@ -206,14 +182,11 @@ class SharpTrainer:
                 tasks = sorted((c for c in done if c in self._in_flight), key=self._number)
                 for call in tasks:
                     self._complete(pool, self._in_flight.pop(call), call)
-            elif self._open or self._incoming:
-                self._wakeup.wait(timeout=1.0)
-            else:
+            elif not self._inbox.wait_for_more():
                 return  # every model has ended and no more come
 
     def _admit(self, pool: HostPool) -> None:
-        with self._lock:
-            arriving, self._incoming = self._incoming, []
+        arriving = self._inbox.arrivals()
         if arriving:
             # Heaviest first, each to the device where it ends soonest (``home_shards``):
             # longest-processing-time-first over the models that arrive together.
@@ -222,7 +195,7 @@ class SharpTrainer:
             )
             adds = [c for snap in placing for c in self._place(pool, snap)]
             try:
-                self._await_all(pool, adds)
+                await_all(pool, adds, self._timeout)
                 for snap in arriving:
                     self._report_overhead(pool, self._models[snap.job_id])
             except HostLost as exc:  # its models (new ones too) are placed again
@@ -232,7 +205,7 @@ class SharpTrainer:
                 if not (snap.keep_copies and model.active):
                     continue
                 try:
-                    model.saved = (model.step, self._gather(pool, model))
+                    model.saved = (model.step, model.gather(pool, self._timeout))
                 except HostLost as exc:  # it trained nothing yet: no copy is needed
                     self._lose(pool, self._homes.host_of(exc.device_id), str(exc))
 
@@ -241,7 +214,7 @@ class SharpTrainer:
         its worker (measured on a GPU): the control plane keeps it with the device and plans
         later placements and sweeps in the rest."""
         hosts = sorted(h for h in set(model.homes) - self._reported if self._homes.alive(h))
-        answers = self._await_all(pool, [pool.submit(h, "overhead") for h in hosts])
+        answers = await_all(pool, [pool.submit(h, "overhead") for h in hosts], self._timeout)
         for host, overhead in zip(hosts, answers, strict=True):
             self._reported.add(host)
             if overhead.how != "none":
@@ -251,10 +224,9 @@ class SharpTrainer:
         """End the models to stop (cancelled, or a checkpoint failed) with no task in flight
         and free their shards."""
         busy = self._busy_models()
-        with self._lock:
-            ready = [j for j in self._stopping if j not in busy and j in self._models]
-            ending = [(self._models[j], *self._stopping.pop(j)) for j in ready]
-        for model, status, error in ending:
+        ending = self._inbox.stops(lambda j: j not in busy and j in self._models)
+        for job_id, status, error in ending:
+            model = self._models[job_id]
             if model.active:  # one that has trained all its steps freed its shards
                 model.end(status, error)
                 self._drop(pool, model)
@@ -274,7 +246,7 @@ class SharpTrainer:
             if self._homes.alive(host)
         ]
         try:
-            self._await_all(pool, calls)
+            await_all(pool, calls, self._timeout)
         except HostLost as exc:  # its shards there are gone anyway; the others' roll back
             self._lose(pool, self._homes.host_of(exc.device_id), str(exc))
         self._homes.release(model)
@@ -283,21 +255,13 @@ class SharpTrainer:
         """Make ``snap`` a model here (``placing.arrive``); the calls that load its shards
         into their devices' memory."""
         smallest = min(self._budgets[d.id] for d in self._devices)
-        model = arrive(snap, smallest, len(self._models), self._homes, self._lock)
+        model = arrive(snap, smallest, len(self._models), self._homes)
         with self._lock:
             self._models[snap.job_id] = model
         if model.status is RunStatus.LOST:
             return []
         shards, homes = model.plan.shards, model.homes
         return [model.add(pool, h, s, model.origin) for s, h in zip(shards, homes, strict=True)]
-
-    def _await_all(self, pool: HostPool, calls: Sequence[Call]) -> list[Any]:
-        pending, values = list(calls), {}
-        while pending:
-            for call in pool.wait(pending, self._timeout):
-                values[call] = pool.result(call)
-                pending.remove(call)
-        return [values[c] for c in calls]
 
     # ----------------------------------------------------------------------- dispatch
 
@@ -385,8 +349,7 @@ class SharpTrainer:
         snap = model.snap
         elapsed = self._clock() - model.step_started
         every = snap.checkpoint_every
-        with self._lock:
-            leave = snap.job_id in self._suspending and step < snap.steps
+        leave = self._inbox.suspending(snap.job_id) and step < snap.steps
         due = leave or step == snap.steps or (every > 0 and step % every == 0)
         copy_due = (
             snap.keep_copies
@@ -396,7 +359,7 @@ class SharpTrainer:
         blocks: dict[int, Any] = {}
         if due:
             try:
-                blocks = self._gather(pool, model)
+                blocks = model.gather(pool, self._timeout)
             except HostLost as exc:  # a shard's device went between the step and the gather
                 model.lost = str(exc)
                 self._lose(pool, self._homes.host_of(exc.device_id), str(exc))
@@ -420,8 +383,7 @@ class SharpTrainer:
         )
         if leave:
             model.leaving = True
-            with self._lock:
-                self._suspending.discard(snap.job_id)
+            self._inbox.suspended(snap.job_id)
         if due:
             self._writer.write(model, step, blocks, self._devices, leave)
         if step == snap.steps or leave:
@@ -442,12 +404,11 @@ class SharpTrainer:
             return
         try:
             if blocks is None:
-                saved = model.saved
-                blocks = saved[1] if saved and saved[0] == step else self._gather(pool, model)
+                blocks = model.saved_at(step) or model.gather(pool, self._timeout)
             job_id = model.snap.job_id
             calls = [pool.submit(home, "drop", (job_id, s.index)) for s in model.plan.shards]
             calls += [model.add(pool, there, s, blocks) for s in model.plan.shards]
-            self._await_all(pool, calls)
+            await_all(pool, calls, self._timeout)
         except HostLost as exc:  # before it moved or after: it rolls back from its copy
             model.lost = str(exc)
             self._lose(pool, self._homes.host_of(exc.device_id), str(exc))
@@ -455,24 +416,12 @@ class SharpTrainer:
                 self._roll_back(pool, model)
             return
         self._homes.move(model, there)
-        old, new = self._devices[home].id, self._devices[there].id
-        model.record(
-            RunnerEvent(
-                "relayout",
-                step,
-                f"SHARP: moved from {old} to {new} at step {step}, where the two devices'"
-                " models end sooner",
-                {"to": model.rows(self._devices), "removed": [old], "added": [new]},
-            ),
-        )
+        model.moved(self._devices, home, step)
 
     def _start_copy(self, pool: HostPool, model: ModelRun, step: int) -> None:
         """Have the model's shard hosts copy it as it is after ``step`` steps (each host
         takes its part after the task it runs, before any later task of the model there)."""
-        job_id = model.snap.job_id
-        calls = {
-            pool.submit(model.homes[s.index], "copy", (job_id, s.index)) for s in model.plan.shards
-        }
+        calls = set(model.copy_calls(pool))
         model.copying = Copying(step, calls)
         self._copy_calls.update(dict.fromkeys(calls, model))
 
@@ -493,18 +442,6 @@ class SharpTrainer:
             self._lose(pool, self._homes.host_of(exc.device_id), str(exc))
             return
         model.took_part(call, states, seconds, finished)
-
-    def _gather(self, pool: HostPool, model: ModelRun) -> dict[int, Any]:
-        """Every block's state in wire form (what Ray moves and unpickles fastest), from the
-        model's shards (each host answers after its task)."""
-        job_id = model.snap.job_id
-        calls = [
-            pool.submit(model.homes[s.index], "copy", (job_id, s.index)) for s in model.plan.shards
-        ]
-        blocks: dict[int, Any] = {}
-        for states, _, _ in self._await_all(pool, calls):
-            blocks.update(states)
-        return blocks
 
     # ------------------------------------------------------------------- lost devices
 
@@ -541,32 +478,13 @@ class SharpTrainer:
             self._drop(pool, model)  # its shards on the devices left
             # Ended after the checkpoints it has under way: its report then names them all,
             # and the control plane resumes it from the latest.
-            self._writer.then(model.end, RunStatus.LOST, f"{reason}; {why}")
+            lost = tuple(self._homes.lost(model.homes))
+            self._writer.then(model.run.end, RunStatus.LOST, f"{reason}; {why}", lost)
             return
         step, blocks = copy
-        job_id = model.snap.job_id
         gone = self._homes.lost(model.homes)
-        calls = []
-        orphans = [s for s in model.plan.shards if not self._homes.alive(model.homes[s.index])]
-        moved = dict(
-            zip(
-                [s.index for s in orphans],
-                self._homes.place(orphans, model.snap.steps),
-                strict=True,
-            )
-        )
-        for shard in model.plan.shards:
-            key, host, state = (job_id, shard.index), model.homes[shard.index], part(shard, blocks)
-            if not self._homes.alive(host):
-                host = model.homes[shard.index] = moved[shard.index]
-            elif state is not None:
-                calls.append(pool.submit(host, "load", key, state))
-                continue
-            else:  # built from its seed again, as when it was placed
-                calls.append(pool.submit(host, "drop", key))
-            calls.append(model.add(pool, host, shard, blocks))
         try:
-            self._await_all(pool, calls)
+            await_all(pool, rehome(model, self._homes, pool, blocks), self._timeout)
         except HostLost as exc:  # another device went meanwhile: its models roll back too
             model.lost = str(exc)
             self._lose(pool, self._homes.host_of(exc.device_id), str(exc))

@@ -39,7 +39,8 @@ import torch
 
 from scheduler.devices import Device
 from workers.device_memory import Overhead, measure_overhead
-from workers.pipeline.stage import Stage, StageSetup, StageStateError, torch_device
+from workers.pipeline.stage import Stage
+from workers.pipeline.stage_types import StageSetup, StageStateError, torch_device
 from workers.pipeline.stage_worker import one_line
 from workers.sharp.pinned import PinnedState
 from workers.sharp.saved import MovableSaves

@@ -94,6 +94,17 @@ PoolFactory = Callable[[Sequence[Device], Mapping[DeviceId, int]], "HostPool"]
 """How a SHARP runner gets its pool: devices and each one's budget in bytes."""
 
 
+def await_all(pool: HostPool, calls: Sequence[Call], timeout: float) -> list[Any]:
+    """The values of ``calls``, in their order, once every one has finished (the first
+    error raised: ``HostPool.result``'s)."""
+    pending, values = list(calls), {}
+    while pending:
+        for call in pool.wait(pending, timeout):
+            values[call] = pool.result(call)
+            pending.remove(call)
+    return [values[c] for c in calls]
+
+
 @dataclass(frozen=True, eq=False)
 class _Local(Call):
     future: Future[Any]

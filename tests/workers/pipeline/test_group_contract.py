@@ -17,7 +17,7 @@ from scheduler.types import BlockRange
 from workers.pipeline.clipping import clip_coefficient
 from workers.pipeline.group import NEW_NODE_S, RayGroup
 from workers.pipeline.local_group import LocalGroup
-from workers.pipeline.stage import StageSetup
+from workers.pipeline.stage_types import StageSetup
 from workers.pipeline.stage_worker import StageFailed
 from workers.pipeline.worker_group import GroupFactory, Handle, StageLost, WorkerGroup
 from workers.reference import train_reference

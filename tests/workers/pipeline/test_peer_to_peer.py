@@ -20,7 +20,7 @@ from tests.workers.runs import assert_bitwise_equal, final_states
 from workers.pipeline.group import RayGroup
 from workers.pipeline.local_group import LocalGroup
 from workers.pipeline.runner import Trainer
-from workers.pipeline.stage import StageSetup
+from workers.pipeline.stage_types import StageSetup
 from workers.pipeline.stage_worker import StageFailed
 from workers.pipeline.worker_group import StageLost
 from workers.snapshot import DataRef, ModelRef, OptimizerConf, RunStatus, StagePlan

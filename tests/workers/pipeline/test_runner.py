@@ -34,7 +34,7 @@ from workers.pipeline.group import RayGroup
 from workers.pipeline.job_runner import JobRunner
 from workers.pipeline.local_group import LocalGroup
 from workers.pipeline.runner import Trainer
-from workers.pipeline.stage import StageSetup
+from workers.pipeline.stage_types import StageSetup
 from workers.pipeline.worker_group import Handle, WorkerGroup
 from workers.snapshot import (
     JobSnapshot,

@@ -20,7 +20,7 @@ from workers.pipeline.group import RayGroup
 from workers.pipeline.local_group import LocalGroup
 from workers.pipeline.rebalance import Layout
 from workers.pipeline.runner import Trainer
-from workers.pipeline.stage import StepOutcome
+from workers.pipeline.stage_types import StepOutcome
 from workers.pipeline.step_driver import Flight, finish_step
 from workers.pipeline.timing import StepClock
 from workers.pipeline.worker_group import Handle

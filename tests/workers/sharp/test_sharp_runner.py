@@ -230,7 +230,7 @@ def test_ray_shard_workers_train_models_together_exactly(ray_address: str, tmp_p
 
 @pytest.mark.unit
 def test_a_host_keeps_within_its_budget_and_a_shard_run_again_stays(tmp_path: Path) -> None:
-    from workers.pipeline.stage import StageSetup
+    from workers.pipeline.stage_types import StageSetup
     from workers.sharp.shard_host import BudgetError, ShardHost
     from workers.wire import send
     from workers.zoo.data import make_data
@@ -317,7 +317,7 @@ def test_a_host_keeps_room_for_what_a_resident_shards_tasks_were_planned_to_need
 ) -> None:
     """Two shards whose states fit the budget together, but not what the plan gives each
     (its activations and a backward's temporaries besides): one is demoted for the other."""
-    from workers.pipeline.stage import StageSetup
+    from workers.pipeline.stage_types import StageSetup
     from workers.sharp.shard_host import ShardHost
     from workers.wire import send
     from workers.zoo.data import make_data
@@ -345,7 +345,7 @@ def test_a_shard_demoted_between_its_forward_and_backward_leaves_its_kept_tensor
     """A shard's kept micro-batch inputs (and, without recompute, outputs) stay where they
     were made when it is demoted before its backward: the host counts them against its
     budget, so a prefetch that would fit beside the resident shards alone waits."""
-    from workers.pipeline.stage import StageSetup
+    from workers.pipeline.stage_types import StageSetup
     from workers.sharp.shard_host import ShardHost
     from workers.wire import send
     from workers.zoo.data import make_data

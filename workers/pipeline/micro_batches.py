@@ -1,0 +1,113 @@
+"""What each micro-batch in flight on a stage keeps for its backward.
+
+Without rematerialization, its input and its output (the autograd graph between them);
+with it (activation checkpointing, as in GPipe), only its input and how to redo the
+forward: the function and the random-number state it ran under, so the recomputed forward
+is the same, dropout included.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from workers.pipeline.stage_types import StageStateError
+
+
+@dataclass
+class Replay:
+    """How to recompute a stage's forward exactly: the function and the RNG it ran under."""
+
+    rerun: Callable[[Tensor], Tensor]
+    device: torch.device
+    cpu_rng: Tensor
+    cuda_rng: Tensor | None
+
+    def run(self, x: Tensor) -> Tensor:
+        cuda = self.device.type == "cuda"
+        with torch.random.fork_rng(devices=[self.device] if cuda else []):
+            torch.set_rng_state(self.cpu_rng)
+            if self.cuda_rng is not None:
+                torch.cuda.set_rng_state(self.cuda_rng, self.device)
+            return self.rerun(x)
+
+
+@dataclass
+class Kept:
+    """What one micro-batch's backward needs: its input and its output, or how to redo it."""
+
+    input: Tensor
+    output: Tensor | Replay
+    is_loss: bool
+
+    def graph(self) -> Tensor:
+        """The output under autograd: kept, or recomputed from the input."""
+        return self.output if isinstance(self.output, Tensor) else self.output.run(self.input)
+
+
+class InFlight:
+    """The micro-batches stage ``stage`` on ``device`` has run forward and not yet backward."""
+
+    def __init__(self, stage: int, device: torch.device, recompute: bool) -> None:
+        self.stage = stage
+        self._device = device
+        self._recompute = recompute
+        self._kept: dict[int, Kept] = {}
+
+    def forward(
+        self,
+        mb: int,
+        inp: Tensor,
+        run: Callable[[Tensor], Tensor],
+        *,
+        is_loss: bool,
+        input_grad: bool,
+    ) -> Tensor:
+        """``run(inp)`` for micro-batch ``mb``, keeping what its backward needs; with
+        ``input_grad`` the backward also gives the input's gradient."""
+        if mb in self._kept:
+            raise StageStateError(f"stage {self.stage} already holds micro-batch {mb}")
+        if input_grad:
+            inp.requires_grad_()
+        if not self._recompute:
+            out = run(inp)
+            self._kept[mb] = Kept(inp, out, is_loss)
+            return out
+        cuda = self._device.type == "cuda"
+        cuda_rng = torch.cuda.get_rng_state(self._device) if cuda else None
+        replay = Replay(run, self._device, torch.get_rng_state(), cuda_rng)
+        with torch.no_grad():
+            out = run(inp)
+        self._kept[mb] = Kept(inp, replay, is_loss)
+        return out
+
+    def take(self, mb: int, *, upstream: bool) -> Kept:
+        """Micro-batch ``mb``'s keepings, for its backward (``upstream``: the output's
+        gradient came with it; only a loss goes without)."""
+        kept = self._kept.pop(mb, None)
+        if kept is None:
+            raise StageStateError(f"stage {self.stage} has no forward of micro-batch {mb}")
+        if not upstream and not kept.is_loss:
+            raise StageStateError(
+                f"stage {self.stage} needs the output gradient of micro-batch {mb}"
+            )
+        return kept
+
+    def require_none(self, before: str) -> None:
+        """Refuse ``before`` (what would come next) while micro-batches are in flight."""
+        if self._kept:
+            raise StageStateError(
+                f"stage {self.stage} still holds micro-batches {sorted(self._kept)}; {before}"
+            )
+
+    def clear(self) -> None:
+        """Forget every micro-batch in flight (a rollback)."""
+        self._kept.clear()
+
+    def nbytes(self) -> int:
+        """Bytes of the inputs and outputs kept (memory accounting)."""
+        kept = [t for k in self._kept.values() for t in (k.input, k.output)]
+        return sum(t.numel() * t.element_size() for t in kept if isinstance(t, Tensor))
