@@ -5,7 +5,7 @@ runner (storing what it reports, ``service.reports``: the control plane is the o
 writer), carries
 out cancel requests, recovers jobs whose devices or runner were lost, runs sweeps
 (``service.sweeper``: their trials are jobs), places queued jobs on free devices, and moves
-running jobs off draining devices and onto free ones.
+running jobs off draining devices and onto free ones (``service.resizer``).
 It starts nothing for a job that already has a runner: runners are found again by name, so a
 restarted control plane picks up where the last one stopped. Each job's and sweep's step is
 isolated (``service.isolation``): its fault ends it, never the tick.
@@ -29,7 +29,6 @@ from scheduler.devices import Device
 from scheduler.layout import Layout, plan_layout
 from scheduler.partition import PartitionError
 from scheduler.placement import JobRequest, Placement, Quota, Running, place, preemptions
-from scheduler.resize import Candidate, candidate, worth_growing
 from scheduler.workload import Workload
 from service.cluster import Cluster, ClusterUnavailable, RunnerGone
 from service.db.models import Checkpoint, DeviceRow, Job, utcnow
@@ -40,10 +39,11 @@ from service.isolation import isolated
 from service.jobs import JobConflict, add_event, transition
 from service.lifecycle import JobState
 from service.reports import follow_recovery, persist_report
+from service.resizer import Resizer
 from service.snapshots import block_costs, build_snapshot, job_request
 from service.specs import JobSpec
 from service.sweeper import Sweeper
-from workers.snapshot import RunStatus, stage_plans
+from workers.snapshot import RunStatus
 
 log = logging.getLogger(__name__)
 
@@ -74,8 +74,7 @@ class Controller:
         self._cluster = cluster
         self._config = config
         self._waiting_reason: dict[str, str] = {}
-        self._resizing: dict[str, str] = {}
-        """Jobs asked to relayout or suspend, not yet reported done, and why."""
+        self._resizer = Resizer(factory, cluster, self._layout, config.growth_min_gain)
         self._runner_deaths: dict[str, tuple[int, int]] = {}
         """Per job: the step of its runner's last death, and how many in a row there."""
         self._sweeper = Sweeper(
@@ -116,7 +115,7 @@ class Controller:
         with isolated("placement"):
             self._place_queued(devices)
         with isolated("resizing"):
-            self._resize_running(devices)
+            self._resizer.resize_running(devices, self._fail)
         self.last_tick = time.monotonic()
 
     # ------------------------------------------------------------------ inventory
@@ -147,7 +146,7 @@ class Controller:
             persist_report(session, job, report)
             follow_recovery(session, job, report)
         if any(e.kind == "relayout" for e in report.events):
-            self._resizing.pop(job_id, None)
+            self._resizer.done(job_id)
         if report.status is RunStatus.LOST:
             reason = report.error or f"lost devices {list(report.lost_devices)}"
             self._recover(job_id, reason, report.lost_devices, devices)
@@ -168,7 +167,7 @@ class Controller:
                 )
 
     def _finish(self, job_id: str, target: JobState, message: str, *, error: str | None) -> None:
-        self._resizing.pop(job_id, None)
+        self._resizer.done(job_id)
         with transaction(self._factory) as session:
             job = session.get(Job, job_id)
             if job is not None and job.state in _ACTIVE:
@@ -178,7 +177,7 @@ class Controller:
     def _fail(self, job_id: str, why: str) -> None:
         """End ``job_id`` FAILED, whatever its state, after a fault in the controller's own
         work on it: its runner is stopped, or a trial taken off its sweep's executor."""
-        self._resizing.pop(job_id, None)
+        self._resizer.done(job_id)
         with transaction(self._factory) as session:
             job = session.get(Job, job_id)
             if job is None or JobState(job.state).is_terminal:
@@ -194,7 +193,7 @@ class Controller:
     def _requeue(self, job_id: str, step: int) -> None:
         """A suspended runner checkpointed ``step`` and stopped: the job waits QUEUED for
         devices and resumes from that checkpoint, replaying nothing."""
-        self._resizing.pop(job_id, None)
+        self._resizer.done(job_id)
         with transaction(self._factory) as session:
             job = session.get(Job, job_id)
             if job is None or job.state not in _ACTIVE:
@@ -282,105 +281,6 @@ class Controller:
                     session, job, JobState.QUEUED, f"waiting for devices: {reason}", devices=[]
                 )
 
-    # ------------------------------------------------------------------ resizing
-
-    def _resize_running(self, devices: Sequence[Device]) -> None:
-        """Move running jobs off draining devices and grow them onto free ones
-        (``scheduler.resize``), oldest first; the runner carries the move out at its next
-        step boundary (``relayout``), and its ``relayout`` event commits the new devices."""
-        with self._factory() as session:
-            running = list(
-                session.scalars(
-                    sa.select(Job)
-                    .where(Job.state == JobState.RUNNING.value, Job.pool.is_(None))
-                    .order_by(Job.started_at, Job.id)
-                )
-            )
-            draining = draining_devices(session)
-            held = held_devices(session)
-        by_id = {d.id: d for d in devices}
-        free = [d for d in devices if d.id not in held and d.id not in draining]
-        for job in running:
-            current = [by_id[i] for i in job.devices if i in by_id]
-            if job.id in self._resizing or job.cancel_requested or len(current) < len(job.devices):
-                continue  # a move under way, a cancel, or a lost device (the LOST path)
-            with isolated(f"job {job.id}", partial(self._fail, job.id)):
-                found = candidate(job_request(job), current, free, draining)
-                if found is not None:
-                    taken = self._resize(job, current, found)
-                    free = [d for d in free if d.id not in taken]
-
-    def _resize(self, job: Job, current: Sequence[Device], found: Candidate) -> set[str]:
-        """Lay ``job`` out on ``found`` and ask its runner to move; the devices taken."""
-        spec = JobSpec.model_validate(job.spec)
-        try:
-            with self._factory() as session:
-                layout = self._layout(session, job, found.devices)
-                now = None if found.draining else self._layout(session, job, current)
-        except PartitionError as exc:
-            if found.draining:
-                self._suspend(job.id, *_drain_stuck(found, str(exc)))
-            return set()
-        used = {d.id for d in layout.devices}
-        if now is not None and (
-            not used & set(found.added)
-            or not worth_growing(
-                now.plan.predicted_step_s,
-                layout.plan.predicted_step_s,
-                self._config.growth_min_gain,
-            )
-        ):
-            return set()
-        if len(used) < spec.resources.min_devices:
-            self._suspend(
-                job.id,
-                *_drain_stuck(
-                    found,
-                    f"{len(used)} devices would remain, min_devices is"
-                    f" {spec.resources.min_devices}",
-                ),
-            )
-            return set()
-        try:
-            self._cluster.relayout(
-                job.id, stage_plans(layout.devices, layout.ranges), layout.plan.micro_batches
-            )
-        except (RunnerGone, ClusterUnavailable) as exc:
-            log.warning("relayout of %s not delivered: %s", job.id, exc, extra={"job_id": job.id})
-            return set()
-        self._resizing[job.id] = found.reason
-        with transaction(self._factory) as session:
-            row = session.get(Job, job.id)
-            if row is not None:
-                # Held from now on, old and new, until the runner reports the move done.
-                row.devices = sorted(set(row.devices) | used)
-                add_event(
-                    session,
-                    job.id,
-                    "resize",
-                    f"{found.reason}: {layout.plan.reason}",
-                    {
-                        "devices": [d.id for d in layout.devices],
-                        "added": sorted(used - {d.id for d in current}),
-                        "draining": list(found.draining),
-                        "predicted_step_s": layout.plan.predicted_step_s,
-                    },
-                )
-        return used
-
-    def _suspend(self, job_id: str, message: str, data: dict[str, object]) -> None:
-        """Its runner checkpoints at the next step boundary and stops; the job waits QUEUED
-        for devices (``_requeue``) and resumes from that checkpoint, losing no step: for a
-        job that cannot leave draining devices, and for one preempted by a higher priority."""
-        try:
-            self._cluster.suspend(job_id)
-        except (RunnerGone, ClusterUnavailable) as exc:
-            log.warning("suspend of %s not delivered: %s", job_id, exc, extra={"job_id": job_id})
-            return
-        self._resizing[job_id] = "suspending"
-        with transaction(self._factory) as session:
-            add_event(session, job_id, "suspend", message, data)
-
     # ------------------------------------------------------------------ queued jobs
 
     def _place_queued(self, devices: Sequence[Device]) -> None:
@@ -448,9 +348,9 @@ class Controller:
         candidates = []
         for request, held in jobs:
             mine = tuple(by_id[i] for i in held if i in by_id)
-            if self._resizing.get(request.job_id) == "suspending":
+            if self._resizer.suspending(request.job_id):
                 soon += mine
-            elif request.job_id not in self._resizing:
+            elif not self._resizer.under_way(request.job_id):
                 candidates.append(Running(request, mine))
         for request in sorted(waiting, key=lambda r: -r.priority):
             victims = preemptions(request, candidates, soon)
@@ -467,7 +367,7 @@ class Controller:
                     low.request.priority,
                     extra={"job_id": victim},
                 )
-                self._suspend(
+                self._resizer.suspend(
                     victim,
                     "preempted: a job of higher priority needs its devices; checkpointing at"
                     " the next step boundary, then waiting for devices",
@@ -477,7 +377,7 @@ class Controller:
 
     def _start(self, placement: Placement) -> None:
         self._waiting_reason.pop(placement.job_id, None)
-        self._resizing.pop(placement.job_id, None)
+        self._resizer.done(placement.job_id)
         with transaction(self._factory) as session:
             job = session.get(Job, placement.job_id)
             if job is None or job.state not in (JobState.QUEUED.value, JobState.RECOVERING.value):
@@ -571,13 +471,3 @@ def _requests(jobs: Sequence[Job], faults: list[tuple[str, str]]) -> list[JobReq
 
 def _note(faults: list[tuple[str, str]], job_id: str, why: str) -> None:
     faults.append((job_id, why))
-
-
-def _drain_stuck(found: Candidate, why: str) -> tuple[str, dict[str, object]]:
-    """The suspend event of a job that cannot leave its draining devices for others: rather
-    than lose the steps since its last checkpoint when they go, it checkpoints and waits."""
-    return (
-        f"cannot leave draining devices {list(found.draining)} ({why}): checkpointing"
-        " at the next step boundary, then waiting for devices",
-        {"draining": list(found.draining)},
-    )
