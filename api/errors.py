@@ -13,6 +13,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api.schemas import ErrorOut
+from service.exports import CheckpointNotFound
 from service.idempotency import KeyConflict
 from service.jobs import JobConflict, JobNotFound
 from service.lifecycle import InvalidTransition
@@ -98,6 +99,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(JobNotFound)
     @app.exception_handler(SweepNotFound)
+    @app.exception_handler(CheckpointNotFound)
     async def _missing(_: Request, exc: LookupError) -> JSONResponse:
         return error_response(status.HTTP_404_NOT_FOUND, str(exc))
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -105,6 +106,10 @@ def _sweep(sweep_id: str, action: str = "") -> str:
 
 
 RETRY_WAITS_S = (0.5, 1.0, 2.0, 4.0)
+EXPORT_TIMEOUT_S = 600.0
+"""How long an export may take to start and between its chunks (a large model's checkpoint
+is read and written out before the first byte)."""
+CHUNK_BYTES = 1 << 20
 """Waits before each retry of a repeatable request answered 503."""
 
 
@@ -115,6 +120,23 @@ def _retry_after(response: httpx.Response, backoff: float) -> float:
     except ValueError:
         asked = 0.0
     return min(max(asked, backoff), 30.0)
+
+
+def _save(response: httpx.Response, dest: Path) -> int:
+    """A streamed answer's body into ``dest``, whole or not at all (a temporary sibling
+    renamed into place); the bytes written. A refusal is an ``ApiError``."""
+    if not response.is_success:
+        response.read()
+        raise ApiError(response.status_code, _error_message(response))
+    part = dest.with_name(f".{dest.name}.part")
+    try:
+        with part.open("wb") as out:
+            for chunk in response.iter_bytes(CHUNK_BYTES):
+                out.write(chunk)
+        part.replace(dest)
+    finally:
+        part.unlink(missing_ok=True)
+    return dest.stat().st_size
 
 
 class ShoalClient:
@@ -152,6 +174,22 @@ class ShoalClient:
     ) -> None:
         self.close()
 
+    @contextmanager
+    def _reaching(self, method: str, path: str) -> Iterator[None]:
+        """Transport failures of a request as ``ApiError``s that say what to check."""
+        try:
+            yield
+        except httpx.ConnectError:
+            raise ApiError(
+                None, f"cannot reach Shoal at {self.url}; is `shoal up` running? (set SHOAL_URL)"
+            ) from None
+        except httpx.TimeoutException:
+            raise ApiError(
+                None, f"Shoal at {self.url} did not answer {method} {path} in time; try again"
+            ) from None
+        except httpx.TransportError as exc:
+            raise ApiError(None, f"{method} {self.url}{API_PREFIX}{path} failed: {exc}") from None
+
     def _request(
         self,
         method: str,
@@ -161,7 +199,7 @@ class ShoalClient:
         body: Any = None,
         headers: Mapping[str, str] | None = None,
     ) -> Json:
-        try:
+        with self._reaching(method, path):
             response = self._http.request(method, path, params=params, json=body, headers=headers)
             # 503: the server's database was out of reach and nothing was changed. A read,
             # or a submission carrying its idempotency key, is safe to send again.
@@ -173,16 +211,6 @@ class ShoalClient:
                 response = self._http.request(
                     method, path, params=params, json=body, headers=headers
                 )
-        except httpx.ConnectError:
-            raise ApiError(
-                None, f"cannot reach Shoal at {self.url}; is `shoal up` running? (set SHOAL_URL)"
-            ) from None
-        except httpx.TimeoutException:
-            raise ApiError(
-                None, f"Shoal at {self.url} did not answer {method} {path} in time; try again"
-            ) from None
-        except httpx.TransportError as exc:
-            raise ApiError(None, f"{method} {self.url}{API_PREFIX}{path} failed: {exc}") from None
         if not response.is_success:
             raise ApiError(response.status_code, _error_message(response))
         try:
@@ -223,6 +251,22 @@ class ShoalClient:
 
     def checkpoints(self, job_id: str) -> Json:
         return self._request("GET", _job(job_id, "checkpoints"))
+
+    def export_model(self, job_id: str, dest: Path, step: int | None = None) -> int:
+        """Write the job's model at its checkpoint of ``step`` (the latest when None) to
+        ``dest`` as a safetensors file: whole or not at all (a temporary sibling renamed
+        into place). The bytes written."""
+        path = _job(job_id, "model")
+        params = {} if step is None else {"step": step}
+        waits = iter(RETRY_WAITS_S)
+        with self._reaching("GET", path):
+            while True:
+                # The server reads the checkpoint and writes the file before the first byte.
+                with self._http.stream("GET", path, params=params, timeout=EXPORT_TIMEOUT_S) as r:
+                    wait = next(waits, None) if r.status_code == 503 else None
+                    if wait is None:
+                        return _save(r, dest)
+                time.sleep(_retry_after(r, wait))
 
     def devices(self) -> Json:
         return self._request("GET", "/devices")

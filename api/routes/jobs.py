@@ -6,6 +6,8 @@ from typing import Annotated
 
 from fastapi import APIRouter, Header, Path, Query, Response, status
 from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import FileResponse
+from starlette.background import BackgroundTask
 
 from api.deps import ID_PATTERN, MAX_QUERY_INT, FactoryDep, PrincipalDep, SettingsDep
 from api.errors import documented
@@ -25,6 +27,7 @@ from api.spec_checks import SpecChecksDep
 from service import jobs
 from service.auth import Principal
 from service.db.session import SessionFactory
+from service.exports import export_model
 from service.layouts import pipeline_schedule
 from service.lifecycle import JobState
 from service.specs import AcceptedSpec, JobSpec, check_memory, complete_job_spec
@@ -164,3 +167,39 @@ def job_checkpoints(job_id: JobId, principal: PrincipalDep, factory: FactoryDep)
     with factory() as session:
         rows = jobs.list_checkpoints(session, principal, job_id)
         return ModelJSON(CheckpointList(items=[CheckpointOut.of(r) for r in rows]))
+
+
+@router.get(
+    "/{job_id}/model",
+    response_class=FileResponse,
+    responses={
+        200: {
+            "content": {"application/octet-stream": {}},
+            "description": "the model as one safetensors file",
+        },
+        **_MAY_CONFLICT,
+    },
+)
+def job_model(
+    job_id: JobId,
+    principal: PrincipalDep,
+    factory: FactoryDep,
+    settings: SettingsDep,
+    step: Annotated[
+        int | None,
+        Query(ge=0, le=MAX_QUERY_INT, description="a checkpoint's step (default: the latest)"),
+    ] = None,
+) -> FileResponse:
+    """The job's model at a checkpoint as one safetensors file in single-process layout:
+    every block's parameters and buffers named ``{block}.{name}``, as an ``nn.Sequential``
+    of the blocks names them; the metadata holds the job, the step and the spec's model and
+    data sections. 404 for a step with no checkpoint (the message lists those there are),
+    409 before the first checkpoint."""
+    with factory() as session:
+        export = export_model(session, principal, job_id, step, settings.resolved_checkpoint_root)
+    return FileResponse(
+        export.path,
+        media_type="application/octet-stream",
+        filename=export.filename,
+        background=BackgroundTask(export.path.unlink, missing_ok=True),
+    )

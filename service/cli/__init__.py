@@ -7,7 +7,7 @@ from typing import Any
 import click
 
 from service.cli.bench import bench
-from service.cli.jobs import cancel, devices, logs, restart, status, submit
+from service.cli.jobs import cancel, devices, export, logs, restart, status, submit
 from service.cli.server import db, node, token, up
 from service.cli.sweeps import sweep, sweep_cancel, sweeps
 from service.client import ApiError
@@ -33,7 +33,18 @@ def cli() -> None:
 
 
 # Job and sweep commands talk to the REST API; server commands act on this machine's database.
-for _command in (submit, status, logs, cancel, restart, devices, sweep, sweeps, sweep_cancel):
+for _command in (
+    submit,
+    status,
+    logs,
+    cancel,
+    restart,
+    export,
+    devices,
+    sweep,
+    sweeps,
+    sweep_cancel,
+):
     cli.add_command(_command)
 for _command in (up, node, token, db):
     cli.add_command(_command)

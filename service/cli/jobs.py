@@ -1,4 +1,5 @@
-"""The job commands (submit, status, logs, cancel, restart, devices): clients of the REST API."""
+"""The job commands (submit, status, logs, cancel, restart, export, devices): clients of the
+REST API."""
 
 from __future__ import annotations
 
@@ -204,6 +205,36 @@ def restart(job_id: str, as_json: bool, url: str | None, token: str | None) -> N
         echo_json(job)
         return
     make_console().print(f"job {job['id']} {styled_state(job['state'])} (attempt {job['attempt']})")
+
+
+@click.command()
+@click.argument("job_id")
+@click.option(
+    "--step",
+    type=click.IntRange(0),
+    help="The checkpoint's step [default: the latest].",
+)
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="The file to write [default: JOB_ID-step-STEP.safetensors here].",
+)
+@client_options
+def export(
+    job_id: str, step: int | None, output: Path | None, url: str | None, token: str | None
+) -> None:
+    """Write a job's trained model (a checkpoint's) as one safetensors file: tensors named
+    {block}.{name}, loadable into the same model in plain PyTorch (docs/user-guide.md)."""
+    if output is not None and not output.parent.is_dir():
+        raise InputError(f"-o/--output: the folder {output.parent} does not exist; create it first")
+    with make_client(url, token) as client:
+        if step is None:
+            listed = client.checkpoints(job_id)["items"]
+            step = listed[-1]["step"] if listed else None
+        dest = output or Path(f"{job_id}-step-{step}.safetensors")
+        size = client.export_model(job_id, dest, step)
+    make_console().print(f"wrote {escape(str(dest))} ({size:,} bytes) from job {job_id}")
 
 
 @click.command()
