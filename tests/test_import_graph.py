@@ -1,6 +1,6 @@
 """The project's floors, read from its imports: ``scheduler`` (pure decisions) under
 ``workers`` (the engines on Ray) under ``service`` (the control plane, CLI, benches) under
-``api`` (the HTTP app). No module imports a higher floor, except the ones that compose the
+``api`` (the HTTP app) under ``shoal`` (the Python API users import). No module imports a higher floor, except the ones that compose the
 whole process (``service.server``, ``service.cli``, ``service.bench``, which may import
 ``api``), and no modules import each other in a circle: each can be read and tested from
 the floors below it. Every import counts, inside functions and under ``TYPE_CHECKING`` too.
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-FLOORS = ("scheduler", "workers", "service", "api")
+FLOORS = ("scheduler", "workers", "service", "api", "shoal")
 """Lowest first."""
 COMPOSING = ("service.server", "service.cli", "service.bench")
 """Modules (and packages) that assemble the whole process and so may import ``api``."""
@@ -34,7 +34,7 @@ class Edge:
 
 
 def modules() -> dict[str, Path]:
-    """Every module of the four packages by dotted name (a package by its own name)."""
+    """Every module of the packages by dotted name (a package by its own name)."""
     found: dict[str, Path] = {}
     for package in FLOORS:
         for path in (ROOT / package).rglob("*.py"):

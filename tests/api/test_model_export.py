@@ -13,51 +13,19 @@ import torch
 from click.testing import CliRunner
 from safetensors import safe_open
 from safetensors.torch import load
-from sqlalchemy.orm import Session
 
 from api.app import create_app
 from service.cli import cli
-from service.db.models import Checkpoint, Job
+from service.db.models import Job
 from service.server import serving
 from service.snapshots import build_snapshot
 from tests.api.conftest import Api
-from tests.factories import device, even_ranges, job_spec
+from tests.api.trained import JOBS, trained
+from tests.factories import device, job_spec
 from tests.workers.runs import reference
 from workers.checkpoints import CheckpointStore
 from workers.model_file import FORMAT
-from workers.pipeline.local_group import LocalGroup
-from workers.pipeline.runner import Trainer
-from workers.snapshot import RunStatus
 from workers.zoo.whole import build_model
-
-JOBS = "/api/v1/jobs"
-
-
-def trained(api: Api, user: str = "alice") -> tuple[str, dict[str, Any]]:
-    """A job submitted over the API and trained to its end by a two-stage pipeline in this
-    process; its checkpoints (steps 10 and 20) stored and recorded as the controller
-    records them."""
-    spec = job_spec()
-    submitted = api.client.post(JOBS, json=spec, headers=api.token(user))
-    assert submitted.status_code == 201, submitted.text
-    job_id = submitted.json()["id"]
-    root = api.settings.resolved_checkpoint_root
-    with api.factory() as session, session.begin():
-        job = session.get(Job, job_id)
-        assert job is not None
-        devices = [device(index=i) for i in range(2)]
-        snap = build_snapshot(
-            job, devices, even_ranges(job.num_blocks, 2), checkpoint_root=root, allowed_factories=()
-        )
-        trainer = Trainer(snap, LocalGroup)
-        assert trainer.run() is RunStatus.SUCCEEDED, trainer.report(0).error
-        record_checkpoints(session, job_id, CheckpointStore(root))
-    return job_id, spec
-
-
-def record_checkpoints(session: Session, job_id: str, store: CheckpointStore) -> None:
-    for info in store.list(job_id):
-        session.add(Checkpoint(job_id=job_id, step=info.step, path=info.path, nbytes=info.nbytes))
 
 
 def test_the_model_loads_into_the_plain_pytorch_model_with_the_runs_parameters(api: Api) -> None:

@@ -27,7 +27,8 @@ def test_names_are_those_of_the_blocks_in_one_sequential(tmp_path: Path) -> None
     assert sorted(loaded) == sorted(model.state_dict())
     fresh = build_model(MODEL, DATA, seed=4)
     fresh.load_state_dict(loaded)
-    assert all(torch.equal(a, b) for a, b in zip(fresh.parameters(), model.parameters()))
+    pairs = zip(fresh.parameters(), model.parameters(), strict=True)
+    assert all(torch.equal(a, b) for a, b in pairs)
     with safe_open(str(path), framework="pt") as file:
         meta = file.metadata()
     assert (meta["format"], meta["job_id"], meta["step"]) == (FORMAT, "j1", "5")

@@ -1,0 +1,191 @@
+"""``shoal.Client`` and the handles it gives: a ``Job`` and a ``Sweep`` by id, over the same
+REST client the CLI uses (``service.client.ShoalClient``: its errors, its retries)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Literal
+
+import click
+
+from service.cli.specfile import load_spec, submission_key
+from service.client import ShoalClient, resolve_config
+from service.lifecycle import JobState
+from service.settings import Settings
+
+Json = dict[str, Any]
+POLL_S = 1.0
+"""How often ``wait`` asks for the state."""
+
+
+class Client:
+    """A connection to one Shoal API; a context manager (``close`` ends it).
+
+    ``url`` and ``token`` default as the CLI's do: ``SHOAL_URL`` and ``SHOAL_TOKEN``, then
+    what `shoal up` wrote in ``$SHOAL_HOME`` (its address and admin token)."""
+
+    def __init__(self, url: str | None = None, token: str | None = None) -> None:
+        try:
+            settings = Settings()
+        except ValueError as exc:  # a SHOAL_* variable that does not parse
+            raise ValueError(f"invalid SHOAL_* setting: {exc}") from None
+        config = resolve_config(url, token, settings)
+        self.rest = ShoalClient(config.url, config.token)
+        """The REST client underneath: one method per endpoint, answers as JSON objects."""
+
+    def close(self) -> None:
+        self.rest.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def submit(self, spec: Mapping[str, Any] | str | Path, key: str | None = None) -> Job:
+        """Queue a job from its spec (a mapping, or a .yaml/.yml/.json file); the same ``key``
+        (an Idempotency-Key; a file's default is its hash and a nonce) never makes two."""
+        body, key = _spec(spec, "job", key)
+        return Job(self.rest, self.rest.submit_job(body, key)["id"])
+
+    def job(self, job_id: str) -> Job:
+        return Job(self.rest, job_id)
+
+    def jobs(self, *states: str, limit: int = 50) -> list[Json]:
+        """Your jobs, newest first (only those in ``states`` when given)."""
+        items: list[Json] = self.rest.list_jobs(states, limit=limit)["items"]
+        return items
+
+    def sweep(self, spec: Mapping[str, Any] | str | Path, key: str | None = None) -> Sweep:
+        """Start a sweep from its spec (a mapping or a file), as ``submit`` a job."""
+        body, key = _spec(spec, "sweep", key)
+        return Sweep(self.rest, self.rest.submit_sweep(body, key)["id"])
+
+    def devices(self) -> list[Json]:
+        items: list[Json] = self.rest.devices()["items"]
+        return items
+
+
+class Job:
+    """One job, by id: each method asks the server afresh."""
+
+    def __init__(self, rest: ShoalClient, job_id: str) -> None:
+        self._rest = rest
+        self.id = job_id
+
+    def __repr__(self) -> str:
+        return f"Job({self.id!r})"
+
+    def get(self) -> Json:
+        """The job as ``GET /jobs/{id}`` answers: state, step, devices, spec, ..."""
+        return self._rest.get_job(self.id)
+
+    def wait(self, timeout_s: float | None = None, poll_s: float = POLL_S) -> Json:
+        """The job once it has ended (SUCCEEDED, FAILED or CANCELLED: its ``state`` and
+        ``error`` say which and why); ``TimeoutError`` naming its state after ``timeout_s``."""
+        return _wait(self.get, _ended, timeout_s, poll_s)
+
+    def metrics(self, since_step: int | None = None) -> list[Json]:
+        """Its per-step metrics (loss, samples/s, stage timings), oldest first."""
+        items: list[Json] = self._rest.metrics(self.id, since_step)["items"]
+        return items
+
+    def events(self) -> list[Json]:
+        """Every event of the job so far (state changes, placements, checkpoints, ...)."""
+        events: list[Json] = []
+        while True:
+            page = self._rest.events(self.id, events[-1]["id"] if events else 0)["items"]
+            if not page:
+                return events
+            events.extend(page)
+
+    def checkpoints(self) -> list[Json]:
+        items: list[Json] = self._rest.checkpoints(self.id)["items"]
+        return items
+
+    def cancel(self) -> Json:
+        """Cancel it: a queued job at once, a running one at its next step."""
+        return self._rest.cancel_job(self.id)
+
+    def export(self, path: str | Path, step: int | None = None) -> Path:
+        """Write its model at the checkpoint of ``step`` (the latest when None) to ``path``
+        as a safetensors file (docs/user-guide.md, "Taking the trained model out")."""
+        dest = Path(path)
+        self._rest.export_model(self.id, dest, step)
+        return dest
+
+
+class Sweep:
+    """One sweep, by id."""
+
+    def __init__(self, rest: ShoalClient, sweep_id: str) -> None:
+        self._rest = rest
+        self.id = sweep_id
+
+    def __repr__(self) -> str:
+        return f"Sweep({self.id!r})"
+
+    def get(self) -> Json:
+        """The sweep with every trial, as ``GET /sweeps/{id}`` answers."""
+        return self._rest.get_sweep(self.id)
+
+    def wait(self, timeout_s: float | None = None, poll_s: float = POLL_S) -> Json:
+        """The sweep once it has ended; ``TimeoutError`` naming its state after ``timeout_s``."""
+        return _wait(self.get, _ended, timeout_s, poll_s)
+
+    def best_trial(self) -> Json | None:
+        """The best completed trial (number, job id, parameters, objective); None before one
+        ends."""
+        best: Json | None = self.get()["best"]
+        return best
+
+    def trial_job(self, trial: Mapping[str, Any]) -> Job:
+        """A trial's job (its metrics, its model: ``export``)."""
+        return Job(self._rest, str(trial["job_id"]))
+
+    def cancel(self) -> Json:
+        return self._rest.cancel_sweep(self.id)
+
+
+def _spec(
+    spec: Mapping[str, Any] | str | Path, what: Literal["job", "sweep"], key: str | None
+) -> tuple[Json, str | None]:
+    """The spec's body and Idempotency-Key: a file's is read as the CLI reads it (its
+    problems a ``ValueError`` with the CLI's message)."""
+    if isinstance(spec, Mapping):
+        return dict(spec), key
+    path = Path(spec)
+    try:
+        body = load_spec(path, what)
+    except click.ClickException as exc:
+        raise ValueError(exc.message) from None
+    return body, submission_key(path, key)
+
+
+def _ended(answer: Json) -> bool:
+    """A job or sweep (their states are the same) has ended."""
+    return JobState(answer["state"]).is_terminal
+
+
+def _wait(
+    read: Callable[[], Json], ended: Callable[[Json], bool], timeout_s: float | None, poll_s: float
+) -> Json:
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while True:
+        now: Json = read()
+        if ended(now):
+            return now
+        if deadline is not None and time.monotonic() >= deadline:
+            raise TimeoutError(
+                f"{now['id']} is still {now['state']} after {timeout_s} s; wait longer or"
+                " look at its events"
+            )
+        time.sleep(poll_s)
