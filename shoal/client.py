@@ -4,7 +4,7 @@ REST client the CLI uses (``service.client.ShoalClient``: its errors, its retrie
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal
@@ -74,24 +74,41 @@ class Client:
         return items
 
 
-class Job:
-    """One job, by id: each method asks the server afresh."""
+class _Handle:
+    """A job or a sweep, by id: each method asks the server afresh."""
 
-    def __init__(self, rest: ShoalClient, job_id: str) -> None:
+    def __init__(self, rest: ShoalClient, given_id: str) -> None:
         self._rest = rest
-        self.id = job_id
+        self.id = given_id
 
     def __repr__(self) -> str:
-        return f"Job({self.id!r})"
+        return f"{type(self).__name__}({self.id!r})"
+
+    def get(self) -> Json:
+        raise NotImplementedError
+
+    def wait(self, timeout_s: float | None = None, poll_s: float = POLL_S) -> Json:
+        """It, once it has ended (SUCCEEDED, FAILED or CANCELLED: its ``state`` and ``error``
+        say which and why); ``TimeoutError`` naming its state after ``timeout_s``."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            now = self.get()
+            if JobState(now["state"]).is_terminal:  # a sweep's states are a job's
+                return now
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(
+                    f"{self!r} is still {now['state']} after {timeout_s} s; wait longer or"
+                    " look at its events"
+                )
+            time.sleep(poll_s)
+
+
+class Job(_Handle):
+    """One job."""
 
     def get(self) -> Json:
         """The job as ``GET /jobs/{id}`` answers: state, step, devices, spec, ..."""
         return self._rest.get_job(self.id)
-
-    def wait(self, timeout_s: float | None = None, poll_s: float = POLL_S) -> Json:
-        """The job once it has ended (SUCCEEDED, FAILED or CANCELLED: its ``state`` and
-        ``error`` say which and why); ``TimeoutError`` naming its state after ``timeout_s``."""
-        return _wait(self.get, _ended, timeout_s, poll_s)
 
     def metrics(self, since_step: int | None = None) -> list[Json]:
         """Its per-step metrics (loss, samples/s, stage timings), oldest first."""
@@ -123,23 +140,12 @@ class Job:
         return dest
 
 
-class Sweep:
-    """One sweep, by id."""
-
-    def __init__(self, rest: ShoalClient, sweep_id: str) -> None:
-        self._rest = rest
-        self.id = sweep_id
-
-    def __repr__(self) -> str:
-        return f"Sweep({self.id!r})"
+class Sweep(_Handle):
+    """One sweep."""
 
     def get(self) -> Json:
         """The sweep with every trial, as ``GET /sweeps/{id}`` answers."""
         return self._rest.get_sweep(self.id)
-
-    def wait(self, timeout_s: float | None = None, poll_s: float = POLL_S) -> Json:
-        """The sweep once it has ended; ``TimeoutError`` naming its state after ``timeout_s``."""
-        return _wait(self.get, _ended, timeout_s, poll_s)
 
     def best_trial(self) -> Json | None:
         """The best completed trial (number, job id, parameters, objective); None before one
@@ -168,24 +174,3 @@ def _spec(
     except click.ClickException as exc:
         raise ValueError(exc.message) from None
     return body, submission_key(path, key)
-
-
-def _ended(answer: Json) -> bool:
-    """A job or sweep (their states are the same) has ended."""
-    return JobState(answer["state"]).is_terminal
-
-
-def _wait(
-    read: Callable[[], Json], ended: Callable[[Json], bool], timeout_s: float | None, poll_s: float
-) -> Json:
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    while True:
-        now: Json = read()
-        if ended(now):
-            return now
-        if deadline is not None and time.monotonic() >= deadline:
-            raise TimeoutError(
-                f"{now['id']} is still {now['state']} after {timeout_s} s; wait longer or"
-                " look at its events"
-            )
-        time.sleep(poll_s)
