@@ -1,7 +1,11 @@
 """The API client's retries: a 503 (the server's database out of reach, nothing changed)
-is repeated for reads and for submissions carrying an idempotency key, never for others."""
+is repeated for reads and for submissions carrying an idempotency key, never for others;
+an exported model is written whole or not at all."""
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -62,3 +66,34 @@ def test_retries_give_up_with_the_servers_message() -> None:
     ):
         client.list_jobs()
     assert len(calls) == 1 + len(RETRY_WAITS_S)
+
+
+class _Broken(httpx.SyncByteStream):
+    """A body whose connection drops after its first chunk."""
+
+    def __iter__(self) -> Iterator[bytes]:
+        yield b"x" * 1024
+        raise httpx.ReadError("connection reset")
+
+
+def test_an_export_is_retried_through_503s_and_written_whole_or_not_at_all(
+    tmp_path: Path,
+) -> None:
+    calls: list[httpx.Request] = []
+    dest = tmp_path / "m.safetensors"
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        calls.append(request)
+        if len(calls) == 1:
+            return httpx.Response(503, json=UNAVAILABLE, headers={"Retry-After": "0"})
+        if len(calls) == 2:
+            return httpx.Response(200, stream=_Broken())
+        return httpx.Response(200, content=b"model bytes")
+
+    with ShoalClient("http://shoal", "t", transport=httpx.MockTransport(answer)) as client:
+        with pytest.raises(ApiError, match="failed: connection reset"):
+            client.export_model("j1", dest, step=10)  # the 503 retried, then the drop
+        assert list(dest.parent.iterdir()) == []  # nothing half-written
+        assert client.export_model("j1", dest) == len(b"model bytes")
+    assert dest.read_bytes() == b"model bytes" and list(dest.parent.iterdir()) == [dest]
+    assert [dict(c.url.params) for c in calls] == [{"step": "10"}, {"step": "10"}, {}]
