@@ -1,9 +1,10 @@
 """The project's floors, read from its imports: ``scheduler`` (pure decisions) under
 ``workers`` (the engines on Ray) under ``service`` (the control plane, CLI, benches) under
-``api`` (the HTTP app) under ``shoal`` (the Python API users import). No module imports a higher floor, except the ones that compose the
-whole process (``service.server``, ``service.cli``, ``service.bench``, which may import
-``api``), and no modules import each other in a circle: each can be read and tested from
-the floors below it. Every import counts, inside functions and under ``TYPE_CHECKING`` too.
+``api`` (the HTTP app) under ``shoal`` (the Python API users import). No module imports a
+higher floor, except the ones that compose the whole process (``service.server``,
+``service.cli``, ``service.bench``, which may import ``api``), and no modules import each
+other in a circle: each can be read and tested from the floors below it. Every import
+counts, inside functions and under ``TYPE_CHECKING`` too.
 """
 
 from __future__ import annotations

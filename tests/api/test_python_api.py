@@ -3,6 +3,7 @@ errors; a trained job's metrics, events, checkpoints and model."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -54,6 +55,10 @@ def test_refusals_are_the_clis_errors(client: shoal.Client, tmp_path: Path) -> N
     bad.write_text("steps = 3")
     with pytest.raises(ValueError, match=r"unknown extension '\.toml'"):
         client.submit(bad)
+    broken = tmp_path / "job.yaml"
+    broken.write_text("name: x\nsteps: [3\n")
+    with pytest.raises(ValueError, match=f"^{re.escape(str(broken))}:3:1: invalid YAML"):
+        client.submit(broken)
 
 
 def test_a_trained_jobs_metrics_checkpoints_and_model(
