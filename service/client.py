@@ -13,8 +13,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
-from typing import Any
+from typing import Any, Self
 from urllib.parse import quote
 
 import httpx
@@ -139,7 +138,20 @@ def _save(response: httpx.Response, dest: Path) -> int:
     return dest.stat().st_size
 
 
-class ShoalClient:
+class Closing:
+    """What ``with`` closes on the way out."""
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+class ShoalClient(Closing):
     """A connection to one Shoal API; a context manager."""
 
     def __init__(
@@ -162,17 +174,6 @@ class ShoalClient:
 
     def close(self) -> None:
         self._http.close()
-
-    def __enter__(self) -> ShoalClient:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        self.close()
 
     @contextmanager
     def _reaching(self, method: str, path: str) -> Iterator[None]:

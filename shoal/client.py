@@ -6,13 +6,12 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from types import TracebackType
 from typing import Any, Literal
 
 import click
 
 from service.cli.specfile import load_spec, submission_key
-from service.client import ShoalClient, resolve_config
+from service.client import Closing, ShoalClient, resolve_config
 from service.lifecycle import JobState
 from service.settings import Settings
 
@@ -21,7 +20,7 @@ POLL_S = 1.0
 """How often ``wait`` asks for the state."""
 
 
-class Client:
+class Client(Closing):
     """A connection to one Shoal API; a context manager (``close`` ends it).
 
     ``url`` and ``token`` default as the CLI's do: ``SHOAL_URL`` and ``SHOAL_TOKEN``, then
@@ -38,17 +37,6 @@ class Client:
 
     def close(self) -> None:
         self.rest.close()
-
-    def __enter__(self) -> Client:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        self.close()
 
     def submit(self, spec: Mapping[str, Any] | str | Path, key: str | None = None) -> Job:
         """Queue a job from its spec (a mapping, or a .yaml/.yml/.json file); the same ``key``
