@@ -4,6 +4,7 @@ layout (``workers.model_file``), read from the store the control plane writes to
 
 from __future__ import annotations
 
+import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,8 +71,7 @@ def export_model(
     handle, name = tempfile.mkstemp(prefix="shoal-model-", suffix=".safetensors", dir=workdir)
     path = Path(name)
     try:
-        with open(handle, "wb"):
-            pass  # the writer replaces the file whole
+        os.close(handle)  # the writer replaces the file whole
         write_model_file(
             path,
             blocks,
