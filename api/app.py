@@ -19,10 +19,11 @@ from api.errors import BodyLimit, install_error_handlers
 from api.metrics import install_metrics
 from api.paths import HidePaths, server_roots
 from api.ratelimit import RateLimit
-from api.routes import devices, health, jobs, sweeps, users
+from api.routes import code, devices, health, jobs, sweeps, users
 from api.security import LoopbackHost, SecurityHeaders
 from api.stream import Feed
 from service.auth import ADMIN_USER, Principal, PrincipalCache
+from service.code_checks import code_checks
 from service.controller import Controller
 from service.db.models import User
 from service.db.session import SessionFactory, transaction
@@ -73,8 +74,13 @@ def create_app(
     app.state.controller = controller
     app.state.anonymous = None if settings.auth else _anonymous_admin(session_factory)
     app.state.principals = PrincipalCache(settings.auth_cache_s)
+    app.state.code_checks = code_checks(settings)
     install_error_handlers(app)
-    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(
+        BodyLimit,
+        max_bytes=settings.max_body_bytes,
+        larger={f"{API_PREFIX}/code": (settings.code_max_bytes, "SHOAL_CODE_MAX_BYTES")},
+    )
     if settings.rate_limit_per_s is not None:
         app.add_middleware(
             RateLimit,
@@ -93,6 +99,7 @@ def create_app(
     app.include_router(sweeps.router, prefix=API_PREFIX)
     app.include_router(devices.router, prefix=API_PREFIX)
     app.include_router(users.router, prefix=API_PREFIX)
+    app.include_router(code.router, prefix=API_PREFIX)
     app.state.feed = Feed(session_factory, settings.poll_interval_s)
     app.include_router(stream.router, prefix=API_PREFIX)
 

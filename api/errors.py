@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 import sqlalchemy as sa
@@ -17,7 +18,7 @@ from service.exports import CheckpointNotFound
 from service.idempotency import KeyConflict
 from service.jobs import JobConflict, JobNotFound
 from service.lifecycle import InvalidTransition
-from service.specs import SpecError
+from service.spec_errors import SpecError
 from service.sweeps import SweepNotFound
 
 log = logging.getLogger(__name__)
@@ -139,23 +140,31 @@ def install_error_handlers(app: FastAPI) -> None:
 
 
 class BodyLimit:
-    """Refuse request bodies over ``max_bytes`` with 413, whether or not Content-Length is set.
+    """Refuse request bodies over their limit (``max_bytes``; ``larger`` ones for some paths)
+    with 413, whether or not Content-Length is set.
 
     The body is read (up to the limit) before the app runs and then replayed to it, so an
     oversized upload is refused before any handler sees a byte of it.
     """
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        max_bytes: int,
+        larger: Mapping[str, tuple[int, str]] | None = None,
+    ) -> None:
         self.app = app
-        self.max_bytes = max_bytes
+        self.limits = {"": (max_bytes, "SHOAL_MAX_BODY_BYTES"), **(larger or {})}
+        """Per path, the largest body and the setting that sets it (``""``: any other)."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        limit, setting = self.limits.get(scope["path"]) or self.limits[""]
         declared = dict(scope.get("headers") or []).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            await self._refuse(scope, receive, send)
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            await self._refuse(scope, receive, send, limit, setting)
             return
         chunks: list[bytes] = []
         size = 0
@@ -165,8 +174,8 @@ class BodyLimit:
                 break  # client went away; let the app see the disconnect
             chunks.append(message.get("body", b""))
             size += len(chunks[-1])
-            if size > self.max_bytes:
-                await self._refuse(scope, receive, send)
+            if size > limit:
+                await self._refuse(scope, receive, send, limit, setting)
                 return
             if not message.get("more_body", False):
                 break
@@ -181,9 +190,10 @@ class BodyLimit:
 
         await self.app(scope, replay, send)
 
-    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def _refuse(
+        self, scope: Scope, receive: Receive, send: Send, limit: int, setting: str
+    ) -> None:
         response = error_response(
-            status.HTTP_413_CONTENT_TOO_LARGE,
-            f"request body over {self.max_bytes} bytes (SHOAL_MAX_BODY_BYTES)",
+            status.HTTP_413_CONTENT_TOO_LARGE, f"request body over {limit} bytes ({setting})"
         )
         await response(scope, receive, send)

@@ -40,6 +40,13 @@ class Principal:
     user_id: int
     name: str
     is_admin: bool
+    may_upload_code: bool = False
+
+    @property
+    def can_upload_code(self) -> bool:
+        """Whether they may send code of their own with a job: an admin's grant (admins
+        always may)."""
+        return self.is_admin or self.may_upload_code
 
 
 def hash_token(token: str) -> str:
@@ -53,22 +60,23 @@ def _check_user_name(name: str) -> None:
         )
 
 
-def _user(session: Session, user: str, *, admin: bool) -> User:
-    """``user``'s row, created if needed (``admin`` promotes, never demotes)."""
+def _user(session: Session, user: str, *, admin: bool, code: bool = False) -> User:
+    """``user``'s row, created if needed (``admin`` and ``code`` grant, never take away)."""
     _check_user_name(user)
     row = session.scalar(sa.select(User).where(User.name == user))
     if row is None:
-        row = User(name=user, is_admin=admin)
+        row = User(name=user, is_admin=admin, may_upload_code=code)
         session.add(row)
         session.flush()
-    elif admin and not row.is_admin:
-        row.is_admin = True
+    row.is_admin = row.is_admin or admin
+    row.may_upload_code = row.may_upload_code or code
     return row
 
 
-def issue_token(session: Session, user: str, *, admin: bool = False) -> str:
-    """Create ``user`` if needed (``admin`` promotes, never demotes) and a new token for it."""
-    row = _user(session, user, admin=admin)
+def issue_token(session: Session, user: str, *, admin: bool = False, code: bool = False) -> str:
+    """Create ``user`` if needed and a new token for it; ``admin`` makes them an admin and
+    ``code`` lets them upload code (each grants, never takes away)."""
+    row = _user(session, user, admin=admin, code=code)
     token = TOKEN_PREFIX + secrets.token_urlsafe(32)
     session.add(ApiToken(user_id=row.id, token_hash=hash_token(token), prefix=token[:12]))
     return token
@@ -89,9 +97,11 @@ def register_admin_token(factory: SessionFactory, token: str) -> None:
             )
 
 
-def create_token(factory: SessionFactory, *, user: str, admin: bool = False) -> str:
+def create_token(
+    factory: SessionFactory, *, user: str, admin: bool = False, code: bool = False
+) -> str:
     with transaction(factory) as session:
-        return issue_token(session, user, admin=admin)
+        return issue_token(session, user, admin=admin, code=code)
 
 
 def authenticate(session: Session, token: str) -> Principal | None:
@@ -109,7 +119,12 @@ def authenticate(session: Session, token: str) -> Principal | None:
     api_token, user = row
     if not hmac.compare_digest(api_token.token_hash, digest):
         return None
-    return Principal(user_id=user.id, name=user.name, is_admin=user.is_admin)
+    return Principal(
+        user_id=user.id,
+        name=user.name,
+        is_admin=user.is_admin,
+        may_upload_code=user.may_upload_code,
+    )
 
 
 class PrincipalCache:

@@ -18,6 +18,7 @@ from urllib.parse import quote
 
 import httpx
 
+from service.code_archive import ArchiveError, pack_directory
 from service.settings import Settings
 
 DEFAULT_URL = "http://127.0.0.1:8000"
@@ -198,20 +199,23 @@ class ShoalClient(Closing):
         *,
         params: Mapping[str, Any] | None = None,
         body: Any = None,
+        content: bytes | None = None,
         headers: Mapping[str, str] | None = None,
     ) -> Json:
+        sent = {"params": params, "json": body, "content": content, "headers": headers}
         with self._reaching(method, path):
-            response = self._http.request(method, path, params=params, json=body, headers=headers)
+            response = self._http.request(method, path, **sent)
             # 503: the server's database was out of reach and nothing was changed. A read,
-            # or a submission carrying its idempotency key, is safe to send again.
-            repeatable = method == "GET" or "Idempotency-Key" in (headers or {})
+            # a submission carrying its idempotency key, or an upload (kept by its content)
+            # is safe to send again.
+            repeatable = (
+                method == "GET" or content is not None or "Idempotency-Key" in (headers or {})
+            )
             for wait in RETRY_WAITS_S if repeatable else ():
                 if response.status_code != 503:
                     break
                 time.sleep(_retry_after(response, wait))
-                response = self._http.request(
-                    method, path, params=params, json=body, headers=headers
-                )
+                response = self._http.request(method, path, **sent)
         if not response.is_success:
             raise ApiError(response.status_code, _error_message(response))
         try:
@@ -226,9 +230,26 @@ class ShoalClient(Closing):
             )
         return decoded
 
-    def submit_job(self, spec: Mapping[str, Any], idempotency_key: str | None = None) -> Json:
+    def submit_job(
+        self,
+        spec: Mapping[str, Any],
+        idempotency_key: str | None = None,
+        code: Path | None = None,
+    ) -> Json:
+        """Queue a job; with ``code`` (a folder), upload that first and name it in the spec."""
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else None
-        return self._request("POST", "/jobs", body=spec, headers=headers)
+        body = spec if code is None else {**spec, "code": self.upload_code(code)["digest"]}
+        return self._request("POST", "/jobs", body=body, headers=headers)
+
+    def upload_code(self, directory: Path) -> Json:
+        """Pack ``directory`` (``service.code_archive``) and upload it; the answer has its
+        ``digest``. Uploading the same files again is harmless: they are kept once."""
+        try:
+            data = pack_directory(directory)
+        except ArchiveError as exc:
+            raise ApiError(None, str(exc)) from None
+        headers = {"Content-Type": "application/zip"}
+        return self._request("POST", "/code", content=data, headers=headers)
 
     def list_jobs(self, states: Sequence[str] = (), limit: int = 50, offset: int = 0) -> Json:
         params = {"state": list(states), "limit": limit, "offset": offset}
@@ -272,9 +293,22 @@ class ShoalClient(Closing):
     def devices(self) -> Json:
         return self._request("GET", "/devices")
 
-    def submit_sweep(self, spec: Mapping[str, Any], idempotency_key: str | None = None) -> Json:
+    def submit_sweep(
+        self,
+        spec: Mapping[str, Any],
+        idempotency_key: str | None = None,
+        code: Path | None = None,
+    ) -> Json:
+        """Start a sweep; with ``code`` (a folder), upload that first and name it in the
+        base job."""
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else None
-        return self._request("POST", "/sweeps", body=spec, headers=headers)
+        body = dict(spec)
+        if code is not None:
+            base = body.get("base")
+            if not isinstance(base, Mapping):
+                raise ApiError(None, "the sweep spec has no base job to run the code with")
+            body["base"] = {**base, "code": self.upload_code(code)["digest"]}
+        return self._request("POST", "/sweeps", body=body, headers=headers)
 
     def list_sweeps(self, limit: int = 50, offset: int = 0) -> Json:
         return self._request("GET", "/sweeps", params={"limit": limit, "offset": offset})

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from scheduler.devices import Device, NodeInfo
 from scheduler.types import JobId
 from workers.snapshot import JobSnapshot, RunnerReport, StagePlan
+from workers.uploaded_code import JobCode
 
 if TYPE_CHECKING:
     from workers.sharp.shard_pool import PoolFactory
@@ -47,8 +48,11 @@ class Cluster(Protocol):
 
     # A sweep's SHARP executor ("pool"): its trials are trained together on its devices.
 
-    def start_pool(self, sweep_id: str, devices: Sequence[Device], policy: str) -> None:
-        """Start the sweep's executor on ``devices`` unless it runs already."""
+    def start_pool(
+        self, sweep_id: str, devices: Sequence[Device], policy: str, code: JobCode | None
+    ) -> None:
+        """Start the sweep's executor on ``devices`` (with the sweep's uploaded ``code``)
+        unless it runs already."""
         ...
 
     def has_pool(self, sweep_id: str) -> bool: ...
@@ -76,18 +80,7 @@ class RayCluster:
     """``Cluster`` on a Ray cluster: connects once, then drives runners by name."""
 
     def __init__(self, address: str | None, *, timeout_s: float) -> None:
-        import ray
-
-        from workers.actors import RUNNER_NAMESPACE
-
-        if not ray.is_initialized():
-            ray.init(
-                address=address or "auto",
-                namespace=RUNNER_NAMESPACE,
-                log_to_driver=False,
-                configure_logging=False,
-            )
-        self._ray = ray
+        self._ray = connect_ray(address)
         self._timeout_s = timeout_s
 
     def nodes(self) -> list[NodeInfo]:
@@ -102,7 +95,7 @@ class RayCluster:
                 labels=dict(node.get("Labels") or {}),
                 draining=str(node["NodeID"]) in draining,
             )
-            for node in self._ray.nodes()  # type: ignore[no-untyped-call]
+            for node in self._ray.nodes()
         ]
 
     def start_runner(self, snapshot: JobSnapshot) -> None:
@@ -148,10 +141,12 @@ class RayCluster:
 
         kill_runner(job_id)
 
-    def start_pool(self, sweep_id: str, devices: Sequence[Device], policy: str) -> None:
+    def start_pool(
+        self, sweep_id: str, devices: Sequence[Device], policy: str, code: JobCode | None
+    ) -> None:
         from workers.actors import start_pool
 
-        start_pool(sweep_id, devices, policy)
+        start_pool(sweep_id, devices, policy, code)
 
     def has_pool(self, sweep_id: str) -> bool:
         from workers.actors import find_pool
@@ -187,6 +182,27 @@ class RayCluster:
         except RunnerGone:
             return
         kill_pool(sweep_id)
+
+
+_CONNECTING = threading.Lock()
+
+
+def connect_ray(address: str | None) -> Any:
+    """Join the Ray cluster at ``address`` (``auto``: the one on this machine) unless this
+    process has; the ``ray`` module."""
+    import ray
+
+    from workers.actors import RUNNER_NAMESPACE
+
+    with _CONNECTING:
+        if not ray.is_initialized():
+            ray.init(
+                address=address or "auto",
+                namespace=RUNNER_NAMESPACE,
+                log_to_driver=False,
+                configure_logging=False,
+            )
+    return ray
 
 
 def _first_line(exc: BaseException) -> str:
@@ -252,7 +268,11 @@ class InProcessCluster:
     def relayout(self, job_id: JobId, plans: Sequence[StagePlan], split: Sequence[int]) -> None:
         self._runner(job_id).relayout(plans, split)
 
-    def start_pool(self, sweep_id: str, devices: Sequence[Device], policy: str) -> None:
+    def start_pool(
+        self, sweep_id: str, devices: Sequence[Device], policy: str, code: JobCode | None
+    ) -> None:
+        """Uploaded ``code`` is not shipped: threads of this process cannot import it apart
+        (its factories fail the trials that name them)."""
         from workers.sharp.sweep_executor import SweepExecutor
 
         with self._lock:

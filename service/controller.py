@@ -31,6 +31,8 @@ from scheduler.partition import PartitionError
 from scheduler.placement import JobRequest, Placement, Quota, Running, place, preemptions
 from scheduler.workload import Workload
 from service.cluster import Cluster, ClusterUnavailable, RunnerGone
+from service.code_checks import job_code
+from service.code_store import CodeNotFound, CodeStore
 from service.db.models import Checkpoint, DeviceRow, Job, utcnow
 from service.db.session import SessionFactory, transaction
 from service.holdings import ACTIVE_JOBS, draining_devices, held_devices, quotas, usage_by_owner
@@ -43,6 +45,7 @@ from service.resizer import Resizer
 from service.snapshots import block_costs, build_snapshot, job_request
 from service.specs import JobSpec
 from service.sweeper import Sweeper
+from service.traces import CodeRunner
 from workers.snapshot import RunStatus
 
 log = logging.getLogger(__name__)
@@ -66,6 +69,10 @@ class ControllerConfig:
     growth_min_gain: float = 0.1
     default_quota: Quota = field(default_factory=Quota)
     """Each user's limits where an admin set none (``PUT /users/{name}/quota``)."""
+    code_store: CodeStore | None = None
+    """Uploaded code, which jobs that name it are started with."""
+    code_runner: CodeRunner | None = None
+    """Checks a sweep's trial specs that have uploaded code (``service.code_checks``)."""
 
 
 class Controller:
@@ -83,6 +90,8 @@ class Controller:
             config.checkpoint_root,
             config.allowed_factories,
             config.default_quota,
+            config.code_store,
+            config.code_runner,
         )
         self.last_tick: float | None = None
 
@@ -384,7 +393,8 @@ class Controller:
                 return
             try:
                 layout = self._layout(session, job, placement.devices)
-            except PartitionError as exc:
+                code = job_code(JobSpec.model_validate(job.spec).code, self._config.code_store)
+            except (PartitionError, CodeNotFound) as exc:
                 transition(session, job, JobState.FAILED, str(exc), error=str(exc))
                 return
             partition = [
@@ -421,6 +431,7 @@ class Controller:
                 replicas=layout.plan.replicas,
                 replica_micro_batches=layout.plan.micro_batches,
                 transfer_bytes_per_s=1 / self._config.allreduce_s_per_byte,
+                code=code,
             )
         try:
             self._cluster.start_runner(snapshot)

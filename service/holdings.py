@@ -12,7 +12,8 @@ from scheduler.placement import Quota, Usage
 from service.auth import Principal
 from service.db.models import DeviceRow, Job, Sweep, User
 from service.lifecycle import JobState
-from service.specs import JobSpec, SpecError
+from service.spec_errors import SpecError
+from service.specs import JobSpec
 
 ACTIVE_JOBS = (JobState.RUNNING.value, JobState.RECOVERING.value)
 ACTIVE_SWEEPS = (JobState.QUEUED.value, JobState.RUNNING.value)

@@ -60,6 +60,7 @@ def serve(settings: Settings) -> None:
     from api.app import create_app
     from scheduler.placement import Quota
     from service.cluster import RayCluster
+    from service.code_checks import code_checks
     from service.controller import Controller, ControllerConfig
     from service.db.session import make_engine, make_session_factory, migrate
 
@@ -69,6 +70,7 @@ def serve(settings: Settings) -> None:
     migrate(url)
     factory = make_session_factory(make_engine(url))
     cluster = RayCluster(settings.ray_address, timeout_s=settings.ray_timeout_s)
+    checks = code_checks(settings)
     controller = Controller(
         factory,
         cluster,
@@ -80,6 +82,8 @@ def serve(settings: Settings) -> None:
             allreduce_s_per_byte=1 / (settings.allreduce_gb_per_s * 1e9),
             growth_min_gain=settings.growth_min_gain,
             default_quota=Quota(settings.user_max_jobs, settings.user_max_devices),
+            code_store=checks.store,
+            code_runner=checks,
         ),
     )
     # Live streams (GET /api/v1/stream) never end by themselves: a stop waits 5 s at most.

@@ -57,6 +57,27 @@ class Settings(BaseSettings):
     auth: bool = Field(
         True, description="Require bearer tokens (only a loopback bind may turn it off)."
     )
+    code_max_bytes: int = Field(
+        16 * 2**20,
+        ge=1024,
+        le=2**30,
+        description="Largest code upload (a zip archive, `shoal submit --code DIR`); its files"
+        " unpacked may take 4x this.",
+    )
+    code_check_timeout_s: float = Field(
+        120.0,
+        gt=0.0,
+        le=3600.0,
+        description="Seconds the check of a spec with uploaded code may take: its model is"
+        " built and traced in a Ray worker process, never in the API's (a slower one is a 422).",
+    )
+    code_check_memory_mb: int = Field(
+        4096,
+        ge=256,
+        le=1_048_576,
+        description="Memory the check of a spec with uploaded code may allocate in its Ray"
+        " worker process beyond what the process holds when it starts the check.",
+    )
     poll_interval_s: float = Field(0.5, ge=0.0, le=60.0, description="Controller reconcile period.")
     ray_timeout_s: float = Field(30.0, gt=0.0, le=600.0, description="Timeout of every Ray call.")
     stage_overhead_ms: float = Field(
@@ -197,6 +218,11 @@ class Settings(BaseSettings):
     @property
     def resolved_checkpoint_root(self) -> str:
         return self.checkpoint_root or str(self.home / "checkpoints")
+
+    @property
+    def code_root(self) -> Path:
+        """Where uploaded code is kept, one zip archive per content digest."""
+        return self.home / "code"
 
     @property
     def admin_token_path(self) -> Path:

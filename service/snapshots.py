@@ -12,6 +12,7 @@ from scheduler.types import BlockRange
 from service.db.models import Job
 from service.specs import JobSpec
 from workers.snapshot import DataRef, JobSnapshot, ModelRef, OptimizerConf, stage_plans
+from workers.uploaded_code import JobCode
 
 
 def build_snapshot(
@@ -24,9 +25,11 @@ def build_snapshot(
     replicas: int = 1,
     replica_micro_batches: Sequence[int] = (),
     transfer_bytes_per_s: float = 0.7e9,
+    code: JobCode | None = None,
 ) -> JobSnapshot:
     """The runner's snapshot; ``devices`` are replica-major (``devices[r * p + s]`` runs stage
-    s of replica r) and ``ranges`` are the p stages' block ranges."""
+    s of replica r) and ``ranges`` are the p stages' block ranges; ``code``: the job's
+    uploaded code."""
     spec = JobSpec.model_validate(job.spec)
     depth = len(ranges)
     if len(devices) != depth * replicas:
@@ -59,6 +62,7 @@ def build_snapshot(
         checkpoint_every=spec.checkpoint.every_steps,
         checkpoint_keep=spec.checkpoint.keep,
         allowed_factories=tuple(allowed_factories),
+        code=code,
         block_costs=block_costs(job),
         keep_copies=spec.elastic.keep_copies,
         copy_budget=spec.elastic.copy_budget,

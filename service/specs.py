@@ -8,19 +8,20 @@ returns the spec with the model/data configs completed, or raises ``SpecError``.
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from scheduler.memory import submission_refusal
 from scheduler.profile import BlockCost
-from service.memo import OnceEach
-from workers.factories import FactoryError, check_allowed, load_callable
+from service.code_store import DIGEST_PATTERN
+from service.spec_errors import SpecError, pydantic_errors
+from service.traces import CodeRunner, TraceRequest, trace_spec
+from workers.factories import FactoryError, check_allowed, is_code, load_callable
 from workers.snapshot import DataRef, ModelRef
 from workers.zoo.registry import RegistryError, data_meta, resolve_model
 
@@ -44,14 +45,6 @@ def check_name(value: str, limit: int = MAX_NAME) -> str:
     return value
 
 
-class SpecError(ValueError):
-    """A spec is invalid. ``errors`` lists (dotted field, message) pairs."""
-
-    def __init__(self, errors: Sequence[tuple[str, str]]) -> None:
-        self.errors = list(errors)
-        super().__init__("; ".join(f"{f}: {m}" if f else m for f, m in self.errors))
-
-
 class StrictModel(BaseModel):
     """A spec section: unknown fields are refused."""
 
@@ -59,7 +52,8 @@ class StrictModel(BaseModel):
 
 
 class ComponentSpec(StrictModel):
-    """A built-in (``builtin``) or a factory ``pkg.module:function``, with its config."""
+    """A built-in (``builtin``), a factory ``pkg.module:function`` an operator installed, or
+    ``code:module:function`` in the job's uploaded code, with its config."""
 
     builtin: str | None = Field(None, max_length=100)
     factory: str | None = Field(None, max_length=300)
@@ -181,6 +175,13 @@ class JobSpec(StrictModel):
     precision: Literal["fp32", "bf16"] = Field(
         "fp32", description="bf16: forward and loss under bfloat16 autocast, fp32 weights"
     )
+    code: str | None = Field(
+        None,
+        pattern=DIGEST_PATTERN,
+        description="the digest of code uploaded with the job (`shoal submit --code DIR` sets"
+        " it; POST /api/v1/code returns it), whose modules `code:module:function` factories"
+        " name; it runs on the cluster's nodes, never in the control plane",
+    )
 
     @field_validator("name")
     @classmethod
@@ -198,6 +199,12 @@ class JobSpec(StrictModel):
                 f"batch_size ({self.batch_size}) must be divisible by micro_batches"
                 f" ({self.micro_batches})"
             )
+        for part, ref in (("model", self.model), ("data", self.data)):
+            if self.code is None and ref.factory is not None and is_code(ref.factory):
+                raise ValueError(
+                    f"{part}.factory {ref.factory!r} names uploaded code but the spec has none;"
+                    " submit with --code DIR (or set code to an upload's digest)"
+                )
         stages = self.parallelism.stages
         if isinstance(stages, int) and stages > self.resources.max_devices:
             raise ValueError(
@@ -205,15 +212,6 @@ class JobSpec(StrictModel):
                 f" resources.max_devices is {self.resources.max_devices}; raise max_devices"
             )
         return self
-
-
-def pydantic_errors(exc: ValidationError) -> list[tuple[str, str]]:
-    errors = []
-    for err in exc.errors():
-        loc = [str(p) for p in err["loc"] if not str(p).startswith("function-after")]
-        message = str(err["msg"]).removeprefix("Value error, ")
-        errors.append((".".join(loc), message))
-    return errors
 
 
 def parse_job_spec(payload: Any) -> JobSpec:
@@ -228,14 +226,16 @@ def parse_job_spec(payload: Any) -> JobSpec:
 
 def _check_factories(spec: JobSpec, allowed: Sequence[str]) -> None:
     """Refuse a factory that is not a function written in an allowed module: every name is
-    checked against the allow-list before any module is imported, and nothing is called."""
+    checked against the allow-list before any module is imported, and nothing is called.
+    Uploaded code's factories (``code:``) are only read here: they are imported where the
+    job's code is checked, in a Ray worker process."""
     named = [
         (f"{part}.factory", ref.factory)
         for part, ref in (("data", spec.data), ("model", spec.model))
     ]
     for step in (check_allowed, load_callable):
         for field, path in named:
-            if path is None:
+            if path is None or (step is load_callable and is_code(path)):
                 continue
             try:
                 step(path, allowed)
@@ -254,8 +254,11 @@ class AcceptedSpec:
     untraced: str | None = None  # why there are no costs
 
 
-def complete_job_spec(spec: JobSpec, allowed_factories: Sequence[str]) -> AcceptedSpec:
-    """Check builtins/factories and fill data-derived model dimensions."""
+def complete_job_spec(
+    spec: JobSpec, allowed_factories: Sequence[str], code_runner: CodeRunner | None = None
+) -> AcceptedSpec:
+    """Check builtins/factories and fill data-derived model dimensions; a spec with uploaded
+    code is traced by ``code_runner``."""
     _check_replicas(spec)
     # Factories first: a module outside the allow-list is refused before anything else runs.
     _check_factories(spec, allowed_factories)
@@ -275,87 +278,20 @@ def complete_job_spec(spec: JobSpec, allowed_factories: Sequence[str]) -> Accept
     except RegistryError as exc:
         raise SpecError([(exc.field, exc.message)]) from None
     completed = spec.model_copy(update=updates)
-    accepted = _trace(completed, allowed_factories)
+    request = TraceRequest(
+        ModelRef(completed.model.builtin, completed.model.factory, completed.model.config),
+        DataRef(completed.data.builtin, completed.data.factory, completed.data.config),
+        completed.batch_size // completed.micro_batches,
+        completed.optimizer.name,
+        bool(completed.optimizer.momentum),
+        completed.precision,
+        tuple(allowed_factories),
+        completed.code,
+    )
+    traced = trace_spec(request, code_runner)
+    accepted = AcceptedSpec(completed, traced.num_blocks, traced.costs, traced.untraced)
     _check_stage_count(spec.parallelism.stages, accepted.num_blocks)
     return accepted
-
-
-@dataclass(frozen=True)
-class _Traced:
-    num_blocks: int
-    costs: tuple[BlockCost, ...] | None
-    untraced: str | None
-
-
-_BLOCK_COST_BYTES = 600
-"""What one block's ``BlockCost`` holds in memory, with its fields (~0.5 KiB, measured)."""
-
-
-def _trace_bytes(traced: _Traced) -> int:
-    return len(traced.costs or ()) * _BLOCK_COST_BYTES + len(traced.untraced or "") + 100
-
-
-TRACE_CACHE_BYTES = 32 * 2**20
-_TRACES: OnceEach[_Traced] = OnceEach(256, TRACE_CACHE_BYTES, _trace_bytes)
-"""Traces by what they depend on: a sweep's trials and many clients submit the same model
-over and over, and a trace takes from tens of milliseconds to seconds. Bounded in bytes as
-well as entries: a key holds a whole config (a factory's may be most of a request body)."""
-
-
-def _trace(spec: JobSpec, allowed: Sequence[str]) -> AcceptedSpec:
-    """The spec with its blocks counted and costed by tracing the model on the meta device;
-    a factory model that does not trace there is built once on the CPU to count its blocks.
-    Each distinct model, data, micro-batch size, optimizer and precision is traced once."""
-    from workers.profiler import TraceError, trace_costs
-
-    model = ModelRef(spec.model.builtin, spec.model.factory, spec.model.config)
-    data = DataRef(spec.data.builtin, spec.data.factory, spec.data.config)
-    micro_batch_size = spec.batch_size // spec.micro_batches
-    momentum = bool(spec.optimizer.momentum)
-
-    def trace() -> _Traced:
-        try:
-            costs = trace_costs(
-                model,
-                data,
-                micro_batch_size=micro_batch_size,
-                optimizer=spec.optimizer.name,
-                momentum=momentum,
-                allowed=allowed,
-                precision=spec.precision,
-            )
-        except TraceError as exc:
-            if spec.model.factory is None:
-                # Every built-in model the registry accepts traces: one that does not is a
-                # gap in its checks, logged, and still the spec's error (a 422, never a 500).
-                log.error("built-in model %s did not trace: %s", spec.model.builtin, exc)
-                raise SpecError(
-                    [
-                        (
-                            "model.config",
-                            f"the model cannot run on this data ({exc}); change model.config"
-                            " or data.config",
-                        )
-                    ]
-                ) from None
-            return _Traced(_count_factory_blocks(model, data, allowed), None, str(exc))
-        return _Traced(len(costs), costs, None)
-
-    key = json.dumps(
-        [
-            asdict(model),
-            asdict(data),
-            micro_batch_size,
-            spec.optimizer.name,
-            momentum,
-            spec.precision,
-            *allowed,
-        ],
-        sort_keys=True,
-        default=repr,
-    )
-    traced = _TRACES.get(key, trace)
-    return AcceptedSpec(spec, traced.num_blocks, traced.costs, traced.untraced)
 
 
 def check_memory(accepted: AcceptedSpec, largest_device_mb: int | None) -> None:
@@ -373,23 +309,6 @@ def check_memory(accepted: AcceptedSpec, largest_device_mb: int | None) -> None:
     )
     if message is not None:
         raise SpecError([("resources.max_devices", message)])
-
-
-def _count_factory_blocks(model: ModelRef, data: DataRef, allowed: Sequence[str]) -> int:
-    """Build an allowed factory model once to learn its block count (and that it builds)."""
-    from workers.zoo.data import make_data
-    from workers.zoo.models import count_blocks
-
-    # User code: any failure is a bad spec, reported under the factory that failed, not raised.
-    try:
-        meta = make_data(data, 0, allowed).meta
-    except Exception as exc:
-        field = "data.factory" if data.factory is not None else "data.config"
-        raise SpecError([(field, f"building the data failed: {exc}")]) from None
-    try:
-        return count_blocks(model, meta, allowed)
-    except Exception as exc:
-        raise SpecError([("model.factory", f"building {model.factory} failed: {exc}")]) from None
 
 
 def replica_count(spec: JobSpec) -> int:
@@ -443,6 +362,8 @@ def _check_stage_count(stages: str | int, num_blocks: int) -> None:
         )
 
 
-def validate_job_spec(payload: Any, allowed_factories: Sequence[str]) -> AcceptedSpec:
+def validate_job_spec(
+    payload: Any, allowed_factories: Sequence[str], code_runner: CodeRunner | None = None
+) -> AcceptedSpec:
     """Parse and complete a job spec; the one entry point used by the API and the CLI."""
-    return complete_job_spec(parse_job_spec(payload), allowed_factories)
+    return complete_job_spec(parse_job_spec(payload), allowed_factories, code_runner)

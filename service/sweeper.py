@@ -27,6 +27,8 @@ from scheduler.devices import Device
 from scheduler.placement import JobRequest, Quota, Usage, place
 from service.auth import Principal
 from service.cluster import Cluster, RunnerGone
+from service.code_checks import job_code
+from service.code_store import CodeStore
 from service.db.models import Checkpoint, Job, JobMetric, Sweep, Trial, utcnow
 from service.db.session import SessionFactory, transaction
 from service.holdings import (
@@ -40,11 +42,14 @@ from service.isolation import isolated
 from service.jobs import add_event, add_job, transition
 from service.lifecycle import JobState
 from service.snapshots import build_snapshot
-from service.specs import SpecError, validate_job_spec
+from service.spec_errors import SpecError
+from service.specs import validate_job_spec
 from service.sweeps import list_trials, move_sweep, ranked
 from service.sweepspec import SweepSpec, trial_name, trial_spec
+from service.traces import CodeRunner
 from service.tuner import Outcome, Tuner
 from workers.checkpoints import CheckpointStore
+from workers.uploaded_code import JobCode
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +67,12 @@ class Sweeper:
         checkpoint_root: str,
         allowed_factories: Sequence[str],
         default_quota: Quota,
+        code_store: CodeStore | None = None,
+        code_runner: CodeRunner | None = None,
     ) -> None:
         self._factory = factory
+        self._code_store = code_store
+        self._code_runner = code_runner
         self._default_quota = default_quota
         self._cluster = cluster
         self._root = checkpoint_root
@@ -159,7 +168,7 @@ class Sweeper:
             chosen = self._placement(session, sweep, spec, devices)
             if chosen is None:  # the devices are busy, or its owner's quota is spent: it waits
                 return False
-            self._cluster.start_pool(sweep.id, chosen, "lrtf")
+            self._cluster.start_pool(sweep.id, chosen, "lrtf", self._code(spec.base.code))
             sweep.devices = [d.id for d in chosen]
             self._suspect.pop(sweep.id, None)
             return True
@@ -188,8 +197,12 @@ class Sweeper:
             self._leave(session, sweep, trials, why)
             return False
         if not running:  # the control plane restarted
-            self._cluster.start_pool(sweep.id, [by_id[i] for i in live], "lrtf")
+            live_devices = [by_id[i] for i in live]
+            self._cluster.start_pool(sweep.id, live_devices, "lrtf", self._code(spec.base.code))
         return True
+
+    def _code(self, digest: str | None) -> JobCode | None:
+        return job_code(digest, self._code_store)
 
     def _placement(
         self, session: Session, sweep: Sweep, spec: SweepSpec, devices: Sequence[Device]
@@ -338,7 +351,7 @@ class Sweeper:
             params = tuner.ask(number)
             payload = trial_spec(base, params, trial_name(spec.name, number))
             try:
-                accepted = validate_job_spec(payload, self._allowed)
+                accepted = validate_job_spec(payload, self._allowed, self._code_runner)
             except SpecError as exc:  # validated at submission: a sampler's value cannot fail
                 tuner.tell(number, "failed")
                 move_sweep(sweep, JobState.FAILED, error=f"trial {number} {params}: {exc}")
@@ -379,6 +392,7 @@ class Sweeper:
             [(0, job.num_blocks)],
             checkpoint_root=self._root,
             allowed_factories=self._allowed,
+            code=self._code(job.spec.get("code")),
         )
         self._cluster.add_trial(sweep.id, snapshot)
 

@@ -19,18 +19,18 @@ from typing import Any, Literal
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from scheduler.sharp import ShardError, shard_model
+from service.spec_errors import SpecError, pydantic_errors
 from service.specs import (
     MAX_DEVICES,
     MAX_NAME,
     AcceptedSpec,
     JobSpec,
-    SpecError,
     StrictModel,
     check_memory,
     check_name,
-    pydantic_errors,
 )
 from service.specs import validate_job_spec as _validate_job
+from service.traces import CodeRunner
 
 MAX_PARAMS = 16
 MAX_CHOICES = 32
@@ -273,6 +273,10 @@ def trial_spec(
 
 
 def _check_path(base: Mapping[str, Any], path: str) -> None:
+    if path == "code":
+        raise SpecError(
+            [("space.code", "the sweep's code is one for all its trials; search other fields")]
+        )
     node: Any = base
     *parents, leaf = path.split(".")
     for depth, part in enumerate(parents):
@@ -289,17 +293,21 @@ def _check_path(base: Mapping[str, Any], path: str) -> None:
 
 
 def complete_sweep_spec(
-    spec: SweepSpec, allowed_factories: Sequence[str], largest_device_mb: int | None = None
+    spec: SweepSpec,
+    allowed_factories: Sequence[str],
+    largest_device_mb: int | None = None,
+    code_runner: CodeRunner | None = None,
 ) -> AcceptedSweep:
     """Check that every trial the space can produce is a valid job that fits the largest
     device (when one is known): a grid is finite and bounded, each path names a field of the
-    completed base job and each extreme value validates."""
+    completed base job and each extreme value validates (with uploaded code, checked by
+    ``code_runner``)."""
 
     checked_blocks = 0
 
     def job(payload: dict[str, Any]) -> AcceptedSpec:
         nonlocal checked_blocks
-        accepted = _validate_job(payload, allowed_factories)
+        accepted = _validate_job(payload, allowed_factories, code_runner)
         if spec.executor == "jobs":
             check_memory(accepted, largest_device_mb)
         else:

@@ -38,11 +38,18 @@ class Client(Closing):
     def close(self) -> None:
         self.rest.close()
 
-    def submit(self, spec: Mapping[str, Any] | str | Path, key: str | None = None) -> Job:
+    def submit(
+        self,
+        spec: Mapping[str, Any] | str | Path,
+        key: str | None = None,
+        code: str | Path | None = None,
+    ) -> Job:
         """Queue a job from its spec (a mapping, or a .yaml/.yml/.json file); the same ``key``
-        (an Idempotency-Key; a file's default is its hash and a nonce) never makes two."""
+        (an Idempotency-Key; a file's default is its hash and a nonce) never makes two.
+        ``code``: a folder of your modules, uploaded with it (``code:module:function``
+        factories name them; needs the code permission)."""
         body, key = _spec(spec, "job", key)
-        return Job(self.rest, self.rest.submit_job(body, key)["id"])
+        return Job(self.rest, self.rest.submit_job(body, key, _folder(code))["id"])
 
     def job(self, job_id: str) -> Job:
         return Job(self.rest, job_id)
@@ -52,10 +59,15 @@ class Client(Closing):
         items: list[Json] = self.rest.list_jobs(states, limit=limit)["items"]
         return items
 
-    def sweep(self, spec: Mapping[str, Any] | str | Path, key: str | None = None) -> Sweep:
+    def sweep(
+        self,
+        spec: Mapping[str, Any] | str | Path,
+        key: str | None = None,
+        code: str | Path | None = None,
+    ) -> Sweep:
         """Start a sweep from its spec (a mapping or a file), as ``submit`` a job."""
         body, key = _spec(spec, "sweep", key)
-        return Sweep(self.rest, self.rest.submit_sweep(body, key)["id"])
+        return Sweep(self.rest, self.rest.submit_sweep(body, key, _folder(code))["id"])
 
     def devices(self) -> list[Json]:
         items: list[Json] = self.rest.devices()["items"]
@@ -147,6 +159,10 @@ class Sweep(_Handle):
 
     def cancel(self) -> Json:
         return self._rest.cancel_sweep(self.id)
+
+
+def _folder(code: str | Path | None) -> Path | None:
+    return None if code is None else Path(code)
 
 
 def _spec(

@@ -23,6 +23,7 @@ from scheduler.types import JobId
 from workers.pipeline.job_runner import JobRunner
 from workers.sharp.sweep_executor import SweepExecutor
 from workers.snapshot import JobSnapshot
+from workers.uploaded_code import JobCode, code_options
 
 RUNNER_NAMESPACE = "shoal"
 RUNNER_CONCURRENCY = 4
@@ -53,7 +54,7 @@ def start_runner(snapshot: JobSnapshot) -> ActorHandle[Any]:
         return existing
     runner_actor: Any = ray.remote(JobRunner)
     runner: ActorHandle[Any] = runner_actor.options(
-        **_detached_on_head(runner_name(snapshot.job_id))
+        **_detached_on_head(runner_name(snapshot.job_id)), **code_options(snapshot.code)
     ).remote(snapshot)
     # Not awaited: ``run`` returns when training ends; progress is read with ``poll``.
     runner.run.remote()
@@ -90,17 +91,20 @@ def find_pool(sweep_id: str) -> ActorHandle[Any] | None:
         return None
 
 
-def start_pool(sweep_id: str, devices: Sequence[Device], policy: str) -> ActorHandle[Any]:
+def start_pool(
+    sweep_id: str, devices: Sequence[Device], policy: str, code: JobCode | None = None
+) -> ActorHandle[Any]:
     """The sweep's SHARP executor (``workers.sharp.sweep_executor.SweepExecutor``) on ``devices``,
     started and running unless it exists: detached and named, on the head node, like a
-    job's runner, so it outlives the control plane and is found again."""
+    job's runner, so it outlives the control plane and is found again. With the sweep's
+    uploaded ``code``, which its trials' factories name."""
     existing = find_pool(sweep_id)
     if existing is not None:
         return existing
     pool_actor: Any = ray.remote(SweepExecutor)
-    pool: ActorHandle[Any] = pool_actor.options(**_detached_on_head(pool_name(sweep_id))).remote(
-        list(devices), None, policy
-    )
+    pool: ActorHandle[Any] = pool_actor.options(
+        **_detached_on_head(pool_name(sweep_id)), **code_options(code)
+    ).remote(list(devices), None, policy)
     pool.run.remote()
     return pool
 

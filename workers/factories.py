@@ -9,6 +9,11 @@ what it imports from other modules, and no class, built-in, ``functools.partial`
 instance, whose call could run code the operator never looked at. All of that is checked
 before the factory is called.
 
+A factory of the job's **uploaded code** is named ``"code:module:function"``: no allow-list
+applies (uploading code is a permission of its own, checked by the control plane), but the
+module must be one of that code's, found in the job's working directory where Ray unpacked
+it (``workers.uploaded_code``), never an installed one; the rest of the rules hold alike.
+
 The contracts a factory must keep:
 
 - a **model factory** is called ``fn(config: dict, meta: DataMeta)`` and returns an
@@ -31,13 +36,21 @@ from collections.abc import Callable, Sequence
 from types import FunctionType, ModuleType
 from typing import Any
 
+from workers.uploaded_code import is_uploaded
+
 _IDENT = r"[A-Za-z_][A-Za-z0-9_]*"
 # fullmatch, not ``$``: a ``$`` anchor would also accept a trailing newline.
 _PATH_RE = re.compile(rf"(?P<module>{_IDENT}(?:\.{_IDENT})*):(?P<attr>{_IDENT})")
+CODE_PREFIX = "code:"
 
 
 class FactoryError(ValueError):
     """A factory name is malformed, not allowed, or does not load to a function."""
+
+
+def is_code(path: str) -> bool:
+    """Whether the factory ``path`` names a function of the job's uploaded code."""
+    return path.startswith(CODE_PREFIX)
 
 
 def check_allowed(path: str, allowed: Sequence[str]) -> tuple[str, str]:
@@ -45,13 +58,16 @@ def check_allowed(path: str, allowed: Sequence[str]) -> tuple[str, str]:
     attribute a public name; imports nothing.
 
     The module must equal an entry of ``allowed``: ``"mypkg"`` allows neither
-    ``mypkg.models`` (a submodule runs code of its own) nor ``mypkg_evil``.
+    ``mypkg.models`` (a submodule runs code of its own) nor ``mypkg_evil``. A
+    ``code:module:function`` name needs no entry: its module is the job's own code.
     """
-    match = _PATH_RE.fullmatch(path)
+    uploaded = is_code(path)
+    match = _PATH_RE.fullmatch(path.removeprefix(CODE_PREFIX) if uploaded else path)
     if match is None:
-        raise FactoryError(f"factory {path!r} is malformed; write it as 'package.module:function'")
+        shape = "code:module:function" if uploaded else "package.module:function"
+        raise FactoryError(f"factory {path!r} is malformed; write it as '{shape}'")
     module, attr = match["module"], match["attr"]
-    if module not in allowed:
+    if not uploaded and module not in allowed:
         listed = ", ".join(sorted(allowed)) or "nothing"
         raise FactoryError(
             f"factory module {module!r} is not allowed (allowed: {listed}); an operator can"
@@ -84,13 +100,24 @@ def load_callable(path: str, allowed: Sequence[str]) -> Callable[..., Any]:
     """Import an allowed factory's module and return the function it names, refusing
     anything but a plain Python function defined in that module (nothing is called)."""
     module_name, attr = check_allowed(path, allowed)
+    where = (
+        "check that it is in the folder you uploaded"
+        if is_code(path)
+        else "install it on every worker node or fix the name"
+    )
     try:
         module = importlib.import_module(module_name)
     except Exception as exc:  # the module's own code may raise anything while importing
         raise FactoryError(
             f"factory module {module_name!r} cannot be imported ({type(exc).__name__}: {exc});"
-            " install it on every worker node or fix the name"
+            f" {where}"
         ) from exc
+    if is_code(path) and not is_uploaded(module):
+        raise FactoryError(
+            f"factory {path!r} names {module_name!r}, which is not a module of the job's"
+            f" uploaded code (found at {getattr(module, '__file__', None) or 'no file'});"
+            " name a module at the root of the folder you uploaded"
+        )
     # The module's own namespace: getattr would run a module-level __getattr__.
     namespace = vars(module)
     if attr not in namespace:

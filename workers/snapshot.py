@@ -16,6 +16,7 @@ from scheduler.devices import Device
 from scheduler.elastic import ElasticConfig
 from scheduler.profile import BlockCost
 from scheduler.types import BlockRange, JobId
+from workers.uploaded_code import JobCode
 
 
 @dataclass(frozen=True)
@@ -100,6 +101,8 @@ class JobSnapshot:
     checkpoint_every: int
     checkpoint_keep: int
     allowed_factories: tuple[str, ...] = ()
+    code: JobCode | None = None
+    """The job's uploaded code: its runner and workers run with it (``workers.uploaded_code``)."""
     replicas: int = 1
     replica_micro_batches: tuple[int, ...] = ()
     """Micro-batches per replica, summing to ``micro_batches`` (a faster device may take

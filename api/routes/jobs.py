@@ -12,6 +12,7 @@ from starlette.background import BackgroundTask
 from api.deps import ID_PATTERN, MAX_QUERY_INT, FactoryDep, PrincipalDep, SettingsDep
 from api.errors import documented
 from api.responses import ModelJSON
+from api.routes.code import CodeChecksDep, require_code_permission
 from api.schemas import (
     CheckpointList,
     CheckpointOut,
@@ -31,6 +32,7 @@ from service.exports import export_model
 from service.layouts import pipeline_schedule
 from service.lifecycle import JobState
 from service.specs import AcceptedSpec, JobSpec, check_memory, complete_job_spec
+from service.traces import CodeRunner
 
 router = APIRouter(prefix="/jobs", tags=["jobs"])
 
@@ -44,7 +46,7 @@ JobId = Annotated[str, Path(max_length=64, pattern=ID_PATTERN, description="job 
     status_code=status.HTTP_201_CREATED,
     responses={
         200: {"model": JobOut, "description": "the job a request with this Idempotency-Key made"},
-        **documented(400, 401, 409, 413, 422, 503),
+        **documented(400, 401, 403, 409, 413, 422, 503),
     },
 )
 async def submit_job(
@@ -54,11 +56,16 @@ async def submit_job(
     factory: FactoryDep,
     settings: SettingsDep,
     checks: SpecChecksDep,
+    code_checks: CodeChecksDep,
     idempotency_key: Annotated[str | None, Header(max_length=200)] = None,
 ) -> JobOut:
     """Queue a job. A retry with the same ``Idempotency-Key`` returns the same job (200).
-    The spec is checked on a spec-check thread (503 with Retry-After when all are taken)."""
-    accepted = await checks.run(_accept_job, spec, settings.allowed_factories, factory)
+    The spec is checked on a spec-check thread (503 with Retry-After when all are taken);
+    one with uploaded ``code`` needs the code permission (403) and is checked in a Ray
+    worker process."""
+    if spec.code is not None:
+        require_code_permission(principal)
+    accepted = await checks.run(_accept_job, spec, settings.allowed_factories, factory, code_checks)
     job, created = await run_in_threadpool(
         jobs.submit_job, factory, principal, accepted, idempotency_key
     )
@@ -67,9 +74,11 @@ async def submit_job(
     return await run_in_threadpool(_show_job, factory, principal, job.id)
 
 
-def _accept_job(spec: JobSpec, allowed: list[str], factory: SessionFactory) -> AcceptedSpec:
+def _accept_job(
+    spec: JobSpec, allowed: list[str], factory: SessionFactory, code_runner: CodeRunner
+) -> AcceptedSpec:
     """The job checked whole (its model traced) and against the largest device known."""
-    accepted = complete_job_spec(spec, allowed)
+    accepted = complete_job_spec(spec, allowed, code_runner)
     check_memory(accepted, jobs.largest_device_mb(factory))
     return accepted
 

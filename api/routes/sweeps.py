@@ -11,12 +11,14 @@ from sqlalchemy.orm import Session
 from api.deps import ID_PATTERN, MAX_QUERY_INT, FactoryDep, PrincipalDep, SettingsDep
 from api.errors import documented
 from api.responses import ModelJSON
+from api.routes.code import CodeChecksDep, require_code_permission
 from api.schemas import SweepOut, SweepPage, SweepSummaryOut
 from api.spec_checks import SpecChecksDep
 from service import jobs, sweeps
 from service.auth import Principal
 from service.db.session import SessionFactory
 from service.sweepspec import AcceptedSweep, SweepSpec, complete_sweep_spec
+from service.traces import CodeRunner
 
 router = APIRouter(prefix="/sweeps", tags=["sweeps"])
 
@@ -36,7 +38,7 @@ def _read(session: Session, principal: Principal, sweep_id: str) -> SweepOut:
             "model": SweepOut,
             "description": "the sweep a request with this Idempotency-Key made",
         },
-        **documented(400, 401, 409, 413, 422, 503),
+        **documented(400, 401, 403, 409, 413, 422, 503),
     },
 )
 async def submit_sweep(
@@ -46,13 +48,19 @@ async def submit_sweep(
     factory: FactoryDep,
     settings: SettingsDep,
     checks: SpecChecksDep,
+    code_checks: CodeChecksDep,
     idempotency_key: Annotated[str | None, Header(max_length=200)] = None,
 ) -> SweepOut:
     """Queue a sweep. Every value the space can give is checked against the base job first,
     so a space that could make an invalid trial is refused (422, naming ``space.<path>``);
     the check runs on a spec-check thread (503 with Retry-After when all are taken).
-    A retry with the same ``Idempotency-Key`` returns the same sweep (200)."""
-    accepted = await checks.run(_accept_sweep, spec, settings.allowed_factories, factory)
+    A retry with the same ``Idempotency-Key`` returns the same sweep (200). A base job with
+    uploaded ``code`` needs the code permission (403)."""
+    if spec.base.code is not None:
+        require_code_permission(principal)
+    accepted = await checks.run(
+        _accept_sweep, spec, settings.allowed_factories, factory, code_checks
+    )
     sweep, created = await run_in_threadpool(
         sweeps.submit_sweep, factory, principal, accepted, idempotency_key
     )
@@ -61,9 +69,11 @@ async def submit_sweep(
     return await run_in_threadpool(_show_sweep, factory, principal, sweep.id)
 
 
-def _accept_sweep(spec: SweepSpec, allowed: list[str], factory: SessionFactory) -> AcceptedSweep:
+def _accept_sweep(
+    spec: SweepSpec, allowed: list[str], factory: SessionFactory, code_runner: CodeRunner
+) -> AcceptedSweep:
     """The sweep checked whole (every value of its space) against the largest device known."""
-    return complete_sweep_spec(spec, allowed, jobs.largest_device_mb(factory))
+    return complete_sweep_spec(spec, allowed, jobs.largest_device_mb(factory), code_runner)
 
 
 def _show_sweep(factory: SessionFactory, principal: Principal, sweep_id: str) -> SweepOut:

@@ -40,9 +40,18 @@ class QuotaIn(BaseModel):
     )
 
 
+class CodeGrantIn(BaseModel):
+    """Whether the user may send code of their own with jobs (it runs on the cluster)."""
+
+    allowed: bool
+
+
 class UserOut(BaseModel):
     name: str
     is_admin: bool
+    may_upload_code: bool = Field(
+        description="their own grant to send code with jobs (admins always may)"
+    )
     max_jobs: int | None = Field(description="their own limit; null: the default")
     max_devices: int | None = Field(description="their own limit; null: the default")
     effective_max_jobs: int | None = Field(description="what applies; null: no limit")
@@ -74,6 +83,7 @@ def _users(session: Session, settings: Settings, names: list[str] | None) -> lis
         UserOut(
             name=user.name,
             is_admin=user.is_admin,
+            may_upload_code=user.may_upload_code,
             max_jobs=user.max_jobs,
             max_devices=user.max_devices,
             effective_max_jobs=limits[user.name].max_jobs,
@@ -108,11 +118,35 @@ def set_quota(
     submit from now on."""
     _admin(principal)
     with transaction(factory) as session:
-        user = session.scalar(sa.select(User).where(User.name == name))
-        if user is None:
-            raise HTTPException(status.HTTP_404_NOT_FOUND, f"no user {name!r}")
+        user = _named(session, name)
         user.max_jobs, user.max_devices = quota.max_jobs, quota.max_devices
         user.max_priority = quota.max_priority
     with factory() as session:
         (out,) = _users(session, settings, [name])
     return out
+
+
+@router.put("/{name}/code", responses=documented(400, 401, 403, 404, 413, 422, 503))
+def set_code_grant(
+    name: UserName,
+    grant: CodeGrantIn,
+    principal: PrincipalDep,
+    factory: FactoryDep,
+    settings: SettingsDep,
+) -> UserOut:
+    """Grant (``allowed: true``) or take away a user's permission to send code of their own
+    with jobs: that code runs on the cluster's nodes. Jobs already accepted run on; a token
+    is re-read within SHOAL_AUTH_CACHE_S."""
+    _admin(principal)
+    with transaction(factory) as session:
+        _named(session, name).may_upload_code = grant.allowed
+    with factory() as session:
+        (out,) = _users(session, settings, [name])
+    return out
+
+
+def _named(session: Session, name: str) -> User:
+    user = session.scalar(sa.select(User).where(User.name == name))
+    if user is None:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"no user {name!r}")
+    return user

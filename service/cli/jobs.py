@@ -36,15 +36,26 @@ from service.lifecycle import JobState
     "--idempotency-key",
     help="Retrying with the same key never makes a second job [default: file hash + nonce].",
 )
+@click.option(
+    "--code",
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    help="A folder of your own Python modules to send with it: factories name them as"
+    " code:module:function. Needs the code permission; the code runs on the cluster.",
+)
 @json_option
 @client_options
 def submit(
-    file: Path, idempotency_key: str | None, as_json: bool, url: str | None, token: str | None
+    file: Path,
+    idempotency_key: str | None,
+    code: Path | None,
+    as_json: bool,
+    url: str | None,
+    token: str | None,
 ) -> None:
     """Submit the job spec in FILE (.yaml, .yml or .json)."""
     spec = load_spec(file)
     with make_client(url, token) as client:
-        job = client.submit_job(spec, submission_key(file, idempotency_key))
+        job = client.submit_job(spec, submission_key(file, idempotency_key), code)
     if as_json:
         echo_json(job)
         return

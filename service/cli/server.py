@@ -63,16 +63,24 @@ def token() -> None:
 @token.command("create")
 @click.option("--user", required=True, help="User name; created if new.")
 @click.option("--admin", is_flag=True, help="Make the user an admin (sees every job).")
+@click.option(
+    "--code",
+    is_flag=True,
+    help="Let the user send code of their own with jobs (`shoal submit --code DIR`): that"
+    " code runs on the cluster's nodes.",
+)
 @_home_option
-def token_create(user: str, admin: bool, home: Path | None) -> None:
-    """Create a token for USER and print it (it is shown only once)."""
+def token_create(user: str, admin: bool, code: bool, home: Path | None) -> None:
+    """Create a token for USER and print it (it is shown only once). --admin and --code grant
+    and never take away: an admin revokes the code permission with `PUT
+    /api/v1/users/NAME/code`."""
     from service.auth import AuthError, create_token
     from service.db.session import make_engine, make_session_factory
 
     with _database(make_settings(home=home)) as url:
         engine = make_engine(url)
         try:
-            secret = create_token(make_session_factory(engine), user=user, admin=admin)
+            secret = create_token(make_session_factory(engine), user=user, admin=admin, code=code)
         except AuthError as exc:
             raise InputError(str(exc)) from None
         finally:

@@ -49,6 +49,9 @@ class User(Base):
     max_priority: Mapped[int | None] = mapped_column(default=None)
     """The highest priority the user may give a job; None: the default priority (0), so a
     priority above the default is an admin's grant."""
+    may_upload_code: Mapped[bool] = mapped_column(default=False)
+    """Whether the user may send code of their own with a job (it runs on the cluster's
+    nodes); an admin's grant, off by default. Admins always may."""
 
 
 class ApiToken(Base):

@@ -21,8 +21,9 @@ class Api:
     factory: SessionFactory
     settings: Settings
 
-    def token(self, user: str, *, admin: bool = False) -> dict[str, str]:
-        return {"Authorization": f"Bearer {create_token(self.factory, user=user, admin=admin)}"}
+    def token(self, user: str, *, admin: bool = False, code: bool = False) -> dict[str, str]:
+        secret = create_token(self.factory, user=user, admin=admin, code=code)
+        return {"Authorization": f"Bearer {secret}"}
 
 
 def _serve(factory: SessionFactory, settings: Settings) -> Iterator[Api]:

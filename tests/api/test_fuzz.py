@@ -41,6 +41,8 @@ from tests.factories import job_spec, sweep_spec
 
 pytestmark = pytest.mark.integration
 
+# A code upload's body is a zip: fuzzed as the bytes it is.
+schemathesis.serializer.alias("application/zip", "application/octet-stream")
 CHECKS = [
     schemathesis.checks.not_a_server_error,
     schemathesis.checks.status_code_conformance,

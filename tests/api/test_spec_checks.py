@@ -19,6 +19,7 @@ from service.db.session import SessionFactory
 from service.settings import Settings
 from service.specs import AcceptedSpec, JobSpec
 from service.specs import complete_job_spec as real_check
+from service.traces import CodeRunner
 from tests.api.conftest import Api
 from tests.factories import job_spec
 
@@ -32,13 +33,15 @@ HEAVY_S = 2.0
 _BURNING = threading.Event()
 
 
-def _burn_then_check(spec: JobSpec, allowed: list[str]) -> AcceptedSpec:
+def _burn_then_check(
+    spec: JobSpec, allowed: list[str], code_runner: CodeRunner | None = None
+) -> AcceptedSpec:
     """A check as heavy as tracing a deep model was: CPU in Python, holding the GIL in turns."""
     _BURNING.set()
     end = time.perf_counter() + HEAVY_S
     while time.perf_counter() < end:
         sum(range(10_000))
-    return real_check(spec, allowed)
+    return real_check(spec, allowed, code_runner)
 
 
 def test_healthz_answers_within_a_second_while_ten_heavy_submissions_run(
@@ -88,10 +91,12 @@ def test_a_submission_past_the_queue_is_told_to_retry(
     api = one_check_at_a_time
     entered, release = threading.Event(), threading.Event()
 
-    def held_check(spec: JobSpec, allowed: list[str]) -> AcceptedSpec:
+    def held_check(
+        spec: JobSpec, allowed: list[str], code_runner: CodeRunner | None = None
+    ) -> AcceptedSpec:
         entered.set()
         assert release.wait(60), "the test never released the check"
-        return real_check(spec, allowed)
+        return real_check(spec, allowed, code_runner)
 
     monkeypatch.setattr(jobs_route, "complete_job_spec", held_check)
     alice = api.token("alice")

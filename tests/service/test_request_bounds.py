@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from service.memo import OnceEach
-from service.specs import SpecError
+from service.spec_errors import SpecError
 from service.sweepspec import (
     MAX_CHECKED_BLOCKS,
     MAX_GRID,
@@ -34,7 +34,8 @@ MAX_GROWTH_MIB = 64
 
 _CHECK = r"""
 import json, resource, sys, time
-from service.specs import SpecError, validate_job_spec
+from service.spec_errors import SpecError
+from service.specs import validate_job_spec
 from service.sweepspec import validate_sweep_spec
 
 def kib(field):

@@ -6,7 +6,8 @@ from typing import Any
 
 import pytest
 
-from service.specs import SpecError, validate_job_spec
+from service.spec_errors import SpecError
+from service.specs import validate_job_spec
 from tests.factories import job_spec
 
 pytestmark = pytest.mark.unit

@@ -10,7 +10,8 @@ import yaml
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from service.specs import SpecError, parse_job_spec, validate_job_spec
+from service.spec_errors import SpecError
+from service.specs import parse_job_spec, validate_job_spec
 from service.sweepspec import (
     MAX_SWEEP_NAME,
     MAX_TRIALS,

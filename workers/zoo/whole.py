@@ -5,11 +5,14 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from contextlib import nullcontext
+from pathlib import Path
 from typing import Any
 
 from torch import nn
 
 from workers.snapshot import DataRef, ModelRef
+from workers.uploaded_code import local_code
 from workers.zoo.data import make_data
 from workers.zoo.models import build_blocks, count_blocks
 
@@ -20,12 +23,15 @@ def build_model(
     *,
     seed: int = 0,
     allowed: Sequence[str] = (),
+    code: str | Path | None = None,
 ) -> nn.Sequential:
     """The model of a job spec's ``model`` and ``data`` sections (``{"builtin": ...,
     "config": {...}}`` or ``{"factory": ..., ...}``, as submitted; the data section gives
-    the shapes), freshly initialized under ``seed``, on the CPU."""
+    the shapes), freshly initialized under ``seed``, on the CPU. ``code``: the folder of the
+    job's uploaded code, which its ``code:`` factories import."""
     ref = ModelRef(model.get("builtin"), model.get("factory"), dict(model.get("config") or {}))
     source = DataRef(data.get("builtin"), data.get("factory"), dict(data.get("config") or {}))
-    meta = make_data(source, seed, allowed).meta
-    count = count_blocks(ref, meta, allowed)
-    return nn.Sequential(*build_blocks(ref, meta, seed, range(count), allowed))
+    with local_code(code) if code is not None else nullcontext():
+        meta = make_data(source, seed, allowed).meta
+        count = count_blocks(ref, meta, allowed)
+        return nn.Sequential(*build_blocks(ref, meta, seed, range(count), allowed))
