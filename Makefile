@@ -26,7 +26,7 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 
 typecheck: $(STAMP)
-	$(BIN)/mypy api service scheduler workers shoal
+	$(BIN)/mypy shoal
 
 unit: $(STAMP)
 	$(BIN)/pytest -m unit -q

@@ -14,20 +14,20 @@ from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
 from fastapi_offline import FastAPIOffline
 
-from api import stream
-from api.errors import BodyLimit, install_error_handlers
-from api.metrics import install_metrics
-from api.paths import HidePaths, server_roots
-from api.ratelimit import RateLimit
-from api.routes import code, devices, health, jobs, sweeps, users
-from api.security import LoopbackHost, SecurityHeaders
-from api.stream import Feed
-from service.auth import ADMIN_USER, Principal, PrincipalCache
-from service.code_checks import code_checks
-from service.controller import Controller
-from service.db.models import User
-from service.db.session import SessionFactory, transaction
-from service.settings import Settings
+from shoal.api import stream
+from shoal.api.errors import BodyLimit, install_error_handlers
+from shoal.api.metrics import install_metrics
+from shoal.api.paths import HidePaths, server_roots
+from shoal.api.ratelimit import RateLimit
+from shoal.api.routes import code, devices, health, jobs, sweeps, users
+from shoal.api.security import LoopbackHost, SecurityHeaders
+from shoal.api.stream import Feed
+from shoal.service.auth import ADMIN_USER, Principal, PrincipalCache
+from shoal.service.code_checks import code_checks
+from shoal.service.controller import Controller
+from shoal.service.db.models import User
+from shoal.service.db.session import SessionFactory, transaction
+from shoal.service.settings import Settings
 
 API_PREFIX = "/api/v1"
 DASHBOARD = Path(__file__).parent / "dashboard"

@@ -20,9 +20,9 @@ from fastapi.security.utils import get_authorization_scheme_param
 from starlette.datastructures import Headers
 from starlette.types import Scope
 
-from service.auth import Principal, PrincipalCache, authenticate
-from service.db.session import SessionFactory
-from service.settings import Settings
+from shoal.service.auth import Principal, PrincipalCache, authenticate
+from shoal.service.db.session import SessionFactory
+from shoal.service.settings import Settings
 
 # The largest integer a query parameter may bring (steps, event ids, offsets): steps and
 # event ids are INTEGER columns, 32-bit on PostgreSQL, and a larger value would fail in the

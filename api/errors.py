@@ -13,13 +13,13 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from api.schemas import ErrorOut
-from service.exports import CheckpointNotFound
-from service.idempotency import KeyConflict
-from service.jobs import JobConflict, JobNotFound
-from service.lifecycle import InvalidTransition
-from service.spec_errors import SpecError
-from service.sweeps import SweepNotFound
+from shoal.api.schemas import ErrorOut
+from shoal.service.exports import CheckpointNotFound
+from shoal.service.idempotency import KeyConflict
+from shoal.service.jobs import JobConflict, JobNotFound
+from shoal.service.lifecycle import InvalidTransition
+from shoal.service.spec_errors import SpecError
+from shoal.service.sweeps import SweepNotFound
 
 log = logging.getLogger(__name__)
 

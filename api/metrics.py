@@ -22,8 +22,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service.db.session import SessionFactory
-from service.telemetry import RunningJob, read_running, read_telemetry
+from shoal.service.db.session import SessionFactory
+from shoal.service.telemetry import RunningJob, read_running, read_telemetry
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 

@@ -20,8 +20,7 @@ from pathlib import Path
 import sqlalchemy as sa
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-import api
-from service.settings import Settings
+from shoal.service.settings import Settings
 
 _TEXT_TYPES = (b"application/json", b"text/event-stream")
 
@@ -31,7 +30,7 @@ def server_roots(settings: Settings) -> dict[str, str]:
     roots = {
         sys.base_prefix: "<python>",
         sys.prefix: "<python>",
-        str(Path(api.__file__).resolve().parent.parent): "<shoal>",
+        str(Path(__file__).resolve().parents[1]): "<shoal>",
         str(settings.home): "$SHOAL_HOME",
     }
     database = sa.engine.make_url(settings.resolved_database_url)

@@ -26,7 +26,7 @@ from starlette.datastructures import Headers
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from api.deps import bearer_token, principal_of
+from shoal.api.deps import bearer_token, principal_of
 
 MAX_CALLERS = 10_000
 UNLIMITED = ("/healthz", "/readyz", "/metrics")

@@ -11,10 +11,10 @@ from typing import Any, Literal
 import sqlalchemy as sa
 from pydantic import BaseModel, Field
 
-from service.db.models import Checkpoint, DeviceRow, JobEvent, JobMetric, Sweep, Trial
-from service.layouts import PipelineSchedule
-from service.lifecycle import JobState
-from service.sweeps import PRUNED, ranked, trial_state
+from shoal.service.db.models import Checkpoint, DeviceRow, JobEvent, JobMetric, Sweep, Trial
+from shoal.service.layouts import PipelineSchedule
+from shoal.service.lifecycle import JobState
+from shoal.service.sweeps import PRUNED, ranked, trial_state
 
 
 class StageOut(BaseModel):

@@ -18,7 +18,7 @@ from typing import Annotated, ParamSpec, TypeVar
 
 from fastapi import Depends, HTTPException, Request, status
 
-from service.settings import Settings
+from shoal.service.settings import Settings
 
 P = ParamSpec("P")
 T = TypeVar("T")

@@ -26,10 +26,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 from sqlalchemy.exc import SQLAlchemyError
 
-from api.deps import PrincipalDep, SettingsDep, bearer_token, lookup_token
-from service.auth import Principal
-from service.db.session import SessionFactory
-from service.feed import Change, Cursor, read_changes, start_cursor
+from shoal.api.deps import PrincipalDep, SettingsDep, bearer_token, lookup_token
+from shoal.service.auth import Principal
+from shoal.service.db.session import SessionFactory
+from shoal.service.feed import Change, Cursor, read_changes, start_cursor
 
 QUEUE = 2000
 KEEP_ALIVE_S = 15.0

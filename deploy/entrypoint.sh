@@ -19,7 +19,7 @@ wait_for_database() {
     python - "$WAIT_S" <<'PY'
 import sys, time
 import sqlalchemy as sa
-from service.settings import Settings
+from shoal.service.settings import Settings
 
 url = Settings().resolved_database_url
 shown = sa.engine.make_url(url).render_as_string(hide_password=True)

@@ -12,10 +12,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 
-from scheduler.memory import autocast_copy_bytes, transient_bytes
-from scheduler.profile import BlockCost
-from scheduler.types import BlockRange
-from scheduler.workload import DeviceCapacity, Workload
+from shoal.scheduler.memory import autocast_copy_bytes, transient_bytes
+from shoal.scheduler.profile import BlockCost
+from shoal.scheduler.types import BlockRange
+from shoal.scheduler.workload import DeviceCapacity, Workload
 
 _TOLERANCE = 1e-9
 """Relative gap at which the bisection on the bottleneck time stops."""

@@ -13,7 +13,7 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from scheduler.types import DeviceId, NodeId
+from shoal.scheduler.types import DeviceId, NodeId
 
 DEVICE_RESOURCE = "shoal_device"
 LABEL_KIND = "shoal.io/device-kind"

@@ -26,15 +26,15 @@ import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from scheduler.partition import (
+from shoal.scheduler.partition import (
     PartitionPlan,
     StageAssignment,
     evaluate,
     order_partition,
 )
-from scheduler.profile import BlockCost, range_time
-from scheduler.types import BlockRange, DeviceId
-from scheduler.workload import DeviceCapacity, Workload
+from shoal.scheduler.profile import BlockCost, range_time
+from shoal.scheduler.types import BlockRange, DeviceId
+from shoal.scheduler.workload import DeviceCapacity, Workload
 
 
 @dataclass(frozen=True)

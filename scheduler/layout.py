@@ -14,11 +14,11 @@ import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from scheduler.devices import Device
-from scheduler.partition import PartitionPlan, plan_partition
-from scheduler.profile import REFERENCE_GFLOPS, BlockCost
-from scheduler.types import BlockRange, DeviceId
-from scheduler.workload import DeviceCapacity, Workload
+from shoal.scheduler.devices import Device
+from shoal.scheduler.partition import PartitionPlan, plan_partition
+from shoal.scheduler.profile import REFERENCE_GFLOPS, BlockCost
+from shoal.scheduler.types import BlockRange, DeviceId
+from shoal.scheduler.workload import DeviceCapacity, Workload
 
 
 @dataclass(frozen=True)

@@ -23,8 +23,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from scheduler.profile import BlockCost
-from scheduler.types import BlockRange
+from shoal.scheduler.profile import BlockCost
+from shoal.scheduler.types import BlockRange
 
 FLOAT_BYTES = 4
 """fp32 parameters and optimizer state (mixed precision keeps fp32 master state too)."""

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from scheduler.devices import Device
+from shoal.scheduler.devices import Device
 
 CALL_S = 1.0
 """About how long one call's steps may take: about the longest a request waits for a

@@ -49,12 +49,12 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 
-from scheduler.cut import Model, Slot, Stops, cut
-from scheduler.memory import format_bytes
-from scheduler.profile import BlockCost
-from scheduler.shares import flight_limit, share
-from scheduler.types import BlockRange, DeviceId
-from scheduler.workload import DeviceCapacity, Workload
+from shoal.scheduler.cut import Model, Slot, Stops, cut
+from shoal.scheduler.memory import format_bytes
+from shoal.scheduler.profile import BlockCost
+from shoal.scheduler.shares import flight_limit, share
+from shoal.scheduler.types import BlockRange, DeviceId
+from shoal.scheduler.workload import DeviceCapacity, Workload
 
 _EXACT_WORK = 300_000
 """Largest exhaustive search (devices subsets x blocks^2 x devices^2) worth its time."""

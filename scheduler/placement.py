@@ -21,8 +21,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from scheduler.devices import Device
-from scheduler.types import JobId
+from shoal.scheduler.devices import Device
+from shoal.scheduler.types import JobId
 
 
 @dataclass(frozen=True)

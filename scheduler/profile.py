@@ -15,7 +15,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from scheduler.types import BlockRange, DeviceId
+from shoal.scheduler.types import BlockRange, DeviceId
 
 REFERENCE_GFLOPS = 1000.0
 """The reference device's speed: traced block costs are seconds on a device doing this many

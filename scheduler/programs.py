@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TypeAlias
 
-from scheduler.schedules import (
+from shoal.scheduler.schedules import (
     Action,
     Op,
     Schedule,

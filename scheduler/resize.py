@@ -14,9 +14,9 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
-from scheduler.devices import Device
-from scheduler.placement import JobRequest, eligible
-from scheduler.types import DeviceId
+from shoal.scheduler.devices import Device
+from shoal.scheduler.placement import JobRequest, eligible
+from shoal.scheduler.types import DeviceId
 
 
 @dataclass(frozen=True)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from scheduler.cut import Model
-from scheduler.types import BlockRange
+from shoal.scheduler.cut import Model
+from shoal.scheduler.types import BlockRange
 
 
 def share(times: Sequence[float], limits: Sequence[int], total: int, stages: int) -> list[int]:

@@ -22,11 +22,11 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TypeAlias
 
-from scheduler.cut import Model, Slot, cut
-from scheduler.memory import format_bytes, stage_memory
-from scheduler.profile import BlockCost
-from scheduler.types import BlockRange, DeviceId
-from scheduler.workload import DeviceCapacity, Workload
+from shoal.scheduler.cut import Model, Slot, cut
+from shoal.scheduler.memory import format_bytes, stage_memory
+from shoal.scheduler.profile import BlockCost
+from shoal.scheduler.types import BlockRange, DeviceId
+from shoal.scheduler.workload import DeviceCapacity, Workload
 
 ModelId: TypeAlias = str
 """A model trained under SHARP (a sweep's trial): unique among the models sharing devices."""

@@ -10,9 +10,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
-from scheduler.memory import format_bytes
-from scheduler.sharp import Shard, ShardError
-from scheduler.types import DeviceId
+from shoal.scheduler.memory import format_bytes
+from shoal.scheduler.sharp import Shard, ShardError
+from shoal.scheduler.types import DeviceId
 
 
 @dataclass(frozen=True)

@@ -14,9 +14,9 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from scheduler.profile import REFERENCE_GFLOPS, BlockCost
-from scheduler.sharp import ModelId, ModelPlan, shard_model
-from scheduler.types import DeviceId
+from shoal.scheduler.profile import REFERENCE_GFLOPS, BlockCost
+from shoal.scheduler.sharp import ModelId, ModelPlan, shard_model
+from shoal.scheduler.types import DeviceId
 
 GiB = 2**30
 

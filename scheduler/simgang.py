@@ -27,11 +27,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from heapq import heappop, heappush
 
-from scheduler.memory import format_bytes
-from scheduler.sharp import IdleDevice, ModelId, ModelPlan, Shard, transfer_s
-from scheduler.simcluster import Cluster, SimDevice
-from scheduler.simresult import SimulationError, Tally, TaskRecord
-from scheduler.types import DeviceId
+from shoal.scheduler.memory import format_bytes
+from shoal.scheduler.sharp import IdleDevice, ModelId, ModelPlan, Shard, transfer_s
+from shoal.scheduler.simcluster import Cluster, SimDevice
+from shoal.scheduler.simresult import SimulationError, Tally, TaskRecord
+from shoal.scheduler.types import DeviceId
 
 _DONE, _LOST, _BACK = 0, 1, 2
 

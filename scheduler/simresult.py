@@ -9,9 +9,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
-from scheduler.sharp import ModelId, ModelPlan
-from scheduler.simcluster import Cluster, lower_bound
-from scheduler.types import DeviceId
+from shoal.scheduler.sharp import ModelId, ModelPlan
+from shoal.scheduler.simcluster import Cluster, lower_bound
+from shoal.scheduler.types import DeviceId
 
 
 class SimulationError(ValueError):

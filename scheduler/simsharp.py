@@ -36,8 +36,8 @@ from collections import Counter, deque
 from collections.abc import Mapping, Sequence
 from heapq import heappop, heappush
 
-from scheduler.memory import format_bytes
-from scheduler.sharp import (
+from shoal.scheduler.memory import format_bytes
+from shoal.scheduler.sharp import (
     IdleDevice,
     ModelId,
     ModelPlan,
@@ -49,11 +49,11 @@ from scheduler.sharp import (
     refine_ratio,
     transfer_s,
 )
-from scheduler.sharp_homes import Home, home_shards, move_target
-from scheduler.simcluster import Cluster
-from scheduler.simresult import SimulationError, Tally, TaskRecord
-from scheduler.simstate import ENGINE, Engine, SimModel, SimQueue, SimTask
-from scheduler.types import DeviceId
+from shoal.scheduler.sharp_homes import Home, home_shards, move_target
+from shoal.scheduler.simcluster import Cluster
+from shoal.scheduler.simresult import SimulationError, Tally, TaskRecord
+from shoal.scheduler.simstate import ENGINE, Engine, SimModel, SimQueue, SimTask
+from shoal.scheduler.types import DeviceId
 
 _LOST, _BACK, _END, _WAKE, _SEE = range(5)
 """Event kinds, in the order they are handled at equal times."""

@@ -7,10 +7,10 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from scheduler.sharp import IdleDevice, ModelId, ModelPlan
-from scheduler.simcluster import SimDevice
-from scheduler.simresult import SimulationError
-from scheduler.types import DeviceId
+from shoal.scheduler.sharp import IdleDevice, ModelId, ModelPlan
+from shoal.scheduler.simcluster import SimDevice
+from shoal.scheduler.simresult import SimulationError
+from shoal.scheduler.types import DeviceId
 
 
 @dataclass(frozen=True)

@@ -11,12 +11,12 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from enum import StrEnum
 
-from scheduler.sharp import ModelId, ModelPlan, Policy
-from scheduler.simcluster import Cluster, Setting, sweep_settings
-from scheduler.simgang import run_gangs
-from scheduler.simresult import SimResult, SimulationError
-from scheduler.simsharp import run_sharp
-from scheduler.simstate import ENGINE, Engine
+from shoal.scheduler.sharp import ModelId, ModelPlan, Policy
+from shoal.scheduler.simcluster import Cluster, Setting, sweep_settings
+from shoal.scheduler.simgang import run_gangs
+from shoal.scheduler.simresult import SimResult, SimulationError
+from shoal.scheduler.simsharp import run_sharp
+from shoal.scheduler.simstate import ENGINE, Engine
 
 
 class Strategy(StrEnum):

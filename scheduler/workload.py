@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from scheduler.types import DeviceId
+from shoal.scheduler.types import DeviceId
 
 
 @dataclass(frozen=True)

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
-from service.db.models import ApiToken, User, utcnow
-from service.db.session import SessionFactory, transaction
-from service.settings import ADMIN_TOKEN_HINT, Settings
+from shoal.service.db.models import ApiToken, User, utcnow
+from shoal.service.db.session import SessionFactory, transaction
+from shoal.service.settings import ADMIN_TOKEN_HINT, Settings
 
 TOKEN_PREFIX = "shoal_"
 ADMIN_USER = "admin"

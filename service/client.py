@@ -18,8 +18,8 @@ from urllib.parse import quote
 
 import httpx
 
-from service.code_archive import ArchiveError, pack_directory
-from service.settings import Settings
+from shoal.service.code_archive import ArchiveError, pack_directory
+from shoal.service.settings import Settings
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 API_PREFIX = "/api/v1"

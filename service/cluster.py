@@ -10,13 +10,13 @@ import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
-from scheduler.devices import Device, NodeInfo
-from scheduler.types import JobId
-from workers.snapshot import JobSnapshot, RunnerReport, StagePlan
-from workers.uploaded_code import JobCode
+from shoal.scheduler.devices import Device, NodeInfo
+from shoal.scheduler.types import JobId
+from shoal.workers.snapshot import JobSnapshot, RunnerReport, StagePlan
+from shoal.workers.uploaded_code import JobCode
 
 if TYPE_CHECKING:
-    from workers.sharp.shard_pool import PoolFactory
+    from shoal.workers.sharp.shard_pool import PoolFactory
 
 
 class RunnerGone(RuntimeError):
@@ -99,7 +99,7 @@ class RayCluster:
         ]
 
     def start_runner(self, snapshot: JobSnapshot) -> None:
-        from workers.actors import start_runner
+        from shoal.workers.actors import start_runner
 
         start_runner(snapshot)
 
@@ -119,7 +119,7 @@ class RayCluster:
             ) from None
 
     def _call(self, job_id: JobId, method: str, *args: Any) -> Any:
-        from workers.actors import find_runner
+        from shoal.workers.actors import find_runner
 
         return self._ask(find_runner(job_id), f"runner of job {job_id}", method, *args)
 
@@ -137,24 +137,24 @@ class RayCluster:
         self._call(job_id, "relayout", tuple(plans), tuple(split))
 
     def stop_runner(self, job_id: JobId) -> None:
-        from workers.actors import kill_runner
+        from shoal.workers.actors import kill_runner
 
         kill_runner(job_id)
 
     def start_pool(
         self, sweep_id: str, devices: Sequence[Device], policy: str, code: JobCode | None
     ) -> None:
-        from workers.actors import start_pool
+        from shoal.workers.actors import start_pool
 
         start_pool(sweep_id, devices, policy, code)
 
     def has_pool(self, sweep_id: str) -> bool:
-        from workers.actors import find_pool
+        from shoal.workers.actors import find_pool
 
         return find_pool(sweep_id) is not None
 
     def _pool_call(self, sweep_id: str, method: str, *args: Any) -> Any:
-        from workers.actors import find_pool
+        from shoal.workers.actors import find_pool
 
         return self._ask(find_pool(sweep_id), f"the executor of sweep {sweep_id}", method, *args)
 
@@ -175,7 +175,7 @@ class RayCluster:
         return set(self._pool_call(sweep_id, "lost_devices"))
 
     def close_pool(self, sweep_id: str) -> None:
-        from workers.actors import kill_pool
+        from shoal.workers.actors import kill_pool
 
         try:
             self._pool_call(sweep_id, "close")
@@ -192,7 +192,7 @@ def connect_ray(address: str | None) -> Any:
     process has; the ``ray`` module."""
     import ray
 
-    from workers.actors import RUNNER_NAMESPACE
+    from shoal.workers.actors import RUNNER_NAMESPACE
 
     with _CONNECTING:
         if not ray.is_initialized():
@@ -218,8 +218,8 @@ class InProcessCluster:
     """
 
     def __init__(self, nodes: Sequence[NodeInfo], make_pool: PoolFactory | None = None) -> None:
-        from workers.pipeline.job_runner import JobRunner
-        from workers.sharp.shard_pool import LocalPool
+        from shoal.workers.pipeline.job_runner import JobRunner
+        from shoal.workers.sharp.shard_pool import LocalPool
 
         self._nodes = list(nodes)
         self._make_pool: PoolFactory = make_pool or LocalPool
@@ -233,8 +233,8 @@ class InProcessCluster:
         return list(self._nodes)
 
     def start_runner(self, snapshot: JobSnapshot) -> None:
-        from workers.pipeline.job_runner import JobRunner
-        from workers.pipeline.local_group import LocalGroup
+        from shoal.workers.pipeline.job_runner import JobRunner
+        from shoal.workers.pipeline.local_group import LocalGroup
 
         with self._lock:
             if snapshot.job_id in self._runners:
@@ -273,7 +273,7 @@ class InProcessCluster:
     ) -> None:
         """Uploaded ``code`` is not shipped: threads of this process cannot import it apart
         (its factories fail the trials that name them)."""
-        from workers.sharp.sweep_executor import SweepExecutor
+        from shoal.workers.sharp.sweep_executor import SweepExecutor
 
         with self._lock:
             if sweep_id in self._pools:

@@ -13,11 +13,11 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, TypeVar
 
-from service.cluster import connect_ray
-from service.code_store import CodeStore
-from service.settings import Settings
-from service.spec_errors import SpecError
-from workers.uploaded_code import CodeRunFailed, JobCode, call_with_code
+from shoal.service.cluster import connect_ray
+from shoal.service.code_store import CodeStore
+from shoal.service.settings import Settings
+from shoal.service.spec_errors import SpecError
+from shoal.workers.uploaded_code import CodeRunFailed, JobCode, call_with_code
 
 T = TypeVar("T")
 

@@ -15,8 +15,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from service.code_archive import UNPACKED_FACTOR, ArchiveContents, inspect_archive
-from workers.uploaded_code import JobCode
+from shoal.service.code_archive import UNPACKED_FACTOR, ArchiveContents, inspect_archive
+from shoal.workers.uploaded_code import JobCode
 
 DIGEST_PATTERN = r"^sha256:[0-9a-f]{64}$"
 _DIGEST_RE = re.compile(DIGEST_PATTERN)

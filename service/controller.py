@@ -25,28 +25,34 @@ import sqlalchemy as sa
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
-from scheduler.devices import Device
-from scheduler.layout import Layout, plan_layout
-from scheduler.partition import PartitionError
-from scheduler.placement import JobRequest, Placement, Quota, Running, place, preemptions
-from scheduler.workload import Workload
-from service.cluster import Cluster, ClusterUnavailable, RunnerGone
-from service.code_checks import job_code
-from service.code_store import CodeNotFound, CodeStore
-from service.db.models import Checkpoint, DeviceRow, Job, utcnow
-from service.db.session import SessionFactory, transaction
-from service.holdings import ACTIVE_JOBS, draining_devices, held_devices, quotas, usage_by_owner
-from service.inventory import inventory, sync_devices
-from service.isolation import isolated
-from service.jobs import JobConflict, add_event, transition
-from service.lifecycle import JobState
-from service.reports import follow_recovery, persist_report
-from service.resizer import Resizer
-from service.snapshots import block_costs, build_snapshot, job_request
-from service.specs import JobSpec
-from service.sweeper import Sweeper
-from service.traces import CodeRunner
-from workers.snapshot import RunStatus
+from shoal.scheduler.devices import Device
+from shoal.scheduler.layout import Layout, plan_layout
+from shoal.scheduler.partition import PartitionError
+from shoal.scheduler.placement import JobRequest, Placement, Quota, Running, place, preemptions
+from shoal.scheduler.workload import Workload
+from shoal.service.cluster import Cluster, ClusterUnavailable, RunnerGone
+from shoal.service.code_checks import job_code
+from shoal.service.code_store import CodeNotFound, CodeStore
+from shoal.service.db.models import Checkpoint, DeviceRow, Job, utcnow
+from shoal.service.db.session import SessionFactory, transaction
+from shoal.service.holdings import (
+    ACTIVE_JOBS,
+    draining_devices,
+    held_devices,
+    quotas,
+    usage_by_owner,
+)
+from shoal.service.inventory import inventory, sync_devices
+from shoal.service.isolation import isolated
+from shoal.service.jobs import JobConflict, add_event, transition
+from shoal.service.lifecycle import JobState
+from shoal.service.reports import follow_recovery, persist_report
+from shoal.service.resizer import Resizer
+from shoal.service.snapshots import block_costs, build_snapshot, job_request
+from shoal.service.specs import JobSpec
+from shoal.service.sweeper import Sweeper
+from shoal.service.traces import CodeRunner
+from shoal.workers.snapshot import RunStatus
 
 log = logging.getLogger(__name__)
 

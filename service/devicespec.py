@@ -13,7 +13,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from scheduler.devices import (
+from shoal.scheduler.devices import (
     DEVICE_RESOURCE,
     LABEL_KIND,
     LABEL_MEMORY_MB,

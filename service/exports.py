@@ -12,12 +12,12 @@ from pathlib import Path
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
-from service.auth import Principal
-from service.db.models import Checkpoint
-from service.jobs import JobConflict, get_job
-from service.specs import JobSpec
-from workers.checkpoints import CheckpointError, CheckpointStore
-from workers.model_file import write_model_file
+from shoal.service.auth import Principal
+from shoal.service.db.models import Checkpoint
+from shoal.service.jobs import JobConflict, get_job
+from shoal.service.specs import JobSpec
+from shoal.workers.checkpoints import CheckpointError, CheckpointStore
+from shoal.workers.model_file import write_model_file
 
 
 class CheckpointNotFound(LookupError):

@@ -26,7 +26,7 @@ from typing import Any, Literal
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
-from service.db.models import Job, JobEvent
+from shoal.service.db.models import Job, JobEvent
 
 MAX_CHANGES = 1000
 """Most events one poll reads; the rest come with the next poll."""

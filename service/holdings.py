@@ -8,12 +8,12 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
-from scheduler.placement import Quota, Usage
-from service.auth import Principal
-from service.db.models import DeviceRow, Job, Sweep, User
-from service.lifecycle import JobState
-from service.spec_errors import SpecError
-from service.specs import JobSpec
+from shoal.scheduler.placement import Quota, Usage
+from shoal.service.auth import Principal
+from shoal.service.db.models import DeviceRow, Job, Sweep, User
+from shoal.service.lifecycle import JobState
+from shoal.service.spec_errors import SpecError
+from shoal.service.specs import JobSpec
 
 ACTIVE_JOBS = (JobState.RUNNING.value, JobState.RECOVERING.value)
 ACTIVE_SWEEPS = (JobState.QUEUED.value, JobState.RUNNING.value)

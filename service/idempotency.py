@@ -14,7 +14,7 @@ from typing import Any, Protocol, TypeVar
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from service.db.session import SessionFactory, transaction
+from shoal.service.db.session import SessionFactory, transaction
 
 
 class KeyConflict(ValueError):

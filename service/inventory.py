@@ -10,16 +10,16 @@ from dataclasses import replace
 
 import sqlalchemy as sa
 
-from scheduler.devices import (
+from shoal.scheduler.devices import (
     Device,
     InventoryError,
     NodeInfo,
     node_devices,
     planned_overhead_mb,
 )
-from service.db.models import DeviceRow, Job
-from service.db.session import SessionFactory, transaction
-from service.holdings import ACTIVE_JOBS
+from shoal.service.db.models import DeviceRow, Job
+from shoal.service.db.session import SessionFactory, transaction
+from shoal.service.holdings import ACTIVE_JOBS
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from sqlalchemy.exc import DisconnectionError, InterfaceError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
-from service.cluster import ClusterUnavailable, RunnerGone
+from shoal.service.cluster import ClusterUnavailable, RunnerGone
 
 log = logging.getLogger(__name__)
 

@@ -16,14 +16,14 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.orm import Session, defer
 
-from scheduler.devices import planned_overhead_mb
-from service.auth import Principal
-from service.db.models import Checkpoint, DeviceRow, Job, JobEvent, JobMetric, User, utcnow
-from service.db.session import SessionFactory, transaction
-from service.holdings import check_priority
-from service.idempotency import create_once
-from service.lifecycle import JobState, check_transition
-from service.specs import AcceptedSpec
+from shoal.scheduler.devices import planned_overhead_mb
+from shoal.service.auth import Principal
+from shoal.service.db.models import Checkpoint, DeviceRow, Job, JobEvent, JobMetric, User, utcnow
+from shoal.service.db.session import SessionFactory, transaction
+from shoal.service.holdings import check_priority
+from shoal.service.idempotency import create_once
+from shoal.service.lifecycle import JobState, check_transition
+from shoal.service.specs import AcceptedSpec
 
 log = logging.getLogger(__name__)
 _UNLOGGED = "shoal.events_to_log"

@@ -11,11 +11,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from scheduler.memory import in_flight, stage_memory
-from scheduler.schedules import Action, build, simulate
-from service.db.models import Job
-from service.jobs import JobConflict
-from service.snapshots import block_costs
+from shoal.scheduler.memory import in_flight, stage_memory
+from shoal.scheduler.schedules import Action, build, simulate
+from shoal.service.db.models import Job
+from shoal.service.jobs import JobConflict
+from shoal.service.snapshots import block_costs
 
 MAX_DRAWN_MICRO_BATCHES = 4_096
 """A drawn schedule has a cell per micro-batch and stage: a million would take a request

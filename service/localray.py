@@ -33,10 +33,10 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO
 
-from scheduler.devices import DEVICE_RESOURCE
-from service.devicespec import VirtualNode
-from service.localray_record import ClusterRecord, NodeRecord, ProcessId, RecordError
-from service.nodeprocs import kill_node, signal_group
+from shoal.scheduler.devices import DEVICE_RESOURCE
+from shoal.service.devicespec import VirtualNode
+from shoal.service.localray_record import ClusterRecord, NodeRecord, ProcessId, RecordError
+from shoal.service.nodeprocs import kill_node, signal_group
 
 HEALTH_CHECKS = {
     "RAY_health_check_initial_delay_ms": "1000",

@@ -10,7 +10,7 @@ import signal
 import subprocess
 import time
 
-from service.localray_record import ProcessId
+from shoal.service.localray_record import ProcessId
 
 
 def signal_group(pid: int, signum: signal.Signals) -> None:

@@ -9,10 +9,10 @@ from dataclasses import asdict
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
-from service.db.models import Checkpoint, DeviceRow, Job, JobMetric
-from service.jobs import add_event, transition
-from service.lifecycle import JobState
-from workers.snapshot import RunnerReport, RunStatus
+from shoal.service.db.models import Checkpoint, DeviceRow, Job, JobMetric
+from shoal.service.jobs import add_event, transition
+from shoal.service.lifecycle import JobState
+from shoal.workers.snapshot import RunnerReport, RunStatus
 
 
 def persist_report(session: Session, job: Job, report: RunnerReport) -> None:

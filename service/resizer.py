@@ -16,20 +16,20 @@ from functools import partial
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
-from scheduler.devices import Device
-from scheduler.layout import Layout
-from scheduler.partition import PartitionError
-from scheduler.resize import Candidate, candidate, worth_growing
-from service.cluster import Cluster, ClusterUnavailable, RunnerGone
-from service.db.models import Job
-from service.db.session import SessionFactory, transaction
-from service.holdings import draining_devices, held_devices
-from service.isolation import isolated
-from service.jobs import add_event
-from service.lifecycle import JobState
-from service.snapshots import job_request
-from service.specs import JobSpec
-from workers.snapshot import stage_plans
+from shoal.scheduler.devices import Device
+from shoal.scheduler.layout import Layout
+from shoal.scheduler.partition import PartitionError
+from shoal.scheduler.resize import Candidate, candidate, worth_growing
+from shoal.service.cluster import Cluster, ClusterUnavailable, RunnerGone
+from shoal.service.db.models import Job
+from shoal.service.db.session import SessionFactory, transaction
+from shoal.service.holdings import draining_devices, held_devices
+from shoal.service.isolation import isolated
+from shoal.service.jobs import add_event
+from shoal.service.lifecycle import JobState
+from shoal.service.snapshots import job_request
+from shoal.service.specs import JobSpec
+from shoal.workers.snapshot import stage_plans
 
 log = logging.getLogger(__name__)
 

@@ -12,12 +12,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import IO, TYPE_CHECKING, Any, Literal
 
-from service.settings import Settings
+from shoal.service.settings import Settings
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
-    from service.controller import Controller
+    from shoal.service.controller import Controller
 
 LOG_FIELDS = ("job_id", "sweep_id", "event", "device_id")
 """Fields a log call may add (``extra=``): JSON lines carry them as keys of their own."""
@@ -57,12 +57,12 @@ def serve(settings: Settings) -> None:
     own (``api_app``) and only the controller runs here."""
     import uvicorn
 
-    from api.app import create_app
-    from scheduler.placement import Quota
-    from service.cluster import RayCluster
-    from service.code_checks import code_checks
-    from service.controller import Controller, ControllerConfig
-    from service.db.session import make_engine, make_session_factory, migrate
+    from shoal.api.app import create_app
+    from shoal.scheduler.placement import Quota
+    from shoal.service.cluster import RayCluster
+    from shoal.service.code_checks import code_checks
+    from shoal.service.controller import Controller, ControllerConfig
+    from shoal.service.db.session import make_engine, make_session_factory, migrate
 
     settings.check_safe()
     configure_logging(settings)
@@ -127,8 +127,8 @@ def api_app() -> FastAPI:
     """The app of one API process (uvicorn ``--factory``): settings from the ``SHOAL_*``
     environment, no controller (``serve`` runs it in the parent process; ``/readyz`` here
     checks the database)."""
-    from api.app import create_app
-    from service.db.session import make_engine, make_session_factory
+    from shoal.api.app import create_app
+    from shoal.service.db.session import make_engine, make_session_factory
 
     settings = Settings()
     configure_logging(settings)

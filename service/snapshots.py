@@ -4,15 +4,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from scheduler.devices import Device
-from scheduler.elastic import ElasticConfig
-from scheduler.placement import JobRequest
-from scheduler.profile import BlockCost, uniform_costs
-from scheduler.types import BlockRange
-from service.db.models import Job
-from service.specs import JobSpec
-from workers.snapshot import DataRef, JobSnapshot, ModelRef, OptimizerConf, stage_plans
-from workers.uploaded_code import JobCode
+from shoal.scheduler.devices import Device
+from shoal.scheduler.elastic import ElasticConfig
+from shoal.scheduler.placement import JobRequest
+from shoal.scheduler.profile import BlockCost, uniform_costs
+from shoal.scheduler.types import BlockRange
+from shoal.service.db.models import Job
+from shoal.service.specs import JobSpec
+from shoal.workers.snapshot import DataRef, JobSnapshot, ModelRef, OptimizerConf, stage_plans
+from shoal.workers.uploaded_code import JobCode
 
 
 def build_snapshot(

@@ -16,14 +16,14 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from scheduler.memory import submission_refusal
-from scheduler.profile import BlockCost
-from service.code_store import DIGEST_PATTERN
-from service.spec_errors import SpecError, pydantic_errors
-from service.traces import CodeRunner, TraceRequest, trace_spec
-from workers.factories import FactoryError, check_allowed, is_code, load_callable
-from workers.snapshot import DataRef, ModelRef
-from workers.zoo.registry import RegistryError, data_meta, resolve_model
+from shoal.scheduler.memory import submission_refusal
+from shoal.scheduler.profile import BlockCost
+from shoal.service.code_store import DIGEST_PATTERN
+from shoal.service.spec_errors import SpecError, pydantic_errors
+from shoal.service.traces import CodeRunner, TraceRequest, trace_spec
+from shoal.workers.factories import FactoryError, check_allowed, is_code, load_callable
+from shoal.workers.snapshot import DataRef, ModelRef
+from shoal.workers.zoo.registry import RegistryError, data_meta, resolve_model
 
 log = logging.getLogger(__name__)
 

@@ -23,33 +23,33 @@ from functools import partial
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
-from scheduler.devices import Device
-from scheduler.placement import JobRequest, Quota, Usage, place
-from service.auth import Principal
-from service.cluster import Cluster, RunnerGone
-from service.code_checks import job_code
-from service.code_store import CodeStore
-from service.db.models import Checkpoint, Job, JobMetric, Sweep, Trial, utcnow
-from service.db.session import SessionFactory, transaction
-from service.holdings import (
+from shoal.scheduler.devices import Device
+from shoal.scheduler.placement import JobRequest, Quota, Usage, place
+from shoal.service.auth import Principal
+from shoal.service.cluster import Cluster, RunnerGone
+from shoal.service.code_checks import job_code
+from shoal.service.code_store import CodeStore
+from shoal.service.db.models import Checkpoint, Job, JobMetric, Sweep, Trial, utcnow
+from shoal.service.db.session import SessionFactory, transaction
+from shoal.service.holdings import (
     ACTIVE_JOBS,
     draining_devices,
     held_devices,
     quotas,
     usage_by_owner,
 )
-from service.isolation import isolated
-from service.jobs import add_event, add_job, transition
-from service.lifecycle import JobState
-from service.snapshots import build_snapshot
-from service.spec_errors import SpecError
-from service.specs import validate_job_spec
-from service.sweeps import list_trials, move_sweep, ranked
-from service.sweepspec import SweepSpec, trial_name, trial_spec
-from service.traces import CodeRunner
-from service.tuner import Outcome, Tuner
-from workers.checkpoints import CheckpointStore
-from workers.uploaded_code import JobCode
+from shoal.service.isolation import isolated
+from shoal.service.jobs import add_event, add_job, transition
+from shoal.service.lifecycle import JobState
+from shoal.service.snapshots import build_snapshot
+from shoal.service.spec_errors import SpecError
+from shoal.service.specs import validate_job_spec
+from shoal.service.sweeps import list_trials, move_sweep, ranked
+from shoal.service.sweepspec import SweepSpec, trial_name, trial_spec
+from shoal.service.traces import CodeRunner
+from shoal.service.tuner import Outcome, Tuner
+from shoal.workers.checkpoints import CheckpointStore
+from shoal.workers.uploaded_code import JobCode
 
 log = logging.getLogger(__name__)
 

@@ -18,14 +18,14 @@ import sqlalchemy as sa
 from pydantic import TypeAdapter
 from sqlalchemy.orm import Session
 
-from service.auth import Principal
-from service.db.models import Sweep, Trial, utcnow
-from service.db.session import SessionFactory, transaction
-from service.holdings import check_priority
-from service.idempotency import create_once
-from service.jobs import JobConflict
-from service.lifecycle import JobState
-from service.sweepspec import AcceptedSweep
+from shoal.service.auth import Principal
+from shoal.service.db.models import Sweep, Trial, utcnow
+from shoal.service.db.session import SessionFactory, transaction
+from shoal.service.holdings import check_priority
+from shoal.service.idempotency import create_once
+from shoal.service.jobs import JobConflict
+from shoal.service.lifecycle import JobState
+from shoal.service.sweepspec import AcceptedSweep
 
 PRUNED = "PRUNED"
 _PRIORITY = TypeAdapter(int)

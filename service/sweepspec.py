@@ -18,9 +18,9 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
-from scheduler.sharp import ShardError, shard_model
-from service.spec_errors import SpecError, pydantic_errors
-from service.specs import (
+from shoal.scheduler.sharp import ShardError, shard_model
+from shoal.service.spec_errors import SpecError, pydantic_errors
+from shoal.service.specs import (
     MAX_DEVICES,
     MAX_NAME,
     AcceptedSpec,
@@ -29,8 +29,8 @@ from service.specs import (
     check_memory,
     check_name,
 )
-from service.specs import validate_job_spec as _validate_job
-from service.traces import CodeRunner
+from shoal.service.specs import validate_job_spec as _validate_job
+from shoal.service.traces import CodeRunner
 
 MAX_PARAMS = 16
 MAX_CHOICES = 32

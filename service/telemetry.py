@@ -15,8 +15,8 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
-from service.db.models import DeviceRow, Job, JobEvent, JobMetric, Sweep
-from service.lifecycle import JobState
+from shoal.service.db.models import DeviceRow, Job, JobEvent, JobMetric, Sweep
+from shoal.service.lifecycle import JobState
 
 
 @dataclass(frozen=True)

@@ -14,11 +14,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol, TypeVar
 
-from scheduler.profile import BlockCost
-from service.code_store import CodeNotFound
-from service.memo import OnceEach
-from service.spec_errors import SpecError
-from workers.snapshot import DataRef, ModelRef
+from shoal.scheduler.profile import BlockCost
+from shoal.service.code_store import CodeNotFound
+from shoal.service.memo import OnceEach
+from shoal.service.spec_errors import SpecError
+from shoal.workers.snapshot import DataRef, ModelRef
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +92,7 @@ def trace_model(request: TraceRequest) -> Traced:
     """The model's blocks counted and costed by tracing it on the meta device; a factory
     model that does not trace there is built once on the CPU to count its blocks. Raises
     ``SpecError``: the same here and in the Ray worker that checks uploaded code."""
-    from workers.profiler import TraceError, trace_costs
+    from shoal.workers.profiler import TraceError, trace_costs
 
     model, data, allowed = request.model, request.data, request.allowed
     try:
@@ -125,8 +125,8 @@ def trace_model(request: TraceRequest) -> Traced:
 
 def _count_factory_blocks(model: ModelRef, data: DataRef, allowed: Sequence[str]) -> int:
     """Build an allowed factory model once to learn its block count (and that it builds)."""
-    from workers.zoo.data import make_data
-    from workers.zoo.models import count_blocks
+    from shoal.workers.zoo.data import make_data
+    from shoal.workers.zoo.models import count_blocks
 
     # User code: any failure is a bad spec, reported under the factory that failed, not raised.
     try:

@@ -23,7 +23,7 @@ from optuna.distributions import (
 )
 from optuna.trial import TrialState
 
-from service.sweepspec import ParamSpec, ParamValue, SweepSpec, grid_values
+from shoal.service.sweepspec import ParamSpec, ParamValue, SweepSpec, grid_values
 
 Outcome = Literal["complete", "pruned", "failed"]
 _STATES: dict[Outcome, TrialState] = {

@@ -10,10 +10,10 @@ from typing import Any, Literal
 
 import click
 
-from service.cli.specfile import load_spec, submission_key
-from service.client import Closing, ShoalClient, resolve_config
-from service.lifecycle import JobState
-from service.settings import Settings
+from shoal.service.cli.specfile import load_spec, submission_key
+from shoal.service.client import Closing, ShoalClient, resolve_config
+from shoal.service.lifecycle import JobState
+from shoal.service.settings import Settings
 
 Json = dict[str, Any]
 POLL_S = 1.0

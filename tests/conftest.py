@@ -41,7 +41,7 @@ def ray_address() -> Iterator[str]:
     """
     import ray
 
-    from scheduler.devices import DEVICE_RESOURCE, LABEL_KIND, LABEL_MEMORY_MB
+    from shoal.scheduler.devices import DEVICE_RESOURCE, LABEL_KIND, LABEL_MEMORY_MB
 
     context = ray.init(
         address="local",
@@ -73,7 +73,7 @@ def _fresh_postgres_database() -> Iterator[str]:
     """
     import sqlalchemy as sa
 
-    from service.db.scratch import create_database, drop_database
+    from shoal.service.db.scratch import create_database, drop_database
 
     admin_url = _postgres_admin_url()
     assert admin_url is not None
@@ -120,8 +120,8 @@ def session_factory(database_url: str) -> Iterator[object]:
     """A migrated, empty database (SQLite file or PostgreSQL) and its session factory."""
     import sqlalchemy as sa
 
-    from service.db.models import Base
-    from service.db.session import make_engine, make_session_factory, migrate
+    from shoal.service.db.models import Base
+    from shoal.service.db.session import make_engine, make_session_factory, migrate
 
     migrate(database_url)
     engine = make_engine(database_url)

@@ -8,9 +8,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from scheduler.devices import Device
-from scheduler.types import BlockRange
-from workers.snapshot import DataRef, JobSnapshot, ModelRef, OptimizerConf, StagePlan
+from shoal.scheduler.devices import Device
+from shoal.scheduler.types import BlockRange
+from shoal.workers.snapshot import DataRef, JobSnapshot, ModelRef, OptimizerConf, StagePlan
 
 BASE_SPEC: dict[str, Any] = {
     "name": "digits-mlp",

@@ -10,7 +10,7 @@ from pathlib import Path
 import click
 import pytest
 
-from service.cli import cli
+from shoal.service.cli import cli
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "deploy" / "README.md"]

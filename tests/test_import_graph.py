@@ -49,15 +49,22 @@ def modules() -> dict[str, Path]:
 
 
 def imports(path: Path) -> Iterator[tuple[str, int]]:
-    """The dotted names ``path`` imports (``from a import b`` gives ``a`` and ``a.b``)."""
+    """The dotted names ``path`` imports (``from a import b`` gives ``a`` and ``a.b``), by
+    the folders' names: ``shoal.service.jobs`` (its installed name) is ``service.jobs``."""
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             for alias in node.names:
-                yield alias.name, node.lineno
+                yield by_folder(alias.name), node.lineno
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            yield node.module, node.lineno
+            yield by_folder(node.module), node.lineno
             for alias in node.names:
-                yield f"{node.module}.{alias.name}", node.lineno
+                yield by_folder(f"{node.module}.{alias.name}"), node.lineno
+
+
+def by_folder(name: str) -> str:
+    top, _, rest = name.partition(".")
+    inner = rest.split(".")[0]
+    return rest if top == "shoal" and inner in FLOORS[:-1] else name
 
 
 def edges(found: dict[str, Path]) -> list[Edge]:

@@ -18,12 +18,12 @@ import ray
 from ray.actor import ActorHandle
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from scheduler.devices import Device
-from scheduler.types import JobId
-from workers.pipeline.job_runner import JobRunner
-from workers.sharp.sweep_executor import SweepExecutor
-from workers.snapshot import JobSnapshot
-from workers.uploaded_code import JobCode, code_options
+from shoal.scheduler.devices import Device
+from shoal.scheduler.types import JobId
+from shoal.workers.pipeline.job_runner import JobRunner
+from shoal.workers.sharp.sweep_executor import SweepExecutor
+from shoal.workers.snapshot import JobSnapshot
+from shoal.workers.uploaded_code import JobCode, code_options
 
 RUNNER_NAMESPACE = "shoal"
 RUNNER_CONCURRENCY = 4

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from workers.snapshot import OptimizerConf
+from shoal.workers.snapshot import OptimizerConf
 
 _OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
     "sgd": torch.optim.SGD,

@@ -7,8 +7,8 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
-from workers.checkpoints import CheckpointStore, Restorable
-from workers.snapshot import JobSnapshot, RunnerEvent
+from shoal.workers.checkpoints import CheckpointStore, Restorable
+from shoal.workers.snapshot import JobSnapshot, RunnerEvent
 
 
 def resumed_event(restorable: Restorable) -> RunnerEvent:

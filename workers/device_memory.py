@@ -24,9 +24,9 @@ from dataclasses import dataclass
 
 import torch
 
-from scheduler.devices import Device
-from scheduler.memory import format_bytes
-from workers.snapshot import RunnerEvent
+from shoal.scheduler.devices import Device
+from shoal.scheduler.memory import format_bytes
+from shoal.workers.snapshot import RunnerEvent
 
 _SMI_TIMEOUT_S = 10.0
 

@@ -36,7 +36,7 @@ from collections.abc import Callable, Sequence
 from types import FunctionType, ModuleType
 from typing import Any
 
-from workers.uploaded_code import is_uploaded
+from shoal.workers.uploaded_code import is_uploaded
 
 _IDENT = r"[A-Za-z_][A-Za-z0-9_]*"
 # fullmatch, not ``$``: a ``$`` anchor would also accept a trailing newline.

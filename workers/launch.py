@@ -16,11 +16,11 @@ import ray
 from ray.actor import ActorHandle
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from scheduler.devices import DEVICE_RESOURCE, Device
-from workers.pipeline.stage_types import StageSetup
-from workers.pipeline.stage_worker import StageWorker
-from workers.sharp.shard_host import ShardWorker
-from workers.snapshot import StagePlan
+from shoal.scheduler.devices import DEVICE_RESOURCE, Device
+from shoal.workers.pipeline.stage_types import StageSetup
+from shoal.workers.pipeline.stage_worker import StageWorker
+from shoal.workers.sharp.shard_host import ShardWorker
+from shoal.workers.snapshot import StagePlan
 
 COPIES_GROUP = "copies"
 """The StageWorker's concurrency group for ``workers.pipeline.stage_worker.COPIES`` calls."""

@@ -41,12 +41,12 @@ from torch.autograd.graph import saved_tensors_hooks
 from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import FlopCounterMode
 
-from scheduler.memory import FLOAT_BYTES, optimizer_state_factor
-from scheduler.profile import REFERENCE_GFLOPS, BlockCost
-from workers.precision import autocast_dtype
-from workers.snapshot import DataRef, ModelRef
-from workers.zoo.data import loss_fn, sample_batch
-from workers.zoo.models import build_blocks, built_alike, count_blocks
+from shoal.scheduler.memory import FLOAT_BYTES, optimizer_state_factor
+from shoal.scheduler.profile import REFERENCE_GFLOPS, BlockCost
+from shoal.workers.precision import autocast_dtype
+from shoal.workers.snapshot import DataRef, ModelRef
+from shoal.workers.zoo.data import loss_fn, sample_batch
+from shoal.workers.zoo.models import build_blocks, built_alike, count_blocks
 
 _META = torch.device("meta")
 

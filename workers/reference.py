@@ -29,11 +29,11 @@ from typing import Any
 
 import torch
 
-from workers.blocks import Block
-from workers.precision import autocast, autocast_dtype
-from workers.snapshot import DataRef, ModelRef, OptimizerConf
-from workers.zoo.data import loss_fn, make_data
-from workers.zoo.models import build_blocks, count_blocks
+from shoal.workers.blocks import Block
+from shoal.workers.precision import autocast, autocast_dtype
+from shoal.workers.snapshot import DataRef, ModelRef, OptimizerConf
+from shoal.workers.zoo.data import loss_fn, make_data
+from shoal.workers.zoo.models import build_blocks, count_blocks
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 
-from workers.snapshot import RunnerEvent, RunnerReport, RunStatus, StepMetrics
+from shoal.workers.snapshot import RunnerEvent, RunnerReport, RunStatus, StepMetrics
 
 
 class RunLog:

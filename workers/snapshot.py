@@ -12,11 +12,11 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from scheduler.devices import Device
-from scheduler.elastic import ElasticConfig
-from scheduler.profile import BlockCost
-from scheduler.types import BlockRange, JobId
-from workers.uploaded_code import JobCode
+from shoal.scheduler.devices import Device
+from shoal.scheduler.elastic import ElasticConfig
+from shoal.scheduler.profile import BlockCost
+from shoal.scheduler.types import BlockRange, JobId
+from shoal.workers.uploaded_code import JobCode
 
 
 @dataclass(frozen=True)

@@ -12,11 +12,11 @@ from fastapi import APIRouter, Depends, HTTPException, Request, status
 from fastapi.concurrency import run_in_threadpool
 from pydantic import BaseModel, Field
 
-from api.deps import PrincipalDep
-from api.errors import documented
-from service.auth import Principal
-from service.code_archive import ArchiveError
-from service.code_checks import CodeChecks
+from shoal.api.deps import PrincipalDep
+from shoal.api.errors import documented
+from shoal.service.auth import Principal
+from shoal.service.code_archive import ArchiveError
+from shoal.service.code_checks import CodeChecks
 
 router = APIRouter(prefix="/code", tags=["code"])
 

@@ -7,14 +7,14 @@ from typing import Annotated
 import sqlalchemy as sa
 from fastapi import APIRouter, HTTPException, Path, status
 
-from api.deps import ID_PATTERN, FactoryDep, PrincipalDep
-from api.errors import documented
-from api.responses import ModelJSON
-from api.schemas import DeviceList, DeviceOut
-from service.db.models import DeviceRow, Job
-from service.db.session import transaction
-from service.holdings import ACTIVE_JOBS
-from service.layouts import planned_memory
+from shoal.api.deps import ID_PATTERN, FactoryDep, PrincipalDep
+from shoal.api.errors import documented
+from shoal.api.responses import ModelJSON
+from shoal.api.schemas import DeviceList, DeviceOut
+from shoal.service.db.models import DeviceRow, Job
+from shoal.service.db.session import transaction
+from shoal.service.holdings import ACTIVE_JOBS
+from shoal.service.layouts import planned_memory
 
 router = APIRouter(prefix="/devices", tags=["devices"])
 

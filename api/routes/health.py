@@ -9,8 +9,8 @@ from fastapi import APIRouter, Request, status
 from fastapi.responses import JSONResponse
 from sqlalchemy.exc import SQLAlchemyError
 
-from api.deps import FactoryDep
-from api.schemas import ReadyOut
+from shoal.api.deps import FactoryDep
+from shoal.api.schemas import ReadyOut
 
 router = APIRouter(tags=["health"])
 

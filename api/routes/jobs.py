@@ -9,11 +9,11 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import FileResponse
 from starlette.background import BackgroundTask
 
-from api.deps import ID_PATTERN, MAX_QUERY_INT, FactoryDep, PrincipalDep, SettingsDep
-from api.errors import documented
-from api.responses import ModelJSON
-from api.routes.code import CodeChecksDep, require_code_permission
-from api.schemas import (
+from shoal.api.deps import ID_PATTERN, MAX_QUERY_INT, FactoryDep, PrincipalDep, SettingsDep
+from shoal.api.errors import documented
+from shoal.api.responses import ModelJSON
+from shoal.api.routes.code import CodeChecksDep, require_code_permission
+from shoal.api.schemas import (
     CheckpointList,
     CheckpointOut,
     EventList,
@@ -24,15 +24,15 @@ from api.schemas import (
     MetricOut,
     ScheduleOut,
 )
-from api.spec_checks import SpecChecksDep
-from service import jobs
-from service.auth import Principal
-from service.db.session import SessionFactory
-from service.exports import export_model
-from service.layouts import pipeline_schedule
-from service.lifecycle import JobState
-from service.specs import AcceptedSpec, JobSpec, check_memory, complete_job_spec
-from service.traces import CodeRunner
+from shoal.api.spec_checks import SpecChecksDep
+from shoal.service import jobs
+from shoal.service.auth import Principal
+from shoal.service.db.session import SessionFactory
+from shoal.service.exports import export_model
+from shoal.service.layouts import pipeline_schedule
+from shoal.service.lifecycle import JobState
+from shoal.service.specs import AcceptedSpec, JobSpec, check_memory, complete_job_spec
+from shoal.service.traces import CodeRunner
 
 router = APIRouter(prefix="/jobs", tags=["jobs"])
 

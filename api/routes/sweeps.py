@@ -8,17 +8,17 @@ from fastapi import APIRouter, Header, Path, Query, Response, status
 from fastapi.concurrency import run_in_threadpool
 from sqlalchemy.orm import Session
 
-from api.deps import ID_PATTERN, MAX_QUERY_INT, FactoryDep, PrincipalDep, SettingsDep
-from api.errors import documented
-from api.responses import ModelJSON
-from api.routes.code import CodeChecksDep, require_code_permission
-from api.schemas import SweepOut, SweepPage, SweepSummaryOut
-from api.spec_checks import SpecChecksDep
-from service import jobs, sweeps
-from service.auth import Principal
-from service.db.session import SessionFactory
-from service.sweepspec import AcceptedSweep, SweepSpec, complete_sweep_spec
-from service.traces import CodeRunner
+from shoal.api.deps import ID_PATTERN, MAX_QUERY_INT, FactoryDep, PrincipalDep, SettingsDep
+from shoal.api.errors import documented
+from shoal.api.responses import ModelJSON
+from shoal.api.routes.code import CodeChecksDep, require_code_permission
+from shoal.api.schemas import SweepOut, SweepPage, SweepSummaryOut
+from shoal.api.spec_checks import SpecChecksDep
+from shoal.service import jobs, sweeps
+from shoal.service.auth import Principal
+from shoal.service.db.session import SessionFactory
+from shoal.service.sweepspec import AcceptedSweep, SweepSpec, complete_sweep_spec
+from shoal.service.traces import CodeRunner
 
 router = APIRouter(prefix="/sweeps", tags=["sweeps"])
 

@@ -10,15 +10,15 @@ from fastapi import APIRouter, HTTPException, Path, status
 from pydantic import BaseModel, Field
 from sqlalchemy.orm import Session
 
-from api.deps import FactoryDep, PrincipalDep, SettingsDep
-from api.errors import documented
-from api.responses import ModelJSON
-from scheduler.placement import Quota, Usage
-from service.auth import Principal
-from service.db.models import User
-from service.db.session import transaction
-from service.holdings import max_priority, quotas, usage_by_owner
-from service.settings import Settings
+from shoal.api.deps import FactoryDep, PrincipalDep, SettingsDep
+from shoal.api.errors import documented
+from shoal.api.responses import ModelJSON
+from shoal.scheduler.placement import Quota, Usage
+from shoal.service.auth import Principal
+from shoal.service.db.models import User
+from shoal.service.db.session import transaction
+from shoal.service.holdings import max_priority, quotas, usage_by_owner
+from shoal.service.settings import Settings
 
 router = APIRouter(prefix="/users", tags=["users"])
 

@@ -41,14 +41,14 @@ from typing import Any
 import httpx
 import sqlalchemy as sa
 
-from service.bench.data import SPEC, fill
-from service.bench.http_load import Connection
-from service.bench.report import BenchError, Progress, machine
-from service.db.models import Job
-from service.db.scratch import create_database, drop_database
-from service.db.session import make_engine
-from service.localray import free_port
-from service.settings import Settings
+from shoal.service.bench.data import SPEC, fill
+from shoal.service.bench.http_load import Connection
+from shoal.service.bench.report import BenchError, Progress, machine
+from shoal.service.db.models import Job
+from shoal.service.db.scratch import create_database, drop_database
+from shoal.service.db.session import make_engine
+from shoal.service.localray import free_port
+from shoal.service.settings import Settings
 
 API_KEYS = (
     "status_requests_per_s",
@@ -213,7 +213,7 @@ def server(database: str, home: Path, workers: int) -> Iterator[tuple[str, int]]
     env.pop("SHOAL_ADMIN_TOKEN", None)
     log = home / "server.log"
     command = [
-        *(sys.executable, "-m", "uvicorn", "service.server:api_app", "--factory"),
+        *(sys.executable, "-m", "uvicorn", "shoal.service.server:api_app", "--factory"),
         *("--host", "127.0.0.1", "--port", str(port), "--workers", str(workers)),
         *("--no-access-log", "--log-level", "info", "--timeout-graceful-shutdown", "2"),
     ]

@@ -17,9 +17,9 @@ from typing import Any
 
 import httpx
 
-from service.bench.data import fill
-from service.db.session import make_engine, make_session_factory
-from service.settings import Settings
+from shoal.service.bench.data import fill
+from shoal.service.db.session import make_engine, make_session_factory
+from shoal.service.settings import Settings
 
 
 class BrowserMissing(RuntimeError):
@@ -46,9 +46,9 @@ def run_dashboard_bench(
 ) -> dict[str, Any]:
     """Medians (and every run) of the jobs page's time to show ``jobs`` rows, and of the
     list request alone."""
-    from api.app import create_app
-    from service.bench.report import machine
-    from service.server import serving
+    from shoal.api.app import create_app
+    from shoal.service.bench.report import machine
+    from shoal.service.server import serving
 
     playwright = _browser(chromium)
     with tempfile.TemporaryDirectory(prefix="shoal-bench-dashboard-") as tmp:

@@ -13,12 +13,12 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from service.auth import Principal, issue_token
-from service.db.models import User
-from service.db.session import make_engine, make_session_factory, migrate, transaction
-from service.jobs import add_job
-from service.lifecycle import JobState
-from service.specs import validate_job_spec
+from shoal.service.auth import Principal, issue_token
+from shoal.service.db.models import User
+from shoal.service.db.session import make_engine, make_session_factory, migrate, transaction
+from shoal.service.jobs import add_job
+from shoal.service.lifecycle import JobState
+from shoal.service.specs import validate_job_spec
 
 SPEC: dict[str, Any] = {
     "name": "bench-job",

@@ -30,15 +30,15 @@ from typing import Any
 
 import ray
 
-from scheduler.devices import Device, NodeInfo, node_devices
-from scheduler.elastic import ElasticConfig
-from scheduler.layout import plan_layout
-from scheduler.placement import JobRequest
-from scheduler.profile import BlockCost, range_time
-from scheduler.resize import candidate
-from scheduler.types import BlockRange
-from scheduler.workload import Workload
-from service.bench.report import (
+from shoal.scheduler.devices import Device, NodeInfo, node_devices
+from shoal.scheduler.elastic import ElasticConfig
+from shoal.scheduler.layout import plan_layout
+from shoal.scheduler.placement import JobRequest
+from shoal.scheduler.profile import BlockCost, range_time
+from shoal.scheduler.resize import candidate
+from shoal.scheduler.types import BlockRange
+from shoal.scheduler.workload import Workload
+from shoal.service.bench.report import (
     ELASTIC_KEYS,
     ELASTIC_PHASES,
     BenchError,
@@ -48,13 +48,13 @@ from service.bench.report import (
     mlp_refs,
     stage_bounds,
 )
-from service.devicespec import parse_devices
-from service.localray import LocalRay
-from workers.pipeline.group import RayGroup
-from workers.pipeline.rebalance import snapshot_policy
-from workers.pipeline.runner import Trainer
-from workers.profiler import trace_costs
-from workers.snapshot import (
+from shoal.service.devicespec import parse_devices
+from shoal.service.localray import LocalRay
+from shoal.workers.pipeline.group import RayGroup
+from shoal.workers.pipeline.rebalance import snapshot_policy
+from shoal.workers.pipeline.runner import Trainer
+from shoal.workers.profiler import trace_costs
+from shoal.workers.snapshot import (
     DataRef,
     JobSnapshot,
     ModelRef,

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from service.bench.report import machine
+from shoal.service.bench.report import machine
 
 
 def machine_with(device: torch.device) -> dict[str, Any]:

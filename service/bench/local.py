@@ -16,7 +16,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from service.bench.report import (
+from shoal.service.bench.report import (
     ELASTIC_PHASES,
     SHARP_PHASES,
     BenchError,
@@ -24,9 +24,9 @@ from service.bench.report import (
     Progress,
     SharpSettings,
 )
-from service.bench.simulation import run_simulated
-from service.devicespec import VirtualNode, parse_devices
-from service.localray import LocalRay, LocalRayError
+from shoal.service.bench.simulation import run_simulated
+from shoal.service.devicespec import VirtualNode, parse_devices
+from shoal.service.localray import LocalRay, LocalRayError
 
 
 @contextmanager
@@ -51,7 +51,7 @@ def bench_elastic(settings: ElasticSettings, progress: Progress) -> dict[str, An
     """``shoal bench elastic`` on a local cluster of ``settings.devices``."""
     progress(ELASTIC_PHASES[0])
     with local_ray(parse_devices(settings.devices), "shoal-bench-elastic-") as (cluster, root):
-        from service.bench.elastic import run_elastic
+        from shoal.service.bench.elastic import run_elastic
 
         return run_elastic(settings, cluster, root, progress)
 
@@ -66,6 +66,6 @@ def bench_sharp(settings: SharpSettings, progress: Progress) -> dict[str, Any]:
     gpus = None if settings.device == "cuda" else 0
     nodes = [replace(node, gpus=gpus) for node in parse_devices(settings.devices)]
     with local_ray(nodes, "shoal-bench-sharp-") as (cluster, root):
-        from service.bench.sharp import run_sharp
+        from shoal.service.bench.sharp import run_sharp
 
         return run_sharp(settings, simulated, cluster, root, progress, started)

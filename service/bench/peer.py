@@ -25,10 +25,10 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from torch.multiprocessing.spawn import ProcessException
 from torch.multiprocessing.spawn import spawn as _untyped_spawn
 
-from service.bench.report import BenchError, PipelineSettings, stage_bounds
-from workers.host_memory import retain_freed_memory
-from workers.zoo.data import loss_fn, make_data
-from workers.zoo.models import build_blocks
+from shoal.service.bench.report import BenchError, PipelineSettings, stage_bounds
+from shoal.workers.host_memory import retain_freed_memory
+from shoal.workers.zoo.data import loss_fn, make_data
+from shoal.workers.zoo.models import build_blocks
 
 _spawn: Any = _untyped_spawn  # untyped in torch
 _SCHEDULES: dict[str, Any] = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}

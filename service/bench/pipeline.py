@@ -26,9 +26,9 @@ from typing import Any
 import ray
 import torch
 
-from scheduler.devices import DEVICE_RESOURCE, LABEL_KIND, LABEL_MEMORY_MB, Device
-from service.bench import peer
-from service.bench.report import (
+from shoal.scheduler.devices import DEVICE_RESOURCE, LABEL_KIND, LABEL_MEMORY_MB, Device
+from shoal.service.bench import peer
+from shoal.service.bench.report import (
     BenchError,
     PipelineRound,
     PipelineSettings,
@@ -37,18 +37,18 @@ from service.bench.report import (
     round_samples_per_s,
     stage_bounds,
 )
-from workers.blocks import Block
-from workers.host_memory import retain_freed_memory
-from workers.pipeline.group import RayGroup
-from workers.pipeline.runner import Trainer
-from workers.snapshot import (
+from shoal.workers.blocks import Block
+from shoal.workers.host_memory import retain_freed_memory
+from shoal.workers.pipeline.group import RayGroup
+from shoal.workers.pipeline.runner import Trainer
+from shoal.workers.snapshot import (
     JobSnapshot,
     RunStatus,
     StagePlan,
     StepMetrics,
 )
-from workers.zoo.data import loss_fn, make_data
-from workers.zoo.models import build_blocks
+from shoal.workers.zoo.data import loss_fn, make_data
+from shoal.workers.zoo.models import build_blocks
 
 BENCH_NAMESPACE = "shoal-bench"
 

@@ -16,7 +16,7 @@ from datetime import UTC, datetime
 from importlib import metadata
 from typing import Any
 
-from workers.snapshot import DataRef, ModelRef, OptimizerConf
+from shoal.workers.snapshot import DataRef, ModelRef, OptimizerConf
 
 Progress = Callable[[str], None]
 """Told the name of each phase as it starts (the CLI's progress bar)."""

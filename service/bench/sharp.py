@@ -30,15 +30,15 @@ from typing import Any
 
 import ray
 
-from scheduler.devices import Device
-from scheduler.memory import stage_memory, transient_bytes
-from scheduler.profile import BlockCost
-from scheduler.sharp import Shard, ShardError, shard_model
-from scheduler.types import DeviceId
-from service.bench.elastic import cluster_devices
-from service.bench.hardware import device_name, host_to_device_gbps, machine_with
-from service.bench.pipeline import RUNNER_THREADS, threads
-from service.bench.report import (
+from shoal.scheduler.devices import Device
+from shoal.scheduler.memory import stage_memory, transient_bytes
+from shoal.scheduler.profile import BlockCost
+from shoal.scheduler.sharp import Shard, ShardError, shard_model
+from shoal.scheduler.types import DeviceId
+from shoal.service.bench.elastic import cluster_devices
+from shoal.service.bench.hardware import device_name, host_to_device_gbps, machine_with
+from shoal.service.bench.pipeline import RUNNER_THREADS, threads
+from shoal.service.bench.report import (
     SHARP_PHASES,
     BenchError,
     Progress,
@@ -48,17 +48,17 @@ from service.bench.report import (
     sharp_result,
     stage_bounds,
 )
-from service.bench.simulation import simulate_local
-from service.localray import LocalRay
-from workers.pipeline.group import RayGroup
-from workers.pipeline.runner import Trainer
-from workers.pipeline.stage_types import torch_device
-from workers.pipeline.worker_group import GroupFactory
-from workers.profiler import trace_costs
-from workers.sharp.runner import SharpTrainer
-from workers.sharp.shard_host import TaskResult
-from workers.sharp.shard_pool import Call, HostPool, PoolFactory, RayPool
-from workers.snapshot import (
+from shoal.service.bench.simulation import simulate_local
+from shoal.service.localray import LocalRay
+from shoal.workers.pipeline.group import RayGroup
+from shoal.workers.pipeline.runner import Trainer
+from shoal.workers.pipeline.stage_types import torch_device
+from shoal.workers.pipeline.worker_group import GroupFactory
+from shoal.workers.profiler import trace_costs
+from shoal.workers.sharp.runner import SharpTrainer
+from shoal.workers.sharp.shard_host import TaskResult
+from shoal.workers.sharp.shard_pool import Call, HostPool, PoolFactory, RayPool
+from shoal.workers.snapshot import (
     DataRef,
     JobSnapshot,
     ModelRef,

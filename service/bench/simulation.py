@@ -12,8 +12,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from scheduler.sharp import ModelPlan, Shard
-from scheduler.simcluster import (
+from shoal.scheduler.sharp import ModelPlan, Shard
+from shoal.scheduler.simcluster import (
     Cluster,
     DeviceKind,
     Setting,
@@ -21,9 +21,9 @@ from scheduler.simcluster import (
     mixed_setting,
     spot_setting,
 )
-from scheduler.simstate import Engine
-from scheduler.simulate import Strategy, simulate
-from service.bench.report import SHARP_PHASES, Progress, SharpSettings
+from shoal.scheduler.simstate import Engine
+from shoal.scheduler.simulate import Strategy, simulate
+from shoal.service.bench.report import SHARP_PHASES, Progress, SharpSettings
 
 NO_PREFETCH = "sharp-lrtf-no-prefetch"
 """Sharded-LRTF with every shard copied in only when its task starts."""

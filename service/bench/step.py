@@ -20,22 +20,27 @@ from typing import Any
 import ray
 import torch
 
-from scheduler.devices import Device
-from service.bench.hardware import device_name, machine_with
-from service.bench.pipeline import RUNNER_THREADS, busy_fractions, ray_session, threads
-from service.bench.report import (
+from shoal.scheduler.devices import Device
+from shoal.service.bench.hardware import device_name, machine_with
+from shoal.service.bench.pipeline import RUNNER_THREADS, busy_fractions, ray_session, threads
+from shoal.service.bench.report import (
     BenchError,
     Progress,
     median_step_s,
     median_throughput,
     stage_bounds,
 )
-from service.bench.step_settings import StepSettings, copies_overhead, step_result, step_seconds
-from workers.blocks import Block
-from workers.host_memory import retain_freed_memory
-from workers.pipeline.group import RayGroup
-from workers.pipeline.runner import Trainer
-from workers.snapshot import (
+from shoal.service.bench.step_settings import (
+    StepSettings,
+    copies_overhead,
+    step_result,
+    step_seconds,
+)
+from shoal.workers.blocks import Block
+from shoal.workers.host_memory import retain_freed_memory
+from shoal.workers.pipeline.group import RayGroup
+from shoal.workers.pipeline.runner import Trainer
+from shoal.workers.snapshot import (
     DataRef,
     JobSnapshot,
     ModelRef,
@@ -45,8 +50,8 @@ from workers.snapshot import (
     StagePlan,
     StepMetrics,
 )
-from workers.zoo.data import loss_fn, make_data
-from workers.zoo.models import build_blocks
+from shoal.workers.zoo.data import loss_fn, make_data
+from shoal.workers.zoo.models import build_blocks
 
 STEP_PHASES = ("plain PyTorch loop", "starting Ray", "shoal", "shoal, keeping copies")
 

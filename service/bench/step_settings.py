@@ -12,8 +12,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from service.bench.report import DEVICES
-from workers.zoo.registry import data_meta, resolve_model
+from shoal.service.bench.report import DEVICES
+from shoal.workers.zoo.registry import data_meta, resolve_model
 
 STEP_KEYS = (
     "plain_samples_per_s",

@@ -28,8 +28,8 @@ import ray
 import torch
 from ray.dag import InputNode
 
-from service.bench.pipeline import ray_session
-from service.bench.report import BenchError, Progress, machine
+from shoal.service.bench.pipeline import ray_session
+from shoal.service.bench.report import BenchError, Progress, machine
 
 TRANSPORT_KEYS = (
     "object_ref_chain_ms",

@@ -6,11 +6,11 @@ from typing import Any
 
 import click
 
-from service.cli.bench import bench
-from service.cli.jobs import cancel, devices, export, logs, restart, status, submit
-from service.cli.server import db, node, token, up
-from service.cli.sweeps import sweep, sweep_cancel, sweeps
-from service.client import ApiError
+from shoal.service.cli.bench import bench
+from shoal.service.cli.jobs import cancel, devices, export, logs, restart, status, submit
+from shoal.service.cli.server import db, node, token, up
+from shoal.service.cli.sweeps import sweep, sweep_cancel, sweeps
+from shoal.service.client import ApiError
 
 
 class _ShoalGroup(click.Group):

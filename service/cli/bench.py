@@ -13,9 +13,15 @@ from pathlib import Path
 
 import click
 
-from service.cli.bench_output import JSON_OPTION, Decorator, bench_device, device_option, phases
-from service.cli.bench_step import step
-from service.cli.bench_tables import (
+from shoal.service.cli.bench_output import (
+    JSON_OPTION,
+    Decorator,
+    bench_device,
+    device_option,
+    phases,
+)
+from shoal.service.cli.bench_step import step
+from shoal.service.cli.bench_tables import (
     api_table,
     dashboard_table,
     elastic_table,
@@ -23,8 +29,8 @@ from service.cli.bench_tables import (
     sharp_tables,
     transport_table,
 )
-from service.cli.options import InputError
-from service.cli.render import make_console
+from shoal.service.cli.options import InputError
+from shoal.service.cli.render import make_console
 
 
 def _repeats(default: int, most: int = 50, what: str | None = None) -> Decorator:
@@ -89,8 +95,8 @@ def pipeline(
     as_json: bool,
 ) -> None:
     """Single-process PyTorch vs Shoal (2 stages, 2 devices) vs torch.distributed.pipelining."""
-    from service.bench.pipeline import pipeline_phases, run_pipeline
-    from service.bench.report import PipelineSettings
+    from shoal.service.bench.pipeline import pipeline_phases, run_pipeline
+    from shoal.service.bench.report import PipelineSettings
 
     try:
         settings = PipelineSettings(
@@ -132,7 +138,7 @@ def pipeline(
 @JSON_OPTION
 def transport(repeats: int, calls: int, sizes: tuple[int, ...], as_json: bool) -> None:
     """Ray object refs vs Compiled Graphs between two actors; torch tensors vs numpy arrays."""
-    from service.bench.transport import TransportSettings, run_transport
+    from shoal.service.bench.transport import TransportSettings, run_transport
 
     settings = TransportSettings(repeats=repeats, calls=calls)
     if sizes:
@@ -167,8 +173,8 @@ def transport(repeats: int, calls: int, sizes: tuple[int, ...], as_json: bool) -
 def elastic(hidden: int, layers: int, slowdown: float, steps: int, as_json: bool) -> None:
     """Rebalancing around a straggler, recovery from a killed node, growth onto a new one,
     on a local multi-node Ray cluster."""
-    from service.bench.local import bench_elastic
-    from service.bench.report import ELASTIC_PHASES, BenchError, ElasticSettings
+    from shoal.service.bench.local import bench_elastic
+    from shoal.service.bench.report import ELASTIC_PHASES, BenchError, ElasticSettings
 
     try:
         settings = ElasticSettings(hidden=hidden, layers=layers, slowdown=slowdown, steps=steps)
@@ -229,8 +235,8 @@ def sharp(
     On cuda the two devices are the machine's GPU (two Ray nodes that both see it), each
     with a memory budget under one model, so shards alternate between the GPU and pinned
     host memory."""
-    from service.bench.local import bench_sharp
-    from service.bench.report import SHARP_BATCH_SIZE, SHARP_PHASES, BenchError, SharpSettings
+    from shoal.service.bench.local import bench_sharp
+    from shoal.service.bench.report import SHARP_BATCH_SIZE, SHARP_PHASES, BenchError, SharpSettings
 
     chosen = bench_device(device)
     try:
@@ -271,7 +277,7 @@ def sharp(
 def dashboard(jobs: int, repeats: int, chromium: Path, as_json: bool) -> None:
     """The jobs page with JOBS jobs in chromium: navigation to every row shown, vs the list
     request alone."""
-    from service.bench.dashboard import BrowserMissing, run_dashboard_bench
+    from shoal.service.bench.dashboard import BrowserMissing, run_dashboard_bench
 
     console = make_console()
     with phases(console, 3, as_json) as progress:
@@ -335,8 +341,8 @@ def api(
 ) -> None:
     """Load on the REST API on loopback: CLIENTS clients reading job status and lists for
     DURATION seconds, then SUBMISSIONS idempotent submissions each sent twice at once."""
-    from service.bench.api import API_PHASES, ApiSettings, check, run_api_bench
-    from service.bench.report import BenchError
+    from shoal.service.bench.api import API_PHASES, ApiSettings, check, run_api_bench
+    from shoal.service.bench.report import BenchError
 
     try:
         settings = ApiSettings(

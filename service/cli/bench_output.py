@@ -11,8 +11,8 @@ import click
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from service.bench.report import DEVICES
-from service.cli.options import InputError
+from shoal.service.bench.report import DEVICES
+from shoal.service.cli.options import InputError
 
 Decorator = Callable[[Callable[..., Any]], Callable[..., Any]]
 """What an option maker returns: ``click.option(...)`` for one command's defaults."""

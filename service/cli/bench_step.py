@@ -9,10 +9,17 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from service.bench.step_settings import DEFAULT_SIZE, SIZES, StepSettings
-from service.cli.bench_output import JSON_OPTION, bench_device, caption, device_option, fmt, phases
-from service.cli.options import InputError
-from service.cli.render import make_console
+from shoal.service.bench.step_settings import DEFAULT_SIZE, SIZES, StepSettings
+from shoal.service.cli.bench_output import (
+    JSON_OPTION,
+    bench_device,
+    caption,
+    device_option,
+    fmt,
+    phases,
+)
+from shoal.service.cli.options import InputError
+from shoal.service.cli.render import make_console
 
 
 @click.command()
@@ -72,8 +79,8 @@ def step(
     mlp small  4 x 2048 hidden, 512 in, 16 out                     64 / 4  (13.7M)
     mlp large  8 x 4096 hidden, 1024 in, 16 out                    256 / 4 (121.7M)
     """
-    from service.bench.report import BenchError
-    from service.bench.step import STEP_PHASES, run_step
+    from shoal.service.bench.report import BenchError
+    from shoal.service.bench.step import STEP_PHASES, run_step
 
     chosen = bench_device(device)
     try:

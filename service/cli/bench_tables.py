@@ -8,7 +8,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from service.cli.bench_output import caption, fmt
+from shoal.service.cli.bench_output import caption, fmt
 
 
 def pipeline_table(console: Console, result: dict[str, Any]) -> None:

@@ -11,8 +11,14 @@ from pathlib import Path
 import click
 from rich.markup import escape
 
-from service.cli.options import InputError, client_options, json_option, make_client
-from service.cli.render import (
+from shoal.service.cli.options import (
+    InputError,
+    client_options,
+    code_option,
+    json_option,
+    make_client,
+)
+from shoal.service.cli.render import (
     Json,
     devices_table,
     echo_json,
@@ -25,9 +31,9 @@ from service.cli.render import (
     progress_bar,
     styled_state,
 )
-from service.cli.specfile import load_spec, submission_key
-from service.client import ShoalClient
-from service.lifecycle import JobState
+from shoal.service.cli.specfile import load_spec, submission_key
+from shoal.service.client import ShoalClient
+from shoal.service.lifecycle import JobState
 
 
 @click.command()
@@ -36,12 +42,7 @@ from service.lifecycle import JobState
     "--idempotency-key",
     help="Retrying with the same key never makes a second job [default: file hash + nonce].",
 )
-@click.option(
-    "--code",
-    type=click.Path(exists=True, file_okay=False, path_type=Path),
-    help="A folder of your own Python modules to send with it: factories name them as"
-    " code:module:function. Needs the code permission; the code runs on the cluster.",
-)
+@code_option
 @json_option
 @client_options
 def submit(

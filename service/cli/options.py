@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 import click
 from pydantic import ValidationError
 
-from service.client import ShoalClient, resolve_config
-from service.settings import Settings
+from shoal.service.client import ShoalClient, resolve_config
+from shoal.service.settings import Settings
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -30,6 +31,15 @@ def client_options(command: F) -> F:
         "--url",
         envvar="SHOAL_URL",
         help="Shoal's address [env SHOAL_URL; default: where `shoal up` serves].",
+    )(command)
+
+
+def code_option(command: F) -> F:
+    return click.option(
+        "--code",
+        type=click.Path(exists=True, file_okay=False, path_type=Path),
+        help="A folder of your own Python modules to send with it: factories name them as"
+        " code:module:function. Needs the code permission; the code runs on the cluster.",
     )(command)
 
 

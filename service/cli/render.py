@@ -12,12 +12,12 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from service.lifecycle import JobState
-from service.localray import RAY_ENV
+from shoal.service.lifecycle import JobState
+from shoal.service.localray import RAY_ENV
 
 if TYPE_CHECKING:
-    from service.localray import LocalRay
-    from service.settings import Settings
+    from shoal.service.localray import LocalRay
+    from shoal.service.settings import Settings
 
 STATE_STYLES = {
     "QUEUED": "yellow",

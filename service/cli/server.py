@@ -12,11 +12,11 @@ from pathlib import Path
 
 import click
 
-from service.cli.options import F, InputError, make_settings
-from service.cli.render import make_console, print_banner
-from service.client import write_config
-from service.devicespec import DeviceSpecError, parse_devices
-from service.localray import (
+from shoal.service.cli.options import F, InputError, make_settings
+from shoal.service.cli.render import make_console, print_banner
+from shoal.service.client import write_config
+from shoal.service.devicespec import DeviceSpecError, parse_devices
+from shoal.service.localray import (
     HEALTH_CHECKS,
     RAY_ENV,
     LocalRay,
@@ -24,8 +24,8 @@ from service.localray import (
     free_port,
     node_command,
 )
-from service.localray_record import RECORD
-from service.settings import Settings, UnsafeSettings
+from shoal.service.localray_record import RECORD
+from shoal.service.settings import Settings, UnsafeSettings
 
 
 def _home_option(command: F) -> F:
@@ -41,7 +41,7 @@ def _database(settings: Settings) -> Iterator[str]:
     """The migrated database URL; a database that cannot be opened is one clear error."""
     import sqlalchemy as sa
 
-    from service.db.session import migrate
+    from shoal.service.db.session import migrate
 
     url = settings.resolved_database_url
     shown = sa.engine.make_url(url).render_as_string(hide_password=True)
@@ -74,8 +74,8 @@ def token_create(user: str, admin: bool, code: bool, home: Path | None) -> None:
     """Create a token for USER and print it (it is shown only once). --admin and --code grant
     and never take away: an admin revokes the code permission with `PUT
     /api/v1/users/NAME/code`."""
-    from service.auth import AuthError, create_token
-    from service.db.session import make_engine, make_session_factory
+    from shoal.service.auth import AuthError, create_token
+    from shoal.service.db.session import make_engine, make_session_factory
 
     with _database(make_settings(home=home)) as url:
         engine = make_engine(url)
@@ -94,8 +94,8 @@ def token_create(user: str, admin: bool, code: bool, home: Path | None) -> None:
 def token_revoke(secret: str, home: Path | None) -> None:
     """Revoke TOKEN at once: every request bringing it is refused from now on. TOKEN `-` (the
     default) reads it from standard input, so that it appears in no process list or history."""
-    from service.auth import revoke_token
-    from service.db.session import make_engine, make_session_factory
+    from shoal.service.auth import revoke_token
+    from shoal.service.db.session import make_engine, make_session_factory
 
     if secret == "-":
         secret = sys.stdin.readline().strip()
@@ -154,9 +154,9 @@ def up(
     home: Path | None,
 ) -> None:
     """Run Shoal here: database, local Ray cluster, API, dashboard and controller."""
-    from service.auth import AuthError, ensure_admin_token
-    from service.db.session import make_engine, make_session_factory
-    from service.server import serve
+    from shoal.service.auth import AuthError, ensure_admin_token
+    from shoal.service.db.session import make_engine, make_session_factory
+    from shoal.service.server import serve
 
     settings = make_settings(
         ray_address=ray_address, devices=devices, host=host, port=port, home=home

@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 import yaml
 
-from service.cli.options import InputError
+from shoal.service.cli.options import InputError
 
 SPEC_FORMATS = {".yaml": "YAML", ".yml": "YAML", ".json": "JSON"}
 SPEC_FIELDS = {"job": "name, model, data, steps, ...", "sweep": "name, base, space, ..."}

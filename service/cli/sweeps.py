@@ -10,8 +10,8 @@ from typing import Any
 import click
 from rich.markup import escape
 
-from service.cli.options import client_options, json_option, make_client
-from service.cli.render import (
+from shoal.service.cli.options import client_options, code_option, json_option, make_client
+from shoal.service.cli.render import (
     echo_json,
     format_loss,
     is_terminal,
@@ -22,9 +22,9 @@ from service.cli.render import (
     sweeps_table,
     trial_line,
 )
-from service.cli.specfile import load_spec, submission_key
-from service.client import ShoalClient
-from service.lifecycle import JobState
+from shoal.service.cli.specfile import load_spec, submission_key
+from shoal.service.client import ShoalClient
+from shoal.service.lifecycle import JobState
 
 
 @click.command()
@@ -33,12 +33,7 @@ from service.lifecycle import JobState
     "--idempotency-key",
     help="Retrying with the same key never makes a second sweep [default: file hash + nonce].",
 )
-@click.option(
-    "--code",
-    type=click.Path(exists=True, file_okay=False, path_type=Path),
-    help="A folder of your own Python modules to send with it: factories name them as"
-    " code:module:function. Needs the code permission; the code runs on the cluster.",
-)
+@code_option
 @json_option
 @client_options
 def sweep(

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from api.app import create_app
-from service.auth import create_token
-from service.db.session import SessionFactory
-from service.settings import Settings
+from shoal.api.app import create_app
+from shoal.service.auth import create_token
+from shoal.service.db.session import SessionFactory
+from shoal.service.settings import Settings
 
 
 @dataclass

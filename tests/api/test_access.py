@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from service.auth import PrincipalCache, revoke_token
+from shoal.service.auth import PrincipalCache, revoke_token
 from tests.api.conftest import Api
 from tests.factories import job_spec, sweep_spec
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from service.code_archive import pack_directory
+from shoal.service.code_archive import pack_directory
 from tests.api.conftest import Api
 from tests.factories import job_spec, sweep_spec
 

@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from service import jobs
-from service.db.models import Job, JobEvent
+from shoal.service import jobs
+from shoal.service.db.models import Job, JobEvent
 from tests.api.conftest import Api
 from tests.factories import job_spec
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from service.db.models import DeviceRow
+from shoal.service.db.models import DeviceRow
 from tests.api.conftest import Api
 
 pytestmark = pytest.mark.integration

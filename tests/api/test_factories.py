@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from service.db.models import Job
-from service.db.session import SessionFactory
-from service.settings import Settings
+from shoal.service.db.models import Job
+from shoal.service.db.session import SessionFactory
+from shoal.service.settings import Settings
 from tests.api.conftest import Api, _serve
 from tests.factories import job_spec
 

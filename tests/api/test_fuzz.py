@@ -30,13 +30,13 @@ from fastapi.testclient import TestClient
 from hypothesis import strategies as st
 from sqlalchemy.orm import sessionmaker
 
-from api.app import API_PREFIX, create_app
-from service.auth import create_token
-from service.db.models import Base, DeviceRow, Job
-from service.db.session import SessionFactory, make_engine, make_session_factory, migrate
-from service.jobs import transition
-from service.lifecycle import JobState
-from service.settings import Settings
+from shoal.api.app import API_PREFIX, create_app
+from shoal.service.auth import create_token
+from shoal.service.db.models import Base, DeviceRow, Job
+from shoal.service.db.session import SessionFactory, make_engine, make_session_factory, migrate
+from shoal.service.jobs import transition
+from shoal.service.lifecycle import JobState
+from shoal.service.settings import Settings
 from tests.factories import job_spec, sweep_spec
 
 pytestmark = pytest.mark.integration

@@ -7,9 +7,9 @@ import json
 import pytest
 import sqlalchemy as sa
 
-from service.db.models import DeviceRow, Job, JobEvent
-from service.jobs import transition
-from service.lifecycle import JobState
+from shoal.service.db.models import DeviceRow, Job, JobEvent
+from shoal.service.jobs import transition
+from shoal.service.lifecycle import JobState
 from tests.api.conftest import Api
 from tests.factories import job_spec
 

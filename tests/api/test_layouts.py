@@ -8,11 +8,11 @@ from typing import Any
 
 import pytest
 
-from scheduler.memory import in_flight, stage_memory
-from service.db.models import Job
-from service.jobs import transition
-from service.lifecycle import JobState
-from service.snapshots import block_costs
+from shoal.scheduler.memory import in_flight, stage_memory
+from shoal.service.db.models import Job
+from shoal.service.jobs import transition
+from shoal.service.lifecycle import JobState
+from shoal.service.snapshots import block_costs
 from tests.api.conftest import Api
 from tests.api.test_devices import add_device
 from tests.factories import job_spec

@@ -10,14 +10,14 @@ import sqlalchemy as sa
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from api.app import create_app
-from service.auth import Principal, authenticate, create_token
-from service.db.models import DeviceRow, Job, JobMetric, Sweep
-from service.db.session import SessionFactory, transaction
-from service.jobs import add_event, add_job, transition
-from service.lifecycle import JobState
-from service.settings import Settings
-from service.specs import validate_job_spec
+from shoal.api.app import create_app
+from shoal.service.auth import Principal, authenticate, create_token
+from shoal.service.db.models import DeviceRow, Job, JobMetric, Sweep
+from shoal.service.db.session import SessionFactory, transaction
+from shoal.service.jobs import add_event, add_job, transition
+from shoal.service.lifecycle import JobState
+from shoal.service.settings import Settings
+from shoal.service.specs import validate_job_spec
 from tests.api.conftest import Api
 from tests.factories import job_spec
 

@@ -14,18 +14,18 @@ from click.testing import CliRunner
 from safetensors import safe_open
 from safetensors.torch import load
 
-from api.app import create_app
-from service.cli import cli
-from service.db.models import Job
-from service.server import serving
-from service.snapshots import build_snapshot
+from shoal.api.app import create_app
+from shoal.service.cli import cli
+from shoal.service.db.models import Job
+from shoal.service.server import serving
+from shoal.service.snapshots import build_snapshot
+from shoal.workers.checkpoints import CheckpointStore
+from shoal.workers.model_file import FORMAT
+from shoal.workers.zoo.whole import build_model
 from tests.api.conftest import Api
 from tests.api.trained import JOBS, trained
 from tests.factories import device, job_spec
 from tests.workers.runs import reference
-from workers.checkpoints import CheckpointStore
-from workers.model_file import FORMAT
-from workers.zoo.whole import build_model
 
 
 def test_the_model_loads_into_the_plain_pytorch_model_with_the_runs_parameters(api: Api) -> None:

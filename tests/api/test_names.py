@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from service.specs import MAX_NAME
+from shoal.service.specs import MAX_NAME
 from tests.api.conftest import Api
 from tests.factories import job_spec, sweep_spec
 

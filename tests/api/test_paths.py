@@ -14,11 +14,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.routing import Route
 
-from api.paths import HidePaths, server_roots
-from service.db.models import Checkpoint, Job
-from service.db.session import SessionFactory, transaction
-from service.jobs import add_event
-from service.settings import Settings
+from shoal.api.paths import HidePaths, server_roots
+from shoal.service.db.models import Checkpoint, Job
+from shoal.service.db.session import SessionFactory, transaction
+from shoal.service.jobs import add_event
+from shoal.service.settings import Settings
 from tests.api.conftest import Api, _serve
 from tests.factories import job_spec
 

@@ -12,12 +12,12 @@ import yaml
 from safetensors.torch import load_file
 
 import shoal
-from api.app import create_app
-from service.server import serving
+from shoal.api.app import create_app
+from shoal.service.server import serving
+from shoal.workers.zoo.whole import build_model
 from tests.api.conftest import Api
 from tests.api.trained import trained
 from tests.factories import job_spec, sweep_spec
-from workers.zoo.whole import build_model
 
 
 @pytest.fixture

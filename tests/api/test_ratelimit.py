@@ -9,13 +9,13 @@ from pathlib import Path
 import httpx
 import pytest
 
-from api import ratelimit
-from api.app import create_app
-from api.ratelimit import Buckets, client_address
-from service.auth import create_token, revoke_token
-from service.db.session import SessionFactory
-from service.server import serving
-from service.settings import Settings
+from shoal.api import ratelimit
+from shoal.api.app import create_app
+from shoal.api.ratelimit import Buckets, client_address
+from shoal.service.auth import create_token, revoke_token
+from shoal.service.db.session import SessionFactory
+from shoal.service.server import serving
+from shoal.service.settings import Settings
 from tests.api.conftest import Api
 
 

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from api.app import create_app
-from api.security import is_loopback_host
-from service.db.session import SessionFactory
-from service.settings import Settings
+from shoal.api.app import create_app
+from shoal.api.security import is_loopback_host
+from shoal.service.db.session import SessionFactory
+from shoal.service.settings import Settings
 from tests.api.conftest import Api
 
 

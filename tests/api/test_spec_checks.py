@@ -13,13 +13,13 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from api.app import create_app
-from api.routes import jobs as jobs_route
-from service.db.session import SessionFactory
-from service.settings import Settings
-from service.specs import AcceptedSpec, JobSpec
-from service.specs import complete_job_spec as real_check
-from service.traces import CodeRunner
+from shoal.api.app import create_app
+from shoal.api.routes import jobs as jobs_route
+from shoal.service.db.session import SessionFactory
+from shoal.service.settings import Settings
+from shoal.service.specs import AcceptedSpec, JobSpec
+from shoal.service.specs import complete_job_spec as real_check
+from shoal.service.traces import CodeRunner
 from tests.api.conftest import Api
 from tests.factories import job_spec
 

@@ -21,13 +21,13 @@ import httpx
 import pytest
 from annotated_types import Ge
 
-from service.db.session import make_engine, make_session_factory, migrate
-from service.settings import Settings
+from shoal.service.db.session import make_engine, make_session_factory, migrate
+from shoal.service.settings import Settings
+from shoal.workers.reference import train_reference
+from shoal.workers.snapshot import DataRef, ModelRef, OptimizerConf
+from shoal.workers.zoo.registry import DATASETS, MODELS, RegistryError, data_meta, resolve_model
 from tests.api.conftest import Api, _serve
 from tests.factories import job_spec
-from workers.reference import train_reference
-from workers.snapshot import DataRef, ModelRef, OptimizerConf
-from workers.zoo.registry import DATASETS, MODELS, RegistryError, data_meta, resolve_model
 
 pytestmark = pytest.mark.integration
 

@@ -14,11 +14,11 @@ from typing import Any
 import httpx
 import pytest
 
-from api.app import create_app
-from service.auth import create_token, revoke_token
-from service.db.session import SessionFactory
-from service.server import serving
-from service.settings import Settings
+from shoal.api.app import create_app
+from shoal.service.auth import create_token, revoke_token
+from shoal.service.db.session import SessionFactory
+from shoal.service.server import serving
+from shoal.service.settings import Settings
 from tests.factories import job_spec
 
 pytestmark = pytest.mark.integration

@@ -8,12 +8,12 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
-from service.auth import Principal
-from service.db.models import DeviceRow, Job, Sweep, Trial, User
-from service.jobs import add_job, transition
-from service.lifecycle import JobState
-from service.specs import validate_job_spec
-from service.sweeps import move_sweep
+from shoal.service.auth import Principal
+from shoal.service.db.models import DeviceRow, Job, Sweep, Trial, User
+from shoal.service.jobs import add_job, transition
+from shoal.service.lifecycle import JobState
+from shoal.service.specs import validate_job_spec
+from shoal.service.sweeps import move_sweep
 from tests.api.conftest import Api
 from tests.factories import job_spec, sweep_spec
 

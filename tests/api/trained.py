@@ -5,14 +5,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from service.db.models import Job
-from service.reports import persist_report
-from service.snapshots import build_snapshot
+from shoal.service.db.models import Job
+from shoal.service.reports import persist_report
+from shoal.service.snapshots import build_snapshot
+from shoal.workers.pipeline.local_group import LocalGroup
+from shoal.workers.pipeline.runner import Trainer
+from shoal.workers.snapshot import RunStatus
 from tests.api.conftest import Api
 from tests.factories import device, even_ranges, job_spec
-from workers.pipeline.local_group import LocalGroup
-from workers.pipeline.runner import Trainer
-from workers.snapshot import RunStatus
 
 JOBS = "/api/v1/jobs"
 

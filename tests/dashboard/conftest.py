@@ -15,14 +15,14 @@ from typing import Any
 
 import pytest
 
-from api.app import create_app
-from scheduler.devices import DEVICE_RESOURCE, LABEL_KIND, LABEL_SLOWDOWN, LABEL_SPOT
-from service.auth import create_token
-from service.cluster import InProcessCluster, NodeInfo
-from service.controller import Controller, ControllerConfig
-from service.db.session import SessionFactory, make_engine, make_session_factory, migrate
-from service.server import serving
-from service.settings import Settings
+from shoal.api.app import create_app
+from shoal.scheduler.devices import DEVICE_RESOURCE, LABEL_KIND, LABEL_SLOWDOWN, LABEL_SPOT
+from shoal.service.auth import create_token
+from shoal.service.cluster import InProcessCluster, NodeInfo
+from shoal.service.controller import Controller, ControllerConfig
+from shoal.service.db.session import SessionFactory, make_engine, make_session_factory, migrate
+from shoal.service.server import serving
+from shoal.service.settings import Settings
 
 CHROMIUM = Path(os.environ.get("SHOAL_CHROMIUM", "/usr/bin/chromium"))
 ARTIFACTS = Path(os.environ.get("SHOAL_TEST_ARTIFACTS", "build/test-artifacts")) / "dashboard"

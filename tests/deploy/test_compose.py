@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import yaml
 
-from service.devicespec import parse_devices
+from shoal.service.devicespec import parse_devices
 
 pytestmark = pytest.mark.unit
 

@@ -26,8 +26,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from scheduler.devices import NodeInfo, node_devices
-from service.settings import Settings
+from shoal.scheduler.devices import NodeInfo, node_devices
+from shoal.service.settings import Settings
 from tests.deploy import k8s_checks as checks
 
 pytestmark = pytest.mark.unit

@@ -16,8 +16,8 @@ from typing import IO, Any
 import httpx
 import pytest
 
-from service.localray import HEALTH_CHECKS, RAY_ENV, LocalRay
-from service.nodeprocs import kill_session
+from shoal.service.localray import HEALTH_CHECKS, RAY_ENV, LocalRay
+from shoal.service.nodeprocs import kill_session
 
 SHOAL = Path(sys.executable).parent / "shoal"
 START_TIMEOUT_S = 60.0
@@ -229,7 +229,7 @@ def shoal_cluster(tmp_path: Path) -> Iterator[Callable[[Path, str, str], ShoalUp
 @pytest.fixture
 def runner_reaper(ray_address: str) -> Iterator[list[str]]:
     """Job ids whose runner actors (detached, in the session's Ray) are killed at the end."""
-    from workers.actors import kill_runner
+    from shoal.workers.actors import kill_runner
 
     job_ids: list[str] = []
     yield job_ids

@@ -31,9 +31,9 @@ from typing import Any
 import httpx
 import pytest
 
-from service.client import ShoalClient
-from service.devicespec import parse_devices
-from service.localray import RAY_ENV, LocalRay
+from shoal.service.client import ShoalClient
+from shoal.service.devicespec import parse_devices
+from shoal.service.localray import RAY_ENV, LocalRay
 from tests.integration.conftest import ShoalUp, ray_cli, started_shoals, wait_until
 from tests.integration.test_elastic import SPEC, Json, assert_exact
 from tests.integration.test_shoal_up import Api, StartShoal, admin_token, example_spec

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from service.cluster import connect_ray
-from service.code_archive import pack_directory
-from service.code_checks import CodeChecks
-from service.code_store import CodeStore
-from service.spec_errors import SpecError
-from service.specs import validate_job_spec
+from shoal.service.cluster import connect_ray
+from shoal.service.code_archive import pack_directory
+from shoal.service.code_checks import CodeChecks
+from shoal.service.code_store import CodeStore
+from shoal.service.spec_errors import SpecError
+from shoal.service.specs import validate_job_spec
 from tests.factories import job_spec
 
 pytestmark = pytest.mark.integration

@@ -19,10 +19,10 @@ from typing import Any
 
 import pytest
 
+from shoal.workers.reference import train_reference
+from shoal.workers.snapshot import DataRef, ModelRef, OptimizerConf
 from tests.integration.conftest import ShoalUp, joined_node, ray_cli, ray_env, wait_until
 from tests.integration.test_shoal_up import Api, admin_token, curl_submit
-from workers.reference import train_reference
-from workers.snapshot import DataRef, ModelRef, OptimizerConf
 
 pytestmark = pytest.mark.integration
 

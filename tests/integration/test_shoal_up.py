@@ -24,11 +24,11 @@ import pytest
 import torch
 import yaml
 
-from service.nodeprocs import kill_session
-from service.settings import DEFAULT_DEVICES
+from shoal.service.nodeprocs import kill_session
+from shoal.service.settings import DEFAULT_DEVICES
+from shoal.workers.reference import train_reference
+from shoal.workers.snapshot import DataRef, ModelRef, OptimizerConf
 from tests.integration.conftest import SHOAL, STOP_TIMEOUT_S, ShoalUp, ray_env, wait_until
-from workers.reference import train_reference
-from workers.snapshot import DataRef, ModelRef, OptimizerConf
 
 pytestmark = pytest.mark.integration
 
@@ -284,7 +284,7 @@ def test_four_stages_train_exactly_like_one_through_the_api(
 def test_a_restarted_control_plane_adopts_the_running_job(
     shoal_up: StartShoal, empty_database: str, runner_reaper: list[str], tmp_path: Path
 ) -> None:
-    from workers.actors import find_runner
+    from shoal.workers.actors import find_runner
 
     home = tmp_path / "home"
     first = shoal_up(home, empty_database)

@@ -13,11 +13,11 @@ from typing import Any
 import pytest
 import yaml
 
+from shoal.workers.reference import train_reference
+from shoal.workers.snapshot import DataRef, ModelRef, OptimizerConf
 from tests.integration.conftest import ShoalUp, wait_until
 from tests.integration.test_elastic import stop_node
 from tests.integration.test_shoal_up import Api, admin_token, shoal_cli
-from workers.reference import train_reference
-from workers.snapshot import DataRef, ModelRef, OptimizerConf
 
 pytestmark = pytest.mark.integration
 

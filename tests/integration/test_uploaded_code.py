@@ -17,12 +17,12 @@ import yaml
 from safetensors.torch import load_file
 
 import shoal
+from shoal.workers.reference import train_reference
+from shoal.workers.snapshot import DataRef, ModelRef, OptimizerConf
+from shoal.workers.uploaded_code import local_code
+from shoal.workers.zoo.whole import build_model
 from tests.integration.conftest import SHOAL, ShoalUp
 from tests.integration.test_shoal_up import Api, StartShoal, admin_token, shoal_cli
-from workers.reference import train_reference
-from workers.snapshot import DataRef, ModelRef, OptimizerConf
-from workers.uploaded_code import local_code
-from workers.zoo.whole import build_model
 
 pytestmark = pytest.mark.integration
 

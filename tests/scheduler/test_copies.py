@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler.copies import LONGEST_INTERVAL, CopyCadence, copy_interval, most_replayed
+from shoal.scheduler.copies import LONGEST_INTERVAL, CopyCadence, copy_interval, most_replayed
 
 pytestmark = pytest.mark.unit
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler.devices import (
+from shoal.scheduler.devices import (
     DEVICE_RESOURCE,
     LABEL_KIND,
     LABEL_MEMORY_MB,

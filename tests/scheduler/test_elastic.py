@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from scheduler.elastic import (
+from shoal.scheduler.elastic import (
     ElasticConfig,
     Keep,
     Repartition,
@@ -17,8 +17,8 @@ from scheduler.elastic import (
     measured_speeds,
     moved_blocks,
 )
-from scheduler.profile import BlockCost, uniform_costs
-from scheduler.workload import DeviceCapacity, Workload
+from shoal.scheduler.profile import BlockCost, uniform_costs
+from shoal.scheduler.workload import DeviceCapacity, Workload
 
 pytestmark = pytest.mark.unit
 

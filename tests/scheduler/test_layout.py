@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler.layout import plan_layout, relative_speeds
-from scheduler.profile import REFERENCE_GFLOPS, BlockCost, uniform_costs
-from scheduler.workload import Workload
+from shoal.scheduler.layout import plan_layout, relative_speeds
+from shoal.scheduler.profile import REFERENCE_GFLOPS, BlockCost, uniform_costs
+from shoal.scheduler.workload import Workload
 from tests.factories import device
 
 pytestmark = pytest.mark.unit

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from scheduler.memory import (
+from shoal.scheduler.memory import (
     StageMemory,
     fits,
     format_bytes,
@@ -15,11 +15,11 @@ from scheduler.memory import (
     stage_memory,
     submission_refusal,
 )
-from scheduler.partition import PartitionError, plan_partition
-from scheduler.profile import BlockCost
-from scheduler.schedules import build
-from scheduler.schedules import in_flight as peak_in_flight
-from scheduler.workload import DeviceCapacity, Workload
+from shoal.scheduler.partition import PartitionError, plan_partition
+from shoal.scheduler.profile import BlockCost
+from shoal.scheduler.schedules import build
+from shoal.scheduler.schedules import in_flight as peak_in_flight
+from shoal.scheduler.workload import DeviceCapacity, Workload
 
 pytestmark = pytest.mark.unit
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler.devices import Device
-from scheduler.overlap import leaves_a_core, steps_per_call
+from shoal.scheduler.devices import Device
+from shoal.scheduler.overlap import leaves_a_core, steps_per_call
 
 
 def _device(i: int, gpu: bool) -> Device:

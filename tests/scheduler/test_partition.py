@@ -12,18 +12,18 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scheduler import partition, shares
-from scheduler.memory import fits, in_flight
-from scheduler.partition import (
+from shoal.scheduler import partition, shares
+from shoal.scheduler.memory import fits, in_flight
+from shoal.scheduler.partition import (
     PartitionError,
     PartitionPlan,
     evaluate,
     order_partition,
     plan_partition,
 )
-from scheduler.profile import BlockCost, range_time, uniform_costs
-from scheduler.types import BlockRange
-from scheduler.workload import DeviceCapacity, Workload
+from shoal.scheduler.profile import BlockCost, range_time, uniform_costs
+from shoal.scheduler.types import BlockRange
+from shoal.scheduler.workload import DeviceCapacity, Workload
 
 pytestmark = pytest.mark.unit
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler.placement import JobRequest, Quota, Running, Usage, place, preemptions
+from shoal.scheduler.placement import JobRequest, Quota, Running, Usage, place, preemptions
 from tests.factories import device
 
 pytestmark = pytest.mark.unit

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from scheduler.profile import (
+from shoal.scheduler.profile import (
     BlockCost,
     DeviceSpeed,
     ProfileError,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler.programs import (
+from shoal.scheduler.programs import (
     RECEIVES_AHEAD,
     Flow,
     Post,
@@ -18,7 +18,7 @@ from scheduler.programs import (
     render_programs,
     stage_programs,
 )
-from scheduler.schedules import Action, Op, ScheduleError, build, one_f_one_b
+from shoal.scheduler.schedules import Action, Op, ScheduleError, build, one_f_one_b
 
 pytestmark = pytest.mark.unit
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler.placement import JobRequest
-from scheduler.resize import candidate, worth_growing
+from shoal.scheduler.placement import JobRequest
+from shoal.scheduler.resize import candidate, worth_growing
 from tests.factories import device
 
 pytestmark = pytest.mark.unit

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from scheduler.schedules import (
+from shoal.scheduler.schedules import (
     Action,
     Op,
     ScheduleError,

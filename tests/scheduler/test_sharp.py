@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scheduler.memory import stage_memory
-from scheduler.profile import BlockCost
-from scheduler.sharp import (
+from shoal.scheduler.memory import stage_memory
+from shoal.scheduler.profile import BlockCost
+from shoal.scheduler.sharp import (
     Assignment,
     IdleDevice,
     ModelPlan,
@@ -30,7 +30,7 @@ from scheduler.sharp import (
     shard_model,
     transfer_s,
 )
-from scheduler.sharp_homes import Home, home_shards, move_target, moved_end_s
+from shoal.scheduler.sharp_homes import Home, home_shards, move_target, moved_end_s
 
 pytestmark = pytest.mark.unit
 

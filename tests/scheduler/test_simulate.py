@@ -13,8 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scheduler.sharp import ModelPlan, Shard
-from scheduler.simcluster import (
+from shoal.scheduler.sharp import ModelPlan, Shard
+from shoal.scheduler.simcluster import (
     Cluster,
     DeviceKind,
     Outage,
@@ -24,9 +24,9 @@ from scheduler.simcluster import (
     spot_setting,
     sweep_settings,
 )
-from scheduler.simresult import SimResult, SimulationError
-from scheduler.simstate import Engine
-from scheduler.simulate import Strategy, compare, simulate
+from shoal.scheduler.simresult import SimResult, SimulationError
+from shoal.scheduler.simstate import Engine
+from shoal.scheduler.simulate import Strategy, compare, simulate
 
 pytestmark = pytest.mark.unit
 

@@ -9,7 +9,7 @@ import pytest
 import sqlalchemy as sa
 from pydantic import ValidationError
 
-from service.auth import (
+from shoal.service.auth import (
     AuthError,
     Principal,
     PrincipalCache,
@@ -19,9 +19,9 @@ from service.auth import (
     hash_token,
     revoke_token,
 )
-from service.db.models import ApiToken
-from service.db.session import SessionFactory
-from service.settings import Settings
+from shoal.service.db.models import ApiToken
+from shoal.service.db.session import SessionFactory
+from shoal.service.settings import Settings
 
 pytestmark = pytest.mark.integration
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from service.bench.report import (
+from shoal.service.bench.report import (
     PIPELINE_KEYS,
     BenchError,
     PipelineRound,
@@ -26,8 +26,8 @@ from service.bench.report import (
     stage_bounds,
     windows,
 )
-from service.bench.transport import TRANSPORT_KEYS, TransportSettings, transport_result
-from service.cli import cli
+from shoal.service.bench.transport import TRANSPORT_KEYS, TransportSettings, transport_result
+from shoal.service.cli import cli
 
 
 @pytest.mark.unit
@@ -197,8 +197,8 @@ def test_bench_pipeline_refuses_a_bad_shape_with_exit_code_2() -> None:
 
 @pytest.mark.unit
 def test_bench_tables_render_without_json(monkeypatch: pytest.MonkeyPatch) -> None:
-    from service.bench import pipeline as pipeline_bench
-    from service.bench import transport as transport_bench
+    from shoal.service.bench import pipeline as pipeline_bench
+    from shoal.service.bench import transport as transport_bench
 
     s = PipelineSettings()
     canned = pipeline_result(
@@ -230,8 +230,8 @@ def test_bench_tables_render_without_json(monkeypatch: pytest.MonkeyPatch) -> No
 
 @pytest.mark.unit
 def test_busy_fractions_are_median_compute_shares_per_stage() -> None:
-    from service.bench.pipeline import busy_fractions
-    from workers.snapshot import StageTiming, StepMetrics
+    from shoal.service.bench.pipeline import busy_fractions
+    from shoal.workers.snapshot import StageTiming, StepMetrics
 
     def step(total: float, a: float, b: float) -> StepMetrics:
         timings = (StageTiming(0, "d0", a, total - a), StageTiming(1, "d1", b, total - b))
@@ -243,8 +243,8 @@ def test_busy_fractions_are_median_compute_shares_per_stage() -> None:
 
 @pytest.mark.unit
 def test_elastic_best_cut_is_the_exhaustive_optimum() -> None:
-    from scheduler.profile import uniform_costs
-    from service.bench.elastic import best_cut
+    from shoal.scheduler.profile import uniform_costs
+    from shoal.service.bench.elastic import best_cut
 
     # 6 equal blocks; "slow" runs at a third of the speed: it gets 1 block, the others
     # 2.5 on average: a 3-2-1 or 2-3-1 cut, (8 + 2) x 3 block-times per step.
@@ -256,7 +256,7 @@ def test_elastic_best_cut_is_the_exhaustive_optimum() -> None:
 
 @pytest.mark.unit
 def test_elastic_settings_refuse_what_cannot_run() -> None:
-    from service.bench.report import ElasticSettings
+    from shoal.service.bench.report import ElasticSettings
 
     assert ElasticSettings().devices.endswith("slowdown=3")
     with pytest.raises(ValueError, match="at least 3 blocks"):
@@ -302,7 +302,7 @@ def _sharp_canned() -> tuple[dict[str, Any], dict[str, Any]]:
 
 @pytest.mark.unit
 def test_sharp_result_has_the_issue_keys_first_and_is_json() -> None:
-    from service.bench.report import SHARP_KEYS, SharpSettings, sharp_result
+    from shoal.service.bench.report import SHARP_KEYS, SharpSettings, sharp_result
 
     real, sim = _sharp_canned()
     result = sharp_result(SharpSettings(), real, sim, started=0.0)
@@ -316,7 +316,7 @@ def test_sharp_result_has_the_issue_keys_first_and_is_json() -> None:
 
 @pytest.mark.unit
 def test_sharp_settings_refuse_a_budget_that_fits_a_model_or_not_half() -> None:
-    from service.bench.report import SharpSettings
+    from shoal.service.bench.report import SharpSettings
 
     assert SharpSettings().devices.count("1xcpu-") == 2
     assert SharpSettings(device="cuda").devices.count("1xgpu-") == 2
@@ -332,7 +332,7 @@ def test_sharp_settings_refuse_a_budget_that_fits_a_model_or_not_half() -> None:
 
 @pytest.mark.unit
 def test_same_losses_names_the_first_model_and_step_that_differ() -> None:
-    from service.bench.report import same_losses
+    from shoal.service.bench.report import same_losses
 
     same_losses({"a": [[1.0, 0.5], [2.0]], "b": [[1.0, 0.5], [2.0]]})
     with pytest.raises(BenchError, match="model 1: b differs from a at step 2"):
@@ -345,9 +345,9 @@ def test_same_losses_names_the_first_model_and_step_that_differ() -> None:
 
 @pytest.mark.unit
 def test_simulated_half_runs_every_strategy_and_takes_the_worst_setting() -> None:
-    from scheduler.simulate import Strategy
-    from service.bench.report import SHARP_PHASES, SharpSettings
-    from service.bench.simulation import NO_PREFETCH, run_simulated
+    from shoal.scheduler.simulate import Strategy
+    from shoal.service.bench.report import SHARP_PHASES, SharpSettings
+    from shoal.service.bench.simulation import NO_PREFETCH, run_simulated
 
     s = SharpSettings(spot_devices=8, spot_models=3, scale_devices=8, scale_models=3)
     phases: list[str] = []
@@ -370,11 +370,11 @@ def test_simulated_half_runs_every_strategy_and_takes_the_worst_setting() -> Non
 
 @pytest.mark.unit
 def test_sharp_bench_in_process_trains_every_variant_to_the_same_losses(tmp_path: Path) -> None:
-    from scheduler.devices import Device
-    from service.bench.report import SharpSettings
-    from service.bench.sharp import measure
-    from workers.pipeline.local_group import LocalGroup
-    from workers.sharp.shard_pool import LocalPool
+    from shoal.scheduler.devices import Device
+    from shoal.service.bench.report import SharpSettings
+    from shoal.service.bench.sharp import measure
+    from shoal.workers.pipeline.local_group import LocalGroup
+    from shoal.workers.sharp.shard_pool import LocalPool
 
     # In-process the threads take turns: the plumbing and the exactness check, not timing.
     s = SharpSettings(models=2, hidden=16, layers=6, features=8, outputs=2, batch_size=8, steps=3)
@@ -407,11 +407,11 @@ def test_sharp_bench_in_process_trains_every_variant_to_the_same_losses(tmp_path
 def test_sharp_bench_on_the_gpu_trains_every_variant_to_the_same_losses(tmp_path: Path) -> None:
     """``shoal bench sharp --device cuda``'s real half in-process: two devices on the GPU,
     each under one model, so every shard comes in from pinned host memory."""
-    from scheduler.devices import Device
-    from service.bench.report import SharpSettings
-    from service.bench.sharp import measure
-    from workers.pipeline.local_group import LocalGroup
-    from workers.sharp.shard_pool import LocalPool
+    from shoal.scheduler.devices import Device
+    from shoal.service.bench.report import SharpSettings
+    from shoal.service.bench.sharp import measure
+    from shoal.workers.pipeline.local_group import LocalGroup
+    from shoal.workers.sharp.shard_pool import LocalPool
 
     s = SharpSettings(
         device="cuda",
@@ -433,9 +433,9 @@ def test_sharp_bench_on_the_gpu_trains_every_variant_to_the_same_losses(tmp_path
 
 @pytest.mark.unit
 def test_bench_sharp_prints_a_table_or_json(monkeypatch: pytest.MonkeyPatch) -> None:
-    from service.bench import local
-    from service.bench import sharp as sharp_bench
-    from service.bench.report import SharpSettings, sharp_result
+    from shoal.service.bench import local
+    from shoal.service.bench import sharp as sharp_bench
+    from shoal.service.bench.report import SharpSettings, sharp_result
 
     class NoCluster:
         """Stands in for the local Ray cluster the command starts."""

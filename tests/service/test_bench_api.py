@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-from service.bench.api import (
+from shoal.service.bench.api import (
     API_KEYS,
     ApiSettings,
     Samples,
@@ -19,7 +19,7 @@ from service.bench.api import (
     run_api_bench,
     server_errors,
 )
-from service.cli import cli
+from shoal.service.cli import cli
 
 # 30 keys make 60 submissions at once, more than the 40 request threads and their 40 pooled
 # connections: the run passes only if no request holds a connection while it waits for

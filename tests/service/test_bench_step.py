@@ -11,8 +11,8 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from scheduler.copies import LONGEST_INTERVAL
-from service.bench.step_settings import (
+from shoal.scheduler.copies import LONGEST_INTERVAL
+from shoal.service.bench.step_settings import (
     DEFAULT_SIZE,
     STEP_KEYS,
     StepSettings,
@@ -20,7 +20,7 @@ from service.bench.step_settings import (
     step_result,
     step_seconds,
 )
-from service.cli import cli
+from shoal.service.cli import cli
 
 TINY = StepSettings(model="gpt", size="tiny", steps=1, warmup=1, repeats=2)
 
@@ -104,8 +104,8 @@ def test_result_has_the_keys_first_and_consistent_ratios() -> None:
 def test_the_plain_loop_trains_exactly_as_the_reference(
     model: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from service.bench.step import plain_step_times, refs
-    from workers.reference import train_reference
+    from shoal.service.bench.step import plain_step_times, refs
+    from shoal.workers.reference import train_reference
 
     s = StepSettings(model=model, size="tiny", steps=2, warmup=1, repeats=2)
     threads = torch.get_num_threads()
@@ -134,7 +134,7 @@ def test_the_plain_loop_trains_exactly_as_the_reference(
 @pytest.mark.integration
 @pytest.mark.slow
 def test_a_tiny_run_reports_positive_consistent_numbers(ray_address: str) -> None:
-    from service.bench.step import run_step
+    from shoal.service.bench.step import run_step
 
     s = StepSettings(model="gpt", size="tiny", stages=2, steps=1, warmup=1, repeats=2)
     seen: list[str] = []
@@ -168,7 +168,7 @@ def _no_run(settings: StepSettings, progress: Any) -> dict[str, Any]:
 
 @pytest.mark.unit
 def test_cuda_without_cuda_is_a_cli_error_not_a_traceback(monkeypatch: pytest.MonkeyPatch) -> None:
-    from service.bench import step as step_bench
+    from shoal.service.bench import step as step_bench
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(step_bench, "run_step", _no_run)
@@ -182,7 +182,7 @@ def test_cuda_without_cuda_is_a_cli_error_not_a_traceback(monkeypatch: pytest.Mo
 
 @pytest.mark.unit
 def test_bench_step_prints_a_table_or_json(monkeypatch: pytest.MonkeyPatch) -> None:
-    from service.bench import step as step_bench
+    from shoal.service.bench import step as step_bench
 
     asked: list[StepSettings] = []
 

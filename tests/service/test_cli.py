@@ -18,11 +18,11 @@ from click.testing import CliRunner, Result
 from fastapi import Depends, FastAPI, Header, HTTPException, Query, Request
 from fastapi.responses import JSONResponse
 
-from service.cli import cli
-from service.cli.specfile import load_spec
-from service.client import ApiError, ClientConfig, ShoalClient, resolve_config, write_config
-from service.server import serving
-from service.settings import Settings
+from shoal.service.cli import cli
+from shoal.service.cli.specfile import load_spec
+from shoal.service.client import ApiError, ClientConfig, ShoalClient, resolve_config, write_config
+from shoal.service.server import serving
+from shoal.service.settings import Settings
 
 TOKEN = "shoal_test-token"
 EPOCH = datetime(2030, 1, 1, tzinfo=UTC)
@@ -361,7 +361,7 @@ def test_bad_spec_files_are_one_line_errors_with_exit_code_2(
 @pytest.mark.unit
 @pytest.mark.parametrize("name", ["mlp-digits.yaml", "gpt-pysource.yaml"])
 def test_examples_are_valid_job_specs(name: str) -> None:
-    from service.specs import complete_job_spec, parse_job_spec
+    from shoal.service.specs import complete_job_spec, parse_job_spec
 
     spec = load_spec(Path(__file__).parents[2] / "examples" / name)
     accepted = complete_job_spec(parse_job_spec(spec), allowed_factories=[])
@@ -717,8 +717,8 @@ def test_devices_table_and_json(api: str) -> None:
 
 @pytest.mark.integration
 def test_token_create_makes_a_working_token_and_db_upgrade_is_idempotent(home: Path) -> None:
-    from service.auth import authenticate
-    from service.db.session import make_engine, make_session_factory
+    from shoal.service.auth import authenticate
+    from shoal.service.db.session import make_engine, make_session_factory
 
     assert shoal("db", "upgrade").stdout == "the database schema is up to date\n"
     result = shoal("token", "create", "--user", "ada")
@@ -738,8 +738,8 @@ def test_token_create_makes_a_working_token_and_db_upgrade_is_idempotent(home: P
 def test_token_revoke_takes_the_token_from_stdin_and_refuses_it_from_then_on(
     home: Path,
 ) -> None:
-    from service.auth import authenticate
-    from service.db.session import make_engine, make_session_factory
+    from shoal.service.auth import authenticate
+    from shoal.service.db.session import make_engine, make_session_factory
 
     secret = shoal("token", "create", "--user", "ada").stdout.strip()
     revoked = shoal("token", "revoke", input=secret + "\n")
@@ -799,7 +799,7 @@ def test_up_refuses_bad_options_before_starting_anything(
 def test_up_with_a_ray_address_prepares_home_and_serves(
     home: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import service.server
+    import shoal.service.server
 
     served: list[Settings] = []
 
@@ -807,7 +807,7 @@ def test_up_with_a_ray_address_prepares_home_and_serves(
         served.append(settings)
         raise KeyboardInterrupt  # Ctrl-C: `up` ends quietly
 
-    monkeypatch.setattr(service.server, "serve", serve)
+    monkeypatch.setattr(shoal.service.server, "serve", serve)
     result = shoal("up", "--ray-address", "10.0.0.9:6379", "--port", "0", "--host", "127.0.0.1")
     assert result.exit_code == 0, result.output
     (settings,) = served

@@ -15,10 +15,10 @@ import pytest
 from fastapi import Depends, FastAPI, Header, HTTPException, Request
 from fastapi.responses import JSONResponse
 
-from api.schemas import TRIAL_STATES, SweepOut, SweepPage, SweepSummaryOut
-from service.cli.specfile import load_spec
-from service.client import ShoalClient
-from service.server import serving
+from shoal.api.schemas import TRIAL_STATES, SweepOut, SweepPage, SweepSummaryOut
+from shoal.service.cli.specfile import load_spec
+from shoal.service.client import ShoalClient
+from shoal.service.server import serving
 from tests.factories import sweep_spec
 from tests.service.test_cli import TOKEN, cells, shoal, write
 
@@ -245,7 +245,7 @@ def test_a_sweep_file_that_is_not_a_mapping_is_exit_code_2(api: str, tmp_path: P
 
 
 def test_the_example_sweep_is_valid() -> None:
-    from service.sweepspec import validate_sweep_spec
+    from shoal.service.sweepspec import validate_sweep_spec
 
     path = Path(__file__).parents[2] / "examples" / "sweep-digits.yaml"
     accepted = validate_sweep_spec(load_spec(path, "sweep"), allowed_factories=[])

@@ -10,8 +10,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from service import client as client_module
-from service.client import RETRY_WAITS_S, ApiError, ShoalClient
+from shoal.service import client as client_module
+from shoal.service.client import RETRY_WAITS_S, ApiError, ShoalClient
 
 pytestmark = pytest.mark.unit
 

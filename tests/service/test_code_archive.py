@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from service.code_archive import ArchiveError, inspect_archive, pack_directory
-from service.code_store import CodeNotFound, CodeStore
+from shoal.service.code_archive import ArchiveError, inspect_archive, pack_directory
+from shoal.service.code_store import CodeNotFound, CodeStore
 
 
 def folder(tmp_path: Path) -> Path:

@@ -16,24 +16,24 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from scheduler.devices import (
+from shoal.scheduler.devices import (
     DEVICE_RESOURCE,
     LABEL_KIND,
     LABEL_MEMORY_MB,
     UNMEASURED_GPU_OVERHEAD_MB,
     NodeInfo,
 )
-from scheduler.placement import Quota
-from service.auth import Principal
-from service.cluster import Cluster, InProcessCluster, RayCluster
-from service.controller import Controller, ControllerConfig
-from service.db.models import Checkpoint, DeviceRow, Job, JobEvent, JobMetric, User
-from service.db.session import SessionFactory
-from service.jobs import request_cancel, restart_job, submit_job, transition
-from service.lifecycle import JobState
-from service.specs import validate_job_spec
+from shoal.scheduler.placement import Quota
+from shoal.service.auth import Principal
+from shoal.service.cluster import Cluster, InProcessCluster, RayCluster
+from shoal.service.controller import Controller, ControllerConfig
+from shoal.service.db.models import Checkpoint, DeviceRow, Job, JobEvent, JobMetric, User
+from shoal.service.db.session import SessionFactory
+from shoal.service.jobs import request_cancel, restart_job, submit_job, transition
+from shoal.service.lifecycle import JobState
+from shoal.service.specs import validate_job_spec
+from shoal.workers.checkpoints import CheckpointStore
 from tests.factories import job_spec
-from workers.checkpoints import CheckpointStore
 
 pytestmark = pytest.mark.integration
 
@@ -398,8 +398,8 @@ def test_a_lost_stage_worker_recovers_on_the_devices_left_and_stays_exact(
     import os
     import signal
 
-    from workers.reference import train_reference
-    from workers.snapshot import DataRef, ModelRef, OptimizerConf
+    from shoal.workers.reference import train_reference
+    from shoal.workers.snapshot import DataRef, ModelRef, OptimizerConf
 
     controller = make_controller(session_factory, RayCluster(ray_address, timeout_s=30), tmp_path)
     every, steps = 10, 200
@@ -542,8 +542,8 @@ def losses_of(factory: SessionFactory, job_id: str) -> list[tuple[int, float]]:
 
 
 def reference_losses(steps: int, micro_batches: int) -> list[float]:
-    from workers.reference import train_reference
-    from workers.snapshot import DataRef, ModelRef, OptimizerConf
+    from shoal.workers.reference import train_reference
+    from shoal.workers.snapshot import DataRef, ModelRef, OptimizerConf
 
     base = job_spec()
     return train_reference(
@@ -792,8 +792,8 @@ def test_a_node_ray_drains_is_left_by_its_jobs_without_losing_a_step(
 def test_a_step_replayed_within_one_report_is_stored_once_as_rerun(
     session_factory: SessionFactory,
 ) -> None:
-    from service.reports import persist_report
-    from workers.snapshot import RunnerReport, RunStatus, StepMetrics
+    from shoal.service.reports import persist_report
+    from shoal.workers.snapshot import RunnerReport, RunStatus, StepMetrics
 
     who = owner(session_factory)
     job_id = submit(session_factory, who)
@@ -816,9 +816,9 @@ def test_a_step_replayed_within_one_report_is_stored_once_as_rerun(
 def test_a_device_overhead_a_worker_measured_is_kept_with_the_device(
     session_factory: SessionFactory, tmp_path: Path
 ) -> None:
-    from service.jobs import largest_device_mb
-    from service.reports import persist_report
-    from workers.snapshot import RunnerEvent, RunnerReport, RunStatus
+    from shoal.service.jobs import largest_device_mb
+    from shoal.service.reports import persist_report
+    from shoal.workers.snapshot import RunnerEvent, RunnerReport, RunStatus
 
     controller = make_controller(session_factory, InProcessCluster(NODES), tmp_path)
     controller.reconcile_once()  # the inventory: the node's two devices
@@ -855,8 +855,8 @@ def test_devices_are_planned_around_their_measured_overhead_or_a_gpus_estimate(
     """What the controller plans with (placement, resizes, a sweep's shard budgets) and the
     submission check: each device less what a worker measured it to hold, or, before any
     has, less the estimate on a GPU (a CPU device's memory is the host's: nothing)."""
-    from service.inventory import inventory, sync_devices
-    from service.jobs import largest_device_mb
+    from shoal.service.inventory import inventory, sync_devices
+    from shoal.service.jobs import largest_device_mb
 
     gpu = NodeInfo("e" * 56, True, {"GPU": 1.0}, {LABEL_MEMORY_MB: "81559"})
     nodes = [*NODES, gpu]

@@ -7,12 +7,12 @@ from datetime import UTC, datetime
 import pytest
 import sqlalchemy as sa
 
-from service.auth import authenticate, create_token
-from service.db.models import Job
-from service.db.session import SessionFactory, transaction
-from service.feed import read_changes, start_cursor
-from service.jobs import add_event, add_job
-from service.specs import validate_job_spec
+from shoal.service.auth import authenticate, create_token
+from shoal.service.db.models import Job
+from shoal.service.db.session import SessionFactory, transaction
+from shoal.service.feed import read_changes, start_cursor
+from shoal.service.jobs import add_event, add_job
+from shoal.service.specs import validate_job_spec
 from tests.factories import job_spec
 
 pytestmark = pytest.mark.integration

@@ -12,12 +12,12 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
-from service.auth import Principal, authenticate, create_token
-from service.db.models import JobEvent, utcnow
-from service.db.session import SessionFactory, transaction
-from service.feed import SETTLE, Change, Cursor, read_changes, start_cursor
-from service.jobs import add_event, add_job
-from service.specs import AcceptedSpec, validate_job_spec
+from shoal.service.auth import Principal, authenticate, create_token
+from shoal.service.db.models import JobEvent, utcnow
+from shoal.service.db.session import SessionFactory, transaction
+from shoal.service.feed import SETTLE, Change, Cursor, read_changes, start_cursor
+from shoal.service.jobs import add_event, add_job
+from shoal.service.specs import AcceptedSpec, validate_job_spec
 from tests.factories import job_spec
 
 pytestmark = pytest.mark.integration

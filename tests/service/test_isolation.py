@@ -14,19 +14,19 @@ from typing import Any
 
 import pytest
 
-from scheduler.devices import DEVICE_RESOURCE, NodeInfo
-from service.auth import Principal
-from service.cluster import InProcessCluster
-from service.controller import Controller
-from service.db.models import Job, Sweep, User
-from service.db.session import SessionFactory, transaction
-from service.jobs import submit_job
-from service.specs import validate_job_spec
-from service.sweeps import list_trials, submit_sweep, trial_state
-from service.sweepspec import validate_sweep_spec
+from shoal.scheduler.devices import DEVICE_RESOURCE, NodeInfo
+from shoal.service.auth import Principal
+from shoal.service.cluster import InProcessCluster
+from shoal.service.controller import Controller
+from shoal.service.db.models import Job, Sweep, User
+from shoal.service.db.session import SessionFactory, transaction
+from shoal.service.jobs import submit_job
+from shoal.service.specs import validate_job_spec
+from shoal.service.sweeps import list_trials, submit_sweep, trial_state
+from shoal.service.sweepspec import validate_sweep_spec
+from shoal.workers.snapshot import RunnerReport
 from tests.factories import job_spec, sweep_spec
 from tests.service.test_controller import NODES, make_controller
-from workers.snapshot import RunnerReport
 
 pytestmark = pytest.mark.integration
 

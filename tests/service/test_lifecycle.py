@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from service.lifecycle import TRANSITIONS, InvalidTransition, JobState, check_transition
+from shoal.service.lifecycle import TRANSITIONS, InvalidTransition, JobState, check_transition
 
 pytestmark = pytest.mark.unit
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from scheduler.devices import (
+from shoal.scheduler.devices import (
     DEVICE_RESOURCE,
     LABEL_KIND,
     LABEL_MEMORY_MB,
@@ -24,11 +24,11 @@ from scheduler.devices import (
     NodeInfo,
     inventory,
 )
-from service.devicespec import DeviceSpecError, VirtualNode, parse_devices
-from service.localray import LocalRay, LocalRayError, free_port, node_command
-from service.localray_record import RECORD, ClusterRecord, NodeRecord, ProcessId
-from service.nodeprocs import kill_session
-from service.settings import DEFAULT_DEVICES
+from shoal.service.devicespec import DeviceSpecError, VirtualNode, parse_devices
+from shoal.service.localray import LocalRay, LocalRayError, free_port, node_command
+from shoal.service.localray_record import RECORD, ClusterRecord, NodeRecord, ProcessId
+from shoal.service.nodeprocs import kill_session
+from shoal.service.settings import DEFAULT_DEVICES
 
 
 @pytest.mark.unit

@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from service.auth import Principal
-from service.db.models import User
-from service.db.session import SessionFactory, transaction
-from service.jobs import add_event, submit_job
-from service.server import configure_logging
-from service.settings import Settings
-from service.specs import validate_job_spec
+from shoal.service.auth import Principal
+from shoal.service.db.models import User
+from shoal.service.db.session import SessionFactory, transaction
+from shoal.service.jobs import add_event, submit_job
+from shoal.service.server import configure_logging
+from shoal.service.settings import Settings
+from shoal.service.specs import validate_job_spec
 from tests.factories import job_spec
 
 
@@ -52,4 +52,4 @@ def test_a_committed_job_event_is_a_json_log_line_with_its_job_id(
 
     logged = [line for line in lines(json_logs.getvalue()) if line.get("job_id") == job.id]
     assert [(line["event"], line["level"]) for line in logged] == [("state", "INFO")]
-    assert "submitted" in str(logged[0]["message"]) and logged[0]["logger"] == "service.jobs"
+    assert "submitted" in str(logged[0]["message"]) and logged[0]["logger"] == "shoal.service.jobs"

@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from service.memo import OnceEach
+from shoal.service.memo import OnceEach
 
 
 def test_threads_asking_at_once_share_one_computation() -> None:

@@ -9,8 +9,8 @@ from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from alembic.script import ScriptDirectory
 
-from service.db.models import Base
-from service.db.session import alembic_config, make_engine, migrate
+from shoal.service.db.models import Base
+from shoal.service.db.session import alembic_config, make_engine, migrate
 
 pytestmark = pytest.mark.integration
 

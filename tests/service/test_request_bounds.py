@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 
-from service.memo import OnceEach
-from service.spec_errors import SpecError
-from service.sweepspec import (
+from shoal.service.memo import OnceEach
+from shoal.service.spec_errors import SpecError
+from shoal.service.sweepspec import (
     MAX_CHECKED_BLOCKS,
     MAX_GRID,
     ParamSpec,
@@ -34,9 +34,9 @@ MAX_GROWTH_MIB = 64
 
 _CHECK = r"""
 import json, resource, sys, time
-from service.spec_errors import SpecError
-from service.specs import validate_job_spec
-from service.sweepspec import validate_sweep_spec
+from shoal.service.spec_errors import SpecError
+from shoal.service.specs import validate_job_spec
+from shoal.service.sweepspec import validate_sweep_spec
 
 def kib(field):
     for line in open("/proc/self/status"):

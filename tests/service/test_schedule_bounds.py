@@ -6,9 +6,9 @@ import time
 
 import pytest
 
-from service.db.models import Job
-from service.jobs import JobConflict
-from service.layouts import MAX_DRAWN_MICRO_BATCHES, pipeline_schedule
+from shoal.service.db.models import Job
+from shoal.service.jobs import JobConflict
+from shoal.service.layouts import MAX_DRAWN_MICRO_BATCHES, pipeline_schedule
 from tests.factories import job_spec
 
 pytestmark = pytest.mark.unit

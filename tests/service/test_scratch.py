@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from service.db.scratch import create_database, drop_database
+from shoal.service.db.scratch import create_database, drop_database
 
 pytestmark = pytest.mark.unit
 

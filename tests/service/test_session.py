@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from service.db.session import make_engine, migrate
+from shoal.service.db.session import make_engine, migrate
 
 
 def _mode(path: Path) -> int:

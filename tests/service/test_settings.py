@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from pydantic import SecretStr
 
-from service.settings import Settings
+from shoal.service.settings import Settings
 
 
 def test_settings_survive_the_trip_through_the_environment(

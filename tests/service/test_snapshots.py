@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from service.db.models import Job
-from service.snapshots import build_snapshot
-from service.specs import validate_job_spec
+from shoal.service.db.models import Job
+from shoal.service.snapshots import build_snapshot
+from shoal.service.specs import validate_job_spec
+from shoal.workers.pipeline.stage_types import StageSetup
+from shoal.workers.snapshot import JobSnapshot
+from shoal.workers.zoo.data import make_data
 from tests.factories import device, job_spec
-from workers.pipeline.stage_types import StageSetup
-from workers.snapshot import JobSnapshot
-from workers.zoo.data import make_data
 
 pytestmark = pytest.mark.unit
 

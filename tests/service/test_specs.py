@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from service.spec_errors import SpecError
-from service.specs import validate_job_spec
+from shoal.service.spec_errors import SpecError
+from shoal.service.specs import validate_job_spec
 from tests.factories import job_spec
 
 pytestmark = pytest.mark.unit
@@ -169,16 +169,16 @@ def test_replicas_that_cannot_run_are_refused_with_numbers(
 def test_a_model_is_traced_once_whatever_else_the_specs_change(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import workers.profiler
+    import shoal.workers.profiler
 
     traced = []
-    trace_costs = workers.profiler.trace_costs
+    trace_costs = shoal.workers.profiler.trace_costs
 
     def counting(*args: Any, **kwargs: Any) -> Any:
         traced.append(kwargs["micro_batch_size"])
         return trace_costs(*args, **kwargs)
 
-    monkeypatch.setattr(workers.profiler, "trace_costs", counting)
+    monkeypatch.setattr(shoal.workers.profiler, "trace_costs", counting)
     model = {"builtin": "mlp", "config": {"hidden": 37, "layers": 3}}  # no other test's
     first = validate_job_spec(job_spec(model=model, name="a", steps=5), [])
     again = validate_job_spec(job_spec(model=model, name="b", steps=9, seed=3), [])
@@ -204,12 +204,14 @@ def test_names_within_the_rules_are_accepted(name: str) -> None:
 def test_a_built_in_model_that_does_not_trace_is_a_spec_error_not_a_crash(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import workers.profiler
+    import shoal.workers.profiler
 
     def fails(*args: Any, **kwargs: Any) -> Any:
-        raise workers.profiler.TraceError("RuntimeError: mat1 and mat2 shapes cannot be multiplied")
+        raise shoal.workers.profiler.TraceError(
+            "RuntimeError: mat1 and mat2 shapes cannot be multiplied"
+        )
 
-    monkeypatch.setattr(workers.profiler, "trace_costs", fails)
+    monkeypatch.setattr(shoal.workers.profiler, "trace_costs", fails)
     model = {"builtin": "mlp", "config": {"hidden": 41}}  # no other test's: not a cached trace
     with pytest.raises(SpecError) as info:
         validate_job_spec(job_spec(model=model), [])

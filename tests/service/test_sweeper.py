@@ -14,11 +14,11 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from scheduler.devices import DEVICE_RESOURCE, Device, NodeInfo
-from service.auth import Principal
-from service.cluster import InProcessCluster
-from service.controller import Controller
-from service.db.models import (
+from shoal.scheduler.devices import DEVICE_RESOURCE, Device, NodeInfo
+from shoal.service.auth import Principal
+from shoal.service.cluster import InProcessCluster
+from shoal.service.controller import Controller
+from shoal.service.db.models import (
     Checkpoint,
     DeviceRow,
     Job,
@@ -28,15 +28,15 @@ from service.db.models import (
     Trial,
     User,
 )
-from service.db.session import SessionFactory, transaction
-from service.jobs import restart_job
-from service.sweeps import list_trials, request_cancel, submit_sweep, trial_state
-from service.sweepspec import validate_sweep_spec
+from shoal.service.db.session import SessionFactory, transaction
+from shoal.service.jobs import restart_job
+from shoal.service.sweeps import list_trials, request_cancel, submit_sweep, trial_state
+from shoal.service.sweepspec import validate_sweep_spec
+from shoal.workers.reference import train_reference
+from shoal.workers.sharp.shard_pool import HostLost, LocalPool, _Local
+from shoal.workers.snapshot import DataRef, ModelRef, OptimizerConf
 from tests.factories import sweep_spec
 from tests.service.test_controller import NODES, make_controller, owner, reconcile_until
-from workers.reference import train_reference
-from workers.sharp.shard_pool import HostLost, LocalPool, _Local
-from workers.snapshot import DataRef, ModelRef, OptimizerConf
 
 pytestmark = pytest.mark.integration
 

@@ -10,9 +10,9 @@ import yaml
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from service.spec_errors import SpecError
-from service.specs import parse_job_spec, validate_job_spec
-from service.sweepspec import (
+from shoal.service.spec_errors import SpecError
+from shoal.service.specs import parse_job_spec, validate_job_spec
+from shoal.service.sweepspec import (
     MAX_SWEEP_NAME,
     MAX_TRIALS,
     parse_sweep_spec,

@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from service.sweepspec import SweepSpec
-from service.tuner import Tuner
+from shoal.service.sweepspec import SweepSpec
+from shoal.service.tuner import Tuner
 from tests.factories import sweep_spec
 
 pytestmark = pytest.mark.unit

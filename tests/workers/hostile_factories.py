@@ -16,8 +16,8 @@ from typing import Any
 from torch import nn
 
 import tests.workers.test_factories as factories_module
+from shoal.workers.zoo.registry import DataMeta
 from tests.workers.test_factories import SumData, sum_data, tiny_mlp
-from workers.zoo.registry import DataMeta
 
 CALLS: list[str] = []
 NOT_CALLABLE = 42

@@ -8,10 +8,10 @@ from typing import Any
 import pytest
 import torch
 
-from workers.checkpoints import CheckpointStore
-from workers.pipeline.runner import Trainer
-from workers.reference import ReferenceResult, train_reference
-from workers.snapshot import JobSnapshot, StepMetrics
+from shoal.workers.checkpoints import CheckpointStore
+from shoal.workers.pipeline.runner import Trainer
+from shoal.workers.reference import ReferenceResult, train_reference
+from shoal.workers.snapshot import JobSnapshot, StepMetrics
 
 
 def final_states(snap: JobSnapshot) -> dict[int, dict[str, Any]]:

@@ -12,16 +12,16 @@ from __future__ import annotations
 
 import torch
 
-from scheduler.devices import Device
-from scheduler.memory import in_flight, stage_memory
-from scheduler.sharp import Shard, shard_model
+from shoal.scheduler.devices import Device
+from shoal.scheduler.memory import in_flight, stage_memory
+from shoal.scheduler.sharp import Shard, shard_model
+from shoal.workers.pipeline.stage_types import StageSetup
+from shoal.workers.profiler import trace_costs
+from shoal.workers.sharp.shard_host import ShardHost, ShardKey
+from shoal.workers.snapshot import DataRef, ModelRef, OptimizerConf
+from shoal.workers.wire import Wire, send
+from shoal.workers.zoo.data import make_data
 from tests.workers.memory_cases import MICRO_BATCHES
-from workers.pipeline.stage_types import StageSetup
-from workers.profiler import trace_costs
-from workers.sharp.shard_host import ShardHost, ShardKey
-from workers.snapshot import DataRef, ModelRef, OptimizerConf
-from workers.wire import Wire, send
-from workers.zoo.data import make_data
 
 GPT = (
     ModelRef("gpt", None, {"d_model": 512, "n_layers": 8, "n_heads": 8}),

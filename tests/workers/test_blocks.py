@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from workers.blocks import Block, make_optimizer
-from workers.snapshot import OptimizerConf
+from shoal.workers.blocks import Block, make_optimizer
+from shoal.workers.snapshot import OptimizerConf
 
 pytestmark = pytest.mark.unit
 

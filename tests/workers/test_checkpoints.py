@@ -15,11 +15,11 @@ import pytest
 import torch
 from torch import nn
 
-from scheduler.devices import Device
-from workers import checkpoints
-from workers.blocks import Block
-from workers.checkpoints import MANIFEST, CheckpointError, CheckpointStore
-from workers.snapshot import OptimizerConf, StagePlan
+from shoal.scheduler.devices import Device
+from shoal.workers import checkpoints
+from shoal.workers.blocks import Block
+from shoal.workers.checkpoints import MANIFEST, CheckpointError, CheckpointStore
+from shoal.workers.snapshot import OptimizerConf, StagePlan
 
 pytestmark = pytest.mark.unit
 

@@ -8,12 +8,12 @@ from typing import Any
 import pytest
 import torch
 
+from shoal.workers.factories import FactoryError
+from shoal.workers.snapshot import DataRef
+from shoal.workers.zoo import data as data_module
+from shoal.workers.zoo.data import DataSource, loss_fn, make_data
+from shoal.workers.zoo.registry import DATASETS, RegistryError
 from tests.factories import BUILTIN_DATA as BUILTINS
-from workers.factories import FactoryError
-from workers.snapshot import DataRef
-from workers.zoo import data as data_module
-from workers.zoo.data import DataSource, loss_fn, make_data
-from workers.zoo.registry import DATASETS, RegistryError
 
 pytestmark = pytest.mark.unit
 

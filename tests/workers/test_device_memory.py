@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from scheduler.devices import Device
-from workers.device_memory import (
+from shoal.scheduler.devices import Device
+from shoal.workers.device_memory import (
     Overhead,
     device_memory_event,
     measure_overhead,

@@ -17,8 +17,8 @@ import pytest
 import torch
 from torch import nn
 
-from workers.factories import FactoryError, check_allowed, load_callable
-from workers.zoo.registry import DataMeta
+from shoal.workers.factories import FactoryError, check_allowed, load_callable
+from shoal.workers.zoo.registry import DataMeta
 
 pytestmark = pytest.mark.unit
 

@@ -15,7 +15,7 @@ SIZE_MB = 20
 _ROUNDS = textwrap.dedent(
     f"""
     import ctypes, resource, sys, threading
-    from workers.host_memory import retain_freed_memory
+    from shoal.workers.host_memory import retain_freed_memory
     mode, where, count = sys.argv[1], sys.argv[2], int(sys.argv[3])
     if mode == "retain":
         assert retain_freed_memory()
@@ -79,6 +79,6 @@ def test_a_thread_keeps_its_freed_heaps() -> None:
 
 
 def test_retaining_twice_answers_the_first_time() -> None:
-    from workers.host_memory import retain_freed_memory
+    from shoal.workers.host_memory import retain_freed_memory
 
     assert retain_freed_memory() is retain_freed_memory()

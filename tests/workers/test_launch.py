@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from scheduler.devices import DEVICE_RESOURCE, Device
-from workers.actors import find_runner, kill_runner, runner_name, start_runner
-from workers.snapshot import (
+from shoal.scheduler.devices import DEVICE_RESOURCE, Device
+from shoal.workers.actors import find_runner, kill_runner, runner_name, start_runner
+from shoal.workers.snapshot import (
     DataRef,
     JobSnapshot,
     ModelRef,

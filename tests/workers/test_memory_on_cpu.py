@@ -20,15 +20,15 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from scheduler.devices import Device
-from scheduler.memory import format_bytes, in_flight, stage_memory
+from shoal.scheduler.devices import Device
+from shoal.scheduler.memory import format_bytes, in_flight, stage_memory
+from shoal.workers.pipeline.stage import Stage
+from shoal.workers.pipeline.stage_types import StageSetup
+from shoal.workers.profiler import trace_costs
+from shoal.workers.snapshot import DataRef, ModelRef, OptimizerConf, StagePlan
+from shoal.workers.wire import send
+from shoal.workers.zoo.data import make_data
 from tests.workers.memory_cases import CASES, MICRO_BATCHES
-from workers.pipeline.stage import Stage
-from workers.pipeline.stage_types import StageSetup
-from workers.profiler import trace_costs
-from workers.snapshot import DataRef, ModelRef, OptimizerConf, StagePlan
-from workers.wire import send
-from workers.zoo.data import make_data
 
 pytestmark = pytest.mark.unit
 

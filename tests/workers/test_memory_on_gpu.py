@@ -17,15 +17,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from scheduler.devices import Device
-from scheduler.memory import format_bytes, in_flight, stage_memory
+from shoal.scheduler.devices import Device
+from shoal.scheduler.memory import format_bytes, in_flight, stage_memory
+from shoal.workers.pipeline.local_group import LocalGroup
+from shoal.workers.pipeline.runner import Trainer
+from shoal.workers.profiler import trace_costs
+from shoal.workers.snapshot import DataRef, ModelRef, OptimizerConf, RunStatus, StagePlan
 from tests.factories import job
 from tests.workers.memory_cases import CASES, MICRO_BATCHES
 from tests.workers.sharp_memory import alternate
-from workers.pipeline.local_group import LocalGroup
-from workers.pipeline.runner import Trainer
-from workers.profiler import trace_costs
-from workers.snapshot import DataRef, ModelRef, OptimizerConf, RunStatus, StagePlan
 
 pytestmark = [
     pytest.mark.gpu,

@@ -10,8 +10,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from workers.model_file import FORMAT, model_tensors, write_model_file
-from workers.zoo.whole import build_model
+from shoal.workers.model_file import FORMAT, model_tensors, write_model_file
+from shoal.workers.zoo.whole import build_model
 
 MODEL = {"builtin": "mlp", "config": {"hidden": 16, "layers": 2}}
 DATA = {"builtin": "synthetic-regression", "config": {"features": 8, "outputs": 2}}

@@ -8,11 +8,11 @@ import pytest
 import torch
 from torch import nn
 
-from workers.factories import FactoryError
-from workers.snapshot import DataRef, ModelRef
-from workers.zoo.data import make_data
-from workers.zoo.models import build_blocks, count_blocks
-from workers.zoo.registry import MODELS, DataMeta, RegistryError, resolve_model
+from shoal.workers.factories import FactoryError
+from shoal.workers.snapshot import DataRef, ModelRef
+from shoal.workers.zoo.data import make_data
+from shoal.workers.zoo.models import build_blocks, count_blocks
+from shoal.workers.zoo.registry import MODELS, DataMeta, RegistryError, resolve_model
 
 pytestmark = pytest.mark.unit
 

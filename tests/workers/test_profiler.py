@@ -8,13 +8,13 @@ import pytest
 import torch
 from torch.autograd.graph import saved_tensors_hooks
 
-from scheduler.memory import FLOAT_BYTES
-from scheduler.profile import REFERENCE_GFLOPS
-from workers.profiler import TraceError, trace_costs
-from workers.snapshot import DataRef, ModelRef
-from workers.zoo.data import make_data
-from workers.zoo.models import build_blocks
-from workers.zoo.registry import resolve_model
+from shoal.scheduler.memory import FLOAT_BYTES
+from shoal.scheduler.profile import REFERENCE_GFLOPS
+from shoal.workers.profiler import TraceError, trace_costs
+from shoal.workers.snapshot import DataRef, ModelRef
+from shoal.workers.zoo.data import make_data
+from shoal.workers.zoo.models import build_blocks
+from shoal.workers.zoo.registry import resolve_model
 
 pytestmark = pytest.mark.unit
 
@@ -144,7 +144,7 @@ def test_bf16_traces_what_autocast_keeps_without_the_weight_copies() -> None:
 def test_attention_called_by_keyword_counts_alike() -> None:
     """A model may name the query, key and value: the trace counts that call as it counts
     a positional one."""
-    from workers.profiler import _attention_inputs
+    from shoal.workers.profiler import _attention_inputs
 
     q, k, v = (torch.empty(1, device="meta") for _ in range(3))
     assert _attention_inputs((q,), {"key": k, "value": v}) == (q, k, v)

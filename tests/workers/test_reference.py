@@ -8,10 +8,10 @@ from typing import Any
 import pytest
 import torch
 
-from workers.blocks import Block
-from workers.reference import train_reference
-from workers.snapshot import DataRef, ModelRef, OptimizerConf
-from workers.zoo.data import loss_fn, make_data
+from shoal.workers.blocks import Block
+from shoal.workers.reference import train_reference
+from shoal.workers.snapshot import DataRef, ModelRef, OptimizerConf
+from shoal.workers.zoo.data import loss_fn, make_data
 
 pytestmark = pytest.mark.unit
 

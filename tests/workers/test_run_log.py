@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import threading
 
-from workers.run_log import RunLog
-from workers.snapshot import RunnerEvent, RunStatus, StepMetrics
+from shoal.workers.run_log import RunLog
+from shoal.workers.snapshot import RunnerEvent, RunStatus, StepMetrics
 
 
 def metrics(step: int) -> StepMetrics:

@@ -8,12 +8,12 @@ from typing import Any
 import pytest
 import torch
 
+from shoal.workers.snapshot import DataRef, ModelRef
+from shoal.workers.zoo import data as data_module
+from shoal.workers.zoo.data import make_data, sample_batch
+from shoal.workers.zoo.models import build_blocks, built_alike, count_blocks
+from shoal.workers.zoo.registry import DATASETS, data_meta
 from tests.factories import BUILTIN_DATA as BUILTINS
-from workers.snapshot import DataRef, ModelRef
-from workers.zoo import data as data_module
-from workers.zoo.data import make_data, sample_batch
-from workers.zoo.models import build_blocks, built_alike, count_blocks
-from workers.zoo.registry import DATASETS, data_meta
 
 pytestmark = pytest.mark.unit
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from workers.factories import FactoryError, check_allowed, load_callable
-from workers.uploaded_code import local_code
+from shoal.workers.factories import FactoryError, check_allowed, load_callable
+from shoal.workers.uploaded_code import local_code
 
 
 def folder(tmp_path: Path, body: str = "def build(config, meta):\n    return []\n") -> Path:

@@ -10,7 +10,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from workers.wire import Bits, receive, receive_tree, send, send_tree
+from shoal.workers.wire import Bits, receive, receive_tree, send, send_tree
 
 pytestmark = pytest.mark.unit
 
@@ -66,8 +66,8 @@ def test_a_row_slice_ships_only_its_rows() -> None:
 
 
 def test_a_blocks_state_travels_as_arrays_and_arrives_bitwise_with_its_versions() -> None:
-    from workers.blocks import Block
-    from workers.snapshot import OptimizerConf
+    from shoal.workers.blocks import Block
+    from shoal.workers.snapshot import OptimizerConf
 
     torch.manual_seed(0)
     module = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3)).to(torch.bfloat16)

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from workers.snapshot import RunnerEvent
+from shoal.workers.snapshot import RunnerEvent
 
 
 class CheckpointWriter:

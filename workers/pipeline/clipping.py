@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from workers.wire import Wire, receive, send
+from shoal.workers.wire import Wire, receive, send
 
 _EPS = 1e-6
 """torch's guard against dividing by a zero norm, kept so the coefficients agree."""

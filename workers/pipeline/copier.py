@@ -36,7 +36,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from workers.blocks import Block, map_tensors, tensors_in
+from shoal.workers.blocks import Block, map_tensors, tensors_in
 
 _CUDA: Any = torch.cuda  # torch's stubs leave Stream and Event untyped
 

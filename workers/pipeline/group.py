@@ -52,17 +52,17 @@ from ray.exceptions import (
     RayTaskError,
 )
 
-from workers import launch
-from workers.pipeline.stage_types import StageSetup
-from workers.pipeline.stage_worker import COPIES, LinkFailed, StageFailed
-from workers.pipeline.worker_group import (
+from shoal.workers import launch
+from shoal.workers.pipeline.stage_types import StageSetup
+from shoal.workers.pipeline.stage_worker import COPIES, LinkFailed, StageFailed
+from shoal.workers.pipeline.worker_group import (
     GroupTimeout,
     Handle,
     StageLost,
     own,
     wait_ready,
 )
-from workers.snapshot import StagePlan
+from shoal.workers.snapshot import StagePlan
 
 CANNOT_HOST = "its node is gone or cannot host it"
 """Why a stage is lost when Ray cannot place its worker or lost an object with its node."""

@@ -7,11 +7,11 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 
-from workers.pipeline.group import RayGroup
-from workers.pipeline.rebalance import snapshot_policy
-from workers.pipeline.runner import DEFAULT_STEP_TIMEOUT_S, Trainer
-from workers.pipeline.worker_group import GroupFactory
-from workers.snapshot import JobSnapshot, RunnerReport, RunStatus, StagePlan
+from shoal.workers.pipeline.group import RayGroup
+from shoal.workers.pipeline.rebalance import snapshot_policy
+from shoal.workers.pipeline.runner import DEFAULT_STEP_TIMEOUT_S, Trainer
+from shoal.workers.pipeline.worker_group import GroupFactory
+from shoal.workers.snapshot import JobSnapshot, RunnerReport, RunStatus, StagePlan
 
 
 class JobRunner:

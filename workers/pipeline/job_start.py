@@ -8,12 +8,12 @@ from collections.abc import Sequence
 from itertools import pairwise
 from typing import Any
 
-from workers.checkpoint_events import resumed_event
-from workers.checkpoints import Restorable
-from workers.device_memory import device_memory_event
-from workers.pipeline.worker_group import WorkerGroup
-from workers.run_log import RunLog
-from workers.snapshot import RunnerEvent, StagePlan
+from shoal.workers.checkpoint_events import resumed_event
+from shoal.workers.checkpoints import Restorable
+from shoal.workers.device_memory import device_memory_event
+from shoal.workers.pipeline.worker_group import WorkerGroup
+from shoal.workers.run_log import RunLog
+from shoal.workers.snapshot import RunnerEvent, StagePlan
 
 
 class PlanError(ValueError):

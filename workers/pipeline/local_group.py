@@ -8,11 +8,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from workers.pipeline.collective import sum_in_process
-from workers.pipeline.stage_types import StageSetup
-from workers.pipeline.stage_worker import StageFailed, StageWorker, one_line
-from workers.pipeline.worker_group import Handle, StageLost, own, wait_ready
-from workers.snapshot import StagePlan
+from shoal.workers.pipeline.collective import sum_in_process
+from shoal.workers.pipeline.stage_types import StageSetup
+from shoal.workers.pipeline.stage_worker import StageFailed, StageWorker, one_line
+from shoal.workers.pipeline.worker_group import Handle, StageLost, own, wait_ready
+from shoal.workers.snapshot import StagePlan
 
 
 @dataclass(frozen=True, eq=False)

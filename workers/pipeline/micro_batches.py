@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from workers.pipeline.stage_types import StageStateError
+from shoal.workers.pipeline.stage_types import StageStateError
 
 
 @dataclass

@@ -17,12 +17,12 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from scheduler.elastic import Decision, Repartition, StageSample, current_plan, decide
-from scheduler.partition import PartitionPlan
-from scheduler.profile import uniform_costs
-from scheduler.workload import DeviceCapacity, Workload
-from workers.pipeline.worker_group import Handle, WorkerGroup
-from workers.snapshot import JobSnapshot, RunnerEvent, StagePlan, StepMetrics
+from shoal.scheduler.elastic import Decision, Repartition, StageSample, current_plan, decide
+from shoal.scheduler.partition import PartitionPlan
+from shoal.scheduler.profile import uniform_costs
+from shoal.scheduler.workload import DeviceCapacity, Workload
+from shoal.workers.pipeline.worker_group import Handle, WorkerGroup
+from shoal.workers.snapshot import JobSnapshot, RunnerEvent, StagePlan, StepMetrics
 
 Policy = Callable[["Layout", Sequence[Sequence[StageSample]]], Decision]
 """Asked after a step: the running layout and the samples measured since it began."""

@@ -27,14 +27,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from scheduler.copies import CopyCadence, most_replayed
-from scheduler.layout import plan_layout
-from scheduler.profile import uniform_costs
-from scheduler.workload import Workload
-from workers.pipeline.rebalance import Layout, settle
-from workers.pipeline.stage_worker import StageFailed
-from workers.pipeline.worker_group import GroupTimeout, Handle, StageLost, WorkerGroup
-from workers.snapshot import JobSnapshot, RunnerEvent, StepMetrics, stage_plans
+from shoal.scheduler.copies import CopyCadence, most_replayed
+from shoal.scheduler.layout import plan_layout
+from shoal.scheduler.profile import uniform_costs
+from shoal.scheduler.workload import Workload
+from shoal.workers.pipeline.rebalance import Layout, settle
+from shoal.workers.pipeline.stage_worker import StageFailed
+from shoal.workers.pipeline.worker_group import GroupTimeout, Handle, StageLost, WorkerGroup
+from shoal.workers.snapshot import JobSnapshot, RunnerEvent, StepMetrics, stage_plans
 
 MIN_PING_S = 30.0
 """The least a survivor is given to answer after a loss. Its calls of the broken step that

@@ -28,33 +28,33 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from scheduler.overlap import leaves_a_core, steps_per_call
-from workers.checkpoint_events import write_checkpoint
-from workers.checkpoints import CheckpointStore
-from workers.pipeline.checkpoint_writer import CheckpointWriter
-from workers.pipeline.job_start import PlanError, announce, check_plans, restore
-from workers.pipeline.rebalance import (
+from shoal.scheduler.overlap import leaves_a_core, steps_per_call
+from shoal.workers.checkpoint_events import write_checkpoint
+from shoal.workers.checkpoints import CheckpointStore
+from shoal.workers.pipeline.checkpoint_writer import CheckpointWriter
+from shoal.workers.pipeline.job_start import PlanError, announce, check_plans, restore
+from shoal.workers.pipeline.rebalance import (
     Layout,
     Policy,
     Rebalancer,
     move_blocks,
     policy_every,
 )
-from workers.pipeline.recovery import Copies, copies_event, recover
-from workers.pipeline.stage_types import StageSetup
-from workers.pipeline.stage_worker import StageFailed
-from workers.pipeline.step_driver import Flight, finish_step, in_one_call, start_step
-from workers.pipeline.transport import LINK_TIMEOUT_S
-from workers.pipeline.worker_group import GroupFactory, StageLost, WorkerGroup
-from workers.run_log import RunLog
-from workers.snapshot import (
+from shoal.workers.pipeline.recovery import Copies, copies_event, recover
+from shoal.workers.pipeline.stage_types import StageSetup
+from shoal.workers.pipeline.stage_worker import StageFailed
+from shoal.workers.pipeline.step_driver import Flight, finish_step, in_one_call, start_step
+from shoal.workers.pipeline.transport import LINK_TIMEOUT_S
+from shoal.workers.pipeline.worker_group import GroupFactory, StageLost, WorkerGroup
+from shoal.workers.run_log import RunLog
+from shoal.workers.snapshot import (
     JobSnapshot,
     RunnerEvent,
     RunnerReport,
     RunStatus,
     StagePlan,
 )
-from workers.zoo.data import DataSource, make_data
+from shoal.workers.zoo.data import DataSource, make_data
 
 DEFAULT_STEP_TIMEOUT_S = 600.0
 """How long one step may take before the runner gives up on its stages."""

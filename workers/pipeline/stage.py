@@ -38,29 +38,29 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from scheduler.programs import programs_for
-from scheduler.types import BlockRange
-from workers.blocks import Block
-from workers.device_memory import Overhead, measure_overhead
-from workers.host_memory import retain_freed_memory
-from workers.pipeline.clipping import grad_norms, scale_grads
-from workers.pipeline.collective import GlooCollective
-from workers.pipeline.copier import Copier, Held
-from workers.pipeline.micro_batches import InFlight
-from workers.pipeline.stage_types import (
+from shoal.scheduler.programs import programs_for
+from shoal.scheduler.types import BlockRange
+from shoal.workers.blocks import Block
+from shoal.workers.device_memory import Overhead, measure_overhead
+from shoal.workers.host_memory import retain_freed_memory
+from shoal.workers.pipeline.clipping import grad_norms, scale_grads
+from shoal.workers.pipeline.collective import GlooCollective
+from shoal.workers.pipeline.copier import Copier, Held
+from shoal.workers.pipeline.micro_batches import InFlight
+from shoal.workers.pipeline.stage_types import (
     StageSetup,
     StageStateError,
     StepOutcome,
     torch_device,
 )
-from workers.pipeline.step_program import run_program
-from workers.pipeline.timing import StepClock, StepTimer
-from workers.pipeline.transport import LinkError, Links
-from workers.precision import autocast, autocast_dtype
-from workers.snapshot import StagePlan
-from workers.wire import Wire, receive, receive_tree, send, send_tree
-from workers.zoo.data import loss_fn
-from workers.zoo.models import build_blocks
+from shoal.workers.pipeline.step_program import run_program
+from shoal.workers.pipeline.timing import StepClock, StepTimer
+from shoal.workers.pipeline.transport import LinkError, Links
+from shoal.workers.precision import autocast, autocast_dtype
+from shoal.workers.snapshot import StagePlan
+from shoal.workers.wire import Wire, receive, receive_tree, send, send_tree
+from shoal.workers.zoo.data import loss_fn
+from shoal.workers.zoo.models import build_blocks
 
 _GENERATIONS = 2
 """Steps of in-memory copies kept: the last one may be incomplete when a device is lost."""

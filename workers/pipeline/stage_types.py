@@ -9,11 +9,11 @@ from dataclasses import dataclass
 
 import torch
 
-from scheduler.devices import Device
-from workers.pipeline.timing import StepClock
-from workers.snapshot import JobSnapshot, ModelRef, OptimizerConf
-from workers.wire import Wire
-from workers.zoo.registry import DataMeta
+from shoal.scheduler.devices import Device
+from shoal.workers.pipeline.timing import StepClock
+from shoal.workers.snapshot import JobSnapshot, ModelRef, OptimizerConf
+from shoal.workers.wire import Wire
+from shoal.workers.zoo.registry import DataMeta
 
 
 class StageStateError(RuntimeError):

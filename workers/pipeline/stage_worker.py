@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from workers.pipeline.stage import Stage
-from workers.pipeline.stage_types import StageSetup
-from workers.pipeline.transport import LinkError
-from workers.snapshot import StagePlan
+from shoal.workers.pipeline.stage import Stage
+from shoal.workers.pipeline.stage_types import StageSetup
+from shoal.workers.pipeline.transport import LinkError
+from shoal.workers.snapshot import StagePlan
 
 STAGE_METHODS = frozenset(
     {

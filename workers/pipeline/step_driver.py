@@ -33,15 +33,15 @@ from typing import Any
 
 from torch import Tensor
 
-from scheduler.schedules import Action, Op, build, submission_order
-from workers.pipeline.clipping import clip_coefficient
-from workers.pipeline.rebalance import Layout
-from workers.pipeline.stage_worker import StageFailed
-from workers.pipeline.timing import StepClock
-from workers.pipeline.worker_group import GroupTimeout, Handle, StageLost, WorkerGroup
-from workers.snapshot import JobSnapshot, StageTiming, StepMetrics
-from workers.wire import Wire, send
-from workers.zoo.data import DataSource
+from shoal.scheduler.schedules import Action, Op, build, submission_order
+from shoal.workers.pipeline.clipping import clip_coefficient
+from shoal.workers.pipeline.rebalance import Layout
+from shoal.workers.pipeline.stage_worker import StageFailed
+from shoal.workers.pipeline.timing import StepClock
+from shoal.workers.pipeline.worker_group import GroupTimeout, Handle, StageLost, WorkerGroup
+from shoal.workers.snapshot import JobSnapshot, StageTiming, StepMetrics
+from shoal.workers.wire import Wire, send
+from shoal.workers.zoo.data import DataSource
 
 
 @dataclass(frozen=True)

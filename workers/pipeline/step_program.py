@@ -20,10 +20,10 @@ from typing import Protocol
 
 from torch import Tensor
 
-from scheduler.programs import Flow, Post, Program, Run, Transfer, Wait
-from scheduler.schedules import Op
-from workers.pipeline.timing import StepTimer
-from workers.pipeline.transport import Links, Pending, Shape
+from shoal.scheduler.programs import Flow, Post, Program, Run, Transfer, Wait
+from shoal.scheduler.schedules import Op
+from shoal.workers.pipeline.timing import StepTimer
+from shoal.workers.pipeline.transport import Links, Pending, Shape
 
 
 class ProgramStage(Protocol):

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from workers.pipeline.collective import GroupMember
+from shoal.workers.pipeline.collective import GroupMember
 
 LINK_TIMEOUT_S = 60.0
 """How long an operation with a neighbour may wait before the link gives up on it: the

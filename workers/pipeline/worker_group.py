@@ -10,8 +10,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
-from workers.pipeline.stage_types import StageSetup
-from workers.snapshot import StagePlan
+from shoal.workers.pipeline.stage_types import StageSetup
+from shoal.workers.snapshot import StagePlan
 
 
 class StageLost(RuntimeError):

@@ -10,13 +10,13 @@ from typing import Any
 
 import torch
 
-from scheduler.devices import Device
-from workers.checkpoint_events import write_checkpoint
-from workers.checkpoints import CheckpointStore
-from workers.pipeline.stage_worker import one_line
-from workers.sharp.models import ModelRun
-from workers.snapshot import RunnerEvent, RunStatus
-from workers.wire import receive_tree
+from shoal.scheduler.devices import Device
+from shoal.workers.checkpoint_events import write_checkpoint
+from shoal.workers.checkpoints import CheckpointStore
+from shoal.workers.pipeline.stage_worker import one_line
+from shoal.workers.sharp.models import ModelRun
+from shoal.workers.snapshot import RunnerEvent, RunStatus
+from shoal.workers.wire import receive_tree
 
 Stop = Callable[[str, RunStatus, str], None]
 """How a model is ended once its tasks in flight are done: ``SharpTrainer._stop``."""

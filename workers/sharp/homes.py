@@ -7,11 +7,11 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable, Sequence
 
-from scheduler.devices import Device
-from scheduler.sharp import Shard
-from scheduler.sharp_homes import Home, home_shards, move_target
-from scheduler.types import DeviceId
-from workers.sharp.models import ModelRun
+from shoal.scheduler.devices import Device
+from shoal.scheduler.sharp import Shard
+from shoal.scheduler.sharp_homes import Home, home_shards, move_target
+from shoal.scheduler.types import DeviceId
+from shoal.workers.sharp.models import ModelRun
 
 
 def work_s(shard: Shard, steps: int) -> float:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Collection
 
-from workers.snapshot import JobSnapshot, RunStatus
+from shoal.workers.snapshot import JobSnapshot, RunStatus
 
 IDLE_WAIT_S = 1.0
 """How long the loop sleeps with nothing in flight before it looks again."""

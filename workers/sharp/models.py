@@ -9,17 +9,17 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from scheduler.copies import CopyCadence
-from scheduler.devices import Device
-from scheduler.sharp import ModelPlan, Op, Shard, ShardTask
-from workers.pipeline.recovery import copies_event
-from workers.pipeline.stage_types import StageSetup
-from workers.run_log import RunLog
-from workers.sharp.shard_host import ShardKey, Stashed
-from workers.sharp.shard_pool import Call, HostPool, await_all
-from workers.snapshot import JobSnapshot, RunnerEvent, RunStatus, StepMetrics
-from workers.wire import Wire, send
-from workers.zoo.data import DataSource
+from shoal.scheduler.copies import CopyCadence
+from shoal.scheduler.devices import Device
+from shoal.scheduler.sharp import ModelPlan, Op, Shard, ShardTask
+from shoal.workers.pipeline.recovery import copies_event
+from shoal.workers.pipeline.stage_types import StageSetup
+from shoal.workers.run_log import RunLog
+from shoal.workers.sharp.shard_host import ShardKey, Stashed
+from shoal.workers.sharp.shard_pool import Call, HostPool, await_all
+from shoal.workers.snapshot import JobSnapshot, RunnerEvent, RunStatus, StepMetrics
+from shoal.workers.wire import Wire, send
+from shoal.workers.zoo.data import DataSource
 
 Blocks = Mapping[int, Any]
 """Block states by block index (in wire form), as gathered, copied or checkpointed."""

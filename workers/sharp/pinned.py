@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-from workers.blocks import Block
+from shoal.workers.blocks import Block
 
 Slot = tuple[Callable[[], torch.Tensor], Callable[[torch.Tensor], None]]
 """One tensor of a shard's state: how to read it and how to put another in its place."""

@@ -4,14 +4,14 @@ the shards of lost devices given new homes and every shard put back to one step.
 
 from __future__ import annotations
 
-from scheduler.sharp import ModelPlan, shard_model
-from workers.checkpoint_events import resumed_event
-from workers.checkpoints import CheckpointStore
-from workers.sharp.homes import Homes
-from workers.sharp.models import Blocks, ModelRun, part
-from workers.sharp.shard_pool import Call, HostPool
-from workers.snapshot import JobSnapshot, RunStatus
-from workers.zoo.data import make_data
+from shoal.scheduler.sharp import ModelPlan, shard_model
+from shoal.workers.checkpoint_events import resumed_event
+from shoal.workers.checkpoints import CheckpointStore
+from shoal.workers.sharp.homes import Homes
+from shoal.workers.sharp.models import Blocks, ModelRun, part
+from shoal.workers.sharp.shard_pool import Call, HostPool
+from shoal.workers.snapshot import JobSnapshot, RunStatus
+from shoal.workers.zoo.data import make_data
 
 
 def arrive(snap: JobSnapshot, budget: int, order: int, homes: Homes) -> ModelRun:

@@ -26,9 +26,9 @@ from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from scheduler.copies import most_replayed
-from scheduler.devices import Device
-from scheduler.sharp import (
+from shoal.scheduler.copies import most_replayed
+from shoal.scheduler.devices import Device
+from shoal.scheduler.sharp import (
     IdleDevice,
     Op,
     Policy,
@@ -37,16 +37,16 @@ from scheduler.sharp import (
     progress,
     refine_ratio,
 )
-from scheduler.types import DeviceId
-from workers.device_memory import device_memory_event
-from workers.pipeline.stage_worker import one_line
-from workers.sharp.checkpointing import CheckpointThread
-from workers.sharp.homes import Homes
-from workers.sharp.inbox import Inbox
-from workers.sharp.models import Copying, ModelRun, Task
-from workers.sharp.placing import arrive, rehome
-from workers.sharp.shard_host import ShardFailed, ShardKey, TaskResult
-from workers.sharp.shard_pool import (
+from shoal.scheduler.types import DeviceId
+from shoal.workers.device_memory import device_memory_event
+from shoal.workers.pipeline.stage_worker import one_line
+from shoal.workers.sharp.checkpointing import CheckpointThread
+from shoal.workers.sharp.homes import Homes
+from shoal.workers.sharp.inbox import Inbox
+from shoal.workers.sharp.models import Copying, ModelRun, Task
+from shoal.workers.sharp.placing import arrive, rehome
+from shoal.workers.sharp.shard_host import ShardFailed, ShardKey, TaskResult
+from shoal.workers.sharp.shard_pool import (
     Call,
     HostLost,
     HostPool,
@@ -54,7 +54,7 @@ from workers.sharp.shard_pool import (
     PoolFactory,
     await_all,
 )
-from workers.snapshot import JobSnapshot, RunnerReport, RunStatus, StepMetrics
+from shoal.workers.snapshot import JobSnapshot, RunnerReport, RunStatus, StepMetrics
 
 DEFAULT_TASK_TIMEOUT_S = 600.0
 

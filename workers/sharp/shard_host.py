@@ -37,15 +37,15 @@ from typing import Any
 
 import torch
 
-from scheduler.devices import Device
-from workers.device_memory import Overhead, measure_overhead
-from workers.pipeline.stage import Stage
-from workers.pipeline.stage_types import StageSetup, StageStateError, torch_device
-from workers.pipeline.stage_worker import one_line
-from workers.sharp.pinned import PinnedState
-from workers.sharp.saved import MovableSaves
-from workers.snapshot import StagePlan
-from workers.wire import Wire, receive, receive_tree, send, send_tree
+from shoal.scheduler.devices import Device
+from shoal.workers.device_memory import Overhead, measure_overhead
+from shoal.workers.pipeline.stage import Stage
+from shoal.workers.pipeline.stage_types import StageSetup, StageStateError, torch_device
+from shoal.workers.pipeline.stage_worker import one_line
+from shoal.workers.sharp.pinned import PinnedState
+from shoal.workers.sharp.saved import MovableSaves
+from shoal.workers.snapshot import StagePlan
+from shoal.workers.wire import Wire, receive, receive_tree, send, send_tree
 
 ShardKey = tuple[str, int]
 """(model id, shard index)."""

@@ -32,10 +32,10 @@ from ray.exceptions import (
     RayTaskError,
 )
 
-from scheduler.devices import Device
-from scheduler.types import DeviceId
-from workers import launch
-from workers.sharp.shard_host import TASK_METHODS, ShardFailed, ShardWorker
+from shoal.scheduler.devices import Device
+from shoal.scheduler.types import DeviceId
+from shoal.workers import launch
+from shoal.workers.sharp.shard_host import TASK_METHODS, ShardFailed, ShardWorker
 
 
 class HostLost(RuntimeError):

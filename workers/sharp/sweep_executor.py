@@ -11,11 +11,11 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 
-from scheduler.devices import Device
-from scheduler.sharp import Policy
-from workers.sharp.runner import SharpTrainer
-from workers.sharp.shard_pool import PoolFactory
-from workers.snapshot import JobSnapshot, RunnerReport, RunStatus
+from shoal.scheduler.devices import Device
+from shoal.scheduler.sharp import Policy
+from shoal.workers.sharp.runner import SharpTrainer
+from shoal.workers.sharp.shard_pool import PoolFactory
+from shoal.workers.snapshot import JobSnapshot, RunnerReport, RunStatus
 
 
 class SweepExecutor:
@@ -24,7 +24,7 @@ class SweepExecutor:
     def __init__(
         self, devices: Sequence[Device], make_pool: PoolFactory | None = None, policy: str = "lrtf"
     ) -> None:
-        from workers.sharp.shard_pool import RayPool
+        from shoal.workers.sharp.shard_pool import RayPool
 
         self._trainer = SharpTrainer(
             (),

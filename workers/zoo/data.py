@@ -20,9 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from workers.factories import FactoryError, load_callable
-from workers.snapshot import DataRef
-from workers.zoo.registry import DataMeta, RegistryError, data_meta
+from shoal.workers.factories import FactoryError, load_callable
+from shoal.workers.snapshot import DataRef
+from shoal.workers.zoo.registry import DataMeta, RegistryError, data_meta
 
 
 @runtime_checkable

@@ -17,9 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from workers.factories import FactoryError, load_callable
-from workers.snapshot import ModelRef
-from workers.zoo.registry import DataMeta, RegistryError, resolve_model
+from shoal.workers.factories import FactoryError, load_callable
+from shoal.workers.snapshot import ModelRef
+from shoal.workers.zoo.registry import DataMeta, RegistryError, resolve_model
 
 _SEED_STRIDE = 1_000_003
 """Block ``i`` of a job seeded ``s`` is initialized under ``s * _SEED_STRIDE + i``."""

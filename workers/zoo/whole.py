@@ -11,10 +11,10 @@ from typing import Any
 
 from torch import nn
 
-from workers.snapshot import DataRef, ModelRef
-from workers.uploaded_code import local_code
-from workers.zoo.data import make_data
-from workers.zoo.models import build_blocks, count_blocks
+from shoal.workers.snapshot import DataRef, ModelRef
+from shoal.workers.uploaded_code import local_code
+from shoal.workers.zoo.data import make_data
+from shoal.workers.zoo.models import build_blocks, count_blocks
 
 
 def build_model(

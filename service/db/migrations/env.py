@@ -3,7 +3,7 @@
 from alembic import context
 from sqlalchemy import engine_from_config, pool
 
-from service.db.models import Base
+from shoal.service.db.models import Base
 
 config = context.config
 connectable = engine_from_config(

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from workers.pipeline.collective import (
+from shoal.workers.pipeline.collective import (
     GlooCollective,
     flatten_grads,
     ordered_sum,

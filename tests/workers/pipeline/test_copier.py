@@ -11,9 +11,9 @@ import pytest
 import torch
 from torch import nn
 
-from workers.blocks import Block
-from workers.pipeline.copier import Copier, CopyDropped, Held
-from workers.snapshot import OptimizerConf
+from shoal.workers.blocks import Block
+from shoal.workers.pipeline.copier import Copier, CopyDropped, Held
+from shoal.workers.snapshot import OptimizerConf
 
 pytestmark = pytest.mark.unit
 

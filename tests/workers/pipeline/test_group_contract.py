@@ -12,18 +12,18 @@ from typing import Any
 import pytest
 import torch
 
-from scheduler.devices import Device
-from scheduler.types import BlockRange
-from workers.pipeline.clipping import clip_coefficient
-from workers.pipeline.group import NEW_NODE_S, RayGroup
-from workers.pipeline.local_group import LocalGroup
-from workers.pipeline.stage_types import StageSetup
-from workers.pipeline.stage_worker import StageFailed
-from workers.pipeline.worker_group import GroupFactory, Handle, StageLost, WorkerGroup
-from workers.reference import train_reference
-from workers.snapshot import DataRef, ModelRef, OptimizerConf, StagePlan
-from workers.wire import Bits, send
-from workers.zoo.data import make_data
+from shoal.scheduler.devices import Device
+from shoal.scheduler.types import BlockRange
+from shoal.workers.pipeline.clipping import clip_coefficient
+from shoal.workers.pipeline.group import NEW_NODE_S, RayGroup
+from shoal.workers.pipeline.local_group import LocalGroup
+from shoal.workers.pipeline.stage_types import StageSetup
+from shoal.workers.pipeline.stage_worker import StageFailed
+from shoal.workers.pipeline.worker_group import GroupFactory, Handle, StageLost, WorkerGroup
+from shoal.workers.reference import train_reference
+from shoal.workers.snapshot import DataRef, ModelRef, OptimizerConf, StagePlan
+from shoal.workers.wire import Bits, send
+from shoal.workers.zoo.data import make_data
 
 MODEL = ModelRef("mlp", None, {"hidden": 16, "layers": 3})
 DATA = DataRef("synthetic-regression", None, {"features": 8, "outputs": 2})
@@ -434,8 +434,8 @@ def test_a_worker_refused_a_place_on_a_node_ray_lists_alive_is_started_again(
     lost. (Here the node never comes: Ray's table is made to list it alive.)"""
     import ray
 
-    from workers import launch
-    from workers.pipeline import group
+    from shoal.workers import launch
+    from shoal.workers.pipeline import group
 
     starts: list[str] = []
     start = launch.start_stage_worker
@@ -464,8 +464,8 @@ def test_a_regroup_takes_the_workers_prepared_for_its_plans_and_stops_the_others
     job trains on exactly."""
     import ray
 
-    from workers import launch
-    from workers.pipeline.rebalance import Layout, move_blocks
+    from shoal.workers import launch
+    from shoal.workers.pipeline.rebalance import Layout, move_blocks
 
     starts: list[tuple[str, BlockRange]] = []
     actors: list[Any] = []

@@ -13,19 +13,19 @@ from typing import Any
 
 import pytest
 
-from scheduler.devices import Device
-from scheduler.types import BlockRange
+from shoal.scheduler.devices import Device
+from shoal.scheduler.types import BlockRange
+from shoal.workers.pipeline.group import RayGroup
+from shoal.workers.pipeline.local_group import LocalGroup
+from shoal.workers.pipeline.runner import Trainer
+from shoal.workers.pipeline.stage_types import StageSetup
+from shoal.workers.pipeline.stage_worker import StageFailed
+from shoal.workers.pipeline.worker_group import StageLost
+from shoal.workers.snapshot import DataRef, ModelRef, OptimizerConf, RunStatus, StagePlan
+from shoal.workers.wire import send
+from shoal.workers.zoo.data import make_data
 from tests.factories import GPT, SGD, TOKENS, dp_plans, even_ranges, job, plans
 from tests.workers.runs import assert_bitwise_equal, final_states
-from workers.pipeline.group import RayGroup
-from workers.pipeline.local_group import LocalGroup
-from workers.pipeline.runner import Trainer
-from workers.pipeline.stage_types import StageSetup
-from workers.pipeline.stage_worker import StageFailed
-from workers.pipeline.worker_group import StageLost
-from workers.snapshot import DataRef, ModelRef, OptimizerConf, RunStatus, StagePlan
-from workers.wire import send
-from workers.zoo.data import make_data
 
 pytestmark = pytest.mark.integration
 

@@ -15,8 +15,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from scheduler.devices import Device
-from scheduler.elastic import (
+from shoal.scheduler.devices import Device
+from shoal.scheduler.elastic import (
     Decision,
     ElasticConfig,
     Keep,
@@ -24,15 +24,15 @@ from scheduler.elastic import (
     StageSample,
     current_plan,
 )
-from scheduler.types import BlockRange
+from shoal.scheduler.types import BlockRange
+from shoal.workers.pipeline.group import RayGroup
+from shoal.workers.pipeline.local_group import LocalGroup
+from shoal.workers.pipeline.rebalance import Layout, Rebalancer, snapshot_policy
+from shoal.workers.pipeline.runner import Trainer
+from shoal.workers.pipeline.worker_group import StageLost
+from shoal.workers.snapshot import JobSnapshot, RunStatus, StagePlan, StageTiming, StepMetrics
 from tests.factories import SGD, dp_plans, job, plans
 from tests.workers.runs import assert_matches_reference, final_states, metrics
-from workers.pipeline.group import RayGroup
-from workers.pipeline.local_group import LocalGroup
-from workers.pipeline.rebalance import Layout, Rebalancer, snapshot_policy
-from workers.pipeline.runner import Trainer
-from workers.pipeline.worker_group import StageLost
-from workers.snapshot import JobSnapshot, RunStatus, StagePlan, StageTiming, StepMetrics
 
 
 class ForcedMoves:
@@ -141,7 +141,7 @@ def test_a_repartition_is_an_event_with_both_layouts_and_the_checkpoint_follows(
     assert [r["blocks"] for r in event.data["to"]] == [[0, 3], [3, 4]]
     assert event.data["migration_s"] > 0 and event.data["predicted_gain"] == 0.5
     assert "re-cut 0-0@" in event.message and "forced by the test" in event.message
-    from workers.checkpoints import CheckpointStore
+    from shoal.workers.checkpoints import CheckpointStore
 
     manifest, _ = CheckpointStore(tmp_path).read("job-1", 3)
     assert [s["blocks"] for s in manifest["layout"]["stages"]] == [[0, 3], [3, 4]]
@@ -373,7 +373,7 @@ class LoseDevice(LocalGroup):
         if method == "apply_step" and stage == 0:
             self.steps += 1
         if plan.device.id == self.device and self.steps > self.after:
-            from workers.pipeline.local_group import _Done
+            from shoal.workers.pipeline.local_group import _Done
 
             return _Done(stage, method, error=StageLost(plan.index, plan.device.id, "node lost"))
         return super().submit(stage, method, *args)

@@ -16,6 +16,20 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from shoal.workers.checkpoints import CheckpointStore
+from shoal.workers.pipeline.group import RayGroup
+from shoal.workers.pipeline.job_runner import JobRunner
+from shoal.workers.pipeline.local_group import LocalGroup
+from shoal.workers.pipeline.runner import Trainer
+from shoal.workers.pipeline.stage_types import StageSetup
+from shoal.workers.pipeline.worker_group import Handle, WorkerGroup
+from shoal.workers.snapshot import (
+    JobSnapshot,
+    ModelRef,
+    OptimizerConf,
+    RunStatus,
+    StagePlan,
+)
 from tests.factories import (
     ADAM,
     GPT,
@@ -29,20 +43,6 @@ from tests.factories import (
     plans,
 )
 from tests.workers.runs import assert_matches_reference, final_states, metrics, reference
-from workers.checkpoints import CheckpointStore
-from workers.pipeline.group import RayGroup
-from workers.pipeline.job_runner import JobRunner
-from workers.pipeline.local_group import LocalGroup
-from workers.pipeline.runner import Trainer
-from workers.pipeline.stage_types import StageSetup
-from workers.pipeline.worker_group import Handle, WorkerGroup
-from workers.snapshot import (
-    JobSnapshot,
-    ModelRef,
-    OptimizerConf,
-    RunStatus,
-    StagePlan,
-)
 
 
 @st.composite
@@ -534,12 +534,12 @@ def test_checkpoints_are_written_while_the_next_steps_train(
 ) -> None:
     """Each write waits (5 s at most) until the trainer has finished the next step: with
     the write on the step's path, that never happens."""
-    import workers.pipeline.runner
+    import shoal.workers.pipeline.runner
 
     snap = job(tmp_path, [(0, 2), (2, 4)], steps=4, checkpoint_every=1, checkpoint_keep=0)
     trainer = Trainer(snap, LocalGroup)
     overlapped: dict[int, bool] = {}
-    real = workers.pipeline.runner.write_checkpoint
+    real = shoal.workers.pipeline.runner.write_checkpoint
 
     def write_later(store: Any, snapshot: Any, step: int, *args: Any) -> Any:
         deadline = time.monotonic() + 5
@@ -548,7 +548,7 @@ def test_checkpoints_are_written_while_the_next_steps_train(
         overlapped[step] = trainer.report(0).step > step
         return real(store, snapshot, step, *args)
 
-    monkeypatch.setattr(workers.pipeline.runner, "write_checkpoint", write_later)
+    monkeypatch.setattr(shoal.workers.pipeline.runner, "write_checkpoint", write_later)
     assert trainer.run() is RunStatus.SUCCEEDED, trainer.report(0).error
     assert overlapped == {1: True, 2: True, 3: True, 4: False}
     report = trainer.report(0)
@@ -562,12 +562,12 @@ def test_checkpoints_are_written_while_the_next_steps_train(
 def test_a_failed_checkpoint_write_fails_the_run_with_its_reason(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import workers.pipeline.runner
+    import shoal.workers.pipeline.runner
 
     def broken(*args: Any) -> Any:
         raise OSError("No space left on device")
 
-    monkeypatch.setattr(workers.pipeline.runner, "write_checkpoint", broken)
+    monkeypatch.setattr(shoal.workers.pipeline.runner, "write_checkpoint", broken)
     snap = job(tmp_path, [(0, 2), (2, 4)], steps=4, checkpoint_every=1)
     trainer = Trainer(snap, LocalGroup)
     assert trainer.run() is RunStatus.FAILED

@@ -11,20 +11,20 @@ from typing import Any
 
 import pytest
 
-from scheduler.copies import LONGEST_INTERVAL
-from scheduler.elastic import Decision, ElasticConfig, Keep, StageSample
+from shoal.scheduler.copies import LONGEST_INTERVAL
+from shoal.scheduler.elastic import Decision, ElasticConfig, Keep, StageSample
+from shoal.workers.checkpoints import CheckpointStore
+from shoal.workers.pipeline.group import RayGroup
+from shoal.workers.pipeline.local_group import LocalGroup
+from shoal.workers.pipeline.rebalance import Layout
+from shoal.workers.pipeline.runner import Trainer
+from shoal.workers.pipeline.stage_types import StepOutcome
+from shoal.workers.pipeline.step_driver import Flight, finish_step
+from shoal.workers.pipeline.timing import StepClock
+from shoal.workers.pipeline.worker_group import Handle
+from shoal.workers.snapshot import JobSnapshot, RunStatus
 from tests.factories import SGD, job, plans
 from tests.workers.runs import assert_bitwise_equal, final_states
-from workers.checkpoints import CheckpointStore
-from workers.pipeline.group import RayGroup
-from workers.pipeline.local_group import LocalGroup
-from workers.pipeline.rebalance import Layout
-from workers.pipeline.runner import Trainer
-from workers.pipeline.stage_types import StepOutcome
-from workers.pipeline.step_driver import Flight, finish_step
-from workers.pipeline.timing import StepClock
-from workers.pipeline.worker_group import Handle
-from workers.snapshot import JobSnapshot, RunStatus
 
 STEP_CALLS = {"step", "steps"}
 
@@ -199,7 +199,7 @@ class Canned:
 def test_a_calls_time_is_shared_among_its_steps_as_their_slowest_workers_measured_them() -> None:
     import torch
 
-    from workers.wire import send
+    from shoal.workers.wire import send
 
     two = plans([(0, 2), (2, 4)])
 

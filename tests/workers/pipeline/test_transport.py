@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from workers.pipeline.transport import Link, LinkError, Shape
+from shoal.workers.pipeline.transport import Link, LinkError, Shape
 
 pytestmark = pytest.mark.unit
 

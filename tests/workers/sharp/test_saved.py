@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from workers.sharp.saved import MovableSaves
+from shoal.workers.sharp.saved import MovableSaves
 
 
 def _model() -> nn.Sequential:

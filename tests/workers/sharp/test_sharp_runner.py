@@ -11,18 +11,17 @@ from typing import Any
 import pytest
 import torch
 
-from scheduler.copies import LONGEST_INTERVAL
-from scheduler.devices import Device
-from scheduler.memory import transient_bytes
-from scheduler.sharp import Policy
-from tests.workers.runs import final_states, reference
-from workers.checkpoint_events import write_checkpoint
-from workers.checkpoints import CheckpointStore
-from workers.profiler import trace_costs
-from workers.reference import train_reference
-from workers.sharp.runner import SharpTrainer
-from workers.sharp.shard_pool import LocalPool, PoolFactory, RayPool
-from workers.snapshot import (
+from shoal.scheduler.copies import LONGEST_INTERVAL
+from shoal.scheduler.devices import Device
+from shoal.scheduler.memory import transient_bytes
+from shoal.scheduler.sharp import Policy
+from shoal.workers.checkpoint_events import write_checkpoint
+from shoal.workers.checkpoints import CheckpointStore
+from shoal.workers.profiler import trace_costs
+from shoal.workers.reference import train_reference
+from shoal.workers.sharp.runner import SharpTrainer
+from shoal.workers.sharp.shard_pool import LocalPool, PoolFactory, RayPool
+from shoal.workers.snapshot import (
     DataRef,
     JobSnapshot,
     ModelRef,
@@ -30,6 +29,7 @@ from workers.snapshot import (
     RunnerReport,
     RunStatus,
 )
+from tests.workers.runs import final_states, reference
 
 MLP = ModelRef("mlp", None, {"in_features": 16, "hidden": 48, "layers": 5, "out_features": 4})
 DATA = DataRef("synthetic-regression", None, {"features": 16, "outputs": 4})
@@ -150,7 +150,7 @@ class QueueWatchingPool(LocalPool):
         self._tasks: list[Any] = []
 
     def submit(self, host: int, method: str, *args: Any) -> Any:
-        from workers.sharp.shard_host import Stashed
+        from shoal.workers.sharp.shard_host import Stashed
 
         if method in ("forward", "backward"):
             waiting = [c for c in self._tasks if c.host == host and not c.future.done()]
@@ -230,10 +230,10 @@ def test_ray_shard_workers_train_models_together_exactly(ray_address: str, tmp_p
 
 @pytest.mark.unit
 def test_a_host_keeps_within_its_budget_and_a_shard_run_again_stays(tmp_path: Path) -> None:
-    from workers.pipeline.stage_types import StageSetup
-    from workers.sharp.shard_host import BudgetError, ShardHost
-    from workers.wire import send
-    from workers.zoo.data import make_data
+    from shoal.workers.pipeline.stage_types import StageSetup
+    from shoal.workers.sharp.shard_host import BudgetError, ShardHost
+    from shoal.workers.wire import send
+    from shoal.workers.zoo.data import make_data
 
     snap = model(tmp_path, "a")
     data = make_data(snap.data, snap.seed)
@@ -264,8 +264,8 @@ def test_a_host_keeps_its_budget_within_what_the_device_has_beside_its_overhead(
 ) -> None:
     """A shard worker measures what its device holds for it before any shard (on a GPU:
     the CUDA context, libraries); a budget planned with a smaller overhead shrinks to fit."""
-    from workers.device_memory import Overhead
-    from workers.sharp import shard_host
+    from shoal.workers.device_memory import Overhead
+    from shoal.workers.sharp import shard_host
 
     device = replace(devices()[0], memory_mb=1024)
     assert shard_host.ShardHost(device, 800 * 2**20).held()["overhead_bytes"] == 0  # a CPU
@@ -282,8 +282,8 @@ def test_the_first_model_on_each_device_reports_what_the_device_holds_for_its_wo
     """As a pipeline job's runner does (a ``device_memory`` event, which the control plane
     keeps with the device): once per device, by the first model placed there; a CPU device
     has nothing to report."""
-    from workers.device_memory import Overhead
-    from workers.sharp import shard_host
+    from shoal.workers.device_memory import Overhead
+    from shoal.workers.sharp import shard_host
 
     def memory_events(trainer: SharpTrainer, snaps: list[JobSnapshot]) -> list[Any]:
         reports = {s.job_id: trainer.report(s.job_id, 0) for s in snaps}
@@ -317,10 +317,10 @@ def test_a_host_keeps_room_for_what_a_resident_shards_tasks_were_planned_to_need
 ) -> None:
     """Two shards whose states fit the budget together, but not what the plan gives each
     (its activations and a backward's temporaries besides): one is demoted for the other."""
-    from workers.pipeline.stage_types import StageSetup
-    from workers.sharp.shard_host import ShardHost
-    from workers.wire import send
-    from workers.zoo.data import make_data
+    from shoal.workers.pipeline.stage_types import StageSetup
+    from shoal.workers.sharp.shard_host import ShardHost
+    from shoal.workers.wire import send
+    from shoal.workers.zoo.data import make_data
 
     snap = model(tmp_path, "a")
     data = make_data(snap.data, snap.seed)
@@ -345,10 +345,10 @@ def test_a_shard_demoted_between_its_forward_and_backward_leaves_its_kept_tensor
     """A shard's kept micro-batch inputs (and, without recompute, outputs) stay where they
     were made when it is demoted before its backward: the host counts them against its
     budget, so a prefetch that would fit beside the resident shards alone waits."""
-    from workers.pipeline.stage_types import StageSetup
-    from workers.sharp.shard_host import ShardHost
-    from workers.wire import send
-    from workers.zoo.data import make_data
+    from shoal.workers.pipeline.stage_types import StageSetup
+    from shoal.workers.sharp.shard_host import ShardHost
+    from shoal.workers.wire import send
+    from shoal.workers.zoo.data import make_data
 
     snap = model(tmp_path, "a", recompute=recompute)
     data = make_data(snap.data, snap.seed)
@@ -373,7 +373,7 @@ def test_a_running_pool_takes_new_models_cancels_others_and_ends_when_closed(
     """A sweep's pool: trials arrive while others train, a pruned one is cancelled, and
     the pool ends once closed and empty. The trials that ran to the end are exact."""
 
-    from workers.sharp.sweep_executor import SweepExecutor
+    from shoal.workers.sharp.sweep_executor import SweepExecutor
 
     pool = devices()
     runner = SweepExecutor([replace(d, memory_mb=1) for d in pool], LocalPool)
@@ -404,7 +404,7 @@ def test_a_suspended_model_checkpoints_its_step_and_resumes_elsewhere_replaying_
     written meanwhile, end nothing), the other models train on, and on another executor it
     resumes there and ends exact."""
 
-    from workers.sharp.sweep_executor import SweepExecutor
+    from shoal.workers.sharp.sweep_executor import SweepExecutor
 
     runner = SweepExecutor(devices(), LocalPool)
     thread = threading.Thread(target=runner.run)
@@ -479,7 +479,7 @@ def test_a_model_moves_between_ray_shard_workers(ray_address: str, tmp_path: Pat
 def test_cancelling_a_model_that_has_ended_changes_nothing(tmp_path: Path) -> None:
     """A pruning decision may arrive after the trial's last step, while others train."""
 
-    from workers.sharp.sweep_executor import SweepExecutor
+    from shoal.workers.sharp.sweep_executor import SweepExecutor
 
     runner = SweepExecutor(devices(), LocalPool)
     thread = threading.Thread(target=runner.run)
@@ -531,7 +531,7 @@ class LosingPool(LocalPool):
     def submit(self, host: int, method: str, *args: Any) -> Any:
         from concurrent.futures import Future
 
-        from workers.sharp.shard_pool import HostLost, InputLost, _Local
+        from shoal.workers.sharp.shard_pool import HostLost, InputLost, _Local
 
         failure: Exception | None = None
         if host == 0:
@@ -568,7 +568,7 @@ class CopyLosingPool(LocalPool):
     def submit(self, host: int, method: str, *args: Any) -> Any:
         from concurrent.futures import Future
 
-        from workers.sharp.shard_pool import HostLost, _Local
+        from shoal.workers.sharp.shard_pool import HostLost, _Local
 
         if host == 0 and method == "copy" and not self.gone:
             self.copies[args[0]] = self.copies.get(args[0], 0) + 1
@@ -757,7 +757,7 @@ class EveryDeviceLosingPool(LocalPool):
     def submit(self, host: int, method: str, *args: Any) -> Any:
         from concurrent.futures import Future
 
-        from workers.sharp.shard_pool import HostLost, _Local
+        from shoal.workers.sharp.shard_pool import HostLost, _Local
 
         self.calls += 1
         if self.calls < self.lose_at:
@@ -798,13 +798,13 @@ def test_a_lost_model_ends_after_the_checkpoints_it_had_under_way_and_reports_th
     a write still under way when the devices went must be in the LOST report."""
     import time
 
-    import workers.sharp.checkpointing
+    import shoal.workers.sharp.checkpointing
 
     def slowly(*args: Any, **kwargs: Any) -> Any:
         time.sleep(0.1)
         return write_checkpoint(*args, **kwargs)
 
-    monkeypatch.setattr(workers.sharp.checkpointing, "write_checkpoint", slowly)
+    monkeypatch.setattr(shoal.workers.sharp.checkpointing, "write_checkpoint", slowly)
     snap = model(tmp_path, "a", steps=30, keep_copies=True, checkpoint_every=1)
     trainer, thread = open_trainer(snap, devices(), LateEveryDeviceLosingPool)
     lost = ended(trainer, thread, "a")
