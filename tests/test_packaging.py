@@ -44,6 +44,6 @@ def test_the_wheel_holds_shoal_alone_with_every_part_and_its_data(tmp_path: Path
         shipped = {p.relative_to(ROOT).as_posix() for p in (ROOT / part).rglob("*.py")}
         assert {f"shoal/{p}" for p in shipped} <= names, f"{part} is missing from the wheel"
     assert "shoal/api/dashboard/index.html" in names
-    assert "shoal/service/db/alembic.ini" in names
+    assert "shoal/service/db/migrations/script.py.mako" in names
     entry = zipfile.ZipFile(wheel).read(wheel.name.split("-py")[0] + ".dist-info/entry_points.txt")
     assert b"shoal = shoal.service.cli:main" in entry

@@ -799,7 +799,7 @@ def test_up_refuses_bad_options_before_starting_anything(
 def test_up_with_a_ray_address_prepares_home_and_serves(
     home: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import shoal.service.server
+    from shoal.service import server
 
     served: list[Settings] = []
 
@@ -807,7 +807,7 @@ def test_up_with_a_ray_address_prepares_home_and_serves(
         served.append(settings)
         raise KeyboardInterrupt  # Ctrl-C: `up` ends quietly
 
-    monkeypatch.setattr(shoal.service.server, "serve", serve)
+    monkeypatch.setattr(server, "serve", serve)
     result = shoal("up", "--ray-address", "10.0.0.9:6379", "--port", "0", "--host", "127.0.0.1")
     assert result.exit_code == 0, result.output
     (settings,) = served
