@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ from shoal.workers.snapshot import DataRef, ModelRef, OptimizerConf
 from shoal.workers.uploaded_code import local_code
 from shoal.workers.zoo.whole import build_model
 from tests.integration.conftest import SHOAL, ShoalUp
+from tests.integration.test_elastic import stop_node
 from tests.integration.test_shoal_up import Api, StartShoal, admin_token, shoal_cli
 
 pytestmark = pytest.mark.integration
@@ -217,3 +219,41 @@ def test_a_sweep_of_a_users_own_model_trains_its_trials_under_sharp(
             spec = dict(base, optimizer={"name": "adam", "lr": trial["params"]["optimizer.lr"]})
             assert_loads_as_trained(path, spec, folder)
     assert up.process is not None and up.process.pid not in {int(p.name) for p in marks.iterdir()}
+
+
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+def test_a_node_lost_under_a_users_own_model_is_recovered_in_place_exactly(
+    shoal_cluster: Callable[[Path, str, str], ShoalUp], database_url: str, tmp_path: Path
+) -> None:
+    """Recovery with uploaded code: the stage worker that replaces the lost one is started
+    mid-run by the job's runner, with the code the runner was started with."""
+    up = shoal_cluster(tmp_path / "home", database_url, "1xcpu-a:2048,1xcpu-b:2048")
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    folder = code_folder(tmp_path)
+    spec = own_spec("own-preempted", marks)
+    spec["steps"] = 600  # its steps take a few ms: fewer could all end before the kill lands
+    spec["elastic"] = {"repartition": False, "keep_copies": True}
+    spec["checkpoint"] = {"every_steps": 1000, "keep": 1}  # recovered from memory
+    api = Api(up, admin_token(up))
+    with shoal.Client(up.url, admin_token(up)) as client:
+        job = client.submit(spec, code=folder)
+    api.wait_state(job.id, lambda j: j["step"] >= 10, "ten steps")
+    stop_node(up, "cpu-b", graceful=False)
+    api.wait_state(job.id, lambda j: j["state"] == "SUCCEEDED", "the job to succeed")
+    kinds = [e["kind"] for e in api.items(job.id, "events")]
+    assert "device_lost" in kinds and "recovered" in kinds, kinds
+    metrics = api.metrics(job.id)
+    assert [m["step"] for m in metrics] == list(range(1, spec["steps"] + 1))
+    with local_code(folder):
+        reference = train_reference(
+            ModelRef(None, spec["model"]["factory"], spec["model"]["config"]),
+            DataRef("digits", None, spec["data"]["config"]),
+            OptimizerConf("adam", spec["optimizer"]["lr"], {}),
+            batch_size=spec["batch_size"],
+            micro_batches=spec["micro_batches"],
+            steps=spec["steps"],
+            seed=0,
+        )
+    losses = [m["loss"] for m in metrics]
+    assert losses == pytest.approx(reference.losses, rel=1e-5, abs=1e-6)
