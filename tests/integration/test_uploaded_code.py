@@ -18,7 +18,7 @@ import yaml
 from safetensors.torch import load_file
 
 import shoal
-from shoal.workers.reference import train_reference
+from shoal.workers.reference import ReferenceResult, train_reference
 from shoal.workers.snapshot import DataRef, ModelRef, OptimizerConf
 from shoal.workers.uploaded_code import local_code
 from shoal.workers.zoo.whole import build_model
@@ -84,22 +84,25 @@ def create_token(up: ShoalUp, database_url: str, *args: str) -> str:
     return done.stdout.strip()
 
 
-def reference_model(spec: dict[str, Any], folder: Path) -> dict[str, torch.Tensor]:
-    """The parameters one process gets training the spec (its code imported from
-    ``folder``, as on the workers)."""
+def reference_run(spec: dict[str, Any], folder: Path) -> ReferenceResult:
+    """The spec trained in one process, its code imported from ``folder`` as on the workers."""
     with local_code(folder):
-        result = train_reference(
+        return train_reference(
             ModelRef(None, spec["model"]["factory"], spec["model"]["config"]),
             DataRef("digits", None, spec["data"]["config"]),
             OptimizerConf("adam", spec["optimizer"]["lr"], {}),
             batch_size=spec["batch_size"],
             micro_batches=spec["micro_batches"],
-            steps=STEPS,
+            steps=spec["steps"],
             seed=0,
         )
+
+
+def reference_model(spec: dict[str, Any], folder: Path) -> dict[str, torch.Tensor]:
+    """The parameters one process gets training the spec."""
     return {
         f"{block.index}.{name}": tensor
-        for block in result.blocks
+        for block in reference_run(spec, folder).blocks
         for name, tensor in block.module.state_dict().items()
     }
 
@@ -245,15 +248,6 @@ def test_a_node_lost_under_a_users_own_model_is_recovered_in_place_exactly(
     assert "device_lost" in kinds and "recovered" in kinds, kinds
     metrics = api.metrics(job.id)
     assert [m["step"] for m in metrics] == list(range(1, spec["steps"] + 1))
-    with local_code(folder):
-        reference = train_reference(
-            ModelRef(None, spec["model"]["factory"], spec["model"]["config"]),
-            DataRef("digits", None, spec["data"]["config"]),
-            OptimizerConf("adam", spec["optimizer"]["lr"], {}),
-            batch_size=spec["batch_size"],
-            micro_batches=spec["micro_batches"],
-            steps=spec["steps"],
-            seed=0,
-        )
+    reference = reference_run(spec, folder)
     losses = [m["loss"] for m in metrics]
     assert losses == pytest.approx(reference.losses, rel=1e-5, abs=1e-6)
