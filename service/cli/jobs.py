@@ -15,6 +15,7 @@ from shoal.service.cli.options import (
     InputError,
     client_options,
     code_option,
+    idempotency_option,
     json_option,
     make_client,
 )
@@ -38,10 +39,7 @@ from shoal.service.lifecycle import JobState
 
 @click.command()
 @click.argument("file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
-@click.option(
-    "--idempotency-key",
-    help="Retrying with the same key never makes a second job [default: file hash + nonce].",
-)
+@idempotency_option("job")
 @code_option
 @json_option
 @client_options

@@ -34,6 +34,14 @@ def client_options(command: F) -> F:
     )(command)
 
 
+def idempotency_option(what: str) -> Callable[[F], F]:
+    return click.option(
+        "--idempotency-key",
+        help=f"Retrying with the same key never makes a second {what} [default: file hash"
+        " + nonce].",
+    )
+
+
 def code_option(command: F) -> F:
     return click.option(
         "--code",

@@ -10,7 +10,13 @@ from typing import Any
 import click
 from rich.markup import escape
 
-from shoal.service.cli.options import client_options, code_option, json_option, make_client
+from shoal.service.cli.options import (
+    client_options,
+    code_option,
+    idempotency_option,
+    json_option,
+    make_client,
+)
 from shoal.service.cli.render import (
     echo_json,
     format_loss,
@@ -29,10 +35,7 @@ from shoal.service.lifecycle import JobState
 
 @click.command()
 @click.argument("file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
-@click.option(
-    "--idempotency-key",
-    help="Retrying with the same key never makes a second sweep [default: file hash + nonce].",
-)
+@idempotency_option("sweep")
 @code_option
 @json_option
 @client_options
