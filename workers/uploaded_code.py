@@ -120,7 +120,11 @@ def call_with_code(
 
     remote: Any = ray.remote(max_calls=1, max_retries=0, num_cpus=1)(_limited)
     try:
-        ref = remote.options(**code_options(code)).remote(check, args, memory_bytes)
+        options = code_options(code)
+    except (OSError, RuntimeError, ValueError) as exc:  # the archive gone; Ray: size, GCS
+        raise CodeRunFailed(f"the code could not be shipped to the Ray cluster: {exc}") from None
+    try:
+        ref = remote.options(**options).remote(check, args, memory_bytes)
         return ray.get(ref, timeout=timeout_s)  # type: ignore[no-any-return]
     except GetTimeoutError:
         ray.cancel(ref, force=True)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from shoal.workers.factories import FactoryError, check_allowed, load_callable
-from shoal.workers.uploaded_code import local_code
+from shoal.workers.uploaded_code import CodeRunFailed, JobCode, call_with_code, local_code
 
 
 def folder(tmp_path: Path, body: str = "def build(config, meta):\n    return []\n") -> Path:
@@ -55,3 +55,9 @@ def test_a_malformed_code_factory_is_refused_before_any_import(name: str, messag
     with pytest.raises(FactoryError, match=message):
         check_allowed(name, [])
     assert check_allowed("code:ownpkg.nets:build", []) == ("ownpkg.nets", "build")
+
+
+def test_code_that_cannot_be_shipped_fails_the_check_with_the_reason(tmp_path: Path) -> None:
+    gone = JobCode("sha256:" + "c" * 64, str(tmp_path / "gone.zip"))
+    with pytest.raises(CodeRunFailed, match="could not be shipped to the Ray cluster"):
+        call_with_code(print, (), gone, timeout_s=5, memory_bytes=2**20)
