@@ -56,6 +56,27 @@ def test_admin_flag_promotes_never_demotes(session_factory: SessionFactory) -> N
             assert principal is not None and principal.is_admin
 
 
+def test_the_code_permission_is_granted_never_taken_by_a_token_and_admins_have_it(
+    session_factory: SessionFactory,
+) -> None:
+    plain = create_token(session_factory, user="carol")
+    granted = create_token(session_factory, user="carol", code=True)
+    later = create_token(session_factory, user="carol")
+    admin = create_token(session_factory, user="root", admin=True)
+    with session_factory() as session:
+        before = authenticate(session, plain)
+        assert before is not None and before.may_upload_code and before.can_upload_code
+        for token in (granted, later):
+            principal = authenticate(session, token)
+            assert principal is not None and principal.can_upload_code and not principal.is_admin
+        root = authenticate(session, admin)
+        assert root is not None and root.can_upload_code and not root.may_upload_code
+    dave = create_token(session_factory, user="dave")
+    with session_factory() as session:
+        principal = authenticate(session, dave)
+        assert principal is not None and not principal.can_upload_code
+
+
 @pytest.mark.parametrize("name", ["Robert'); DROP TABLE users;--", "alice\n", "", "a" * 65])
 def test_bad_user_names_are_refused(session_factory: SessionFactory, name: str) -> None:
     with pytest.raises(AuthError, match="user name"):
