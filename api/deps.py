@@ -21,6 +21,7 @@ from starlette.datastructures import Headers
 from starlette.types import Scope
 
 from shoal.service.auth import Principal, PrincipalCache, authenticate
+from shoal.service.code_checks import CodeChecks
 from shoal.service.db.session import SessionFactory
 from shoal.service.settings import Settings
 
@@ -115,3 +116,22 @@ async def get_principal(
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 FactoryDep = Annotated[SessionFactory, Depends(get_session_factory)]
 PrincipalDep = Annotated[Principal, Depends(get_principal)]
+
+
+def require_code_permission(principal: Principal) -> None:
+    """403 unless ``principal`` may send code of their own."""
+    if not principal.can_upload_code:
+        raise HTTPException(
+            status.HTTP_403_FORBIDDEN,
+            f"user {principal.name!r} lacks the code permission (uploading code runs it on the"
+            " cluster); an admin grants it with `shoal token create --user"
+            f" {principal.name} --code` or PUT /api/v1/users/{principal.name}/code",
+        )
+
+
+async def get_code_checks(request: Request) -> CodeChecks:
+    checks: CodeChecks = request.app.state.code_checks
+    return checks
+
+
+CodeChecksDep = Annotated[CodeChecks, Depends(get_code_checks)]

@@ -69,8 +69,7 @@ def pack_directory(directory: Path, max_bytes: int = MAX_PACKED_BYTES) -> bytes:
 def _walk(directory: Path) -> list[Path]:
     found = []
     for path in directory.rglob("*"):
-        parts = path.relative_to(directory).parts
-        if any(part in _SKIPPED_DIRS for part in parts[:-1]) or path.name in _SKIPPED_DIRS:
+        if any(part in _SKIPPED_DIRS for part in path.relative_to(directory).parts):
             continue
         if path.is_symlink():
             raise ArchiveError(f"{path} is a symbolic link; copy the file it points to instead")
@@ -131,7 +130,7 @@ def _check_entry(entry: zipfile.ZipInfo) -> None:
 
 def _top_level_module(path: PurePosixPath) -> str | None:
     """The module a file makes importable at the archive's root, if any."""
-    if path.suffix != ".py" or path.name.endswith("/"):
+    if path.suffix != ".py":
         return None
     top = path.parts[0] if len(path.parts) > 1 else path.stem
     return top if top.isidentifier() else None

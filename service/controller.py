@@ -399,7 +399,7 @@ class Controller:
                 return
             try:
                 layout = self._layout(session, job, placement.devices)
-                code = job_code(JobSpec.model_validate(job.spec).code, self._config.code_store)
+                code = job_code(job.spec.get("code"), self._config.code_store)
             except (PartitionError, CodeNotFound) as exc:
                 transition(session, job, JobState.FAILED, str(exc), error=str(exc))
                 return

@@ -8,7 +8,6 @@ returns the spec with the model/data configs completed, or raises ``SpecError``.
 
 from __future__ import annotations
 
-import logging
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -24,8 +23,6 @@ from shoal.service.traces import CodeRunner, TraceRequest, trace_spec
 from shoal.workers.factories import FactoryError, check_allowed, is_code, load_callable
 from shoal.workers.snapshot import DataRef, ModelRef
 from shoal.workers.zoo.registry import RegistryError, data_meta, resolve_model
-
-log = logging.getLogger(__name__)
 
 MAX_STEPS = 10_000_000
 MAX_BATCH = 1_048_576

@@ -6,38 +6,15 @@ the code runs on the cluster's nodes, in the job's Ray workers, never in the API
 
 from __future__ import annotations
 
-from typing import Annotated
-
-from fastapi import APIRouter, Depends, HTTPException, Request, status
+from fastapi import APIRouter, HTTPException, Request, status
 from fastapi.concurrency import run_in_threadpool
 from pydantic import BaseModel, Field
 
-from shoal.api.deps import PrincipalDep
+from shoal.api.deps import CodeChecksDep, PrincipalDep, require_code_permission
 from shoal.api.errors import documented
-from shoal.service.auth import Principal
 from shoal.service.code_archive import ArchiveError
-from shoal.service.code_checks import CodeChecks
 
 router = APIRouter(prefix="/code", tags=["code"])
-
-
-def require_code_permission(principal: Principal) -> None:
-    """403 unless ``principal`` may send code of their own."""
-    if not principal.can_upload_code:
-        raise HTTPException(
-            status.HTTP_403_FORBIDDEN,
-            f"user {principal.name!r} lacks the code permission (uploading code runs it on the"
-            " cluster); an admin grants it with `shoal token create --user"
-            f" {principal.name} --code` or PUT /api/v1/users/{principal.name}/code",
-        )
-
-
-async def get_code_checks(request: Request) -> CodeChecks:
-    checks: CodeChecks = request.app.state.code_checks
-    return checks
-
-
-CodeChecksDep = Annotated[CodeChecks, Depends(get_code_checks)]
 
 
 class CodeOut(BaseModel):

@@ -9,10 +9,17 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import FileResponse
 from starlette.background import BackgroundTask
 
-from shoal.api.deps import ID_PATTERN, MAX_QUERY_INT, FactoryDep, PrincipalDep, SettingsDep
+from shoal.api.deps import (
+    ID_PATTERN,
+    MAX_QUERY_INT,
+    CodeChecksDep,
+    FactoryDep,
+    PrincipalDep,
+    SettingsDep,
+    require_code_permission,
+)
 from shoal.api.errors import documented
 from shoal.api.responses import ModelJSON
-from shoal.api.routes.code import CodeChecksDep, require_code_permission
 from shoal.api.schemas import (
     CheckpointList,
     CheckpointOut,

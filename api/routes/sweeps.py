@@ -8,10 +8,17 @@ from fastapi import APIRouter, Header, Path, Query, Response, status
 from fastapi.concurrency import run_in_threadpool
 from sqlalchemy.orm import Session
 
-from shoal.api.deps import ID_PATTERN, MAX_QUERY_INT, FactoryDep, PrincipalDep, SettingsDep
+from shoal.api.deps import (
+    ID_PATTERN,
+    MAX_QUERY_INT,
+    CodeChecksDep,
+    FactoryDep,
+    PrincipalDep,
+    SettingsDep,
+    require_code_permission,
+)
 from shoal.api.errors import documented
 from shoal.api.responses import ModelJSON
-from shoal.api.routes.code import CodeChecksDep, require_code_permission
 from shoal.api.schemas import SweepOut, SweepPage, SweepSummaryOut
 from shoal.api.spec_checks import SpecChecksDep
 from shoal.service import jobs, sweeps
