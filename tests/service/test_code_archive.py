@@ -4,6 +4,7 @@ being unpacked or imported."""
 from __future__ import annotations
 
 import io
+import stat
 import zipfile
 from pathlib import Path
 
@@ -78,6 +79,17 @@ def test_a_folder_without_python_or_with_a_link_or_too_big_is_refused(tmp_path: 
 def test_an_unsafe_or_unusable_archive_is_refused(entries: dict[str, bytes], message: str) -> None:
     with pytest.raises(ArchiveError, match=message):
         inspect_archive(zipped(entries), 1000)
+
+
+def test_a_link_inside_an_archive_is_refused() -> None:
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as archive:
+        archive.writestr("model.py", b"")
+        link = zipfile.ZipInfo("data.py")
+        link.external_attr = (stat.S_IFLNK | 0o777) << 16
+        archive.writestr(link, b"/etc/passwd")
+    with pytest.raises(ArchiveError, match=r"'data\.py' is a symbolic link"):
+        inspect_archive(buffer.getvalue(), 1000)
 
 
 def test_an_upload_that_is_no_zip_is_refused() -> None:
