@@ -78,6 +78,11 @@ def _running(running: Sequence[RunningJob]) -> Iterator[Metric]:
     steps = GaugeMetricFamily(
         "shoal_job_steps_per_second", "A running job's last step's steps/s.", labels=["job"]
     )
+    mfu = GaugeMetricFamily(
+        "shoal_job_mfu",
+        "A running job's last step's model FLOPs utilization (0-1; absent when unknown).",
+        labels=["job"],
+    )
     labels = ["job", "stage", "replica"]
     compute = GaugeMetricFamily(
         "shoal_stage_compute_seconds", "Last step's compute seconds per stage.", labels=labels
@@ -93,11 +98,13 @@ def _running(running: Sequence[RunningJob]) -> Iterator[Metric]:
             samples.add_metric([job.id], job.samples_per_s)
         if job.step_time_s:
             steps.add_metric([job.id], 1.0 / job.step_time_s)
+        if job.mfu is not None:
+            mfu.add_metric([job.id], job.mfu)
         for stage in job.stages:
             where = [job.id, str(stage["stage"]), str(stage.get("replica", 0))]
             compute.add_metric(where, stage["compute_s"])
             idle.add_metric(where, stage["idle_s"])
-    yield from (step, loss, samples, steps, compute, idle)
+    yield from (step, loss, samples, steps, mfu, compute, idle)
 
 
 class RequestTimer:

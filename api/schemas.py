@@ -44,6 +44,11 @@ class JobOut(BaseModel):
     steps: int
     last_loss: float | None
     samples_per_s: float | None = Field(description="the latest step's throughput")
+    mfu: float | None = Field(
+        default=None,
+        description="the latest step's model FLOPs utilization: the model's FLOPs over its"
+        " devices' peak; None where a device's peak or the model's FLOPs are unknown",
+    )
     devices: list[str]
     partition: list[StageOut]
     stage_times: list[StageTimingOut] | None  # the latest step's; None before the first
@@ -70,6 +75,7 @@ class JobOut(BaseModel):
             steps=job.steps,
             last_loss=job.last_loss,
             samples_per_s=job.last_samples_per_s,
+            mfu=job.last_mfu,
             devices=list(job.devices),
             partition=[StageOut.model_validate(p) for p in job.partition],
             stage_times=(
@@ -107,6 +113,11 @@ class MetricOut(BaseModel):
     grad_norm: float | None = Field(
         default=None, description="the L2 norm of the step's whole-model gradient, before clipping"
     )
+    mfu: float | None = Field(
+        default=None,
+        description="model FLOPs utilization: the step's traced model FLOPs over its seconds"
+        " times its devices' peak FLOP/s; None where unknown",
+    )
 
     @classmethod
     def of(cls, row: JobMetric) -> MetricOut:
@@ -118,6 +129,7 @@ class MetricOut(BaseModel):
             step_time_s=row.step_time_s,
             stages=[StageTimingOut.model_validate(s) for s in row.stages],
             grad_norm=row.grad_norm,
+            mfu=row.mfu,
         )
 
 

@@ -143,6 +143,7 @@ def job_summary(job: Job) -> dict[str, Any]:
         "steps": job.steps,
         "last_loss": job.last_loss,
         "samples_per_s": job.last_samples_per_s,
+        "mfu": job.last_mfu,
         "devices": list(job.devices),
         "error": job.error,
         "created_at": job.created_at.isoformat(),

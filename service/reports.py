@@ -12,33 +12,13 @@ from sqlalchemy.orm import Session
 from shoal.service.db.models import Checkpoint, DeviceRow, Job, JobMetric
 from shoal.service.jobs import add_event, transition
 from shoal.service.lifecycle import JobState
+from shoal.service.utilization import step_mfus
 from shoal.workers.snapshot import RunnerReport, RunStatus
 
 
 def persist_report(session: Session, job: Job, report: RunnerReport) -> None:
     """Store what the runner reported since the job's cursor, and advance the cursor."""
-    if report.metrics:
-        first = min(m.step for m in report.metrics)
-        # A resumed run replays the steps after its checkpoint: newer numbers replace older.
-        session.execute(
-            sa.delete(JobMetric).where(JobMetric.job_id == job.id, JobMetric.step >= first)
-        )
-        by_step = {m.step: m for m in report.metrics}  # a step replayed in the batch: its rerun
-        for m in by_step.values():
-            session.add(
-                JobMetric(
-                    job_id=job.id,
-                    step=m.step,
-                    loss=m.loss,
-                    samples_per_s=m.samples_per_s,
-                    step_time_s=m.step_time_s,
-                    stages=[asdict(s) for s in m.stages],
-                    grad_norm=m.grad_norm,
-                )
-            )
-        job.last_loss = report.metrics[-1].loss
-        job.last_samples_per_s = report.metrics[-1].samples_per_s
-        job.stage_times = [asdict(s) for s in report.metrics[-1].stages]
+    # Events first: a device's speed measured in this report counts in its steps' MFU.
     for event in report.events:
         data = {"step": event.step, **event.data}
         if event.kind == "resumed":
@@ -60,6 +40,31 @@ def persist_report(session: Session, job: Job, report: RunnerReport) -> None:
             row = session.get(DeviceRow, event.data["device_id"])
             if row is not None:
                 row.overhead_mb = -(-int(event.data.get("overhead_bytes", 0)) // 2**20)
+    if report.metrics:
+        first = min(m.step for m in report.metrics)
+        # A resumed run replays the steps after its checkpoint: newer numbers replace older.
+        session.execute(
+            sa.delete(JobMetric).where(JobMetric.job_id == job.id, JobMetric.step >= first)
+        )
+        by_step = {m.step: m for m in report.metrics}  # a step replayed in the batch: its rerun
+        mfus = dict(zip(by_step, step_mfus(session, job, list(by_step.values())), strict=True))
+        for m in by_step.values():
+            session.add(
+                JobMetric(
+                    job_id=job.id,
+                    step=m.step,
+                    loss=m.loss,
+                    samples_per_s=m.samples_per_s,
+                    step_time_s=m.step_time_s,
+                    stages=[asdict(s) for s in m.stages],
+                    grad_norm=m.grad_norm,
+                    mfu=mfus[m.step],
+                )
+            )
+        job.last_loss = report.metrics[-1].loss
+        job.last_samples_per_s = report.metrics[-1].samples_per_s
+        job.last_mfu = mfus[report.metrics[-1].step]
+        job.stage_times = [asdict(s) for s in report.metrics[-1].stages]
     if report.metrics or report.status is RunStatus.SUCCEEDED:
         # Not otherwise: a new attempt reports step 0 until it has restored.
         job.step = report.step

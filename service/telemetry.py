@@ -21,7 +21,7 @@ from shoal.service.lifecycle import JobState
 
 @dataclass(frozen=True)
 class RunningJob:
-    """A RUNNING job's latest step: its loss, throughput and per-stage seconds."""
+    """A RUNNING job's latest step: its loss, throughput, MFU and per-stage seconds."""
 
     id: str
     step: int
@@ -30,6 +30,7 @@ class RunningJob:
     samples_per_s: float | None
     step_time_s: float | None
     stages: list[dict[str, Any]] = field(default_factory=list)
+    mfu: float | None = None
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,7 @@ def read_running(session: Session) -> list[RunningJob]:
             samples_per_s=latest[job.id].samples_per_s if job.id in latest else None,
             step_time_s=latest[job.id].step_time_s if job.id in latest else None,
             stages=list(job.stage_times or []),
+            mfu=latest[job.id].mfu if job.id in latest else None,
         )
         for job in running
     ]

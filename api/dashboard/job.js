@@ -72,6 +72,7 @@ export function mount(root, [jobId]) {
       h("h2", {}, job.name, h("span", { className: "id" }, short(job.id))),
       h("p", { className: "summary", id: "job-summary" }, stateBadge(job.state),
         ` step ${job.step}/${job.steps} · loss ${fmt(job.last_loss)} · ${fmt(job.samples_per_s, 3)} samples/s`
+        + (job.mfu == null ? "" : ` · MFU ${Number((job.mfu * 100).toPrecision(3))}%`)
         + ` · ${job.devices.length} devices · ${job.owner} · started ${age(job.created_at)} ago`
         + (job.cancel_requested && !TERMINAL.includes(job.state) ? " · cancel requested" : "")),
       h("progress", { max: 1, value: done, "aria-label": "steps done" }),
@@ -84,7 +85,12 @@ export function mount(root, [jobId]) {
       lineChart([{ name: "loss", points: points.map((m) => ({ x: m.step, y: m.loss })) }],
         { xLabel: "step", yLabel: "loss", label: "Loss per step" }),
       lineChart([{ name: "samples/s", points: points.map((m) => ({ x: m.step, y: m.samples_per_s })),
-        color: "#15803d" }], { xLabel: "step", yLabel: "samples/s", label: "Throughput per step" }));
+        color: "#15803d" }], { xLabel: "step", yLabel: "samples/s", label: "Throughput per step" }),
+      ...(points.some((m) => m.mfu != null)
+        ? [lineChart([{ name: "MFU", points: points.filter((m) => m.mfu != null)
+          .map((m) => ({ x: m.step, y: m.mfu })), color: "#7c3aed" }],
+        { xLabel: "step", yLabel: "MFU", label: "Model FLOPs utilization per step" })]
+        : []));
     charts.firstChild.id = "loss-chart";
   }
 

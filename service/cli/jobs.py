@@ -125,6 +125,8 @@ class _LogCursor:
                     f" {metric['samples_per_s']:.1f} samples/s"
                     f" {metric['step_time_s'] * 1000:.0f} ms/step"
                 )
+                if metric.get("mfu") is not None:
+                    text += f" MFU {metric['mfu'] * 100:.3g}%"
                 entries.append((metric["time"], 1, text))
             self.step = metrics[-1]["step"]
             self.last_metric = metrics[-1]

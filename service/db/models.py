@@ -89,6 +89,8 @@ class Job(Base):
     num_blocks: Mapped[int]
     last_loss: Mapped[float | None] = mapped_column(default=None)
     last_samples_per_s: Mapped[float | None] = mapped_column(default=None)
+    last_mfu: Mapped[float | None] = mapped_column(default=None)
+    """The latest step's model FLOPs utilization (``service.utilization``); None: unknown."""
     devices: Mapped[list[Any]] = mapped_column(default=list)
     partition: Mapped[list[Any]] = mapped_column(default=list)
     # Per block, the traced cost at submission (scheduler.profile.BlockCost fields); None when
@@ -133,6 +135,8 @@ class JobMetric(Base):
     grad_norm: Mapped[float | None] = mapped_column(default=None)
     """The L2 norm of the step's whole-model gradient before clipping (None in rows written
     before the runner reported it)."""
+    mfu: Mapped[float | None] = mapped_column(default=None)
+    """The step's model FLOPs utilization (``service.utilization``); None: unknown."""
 
 
 class Checkpoint(Base):

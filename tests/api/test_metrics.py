@@ -29,6 +29,7 @@ PER_JOB = {
     "shoal_job_loss",
     "shoal_job_samples_per_second",
     "shoal_job_steps_per_second",
+    "shoal_job_mfu",
     "shoal_stage_compute_seconds",
     "shoal_stage_idle_seconds",
 }
@@ -87,6 +88,7 @@ def busy_cluster(factory: SessionFactory) -> tuple[str, str]:
                     loss=0.3,
                     samples_per_s=64.0 / seconds,
                     step_time_s=seconds,
+                    mfu=0.1 * seconds,
                 )
             )
         add_event(session, running.id, "repartition", "re-cut")
@@ -133,6 +135,7 @@ def test_states_devices_events_and_running_jobs_are_exposed(
     assert got[("shoal_job_step", job)] == 3 and got[("shoal_job_loss", job)] == 0.25
     assert got[("shoal_job_samples_per_second", job)] == 128.0
     assert got[("shoal_job_steps_per_second", job)] == 2.0
+    assert got[("shoal_job_mfu", job)] == 0.05
     stage1 = (("job", running), ("replica", "0"), ("stage", "1"))
     assert got[("shoal_stage_compute_seconds", stage1)] == 0.3
     assert got[("shoal_stage_idle_seconds", stage1)] == 0.2

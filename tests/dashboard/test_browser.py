@@ -4,6 +4,7 @@ with no console error; screenshots are saved as artifacts (``SHOAL_TEST_ARTIFACT
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -105,6 +106,11 @@ def test_a_running_jobs_curve_moves_live_its_pipeline_shows_the_slow_device_and_
     caption = page.locator("#schedule caption").inner_text()
     assert caption.startswith("1F1B, 3 stages") and "4 micro-batches" in caption
     page.get_by_text("placement").first.wait_for()  # the event timeline
+    # MFU beside samples/s, and per step: the MLP's FLOPs over its CPU devices' measured peaks.
+    summary = page.locator("#job-summary")
+    until(lambda: "MFU" in summary.inner_text(), 30, "the job's MFU shown")
+    assert re.search(r"samples/s · MFU \d[\d.]*%", summary.inner_text()), summary.inner_text()
+    page.get_by_role("img", name="Model FLOPs utilization per step").wait_for()
     snap(page, "job")
 
     page.get_by_role("button", name="Cancel job").click()

@@ -124,6 +124,7 @@ class Stub:
                     "samples_per_s": 100.0 * job["step"],
                     "step_time_s": 0.25,
                     "stages": [],
+                    "mfu": 0.125 * job["step"] if job["step"] > 1 else None,
                 }
             )
             if job["step"] == job["steps"]:
@@ -649,7 +650,7 @@ def test_logs_prints_events_and_metrics_in_time_order(api: str, stub: Stub) -> N
         "state: queued",
         "state: QUEUED -> RUNNING",
         "step 1/2 loss 2.0000 100.0 samples/s 250 ms/step",
-        "step 2/2 loss 1.0000 200.0 samples/s 250 ms/step",
+        "step 2/2 loss 1.0000 200.0 samples/s 250 ms/step MFU 25%",
         "state: RUNNING -> SUCCEEDED",
     ]
 

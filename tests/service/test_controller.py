@@ -167,6 +167,15 @@ def test_job_trains_to_success_with_metrics_events_and_checkpoints(
     assert len(losses) == 30 and sum(losses[-5:]) < 0.5 * sum(losses[:5])
     assert (row.last_loss, row.last_samples_per_s) == (losses[-1], metrics[-1].samples_per_s)
     assert all(m.grad_norm is not None and m.grad_norm > 0 for m in metrics)
+    # MFU: the MLP's matrix products per step (forward, weight and input gradients, none
+    # for the data: 16,256 FLOPs a sample, 32 a step) over the step's time and its two
+    # devices' measured speeds (CPU devices peak at what they measured).
+    with session_factory() as session:
+        gflops = {d.id: d.speed_gflops for d in session.scalars(sa.select(DeviceRow))}
+    for m in metrics:
+        peak = sum(gflops[d] or 0.0 for d in {s["device_id"] for s in m.stages}) * 1e9
+        assert m.mfu == pytest.approx(16256 * 32 / (m.step_time_s * peak)), (m.step, gflops)
+    assert row.last_mfu == metrics[-1].mfu
     assert steps == [20, 30]  # every 10 steps, keep 2
     kinds = [e.kind for e in events(session_factory, job_id)]
     assert kinds[:2] == ["state", "state"] and "placement" in kinds and "checkpoint" in kinds

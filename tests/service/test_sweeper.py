@@ -113,6 +113,12 @@ def test_a_sweep_samples_prunes_keeps_the_best_and_each_trial_trains_like_alone(
                 assert trial.objective == losses[-1]
             steps = sorted(int(s) for s in trial.intermediate)
             assert steps and all(s % 5 == 0 for s in steps)
+            # Every step's MFU is known: a SHARP trial's over its sweep's shared devices,
+            # whose speeds the executor measured when it placed its first model there.
+            mfus = list(
+                session.scalars(sa.select(JobMetric.mfu).where(JobMetric.job_id == trial.job_id))
+            )
+            assert mfus and all(m is not None and 0 < m < 1 for m in mfus), mfus
             (placement,) = session.scalars(
                 sa.select(JobEvent.data).where(
                     JobEvent.job_id == trial.job_id, JobEvent.kind == "placement"

@@ -11,6 +11,7 @@ from typing import Any
 from shoal.workers.checkpoint_events import resumed_event
 from shoal.workers.checkpoints import Restorable
 from shoal.workers.device_memory import device_memory_event
+from shoal.workers.device_speed import device_speed_event
 from shoal.workers.pipeline.worker_group import WorkerGroup
 from shoal.workers.run_log import RunLog
 from shoal.workers.snapshot import RunnerEvent, StagePlan
@@ -89,19 +90,7 @@ def announce(
         speeds[p.device.id] = gflops
         if overhead.how != "none":
             run.record(device_memory_event(p.device, overhead, step))
-        run.record(
-            RunnerEvent(
-                "device_speed",
-                step,
-                f"device {p.device.id} ({p.device.kind}): {gflops:.2f} GFLOP/s",
-                {
-                    "device_id": p.device.id,
-                    "stage": p.index,
-                    "replica": p.replica,
-                    "gflops": gflops,
-                },
-            )
-        )
+        run.record(device_speed_event(p.device, gflops, step, stage=p.index, replica=p.replica))
     return speeds
 
 

@@ -42,6 +42,7 @@ from shoal.scheduler.programs import programs_for
 from shoal.scheduler.types import BlockRange
 from shoal.workers.blocks import Block
 from shoal.workers.device_memory import Overhead, measure_overhead
+from shoal.workers.device_speed import measure_gflops
 from shoal.workers.host_memory import retain_freed_memory
 from shoal.workers.pipeline.clipping import grad_norms, scale_grads
 from shoal.workers.pipeline.collective import GlooCollective
@@ -64,10 +65,6 @@ from shoal.workers.zoo.models import build_blocks
 
 _GENERATIONS = 2
 """Steps of in-memory copies kept: the last one may be incomplete when a device is lost."""
-_SPEED_SIZE = 256
-_SPEED_REPEATS = 16
-_CUDA_SPEED_SIZE = 4096
-"""Large enough that a GPU's matmuls are compute-bound (256 measured an H100 at 55 GFLOP/s)."""
 
 
 class Stage:
@@ -472,12 +469,4 @@ class Stage:
 
     def measure_speed(self) -> float:
         """GFLOP/s of a fixed matmul on this device, slowed like compute (not counted as it)."""
-        size = _CUDA_SPEED_SIZE if self.device.type == "cuda" else _SPEED_SIZE
-        # A constant matrix: drawing a random one would move the RNG that training uses.
-        a = torch.full((size, size), 1.0 / size, device=self.device)
-        torch.tanh(a @ a)  # warm-up: first-call allocation and kernel selection
-        timer = StepTimer(self.device, self._setup_slowdown)
-        with timer.span("compute"):
-            for _ in range(_SPEED_REPEATS):
-                a = torch.tanh(a @ a)
-        return 2 * size**3 * _SPEED_REPEATS / timer.lap().compute_s / 1e9
+        return measure_gflops(self.device, self._setup_slowdown)

@@ -39,6 +39,7 @@ from shoal.scheduler.sharp import (
 )
 from shoal.scheduler.types import DeviceId
 from shoal.workers.device_memory import device_memory_event
+from shoal.workers.device_speed import device_speed_event
 from shoal.workers.pipeline.stage_worker import one_line
 from shoal.workers.sharp.checkpointing import CheckpointThread
 from shoal.workers.sharp.homes import Homes
@@ -197,7 +198,7 @@ class SharpTrainer:
             try:
                 await_all(pool, adds, self._timeout)
                 for snap in arriving:
-                    self._report_overhead(pool, self._models[snap.job_id])
+                    self._report_devices(pool, self._models[snap.job_id])
             except HostLost as exc:  # its models (new ones too) are placed again
                 self._lose(pool, self._homes.host_of(exc.device_id), str(exc))
             for snap in arriving:
@@ -209,16 +210,20 @@ class SharpTrainer:
                 except HostLost as exc:  # it trained nothing yet: no copy is needed
                     self._lose(pool, self._homes.host_of(exc.device_id), str(exc))
 
-    def _report_overhead(self, pool: HostPool, model: ModelRun) -> None:
-        """The first model placed on a device says in an event what the device holds for
-        its worker (measured on a GPU): the control plane keeps it with the device and plans
-        later placements and sweeps in the rest."""
-        hosts = sorted(h for h in set(model.homes) - self._reported if self._homes.alive(h))
-        answers = await_all(pool, [pool.submit(h, "overhead") for h in hosts], self._timeout)
-        for host, overhead in zip(hosts, answers, strict=True):
+    def _report_devices(self, pool: HostPool, model: ModelRun) -> None:
+        """The first model placed says in events what each device holds for its worker (on
+        a GPU) and how fast it computes, as a pipeline job's runner does: the control plane
+        plans in the rest of its memory and takes the speed as a CPU device's MFU peak."""
+        hosts = [h for h in range(len(self._devices)) if h not in self._reported]
+        hosts = [h for h in hosts if self._homes.alive(h)]
+        for host in hosts:  # one at a time: benchmarks side by side would measure contention
+            calls = [pool.submit(host, "overhead"), pool.submit(host, "measure_speed")]
+            overhead, gflops = await_all(pool, calls, self._timeout)
             self._reported.add(host)
+            device = self._devices[host]
             if overhead.how != "none":
-                model.record(device_memory_event(self._devices[host], overhead, model.step))
+                model.record(device_memory_event(device, overhead, model.step))
+            model.record(device_speed_event(device, gflops, model.step))
 
     def _reap(self, pool: HostPool) -> None:
         """End the models to stop (cancelled, or a checkpoint failed) with no task in flight

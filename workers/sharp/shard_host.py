@@ -39,6 +39,7 @@ import torch
 
 from shoal.scheduler.devices import Device
 from shoal.workers.device_memory import Overhead, measure_overhead
+from shoal.workers.device_speed import measure_gflops
 from shoal.workers.pipeline.stage import Stage
 from shoal.workers.pipeline.stage_types import StageSetup, StageStateError, torch_device
 from shoal.workers.pipeline.stage_worker import one_line
@@ -185,6 +186,10 @@ class ShardHost:
     def overhead(self) -> Overhead:
         """What the device held for this worker before any shard, and how it was measured."""
         return self._overhead
+
+    def measure_speed(self) -> float:
+        """The device's GFLOP/s (``workers.device_speed``)."""
+        return measure_gflops(self._target)
 
     def pid(self) -> int:
         """The worker's process id (for operators, and tests that kill it)."""
@@ -381,8 +386,9 @@ def _parameters(stage: Stage) -> list[torch.Tensor]:
 
 
 SHARD_METHODS = frozenset(
-    {"add", "load", "copy", "drop", "held", "overhead", "forward", "backward", "pid"}
-)
+    {"add", "load", "copy", "drop", "held", "overhead", "measure_speed", "forward", "backward",
+     "pid"}
+)  # fmt: skip
 """The ``ShardHost`` methods the executor may call."""
 
 

@@ -276,39 +276,42 @@ def test_a_host_keeps_its_budget_within_what_the_device_has_beside_its_overhead(
 
 
 @pytest.mark.unit
-def test_the_first_model_on_each_device_reports_what_the_device_holds_for_its_worker(
+def test_the_first_model_placed_reports_what_each_device_holds_and_how_fast_it_is(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    """As a pipeline job's runner does (a ``device_memory`` event, which the control plane
-    keeps with the device): once per device, by the first model placed there; a CPU device
-    has nothing to report."""
+    """As a pipeline job's runner does (``device_memory`` and ``device_speed`` events, which
+    the control plane keeps with the device): once per device of the executor, by the first
+    model placed, whichever device it lives on; a CPU device holds nothing to report."""
     from shoal.workers.device_memory import Overhead
     from shoal.workers.sharp import shard_host
 
-    def memory_events(trainer: SharpTrainer, snaps: list[JobSnapshot]) -> list[Any]:
+    def device_events(trainer: SharpTrainer, snaps: list[JobSnapshot], kind: str) -> list[Any]:
         reports = {s.job_id: trainer.report(s.job_id, 0) for s in snaps}
-        return [
-            (job, e.data)
-            for job, r in reports.items()
-            for e in r.events
-            if e.kind == "device_memory"
-        ]
+        return [(job, e.data) for job, r in reports.items() for e in r.events if e.kind == kind]
 
+    first, second = devices()
     cpu = [model(tmp_path / "cpu", "a", steps=1)]
-    assert memory_events(train(cpu, LocalPool, budget_for_shards(cpu[0], 2)), cpu) == []
+    trainer = train(cpu, LocalPool, budget_for_shards(cpu[0], 2))
+    assert device_events(trainer, cpu, "device_memory") == []
+    speeds = device_events(trainer, cpu, "device_speed")
+    assert sorted((job, data["device_id"]) for job, data in speeds) == [
+        ("a", first.id),
+        ("a", second.id),  # no shard of a lives there: measured all the same
+    ], speeds
+    assert all(data["gflops"] > 0 for _, data in speeds), speeds
     measured = Overhead(64 * 2**20, "process")
     monkeypatch.setattr(shard_host, "measure_overhead", lambda _: measured)
     snaps = [model(tmp_path, name, seed=i, steps=1) for i, name in enumerate("abc")]
-    events = memory_events(train(snaps, LocalPool, budget_for_shards(snaps[0], 2)), snaps)
-    # A model lives on one device: a on the first, b on the other, c beside a.
-    first, second = devices()
+    trainer = train(snaps, LocalPool, budget_for_shards(snaps[0], 2))
+    events = device_events(trainer, snaps, "device_memory")
     assert sorted((data["device_id"], job) for job, data in events) == [
         (first.id, "a"),
-        (second.id, "b"),
+        (second.id, "a"),
     ], events
     assert {(data["overhead_bytes"], data["how"]) for _, data in events} == {
         (measured.bytes, "process")
     }, events
+    assert len(device_events(trainer, snaps, "device_speed")) == 2
 
 
 @pytest.mark.unit
