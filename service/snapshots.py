@@ -54,6 +54,7 @@ def build_snapshot(
         schedule=spec.parallelism.schedule,
         recompute=spec.parallelism.recompute,
         precision=spec.precision,
+        shard=spec.parallelism.shard,
         stages=stage_plans(devices, ranges),
         replicas=replicas,
         replica_micro_batches=tuple(replica_micro_batches),

@@ -101,6 +101,13 @@ class ParallelismSpec(StrictModel):
     replicas: Literal["auto"] | int = "auto"
     schedule: Literal["gpipe", "1f1b"] = "1f1b"
     recompute: bool = False
+    shard: Literal["none", "optimizer", "gradients"] = Field(
+        "none",
+        description="how the replicas of a stage split its state (ZeRO): optimizer, each"
+        " keeps the optimizer state of 1/R of every block (ZeRO-1); gradients, the summed"
+        " gradients too (ZeRO-2, reduce-scatter instead of all-reduce); none, whole"
+        " replicas",
+    )
 
     @field_validator("stages", "replicas")
     @classmethod
@@ -341,6 +348,18 @@ def _check_replicas(spec: JobSpec) -> None:
                     "parallelism.replicas",
                     f"{replicas} replicas need at least one micro-batch each but micro_batches"
                     f" is {spec.micro_batches}; raise micro_batches or lower replicas",
+                )
+            ]
+        )
+    shard = spec.parallelism.shard
+    if shard != "none" and spec.elastic.keep_copies:
+        raise SpecError(
+            [
+                (
+                    "elastic.keep_copies",
+                    f"in-memory copies of sharded replicas are not built yet; with"
+                    f" parallelism.shard: {shard} set elastic.keep_copies: false (a lost"
+                    " device then resumes from the latest checkpoint)",
                 )
             ]
         )

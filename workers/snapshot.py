@@ -110,6 +110,9 @@ class JobSnapshot:
     after those of replicas 0..r-1."""
     precision: str = "fp32"
     """``fp32``, or ``bf16``: forward and loss under bfloat16 autocast (``workers.precision``)."""
+    shard: str = "none"
+    """``none``, or how the replicas of a stage split its optimizer state (``optimizer``)
+    and summed gradients too (``gradients``): ``workers.pipeline.sharding``."""
     block_costs: tuple[BlockCost, ...] = ()
     """Each block's cost (``scheduler.profile``): what the elastic policy weighs measured
     times against; empty means equal blocks."""

@@ -902,3 +902,45 @@ def test_stages_are_planned_in_what_a_device_has_beside_its_overhead(
     assert failed.state == JobState.FAILED.value, failed.state
     assert "fits device memory" in str(failed.error), failed.error
     assert "has 0 B" in str(failed.error), failed.error
+
+
+def test_a_job_of_sharded_replicas_trains_as_one_of_whole_replicas(
+    session_factory: SessionFactory, cluster: Cluster, tmp_path: Path
+) -> None:
+    """``parallelism.shard`` through submission, the controller and the runner: on Ray the
+    replicas shard (ZeRO-2) and train as whole ones do; in-process they stay whole, and the
+    job says so."""
+    controller = make_controller(session_factory, cluster, tmp_path)
+    who = owner(session_factory)
+    losses = {}
+    for shard in ("gradients", "none"):
+        job_id = submit(
+            session_factory,
+            who,
+            name=f"shard-{shard}",
+            steps=20,
+            parallelism={"stages": 1, "replicas": 2, "shard": shard},
+            resources={"min_devices": 2, "max_devices": 2},
+            elastic={"keep_copies": False, "repartition": False},
+        )
+        reconcile_until(
+            controller,
+            lambda job_id=job_id: job(session_factory, job_id).state == "SUCCEEDED",
+            what=lambda job_id=job_id: (
+                job(session_factory, job_id).state,
+                job(session_factory, job_id).error,
+            ),
+        )
+        with session_factory() as session:
+            losses[shard] = list(
+                session.scalars(
+                    sa.select(JobMetric.loss)
+                    .where(JobMetric.job_id == job_id)
+                    .order_by(JobMetric.step)
+                )
+            )
+        said = [e.data["sharded"] for e in events(session_factory, job_id) if e.kind == "shard"]
+        on_ray = not isinstance(cluster, InProcessCluster)
+        assert said == ([on_ray] if shard != "none" else []), said
+    assert len(losses["gradients"]) == 20
+    assert losses["gradients"] == pytest.approx(losses["none"], rel=1e-5, abs=1e-6)

@@ -76,12 +76,24 @@ def test_gpt_on_pysource_takes_vocabulary_and_length_from_data() -> None:
         ({"optimizer": {"clip_grad_norm": float("inf")}}, "optimizer.clip_grad_norm"),
         ({"optimizer": {"clip_grad_norm": "small"}}, "optimizer.clip_grad_norm"),
         ({"precision": "fp16"}, "precision"),
+        ({"parallelism": {"shard": "full"}}, "parallelism.shard"),
+        ({"parallelism": {"shard": "optimizer"}}, "elastic.keep_copies"),
     ],
 )
 def test_bad_specs_name_the_field(overrides: dict[str, object], field: str) -> None:
     with pytest.raises(SpecError) as info:
         validate_job_spec(job_spec(**overrides), [])
     assert field in fields(info.value), info.value.errors
+
+
+def test_sharded_replicas_are_accepted_without_in_memory_copies() -> None:
+    spec = job_spec(
+        parallelism={"replicas": 2, "shard": "gradients"},
+        elastic={"keep_copies": False},
+        resources={"max_devices": 2},
+    )
+    assert validate_job_spec(spec, []).spec.parallelism.shard == "gradients"
+    assert validate_job_spec(job_spec(), []).spec.parallelism.shard == "none"
 
 
 def test_missing_required_fields_are_each_reported() -> None:

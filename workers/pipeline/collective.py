@@ -84,6 +84,15 @@ def ordered_sum(buffers: Sequence[Tensor]) -> Tensor:
     return total
 
 
+def pieces(flat: Tensor, lengths: Sequence[int]) -> list[Tensor]:
+    """``flat`` cut into consecutive pieces of ``lengths``."""
+    out, offset = [], 0
+    for n in lengths:
+        out.append(flat[offset : offset + n])
+        offset += n
+    return out
+
+
 def sum_in_process(stages: Sequence[HasBlocks]) -> None:
     """Replace each replica's block gradients by their sum over ``stages`` (replica order)."""
     total = ordered_sum([flatten_grads(s.blocks) for s in stages])
@@ -162,6 +171,26 @@ class GroupMember:
 
 class GlooCollective(GroupMember):
     """One rank of one stage's data-parallel group: replica 0 hosts, every replica joins."""
+
+    def reduce_scatter(self, chunks: Sequence[Tensor]) -> Tensor:
+        """This rank's chunk summed over the group in replica order: ``chunks[q]`` (flat,
+        sizes may differ by ``q``) goes to rank q, which folds what it gets as
+        ``ordered_sum`` does, so each chunk's sum is bitwise ``all_reduce``'s."""
+        sizes = [c.numel() for c in chunks]
+        mine = sizes[self.rank]
+        received = torch.empty(mine * self.world, device=self._device)
+        sent = torch.cat([c.reshape(-1) for c in chunks]).to(self._device)
+        self.group.alltoall_base(received, sent, [mine] * self.world, sizes).wait()
+        return ordered_sum(pieces(received, [mine] * self.world)) if mine else received[:0]
+
+    def all_gather(self, mine: Tensor, sizes: Sequence[int]) -> list[Tensor]:
+        """Every rank's ``mine`` (flat; rank q's holds ``sizes[q]`` values), in rank order."""
+        longest = max(sizes)
+        padded = torch.zeros(longest, dtype=mine.dtype, device=self._device)
+        padded[: mine.numel()] = mine.reshape(-1)
+        parts = [torch.empty_like(padded) for _ in range(self.world)]
+        self.group.allgather([parts], [padded]).wait()
+        return [part[:size] for part, size in zip(parts, sizes, strict=True)]
 
     def all_reduce(self, blocks: Sequence[Any]) -> None:
         """Replace the blocks' gradients by their sum over the group, in replica order."""

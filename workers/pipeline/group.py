@@ -102,6 +102,8 @@ class _Prepared:
 class RayGroup:
     """One StageWorker actor per stage; handles are object refs, passed actor to actor."""
 
+    groups_replicas = True
+
     def __init__(
         self, plans: Sequence[StagePlan], setup: StageSetup, *, start_timeout_s: float = 300.0
     ) -> None:

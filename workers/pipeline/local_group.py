@@ -24,6 +24,8 @@ class _Done(Handle):
 class LocalGroup:
     """Every stage in this process, each call run when submitted (unit tests, no Ray)."""
 
+    groups_replicas = False
+
     def __init__(self, plans: Sequence[StagePlan], setup: StageSetup) -> None:
         self._plans = list(plans)
         self._setup = setup

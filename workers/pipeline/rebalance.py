@@ -147,6 +147,7 @@ def move_blocks(
     worker hands its blocks out before it drops or leaves them; kept workers ``adopt`` their
     new range, new ones ``load``. Workers left out are stopped once all is loaded.
     """
+    unshard(group, old, timeout)
     kept = dict(keep) if keep is not None else {w: w for w in range(len(new.plans))}
     sources: dict[int, list[Handle]] = {}
     for w, plan in enumerate(new.plans):
@@ -167,6 +168,12 @@ def move_blocks(
     }
     regroup = not same_workers or len(new.split) != len(old.split)
     settle(group, new, kept, sources, timeout, regroup=regroup, skip=unchanged)
+
+
+def unshard(group: WorkerGroup, layout: Layout, timeout: float) -> None:
+    """Give sharded replicas their blocks' whole state back (``workers.pipeline.sharding``),
+    every worker at once: before the state is read or moved. A no-op for whole replicas."""
+    group.get([group.submit(w, "unshard") for w in range(len(layout.plans))], timeout)
 
 
 def settle(

@@ -39,8 +39,10 @@ from shoal.workers.pipeline.rebalance import (
     Rebalancer,
     move_blocks,
     policy_every,
+    unshard,
 )
 from shoal.workers.pipeline.recovery import Copies, copies_event, recover
+from shoal.workers.pipeline.replicas import shard_event
 from shoal.workers.pipeline.stage_types import StageSetup
 from shoal.workers.pipeline.stage_worker import StageFailed
 from shoal.workers.pipeline.step_driver import Flight, finish_step, in_one_call, start_step
@@ -138,6 +140,8 @@ class Trainer:
             restorable = store.restorable(snap.job_id)
             at = restorable.info.step if restorable.info else 0
             self._gflops = announce(group, plans, snap.replicas, at, self._run, self._timeout)
+            if snap.shard != "none":
+                self._run.record(shard_event(snap.shard, group.groups_replicas, at))
             start = restore(group, plans, restorable, snap.num_blocks, self._run, self._timeout)
             rebalancer = (
                 Rebalancer(self._policy, policy_every(snap), self._timeout, self._run.record)
@@ -464,7 +468,10 @@ class Trainer:
     def _checkpoint(
         self, group: WorkerGroup, layout: Layout, store: CheckpointStore, step: int
     ) -> None:
-        # Replicas are identical after every step: replica 0 (workers 0..p-1) speaks for all.
+        # Replicas are identical after every step: replica 0 (workers 0..p-1) speaks for all,
+        # once every replica has its blocks' whole state back (sharded replicas).
+        if self.snapshot.shard != "none" and len(layout.split) > 1:
+            unshard(group, layout, self._timeout)
         blocks: dict[int, Any] = {}
         states = group.get([group.submit(w, "state") for w in range(layout.depth)], self._timeout)
         for part in states:

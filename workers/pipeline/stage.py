@@ -45,9 +45,9 @@ from shoal.workers.device_memory import Overhead, measure_overhead
 from shoal.workers.device_speed import measure_gflops
 from shoal.workers.host_memory import retain_freed_memory
 from shoal.workers.pipeline.clipping import grad_norms, scale_grads
-from shoal.workers.pipeline.collective import GlooCollective
 from shoal.workers.pipeline.copier import Copier, Held
 from shoal.workers.pipeline.micro_batches import InFlight
+from shoal.workers.pipeline.replicas import Replicas
 from shoal.workers.pipeline.stage_types import (
     StageSetup,
     StageStateError,
@@ -56,7 +56,7 @@ from shoal.workers.pipeline.stage_types import (
 )
 from shoal.workers.pipeline.step_program import run_program
 from shoal.workers.pipeline.timing import StepClock, StepTimer
-from shoal.workers.pipeline.transport import LinkError, Links
+from shoal.workers.pipeline.transport import Links
 from shoal.workers.precision import autocast, autocast_dtype
 from shoal.workers.snapshot import StagePlan
 from shoal.workers.wire import Wire, receive, receive_tree, send, send_tree
@@ -100,7 +100,7 @@ class Stage:
         self._loss = loss_fn(setup.meta.task)
         self._amp_dtype = autocast_dtype(setup.precision)
         self._in_flight = InFlight(plan.index, self.device, setup.recompute)
-        self._collective: GlooCollective | None = None
+        self._replicas = Replicas(self.device, setup.shard)
         self._links = Links(self.device)
         self._own = Copier(self.device, _GENERATIONS)
         self._held = Held(_GENERATIONS)
@@ -180,7 +180,11 @@ class Stage:
 
     def grad_norms(self) -> Wire:
         """The L2 norm of each accumulated gradient, block and parameter order: this stage's
-        part of the gradient-norm reduction (``workers.pipeline.clipping``)."""
+        part of the gradient-norm reduction (``workers.pipeline.clipping``); with gradients
+        sharded, each summed over the replicas' slices (every replica asks at once)."""
+        if self._replicas.scattered:
+            with self._timer.span("allreduce"):
+                return send(self._replicas.scattered_norms())
         with self._compute():
             return grad_norms(self.blocks)
 
@@ -193,6 +197,13 @@ class Stage:
 
     def _update(self, clip: float | None) -> None:
         self._in_flight.require_none("every forward needs its backward before the step")
+        shares = self._replicas.shares(self.blocks)
+        if shares is not None:
+            with self._compute():
+                shares.update(clip)
+            with self._timer.span("allreduce"):
+                self._replicas.gather()
+            return
         with self._compute():
             if clip is not None:
                 scale_grads(self.blocks, clip)
@@ -237,9 +248,9 @@ class Stage:
             losses = run_program(
                 self, self._links, self._timer, program, batch, expected, rows, scale
             )
-            if self._collective is not None:
+            if self._replicas.grouped:
                 with self._timer.span("allreduce"):
-                    self._reduce(self._collective)
+                    self._replicas.reduce(self.blocks)
         except BaseException:
             self._failed_step = True
             self._links.close()
@@ -296,41 +307,36 @@ class Stage:
 
     def collective_host(self) -> tuple[str, int]:
         """Replica 0: start this stage's rendezvous; the address the replicas join at."""
-        self._collective = GlooCollective(self.device)
-        return self._collective.host()
+        return self._replicas.host()
 
     def collective_join(self, address: str, port: int, rank: int, world: int, stage: int) -> None:
         """Join the process group of stage ``stage`` (the one this worker is becoming, during
         a relayout) as replica ``rank`` of ``world``."""
-        if self._collective is None:
-            self._collective = GlooCollective(self.device)
-        self._collective.join(address, port, rank, world, f"stage-{stage}")
+        self._replicas.join(address, port, rank, world, f"stage-{stage}")
 
     def collective_leave(self) -> None:
         """Leave this stage's data-parallel group: the stage is no longer replicated."""
-        if self._collective is not None:
-            self._collective.close()
-            self._collective = None
+        self._replicas.leave()
 
-    def _reduce(self, collective: GlooCollective) -> None:
-        try:
-            collective.all_reduce(self.blocks)
-        except RuntimeError as exc:  # gloo and NCCL report a lost replica as RuntimeError
-            raise LinkError(None, " ".join(str(exc).split())[:300]) from exc
+    def unshard(self) -> None:
+        """Give every block its whole state back (every replica of the stage at once), before
+        the state is read or the layout changes (``workers.pipeline.replicas``)."""
+        if self._replicas.sharded:
+            with self._timer.span("allreduce"):
+                self._replicas.unshard()
 
     def all_reduce(self) -> float:
         """Sum the accumulated gradients over this stage's replicas (a no-op without a
         group); return the seconds it took. Not compute: it is reported on its own."""
-        if self._collective is None:
-            return 0.0
         start = time.perf_counter()
-        self._collective.all_reduce(self.blocks)
+        self._replicas.reduce(self.blocks, scatter=False)
         return time.perf_counter() - start
 
     # ------------------------------------------------------------------------- state
 
     def state(self) -> dict[int, Any]:
         """Every block's state (parameters and optimizer), by block index."""
+        self._replicas.require_whole("reading its state")
         return {block.index: block.state() for block in self.blocks}
 
     def load(self, *parts: Mapping[int, Any]) -> None:
@@ -343,6 +349,7 @@ class Stage:
         missing = [b.index for b in self.blocks if b.index not in states]
         if missing:
             raise KeyError(f"stage {self.index} got no state for blocks {missing}")
+        self._replicas.forget()
         for block in self.blocks:
             block.load(states[block.index])
         self._failed_step = False
@@ -354,6 +361,7 @@ class Stage:
 
     def export(self, indices: Sequence[int]) -> dict[int, Any]:
         """The state of the given blocks, which this stage holds (for ``adopt`` elsewhere)."""
+        self._replicas.require_whole("exporting blocks")
         held = {block.index: block for block in self.blocks}
         missing = [i for i in indices if i not in held]
         if missing:
@@ -365,6 +373,7 @@ class Stage:
         keep the held blocks, build the others from their states in ``parts`` (``export``s of
         their holders), drop the rest. The stage's bytes after the move."""
         self._in_flight.require_none("blocks move only between steps")
+        self._replicas.require_whole("moving blocks")
         start, stop = blocks
         if not 0 <= start < stop <= self._setup.num_blocks:
             raise ValueError(f"stage {self.index} cannot hold blocks [{start}, {stop})")
@@ -395,6 +404,7 @@ class Stage:
         runs (``workers.pipeline.copier``). Host memory it needs first (pinned, once for a set of
         blocks) is not timed as the copy: the copies' cadence plans with what every copy
         costs."""
+        self._replicas.require_whole("copying its state")
         if self._failed_step:  # a copy handed out ahead, after a step that then failed
             self._own.skip(number)
             raise StageStateError(
@@ -455,8 +465,9 @@ class Stage:
         return self._overhead
 
     def nbytes(self) -> int:
-        """Bytes of the blocks' parameters and optimizer state (memory accounting)."""
-        return sum(block.nbytes() for block in self.blocks)
+        """Bytes of the blocks' parameters and optimizer state, this replica's shares of it
+        while sharded (memory accounting)."""
+        return sum(block.nbytes() for block in self.blocks) + self._replicas.nbytes()
 
     def kept_bytes(self) -> int:
         """Bytes of the inputs and outputs kept for the backwards of micro-batches in

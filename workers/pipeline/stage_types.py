@@ -32,6 +32,8 @@ class StageSetup:
     recompute: bool = False
     allowed: tuple[str, ...] = ()
     precision: str = "fp32"
+    shard: str = "none"
+    """How replicas split the stage's optimizer work (``workers.pipeline.sharding``)."""
 
     @classmethod
     def of(cls, snapshot: JobSnapshot, meta: DataMeta) -> StageSetup:
@@ -44,6 +46,7 @@ class StageSetup:
             recompute=snapshot.recompute,
             allowed=snapshot.allowed_factories,
             precision=snapshot.precision,
+            shard=snapshot.shard,
         )
 
 

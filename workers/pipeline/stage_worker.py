@@ -23,6 +23,7 @@ STAGE_METHODS = frozenset(
         "grad_norms",
         "apply_step",
         "state",
+        "unshard",
         "load",
         "export",
         "adopt",

@@ -37,6 +37,11 @@ class Handle:
 
 
 class WorkerGroup(Protocol):
+    groups_replicas: bool
+    """Whether each stage's replicas sum their gradients in a process group of their own,
+    which lets them shard their state (``workers.pipeline.sharding``); the in-process group
+    sums whole replicas itself."""
+
     def submit(self, stage: int, method: str, *args: Any) -> Handle: ...
 
     def all_reduce(self, workers: Sequence[int]) -> list[Handle]:

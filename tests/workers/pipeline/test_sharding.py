@@ -1,0 +1,238 @@
+"""Sharded replicas (ZeRO-1, ZeRO-2): each replica keeps its slice of every block's optimizer
+state (and of the summed gradients), and the replicas train as whole ones do."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from shoal.workers.blocks import Block
+from shoal.workers.pipeline.collective import GlooCollective
+from shoal.workers.pipeline.group import RayGroup
+from shoal.workers.pipeline.local_group import LocalGroup
+from shoal.workers.pipeline.runner import Trainer
+from shoal.workers.pipeline.sharding import StageShards, slice_of
+from shoal.workers.snapshot import OptimizerConf, RunStatus
+from tests.factories import ADAM, SGD, dp_plans, job
+from tests.workers.runs import assert_matches_reference, final_states, metrics
+
+
+@pytest.mark.unit
+def test_slices_cover_a_block_once_and_differ_by_at_most_one_value() -> None:
+    for numel in (0, 1, 5, 16, 1001):
+        for world in (1, 2, 3, 7):
+            cuts = [slice_of(numel, r, world) for r in range(world)]
+            assert cuts[0][0] == 0 and cuts[-1][1] == numel
+            assert all(a[1] == b[0] for a, b in itertools.pairwise(cuts))
+            sizes = [hi - lo for lo, hi in cuts]
+            assert max(sizes) - min(sizes) <= 1
+
+
+def _blocks(conf: OptimizerConf) -> list[Block]:
+    torch.manual_seed(0)  # identical parameters on every replica, as in training
+    modules = [nn.Sequential(nn.Linear(13, 7), nn.ReLU()), nn.Linear(7, 3)]
+    return [Block(i, m, conf) for i, m in enumerate(modules)]
+
+
+def _backward(blocks: list[Block], rank: int, step: int) -> None:
+    x = torch.randn(5, 13, generator=torch.Generator().manual_seed(100 * step + rank))
+    for block in blocks:
+        x = block.module(x)
+    x.square().sum().backward()
+
+
+def _ranks(world: int, body: Callable[[GlooCollective, int], Any]) -> list[Any]:
+    """``body(collective, rank)`` on every rank of one gloo group, a thread each."""
+    ranks = [GlooCollective(torch.device("cpu"), timeout_s=30) for _ in range(world)]
+    address, port = ranks[0].host("127.0.0.1")
+    results: list[Any] = [None] * world
+
+    def rank(r: int) -> None:
+        try:
+            ranks[r].join(address, port, r, world, "stage-0")
+            results[r] = body(ranks[r], r)
+        except BaseException as exc:  # reported to the test thread
+            results[r] = exc
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for r in ranks:
+        r.close()
+    errors = [r for r in results if isinstance(r, BaseException)]
+    assert not errors, errors
+    return results
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("mode", ["optimizer", "gradients"])
+@pytest.mark.parametrize("conf", [ADAM, SGD], ids=["adam", "sgd-momentum"])
+def test_sharded_updates_equal_whole_replicas_and_unshard_gives_the_whole_state_back(
+    world: int, mode: str, conf: OptimizerConf
+) -> None:
+    """Six steps, unsharded after the fourth and sharded again: every replica ends with the
+    parameters and optimizer state of plain data parallelism, bitwise (the sums are the
+    same replica-order fold and the updates element-wise), holding meanwhile 1/R of the
+    optimizer state."""
+
+    # Built here: the ranks' threads would share torch's global generator.
+    built = [(_blocks(conf), _blocks(conf)) for _ in range(world)]
+
+    def body(collective: GlooCollective, rank: int) -> tuple[list[Block], list[Block], float]:
+        whole, sharded = built[rank]
+        shards: StageShards | None = None
+        share = 1.0
+        for step in range(6):
+            _backward(whole, rank, step)
+            collective.all_reduce(whole)
+            for block in whole:
+                block.step()
+            _backward(sharded, rank, step)
+            shards = shards or StageShards(sharded, mode, rank, world)
+            if mode == "gradients":
+                shards.reduce_scatter(collective)
+                norms = shards.grad_norms(collective)
+                assert len(norms) == 4 and bool((norms > 0).all())
+            else:
+                collective.all_reduce(sharded)
+            shards.update(None)
+            shards.gather(collective)
+            if step == 3:
+                kept = sum(s.nbytes() - 4 * s.values.numel() for s in shards.shards)
+                share = kept / sum(b.nbytes() for b in whole)  # optimizer state vs all
+                shards.unshard(collective)
+                shards = None
+        assert shards is not None
+        shards.unshard(collective)
+        for blocks in (whole, sharded):  # whole again: a step of the blocks' own optimizers
+            _backward(blocks, rank, 6)
+            collective.all_reduce(blocks)
+            for block in blocks:
+                block.step()
+        return whole, sharded, share
+
+    for whole, sharded, share in _ranks(world, body):
+        for a, b in zip(whole, sharded, strict=True):
+            for x, y in zip(a.module.parameters(), b.module.parameters(), strict=True):
+                assert torch.equal(x, y)
+            expected, got = a.optimizer.state_dict()["state"], b.optimizer.state_dict()["state"]
+            assert expected.keys() == got.keys()
+            for i, entry in expected.items():
+                for key, value in entry.items():
+                    assert torch.equal(torch.as_tensor(value), torch.as_tensor(got[i][key]))
+        params = sum(p.numel() for b in whole for p in b.module.parameters())
+        states = sum(
+            torch.as_tensor(v).numel()
+            for b in whole
+            for entry in b.optimizer.state.values()
+            for v in entry.values()
+            if torch.as_tensor(v).dim() > 0
+        )
+        full = states / (params + states)  # the optimizer state's share of a whole replica
+        assert share == pytest.approx(full / world, rel=0.15), (share, full)
+
+
+# ------------------------------------------------------------------------------ on Ray
+
+
+@pytest.fixture
+def node(ray_address: str) -> str:
+    import ray
+
+    return str(ray.get_runtime_context().get_node_id())
+
+
+pytest_ray = pytest.mark.integration
+
+
+@pytest_ray
+@pytest.mark.parametrize("mode", ["optimizer", "gradients"])
+def test_sharded_replicas_train_as_the_single_process_reference(
+    node: str, tmp_path: Path, mode: str
+) -> None:
+    """2 replicas x 2 stages, gradient clipping on: the losses, gradient norms and final
+    parameters equal one process's within the DESIGN tolerance, and a checkpoint written
+    sharded holds the whole state: the reference's."""
+    snap = job(
+        tmp_path,
+        [],
+        stages=dp_plans([(0, 2), (2, 4)], 2, node),
+        replicas=2,
+        micro_batches=4,
+        steps=6,
+        shard=mode,
+        optimizer=replace(ADAM, clip_grad_norm=0.5),
+        checkpoint_every=3,
+        checkpoint_keep=2,
+    )
+    trainer = Trainer(snap, RayGroup)
+    assert trainer.run() is RunStatus.SUCCEEDED, trainer.report(0).error
+    assert all(t.allreduce_s > 0 for m in metrics(trainer) for t in m.stages)
+    assert_matches_reference(snap, metrics(trainer))
+
+
+@pytest_ray
+@pytest.mark.parametrize(
+    ("first", "then"), [("gradients", "none"), ("none", "optimizer")], ids=["from", "to"]
+)
+def test_a_checkpoint_moves_between_sharded_and_whole_replicas(
+    node: str, tmp_path: Path, first: str, then: str
+) -> None:
+    """Three steps one way, checkpointed; the next three resumed the other way: the run
+    equals one process's."""
+    fields: dict[str, Any] = {
+        "stages": dp_plans([(0, 2), (2, 4)], 2, node),
+        "replicas": 2,
+        "micro_batches": 4,
+        "checkpoint_every": 3,
+        "checkpoint_keep": 2,
+    }
+    head = job(tmp_path, [], steps=3, shard=first, **fields)
+    assert Trainer(head, RayGroup).run() is RunStatus.SUCCEEDED
+    tail = replace(head, steps=6, shard=then)
+    trainer = Trainer(tail, RayGroup)
+    assert trainer.run() is RunStatus.SUCCEEDED, trainer.report(0).error
+    assert [e.kind for e in trainer.report(0).events].count("resumed") == 1
+    assert_matches_reference(tail, metrics(trainer))
+
+
+@pytest_ray
+def test_sharded_replicas_relayout_into_a_pipeline_as_whole_ones_do(
+    node: str, tmp_path: Path
+) -> None:
+    """2 sharded replicas x 2 stages, then one 2-stage pipeline after step 1: every replica
+    gives its blocks their whole state back before the move, and the run equals the same
+    moves made in-process with whole replicas."""
+    fields: dict[str, Any] = {"replicas": 2, "micro_batches": 4, "steps": 3}
+
+    def run(root: Path, make: Any, shard: str, where: str | None) -> Trainer:
+        stages = dp_plans([(0, 2), (2, 4)], 2, *([where] if where else []))
+        trainer = Trainer(job(root, [], stages=stages, shard=shard, **fields), make)
+        trainer.relayout([replace(p, replica=0) for p in stages[2:]], (4,))
+        assert trainer.run() is RunStatus.SUCCEEDED, trainer.report(0).error
+        return trainer
+
+    sharded = run(tmp_path / "ray", RayGroup, "optimizer", node)
+    whole = run(tmp_path / "local", LocalGroup, "none", None)
+    assert [e.kind for e in sharded.report(0).events].count("relayout") == 1
+    losses = [m.loss for m in metrics(sharded)]
+    assert losses == pytest.approx([m.loss for m in metrics(whole)], rel=1e-5, abs=1e-6)
+    snap = job(tmp_path / "ray", [], **fields)
+    ours, theirs = (
+        final_states(snap),
+        final_states(replace(snap, checkpoint_root=str(tmp_path / "local"))),
+    )
+    for i, state in theirs.items():
+        for name, tensor in state["module"].items():
+            assert torch.allclose(ours[i]["module"][name], tensor, rtol=1e-5, atol=1e-6)

@@ -1,0 +1,146 @@
+"""A stage's data-parallel side: its group among the stage's replicas and, when the job
+shards them, this replica's shares of the blocks' state (``workers.pipeline.sharding``).
+
+Without a group (one replica, or the in-process group, whose runner sums replicas itself)
+there is nothing to sum or shard. With one, the accumulated gradients are summed over the
+replicas before the update (``workers.pipeline.collective``); sharded, each replica updates
+its slices of every block and the slices are all-gathered, and before a block's state is
+read or moved every replica ``unshard``s.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from shoal.workers.blocks import Block
+from shoal.workers.pipeline.collective import GlooCollective
+from shoal.workers.pipeline.sharding import StageShards
+from shoal.workers.pipeline.stage_types import StageStateError
+from shoal.workers.pipeline.transport import LinkError
+from shoal.workers.snapshot import RunnerEvent
+
+_SHARDED = {
+    "optimizer": "each replica keeps the optimizer state of 1/R of every block (ZeRO-1)",
+    "gradients": "each replica keeps the optimizer state and summed gradients of 1/R of"
+    " every block (ZeRO-2)",
+}
+
+
+def shard_event(mode: str, grouped: bool, step: int) -> RunnerEvent:
+    """What a job asking for ``mode`` gets: sharded replicas where its workers sum in
+    process groups of their own (``grouped``), else whole ones, and why."""
+    if grouped:
+        text = f"sharded replicas: {_SHARDED[mode]}, wherever a stage has several"
+    else:
+        text = (
+            f"replicas stay whole (parallelism.shard: {mode} needs Ray workers, whose"
+            " replicas sum in process groups of their own)"
+        )
+    return RunnerEvent("shard", step, text, {"shard": mode, "sharded": grouped})
+
+
+class Replicas:
+    """The replicas' group of one stage on ``device``, sharded per ``mode``."""
+
+    def __init__(self, device: torch.device, mode: str) -> None:
+        self._device = device
+        self._mode = mode
+        self._collective: GlooCollective | None = None
+        self._shards: StageShards | None = None
+
+    @property
+    def grouped(self) -> bool:
+        """Whether the stage sums over a group of replicas here (``reduce``)."""
+        return self._collective is not None
+
+    def host(self) -> tuple[str, int]:
+        """Replica 0: start the group's rendezvous; the address the replicas join at."""
+        self._collective = GlooCollective(self._device)
+        return self._collective.host()
+
+    def join(self, address: str, port: int, rank: int, world: int, name: str) -> None:
+        """Join the group ``name`` as replica ``rank`` of ``world``."""
+        self.require_whole("joining another group")
+        if self._collective is None:
+            self._collective = GlooCollective(self._device)
+        self._collective.join(address, port, rank, world, name)
+
+    def leave(self) -> None:
+        """Leave the group: the stage is no longer replicated."""
+        self.require_whole("leaving its group")
+        if self._collective is not None:
+            self._collective.close()
+            self._collective = None
+
+    def _sharded(self, blocks: Sequence[Block]) -> StageShards | None:
+        """This replica's shares, made at the first update of a sharded, replicated stage
+        (from the blocks' whole state); None for whole replicas."""
+        collective = self._collective
+        if self._mode == "none" or collective is None or collective.world < 2:
+            return None
+        if self._shards is None:
+            self._shards = StageShards(blocks, self._mode, collective.rank, collective.world)
+        return self._shards
+
+    def reduce(self, blocks: Sequence[Block], *, scatter: bool = True) -> None:
+        """Sum the accumulated gradients over the replicas: all-reduced, or reduce-scattered
+        into this replica's slices (``gradients``, unless not ``scatter``: the relayed path,
+        whose runner reads replica 0's norms alone). A lost replica is a ``LinkError``."""
+        if self._collective is None:
+            return
+        shards = self._sharded(blocks)
+        try:
+            if scatter and shards is not None and shards.mode == "gradients":
+                shards.reduce_scatter(self._collective)
+            else:
+                self._collective.all_reduce(blocks)
+        except RuntimeError as exc:  # gloo and NCCL report a lost replica as RuntimeError
+            raise LinkError(None, " ".join(str(exc).split())[:300]) from exc
+
+    @property
+    def sharded(self) -> bool:
+        """Whether this replica holds shares of the blocks' state now."""
+        return self._shards is not None
+
+    @property
+    def scattered(self) -> bool:
+        """Whether the step's summed gradients are here as this replica's slices."""
+        return self._shards is not None and self._shards.scattered
+
+    def scattered_norms(self) -> Tensor:
+        """With the summed gradients reduce-scattered, each parameter's gradient norm from
+        every replica's slices (every replica asks at once)."""
+        if self._shards is None or not self._shards.scattered or self._collective is None:
+            raise StageStateError("the gradients are not reduce-scattered: read them whole")
+        return self._shards.grad_norms(self._collective)
+
+    def shares(self, blocks: Sequence[Block]) -> StageShards | None:
+        """The shares that update this replica's slices, where the stage is sharded."""
+        return self._sharded(blocks)
+
+    def gather(self) -> None:
+        """All-gather every replica's updated slices into the blocks' parameters."""
+        if self._shards is not None and self._collective is not None:
+            self._shards.gather(self._collective)
+
+    def unshard(self) -> None:
+        """Give every block its whole state back (every replica at once); the next update
+        shards again."""
+        if self._shards is not None and self._collective is not None:
+            self._shards.unshard(self._collective)
+        self._shards = None
+
+    def forget(self) -> None:
+        """The blocks were loaded anew: the shares hold a state that is no longer theirs."""
+        self._shards = None
+
+    def require_whole(self, what: str) -> None:
+        if self._shards is not None:
+            raise StageStateError(f"its replicas are sharded: unshard them before {what}")
+
+    def nbytes(self) -> int:
+        """Bytes of this replica's shares (their slices and optimizer state)."""
+        return self._shards.nbytes() if self._shards is not None else 0

@@ -1,0 +1,255 @@
+"""Sharded replicas (ZeRO-1 and ZeRO-2): the replicas of a stage split its optimizer's work.
+
+With ``parallelism.shard: optimizer`` (ZeRO-1, Rajbhandari et al., SC '20) replica r of R
+keeps optimizer state only for its slice of every block: the gradients are summed over the
+replicas as without sharding (``GlooCollective.all_reduce``), each replica updates its
+slice, and the slices are all-gathered into every replica's parameters. With ``gradients``
+(ZeRO-2) no replica holds the whole summed gradient either: the replicas' gradients are
+reduce-scattered, each receiving only its slice's sum, and their own are dropped.
+
+A block's parameters, flattened in parameter order, are cut into R contiguous slices (the
+first ones a value longer where R does not divide them), so every block is spread over every
+replica and each holds 1/R of the stage's optimizer state. A slice is one leaf tensor with
+the job's optimizer over it: SGD, Adam and AdamW are element-wise, so its update is the
+whole block's up to the rounding of vectorised kernels. The gradient sums are the
+replica-order fold of ``workers.pipeline.collective``: a reduce-scatter is an all-to-all of
+slices then that fold, bitwise what plain data parallelism sums.
+
+State leaves a sharded stage whole: a checkpoint, relayout or re-cut first ``unshard``s
+every replica (an all-gather of the optimizer state into each block's own optimizer), and
+the next step shards again, so checkpoints and exports are those of an unsharded stage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from shoal.workers.blocks import Block, make_optimizer
+from shoal.workers.pipeline.collective import GlooCollective, ordered_sum, pieces
+
+SHARD_MODES = ("none", "optimizer", "gradients")
+
+
+class ShardingError(ValueError):
+    """A block cannot be sharded as it is; the message says why and what to change."""
+
+
+def slice_of(numel: int, rank: int, world: int) -> tuple[int, int]:
+    """Rank ``rank``'s ``[lo, hi)`` of ``numel`` values cut into ``world`` slices."""
+    share, rest = divmod(numel, world)
+    lo = rank * share + min(rank, rest)
+    return lo, lo + share + (1 if rank < rest else 0)
+
+
+def _flat(tensors: Sequence[Tensor]) -> Tensor:
+    return torch.cat([t.reshape(-1) for t in tensors]) if tensors else torch.zeros(0)
+
+
+class BlockShard:
+    """This replica's slice of one block: its values as one leaf tensor, the job's optimizer
+    over it (the block's own optimizer keeps no state meanwhile)."""
+
+    def __init__(self, block: Block, rank: int, world: int) -> None:
+        self.block = block
+        self.params = list(block.module.parameters())
+        self.numel = sum(p.numel() for p in self.params)
+        self.lo, self.hi = slice_of(self.numel, rank, world)
+        flat = _flat([p.detach() for p in self.params])
+        self.values = nn.Parameter(flat[self.lo : self.hi].clone())
+        self.optimizer = make_optimizer(block.conf, [self.values])
+        whole = block.optimizer.state_dict()["state"]
+        if whole:
+            self._load({k: _slice(v, self.lo, self.hi) for k, v in self._flat_state(whole).items()})
+        block.optimizer.state.clear()
+
+    def _flat_state(self, per_param: dict[int, dict[str, Any]]) -> dict[str, Any]:
+        """The block's optimizer state with each element-wise entry flattened over its
+        parameters; the others (Adam's step) are the same for every parameter."""
+        if set(per_param) != set(range(len(self.params))):
+            raise ShardingError(
+                f"block {self.block.index}: only some of its parameters have optimizer state;"
+                " sharded replicas need every parameter trained every step"
+                " (set parallelism.shard: none)"
+            )
+        flat: dict[str, Any] = {}
+        for key, first in per_param[0].items():
+            values = [per_param[i][key] for i in range(len(self.params))]
+            if all(_elementwise(v, p) for v, p in zip(values, self.params, strict=True)):
+                flat[key] = _flat(values)
+            else:
+                flat[key] = first
+        return flat
+
+    def _load(self, flat: dict[str, Any]) -> None:
+        groups = self.optimizer.state_dict()["param_groups"]
+        self.optimizer.load_state_dict({"state": {0: flat}, "param_groups": groups})
+
+    def state_slices(self) -> dict[str, Any]:
+        """The slice's optimizer state (element-wise entries flat), empty before a step."""
+        state = self.optimizer.state_dict()["state"]
+        return dict(state.get(0, {}))
+
+    def restore(self, flat: dict[str, Any]) -> None:
+        """Load the whole block's optimizer state, element-wise entries given flat."""
+        per_param: dict[int, dict[str, Any]] = {i: {} for i in range(len(self.params))}
+        offset = 0
+        for i, p in enumerate(self.params):
+            for key, value in flat.items():
+                is_flat = isinstance(value, Tensor) and value.dim() == 1
+                is_flat = is_flat and value.numel() == self.numel and self.numel > 0
+                if is_flat:
+                    per_param[i][key] = value[offset : offset + p.numel()].view_as(p).clone()
+                else:  # a tensor of its own each: Adam counts its steps in place
+                    per_param[i][key] = value.clone() if isinstance(value, Tensor) else value
+            offset += p.numel()
+        groups = self.block.optimizer.state_dict()["param_groups"]
+        state = {"state": per_param if flat else {}, "param_groups": groups}
+        self.block.optimizer.load_state_dict(state)
+
+    def take_grad(self) -> Tensor:
+        """The block's whole gradient, flat (then dropped from the parameters)."""
+        missing = [i for i, p in enumerate(self.params) if p.grad is None]
+        if missing:
+            raise ShardingError(
+                f"block {self.block.index}: parameters {missing} got no gradient this step;"
+                " sharded replicas need every parameter trained every step"
+                " (set parallelism.shard: none)"
+            )
+        flat = _flat([p.grad for p in self.params if p.grad is not None])
+        for p in self.params:
+            p.grad = None
+        return flat
+
+    def write_back(self, flat: Tensor) -> None:
+        """Set the block's parameters from the whole flat ``flat``."""
+        offset = 0
+        with torch.no_grad():
+            for p in self.params:
+                p.copy_(flat[offset : offset + p.numel()].view_as(p))
+                offset += p.numel()
+
+    def nbytes(self) -> int:
+        tensors = [self.values, *_tensors(self.optimizer.state)]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _elementwise(value: Any, param: Tensor) -> bool:
+    return isinstance(value, Tensor) and value.shape == param.shape and value.dim() > 0
+
+
+def _slice(value: Any, lo: int, hi: int) -> Any:
+    if isinstance(value, Tensor) and value.dim() == 1:
+        return value[lo:hi].clone()
+    return value
+
+
+def _tensors(state: Any) -> list[Tensor]:
+    found: list[Tensor] = []
+    for entry in state.values():
+        found.extend(v for v in entry.values() if isinstance(v, Tensor))
+    return found
+
+
+class StageShards:
+    """One replica's shares of its stage's blocks, ``mode`` ``optimizer`` or ``gradients``."""
+
+    def __init__(self, blocks: Sequence[Block], mode: str, rank: int, world: int) -> None:
+        if mode not in SHARD_MODES[1:]:
+            raise ValueError(f"shard mode {mode!r}: choose one of {list(SHARD_MODES[1:])}")
+        self.mode, self.rank, self.world = mode, rank, world
+        self.shards = [BlockShard(b, rank, world) for b in blocks]
+        self._grads_scattered = False
+
+    def _lengths(self, rank: int) -> list[int]:
+        """Rank ``rank``'s slice length in each block."""
+        return [hi - lo for lo, hi in (slice_of(s.numel, rank, self.world) for s in self.shards)]
+
+    def reduce_scatter(self, collective: GlooCollective) -> None:
+        """ZeRO-2: sum the gradients over the replicas, each keeping only its slices' sums;
+        the blocks' own gradients are dropped."""
+        pairs = [(s, s.take_grad()) for s in self.shards]
+        chunks = [
+            _flat([g[slice(*slice_of(s.numel, q, self.world))] for s, g in pairs])
+            for q in range(self.world)
+        ]
+        mine = collective.reduce_scatter(chunks)
+        for shard, part in zip(self.shards, pieces(mine, self._lengths(self.rank)), strict=True):
+            shard.values.grad = part.clone()
+        self._grads_scattered = True
+
+    def grad_norms(self, collective: GlooCollective) -> Tensor:
+        """ZeRO-2: the L2 norm of each parameter's summed gradient, block and parameter order
+        (``workers.pipeline.clipping``), from every replica's slices."""
+        partial: list[Tensor] = []
+        for shard in self.shards:
+            grad = shard.values.grad
+            offset = 0
+            for p in shard.params:
+                lo, hi = max(offset, shard.lo), min(offset + p.numel(), shard.hi)
+                piece = (
+                    grad[lo - shard.lo : hi - shard.lo] if grad is not None and lo < hi else None
+                )
+                partial.append(piece.square().sum() if piece is not None else torch.zeros(()))
+                offset += p.numel()
+        if not partial:
+            return torch.zeros(0)
+        mine = torch.stack(partial)
+        parts = collective.all_gather(mine, [mine.numel()] * self.world)
+        return ordered_sum(parts).sqrt()
+
+    @property
+    def scattered(self) -> bool:
+        """Whether the step's summed gradients are here as slices (ZeRO-2), not whole."""
+        return self._grads_scattered
+
+    def update(self, clip: float | None) -> None:
+        """Update this replica's slices from the summed gradients (taken from the blocks'
+        whole ones unless reduce-scattered), multiplied first by ``clip`` when given."""
+        for shard in self.shards:
+            if not self._grads_scattered:
+                whole = shard.take_grad()
+                shard.values.grad = whole[shard.lo : shard.hi].clone()
+            grad = shard.values.grad
+            if clip is not None and grad is not None:
+                # A float32 scalar tensor, as clip_grad_norm_ multiplies by.
+                grad.mul_(torch.tensor(clip, device=grad.device))
+            shard.optimizer.step()
+            shard.optimizer.zero_grad(set_to_none=True)
+        self._grads_scattered = False
+
+    def gather(self, collective: GlooCollective) -> None:
+        """All-gather every replica's updated slices into the blocks' parameters."""
+        mine = _flat([s.values.detach() for s in self.shards])
+        sizes = [sum(self._lengths(q)) for q in range(self.world)]
+        gathered = collective.all_gather(mine, sizes)
+        parts = [pieces(p, self._lengths(q)) for q, p in enumerate(gathered)]
+        for b, shard in enumerate(self.shards):
+            shard.write_back(torch.cat([part[b] for part in parts]))
+
+    def unshard(self, collective: GlooCollective) -> None:
+        """Give every block its whole optimizer state back (an all-gather of each replica's
+        slices); the shards are done with after it."""
+        slices = [s.state_slices() for s in self.shards]
+        keys = sorted({k for state in slices for k in state})
+        sizes = [sum(self._lengths(q)) for q in range(self.world)]
+        gathered: dict[str, list[Sequence[Tensor]]] = {}
+        for key in keys:
+            values = [state.get(key) for state in slices]
+            if all(isinstance(v, Tensor) and v.dim() == 1 for v in values):
+                mine = _flat([v for v in values if v is not None])
+                parts = collective.all_gather(mine, sizes)
+                gathered[key] = [pieces(p, self._lengths(q)) for q, p in enumerate(parts)]
+        for b, (shard, state) in enumerate(zip(self.shards, slices, strict=True)):
+            whole = {
+                key: torch.cat([part[b] for part in gathered[key]]) if key in gathered else value
+                for key, value in state.items()
+            }
+            shard.restore(whole)
+
+    def nbytes(self) -> int:
+        """Bytes of this replica's slices and their optimizer state."""
+        return sum(s.nbytes() for s in self.shards)
