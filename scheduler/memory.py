@@ -138,6 +138,17 @@ def stage_memory(
     )
 
 
+def replica_state_bytes(costs: Sequence[BlockCost], replicas: int, shard: str) -> int:
+    """What one replica of a stage holding ``costs``' blocks keeps between steps: their
+    parameters and optimizer state, whole, or sharded over ``replicas``
+    (``workers.pipeline.sharding``: 1/R of every block's optimizer state, rounded up)."""
+    params = sum(c.param_bytes for c in costs)
+    optimizer = sum(c.optim_bytes for c in costs)
+    if shard == "none" or replicas < 2:
+        return params + optimizer
+    return params + -(-optimizer // replicas)
+
+
 def fits(
     costs: Sequence[BlockCost],
     blocks: BlockRange,

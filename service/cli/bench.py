@@ -20,6 +20,7 @@ from shoal.service.cli.bench_output import (
     device_option,
     phases,
 )
+from shoal.service.cli.bench_shard import shard
 from shoal.service.cli.bench_step import step
 from shoal.service.cli.bench_tables import (
     api_table,
@@ -67,6 +68,7 @@ def bench() -> None:
 
 
 bench.add_command(step)
+bench.add_command(shard)
 
 
 @bench.command()

@@ -142,5 +142,5 @@ class Replicas:
             raise StageStateError(f"its replicas are sharded: unshard them before {what}")
 
     def nbytes(self) -> int:
-        """Bytes of this replica's shares (their slices and optimizer state)."""
+        """Bytes of this replica's shares of the optimizer state."""
         return self._shards.nbytes() if self._shards is not None else 0

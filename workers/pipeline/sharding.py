@@ -50,16 +50,22 @@ def _flat(tensors: Sequence[Tensor]) -> Tensor:
 
 
 class BlockShard:
-    """This replica's slice of one block: its values as one leaf tensor, the job's optimizer
-    over it (the block's own optimizer keeps no state meanwhile)."""
+    """This replica's slice of one block: a leaf tensor over its values and the job's
+    optimizer over it (the block's own optimizer keeps no state meanwhile). The block's
+    parameters become views of one flat buffer, the slice one more view of it: the update
+    changes them in place, and no copy of the slice is kept."""
 
     def __init__(self, block: Block, rank: int, world: int) -> None:
         self.block = block
         self.params = list(block.module.parameters())
         self.numel = sum(p.numel() for p in self.params)
         self.lo, self.hi = slice_of(self.numel, rank, world)
-        flat = _flat([p.detach() for p in self.params])
-        self.values = nn.Parameter(flat[self.lo : self.hi].clone())
+        self._flat = _flat([p.detach() for p in self.params])
+        offset = 0
+        for p in self.params:
+            p.data = self._flat[offset : offset + p.numel()].view_as(p)
+            offset += p.numel()
+        self.values = nn.Parameter(self._flat[self.lo : self.hi])
         self.optimizer = make_optimizer(block.conf, [self.values])
         whole = block.optimizer.state_dict()["state"]
         if whole:
@@ -126,15 +132,12 @@ class BlockShard:
 
     def write_back(self, flat: Tensor) -> None:
         """Set the block's parameters from the whole flat ``flat``."""
-        offset = 0
         with torch.no_grad():
-            for p in self.params:
-                p.copy_(flat[offset : offset + p.numel()].view_as(p))
-                offset += p.numel()
+            self._flat.copy_(flat)
 
     def nbytes(self) -> int:
-        tensors = [self.values, *_tensors(self.optimizer.state)]
-        return sum(t.numel() * t.element_size() for t in tensors)
+        """Bytes of the slice's optimizer state (its values are the parameters')."""
+        return sum(t.numel() * t.element_size() for t in _tensors(self.optimizer.state))
 
 
 def _elementwise(value: Any, param: Tensor) -> bool:
@@ -251,5 +254,5 @@ class StageShards:
             shard.restore(whole)
 
     def nbytes(self) -> int:
-        """Bytes of this replica's slices and their optimizer state."""
+        """Bytes of this replica's slices' optimizer state."""
         return sum(s.nbytes() for s in self.shards)

@@ -109,8 +109,10 @@ def test_sharded_updates_equal_whole_replicas_and_unshard_gives_the_whole_state_
             shards.update(None)
             shards.gather(collective)
             if step == 3:
-                kept = sum(s.nbytes() - 4 * s.values.numel() for s in shards.shards)
-                share = kept / sum(b.nbytes() for b in whole)  # optimizer state vs all
+                share = shards.nbytes() / sum(b.nbytes() for b in whole)
+                # The blocks keep their parameters alone, the slices no copy of them.
+                params = sum(p.numel() for b in sharded for p in b.module.parameters())
+                assert sum(b.nbytes() for b in sharded) == 4 * params
                 shards.unshard(collective)
                 shards = None
         assert shards is not None

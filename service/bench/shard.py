@@ -1,0 +1,245 @@
+"""``shoal bench shard``: sharded replicas (ZeRO-1, ZeRO-2) against whole ones.
+
+One model (an MLP of ``hidden`` x ``layers``, Adam) is trained by R replicas of one stage on R
+virtual CPU devices (one thread each), for each R of ``replicas`` and each
+``parallelism.shard`` mode: samples/s through the engine a job runs on (``Trainer`` and
+``RayGroup``; the median over the timed steps of the engine's own step times) and its ratio
+to whole replicas at the same R; and the state one device keeps between steps (its blocks'
+parameters and optimizer state, sharded: its slices' share of it), measured on the engine's
+own classes after two steps (R ranks of one gloo group in this process, a thread each) and
+predicted by ``scheduler.memory.replica_state_bytes``. ``full`` (ZeRO-3) is not built.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from shoal.scheduler.devices import Device
+from shoal.scheduler.memory import replica_state_bytes
+from shoal.service.bench.pipeline import RUNNER_THREADS, ray_session, threads
+from shoal.service.bench.report import BenchError, Progress, machine
+from shoal.workers.blocks import Block
+from shoal.workers.pipeline.collective import GlooCollective
+from shoal.workers.pipeline.group import RayGroup
+from shoal.workers.pipeline.runner import Trainer
+from shoal.workers.pipeline.sharding import SHARD_MODES, StageShards
+from shoal.workers.profiler import trace_costs
+from shoal.workers.snapshot import (
+    DataRef,
+    JobSnapshot,
+    ModelRef,
+    OptimizerConf,
+    RunStatus,
+    StagePlan,
+)
+from shoal.workers.zoo.data import loss_fn, make_data
+from shoal.workers.zoo.models import build_blocks
+
+
+@dataclass(frozen=True)
+class ShardSettings:
+    hidden: int = 1024
+    layers: int = 4
+    features: int = 256
+    outputs: int = 16
+    batch_size: int = 64
+    micro_batches: int = 8
+    replicas: tuple[int, ...] = (2, 4)
+    steps: int = 12
+    warmup: int = 2
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.steps <= self.warmup:
+            raise ValueError(f"--steps must exceed the {self.warmup} untimed ones")
+        for r in self.replicas:
+            if not 2 <= r <= self.micro_batches:
+                raise ValueError(
+                    f"--replicas {r}: between 2 and --micro-batches ({self.micro_batches})"
+                )
+        if self.batch_size % self.micro_batches:
+            raise ValueError("--batch-size must be divisible by --micro-batches")
+
+    def refs(self) -> tuple[ModelRef, DataRef, OptimizerConf]:
+        return (
+            ModelRef("mlp", None, {"hidden": self.hidden, "layers": self.layers}),
+            DataRef(
+                "synthetic-regression",
+                None,
+                {"features": self.features, "outputs": self.outputs},
+            ),
+            OptimizerConf("adam", 0.001),
+        )
+
+
+def phases(s: ShardSettings) -> list[str]:
+    return [f"{r} replicas, shard {m}" for r in s.replicas for m in SHARD_MODES]
+
+
+def measured_state_bytes(s: ShardSettings, replicas: int, mode: str) -> int:
+    """The most state any rank keeps after two steps: its blocks' bytes (parameters, and
+    optimizer state when whole) and its shares' (``Stage.nbytes``'s count)."""
+    model, data, opt = s.refs()
+    source = make_data(data, s.seed, ())
+    count = s.layers + 1
+    sets = [
+        [
+            Block(i, m, opt)
+            for i, m in enumerate(build_blocks(model, source.meta, s.seed, range(count)))
+        ]
+        for _ in range(replicas)
+    ]
+    loss = loss_fn(source.meta.task)
+    ranks = [GlooCollective(torch.device("cpu"), timeout_s=120) for _ in range(replicas)]
+    address, port = ranks[0].host("127.0.0.1")
+    sizes: list[int | BaseException] = [0] * replicas
+
+    def rank(r: int) -> None:
+        try:
+            ranks[r].join(address, port, r, replicas, "bench-shard")
+            blocks = sets[r]
+            shards = None if mode == "none" else StageShards(blocks, mode, r, replicas)
+            for step in range(2):
+                x, y = source.batch(step * replicas + r, s.batch_size // replicas)
+                out = x
+                for block in blocks:
+                    out = block.module(out)
+                loss(out, y).backward()  # type: ignore[no-untyped-call]
+                if shards is not None and mode == "gradients":
+                    shards.reduce_scatter(ranks[r])
+                else:
+                    ranks[r].all_reduce(blocks)
+                if shards is None:
+                    for block in blocks:
+                        block.step()
+                else:
+                    shards.update(None)
+                    shards.gather(ranks[r])
+            held = sum(b.nbytes() for b in blocks)
+            sizes[r] = held + (shards.nbytes() if shards is not None else 0)
+        except BaseException as exc:  # reported below
+            sizes[r] = exc
+
+    with threads(1):
+        workers = [threading.Thread(target=rank, args=(r,)) for r in range(replicas)]
+        for t in workers:
+            t.start()
+        for t in workers:
+            t.join(300)
+    for r in ranks:
+        r.close()
+    failed = [e for e in sizes if isinstance(e, BaseException)]
+    if failed:
+        raise BenchError(f"measuring {replicas} replicas under shard {mode} failed: {failed[0]}")
+    return max(int(n) for n in sizes if not isinstance(n, BaseException))
+
+
+def samples_per_s(
+    s: ShardSettings, node_id: str, replicas: int, mode: str
+) -> tuple[float, list[float]]:
+    """Samples/s of ``replicas`` replicas of the whole model under ``mode`` (median of the
+    engine's step times after the warm-up), and the run's losses."""
+    model, data, opt = s.refs()
+    plans = tuple(
+        StagePlan(
+            0,
+            (0, s.layers + 1),
+            Device(f"{node_id[:8]}-cpu-{r}", node_id, r, "cpu", 8192, False),
+            replica=r,
+        )
+        for r in range(replicas)
+    )
+    with tempfile.TemporaryDirectory(prefix="shoal-bench-shard-") as root:
+        snapshot = JobSnapshot(
+            job_id=f"bench-shard-{os.getpid()}-{replicas}-{mode}",
+            attempt=1,
+            model=model,
+            data=data,
+            optimizer=opt,
+            batch_size=s.batch_size,
+            micro_batches=s.micro_batches,
+            steps=s.steps,
+            seed=s.seed,
+            schedule="1f1b",
+            recompute=False,
+            stages=plans,
+            num_blocks=s.layers + 1,
+            checkpoint_root=root,
+            checkpoint_every=0,
+            checkpoint_keep=1,
+            replicas=replicas,
+            shard=mode,
+        )
+        trainer = Trainer(snapshot, RayGroup)
+        with threads(RUNNER_THREADS):
+            status = trainer.run()
+        report = trainer.report(0)
+    if status is not RunStatus.SUCCEEDED:
+        raise BenchError(f"{replicas} replicas under shard {mode} failed: {report.error}")
+    times = [m.step_time_s for m in report.metrics][s.warmup :]
+    return s.batch_size / statistics.median(times), [m.loss for m in report.metrics]
+
+
+def run_shard(s: ShardSettings, progress: Progress = lambda _: None) -> dict[str, Any]:
+    """Everything ``shoal bench shard`` reports (module docstring)."""
+    started = time.perf_counter()
+    model, data, _ = s.refs()
+    costs = trace_costs(
+        model, data, micro_batch_size=s.batch_size // s.micro_batches, optimizer="adam"
+    )
+    runs: list[dict[str, Any]] = []
+    losses: dict[int, list[float]] = {}
+    with ray_session(max(s.replicas)) as node_id:
+        for replicas in s.replicas:
+            for mode in SHARD_MODES:
+                progress(f"{replicas} replicas, shard {mode}")
+                rate, run_losses = samples_per_s(s, node_id, replicas, mode)
+                losses.setdefault(replicas, run_losses)
+                measured = measured_state_bytes(s, replicas, mode)
+                predicted = replica_state_bytes(costs, replicas, mode)
+                runs.append(
+                    {
+                        "replicas": replicas,
+                        "shard": mode,
+                        "samples_per_s": rate,
+                        "state_bytes_per_device": measured,
+                        "predicted_state_bytes_per_device": predicted,
+                        "prediction_error": predicted / measured - 1,
+                        "loss_max_rel_diff": max(
+                            abs(a - b) / max(abs(b), 1e-12)
+                            for a, b in zip(run_losses, losses[replicas], strict=True)
+                        ),
+                    }
+                )
+    whole = {r["replicas"]: r for r in runs if r["shard"] == "none"}
+    params = sum(c.param_bytes for c in costs)
+    for r in runs:
+        base = whole[r["replicas"]]
+        r["vs_none"] = r["samples_per_s"] / base["samples_per_s"]
+        r["optimizer_state_share"] = (r["state_bytes_per_device"] - params) / (
+            base["state_bytes_per_device"] - params
+        )
+    return {
+        "runs": runs,
+        "parameters": params // 4,
+        "settings": {
+            "hidden": s.hidden,
+            "layers": s.layers,
+            "batch_size": s.batch_size,
+            "micro_batches": s.micro_batches,
+            "steps": s.steps,
+            "warmup": s.warmup,
+            "optimizer": "adam",
+        },
+        "not_built": ["full (ZeRO-3)", "tensor parallelism"],
+        "machine": machine(),
+        "wall_s": round(time.perf_counter() - started, 1),
+    }

@@ -1,0 +1,91 @@
+"""``shoal bench shard``: sharded replicas (ZeRO-1, ZeRO-2) against whole ones."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from shoal.service.cli.bench_output import JSON_OPTION, caption, fmt, phases
+from shoal.service.cli.options import InputError
+from shoal.service.cli.render import make_console
+
+
+@click.command()
+@click.option("--hidden", default=1024, show_default=True, type=click.IntRange(1, 16384))
+@click.option("--layers", default=4, show_default=True, type=click.IntRange(1, 256))
+@click.option("--batch-size", default=64, show_default=True, type=click.IntRange(1, 65536))
+@click.option("--micro-batches", default=8, show_default=True, type=click.IntRange(2, 1024))
+@click.option(
+    "--replicas",
+    "replicas",
+    multiple=True,
+    type=click.IntRange(2, 64),
+    help="Replica counts to measure, one virtual CPU device each [default: 2 and 4].",
+)
+@click.option(
+    "--steps",
+    default=12,
+    show_default=True,
+    type=click.IntRange(3, 1000),
+    help="Steps of each run, the first two untimed.",
+)
+@JSON_OPTION
+def shard(
+    hidden: int,
+    layers: int,
+    batch_size: int,
+    micro_batches: int,
+    replicas: tuple[int, ...],
+    steps: int,
+    as_json: bool,
+) -> None:
+    """Replicas of one stage under parallelism.shard none, optimizer (ZeRO-1) and gradients
+    (ZeRO-2): samples/s, and the state a device keeps, measured and predicted."""
+    from shoal.service.bench.report import BenchError
+    from shoal.service.bench.shard import ShardSettings, run_shard
+    from shoal.service.bench.shard import phases as shard_phases
+
+    try:
+        settings = ShardSettings(
+            hidden=hidden,
+            layers=layers,
+            batch_size=batch_size,
+            micro_batches=micro_batches,
+            replicas=tuple(sorted(set(replicas))) or (2, 4),
+            steps=steps,
+        )
+    except ValueError as exc:
+        raise InputError(str(exc)) from None
+    console = make_console()
+    with phases(console, len(shard_phases(settings)), as_json) as progress:
+        try:
+            result = run_shard(settings, progress)
+        except BenchError as exc:
+            raise click.ClickException(str(exc)) from None
+    if as_json:
+        click.echo(json.dumps(result))
+        return
+    shard_table(console, result)
+
+
+def shard_table(console: Console, result: dict[str, Any]) -> None:
+    table = Table(title="Sharded replicas", caption=caption(result))
+    for name in ("replicas", "shard", "samples/s", "vs none", "state/device MiB"):
+        table.add_column(name, justify="right")
+    table.add_column("predicted", justify="right")
+    table.add_column("optimizer state share", justify="right")
+    for run in result["runs"]:
+        table.add_row(
+            str(run["replicas"]),
+            run["shard"],
+            fmt(run["samples_per_s"]),
+            fmt(run["vs_none"], 2),
+            fmt(run["state_bytes_per_device"] / 2**20),
+            fmt(run["predicted_state_bytes_per_device"] / 2**20),
+            fmt(run["optimizer_state_share"], 3),
+        )
+    console.print(table)

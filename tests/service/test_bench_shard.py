@@ -1,0 +1,48 @@
+"""``shoal bench shard``: its settings, and one tiny real run (not timed)."""
+
+from __future__ import annotations
+
+import pytest
+from click.testing import CliRunner
+
+from shoal.service.bench.shard import ShardSettings, phases, run_shard
+from shoal.service.cli import cli
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    ("fields", "says"),
+    [
+        ({"steps": 2}, "--steps"),
+        ({"replicas": (1,)}, "--replicas 1"),
+        ({"replicas": (16,)}, "--replicas 16"),
+        ({"batch_size": 10}, "--batch-size"),
+    ],
+)
+def test_bad_settings_name_their_option(fields: dict[str, object], says: str) -> None:
+    with pytest.raises(ValueError, match=says):
+        ShardSettings(**fields)  # type: ignore[arg-type]
+
+
+@pytest.mark.unit
+def test_bad_options_are_cli_errors_naming_them() -> None:
+    result = CliRunner().invoke(cli, ["bench", "shard", "--replicas", "9"])
+    assert result.exit_code == 2 and "--replicas 9" in result.output, result.output
+
+
+@pytest.mark.integration
+def test_a_tiny_run_measures_each_modes_share_of_the_state_as_predicted(ray_address: str) -> None:
+    s = ShardSettings(hidden=32, layers=2, features=16, outputs=4, steps=3, replicas=(2,))
+    seen: list[str] = []
+    result = run_shard(s, seen.append)
+    assert seen == phases(s)
+    runs = {r["shard"]: r for r in result["runs"]}
+    assert sorted(runs) == ["gradients", "none", "optimizer"]
+    for mode, run in runs.items():
+        assert run["samples_per_s"] > 0 and run["vs_none"] > 0
+        assert abs(run["prediction_error"]) < 0.01, run
+        assert run["loss_max_rel_diff"] < 1e-5, run  # every mode trains alike
+        # ZeRO-1 and 2 keep half the optimizer state on each of 2 devices (Adam's step
+        # counters aside).
+        expected = 1.0 if mode == "none" else 0.5
+        assert run["optimizer_state_share"] == pytest.approx(expected, abs=0.01), run
