@@ -12,6 +12,7 @@ from shoal.scheduler.memory import (
     format_bytes,
     in_flight,
     optimizer_state_factor,
+    replica_state_bytes,
     stage_memory,
     submission_refusal,
 )
@@ -163,3 +164,12 @@ def test_the_refusal_never_refuses_what_the_partitioner_can_place(
         )
         is None
     )
+
+
+def test_sharded_replicas_keep_their_share_of_the_optimizer_state() -> None:
+    costs = [BlockCost(i, 1.0, 400, 800, 0) for i in range(3)]  # Adam: 2x the parameters
+    assert replica_state_bytes(costs, 1, "optimizer") == 3600  # one replica: all of it
+    assert replica_state_bytes(costs, 4, "none") == 3600
+    assert replica_state_bytes(costs, 4, "optimizer") == 1200 + 600
+    assert replica_state_bytes(costs, 4, "gradients") == 1200 + 600
+    assert replica_state_bytes(costs, 7, "gradients") == 1200 + 343  # rounded up

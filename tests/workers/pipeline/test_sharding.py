@@ -12,6 +12,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from shoal.workers.blocks import Block
@@ -75,16 +77,20 @@ def _ranks(world: int, body: Callable[[GlooCollective, int], Any]) -> list[Any]:
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize("mode", ["optimizer", "gradients"])
-@pytest.mark.parametrize("conf", [ADAM, SGD], ids=["adam", "sgd-momentum"])
+@settings(max_examples=12, deadline=None)
+@given(
+    world=st.integers(2, 4),
+    mode=st.sampled_from(["optimizer", "gradients"]),
+    conf=st.sampled_from([ADAM, SGD, OptimizerConf("adamw", 0.02, {"weight_decay": 0.1})]),
+    unshard_at=st.integers(0, 4),
+)
 def test_sharded_updates_equal_whole_replicas_and_unshard_gives_the_whole_state_back(
-    world: int, mode: str, conf: OptimizerConf
+    world: int, mode: str, conf: OptimizerConf, unshard_at: int
 ) -> None:
-    """Six steps, unsharded after the fourth and sharded again: every replica ends with the
-    parameters and optimizer state of plain data parallelism, bitwise (the sums are the
-    same replica-order fold and the updates element-wise), holding meanwhile 1/R of the
-    optimizer state."""
+    """Six steps, unsharded after step ``unshard_at`` and sharded again, then one step of
+    the blocks' own optimizers: every replica ends with the parameters and optimizer state
+    of plain data parallelism, bitwise (the sums are the same replica-order fold and the
+    updates element-wise), holding meanwhile 1/R of the optimizer state."""
 
     # Built here: the ranks' threads would share torch's global generator.
     built = [(_blocks(conf), _blocks(conf)) for _ in range(world)]
@@ -108,7 +114,7 @@ def test_sharded_updates_equal_whole_replicas_and_unshard_gives_the_whole_state_
                 collective.all_reduce(sharded)
             shards.update(None)
             shards.gather(collective)
-            if step == 3:
+            if step == unshard_at:
                 share = shards.nbytes() / sum(b.nbytes() for b in whole)
                 # The blocks keep their parameters alone, the slices no copy of them.
                 params = sum(p.numel() for b in sharded for p in b.module.parameters())
