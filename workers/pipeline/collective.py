@@ -16,11 +16,14 @@ Two implementations of the same sum:
 The order of the sum is fixed and the same in both: a left fold in replica order,
 ``((g_0 + g_1) + g_2) + ...``, so results are deterministic and equal across the two. With two
 replicas gloo's all-reduce is that sum (float addition is commutative); with more, gloo's ring
-would add in another order per chunk, so the buffers are all-gathered and folded in replica
-order instead. Measured among Ray actors on a 2-core box, 1M floats: 2 ranks 4.6 ms raw
-all-reduce, 10 ms with flattening; 3 ranks 10 ms raw all-reduce against 52 ms gathered and
-folded, the price of determinism while replica counts stay small. Gradients travel as one
-flat buffer per stage: one call per step instead of one per parameter.
+would add in another order per chunk, so each rank receives every replica's values of one
+R-th of the buffer (an all-to-all), folds them in replica order, and the folded R-ths are
+all-gathered: the bytes of a ring all-reduce, and every element the same fold. (Measured
+among Ray actors on a 2-core box, 1M floats: 2 ranks 4.6 ms raw all-reduce, 10 ms with
+flattening; 3 ranks 10 ms raw all-reduce against 52 ms when the whole buffers were
+all-gathered and folded, as before 2026-11-27; ``shoal bench shard`` measured 4 replicas of
+a 3.4M-parameter stage about twice as fast with the R-ths, docs/benchmarks.md.) Gradients
+travel as one flat buffer per stage: one call per step instead of one per parameter.
 """
 
 from __future__ import annotations
@@ -200,7 +203,13 @@ class GlooCollective(GroupMember):
             group.allreduce([flat]).wait()  # a + b == b + a: the replica-order sum
             total = flat
         else:
-            parts = [torch.empty_like(flat) for _ in range(self.world)]
-            group.allgather([parts], [flat]).wait()
-            total = ordered_sum(parts)
+            total = self.fold_all(flat)
         unflatten_grads(blocks, total)
+
+    def fold_all(self, flat: Tensor) -> Tensor:
+        """``flat`` summed over the group in replica order, every element as ``ordered_sum``
+        adds it: each rank folds one R-th (``reduce_scatter``), the R-ths are gathered."""
+        n = flat.numel()
+        sizes = [n // self.world + (1 if q < n % self.world else 0) for q in range(self.world)]
+        mine = self.reduce_scatter(pieces(flat, sizes))
+        return torch.cat(self.all_gather(mine, sizes))

@@ -92,7 +92,7 @@ def test_in_process_sum_is_the_replica_order_fold(count: int) -> None:
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("count", [2, 3])
+@pytest.mark.parametrize("count", [2, 3, 4, 5])  # 26 values: uneven R-ths from 3 on
 def test_gloo_sum_equals_the_in_process_sum_bitwise(count: int) -> None:
     local = [_Replica(seed) for seed in range(count)]
     distributed = [_Replica(seed) for seed in range(count)]
