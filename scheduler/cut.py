@@ -43,14 +43,20 @@ class Model:
     """Prefix sums of the block costs: a range's time and memory in O(1), its largest
     extension within a budget in O(log n)."""
 
-    def __init__(self, costs: Sequence[BlockCost], workload: Workload) -> None:
+    def __init__(self, costs: Sequence[BlockCost], workload: Workload, replicas: int = 1) -> None:
         self.costs = costs
         self.n = len(costs)
         self.workload = workload
+        self.replicas = replicas
         self.time = [0.0, *accumulate(c.fwd_bwd_s for c in costs)]
-        # Without recompute: params + grads + optimizer; activations (and the weight copies
-        # bf16 autocast keeps with them) are added per in-flight micro-batch.
-        self.static = [0, *accumulate(2 * c.param_bytes + c.optim_bytes for c in costs)]
+        # Without recompute: params + grads + optimizer (1/R of it on each of R sharded
+        # replicas); activations (and the weight copies bf16 autocast keeps with them) are
+        # added per in-flight micro-batch.
+        shards = replicas if workload.shard != "none" else 1
+        self.static = [
+            0,
+            *accumulate(2 * c.param_bytes + -(-c.optim_bytes // shards) for c in costs),
+        ]
         mbs, precision = workload.micro_batch_size, workload.precision
         self.act = [
             0,
@@ -64,8 +70,18 @@ class Model:
         self.reserve = max((transient_bytes(c, mbs) for c in costs), default=0)
         self.inputs = [mbs * c.input_bytes_per_sample for c in costs]
         self._by_flight: dict[int, list[int]] = {}
+        self._replicated: dict[int, Model] = {}
         self._memory_stops: dict[tuple[int, int, int], int] = {}
         self._worst_growth: float | None = None
+
+    def for_replicas(self, replicas: int) -> Model:
+        """This model as each of ``replicas`` replicas holds it (the same unless sharded)."""
+        if replicas == self.replicas or self.workload.shard == "none":
+            return self
+        model = self._replicated.get(replicas)
+        if model is None:
+            model = self._replicated[replicas] = Model(self.costs, self.workload, replicas)
+        return model
 
     def in_flight(self, stages: int, stage: int, cap: int) -> int:
         if self.workload.schedule == "gpipe":

@@ -377,9 +377,10 @@ def _heuristic(
         within = beat * kappa / (math.ceil(m / r) + p - 1) * (1 + 1e-9)
         cap = math.ceil(m / r)
         tag = "heuristic order" if exact_cut or model.monotone(cap) else "greedy cut"
+        held = model.for_replicas(r)  # sharded replicas each keep a share of the state
         for order in _orders(slots):
             found = cut(
-                model,
+                held,
                 order,
                 cap,
                 exact_count=stages is not None,
@@ -387,7 +388,7 @@ def _heuristic(
                 exact=exact_cut,
             )
             if found is not None:
-                plan = _assemble(model, order, found[0], sync_s_per_byte, tag, beat=beat)
+                plan = _assemble(held, order, found[0], sync_s_per_byte, tag, beat=beat)
                 if plan is not None and _better(plan, best):
                     best = plan
     return best
@@ -437,8 +438,8 @@ def order_partition(
         raise PartitionError(
             f"every stage needs one device per replica; got groups of sizes {sorted(widths)}"
         )
-    model, p = Model(costs, workload), len(stage_devices)
     r = widths.pop()
+    model, p = Model(costs, workload, r), len(stage_devices)
     if p > model.n:
         raise PartitionError(
             f"cannot cut {model.n} blocks into {p} non-empty stages; use at most {model.n}"
@@ -469,7 +470,7 @@ def evaluate(
     missing = sorted(set(plan.device_ids) - set(by_id))
     if missing:
         raise PartitionError(f"the plan uses devices {missing} that are not given; re-plan")
-    model = Model(costs, workload)
+    model = Model(costs, workload, plan.replicas)
     slots = [Slot.of([by_id[d] for d in stage.device_ids]) for stage in plan.stages]
     stops = [stage.blocks[1] for stage in plan.stages]
     shares = plan.micro_batches

@@ -32,3 +32,6 @@ class Workload:
     stage_overhead_s: float = 0.0
     """Seconds a stage spends per micro-batch beyond its blocks' compute (framework calls,
     transfers): what makes one more stage cost more than it saves on a small model."""
+    shard: str = "none"
+    """How replicas split their optimizer state (``parallelism.shard``): sharded, a stage of
+    R replicas keeps 1/R of it on each device (``scheduler.memory.replica_state_bytes``)."""

@@ -471,6 +471,7 @@ class Controller:
                 recompute=spec.parallelism.recompute,
                 precision=spec.precision,
                 stage_overhead_s=self._config.stage_overhead_s,
+                shard=spec.parallelism.shard,
             ),
             sync_s_per_byte=self._config.allreduce_s_per_byte,
         )

@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shoal.scheduler import partition, shares
+from shoal.scheduler.cut import Model
 from shoal.scheduler.memory import fits, in_flight
 from shoal.scheduler.partition import (
     PartitionError,
@@ -423,3 +424,20 @@ def test_a_fit_only_an_unusual_device_order_allows_is_found_before_refusing() ->
     finally:
         partition._EXACT_WORK = saved
     assert [s.device_ids for s in plan.stages] == [("d2",), ("d0",), ("d1",)]
+
+
+def test_sharded_replicas_are_planned_where_only_their_share_of_the_state_fits() -> None:
+    """Two blocks of Adam state larger than their parameters: two whole replicas do not fit
+    these devices, two sharded ones (half the optimizer state each) do."""
+    costs = [BlockCost(i, 1.0, 4_000, 8_000, 10) for i in range(2)]
+    sharded = Workload(micro_batches=2, shard="optimizer")
+    whole = Model(costs, Workload(micro_batches=2)).memory(0, 2, 1)
+    share = Model(costs, sharded, replicas=2).memory(0, 2, 1)
+    assert share == whole - 8_000  # half of each block's 8,000 bytes of optimizer state
+    devices = [DeviceCapacity(f"d{i}", 1.0, (whole + share) // 2) for i in range(2)]
+    with pytest.raises(PartitionError):
+        plan_partition(costs, devices, Workload(micro_batches=2), stages=1, replicas=2)
+    plan = plan_partition(costs, devices, sharded, stages=1, replicas=2)
+    assert plan.replicas == 2 and [s.blocks for s in plan.stages] == [(0, 2)]
+    # Unasked, the planner picks them too: faster than a block on each device.
+    assert plan_partition(costs, devices, sharded).replicas == 2

@@ -108,6 +108,7 @@ def snapshot_policy(snapshot: JobSnapshot) -> Policy | None:
         schedule=snapshot.schedule,
         recompute=snapshot.recompute,
         precision=snapshot.precision,
+        shard=snapshot.shard,
     )
 
     def policy(layout: Layout, history: Sequence[Sequence[StageSample]]) -> Decision:

@@ -210,6 +210,7 @@ def plan_survivors(
             schedule=snapshot.schedule,
             recompute=snapshot.recompute,
             precision=snapshot.precision,
+            shard=snapshot.shard,
         ),
     )
     new = Layout(stage_plans(planned.devices, planned.ranges), tuple(planned.plan.micro_batches))
