@@ -77,7 +77,7 @@ def _ranks(world: int, body: Callable[[GlooCollective, int], Any]) -> list[Any]:
 
 
 @pytest.mark.unit
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=6, deadline=None)
 @given(
     world=st.integers(2, 4),
     mode=st.sampled_from(["optimizer", "gradients"]),
