@@ -182,7 +182,7 @@ class GlooCollective(GroupMember):
         sizes = [c.numel() for c in chunks]
         mine = sizes[self.rank]
         received = torch.empty(mine * self.world, device=self._device)
-        sent = torch.cat([c.reshape(-1) for c in chunks]).to(self._device)
+        sent = torch.cat([c.reshape(-1).to(self._device) for c in chunks])
         self.group.alltoall_base(received, sent, [mine] * self.world, sizes).wait()
         return ordered_sum(pieces(received, [mine] * self.world)) if mine else received[:0]
 

@@ -45,8 +45,12 @@ def slice_of(numel: int, rank: int, world: int) -> tuple[int, int]:
     return lo, lo + share + (1 if rank < rest else 0)
 
 
-def _flat(tensors: Sequence[Tensor]) -> Tensor:
-    return torch.cat([t.reshape(-1) for t in tensors]) if tensors else torch.zeros(0)
+def _flat(tensors: Sequence[Tensor], device: torch.device | None = None) -> Tensor:
+    """``tensors`` end to end, flat (on ``device`` when none holds a value)."""
+    parts = [t.reshape(-1) for t in tensors if t.numel()]
+    if parts:
+        return torch.cat(parts)
+    return torch.zeros(0, device=device or (tensors[0].device if tensors else None))
 
 
 class BlockShard:
@@ -193,10 +197,10 @@ class StageShards:
             offset = 0
             for p in shard.params:
                 lo, hi = max(offset, shard.lo), min(offset + p.numel(), shard.hi)
-                piece = (
-                    grad[lo - shard.lo : hi - shard.lo] if grad is not None and lo < hi else None
-                )
-                partial.append(piece.square().sum() if piece is not None else torch.zeros(()))
+                if grad is not None and lo < hi:
+                    partial.append(grad[lo - shard.lo : hi - shard.lo].square().sum())
+                else:  # none of it is here: a zero on the device
+                    partial.append(p.detach().new_zeros(()))
                 offset += p.numel()
         if not partial:
             return torch.zeros(0)
