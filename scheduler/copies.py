@@ -69,9 +69,12 @@ class CopyCadence:
     _steps: deque[float] = field(default_factory=lambda: deque(maxlen=_SAMPLES))
 
     def observe(self, step_time_s: float, copy_s: float) -> None:
-        """A step of ``step_time_s`` seconds, ``copy_s`` of them the copy before it."""
+        """A step of ``step_time_s`` seconds, ``copy_s`` of them the copy before it. A copy
+        made beside the step (a CPU device's copying thread, counted in ``copy_s``) can take
+        longer than the step on a busy machine: the step's own time is then all of it (else
+        no step would be measured and the interval never decided: a copy at every step)."""
         self.observe_copy(copy_s)
-        self.observe_step(step_time_s - copy_s)
+        self.observe_step(step_time_s - copy_s if step_time_s > copy_s else step_time_s)
 
     def observe_step(self, seconds: float) -> None:
         """A step that took ``seconds`` besides any copy."""

@@ -73,3 +73,14 @@ def test_a_loss_replays_at_most_the_interval_or_the_steps_between_the_last_two_c
     assert most_replayed(2, taken=20, before=10) == 10
     # A recovery copies the step it went back to, before the last copy's step.
     assert most_replayed(2, taken=5, before=9) == 2
+
+
+@pytest.mark.unit
+def test_copies_made_beside_steps_longer_than_them_still_let_the_cadence_decide() -> None:
+    """On a busy machine a CPU device's copying thread may take longer than the step it ran
+    beside: the step is then measured whole, and the interval is decided all the same."""
+    cadence = CopyCadence(budget=0.05)
+    for _ in range(3):
+        cadence.observe(step_time_s=0.003, copy_s=0.011)
+    assert cadence.plan() and cadence.interval == 74  # 0.011 / (0.05 x 0.003), rounded up
+    assert cadence.step_s == pytest.approx(0.003)
