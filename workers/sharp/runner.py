@@ -217,8 +217,9 @@ class SharpTrainer:
         hosts = [h for h in range(len(self._devices)) if h not in self._reported]
         hosts = [h for h in hosts if self._homes.alive(h)]
         for host in hosts:  # one at a time: benchmarks side by side would measure contention
-            calls = [pool.submit(host, "overhead"), pool.submit(host, "measure_speed")]
-            overhead, gflops = await_all(pool, calls, self._timeout)
+            # Apart: an answer read only after the benchmark would time it as the round trip.
+            (overhead,) = await_all(pool, [pool.submit(host, "overhead")], self._timeout)
+            (gflops,) = await_all(pool, [pool.submit(host, "measure_speed")], self._timeout)
             self._reported.add(host)
             device = self._devices[host]
             if overhead.how != "none":
