@@ -31,6 +31,29 @@ PEAK_TFLOPS: dict[str, dict[str, float]] = {
 NVIDIA's data sheets: H100 and H200 SXM, A100 SXM, L4, A10, V100 SXM2, T4. Without sparsity;
 V100 and T4 have no bfloat16 tensor cores."""
 
+_PRODUCT_KINDS = (
+    ("h200", "h200"),
+    ("h100", "h100"),
+    ("a100", "a100"),
+    ("l4", "l4"),
+    ("a10", "a10"),
+    ("v100", "v100"),
+    ("t4", "t4"),
+)
+"""What a GPU's product name contains (``torch.cuda.get_device_name``, lowercased, e.g.
+"NVIDIA H100 80GB HBM3") and its kind in ``PEAK_TFLOPS``; longer and newer names first, so
+that "a100" is not read as "a10"."""
+
+
+def gpu_kind(product: str) -> str | None:
+    """The ``PEAK_TFLOPS`` kind of a GPU by its product name; None for one the table lacks.
+    An 80 GB A100 has the 40 GB one's peaks, so both read "a100"."""
+    name = product.lower()
+    for part, kind in _PRODUCT_KINDS:
+        if part in name:
+            return kind
+    return None
+
 
 @dataclass(frozen=True)
 class DevicePeak:

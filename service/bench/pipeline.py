@@ -34,6 +34,7 @@ from shoal.service.bench.report import (
     PipelineSettings,
     Progress,
     pipeline_result,
+    round_phases,
     round_samples_per_s,
     stage_bounds,
 )
@@ -62,11 +63,6 @@ PIPELINE_PHASES = (
     "torch.distributed.pipelining",
 )
 """The phases of one round."""
-
-
-def pipeline_phases(rounds: int) -> list[str]:
-    """The progress bar's labels: every phase of every round."""
-    return [f"round {n}/{rounds}: {name}" for n in range(1, rounds + 1) for name in PIPELINE_PHASES]
 
 
 RUNNER_THREADS = 1
@@ -292,7 +288,7 @@ def run_pipeline(s: PipelineSettings, progress: Progress = lambda _: None) -> di
     retain_freed_memory()  # the plain runs' allocator as Shoal's workers' (workers.host_memory)
     # The overhead model: negligible compute, so its step is all framework.
     tiny = replace(s, hidden=8, layers=1, features=8, outputs=1, steps=s.overhead_steps)
-    labels = iter(pipeline_phases(s.repeats))
+    labels = iter(round_phases(PIPELINE_PHASES, s.repeats))
     rounds = [_measure_round(s, tiny, lambda: progress(next(labels))) for _ in range(s.repeats)]
     return pipeline_result(
         s,

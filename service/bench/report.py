@@ -267,6 +267,11 @@ class PipelineRound:
         }
 
 
+def round_phases(names: Sequence[str], rounds: int) -> list[str]:
+    """A progress bar's labels: every phase of every round."""
+    return [f"round {n}/{rounds}: {name}" for n in range(1, rounds + 1) for name in names]
+
+
 def round_samples_per_s(step_times: Sequence[float], samples_per_step: int, warmup: int) -> float:
     """A contender's samples per second over one round's steps after ``warmup``."""
     timed = step_times[warmup:]

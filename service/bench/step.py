@@ -12,15 +12,19 @@ from __future__ import annotations
 
 import math
 import os
+import statistics
 import tempfile
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import ray
 import torch
 
 from shoal.scheduler.devices import Device
+from shoal.scheduler.mfu import DevicePeak, gpu_kind, peak_flops, step_flops
 from shoal.service.bench.hardware import device_name, machine_with
 from shoal.service.bench.pipeline import RUNNER_THREADS, busy_fractions, ray_session, threads
 from shoal.service.bench.report import (
@@ -28,6 +32,7 @@ from shoal.service.bench.report import (
     Progress,
     median_step_s,
     median_throughput,
+    round_phases,
     stage_bounds,
 )
 from shoal.service.bench.step_settings import (
@@ -37,9 +42,11 @@ from shoal.service.bench.step_settings import (
     step_seconds,
 )
 from shoal.workers.blocks import Block
+from shoal.workers.device_speed import measure_gflops
 from shoal.workers.host_memory import retain_freed_memory
 from shoal.workers.pipeline.group import RayGroup
 from shoal.workers.pipeline.runner import Trainer
+from shoal.workers.profiler import trace_costs
 from shoal.workers.snapshot import (
     DataRef,
     JobSnapshot,
@@ -207,62 +214,156 @@ def _notes(s: StepSettings) -> list[str]:
     return notes
 
 
-def run_step(s: StepSettings, progress: Progress = lambda _: None) -> dict[str, Any]:
-    """Measure everything ``shoal bench step`` reports; see ``step_settings.step_result``."""
-    started = time.perf_counter()
-    retain_freed_memory()  # the plain loop's allocator as Shoal's workers' (workers.host_memory)
-    device = torch.device(s.device)
-    phases = iter(STEP_PHASES)
-    progress(next(phases))
+@dataclass(frozen=True)
+class _Round:
+    """Each contender's step seconds in one round, and the engine's own word on its runs."""
+
+    plain: list[float]
+    plain_losses: list[float]
+    shoal: list[float]
+    metrics: list[StepMetrics]
+    copies: list[float]
+    copies_metrics: list[StepMetrics]
+    copies_events: list[RunnerEvent]
+
+
+def _measure_round(s: StepSettings, phase: Callable[[], None]) -> _Round:
+    """The plain loop (without Ray's processes beside it), then Shoal without and with
+    copies on a Ray started for them (``phase`` is called as each starts)."""
+    phase()
     plain, plain_losses = plain_step_times(s)
-    if device.type == "cuda":
+    if s.device == "cuda":
         torch.cuda.empty_cache()  # the plain loop's cached memory, for Shoal's workers
-    progress(next(phases))
+    phase()
     with ray_session(s.stages) as node_id:
         on = devices(s, node_id)
         bounds = stage_bounds(s.num_blocks, s.stages)
         plans = tuple(StagePlan(i, r, on[i]) for i, r in enumerate(bounds))
-        progress(next(phases))
+        phase()
         shoal, metrics, _ = shoal_step_times(s, plans, keep_copies=False)
-        progress(next(phases))
+        phase()
         copies, copies_metrics, copies_events = shoal_step_times(s, plans, keep_copies=True)
-    # How often the engine chose to copy, and what it measured them to cost (its last word).
-    cadence = [e.data for e in copies_events if e.kind == "copies"]
+    return _Round(plain, plain_losses, shoal, metrics, copies, copies_metrics, copies_events)
 
-    def rate(times: list[float]) -> float:
-        return median_throughput(times, s.shape.batch, s.warmup, s.repeats)
 
-    def engine_rate(ms: list[StepMetrics]) -> float:
-        return rate([m.step_time_s for m in ms])
+def _peak(device: torch.device) -> tuple[float, float | None]:
+    """The device's measured float32 GFLOP/s and its peak FLOP/s as a job's MFU takes it
+    (``scheduler.mfu``: a listed GPU's data-sheet figure, else the measurement)."""
+    with threads(1 if device.type == "cpu" else None):  # one thread, as a virtual device
+        gflops = measure_gflops(device)
+    kind = gpu_kind(device_name(device)) if device.type == "cuda" else None
+    peak = peak_flops(DevicePeak(kind or "cpu", device.type == "cuda", gflops), "fp32")
+    return gflops, peak
 
+
+def _step_flops(s: StepSettings) -> float:
+    """The model's traced FLOPs in one step, as a job's MFU counts them."""
+    model, data, opt = refs(s)
+    rows = s.shape.batch // s.shape.micro_batches
+    costs = trace_costs(model, data, micro_batch_size=rows, optimizer=opt.name)
+    return step_flops(costs, s.shape.micro_batches)
+
+
+def _round_view(s: StepSettings, r: _Round) -> dict[str, Any]:
+    """One round's figures, as the result lists them under ``rounds``."""
+    plain, shoal, copies = (
+        median_throughput(times, s.shape.batch, s.warmup, s.repeats)
+        for times in (r.plain, r.shoal, r.copies)
+    )
+    cadence = [e.data for e in r.copies_events if e.kind == "copies"]
+    return {
+        "plain_samples_per_s": plain,
+        "shoal_samples_per_s": shoal,
+        "shoal_copies_samples_per_s": copies,
+        "shoal_over_plain": shoal / plain,
+        "copies_overhead": copies_overhead(r.shoal, r.copies, s.warmup),
+        # How often the engine chose to copy, and what it measured them to cost (its last word).
+        "copy_interval_steps": cadence[-1]["interval"] if cadence else 1,
+        "copies_engine_overhead": cadence[-1]["overhead"] if cadence else None,
+        "copies_engine_copy_s": cadence[-1]["copy_s"] if cadence else None,
+    }
+
+
+def run_step(s: StepSettings, progress: Progress = lambda _: None) -> dict[str, Any]:
+    """Measure everything ``shoal bench step`` reports; see ``step_settings.step_result``.
+
+    The contenders run in ``s.rounds`` rounds, each once per round, and every figure is the
+    median over the rounds of that round's (a ratio taken within its round), so a machine
+    whose speed drifts between minutes compares runs made side by side."""
+    started = time.perf_counter()
+    retain_freed_memory()  # the plain loop's allocator as Shoal's workers' (workers.host_memory)
+    device = torch.device(s.device)
+    labels = iter(round_phases(STEP_PHASES, s.rounds))
+    rounds = [_measure_round(s, lambda: progress(next(labels))) for _ in range(s.rounds)]
+    views = [_round_view(s, r) for r in rounds]
+
+    def median(key: str) -> Any:
+        return statistics.median(v[key] for v in views)
+
+    def step_s(times: Callable[[_Round], list[float]]) -> float:
+        return statistics.median(median_step_s(times(r), s.warmup, s.repeats) for r in rounds)
+
+    def engine_rate(ms: Callable[[_Round], list[StepMetrics]]) -> float:
+        return statistics.median(
+            median_throughput([m.step_time_s for m in ms(r)], s.shape.batch, s.warmup, s.repeats)
+            for r in rounds
+        )
+
+    def timed(r: _Round) -> list[StepMetrics]:
+        return r.metrics[s.warmup :]
+
+    def copies_timed(r: _Round) -> list[StepMetrics]:
+        return r.copies_metrics[s.warmup :]
+
+    gflops, peak = _peak(device)
+    flops = _step_flops(s)
+    rates = {
+        "plain": median("plain_samples_per_s"),
+        "shoal": median("shoal_samples_per_s"),
+        "shoal_copies": median("shoal_copies_samples_per_s"),
+    }
+    last = views[-1]
     return step_result(
         s,
-        plain=rate(plain),
-        shoal=rate(shoal),
-        shoal_copies=rate(copies),
-        copies_overhead=copies_overhead(shoal, copies, s.warmup),
-        stage_busy=busy_fractions(metrics, s.warmup),
+        plain=rates["plain"],
+        shoal=rates["shoal"],
+        shoal_copies=rates["shoal_copies"],
+        shoal_over_plain=median("shoal_over_plain"),
+        copies_overhead=median("copies_overhead"),
+        stage_busy=busy_fractions([m for r in rounds for m in timed(r)], 0),
+        rounds=views,
         device=device_name(device),
         machine=machine_with(device),
         notes=_notes(s),
         started=started,
         extra={
-            "plain_step_s": median_step_s(plain, s.warmup, s.repeats),
-            "shoal_step_s": median_step_s(shoal, s.warmup, s.repeats),
-            "shoal_copies_step_s": median_step_s(copies, s.warmup, s.repeats),
-            "timed_s": {"shoal": sum(shoal[s.warmup :]), "shoal_copies": sum(copies[s.warmup :])},
-            "engine_timed_samples_per_s": {
-                "shoal": engine_rate(metrics),
-                "shoal_copies": engine_rate(copies_metrics),
+            "plain_step_s": step_s(lambda r: r.plain),
+            "shoal_step_s": step_s(lambda r: r.shoal),
+            "shoal_copies_step_s": step_s(lambda r: r.copies),
+            "timed_s": {
+                "shoal": sum(sum(r.shoal[s.warmup :]) for r in rounds),
+                "shoal_copies": sum(sum(r.copies[s.warmup :]) for r in rounds),
             },
-            "copies_stage_busy": busy_fractions(copies_metrics, s.warmup),
-            "copy_interval_steps": cadence[-1]["interval"] if cadence else 1,
-            "copies_engine_overhead": cadence[-1]["overhead"] if cadence else None,
-            "copies_engine_copy_s": cadence[-1]["copy_s"] if cadence else None,
+            "engine_timed_samples_per_s": {
+                "shoal": engine_rate(lambda r: r.metrics),
+                "shoal_copies": engine_rate(lambda r: r.copies_metrics),
+            },
+            "copies_stage_busy": busy_fractions([m for r in rounds for m in copies_timed(r)], 0),
+            "copy_interval_steps": last["copy_interval_steps"],
+            "copies_engine_overhead": last["copies_engine_overhead"],
+            "copies_engine_copy_s": last["copies_engine_copy_s"],
+            "step_flops": flops,
+            "device_gflops": gflops,
+            "peak_tflops": peak / 1e12 if peak else None,
+            "mfu": {
+                name: flops * rate / s.shape.batch / peak if peak else None
+                for name, rate in rates.items()
+            },
             "loss_max_abs_diff": max(
                 abs(m.loss - want)
-                for ms in (metrics, copies_metrics)
-                for m, want in zip(ms, plain_losses, strict=True)
+                for r in rounds
+                for ms in (r.metrics, r.copies_metrics)
+                for m, want in zip(ms, r.plain_losses, strict=True)
             ),
         },
     )

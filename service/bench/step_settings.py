@@ -33,6 +33,7 @@ STEP_KEYS = (
     "steps",
     "warmup",
     "repeats",
+    "rounds",
 )
 """The keys ``shoal bench step --json`` always prints."""
 
@@ -84,7 +85,8 @@ issue's model."""
 class StepSettings:
     """What ``shoal bench step`` runs: one job (``model`` at ``size``, AdamW) on ``device``,
     plainly and through Shoal on ``stages`` devices; ``warmup`` steps, then ``repeats``
-    windows of ``steps`` steps, each window one throughput, the median reported."""
+    windows of ``steps`` steps, each window one throughput, the median reported; all of it
+    ``rounds`` times, the contenders in turn, each figure the median over the rounds."""
 
     device: str = "cpu"
     model: str = "gpt"
@@ -93,6 +95,7 @@ class StepSettings:
     steps: int = 5
     warmup: int = 2
     repeats: int = 3
+    rounds: int = 1
     optimizer: str = "adamw"
     lr: float = 3e-4
     schedule: str = "1f1b"
@@ -105,8 +108,8 @@ class StepSettings:
             raise ValueError(f"model {self.model!r} is none of {', '.join(sorted(SIZES))}")
         if self.size not in SIZES[self.model]:
             raise ValueError(f"size {self.size!r} is none of {', '.join(SIZES[self.model])}")
-        if min(self.steps, self.repeats) < 1:
-            raise ValueError("steps and repeats must be >= 1")
+        if min(self.steps, self.repeats, self.rounds) < 1:
+            raise ValueError("steps, repeats and rounds must be >= 1")
         if self.warmup < 1:
             raise ValueError(
                 "warmup must be >= 1: Shoal's first step also starts its workers, so it is"
@@ -182,8 +185,10 @@ def step_result(
     plain: float,
     shoal: float,
     shoal_copies: float,
+    shoal_over_plain: float,
     copies_overhead: float,
     stage_busy: Sequence[float],
+    rounds: Sequence[Mapping[str, Any]],
     device: str,
     machine: dict[str, Any],
     notes: Sequence[str],
@@ -192,12 +197,13 @@ def step_result(
 ) -> dict[str, Any]:
     """The JSON object of ``shoal bench step``: the throughputs (samples/s, the median
     window's), Shoal's over the plain loop's, the copies' overhead (``copies_overhead``:
-    over the whole timed runs), the settings echoed; ``STEP_KEYS`` first."""
+    over the whole timed runs), each the median over the rounds (the ratios taken within a
+    round; each round's own under ``rounds``), the settings echoed; ``STEP_KEYS`` first."""
     return {
         "plain_samples_per_s": plain,
         "shoal_samples_per_s": shoal,
         "shoal_copies_samples_per_s": shoal_copies,
-        "shoal_over_plain": shoal / plain if plain > 0 else 0.0,
+        "shoal_over_plain": shoal_over_plain,
         "copies_overhead": copies_overhead,
         "stage_busy": list(stage_busy),
         "device": device,
@@ -211,6 +217,7 @@ def step_result(
         "steps": s.steps,
         "warmup": s.warmup,
         "repeats": s.repeats,
+        "rounds": [dict(r) for r in rounds],
         **(extra or {}),
         "settings": asdict(s),
         "wall_s": round(time.perf_counter() - started, 1),

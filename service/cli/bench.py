@@ -97,8 +97,8 @@ def pipeline(
     as_json: bool,
 ) -> None:
     """Single-process PyTorch vs Shoal (2 stages, 2 devices) vs torch.distributed.pipelining."""
-    from shoal.service.bench.pipeline import pipeline_phases, run_pipeline
-    from shoal.service.bench.report import PipelineSettings
+    from shoal.service.bench.pipeline import PIPELINE_PHASES, run_pipeline
+    from shoal.service.bench.report import PipelineSettings, round_phases
 
     try:
         settings = PipelineSettings(
@@ -113,7 +113,7 @@ def pipeline(
     except ValueError as exc:
         raise InputError(str(exc)) from None
     console = make_console()
-    with phases(console, len(pipeline_phases(repeats)), as_json) as progress:
+    with phases(console, len(round_phases(PIPELINE_PHASES, repeats)), as_json) as progress:
         result = run_pipeline(settings, progress)
     if as_json:
         click.echo(json.dumps(result))

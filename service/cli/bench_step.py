@@ -53,7 +53,21 @@ from shoal.service.cli.render import make_console
     type=click.IntRange(1, 1000),
     help="Untimed steps first (Shoal's first one starts its workers).",
 )
-@click.option("--repeats", default=3, show_default=True, type=click.IntRange(1, 50))
+@click.option(
+    "--repeats",
+    default=3,
+    show_default=True,
+    type=click.IntRange(1, 50),
+    help="Timed windows of --steps steps per run; a run's figure is their median.",
+)
+@click.option(
+    "--rounds",
+    default=1,
+    show_default=True,
+    type=click.IntRange(1, 20),
+    help="Times the three contenders run in turn; each figure is the median over rounds"
+    " (a ratio taken within its round).",
+)
 @JSON_OPTION
 def step(
     device: str | None,
@@ -63,6 +77,7 @@ def step(
     steps: int,
     warmup: int,
     repeats: int,
+    rounds: int,
     as_json: bool,
 ) -> None:
     """A plain PyTorch loop vs Shoal (without and with in-memory copies) on one job's steps.
@@ -79,7 +94,7 @@ def step(
     mlp small  4 x 2048 hidden, 512 in, 16 out                     64 / 4  (13.7M)
     mlp large  8 x 4096 hidden, 1024 in, 16 out                    256 / 4 (121.7M)
     """
-    from shoal.service.bench.report import BenchError
+    from shoal.service.bench.report import BenchError, round_phases
     from shoal.service.bench.step import STEP_PHASES, run_step
 
     chosen = bench_device(device)
@@ -92,11 +107,12 @@ def step(
             steps=steps,
             warmup=warmup,
             repeats=repeats,
+            rounds=rounds,
         )
     except ValueError as exc:
         raise InputError(str(exc)) from None
     console = make_console()
-    with phases(console, len(STEP_PHASES), as_json) as progress:
+    with phases(console, len(round_phases(STEP_PHASES, rounds)), as_json) as progress:
         try:
             result = run_step(settings, progress)
         except BenchError as exc:
@@ -115,19 +131,28 @@ def _step_table(console: Console, result: dict[str, Any]) -> None:
     table.add_column("samples/s", justify="right")
     table.add_column("ms per step", justify="right")
     table.add_column("vs plain", justify="right")
+    table.add_column("MFU", justify="right")
     plain = result["plain_samples_per_s"]
     threads = ", 1 thread" if result["device"] == "cpu" else ""
+    mfu = result["mfu"]
     rows = [
-        (f"plain PyTorch, 1 process{threads}", plain, result["plain_step_s"]),
-        (f"Shoal, {where}", result["shoal_samples_per_s"], result["shoal_step_s"]),
+        (f"plain PyTorch, 1 process{threads}", plain, result["plain_step_s"], mfu["plain"]),
+        (f"Shoal, {where}", result["shoal_samples_per_s"], result["shoal_step_s"], mfu["shoal"]),
         (
             f"Shoal, {where}, keeping copies",
             result["shoal_copies_samples_per_s"],
             result["shoal_copies_step_s"],
+            mfu["shoal_copies"],
         ),
     ]
-    for name, rate, seconds in rows:
-        table.add_row(name, fmt(rate), fmt(1000 * seconds), fmt(rate / plain, 2) if plain else "-")
+    for name, rate, seconds, share in rows:
+        table.add_row(
+            name,
+            fmt(rate),
+            fmt(1000 * seconds),
+            fmt(rate / plain, 2) if plain else "-",
+            f"{100 * share:.1f}%" if share is not None else "-",
+        )
     console.print(table)
     busy = " ".join(f"{b:.2f}" for b in result["stage_busy"])
     console.print(
@@ -136,3 +161,8 @@ def _step_table(console: Console, result: dict[str, Any]) -> None:
         f" {busy} of each step ({result['batch']} samples, {result['micro_batches']}"
         " micro-batches)"
     )
+    if result["peak_tflops"] is not None:
+        console.print(
+            f"MFU: the model's {result['step_flops'] / 1e9:,.1f} GFLOP a step over the device's"
+            f" float32 peak, {result['peak_tflops']:,.2f} TFLOP/s"
+        )

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from shoal.scheduler.mfu import PEAK_TFLOPS, DevicePeak, mfu, peak_flops, step_flops
+from shoal.scheduler.mfu import (
+    PEAK_TFLOPS,
+    DevicePeak,
+    gpu_kind,
+    mfu,
+    peak_flops,
+    step_flops,
+)
 from shoal.scheduler.profile import REFERENCE_GFLOPS, BlockCost
 
 
@@ -14,6 +21,18 @@ def test_a_listed_gpu_peaks_at_its_data_sheet_figure_for_the_jobs_precision() ->
     assert peak_flops(h100, "fp32") == pytest.approx(66.9e12)  # not the measurement
     assert peak_flops(DevicePeak("a100", True, None), "bf16") == pytest.approx(312e12)
     assert all("fp32" in peaks for peaks in PEAK_TFLOPS.values())
+
+
+def test_a_gpus_product_name_reads_as_its_kind_in_the_table() -> None:
+    assert gpu_kind("NVIDIA H100 80GB HBM3") == "h100"
+    assert gpu_kind("NVIDIA H200") == "h200"
+    assert gpu_kind("NVIDIA A100-SXM4-80GB") == "a100"  # not "a10", a prefix of it
+    assert gpu_kind("NVIDIA A10") == "a10"
+    assert gpu_kind("NVIDIA L4") == "l4"
+    assert gpu_kind("Tesla V100-SXM2-16GB") == "v100"
+    assert gpu_kind("Tesla T4") == "t4"
+    assert gpu_kind("AMD Instinct MI300X") is None
+    assert all(gpu_kind(kind) == kind for kind in PEAK_TFLOPS if kind != "a100-80g")
 
 
 def test_an_unlisted_device_peaks_at_its_measured_speed_and_unmeasured_gives_none() -> None:

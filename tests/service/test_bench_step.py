@@ -31,8 +31,10 @@ def _canned(s: StepSettings) -> dict[str, Any]:
         plain=100.0,
         shoal=80.0,
         shoal_copies=60.0,
+        shoal_over_plain=0.8,
         copies_overhead=0.25,
         stage_busy=[0.9],
+        rounds=[{"shoal_over_plain": 0.8, "copies_overhead": 0.25}],
         device="cpu",
         machine={
             "date": "today",
@@ -43,7 +45,14 @@ def _canned(s: StepSettings) -> dict[str, Any]:
         },
         notes=["one thread"],
         started=0.0,
-        extra={"plain_step_s": 0.16, "shoal_step_s": 0.2, "shoal_copies_step_s": 0.25},
+        extra={
+            "plain_step_s": 0.16,
+            "shoal_step_s": 0.2,
+            "shoal_copies_step_s": 0.25,
+            "step_flops": 2e9,
+            "peak_tflops": 0.05,
+            "mfu": {"plain": 0.5, "shoal": 0.4, "shoal_copies": 0.3},
+        },
     )
 
 
@@ -136,18 +145,35 @@ def test_the_plain_loop_trains_exactly_as_the_reference(
 def test_a_tiny_run_reports_positive_consistent_numbers(ray_address: str) -> None:
     from shoal.service.bench.step import run_step
 
-    s = StepSettings(model="gpt", size="tiny", stages=2, steps=1, warmup=1, repeats=2)
+    s = StepSettings(model="gpt", size="tiny", stages=2, steps=1, warmup=1, repeats=2, rounds=2)
     seen: list[str] = []
     result = run_step(s, seen.append)
-    assert seen == ["plain PyTorch loop", "starting Ray", "shoal", "shoal, keeping copies"]
+    phases = ["plain PyTorch loop", "starting Ray", "shoal", "shoal, keeping copies"]
+    assert seen == [f"round {n}/2: {p}" for n in (1, 2) for p in phases]
     for key in STEP_KEYS:
         assert key in result, key
-    rates = [result[f"{k}_samples_per_s"] for k in ("plain", "shoal", "shoal_copies")]
+    kinds = ("plain", "shoal", "shoal_copies")
+    rates = [result[f"{k}_samples_per_s"] for k in kinds]
     assert all(math.isfinite(r) and r > 0 for r in rates), rates
-    plain, shoal, _ = rates
-    assert result["shoal_over_plain"] == pytest.approx(shoal / plain)
-    timed = result["timed_s"]  # the copies' overhead is over the whole timed runs
-    assert result["copies_overhead"] == pytest.approx(1 - timed["shoal"] / timed["shoal_copies"])
+    # Every figure is the median over the rounds (of two: their mean); a ratio is taken
+    # within its round, the copies' overhead over each round's whole timed runs.
+    rounds = result["rounds"]
+    assert len(rounds) == 2
+    for key in (*(f"{k}_samples_per_s" for k in kinds), "shoal_over_plain", "copies_overhead"):
+        assert result[key] == pytest.approx((rounds[0][key] + rounds[1][key]) / 2), key
+    for r in rounds:
+        assert r["shoal_over_plain"] == pytest.approx(
+            r["shoal_samples_per_s"] / r["plain_samples_per_s"]
+        )
+        assert -1 < r["copies_overhead"] < 1, r
+    timed = result["timed_s"]
+    assert timed["shoal"] > 0 and timed["shoal_copies"] > 0, timed
+    # MFU: the traced FLOPs of a step at each rate, over one thread's measured peak.
+    assert result["peak_tflops"] == pytest.approx(result["device_gflops"] / 1e3)
+    for kind, rate in zip(kinds, rates, strict=True):
+        want = result["step_flops"] * rate / s.shape.batch / (result["peak_tflops"] * 1e12)
+        assert result["mfu"][kind] == pytest.approx(want), kind
+    assert 0 < result["mfu"]["shoal"] < 1, result["mfu"]
     assert 1 <= result["copy_interval_steps"] <= LONGEST_INTERVAL  # the job's own choice
     copy_s = result["copies_engine_copy_s"]  # what the job measured a copy to cost
     assert copy_s is None or 0 < copy_s < result["wall_s"], copy_s
@@ -198,6 +224,8 @@ def test_bench_step_prints_a_table_or_json(monkeypatch: pytest.MonkeyPatch) -> N
     assert "plain PyTorch, 1 process, 1 thread" in result.output
     assert "Shoal, 1 stage on cpu, keeping copies" in result.output
     assert "Shoal / plain 0.80; copies cost 25.0%" in result.output
+    assert "40.0%" in result.output  # Shoal's MFU, beside its samples/s
+    assert "2.0 GFLOP a step over the device's float32 peak, 0.05 TFLOP/s" in result.output
     args = ["bench", "step", "--json", "--size", "tiny", "--model", "mlp", "--stages", "2"]
     result = CliRunner().invoke(cli, args, catch_exceptions=False)
     assert result.exit_code == 0, result.output

@@ -115,6 +115,11 @@ class Copier:
         if self._cuda:
             self._pin([b.live_state() for b in blocks])
 
+    @property
+    def copying(self) -> bool:
+        """Whether this worker takes copies: one was started here."""
+        return self._started > 0
+
     def start(self, step: int, number: int, blocks: Sequence[Block]) -> None:
         """Start copy ``number`` (rising from 1 with each copy the runner asks for): of
         ``blocks`` as they are after ``step`` steps; returns at once."""
