@@ -28,7 +28,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -103,9 +103,9 @@ class Copier:
         self._unguarded: dict[int, _BlockCopy] = {}
         """Each block's latest copy its next change has not been ordered after yet."""
         self._stream: Any = _CUDA.Stream(device) if self._cuda else None
-        self._pinned: Counter[int] = Counter()
-        """The host tensors of each size in bytes one copy holds that pinned memory is
-        cached for, for every copy alive at once (CUDA)."""
+        self._ready: Counter[int] = Counter()
+        """One copy's host tensors by the allocator's size class, that pinned memory was
+        made ready for, for every copy alive at once (CUDA; ``_pin``)."""
         self._thread: ThreadPoolExecutor | None = None
 
     def reserve(self, blocks: Sequence[Block]) -> None:
@@ -208,7 +208,7 @@ class Copier:
         """Drop every copy (once complete): they are of a state that no longer runs."""
         self.settle()
         self._unguarded.clear()
-        self._pinned.clear()  # the next blocks may differ
+        self._ready.clear()  # the next blocks may differ
         with self._changed:
             self._kept.clear()
 
@@ -232,21 +232,31 @@ class Copier:
         return host
 
     def _pin(self, states: list[Any]) -> None:
-        """Pin the host memory a copy of ``states`` needs beyond what is pinned, for every
-        copy alive at once, and free it into torch's caching host allocator, where the
-        copies' ``torch.empty(pin_memory=True)`` find it (it caches by size)."""
-        needs = Counter(t.nbytes for t in tensors_in(states) if t.device.type != "cpu")
-        missing = needs - self._pinned
-        if not missing:
+        """Make torch's caching host allocator hold pinned blocks for every copy alive at
+        once of ``states`` (the kept ones and the one being made), when they need more than
+        it was made to hold: request at once what the kept copies do not already hold, and
+        free it into the allocator's cache, where the copies' ``torch.empty(pin_memory=True)``
+        find it. Counted by the allocator's size classes: the requests it serves from blocks
+        it had cached count too, so a copy after this never pins."""
+        needs = _size_classes(t for t in tensors_in(states) if t.device.type != "cpu")
+        if needs <= self._ready:
             return
         alive = (self._kept.maxlen or 0) + 1
+        held = _size_classes(
+            t
+            for copy in self._kept
+            for block in copy.blocks.values()
+            if isinstance(block, _StreamCopy)
+            for t in tensors_in(block.state)
+        )
+        wanted = Counter({size: alive * count for size, count in needs.items()}) - held
         spare = [
-            torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-            for nbytes, count in missing.items()
-            for _ in range(count * alive)
+            torch.empty(size, dtype=torch.uint8, pin_memory=True)
+            for size, count in wanted.items()
+            for _ in range(count)
         ]
         del spare
-        self._pinned |= needs
+        self._ready = needs
 
     def _to_pinned(self, tensor: Tensor) -> Tensor:
         if tensor.device.type == "cpu":  # such as Adam's step counts: tiny, copied now
@@ -255,6 +265,13 @@ class Copier:
         host.copy_(tensor, non_blocking=True)
         tensor.record_stream(self._stream)
         return host
+
+
+def _size_classes(tensors: Iterable[Tensor]) -> Counter[int]:
+    """How many of ``tensors`` fall in each of torch's caching host allocator's size
+    classes: it rounds every request up to a power of two, and serves it from any cached
+    block of that size."""
+    return Counter(1 << max(t.nbytes - 1, 0).bit_length() for t in tensors)
 
 
 def _pinned_like(tensor: Tensor) -> Tensor:
