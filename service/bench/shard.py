@@ -15,12 +15,9 @@ from __future__ import annotations
 import os
 import statistics
 import tempfile
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any
-
-import torch
 
 from shoal.scheduler.devices import Device
 from shoal.scheduler.memory import replica_state_bytes
@@ -29,6 +26,7 @@ from shoal.service.bench.report import BenchError, Progress, machine
 from shoal.workers.blocks import Block
 from shoal.workers.pipeline.collective import GlooCollective
 from shoal.workers.pipeline.group import RayGroup
+from shoal.workers.pipeline.local_ranks import run_ranks
 from shoal.workers.pipeline.runner import Trainer
 from shoal.workers.pipeline.sharding import SHARD_MODES, StageShards
 from shoal.workers.profiler import trace_costs
@@ -98,44 +96,31 @@ def measured_state_bytes(s: ShardSettings, replicas: int, mode: str) -> int:
         for _ in range(replicas)
     ]
     loss = loss_fn(source.meta.task)
-    ranks = [GlooCollective(torch.device("cpu"), timeout_s=120) for _ in range(replicas)]
-    address, port = ranks[0].host("127.0.0.1")
-    sizes: list[int | BaseException] = [0] * replicas
 
-    def rank(r: int) -> None:
-        try:
-            ranks[r].join(address, port, r, replicas, "bench-shard")
-            blocks = sets[r]
-            shards = None if mode == "none" else StageShards(blocks, mode, r, replicas)
-            for step in range(2):
-                x, y = source.batch(step * replicas + r, s.batch_size // replicas)
-                out = x
+    def rank(collective: GlooCollective, r: int) -> int:
+        blocks = sets[r]
+        shards = None if mode == "none" else StageShards(blocks, mode, r, replicas)
+        for step in range(2):
+            x, y = source.batch(step * replicas + r, s.batch_size // replicas)
+            out = x
+            for block in blocks:
+                out = block.module(out)
+            loss(out, y).backward()  # type: ignore[no-untyped-call]
+            if shards is not None and mode == "gradients":
+                shards.reduce_scatter(collective)
+            else:
+                collective.all_reduce(blocks)
+            if shards is None:
                 for block in blocks:
-                    out = block.module(out)
-                loss(out, y).backward()  # type: ignore[no-untyped-call]
-                if shards is not None and mode == "gradients":
-                    shards.reduce_scatter(ranks[r])
-                else:
-                    ranks[r].all_reduce(blocks)
-                if shards is None:
-                    for block in blocks:
-                        block.step()
-                else:
-                    shards.update(None)
-                    shards.gather(ranks[r])
-            held = sum(b.nbytes() for b in blocks)
-            sizes[r] = held + (shards.nbytes() if shards is not None else 0)
-        except BaseException as exc:  # reported below
-            sizes[r] = exc
+                    block.step()
+            else:
+                shards.update(None)
+                shards.gather(collective)
+        held = sum(b.nbytes() for b in blocks)
+        return held + (shards.nbytes() if shards is not None else 0)
 
     with threads(1):
-        workers = [threading.Thread(target=rank, args=(r,)) for r in range(replicas)]
-        for t in workers:
-            t.start()
-        for t in workers:
-            t.join(300)
-    for r in ranks:
-        r.close()
+        sizes = run_ranks(replicas, rank, timeout_s=120, name="bench-shard")
     failed = [e for e in sizes if isinstance(e, BaseException)]
     if failed:
         raise BenchError(f"measuring {replicas} replicas under shard {mode} failed: {failed[0]}")

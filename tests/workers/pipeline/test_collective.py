@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +17,7 @@ from shoal.workers.pipeline.collective import (
     sum_in_process,
     unflatten_grads,
 )
+from shoal.workers.pipeline.local_ranks import run_ranks
 
 
 @dataclass
@@ -44,23 +44,12 @@ def grads(replica: _Replica) -> list[torch.Tensor]:
 
 def _run_ranks(replicas: list[_Replica]) -> list[BaseException]:
     """Every replica joins one gloo group (one thread per rank) and all-reduces once."""
-    ranks = [GlooCollective(torch.device("cpu"), timeout_s=30) for _ in replicas]
-    address, port = ranks[0].host("127.0.0.1")
-    errors: list[BaseException] = []
 
-    def rank(r: int) -> None:
-        try:
-            ranks[r].join(address, port, r, len(replicas), "stage-0")
-            ranks[r].all_reduce(replicas[r].blocks)
-        except BaseException as exc:  # reported to the test thread
-            errors.append(exc)
+    def body(collective: GlooCollective, r: int) -> None:
+        collective.all_reduce(replicas[r].blocks)
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(len(replicas))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    return errors
+    results = run_ranks(len(replicas), body, timeout_s=30, name="stage-0")
+    return [r for r in results if isinstance(r, BaseException)]
 
 
 @pytest.mark.unit
@@ -119,23 +108,17 @@ def test_gloo_all_reduce_cost_of_one_million_floats(capsys: Any) -> None:
             self.blocks = [_Block(module)]
 
     replicas = [_Big(), _Big()]
-    ranks = [GlooCollective(torch.device("cpu"), timeout_s=30) for _ in replicas]
-    address, port = ranks[0].host("127.0.0.1")
-    spent: list[float] = [0.0, 0.0]
 
-    def rank(r: int) -> None:
-        ranks[r].join(address, port, r, 2, "bench")
-        ranks[r].all_reduce(replicas[r].blocks)  # warm-up
+    def rank(collective: GlooCollective, r: int) -> float:
+        collective.all_reduce(replicas[r].blocks)  # warm-up
         start = time.perf_counter()
         for _ in range(5):
-            ranks[r].all_reduce(replicas[r].blocks)
-        spent[r] = (time.perf_counter() - start) / 5
+            collective.all_reduce(replicas[r].blocks)
+        return (time.perf_counter() - start) / 5
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    results = run_ranks(2, rank, timeout_s=30, name="bench")
+    spent = [s for s in results if isinstance(s, float)]
+    assert len(spent) == 2, results
     weight: Any = replicas[0].blocks[0].module.weight
     assert torch.equal(weight.grad, torch.full_like(weight, 2.0**6))  # 1 doubled six times
     with capsys.disabled():

@@ -4,7 +4,6 @@ state (and of the summed gradients), and the replicas train as whole ones do."""
 from __future__ import annotations
 
 import itertools
-import threading
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -20,6 +19,7 @@ from shoal.workers.blocks import Block
 from shoal.workers.pipeline.collective import GlooCollective
 from shoal.workers.pipeline.group import RayGroup
 from shoal.workers.pipeline.local_group import LocalGroup
+from shoal.workers.pipeline.local_ranks import run_ranks
 from shoal.workers.pipeline.runner import Trainer
 from shoal.workers.pipeline.sharding import StageShards, slice_of
 from shoal.workers.snapshot import OptimizerConf, RunStatus
@@ -53,24 +53,7 @@ def _backward(blocks: list[Block], rank: int, step: int) -> None:
 
 def _ranks(world: int, body: Callable[[GlooCollective, int], Any]) -> list[Any]:
     """``body(collective, rank)`` on every rank of one gloo group, a thread each."""
-    ranks = [GlooCollective(torch.device("cpu"), timeout_s=30) for _ in range(world)]
-    address, port = ranks[0].host("127.0.0.1")
-    results: list[Any] = [None] * world
-
-    def rank(r: int) -> None:
-        try:
-            ranks[r].join(address, port, r, world, "stage-0")
-            results[r] = body(ranks[r], r)
-        except BaseException as exc:  # reported to the test thread
-            results[r] = exc
-
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    for r in ranks:
-        r.close()
+    results = run_ranks(world, body, timeout_s=30, name="stage-0")
     errors = [r for r in results if isinstance(r, BaseException)]
     assert not errors, errors
     return results
