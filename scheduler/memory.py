@@ -171,10 +171,12 @@ def fits(
     return need.total <= budget_bytes
 
 
-def _block_floor(cost: BlockCost, micro_batch_size: int, transient: int) -> int:
-    """The least a stage holding this block needs: its state, one micro-batch of it and
-    the room every stage keeps for a backward's temporaries (``transient``)."""
-    state = 2 * cost.param_bytes + cost.optim_bytes  # parameters, gradients, optimizer
+def _block_floor(cost: BlockCost, micro_batch_size: int, transient: int, shards: int = 1) -> int:
+    """The least a stage holding this block needs: its state (parameters, gradients, and
+    its optimizer state or a share of it over ``shards`` sharded replicas), one
+    micro-batch of it and the room every stage keeps for a backward's temporaries
+    (``transient``)."""
+    state = 2 * cost.param_bytes + -(-cost.optim_bytes // shards)
     return state + micro_batch_size * cost.activation_bytes_per_sample + transient
 
 
@@ -185,20 +187,35 @@ def submission_refusal(
     micro_batch_size: int,
     largest_device_bytes: int,
     max_devices: int,
+    shards: int = 1,
 ) -> str | None:
     """None when the job might fit, else why it cannot fit on any ``max_devices`` devices of
     at most ``largest_device_bytes`` each. A lower bound, so it never refuses a job that
     fits: every byte of state lives on some device, every stage holds at least one
     micro-batch's activations of each of its blocks at its peak, so the busiest device holds
-    at least the average; no device holds less than the largest block it gets; and every
-    device keeps room for a backward's temporaries."""
+    at least the average; no device holds less than the largest block it gets (with its
+    optimizer state shared by at most ``shards`` sharded replicas: 1 where the job does not
+    shard); and every device keeps room for a backward's temporaries."""
     devices = max(1, min(max_devices, len(costs)))
-    static = sum(2 * c.param_bytes + c.optim_bytes for c in costs)
+    whole = sum(2 * c.param_bytes for c in costs)
+    optimizer_bytes = sum(c.optim_bytes for c in costs)
+    static = whole + optimizer_bytes
     activations = micro_batch_size * sum(c.activation_bytes_per_sample for c in costs)
     transient = max(transient_bytes(c, micro_batch_size) for c in costs)
-    biggest = max(costs, key=lambda c: _block_floor(c, micro_batch_size, transient))
-    even = -(-(static + activations) // devices) + transient
-    floor = max(even, _block_floor(biggest, micro_batch_size, transient))
+
+    def bounds(shards: int) -> tuple[int, int, BlockCost]:
+        """The even split's bound, the largest block's, and that block, when each block's
+        optimizer state may be shared by ``shards`` replicas. Stages are at most one per
+        block; sharded replicas of them spread the optimizer state over up to ``shards``
+        times as many devices."""
+        sharing = max(1, min(max_devices, devices * shards))
+        spread = (whole + activations) * sharing + optimizer_bytes * devices
+        even = -(-spread // (devices * sharing)) + transient
+        biggest = max(costs, key=lambda c: _block_floor(c, micro_batch_size, transient, shards))
+        return even, _block_floor(biggest, micro_batch_size, transient, shards), biggest
+
+    even, block, biggest = bounds(shards)
+    floor = max(even, block)
     if floor <= largest_device_bytes:
         return None
     if floor > even:
@@ -208,6 +225,17 @@ def submission_refusal(
     fixes = []
     if floor == even and devices < len(costs):
         fixes.append("allow more devices (resources.max_devices)")
+    if shards == 1 and optimizer_bytes > 0:
+        enough = next(
+            (r for r in range(2, max_devices + 1) if max(bounds(r)[:2]) <= largest_device_bytes),
+            None,
+        )
+        if enough is not None:
+            fixes.append(
+                f"shard the optimizer state over {enough} or more replicas"
+                f" (parallelism.shard: optimizer, parallelism.replicas: {enough},"
+                " elastic.keep_copies: false)"
+            )
     one = max(c.activation_bytes_per_sample for c in costs)  # in the temporaries
     activation_part = micro_batch_size * one + (
         activations if floor == even else micro_batch_size * biggest.activation_bytes_per_sample

@@ -310,9 +310,19 @@ def check_memory(accepted: AcceptedSpec, largest_device_mb: int | None) -> None:
         micro_batch_size=spec.batch_size // spec.micro_batches,
         largest_device_bytes=largest_device_mb * 2**20,
         max_devices=spec.resources.max_devices,
+        shards=_most_shards(spec),
     )
     if message is not None:
         raise SpecError([("resources.max_devices", message)])
+
+
+def _most_shards(spec: JobSpec) -> int:
+    """The most replicas that may share a block's optimizer state: 1 unsharded; ``auto``
+    replicas may grow to every device the job may use."""
+    if spec.parallelism.shard == "none":
+        return 1
+    replicas = spec.parallelism.replicas
+    return replicas if isinstance(replicas, int) else spec.resources.max_devices
 
 
 def replica_count(spec: JobSpec) -> int:

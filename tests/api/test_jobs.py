@@ -174,3 +174,37 @@ def test_a_model_that_fits_no_known_device_is_refused_with_numbers(api: Api) -> 
     assert "largest device has 2.0 GiB" in error["message"]
     small = api.client.post(JOBS, json=job_spec(), headers=alice)
     assert small.status_code == 201
+
+
+def test_a_block_that_fits_only_sharded_is_refused_with_the_fix_and_admitted_sharded(
+    api: Api,
+) -> None:
+    alice = api.token("alice")
+    with api.factory() as session, session.begin():
+        session.add(
+            DeviceRow(
+                id="n1-cpu-0",
+                node_id="n1",
+                kind="cpu",
+                memory_mb=2048,
+                gpu=False,
+                spot=False,
+                state="alive",
+            )
+        )
+    # A 400 MiB block with Adam's 800 MiB of moments: 2.3 GiB whole, under 2 GiB sharded.
+    wide = {"builtin": "mlp", "config": {"hidden": 10240, "layers": 2}}
+    four = {"max_devices": 4}
+    r = api.client.post(JOBS, json=job_spec(model=wide, resources=four), headers=alice)
+    assert r.status_code == 422, r.text
+    (error,) = r.json()["errors"]
+    assert "for block 1 alone" in error["message"]
+    assert "parallelism.shard: optimizer, parallelism.replicas: 2" in error["message"]
+    sharded = job_spec(
+        model=wide,
+        resources=four,
+        parallelism={"replicas": 2, "shard": "optimizer"},
+        elastic={"keep_copies": False},
+    )
+    r = api.client.post(JOBS, json=sharded, headers=alice)
+    assert r.status_code == 201, r.text

@@ -136,6 +136,39 @@ def test_format_bytes() -> None:
     assert format_bytes(512) == "512 B"
 
 
+def test_a_block_that_fits_only_sharded_is_admitted_sharded_and_refused_with_the_fix() -> None:
+    # One block: 1 GiB of parameters with Adam (2 GiB of moments), on 3 GiB devices: whole,
+    # it needs 1 + 1 + 2 GiB (+ a backward's 2 GiB of temporaries); shards of the moments
+    # over R replicas bring that to 4 + 2/R GiB.
+    costs = [BlockCost(0, 1.0, GiB, 2 * GiB, 0, 0)]
+    refusal = submission_refusal(
+        costs, optimizer="adam", micro_batch_size=1, largest_device_bytes=5 * GiB, max_devices=4
+    )
+    assert refusal is not None
+    assert refusal.startswith("the model needs at least 6.0 GiB per device on one device")
+    assert (
+        "shard the optimizer state over 2 or more replicas (parallelism.shard: optimizer,"
+        " parallelism.replicas: 2, elastic.keep_copies: false) or use a smaller model"
+    ) in refusal
+    for shards in (2, 4):
+        assert (
+            submission_refusal(
+                costs,
+                optimizer="adam",
+                micro_batch_size=1,
+                largest_device_bytes=5 * GiB,
+                max_devices=4,
+                shards=shards,
+            )
+            is None
+        )
+    # Where no share fits, sharding is not offered as the fix.
+    tight = submission_refusal(
+        costs, optimizer="adam", micro_batch_size=1, largest_device_bytes=4 * GiB, max_devices=4
+    )
+    assert tight is not None and "parallelism.shard" not in tight
+
+
 @given(
     params=st.integers(1, 5_000),
     blocks=st.integers(1, 6),
@@ -144,14 +177,22 @@ def test_format_bytes() -> None:
     act=st.integers(0, 50),
     m=st.integers(1, 4),
     optimizer=st.sampled_from(["sgd", "adam"]),
+    shard=st.sampled_from(["none", "optimizer", "gradients"]),
 )
 def test_the_refusal_never_refuses_what_the_partitioner_can_place(
-    params: int, blocks: int, devices: int, memory: int, act: int, m: int, optimizer: str
+    params: int,
+    blocks: int,
+    devices: int,
+    memory: int,
+    act: int,
+    m: int,
+    optimizer: str,
+    shard: str,
 ) -> None:
     costs = _blocks(params, blocks, optimizer, act)
     pool = [DeviceCapacity(f"d{i}", 1.0, memory) for i in range(devices)]
     try:
-        plan_partition(costs, pool, Workload(micro_batches=m, micro_batch_size=2))
+        plan_partition(costs, pool, Workload(micro_batches=m, micro_batch_size=2, shard=shard))
     except PartitionError:
         return
     assert (
@@ -161,6 +202,7 @@ def test_the_refusal_never_refuses_what_the_partitioner_can_place(
             micro_batch_size=2,
             largest_device_bytes=memory,
             max_devices=devices,
+            shards=1 if shard == "none" else devices,  # replicas: auto
         )
         is None
     )
