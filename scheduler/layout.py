@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from shoal.scheduler.devices import Device
-from shoal.scheduler.partition import PartitionPlan, plan_partition
+from shoal.scheduler.partition import PartitionError, PartitionPlan, plan_partition
 from shoal.scheduler.profile import REFERENCE_GFLOPS, BlockCost
 from shoal.scheduler.types import BlockRange, DeviceId
 from shoal.scheduler.workload import DeviceCapacity, Workload
@@ -28,6 +28,19 @@ class Layout:
     plan: PartitionPlan
     devices: tuple[Device, ...]
     ranges: tuple[BlockRange, ...]
+    shard: str = "none"
+    """How its replicas split their state: the workload's mode, ``auto`` decided."""
+
+    def sharded_note(self, asked: str) -> str:
+        """What ``shard: auto`` (``asked``) decided, said where it sharded; else nothing."""
+        if asked != "auto" or self.shard == "none":
+            return ""
+        return f"; replicas sharded ({self.shard}): whole, the model fits no layout"
+
+
+AUTO_SHARD = "gradients"
+"""What ``shard: auto`` shards with where only sharding fits: ZeRO-2 moves the bytes of an
+all-reduce (a reduce-scatter and an all-gather) and keeps what ZeRO-1 keeps."""
 
 
 def relative_speeds(
@@ -53,7 +66,28 @@ def plan_layout(
     sync_s_per_byte: float = 0.0,
 ) -> Layout:
     """Cut the blocks of ``costs`` into ``stages`` x ``replicas`` over ``devices`` (None: the
-    partitioner chooses)."""
+    partitioner chooses). A workload's ``shard: auto`` keeps replicas whole where the model
+    fits so and shards them (``AUTO_SHARD``) where only that fits; refused both ways, the
+    sharded refusal is raised, the more room it had."""
+    if workload.shard != "auto":
+        return _cut(devices, gflops, costs, stages, replicas, workload, sync_s_per_byte)
+    try:
+        whole = replace(workload, shard="none")
+        return _cut(devices, gflops, costs, stages, replicas, whole, sync_s_per_byte)
+    except PartitionError:
+        sharded = replace(workload, shard=AUTO_SHARD)
+        return _cut(devices, gflops, costs, stages, replicas, sharded, sync_s_per_byte)
+
+
+def _cut(
+    devices: Sequence[Device],
+    gflops: Mapping[DeviceId, float],
+    costs: Sequence[BlockCost],
+    stages: int | None,
+    replicas: int | None,
+    workload: Workload,
+    sync_s_per_byte: float,
+) -> Layout:
     speeds = relative_speeds(devices, gflops)
     capacities = [DeviceCapacity(d.id, speeds[d.id], d.usable_bytes) for d in devices]
     plan = plan_partition(
@@ -68,4 +102,5 @@ def plan_layout(
     ordered = tuple(
         by_id[device_id] for r in range(plan.replicas) for device_id, _ in plan.replica(r)
     )
-    return Layout(plan, ordered, tuple(stage.blocks for stage in plan.stages))
+    ranges = tuple(stage.blocks for stage in plan.stages)
+    return Layout(plan, ordered, ranges, workload.shard)

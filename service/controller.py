@@ -418,7 +418,8 @@ class Controller:
                     session,
                     job,
                     JobState.RUNNING,
-                    f"placed on {len(layout.devices)} device(s): {layout.plan.reason}",
+                    f"placed on {len(layout.devices)} device(s): {layout.plan.reason}"
+                    + layout.sharded_note(job.spec.get("parallelism", {}).get("shard", "none")),
                     devices=[d.id for d in layout.devices],
                     partition=partition,
                     stage_times=None,  # the new partition has no timings yet
@@ -438,6 +439,7 @@ class Controller:
                 replica_micro_batches=layout.plan.micro_batches,
                 transfer_bytes_per_s=1 / self._config.allreduce_s_per_byte,
                 code=code,
+                shard=layout.shard,
             )
         try:
             self._cluster.start_runner(snapshot)

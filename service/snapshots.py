@@ -26,10 +26,12 @@ def build_snapshot(
     replica_micro_batches: Sequence[int] = (),
     transfer_bytes_per_s: float = 0.7e9,
     code: JobCode | None = None,
+    shard: str | None = None,
 ) -> JobSnapshot:
     """The runner's snapshot; ``devices`` are replica-major (``devices[r * p + s]`` runs stage
     s of replica r) and ``ranges`` are the p stages' block ranges; ``code``: the job's
-    uploaded code."""
+    uploaded code; ``shard``: how the layout's replicas split their state (None: as the
+    spec says, ``auto`` then meaning whole)."""
     spec = JobSpec.model_validate(job.spec)
     depth = len(ranges)
     if len(devices) != depth * replicas:
@@ -54,7 +56,7 @@ def build_snapshot(
         schedule=spec.parallelism.schedule,
         recompute=spec.parallelism.recompute,
         precision=spec.precision,
-        shard=spec.parallelism.shard,
+        shard=shard or ("none" if spec.parallelism.shard == "auto" else spec.parallelism.shard),
         stages=stage_plans(devices, ranges),
         replicas=replicas,
         replica_micro_batches=tuple(replica_micro_batches),

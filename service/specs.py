@@ -101,12 +101,13 @@ class ParallelismSpec(StrictModel):
     replicas: Literal["auto"] | int = "auto"
     schedule: Literal["gpipe", "1f1b"] = "1f1b"
     recompute: bool = False
-    shard: Literal["none", "optimizer", "gradients"] = Field(
+    shard: Literal["none", "optimizer", "gradients", "auto"] = Field(
         "none",
         description="how the replicas of a stage split its state (ZeRO): optimizer, each"
         " keeps the optimizer state of 1/R of every block (ZeRO-1); gradients, the summed"
         " gradients too (ZeRO-2, reduce-scatter instead of all-reduce); none, whole"
-        " replicas",
+        " replicas; auto, whole where the model fits so, else gradients (decided each"
+        " time the job is placed)",
     )
 
     @field_validator("stages", "replicas")

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from shoal.scheduler.layout import plan_layout, relative_speeds
+from shoal.scheduler.devices import Device
+from shoal.scheduler.layout import AUTO_SHARD, Layout, plan_layout, relative_speeds
+from shoal.scheduler.partition import PartitionError
 from shoal.scheduler.profile import REFERENCE_GFLOPS, BlockCost, uniform_costs
 from shoal.scheduler.workload import Workload
 from tests.factories import device
@@ -97,3 +99,30 @@ def test_replicas_are_laid_out_replica_major_with_shares() -> None:
     )
     assert layout.plan.replicas == 2 and sum(layout.plan.micro_batches) == 4
     assert len(set(layout.devices)) == 4 and len(layout.ranges) == 2
+
+
+def test_shard_auto_keeps_replicas_whole_where_they_fit_and_shards_where_only_that_fits() -> None:
+    mib = 2**20
+    costs = (BlockCost(0, 0.01, 400 * mib, 800 * mib, 0, 0),)  # Adam: moments 2x the block
+    roomy = tuple(device("n1", i, memory_mb=4096) for i in range(2))
+    tight = tuple(device("n1", i, memory_mb=2200) for i in range(2))
+    auto = Workload(4, shard="auto")
+
+    def layout(devices: tuple[Device, ...], workload: Workload) -> Layout:
+        return plan_layout(devices, {}, costs=costs, stages=None, replicas=2, workload=workload)
+
+    assert layout(roomy, auto).shard == "none"  # fits whole: stays whole
+    with pytest.raises(PartitionError):
+        layout(tight, Workload(4))  # whole, a replica needs 2.4 GiB
+    sharded = layout(tight, auto)
+    assert (sharded.shard, sharded.plan.replicas) == (AUTO_SHARD, 2)
+    assert sharded.sharded_note("auto") == (
+        "; replicas sharded (gradients): whole, the model fits no layout"
+    )
+    assert layout(roomy, auto).sharded_note("auto") == ""
+    assert sharded.sharded_note("gradients") == ""  # asked for: nothing to explain
+    # An explicit mode is the layout's; too small even sharded, the sharded refusal.
+    assert layout(roomy, Workload(4, shard="optimizer")).shard == "optimizer"
+    small = tuple(device("n1", i, memory_mb=1500) for i in range(2))
+    with pytest.raises(PartitionError, match="memory"):
+        layout(small, auto)

@@ -944,3 +944,34 @@ def test_a_job_of_sharded_replicas_trains_as_one_of_whole_replicas(
         assert said == ([on_ray] if shard != "none" else []), said
     assert len(losses["gradients"]) == 20
     assert losses["gradients"] == pytest.approx(losses["none"], rel=1e-5, abs=1e-6)
+
+
+def test_shard_auto_shards_the_replicas_where_whole_ones_fit_no_layout(
+    session_factory: SessionFactory, tmp_path: Path
+) -> None:
+    """Two 23 MB devices: two whole replicas of this MLP with Adam fit neither (26 MB
+    would), sharded ones do; ``shard: auto`` places them sharded and says why. In-process
+    the replicas then stay whole, and the job's event says what it asked for."""
+    labels = {LABEL_KIND: "cpu", LABEL_MEMORY_MB: "23"}
+    small = InProcessCluster([NodeInfo("e" * 56, True, {DEVICE_RESOURCE: 2.0}, labels)])
+    controller = make_controller(session_factory, small, tmp_path)
+    job_id = submit(
+        session_factory,
+        owner(session_factory),
+        name="auto-shard",
+        model={"builtin": "mlp", "config": {"hidden": 1024, "layers": 2}},
+        steps=3,
+        parallelism={"stages": 1, "replicas": 2, "shard": "auto"},
+        resources={"min_devices": 2, "max_devices": 2},
+        elastic={"keep_copies": False, "repartition": False},
+    )
+    reconcile_until(
+        controller,
+        lambda: job(session_factory, job_id).state == "SUCCEEDED",
+        what=lambda: (job(session_factory, job_id).state, job(session_factory, job_id).error),
+    )
+    said = events(session_factory, job_id)
+    placed = [e.message for e in said if "placed on" in e.message]
+    assert placed and "replicas sharded (gradients)" in placed[0], placed
+    (shard,) = [e.data for e in said if e.kind == "shard"]
+    assert (shard["shard"], shard["sharded"]) == ("gradients", False)

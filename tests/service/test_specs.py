@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from shoal.service.db.models import Job
+from shoal.service.snapshots import build_snapshot
 from shoal.service.spec_errors import SpecError
 from shoal.service.specs import validate_job_spec
-from tests.factories import job_spec
+from tests.factories import device, job_spec
 
 pytestmark = pytest.mark.unit
 
@@ -78,6 +81,7 @@ def test_gpt_on_pysource_takes_vocabulary_and_length_from_data() -> None:
         ({"precision": "fp16"}, "precision"),
         ({"parallelism": {"shard": "full"}}, "parallelism.shard"),
         ({"parallelism": {"shard": "optimizer"}}, "elastic.keep_copies"),
+        ({"parallelism": {"shard": "auto"}}, "elastic.keep_copies"),
     ],
 )
 def test_bad_specs_name_the_field(overrides: dict[str, object], field: str) -> None:
@@ -94,6 +98,23 @@ def test_sharded_replicas_are_accepted_without_in_memory_copies() -> None:
     )
     assert validate_job_spec(spec, []).spec.parallelism.shard == "gradients"
     assert validate_job_spec(job_spec(), []).spec.parallelism.shard == "none"
+    auto = job_spec(parallelism={"shard": "auto"}, elastic={"keep_copies": False})
+    assert validate_job_spec(auto, []).spec.parallelism.shard == "auto"
+
+
+def test_a_snapshot_carries_the_layouts_shard_and_auto_unplaced_is_whole(tmp_path: Path) -> None:
+    spec = job_spec(parallelism={"shard": "auto"}, elastic={"keep_copies": False})
+    row = Job(id="j1", name="j", spec=spec, num_blocks=3, attempt=1)
+    ranges = [(0, 3)]
+
+    def made(**shard: str) -> str:
+        snap = build_snapshot(
+            row, [device()], ranges, checkpoint_root=str(tmp_path), allowed_factories=[], **shard
+        )
+        return snap.shard
+
+    assert made(shard="gradients") == "gradients"  # what the layout decided
+    assert made() == "none"  # a SHARP trial is laid out by no partitioner: whole
 
 
 def test_missing_required_fields_are_each_reported() -> None:
