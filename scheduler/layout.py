@@ -13,6 +13,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 
 from shoal.scheduler.devices import Device
 from shoal.scheduler.partition import PartitionError, PartitionPlan, plan_partition
@@ -69,14 +70,13 @@ def plan_layout(
     partitioner chooses). A workload's ``shard: auto`` keeps replicas whole where the model
     fits so and shards them (``AUTO_SHARD``) where only that fits; refused both ways, the
     sharded refusal is raised, the more room it had."""
+    cut = partial(_cut, devices, gflops, costs, stages, replicas, sync_s_per_byte=sync_s_per_byte)
     if workload.shard != "auto":
-        return _cut(devices, gflops, costs, stages, replicas, workload, sync_s_per_byte)
+        return cut(workload)
     try:
-        whole = replace(workload, shard="none")
-        return _cut(devices, gflops, costs, stages, replicas, whole, sync_s_per_byte)
+        return cut(replace(workload, shard="none"))
     except PartitionError:
-        sharded = replace(workload, shard=AUTO_SHARD)
-        return _cut(devices, gflops, costs, stages, replicas, sharded, sync_s_per_byte)
+        return cut(replace(workload, shard=AUTO_SHARD))
 
 
 def _cut(
@@ -86,6 +86,7 @@ def _cut(
     stages: int | None,
     replicas: int | None,
     workload: Workload,
+    *,
     sync_s_per_byte: float,
 ) -> Layout:
     speeds = relative_speeds(devices, gflops)

@@ -151,10 +151,8 @@ def test_openapi_is_served_with_the_job_contract(api: Api) -> None:
     assert "JobSpec" in schema["components"]["schemas"]
 
 
-def test_a_model_that_fits_no_known_device_is_refused_with_numbers(api: Api) -> None:
-    alice = api.token("alice")
-    huge = job_spec(model={"builtin": "mlp", "config": {"hidden": 8192, "layers": 40}})
-    assert api.client.post(JOBS, json=huge, headers=alice).status_code == 201  # no devices yet
+def add_device(api: Api) -> None:
+    """One live 2 GiB CPU device, as a node's worker reports it."""
     with api.factory() as session, session.begin():
         session.add(
             DeviceRow(
@@ -167,6 +165,13 @@ def test_a_model_that_fits_no_known_device_is_refused_with_numbers(api: Api) -> 
                 state="alive",
             )
         )
+
+
+def test_a_model_that_fits_no_known_device_is_refused_with_numbers(api: Api) -> None:
+    alice = api.token("alice")
+    huge = job_spec(model={"builtin": "mlp", "config": {"hidden": 8192, "layers": 40}})
+    assert api.client.post(JOBS, json=huge, headers=alice).status_code == 201  # no devices yet
+    add_device(api)
     r = api.client.post(JOBS, json=huge, headers=alice)
     assert r.status_code == 422, r.text
     (error,) = r.json()["errors"]
@@ -180,18 +185,7 @@ def test_a_block_that_fits_only_sharded_is_refused_with_the_fix_and_admitted_sha
     api: Api,
 ) -> None:
     alice = api.token("alice")
-    with api.factory() as session, session.begin():
-        session.add(
-            DeviceRow(
-                id="n1-cpu-0",
-                node_id="n1",
-                kind="cpu",
-                memory_mb=2048,
-                gpu=False,
-                spot=False,
-                state="alive",
-            )
-        )
+    add_device(api)
     # A 400 MiB block with Adam's 800 MiB of moments: 2.3 GiB whole, under 2 GiB sharded.
     wide = {"builtin": "mlp", "config": {"hidden": 10240, "layers": 2}}
     four = {"max_devices": 4}
