@@ -248,6 +248,7 @@ class Copier:
             for block in copy.blocks.values()
             if isinstance(block, _StreamCopy)
             for t in tensors_in(block.state)
+            if t.is_pinned()  # not the small CPU tensors copied as they are
         )
         wanted = Counter({size: alive * count for size, count in needs.items()}) - held
         spare = [

@@ -207,14 +207,14 @@ class Stage:
         with self._compute():
             if clip is not None:
                 scale_grads(self.blocks, clip)
-        stateless = any(not block.optimizer.state for block in self.blocks)
+        stateless = [block for block in self.blocks if not block.optimizer.state]
         for block in self.blocks:
             if self._own.pending(block.index):
                 with self._timer.span("copy"):
                     self._own.guard(block.index)  # the boundary's copy first
             with self._compute():
                 block.step()
-        if stateless and self._own.copying:
+        if self._own.copying and any(block.optimizer.state for block in stateless):
             # The optimizer's first step made its state (Adam's moments): the host memory
             # copies of it need is made ready now, in this step, not in the next copy.
             self._own.reserve(self.blocks)

@@ -22,11 +22,11 @@ DATA = DataRef("synthetic-regression", None, {"features": 8, "outputs": 4})
 BATCH, MICRO_BATCHES = 8, 2
 
 
-def stage_on(device: Device) -> tuple[Stage, Callable[[int], None]]:
-    """A one-stage job of an MLP with AdamW on ``device``, and its step ``n``."""
-    blocks = len(trace_costs(MODEL, DATA, micro_batch_size=BATCH, optimizer="adamw"))
+def stage_on(device: Device, optimizer: str = "adamw") -> tuple[Stage, Callable[[int], None]]:
+    """A one-stage job of an MLP with ``optimizer`` on ``device``, and its step ``n``."""
+    blocks = len(trace_costs(MODEL, DATA, micro_batch_size=BATCH, optimizer=optimizer))
     source = make_data(DATA, 0)
-    setup = StageSetup(MODEL, source.meta, OptimizerConf("adamw", 1e-3), 0, blocks)
+    setup = StageSetup(MODEL, source.meta, OptimizerConf(optimizer, 1e-3), 0, blocks)
     stage = Stage(StagePlan(0, (0, blocks), device), setup)
 
     def step(n: int) -> None:
@@ -62,6 +62,13 @@ def test_the_step_that_makes_the_optimizers_state_reserves_for_it_only_when_copy
     assert len(reserved) == 2
     stage.snapshot(2, 2)
     assert len(reserved) == 3
+
+    reserved.clear()
+    stage, step = stage_on(cpu, "sgd")  # plain SGD keeps no state: nothing new to reserve
+    stage.snapshot(0, 1)
+    step(0)
+    step(1)
+    assert len(reserved) == 1
 
 
 @pytest.mark.gpu
