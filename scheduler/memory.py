@@ -233,8 +233,7 @@ def submission_refusal(
         if enough is not None:
             fixes.append(
                 f"shard the optimizer state over {enough} or more replicas"
-                f" (parallelism.shard: optimizer, parallelism.replicas: {enough},"
-                " elastic.keep_copies: false)"
+                f" (parallelism.shard: optimizer, parallelism.replicas: {enough})"
             )
     one = max(c.activation_bytes_per_sample for c in costs)  # in the temporaries
     activation_part = micro_batch_size * one + (

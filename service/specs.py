@@ -362,18 +362,6 @@ def _check_replicas(spec: JobSpec) -> None:
                 )
             ]
         )
-    shard = spec.parallelism.shard
-    if shard != "none" and spec.elastic.keep_copies:
-        raise SpecError(
-            [
-                (
-                    "elastic.keep_copies",
-                    f"in-memory copies of sharded replicas are not built yet; with"
-                    f" parallelism.shard: {shard} set elastic.keep_copies: false (a lost"
-                    " device then resumes from the latest checkpoint)",
-                )
-            ]
-        )
 
 
 def _check_stage_count(stages: str | int, num_blocks: int) -> None:

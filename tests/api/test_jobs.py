@@ -198,7 +198,6 @@ def test_a_block_that_fits_only_sharded_is_refused_with_the_fix_and_admitted_sha
         model=wide,
         resources=four,
         parallelism={"replicas": 2, "shard": "optimizer"},
-        elastic={"keep_copies": False},
     )
     r = api.client.post(JOBS, json=sharded, headers=alice)
     assert r.status_code == 201, r.text

@@ -148,7 +148,7 @@ def test_a_block_that_fits_only_sharded_is_admitted_sharded_and_refused_with_the
     assert refusal.startswith("the model needs at least 6.0 GiB per device on one device")
     assert (
         "shard the optimizer state over 2 or more replicas (parallelism.shard: optimizer,"
-        " parallelism.replicas: 2, elastic.keep_copies: false) or use a smaller model"
+        " parallelism.replicas: 2) or use a smaller model"
     ) in refusal
     for shards in (2, 4):
         assert (

@@ -80,8 +80,6 @@ def test_gpt_on_pysource_takes_vocabulary_and_length_from_data() -> None:
         ({"optimizer": {"clip_grad_norm": "small"}}, "optimizer.clip_grad_norm"),
         ({"precision": "fp16"}, "precision"),
         ({"parallelism": {"shard": "full"}}, "parallelism.shard"),
-        ({"parallelism": {"shard": "optimizer"}}, "elastic.keep_copies"),
-        ({"parallelism": {"shard": "auto"}}, "elastic.keep_copies"),
     ],
 )
 def test_bad_specs_name_the_field(overrides: dict[str, object], field: str) -> None:
@@ -90,15 +88,18 @@ def test_bad_specs_name_the_field(overrides: dict[str, object], field: str) -> N
     assert field in fields(info.value), info.value.errors
 
 
-def test_sharded_replicas_are_accepted_without_in_memory_copies() -> None:
+@pytest.mark.parametrize("keep_copies", [True, False])
+def test_sharded_replicas_are_accepted_with_or_without_in_memory_copies(
+    keep_copies: bool,
+) -> None:
     spec = job_spec(
         parallelism={"replicas": 2, "shard": "gradients"},
-        elastic={"keep_copies": False},
+        elastic={"keep_copies": keep_copies},
         resources={"max_devices": 2},
     )
     assert validate_job_spec(spec, []).spec.parallelism.shard == "gradients"
     assert validate_job_spec(job_spec(), []).spec.parallelism.shard == "none"
-    auto = job_spec(parallelism={"shard": "auto"}, elastic={"keep_copies": False})
+    auto = job_spec(parallelism={"shard": "auto"})
     assert validate_job_spec(auto, []).spec.parallelism.shard == "auto"
 
 

@@ -34,11 +34,25 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
-from shoal.workers.blocks import Block, map_tensors, tensors_in
+from shoal.workers.blocks import map_tensors, tensors_in
+from shoal.workers.pipeline.pieces import piece_of
 
 _CUDA: Any = torch.cuda  # torch's stubs leave Stream and Event untyped
+
+
+class Copyable(Protocol):
+    """What a copy is taken of: a block (``Block``), or a sharded replica's share of one
+    (``BlockShard``)."""
+
+    @property
+    def index(self) -> int: ...
+
+    @property
+    def module(self) -> nn.Module: ...
+
+    def live_state(self) -> dict[str, Any]: ...
 
 
 class CopyDropped(RuntimeError):
@@ -82,6 +96,8 @@ class _Copy:
     step: int
     number: int
     blocks: dict[int, _BlockCopy] = field(default_factory=dict)
+    pieces: dict[int, tuple[int, int]] = field(default_factory=dict)
+    """Each block's piece, ``(rank, world)`` (``workers.pipeline.pieces``)."""
 
 
 class Copier:
@@ -108,7 +124,7 @@ class Copier:
         made ready for, for every copy alive at once (CUDA; ``_pin``)."""
         self._thread: ThreadPoolExecutor | None = None
 
-    def reserve(self, blocks: Sequence[Block]) -> None:
+    def reserve(self, blocks: Sequence[Copyable]) -> None:
         """Make ready the host memory a copy of ``blocks`` needs (CUDA: pin what is not
         pinned yet; a one-off, not each copy's cost, so it is kept out of the time a copy
         is measured to take). ``start`` does it too where it was not done."""
@@ -120,7 +136,7 @@ class Copier:
         """Whether this worker takes copies: one was started here."""
         return self._started > 0
 
-    def start(self, step: int, number: int, blocks: Sequence[Block]) -> None:
+    def start(self, step: int, number: int, blocks: Sequence[Copyable]) -> None:
         """Start copy ``number`` (rising from 1 with each copy the runner asks for): of
         ``blocks`` as they are after ``step`` steps; returns at once."""
         self._training = threading.get_ident()
@@ -135,8 +151,9 @@ class Copier:
                 self._started = max(self._started, number)
                 self._changed.notify_all()
 
-    def _begin(self, copy: _Copy, blocks: Sequence[Block]) -> None:
+    def _begin(self, copy: _Copy, blocks: Sequence[Copyable]) -> None:
         live = [(b.index, _forward_changes_copied(b)) for b in blocks]
+        copy.pieces.update((index, piece_of(state)) for index, state in live)
         if self._cuda:
             self._pin([state for _, state in live])
             self._stream.wait_stream(torch.cuda.current_stream(self._device))
@@ -175,9 +192,12 @@ class Copier:
             for block in copy.blocks.values():
                 block.result()
 
-    def steps(self) -> list[tuple[int, list[int]]]:
-        """The kept copies: each one's step and its blocks."""
-        return [(copy.step, sorted(copy.blocks)) for copy in self._kept]
+    def steps(self) -> list[tuple[int, list[tuple[int, int, int]]]]:
+        """The kept copies: each one's step and its blocks' pieces, ``(block, rank,
+        world)``."""
+        return [
+            (copy.step, [(i, *copy.pieces[i]) for i in sorted(copy.blocks)]) for copy in self._kept
+        ]
 
     def result(self, step: int) -> dict[int, Any] | None:
         """The blocks' host states of the copy of ``step``, once complete; None if none
@@ -311,8 +331,8 @@ def _host_copy(tensor: Tensor) -> Tensor:
     return tensor.to("cpu", copy=True)
 
 
-def _forward_changes_copied(block: Block) -> dict[str, Any]:
-    """The block's live state (``Block.live_state``) with what a forward pass changes in
+def _forward_changes_copied(block: Copyable) -> dict[str, Any]:
+    """The block's live state (``Copyable.live_state``) with what a forward pass changes in
     place, its module's buffers, already copied to the host."""
     state = block.live_state()
     buffers = {name for name, _ in block.module.named_buffers()}
@@ -338,11 +358,14 @@ class Held:
             kept = self._by_owner.setdefault(owner, deque(maxlen=self._generations))
             kept.append((step, states))
 
-    def steps(self) -> dict[str, dict[int, list[int]]]:
-        """Each owner's held steps and their blocks."""
+    def steps(self) -> dict[str, dict[int, list[tuple[int, int, int]]]]:
+        """Each owner's held steps and their blocks' pieces, ``(block, rank, world)``."""
         with self._lock:
             return {
-                owner: {step: sorted(states) for step, states in kept}
+                owner: {
+                    step: [(i, *piece_of(states[i])) for i in sorted(states)]
+                    for step, states in kept
+                }
                 for owner, kept in self._by_owner.items()
             }
 

@@ -11,10 +11,14 @@ where there is one, which holds it (``Copies``). When a worker is lost mid-step:
 2. The restore step is the latest step for which every survivor has its own snapshot and
    every block is in some survivor's snapshot or in a copy held for a lost worker (the
    latest copy may not have arrived: then the one before; at most the interval between
-   copies is replayed).
+   copies is replayed). A replica of a sharded stage copies only its slice of each
+   block's optimizer state: a block is held when one slice of every rank is
+   (``scheduler.pieces``).
 3. The blocks are re-cut over the surviving devices (``scheduler.layout``: the partitioner
-   picks stages and replicas); survivors roll back to the restore step and keep their
-   worker, adopting their new blocks; lost blocks come from the copies, actor to actor.
+   picks stages and replicas); survivors roll back to the restore step (a sharded replica
+   given the other replicas' slices: its blocks are whole again, and the next step shards
+   them over the replicas left) and keep their worker, adopting their new blocks; lost
+   blocks come from the copies, actor to actor.
 
 The result is the same model state a single process would have after the restore step, so
 the run continues exactly.
@@ -29,9 +33,11 @@ from typing import Any
 
 from shoal.scheduler.copies import CopyCadence, most_replayed
 from shoal.scheduler.layout import plan_layout
+from shoal.scheduler.pieces import Piece, pieces_for, whole_blocks
 from shoal.scheduler.profile import uniform_costs
 from shoal.scheduler.workload import Workload
 from shoal.workers.pipeline.rebalance import Layout, settle
+from shoal.workers.pipeline.stage_types import StageStateError
 from shoal.workers.pipeline.stage_worker import StageFailed
 from shoal.workers.pipeline.worker_group import GroupTimeout, Handle, StageLost, WorkerGroup
 from shoal.workers.snapshot import JobSnapshot, RunnerEvent, StepMetrics, stage_plans
@@ -173,24 +179,68 @@ def survey(group: WorkerGroup, layout: Layout, timeout: float) -> dict[int, dict
     return answers
 
 
+Source = tuple[int, str | None]
+"""Where a saved piece is: a survivor's position and None for its own copy, or the lost
+worker's device id whose copy it holds."""
+
+
+def _lost(layout: Layout, answers: Mapping[int, Any]) -> set[str]:
+    return {layout.plans[w].device.id for w in range(len(layout.plans)) if w not in answers}
+
+
+def saved_pieces(
+    layout: Layout, answers: Mapping[int, Mapping[str, Any]], step: int
+) -> list[tuple[Source, Piece]]:
+    """Every piece of ``step`` the survivors can give: their own copies' and those they
+    hold for lost workers."""
+    lost = _lost(layout, answers)
+    found: list[tuple[Source, Piece]] = []
+    for w, answer in answers.items():
+        found += [((w, None), tuple(piece)) for piece in answer["own"].get(step, ())]
+        for owner, copies in answer["copies"].items():
+            if owner in lost:
+                found += [((w, owner), tuple(piece)) for piece in copies.get(step, ())]
+    return found
+
+
 def restore_step(
     layout: Layout, answers: Mapping[int, Mapping[str, Any]], num_blocks: int
 ) -> int | None:
     """The latest step every survivor can roll back to and every block is held at."""
-    lost = {layout.plans[w].device.id for w in range(len(layout.plans)) if w not in answers}
     common: set[int] = (
         set.intersection(*(set(a["own"]) for a in answers.values())) if answers else set()
     )
     for step in sorted(common, reverse=True):
-        held: set[int] = set()
-        for answer in answers.values():
-            held.update(answer["own"][step])
-            for owner, copies in answer["copies"].items():
-                if owner in lost and step in copies:
-                    held.update(copies[step])
-        if held >= set(range(num_blocks)):
+        pieces = [piece for _, piece in saved_pieces(layout, answers, step)]
+        if whole_blocks(pieces) >= set(range(num_blocks)):
             return step
     return None
+
+
+def sources(
+    saved: Sequence[tuple[Source, Piece]], blocks: Sequence[int], first: Source | None = None
+) -> dict[Source, list[int]]:
+    """Where to fetch the pieces that make each of ``blocks`` whole, by source (those of
+    ``first``, the asking worker's own copy, preferred and left out: it has them)."""
+    wanted: dict[Source, list[int]] = {}
+    for block in blocks:
+        offers = sorted(
+            ((where, (rank, world)) for where, (b, rank, world) in saved if b == block),
+            key=lambda offer: offer[0] != first,
+        )
+        chosen = pieces_for([piece for _, piece in offers])
+        if chosen is None:
+            raise StageStateError(f"no saved pieces make block {block} whole")
+        for position in chosen:
+            if offers[position][0] != first:
+                wanted.setdefault(offers[position][0], []).append(block)
+    return wanted
+
+
+def _fetch(group: WorkerGroup, step: int, wanted: Mapping[Source, list[int]]) -> list[Handle]:
+    return [
+        group.submit(w, "export_copy", owner, step, blocks) for (w, owner), blocks in wanted.items()
+    ]
 
 
 def plan_survivors(
@@ -246,30 +296,23 @@ def recover(
     if step is None:
         raise StageLost(plan.index, plan.device.id, "no step whose state every block kept")
     new, keep = plan_survivors(snapshot, layout, alive, gflops)
-    group.get([group.submit(w, "rollback", step) for w in alive], timeout)
-    holders = {block: w for w in alive for block in range(*layout.plans[w].blocks)}
-    copies = {
-        block: (w, owner)
+    saved = saved_pieces(layout, answers, step)
+    # Every fetch of a survivor's own copy before any rollback (calls run in order).
+    fetched = {
+        w: _fetch(group, step, sources(saved, range(*layout.plans[w].blocks), (w, None)))
         for w in alive
-        for owner, kept in answers[w]["copies"].items()
-        if owner in lost and step in kept
-        for block in kept[step]
     }
-    sources: dict[int, list[Handle]] = {}
+    group.get([group.submit(w, "rollback", step, *fetched[w]) for w in alive], timeout)
+    holders = {block: w for w in alive for block in range(*layout.plans[w].blocks)}
+    moved: dict[int, list[Handle]] = {}
     for w, p in enumerate(new.plans):
         held = set(range(*layout.plans[keep[w]].blocks)) if w in keep else set()
         live: dict[int, list[int]] = {}
-        kept_copies: dict[tuple[int, str], list[int]] = {}
         for block in range(*p.blocks):
-            if block in held:
-                continue
-            if block in holders:
+            if block not in held and block in holders:
                 live.setdefault(holders[block], []).append(block)
-            else:
-                kept_copies.setdefault(copies[block], []).append(block)
-        sources[w] = [group.submit(u, "export", blocks) for u, blocks in live.items()] + [
-            group.submit(u, "export_copy", owner, step, blocks)
-            for (u, owner), blocks in kept_copies.items()
-        ]
-    settle(group, new, keep, sources, timeout, regroup=True)
+        gone = [b for b in range(*p.blocks) if b not in held and b not in holders]
+        moved[w] = [group.submit(u, "export", blocks) for u, blocks in live.items()]
+        moved[w] += _fetch(group, step, sources(saved, gone))
+    settle(group, new, keep, moved, timeout, regroup=True)
     return Recovery(new, step, lost)

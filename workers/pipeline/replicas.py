@@ -17,7 +17,7 @@ from torch import Tensor
 
 from shoal.workers.blocks import Block
 from shoal.workers.pipeline.collective import GlooCollective
-from shoal.workers.pipeline.sharding import StageShards
+from shoal.workers.pipeline.sharding import BlockShard, StageShards
 from shoal.workers.pipeline.stage_types import StageStateError
 from shoal.workers.pipeline.transport import LinkError
 from shoal.workers.snapshot import RunnerEvent
@@ -116,6 +116,11 @@ class Replicas:
         if self._shards is None or not self._shards.scattered or self._collective is None:
             raise StageStateError("the gradients are not reduce-scattered: read them whole")
         return self._shards.grad_norms(self._collective)
+
+    def copyable(self, blocks: Sequence[Block]) -> Sequence[Block] | Sequence[BlockShard]:
+        """What an in-memory copy of the stage takes: this replica's shares of ``blocks``
+        while sharded, else the blocks."""
+        return self._shards.shards if self._shards is not None else blocks
 
     def shares(self, blocks: Sequence[Block]) -> StageShards | None:
         """The shares that update this replica's slices, where the stage is sharded."""

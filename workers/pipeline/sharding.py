@@ -18,10 +18,14 @@ slices then that fold, bitwise what plain data parallelism sums.
 State leaves a sharded stage whole: a checkpoint, relayout or re-cut first ``unshard``s
 every replica (an all-gather of the optimizer state into each block's own optimizer), and
 the next step shards again, so checkpoints and exports are those of an unsharded stage.
+In-memory copies are the exception: each replica copies only its share of every block
+(``BlockShard.live_state``), and a recovery makes the blocks whole from the replicas' copies
+(``workers.pipeline.pieces``).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -63,6 +67,7 @@ class BlockShard:
         self.block = block
         self.params = list(block.module.parameters())
         self.numel = sum(p.numel() for p in self.params)
+        self.rank, self.world = rank, world
         self.lo, self.hi = slice_of(self.numel, rank, world)
         self._flat = _flat([p.detach() for p in self.params])
         offset = 0
@@ -105,20 +110,35 @@ class BlockShard:
 
     def restore(self, flat: dict[str, Any]) -> None:
         """Load the whole block's optimizer state, element-wise entries given flat."""
-        per_param: dict[int, dict[str, Any]] = {i: {} for i in range(len(self.params))}
-        offset = 0
-        for i, p in enumerate(self.params):
-            for key, value in flat.items():
-                is_flat = isinstance(value, Tensor) and value.dim() == 1
-                is_flat = is_flat and value.numel() == self.numel and self.numel > 0
-                if is_flat:
-                    per_param[i][key] = value[offset : offset + p.numel()].view_as(p).clone()
-                else:  # a tensor of its own each: Adam counts its steps in place
-                    per_param[i][key] = value.clone() if isinstance(value, Tensor) else value
-            offset += p.numel()
         groups = self.block.optimizer.state_dict()["param_groups"]
-        state = {"state": per_param if flat else {}, "param_groups": groups}
-        self.block.optimizer.load_state_dict(state)
+        shapes = [tuple(p.shape) for p in self.params]
+        self.block.optimizer.load_state_dict(
+            {"state": per_param_state(flat, shapes), "param_groups": groups}
+        )
+
+    @property
+    def index(self) -> int:
+        return self.block.index
+
+    @property
+    def module(self) -> nn.Module:
+        return self.block.module
+
+    def live_state(self) -> dict[str, Any]:
+        """What a copy of this replica's share of the block holds, as live tensors
+        (``Block.live_state``'s counterpart): the block's parameters and buffers, and the
+        slice's optimizer state with what makes the slices whole again
+        (``workers.pipeline.pieces``)."""
+        return {
+            "module": self.block.module.state_dict(),
+            "slice": {
+                "rank": self.rank,
+                "world": self.world,
+                "shapes": [tuple(p.shape) for p in self.params],
+                "groups": self.block.optimizer.state_dict()["param_groups"],
+                "state": self.state_slices(),
+            },
+        }
 
     def take_grad(self) -> Tensor:
         """The block's whole gradient, flat (then dropped from the parameters)."""
@@ -142,6 +162,25 @@ class BlockShard:
     def nbytes(self) -> int:
         """Bytes of the slice's optimizer state (its values are the parameters')."""
         return sum(t.numel() * t.element_size() for t in _tensors(self.optimizer.state))
+
+
+def per_param_state(flat: dict[str, Any], shapes: Sequence[tuple[int, ...]]) -> dict[int, Any]:
+    """A block's optimizer state by parameter (as its optimizer's ``state_dict`` holds it)
+    from ``flat``: each element-wise entry one tensor over the parameters of ``shapes`` end
+    to end, the other entries (Adam's step) every parameter's own copy."""
+    numel = sum(math.prod(shape) for shape in shapes)
+    per_param: dict[int, Any] = {i: {} for i in range(len(shapes))}
+    offset = 0
+    for i, shape in enumerate(shapes):
+        size = math.prod(shape)
+        for key, value in flat.items():
+            is_flat = isinstance(value, Tensor) and value.dim() == 1
+            if is_flat and value.numel() == numel and numel > 0:
+                per_param[i][key] = value[offset : offset + size].view(shape).clone()
+            else:  # a tensor of its own each: Adam counts its steps in place
+                per_param[i][key] = value.clone() if isinstance(value, Tensor) else value
+        offset += size
+    return per_param if flat else {}
 
 
 def _elementwise(value: Any, param: Tensor) -> bool:

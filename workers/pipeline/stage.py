@@ -47,6 +47,7 @@ from shoal.workers.host_memory import retain_freed_memory
 from shoal.workers.pipeline.clipping import grad_norms, scale_grads
 from shoal.workers.pipeline.copier import Copier, Held
 from shoal.workers.pipeline.micro_batches import InFlight
+from shoal.workers.pipeline.pieces import whole_states
 from shoal.workers.pipeline.replicas import Replicas
 from shoal.workers.pipeline.stage_types import (
     StageSetup,
@@ -198,26 +199,33 @@ class Stage:
     def _update(self, clip: float | None) -> None:
         self._in_flight.require_none("every forward needs its backward before the step")
         shares = self._replicas.shares(self.blocks)
+        copied = self._replicas.copyable(self.blocks)
+        stateless = [part for part in copied if not part.optimizer.state]
         if shares is not None:
+            for block in self.blocks:  # one update changes them all: every copy first
+                self._guard(block.index)
             with self._compute():
                 shares.update(clip)
             with self._timer.span("allreduce"):
                 self._replicas.gather()
-            return
-        with self._compute():
-            if clip is not None:
-                scale_grads(self.blocks, clip)
-        stateless = [block for block in self.blocks if not block.optimizer.state]
-        for block in self.blocks:
-            if self._own.pending(block.index):
-                with self._timer.span("copy"):
-                    self._own.guard(block.index)  # the boundary's copy first
+        else:
             with self._compute():
-                block.step()
-        if self._own.copying and any(block.optimizer.state for block in stateless):
+                if clip is not None:
+                    scale_grads(self.blocks, clip)
+            for block in self.blocks:
+                self._guard(block.index)
+                with self._compute():
+                    block.step()
+        if self._own.copying and any(part.optimizer.state for part in stateless):
             # The optimizer's first step made its state (Adam's moments): the host memory
             # copies of it need is made ready now, in this step, not in the next copy.
-            self._own.reserve(self.blocks)
+            self._own.reserve(copied)
+
+    def _guard(self, index: int) -> None:
+        """Before block ``index`` changes: the boundary's copy of it first."""
+        if self._own.pending(index):
+            with self._timer.span("copy"):
+                self._own.guard(index)
 
     def lap(self) -> StepClock:
         """The seconds spent since the last step or lap, by part; restart them."""
@@ -348,7 +356,7 @@ class Stage:
         """Load this stage's blocks from ``parts`` (block states by index, such as ``state``
         or ``export`` answers; they may hold other blocks too)."""
         self._forget()
-        self._load({i: state for part in parts for i, state in part.items()})
+        self._load(whole_states(parts))
 
     def _load(self, states: Mapping[int, Any]) -> None:
         missing = [b.index for b in self.blocks if b.index not in states]
@@ -382,7 +390,7 @@ class Stage:
         start, stop = blocks
         if not 0 <= start < stop <= self._setup.num_blocks:
             raise ValueError(f"stage {self.index} cannot hold blocks [{start}, {stop})")
-        states = {i: state for part in parts for i, state in part.items()}
+        states = whole_states(parts)
         held = {block.index: block for block in self.blocks}
         new = [i for i in range(start, stop) if i not in held]
         missing = [i for i in new if i not in states]
@@ -406,19 +414,19 @@ class Stage:
     def snapshot(self, step: int, number: int) -> None:
         """Start copy ``number`` (rising with each copy the runner asks for) of the blocks'
         state after ``step`` steps (the last two are kept); it is made while the next step
-        runs (``workers.pipeline.copier``). Host memory it needs first (pinned, once for a set of
-        blocks) is not timed as the copy: the copies' cadence plans with what every copy
-        costs."""
-        self._replicas.require_whole("copying its state")
+        runs (``workers.pipeline.copier``). A sharded replica copies its shares of them.
+        Host memory it needs first (pinned, once for a set of blocks) is not timed as the
+        copy: the copies' cadence plans with what every copy costs."""
         if self._failed_step:  # a copy handed out ahead, after a step that then failed
             self._own.skip(number)
             raise StageStateError(
                 f"stage {self.index} failed a step since its blocks were restored: they hold"
                 f" no step's state, so copy {number} (of step {step}) is not taken"
             )
-        self._own.reserve(self.blocks)
+        copied = self._replicas.copyable(self.blocks)
+        self._own.reserve(copied)
         self._timer.copying()
-        self._own.start(step, number, self.blocks)
+        self._own.start(step, number, copied)
 
     def shipment(self, number: int, timeout: float) -> dict[int, Any]:
         """Copy ``number`` in wire form, for the worker's buddy to ``hold``, once it is
@@ -436,15 +444,18 @@ class Stage:
         self._held.keep(owner, step, dict(states))
 
     def saved_steps(self) -> dict[str, Any]:
-        """The steps this worker can restore: its own blocks, and each held owner's."""
+        """The steps this worker can restore: its own blocks, and each held owner's, as
+        pieces (``scheduler.pieces``)."""
         return {
             "own": dict(self._own.steps()),
             "copies": self._held.steps(),
         }
 
-    def rollback(self, step: int) -> None:
+    def rollback(self, step: int, *parts: Mapping[int, Any]) -> None:
         """Back to the blocks' state after ``step`` steps, as if the step after it never
-        began: micro-batches in flight and accumulated gradients are dropped."""
+        began: micro-batches in flight and accumulated gradients are dropped. A sharded
+        replica's copy holds its slices only: ``parts`` bring the other replicas' (their
+        ``export_copy``s) and the slices are made whole."""
         self._own.settle()
         states = self._own.result(step)
         if states is None:
@@ -452,16 +463,17 @@ class Stage:
         self._in_flight.clear()
         for block in self.blocks:
             block.optimizer.zero_grad(set_to_none=True)
-        self._load(states)
+        self._load(whole_states([states, *parts]))
         self._timer.reset()
 
-    def export_copy(self, owner: str, step: int, indices: Sequence[int]) -> dict[int, Any]:
-        """The given blocks' states after ``step`` from the copy held for ``owner``."""
-        states = self._held.get(owner, step)
+    def export_copy(self, owner: str | None, step: int, indices: Sequence[int]) -> dict[int, Any]:
+        """The given blocks' states after ``step`` from the copy held for ``owner``, or from
+        this worker's own (None: a sharded replica's slices, for another's ``rollback``)."""
+        states = self._own.result(step) if owner is None else self._held.get(owner, step)
         if states is None or any(i not in states for i in indices):
             raise StageStateError(
-                f"stage {self.index} holds no copy of blocks {list(indices)} of {owner} at"
-                f" step {step}"
+                f"stage {self.index} holds no copy of blocks {list(indices)} of"
+                f" {owner or 'its own'} at step {step}"
             )
         return {i: receive_tree(states[i], torch.device("cpu")) for i in indices}
 

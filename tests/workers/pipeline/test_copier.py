@@ -149,13 +149,16 @@ def test_a_shipment_waits_for_its_copy_to_start_and_gives_up_at_once_if_it_was_d
         copier.wait_for(3, timeout=0.1)
 
 
-def test_held_copies_keep_the_last_two_steps_of_each_owner() -> None:
+def test_held_copies_keep_the_last_two_steps_of_each_owner_and_say_their_pieces() -> None:
     held = Held(2)
     for step in range(3):
-        held.keep("dev-a", step, {0: f"a{step}", 1: f"a{step}"})
-    held.keep("dev-b", 2, {2: "b2"})
-    assert held.steps() == {"dev-a": {1: [0, 1], 2: [0, 1]}, "dev-b": {2: [2]}}
-    assert held.get("dev-a", 1) == {0: "a1", 1: "a1"}
+        held.keep("dev-a", step, {0: {"module": step}, 1: {"module": step}})
+    held.keep("dev-b", 2, {2: {"module": 2, "slice": {"rank": 1, "world": 3}}})
+    assert held.steps() == {
+        "dev-a": {1: [(0, 0, 1), (1, 0, 1)], 2: [(0, 0, 1), (1, 0, 1)]},
+        "dev-b": {2: [(2, 1, 3)]},
+    }
+    assert held.get("dev-a", 1) == {0: {"module": 1}, 1: {"module": 1}}
     assert held.get("dev-a", 0) is None and held.get("dev-c", 2) is None
     held.clear()
     assert held.steps() == {}

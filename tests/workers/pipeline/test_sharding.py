@@ -4,6 +4,8 @@ state (and of the summed gradients), and the replicas train as whole ones do."""
 from __future__ import annotations
 
 import itertools
+import os
+import signal
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -227,3 +229,69 @@ def test_sharded_replicas_relayout_into_a_pipeline_as_whole_ones_do(
     for i, state in theirs.items():
         for name, tensor in state["module"].items():
             assert torch.allclose(ours[i]["module"][name], tensor, rtol=1e-5, atol=1e-6)
+
+
+class KillReplica(RayGroup):
+    """A RayGroup whose worker at position ``victim`` is killed (SIGKILL, as a lost node's
+    process ends) once worker 0 was handed its ``after``-th step call; it records the
+    rollbacks that were given other replicas' slices, and where slices were fetched."""
+
+    def __init__(self, victim: int, after: int, *args: Any) -> None:
+        self.victim, self.after, self.calls = victim, after, 0
+        self.merged: list[int] = []
+        self.fetched: set[str] = set()
+        super().__init__(*args)
+        self.pids = self.get([self.submit(w, "pid") for w in range(len(self._plans))], 60)
+
+    def submit(self, stage: int, method: str, *args: Any) -> Any:
+        handle = super().submit(stage, method, *args)
+        if method == "rollback" and len(args) > 1:
+            self.merged.append(stage)
+        if method == "export_copy":  # from a survivor's own copy, or one held for another
+            self.fetched.add("own" if args[0] is None else "held")
+        if method in ("step", "steps") and stage == 0:
+            self.calls += 1
+            if self.calls == self.after:
+                os.kill(self.pids[self.victim], signal.SIGKILL)
+        return handle
+
+
+@pytest_ray
+def test_a_lost_sharded_replica_is_recovered_in_place_from_the_replicas_copies(
+    node: str, tmp_path: Path
+) -> None:
+    """One stage, 3 replicas sharding their gradients and Adam state (ZeRO-2), a copy at
+    every step: replica 1 is killed mid-run. Each copy held one slice per block, so each
+    survivor rolls back with the other slices (the lost one's from the copy its buddy
+    held, the other survivor's from that survivor's own copy), the blocks are re-cut over
+    the 2 devices left and the run ends as one process's. At most one step is replayed:
+    the lost replica's latest copy may not have reached its buddy."""
+    snap = job(
+        tmp_path,
+        [],
+        stages=dp_plans([(0, 4)], 3, node),
+        replicas=3,
+        batch_size=12,
+        micro_batches=6,
+        steps=8,
+        shard="gradients",
+        keep_copies=True,
+        copy_budget=1.0,
+    )
+    groups: list[KillReplica] = []
+
+    def make(plans: Any, setup: Any) -> KillReplica:
+        groups.append(KillReplica(1, 4, plans, setup))
+        return groups[-1]
+
+    trainer = Trainer(snap, make)
+    assert trainer.run() is RunStatus.SUCCEEDED, trainer.report(0).error
+    events = trainer.report(0).events
+    lost = [e for e in events if e.kind == "device_lost"]
+    assert [e.data["devices"] for e in lost] == [[snap.stages[1].device.id]], events
+    assert lost[0].data["steps_replayed"] <= 1, lost[0].data
+    assert sorted(groups[0].merged) == [0, 2], groups[0].merged
+    assert groups[0].fetched == {"own", "held"}, groups[0].fetched
+    latest = {m.step: m for m in metrics(trainer)}
+    assert sorted(latest) == list(range(1, 9))
+    assert_matches_reference(snap, [latest[s] for s in range(1, 9)])

@@ -1,0 +1,42 @@
+"""Which saved pieces of a block make its state whole again (in-memory copies, recovery).
+
+A copy holds each of its worker's blocks whole, or, from a replica of a sharded stage
+(``parallelism.shard``), the block's parameters and one slice of its optimizer state: piece
+``rank`` of ``world`` (a whole block is piece 0 of 1). A block's state can be rebuilt from
+a set of pieces when one of them is whole, or when every rank of one world is there: the
+slices of a single sharding, cut the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+Piece = tuple[int, int, int]
+"""A saved piece: block index, rank, world."""
+
+WHOLE = (0, 1)
+"""The (rank, world) of a block saved whole."""
+
+
+def pieces_for(offers: Sequence[tuple[int, int]]) -> list[int] | None:
+    """Positions in ``offers`` (each a piece's ``(rank, world)``, in order of preference)
+    whose pieces together make a block whole: the first whole one, else the first offer of
+    each rank of the first world all of whose ranks are offered. None when none does."""
+    for position, piece in enumerate(offers):
+        if piece == WHOLE:
+            return [position]
+    ranks_by_world: dict[int, dict[int, int]] = {}
+    for position, (rank, world) in enumerate(offers):
+        ranks_by_world.setdefault(world, {}).setdefault(rank, position)
+    for world, ranks in ranks_by_world.items():
+        if set(ranks) == set(range(world)):
+            return [ranks[rank] for rank in range(world)]
+    return None
+
+
+def whole_blocks(pieces: Iterable[Piece]) -> set[int]:
+    """The blocks whose state ``pieces`` can rebuild (``pieces_for``)."""
+    by_block: dict[int, list[tuple[int, int]]] = {}
+    for block, rank, world in pieces:
+        by_block.setdefault(block, []).append((rank, world))
+    return {block for block, offers in by_block.items() if pieces_for(offers) is not None}
