@@ -921,7 +921,7 @@ def test_a_job_of_sharded_replicas_trains_as_one_of_whole_replicas(
             steps=20,
             parallelism={"stages": 1, "replicas": 2, "shard": shard},
             resources={"min_devices": 2, "max_devices": 2},
-            elastic={"keep_copies": False, "repartition": False},
+            elastic={"repartition": False},  # in-memory copies on, sharded or not
         )
         reconcile_until(
             controller,

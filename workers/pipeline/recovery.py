@@ -33,6 +33,7 @@ from typing import Any
 
 from shoal.scheduler.copies import CopyCadence, most_replayed
 from shoal.scheduler.layout import plan_layout
+from shoal.scheduler.partition import PartitionError
 from shoal.scheduler.pieces import Piece, pieces_for, whole_blocks
 from shoal.scheduler.profile import uniform_costs
 from shoal.scheduler.workload import Workload
@@ -279,8 +280,9 @@ def recover(
     ping_timeout: float = MIN_PING_S,
 ) -> Recovery:
     """Re-form the job on the workers that answer, from the restore step's state; raises
-    ``StageLost`` when that cannot be done (too few devices left for ``min_devices``, or
-    no step every block was kept at): the job then resumes from its checkpoint elsewhere."""
+    ``StageLost`` when that cannot be done (too few devices left for ``min_devices``, no
+    layout of the job fits them, or no step every block was kept at): the job then resumes
+    from its checkpoint elsewhere."""
     answers = survey(group, layout, max(MIN_PING_S, ping_timeout))
     alive = sorted(answers)
     lost = tuple(layout.plans[w].device.id for w in range(len(layout.plans)) if w not in answers)
@@ -295,7 +297,12 @@ def recover(
     step = restore_step(layout, answers, snapshot.num_blocks)
     if step is None:
         raise StageLost(plan.index, plan.device.id, "no step whose state every block kept")
-    new, keep = plan_survivors(snapshot, layout, alive, gflops)
+    try:
+        new, keep = plan_survivors(snapshot, layout, alive, gflops)
+    except PartitionError as exc:
+        raise StageLost(
+            plan.index, plan.device.id, f"the {len(alive)} devices left cannot hold the job: {exc}"
+        ) from exc
     saved = saved_pieces(layout, answers, step)
     # Every fetch of a survivor's own copy before any rollback (calls run in order).
     fetched = {

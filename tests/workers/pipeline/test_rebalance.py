@@ -24,6 +24,7 @@ from shoal.scheduler.elastic import (
     StageSample,
     current_plan,
 )
+from shoal.scheduler.profile import uniform_costs
 from shoal.scheduler.types import BlockRange
 from shoal.workers.pipeline.group import RayGroup
 from shoal.workers.pipeline.local_group import LocalGroup
@@ -492,6 +493,27 @@ def test_too_few_devices_left_gives_the_job_back(tmp_path: Path) -> None:
     trainer = Trainer(snap, lambda p, s: LoseDevice(stages[0].device.id, 1, p, s))
     assert trainer.run() is RunStatus.LOST
     assert "1 devices left, min_devices is 2" in (trainer.report(0).error or "")
+
+
+@pytest.mark.unit
+def test_survivors_too_small_for_the_model_give_the_job_back_as_lost(tmp_path: Path) -> None:
+    """Each 2 GB device holds half the model's measured bytes: with one lost, no layout of
+    the rest fits, so the job is given back (LOST: it resumes from its checkpoint where it
+    fits) instead of failing."""
+    stages = plans([(0, 2), (2, 4)])
+    snap = job(
+        tmp_path,
+        [],
+        stages=stages,
+        steps=4,
+        keep_copies=True,
+        block_costs=uniform_costs(4, param_bytes=150 * 2**20, optim_bytes=300 * 2**20),
+    )
+    trainer = Trainer(snap, lambda p, s: LoseDevice(stages[1].device.id, 1, p, s))
+    assert trainer.run() is RunStatus.LOST, trainer.report(0).error
+    error = trainer.report(0).error or ""
+    assert "the 1 devices left cannot hold the job" in error, error
+    assert trainer.report(0).lost_devices == (stages[1].device.id,)
 
 
 @pytest.mark.unit
