@@ -56,3 +56,20 @@ def assert_bitwise_equal(a: dict[int, Any], b: dict[int, Any]) -> None:
     for i, state in a.items():
         for name, tensor in state["module"].items():
             assert torch.equal(b[i]["module"][name], tensor), (i, name)
+
+
+def assert_same_state(a: object, b: object) -> None:
+    """Two block states (or any nesting of dicts, lists and tensors) equal: every tensor
+    bitwise and of the same dtype, everything else by value."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and set(a) == set(b), (sorted(a), b)
+        for key in a:
+            assert_same_state(a[key], b[key])
+    elif isinstance(a, list | tuple):
+        assert isinstance(b, list | tuple) and len(a) == len(b)
+        for x, y in zip(a, b, strict=True):
+            assert_same_state(x, y)
+    else:
+        assert a == b

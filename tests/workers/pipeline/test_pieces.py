@@ -17,6 +17,7 @@ from shoal.workers.pipeline.sharding import BlockShard
 from shoal.workers.pipeline.stage_types import StageStateError
 from shoal.workers.snapshot import OptimizerConf
 from tests.factories import ADAM, SGD
+from tests.workers.runs import assert_same_state
 
 pytestmark = pytest.mark.unit
 
@@ -35,21 +36,6 @@ def _saved(shard: BlockShard) -> dict[str, object]:
     """A copy of the share as the copier makes it: every tensor copied."""
     saved: dict[str, object] = map_tensors(shard.live_state(), lambda t: t.detach().clone())
     return saved
-
-
-def _assert_same(a: object, b: object) -> None:
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and set(a) == set(b), (a, b)
-        for key in a:
-            _assert_same(a[key], b[key])
-    elif isinstance(a, list | tuple):
-        assert isinstance(b, list | tuple) and len(a) == len(b)
-        for x, y in zip(a, b, strict=True):
-            _assert_same(x, y)
-    else:
-        assert a == b
 
 
 @settings(max_examples=12, deadline=None)
@@ -74,10 +60,10 @@ def test_every_ranks_slice_makes_the_block_whole_as_it_was(
     shuffled = [pieces[r] for r in order if r < world]
     (index, state), *_ = whole_states(shuffled).items()
     assert index == block.index
-    _assert_same(state, expected)
+    assert_same_state(state, expected)
     fresh = _trained(conf, 0)
     fresh.load(state)  # it loads as the block's own state
-    _assert_same(fresh.state(), expected)
+    assert_same_state(fresh.state(), expected)
 
 
 def test_slices_of_a_trained_block_keep_training_as_the_whole_block() -> None:
@@ -90,7 +76,7 @@ def test_slices_of_a_trained_block_keep_training_as_the_whole_block() -> None:
         x = torch.randn(4, 13, generator=torch.Generator().manual_seed(9))
         b.module(x).square().sum().backward()
         b.step()
-    _assert_same(merged.state(), block.state())
+    assert_same_state(merged.state(), block.state())
 
 
 def test_a_whole_state_is_taken_as_it_is_and_a_missing_slice_is_named() -> None:

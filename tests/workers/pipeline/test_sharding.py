@@ -17,16 +17,22 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from shoal.workers.blocks import Block
+from shoal.workers.blocks import Block, map_tensors
 from shoal.workers.pipeline.collective import GlooCollective
 from shoal.workers.pipeline.group import RayGroup
 from shoal.workers.pipeline.local_group import LocalGroup
 from shoal.workers.pipeline.local_ranks import run_ranks
+from shoal.workers.pipeline.pieces import whole_states
 from shoal.workers.pipeline.runner import Trainer
 from shoal.workers.pipeline.sharding import StageShards, slice_of
 from shoal.workers.snapshot import OptimizerConf, RunStatus
 from tests.factories import ADAM, SGD, dp_plans, job
-from tests.workers.runs import assert_matches_reference, final_states, metrics
+from tests.workers.runs import (
+    assert_matches_reference,
+    assert_same_state,
+    final_states,
+    metrics,
+)
 
 
 @pytest.mark.unit
@@ -75,15 +81,17 @@ def test_sharded_updates_equal_whole_replicas_and_unshard_gives_the_whole_state_
     """Six steps, unsharded after step ``unshard_at`` and sharded again, then one step of
     the blocks' own optimizers: every replica ends with the parameters and optimizer state
     of plain data parallelism, bitwise (the sums are the same replica-order fold and the
-    updates element-wise), holding meanwhile 1/R of the optimizer state."""
+    updates element-wise), holding meanwhile 1/R of the optimizer state. The replicas'
+    in-memory copies of their shares at step ``unshard_at`` make, merged, the whole
+    replica's state of that step, bitwise."""
 
     # Built here: the ranks' threads would share torch's global generator.
     built = [(_blocks(conf), _blocks(conf)) for _ in range(world)]
 
-    def body(collective: GlooCollective, rank: int) -> tuple[list[Block], list[Block], float]:
+    def body(collective: GlooCollective, rank: int) -> tuple[list[Block], list[Block], Any]:
         whole, sharded = built[rank]
         shards: StageShards | None = None
-        share = 1.0
+        share, copied, then = 1.0, {}, {}
         for step in range(6):
             _backward(whole, rank, step)
             collective.all_reduce(whole)
@@ -100,6 +108,8 @@ def test_sharded_updates_equal_whole_replicas_and_unshard_gives_the_whole_state_
             shards.update(None)
             shards.gather(collective)
             if step == unshard_at:
+                copied = {s.index: map_tensors(s.live_state(), torch.clone) for s in shards.shards}
+                then = {b.index: b.state() for b in whole}
                 share = shards.nbytes() / sum(b.nbytes() for b in whole)
                 # The blocks keep their parameters alone, the slices no copy of them.
                 params = sum(p.numel() for b in sharded for p in b.module.parameters())
@@ -113,9 +123,12 @@ def test_sharded_updates_equal_whole_replicas_and_unshard_gives_the_whole_state_
             collective.all_reduce(blocks)
             for block in blocks:
                 block.step()
-        return whole, sharded, share
+        return whole, sharded, (share, copied, then)
 
-    for whole, sharded, share in _ranks(world, body):
+    ranks = _ranks(world, body)
+    merged = whole_states([copied for _, _, (_, copied, _) in ranks])
+    assert_same_state(merged, ranks[0][2][2])
+    for whole, sharded, (share, _, _) in ranks:
         for a, b in zip(whole, sharded, strict=True):
             for x, y in zip(a.module.parameters(), b.module.parameters(), strict=True):
                 assert torch.equal(x, y)
