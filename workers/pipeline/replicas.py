@@ -75,6 +75,14 @@ class Replicas:
             self._collective.close()
             self._collective = None
 
+    def abort(self) -> None:
+        """A step failed here: leave the group at once, so that replicas waiting on this one
+        in a collective fail now instead of waiting out its timeout and being taken for
+        lost themselves (a recovery forms the group again)."""
+        if self._collective is not None:
+            self._collective.close()
+            self._collective = None
+
     def _sharded(self, blocks: Sequence[Block]) -> StageShards | None:
         """This replica's shares, made at the first update of a sharded, replicated stage
         (from the blocks' whole state); None for whole replicas."""

@@ -249,8 +249,8 @@ class Stage:
         ``depth``-stage ``schedule`` (stage 0 gets their ``inputs``, the last stage their
         ``targets``, rows in micro-batch order), exchanging activations and gradients with
         the neighbours over its links; then sum the gradients over the replicas, and
-        (``update``) apply them. Any failure closes the links first, so the neighbours
-        fail at once instead of waiting out their timeouts."""
+        (``update``) apply them. Any failure closes the links and the replicas' group
+        first, so neighbours and replicas fail at once, not after their timeouts."""
         started = time.perf_counter()
         program = programs_for(schedule, depth, micro_batches)[self.index]
         try:
@@ -267,6 +267,7 @@ class Stage:
         except BaseException:
             self._failed_step = True
             self._links.close()
+            self._replicas.abort()
             raise
         norms = self.grad_norms()
         if update:
@@ -446,10 +447,7 @@ class Stage:
     def saved_steps(self) -> dict[str, Any]:
         """The steps this worker can restore: its own blocks, and each held owner's, as
         pieces (``scheduler.pieces``)."""
-        return {
-            "own": dict(self._own.steps()),
-            "copies": self._held.steps(),
-        }
+        return {"own": dict(self._own.steps()), "copies": self._held.steps()}
 
     def rollback(self, step: int, *parts: Mapping[int, Any]) -> None:
         """Back to the blocks' state after ``step`` steps, as if the step after it never

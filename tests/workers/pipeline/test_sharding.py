@@ -270,40 +270,52 @@ class KillReplica(RayGroup):
 
 
 @pytest_ray
+@pytest.mark.parametrize(
+    ("mode", "ranges", "replicas", "victim", "merged"),
+    [("gradients", [(0, 4)], 3, 1, [0, 2]), ("optimizer", [(0, 2), (2, 4)], 2, 3, [0, 1, 2])],
+    ids=["3-replicas", "2x2-pipeline"],
+)
 def test_a_lost_sharded_replica_is_recovered_in_place_from_the_replicas_copies(
-    node: str, tmp_path: Path
+    node: str,
+    tmp_path: Path,
+    mode: str,
+    ranges: list[tuple[int, int]],
+    replicas: int,
+    victim: int,
+    merged: list[int],
 ) -> None:
-    """One stage, 3 replicas sharding their gradients and Adam state (ZeRO-2), a copy at
-    every step: replica 1 is killed mid-run. Each copy held one slice per block, so each
-    survivor rolls back with the other slices (the lost one's from the copy its buddy
-    held, the other survivor's from that survivor's own copy), the blocks are re-cut over
-    the 2 devices left and the run ends as one process's. At most one step is replayed:
-    the lost replica's latest copy may not have reached its buddy."""
+    """Sharded replicas (ZeRO-2 over 3 replicas of one stage; ZeRO-1 over 2 replicas of a
+    2-stage pipeline) with Adam, a copy at every step: the worker at ``victim`` is killed
+    mid-run. Each copy held one slice per block, so every survivor of a sharded stage
+    rolls back with the other slices (a lost replica's from the copy its buddy held, a
+    surviving one's from that replica's own copy), the blocks are re-cut over the devices
+    left and the run ends as one process's. At most one step is replayed: the lost
+    worker's latest copy may not have reached its buddy."""
     snap = job(
         tmp_path,
         [],
-        stages=dp_plans([(0, 4)], 3, node),
-        replicas=3,
-        batch_size=12,
-        micro_batches=6,
+        stages=dp_plans(ranges, replicas, node),
+        replicas=replicas,
+        batch_size=4 * replicas,
+        micro_batches=2 * replicas,
         steps=8,
-        shard="gradients",
+        shard=mode,
         keep_copies=True,
         copy_budget=1.0,
     )
     groups: list[KillReplica] = []
 
     def make(plans: Any, setup: Any) -> KillReplica:
-        groups.append(KillReplica(1, 4, plans, setup))
+        groups.append(KillReplica(victim, 4, plans, setup))
         return groups[-1]
 
     trainer = Trainer(snap, make)
     assert trainer.run() is RunStatus.SUCCEEDED, trainer.report(0).error
     events = trainer.report(0).events
     lost = [e for e in events if e.kind == "device_lost"]
-    assert [e.data["devices"] for e in lost] == [[snap.stages[1].device.id]], events
+    assert [e.data["devices"] for e in lost] == [[snap.stages[victim].device.id]], events
     assert lost[0].data["steps_replayed"] <= 1, lost[0].data
-    assert sorted(groups[0].merged) == [0, 2], groups[0].merged
+    assert sorted(groups[0].merged) == merged, groups[0].merged
     assert groups[0].fetched == {"own", "held"}, groups[0].fetched
     latest = {m.step: m for m in metrics(trainer)}
     assert sorted(latest) == list(range(1, 9))
