@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from shoal.workers.blocks import Block, map_tensors
+from shoal.workers.blocks import Block, map_tensors, tensors_in
 from shoal.workers.pipeline.collective import GlooCollective
 from shoal.workers.pipeline.group import RayGroup
 from shoal.workers.pipeline.local_group import LocalGroup
@@ -109,6 +109,9 @@ def test_sharded_updates_equal_whole_replicas_and_unshard_gives_the_whole_state_
             shards.gather(collective)
             if step == unshard_at:
                 copied = {s.index: map_tensors(s.live_state(), torch.clone) for s in shards.shards}
+                # A copy holds this replica's slice of the optimizer state, nothing more.
+                sliced = [t for c in copied.values() for t in tensors_in(c["slice"]["state"])]
+                assert sum(t.nbytes for t in sliced) == shards.nbytes()
                 then = {b.index: b.state() for b in whole}
                 share = shards.nbytes() / sum(b.nbytes() for b in whole)
                 # The blocks keep their parameters alone, the slices no copy of them.
