@@ -1,8 +1,8 @@
 """Block states from saved pieces: copies of whole blocks, and sharded replicas' slices.
 
 A replica of a sharded stage copies its share of each block (``BlockShard.live_state``):
-the parameters and buffers, and one slice of the optimizer state with the block's
-parameter shapes and optimizer groups. Recovery gathers one slice of each rank
+the buffers, and one slice of the parameters and of their optimizer state, with the block's
+parameter shapes and names and its optimizer groups. Recovery gathers one slice of each rank
 (``scheduler.pieces``) and ``whole_states`` makes the block's state from them, as
 ``StageShards.unshard`` does over a live group: the slices end to end, in rank order.
 """
@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from shoal.scheduler.pieces import WHOLE, pieces_for
-from shoal.workers.pipeline.sharding import per_param_state
+from shoal.workers.pipeline.sharding import per_param_state, unflatten
 from shoal.workers.pipeline.stage_types import StageStateError
 
 
@@ -31,8 +31,8 @@ def piece_of(state: Mapping[str, Any]) -> tuple[int, int]:
 
 def whole_states(parts: Sequence[Mapping[int, Any]]) -> dict[int, Any]:
     """Block states by index from ``parts`` (each block states by index: ``export``s,
-    copies): for each block, the first whole state, else its slices merged; the parameters
-    and buffers are those of the first part that has the block. Raises
+    copies): for each block, the first whole state, else its slices merged (the buffers
+    those of the first part that has the block). Raises
     ``StageStateError`` for a block whose slices do not make it whole."""
     by_block: dict[int, list[Mapping[str, Any]]] = {}
     for part in parts:
@@ -54,15 +54,17 @@ def whole_states(parts: Sequence[Mapping[int, Any]]) -> dict[int, Any]:
     return whole
 
 
-def _merge(module: Any, slices: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """A block's whole state from ``module``'s parameters and buffers and the optimizer
-    ``slices`` in rank order."""
+def _merge(buffers: Mapping[str, Any], slices: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """A block's whole state from its ``buffers`` and the ``slices`` (of its parameters and
+    their optimizer state) in rank order."""
     first = slices[0]
+    values = unflatten(torch.cat([part["values"] for part in slices]), first["shapes"])
+    module = {**buffers, **{key: values[i] for key, i in first["params"].items()}}
     flat: dict[str, Any] = {}
     for key, value in first["state"].items():
-        values = [part["state"].get(key) for part in slices]
-        if all(isinstance(v, Tensor) and v.dim() == 1 for v in values):
-            flat[key] = torch.cat(values)
+        parts = [part["state"].get(key) for part in slices]
+        if all(isinstance(v, Tensor) and v.dim() == 1 for v in parts):
+            flat[key] = torch.cat(parts)
         else:
             flat[key] = value
     optimizer = {"state": per_param_state(flat, first["shapes"]), "param_groups": first["groups"]}

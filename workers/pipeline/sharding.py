@@ -18,9 +18,9 @@ slices then that fold, bitwise what plain data parallelism sums.
 State leaves a sharded stage whole: a checkpoint, relayout or re-cut first ``unshard``s
 every replica (an all-gather of the optimizer state into each block's own optimizer), and
 the next step shards again, so checkpoints and exports are those of an unsharded stage.
-In-memory copies are the exception: each replica copies only its share of every block
-(``BlockShard.live_state``), and a recovery makes the blocks whole from the replicas' copies
-(``workers.pipeline.pieces``).
+In-memory copies are the exception: each replica copies only its slice of every block's
+parameters and optimizer state (``BlockShard.live_state``), and a recovery makes the blocks
+whole from the replicas' copies (``workers.pipeline.pieces``).
 """
 
 from __future__ import annotations
@@ -126,15 +126,21 @@ class BlockShard:
 
     def live_state(self) -> dict[str, Any]:
         """What a copy of this replica's share of the block holds, as live tensors
-        (``Block.live_state``'s counterpart): the block's parameters and buffers, and the
-        slice's optimizer state with what makes the slices whole again
-        (``workers.pipeline.pieces``)."""
+        (``Block.live_state``'s counterpart): the block's buffers, and this replica's slice
+        of its parameters and of their optimizer state, with what makes the slices whole
+        again (``workers.pipeline.pieces``). The replicas' parameters are the same bits (an
+        all-gather), so R slices of them hold what each replica would copy whole."""
+        module = self.block.module.state_dict(keep_vars=True)
+        position = {id(p): i for i, p in enumerate(self.params)}
+        params = {key: position[id(v)] for key, v in module.items() if id(v) in position}
         return {
-            "module": self.block.module.state_dict(),
+            "module": {key: v.detach() for key, v in module.items() if key not in params},
             "slice": {
                 "rank": self.rank,
                 "world": self.world,
                 "shapes": [tuple(p.shape) for p in self.params],
+                "params": params,
+                "values": self.values.detach(),
                 "groups": self.block.optimizer.state_dict()["param_groups"],
                 "state": self.state_slices(),
             },
@@ -164,22 +170,29 @@ class BlockShard:
         return sum(t.numel() * t.element_size() for t in _tensors(self.optimizer.state))
 
 
+def unflatten(flat: Tensor, shapes: Sequence[tuple[int, ...]]) -> list[Tensor]:
+    """``flat`` cut into fresh tensors of ``shapes``, end to end."""
+    out, offset = [], 0
+    for shape in shapes:
+        size = math.prod(shape)
+        out.append(flat[offset : offset + size].view(shape).clone())
+        offset += size
+    return out
+
+
 def per_param_state(flat: dict[str, Any], shapes: Sequence[tuple[int, ...]]) -> dict[int, Any]:
     """A block's optimizer state by parameter (as its optimizer's ``state_dict`` holds it)
     from ``flat``: each element-wise entry one tensor over the parameters of ``shapes`` end
     to end, the other entries (Adam's step) every parameter's own copy."""
     numel = sum(math.prod(shape) for shape in shapes)
     per_param: dict[int, Any] = {i: {} for i in range(len(shapes))}
-    offset = 0
-    for i, shape in enumerate(shapes):
-        size = math.prod(shape)
-        for key, value in flat.items():
-            is_flat = isinstance(value, Tensor) and value.dim() == 1
-            if is_flat and value.numel() == numel and numel > 0:
-                per_param[i][key] = value[offset : offset + size].view(shape).clone()
-            else:  # a tensor of its own each: Adam counts its steps in place
-                per_param[i][key] = value.clone() if isinstance(value, Tensor) else value
-        offset += size
+    for key, value in flat.items():
+        if isinstance(value, Tensor) and value.dim() == 1 and value.numel() == numel > 0:
+            parts = unflatten(value, shapes)
+        else:  # a tensor of its own each: Adam counts its steps in place
+            parts = [value.clone() if isinstance(value, Tensor) else value for _ in shapes]
+        for i, part in enumerate(parts):
+            per_param[i][key] = part
     return per_param if flat else {}
 
 

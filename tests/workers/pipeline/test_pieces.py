@@ -24,7 +24,8 @@ pytestmark = pytest.mark.unit
 
 def _trained(conf: OptimizerConf, steps: int) -> Block:
     torch.manual_seed(0)
-    block = Block(3, nn.Sequential(nn.Linear(13, 7), nn.LayerNorm(7), nn.Linear(7, 2)), conf)
+    layers = [nn.Linear(13, 7), nn.LayerNorm(7), nn.BatchNorm1d(7), nn.Linear(7, 2)]
+    block = Block(3, nn.Sequential(*layers), conf)
     for step in range(steps):
         x = torch.randn(4, 13, generator=torch.Generator().manual_seed(step))
         block.module(x).square().sum().backward()

@@ -109,7 +109,7 @@ def test_sharded_updates_equal_whole_replicas_and_unshard_gives_the_whole_state_
             shards.gather(collective)
             if step == unshard_at:
                 copied = {s.index: map_tensors(s.live_state(), torch.clone) for s in shards.shards}
-                # A copy holds this replica's slice of the optimizer state, nothing more.
+                # A copy holds this replica's slice of the optimizer state, no more of it.
                 sliced = [t for c in copied.values() for t in tensors_in(c["slice"]["state"])]
                 assert sum(t.nbytes for t in sliced) == shards.nbytes()
                 then = {b.index: b.state() for b in whole}
@@ -131,6 +131,11 @@ def test_sharded_updates_equal_whole_replicas_and_unshard_gives_the_whole_state_
     ranks = _ranks(world, body)
     merged = whole_states([copied for _, _, (_, copied, _) in ranks])
     assert_same_state(merged, ranks[0][2][2])
+    # Together the replicas' copies hold each parameter once: a slice each.
+    sliced = sum(
+        c["slice"]["values"].nbytes for *_, (_, copied, _) in ranks for c in copied.values()
+    )
+    assert sliced == sum(p.nbytes for b in ranks[0][0] for p in b.module.parameters())
     for whole, sharded, (share, _, _) in ranks:
         for a, b in zip(whole, sharded, strict=True):
             for x, y in zip(a.module.parameters(), b.module.parameters(), strict=True):
