@@ -149,6 +149,16 @@ def replica_state_bytes(costs: Sequence[BlockCost], replicas: int, shard: str) -
     return params + -(-optimizer // replicas)
 
 
+def copy_bytes(costs: Sequence[BlockCost], replicas: int, shard: str) -> int:
+    """What one replica's in-memory copy of a stage holding ``costs``' blocks holds: their
+    parameters and optimizer state whole, or sharded over ``replicas`` a slice of each
+    (``workers.pipeline.sharding``: 1/R of both, rounded up)."""
+    whole = sum(c.param_bytes + c.optim_bytes for c in costs)
+    if shard == "none" or replicas < 2:
+        return whole
+    return -(-whole // replicas)
+
+
 def fits(
     costs: Sequence[BlockCost],
     blocks: BlockRange,

@@ -7,7 +7,10 @@ virtual CPU devices (one thread each), for each R of ``replicas`` and each
 to whole replicas at the same R; and the state one device keeps between steps (its blocks'
 parameters and optimizer state, sharded: its slices' share of it), measured on the engine's
 own classes after two steps (R ranks of one gloo group in this process, a thread each) and
-predicted by ``scheduler.memory.replica_state_bytes``. ``full`` (ZeRO-3) is not built.
+predicted by ``scheduler.memory.replica_state_bytes``; and what one replica's in-memory
+copy holds (``elastic.keep_copies``: sharded, its slice of the parameters and optimizer
+state), measured the same way and predicted by ``scheduler.memory.copy_bytes``. ``full``
+(ZeRO-3) is not built.
 """
 
 from __future__ import annotations
@@ -20,10 +23,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from shoal.scheduler.devices import Device
-from shoal.scheduler.memory import replica_state_bytes
+from shoal.scheduler.memory import copy_bytes, replica_state_bytes
 from shoal.service.bench.pipeline import RUNNER_THREADS, ray_session, threads
 from shoal.service.bench.report import BenchError, Progress, machine
-from shoal.workers.blocks import Block
+from shoal.workers.blocks import Block, tensors_in
 from shoal.workers.pipeline.collective import GlooCollective
 from shoal.workers.pipeline.group import RayGroup
 from shoal.workers.pipeline.local_ranks import run_ranks
@@ -82,9 +85,10 @@ def phases(s: ShardSettings) -> list[str]:
     return [f"{r} replicas, shard {m}" for r in s.replicas for m in SHARD_MODES]
 
 
-def measured_state_bytes(s: ShardSettings, replicas: int, mode: str) -> int:
+def measured_state_bytes(s: ShardSettings, replicas: int, mode: str) -> tuple[int, int]:
     """The most state any rank keeps after two steps: its blocks' bytes (parameters, and
-    optimizer state when whole) and its shares' (``Stage.nbytes``'s count)."""
+    optimizer state when whole) and its shares' (``Stage.nbytes``'s count); and the most
+    an in-memory copy of a rank holds then (what ``Stage.snapshot`` copies)."""
     model, data, opt = s.refs()
     source = make_data(data, s.seed, ())
     count = s.layers + 1
@@ -97,7 +101,7 @@ def measured_state_bytes(s: ShardSettings, replicas: int, mode: str) -> int:
     ]
     loss = loss_fn(source.meta.task)
 
-    def rank(collective: GlooCollective, r: int) -> int:
+    def rank(collective: GlooCollective, r: int) -> tuple[int, int]:
         blocks = sets[r]
         shards = None if mode == "none" else StageShards(blocks, mode, r, replicas)
         for step in range(2):
@@ -117,14 +121,17 @@ def measured_state_bytes(s: ShardSettings, replicas: int, mode: str) -> int:
                 shards.update(None)
                 shards.gather(collective)
         held = sum(b.nbytes() for b in blocks)
-        return held + (shards.nbytes() if shards is not None else 0)
+        copied = shards.shards if shards is not None else blocks
+        copy = sum(t.nbytes for t in tensors_in([c.live_state() for c in copied]))
+        return held + (shards.nbytes() if shards is not None else 0), copy
 
     with threads(1):
         sizes = run_ranks(replicas, rank, timeout_s=120, name="bench-shard")
     failed = [e for e in sizes if isinstance(e, BaseException)]
     if failed:
         raise BenchError(f"measuring {replicas} replicas under shard {mode} failed: {failed[0]}")
-    return max(int(n) for n in sizes if not isinstance(n, BaseException))
+    measured = [n for n in sizes if not isinstance(n, BaseException)]
+    return max(held for held, _ in measured), max(copy for _, copy in measured)
 
 
 def samples_per_s(
@@ -188,8 +195,9 @@ def run_shard(s: ShardSettings, progress: Progress = lambda _: None) -> dict[str
                 progress(f"{replicas} replicas, shard {mode}")
                 rate, run_losses = samples_per_s(s, node_id, replicas, mode)
                 losses.setdefault(replicas, run_losses)
-                measured = measured_state_bytes(s, replicas, mode)
+                measured, copy = measured_state_bytes(s, replicas, mode)
                 predicted = replica_state_bytes(costs, replicas, mode)
+                predicted_copy = copy_bytes(costs, replicas, mode)
                 runs.append(
                     {
                         "replicas": replicas,
@@ -198,6 +206,9 @@ def run_shard(s: ShardSettings, progress: Progress = lambda _: None) -> dict[str
                         "state_bytes_per_device": measured,
                         "predicted_state_bytes_per_device": predicted,
                         "prediction_error": predicted / measured - 1,
+                        "copy_bytes_per_device": copy,
+                        "predicted_copy_bytes_per_device": predicted_copy,
+                        "copy_prediction_error": predicted_copy / copy - 1,
                         "loss_max_rel_diff": max(
                             abs(a - b) / max(abs(b), 1e-12)
                             for a, b in zip(run_losses, losses[replicas], strict=True)

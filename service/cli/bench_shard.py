@@ -78,6 +78,7 @@ def shard_table(console: Console, result: dict[str, Any]) -> None:
         table.add_column(name, justify="right")
     table.add_column("predicted", justify="right")
     table.add_column("optimizer state share", justify="right")
+    table.add_column("copy MiB", justify="right")
     for run in result["runs"]:
         table.add_row(
             str(run["replicas"]),
@@ -87,5 +88,6 @@ def shard_table(console: Console, result: dict[str, Any]) -> None:
             fmt(run["state_bytes_per_device"] / 2**20),
             fmt(run["predicted_state_bytes_per_device"] / 2**20),
             fmt(run["optimizer_state_share"], 3),
+            fmt(run["copy_bytes_per_device"] / 2**20),
         )
     console.print(table)

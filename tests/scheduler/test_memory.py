@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from shoal.scheduler.memory import (
     StageMemory,
+    copy_bytes,
     fits,
     format_bytes,
     in_flight,
@@ -215,3 +216,10 @@ def test_sharded_replicas_keep_their_share_of_the_optimizer_state() -> None:
     assert replica_state_bytes(costs, 4, "optimizer") == 1200 + 600
     assert replica_state_bytes(costs, 4, "gradients") == 1200 + 600
     assert replica_state_bytes(costs, 7, "gradients") == 1200 + 343  # rounded up
+
+
+def test_a_sharded_replicas_copy_holds_its_slice_of_parameters_and_optimizer_state() -> None:
+    costs = [BlockCost(i, 1.0, 400, 800, 0) for i in range(3)]
+    assert copy_bytes(costs, 4, "none") == copy_bytes(costs, 1, "gradients") == 3600
+    assert copy_bytes(costs, 4, "optimizer") == copy_bytes(costs, 4, "gradients") == 900
+    assert copy_bytes(costs, 7, "optimizer") == 515  # rounded up

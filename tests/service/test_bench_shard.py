@@ -46,3 +46,8 @@ def test_a_tiny_run_measures_each_modes_share_of_the_state_as_predicted(ray_addr
         # counters aside).
         expected = 1.0 if mode == "none" else 0.5
         assert run["optimizer_state_share"] == pytest.approx(expected, abs=0.01), run
+        # A sharded replica's in-memory copy holds half the parameters and optimizer state.
+        assert abs(run["copy_prediction_error"]) < 0.01, run
+    for mode in ("optimizer", "gradients"):
+        ratio = runs[mode]["copy_bytes_per_device"] / runs["none"]["copy_bytes_per_device"]
+        assert ratio == pytest.approx(0.5, abs=0.01), (mode, ratio)
