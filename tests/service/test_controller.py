@@ -946,14 +946,30 @@ def test_a_job_of_sharded_replicas_trains_as_one_of_whole_replicas(
     assert losses["gradients"] == pytest.approx(losses["none"], rel=1e-5, abs=1e-6)
 
 
+class SmallDeviceRay(TwoDeviceRay):
+    """The session's Ray, its two devices shown with 23 MB of memory each."""
+
+    def nodes(self) -> list[NodeInfo]:
+        return [
+            NodeInfo(n.node_id, n.alive, n.resources, {**n.labels, LABEL_MEMORY_MB: "23"})
+            for n in super().nodes()
+        ]
+
+
+@pytest.mark.parametrize("backend", ["inprocess", "ray"])
 def test_shard_auto_shards_the_replicas_where_whole_ones_fit_no_layout(
-    session_factory: SessionFactory, tmp_path: Path
+    session_factory: SessionFactory, tmp_path: Path, backend: str, request: pytest.FixtureRequest
 ) -> None:
     """Two 23 MB devices: two whole replicas of this MLP with Adam fit neither (26 MB
-    would), sharded ones do; ``shard: auto`` places them sharded and says why. In-process
-    the replicas then stay whole, and the job's event says what it asked for."""
-    labels = {LABEL_KIND: "cpu", LABEL_MEMORY_MB: "23"}
-    small = InProcessCluster([NodeInfo("e" * 56, True, {DEVICE_RESOURCE: 2.0}, labels)])
+    would), sharded ones do; ``shard: auto`` places them sharded and says why. On Ray the
+    replicas shard (with their in-memory copies, as by default); in-process they stay
+    whole, and the job's event says what it asked for."""
+    small: Cluster
+    if backend == "ray":
+        small = SmallDeviceRay(request.getfixturevalue("ray_address"), timeout_s=30)
+    else:
+        labels = {LABEL_KIND: "cpu", LABEL_MEMORY_MB: "23"}
+        small = InProcessCluster([NodeInfo("e" * 56, True, {DEVICE_RESOURCE: 2.0}, labels)])
     controller = make_controller(session_factory, small, tmp_path)
     job_id = submit(
         session_factory,
@@ -963,7 +979,7 @@ def test_shard_auto_shards_the_replicas_where_whole_ones_fit_no_layout(
         steps=3,
         parallelism={"stages": 1, "replicas": 2, "shard": "auto"},
         resources={"min_devices": 2, "max_devices": 2},
-        elastic={"keep_copies": False, "repartition": False},
+        elastic={"repartition": False},
     )
     reconcile_until(
         controller,
@@ -974,4 +990,4 @@ def test_shard_auto_shards_the_replicas_where_whole_ones_fit_no_layout(
     placed = [e.message for e in said if "placed on" in e.message]
     assert placed and "replicas sharded (gradients)" in placed[0], placed
     (shard,) = [e.data for e in said if e.kind == "shard"]
-    assert (shard["shard"], shard["sharded"]) == ("gradients", False)
+    assert (shard["shard"], shard["sharded"]) == ("gradients", backend == "ray")
