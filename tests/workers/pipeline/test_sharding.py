@@ -297,8 +297,9 @@ def test_a_lost_sharded_replica_is_recovered_in_place_from_the_replicas_copies(
     mid-run. Each copy held one slice per block, so every survivor of a sharded stage
     rolls back with the other slices (a lost replica's from the copy its buddy held, a
     surviving one's from that replica's own copy), the blocks are re-cut over the devices
-    left and the run ends as one process's. At most one step is replayed: the lost
-    worker's latest copy may not have reached its buddy."""
+    left and the run ends as one process's. At most the steps the runner says it may
+    replay are (the lost worker's latest copy may not have reached its buddy: then the
+    copy before)."""
     snap = job(
         tmp_path,
         [],
@@ -322,7 +323,7 @@ def test_a_lost_sharded_replica_is_recovered_in_place_from_the_replicas_copies(
     events = trainer.report(0).events
     lost = [e for e in events if e.kind == "device_lost"]
     assert [e.data["devices"] for e in lost] == [[snap.stages[victim].device.id]], events
-    assert lost[0].data["steps_replayed"] <= 1, lost[0].data
+    assert lost[0].data["steps_replayed"] <= lost[0].data["most_replayed"], lost[0].data
     assert sorted(groups[0].merged) == merged, groups[0].merged
     assert groups[0].fetched == {"own", "held"}, groups[0].fetched
     latest = {m.step: m for m in metrics(trainer)}
