@@ -1,8 +1,8 @@
 """Which saved pieces of a block make its state whole again (in-memory copies, recovery).
 
 A copy holds each of its worker's blocks whole, or, from a replica of a sharded stage
-(``parallelism.shard``), the block's parameters and one slice of its optimizer state: piece
-``rank`` of ``world`` (a whole block is piece 0 of 1). A block's state can be rebuilt from
+(``parallelism.shard``), one slice of the block's parameters and of their optimizer state:
+piece ``rank`` of ``world`` (a whole block is piece 0 of 1). A block's state can be rebuilt from
 a set of pieces when one of them is whole, or when every rank of one world is there: the
 slices of a single sharding, cut the same way.
 """

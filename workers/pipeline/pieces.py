@@ -32,8 +32,8 @@ def piece_of(state: Mapping[str, Any]) -> tuple[int, int]:
 def whole_states(parts: Sequence[Mapping[int, Any]]) -> dict[int, Any]:
     """Block states by index from ``parts`` (each block states by index: ``export``s,
     copies): for each block, the first whole state, else its slices merged (the buffers
-    those of the first part that has the block). Raises
-    ``StageStateError`` for a block whose slices do not make it whole."""
+    those of the first part that has the block). Raises ``StageStateError`` for a block
+    whose slices do not make it whole."""
     by_block: dict[int, list[Mapping[str, Any]]] = {}
     for part in parts:
         for index, state in part.items():
