@@ -9,13 +9,16 @@ slices of a single sharding, cut the same way.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
+from typing import TypeVar
 
 Piece = tuple[int, int, int]
 """A saved piece: block index, rank, world."""
 
 WHOLE = (0, 1)
 """The (rank, world) of a block saved whole."""
+
+S = TypeVar("S", bound=Hashable)
 
 
 def pieces_for(offers: Sequence[tuple[int, int]]) -> list[int] | None:
@@ -40,3 +43,25 @@ def whole_blocks(pieces: Iterable[Piece]) -> set[int]:
     for block, rank, world in pieces:
         by_block.setdefault(block, []).append((rank, world))
     return {block for block, offers in by_block.items() if pieces_for(offers) is not None}
+
+
+def fetch_plan(
+    saved: Sequence[tuple[S, Piece]], blocks: Iterable[int], first: S | None = None
+) -> dict[S, list[int]]:
+    """Which blocks to fetch from which source so that each of ``blocks`` is whole, given
+    every ``saved`` piece with its source; the pieces of ``first`` (the asking worker's
+    own) are preferred and left out, since it has them. Raises ``ValueError`` for a block
+    no pieces make whole."""
+    wanted: dict[S, list[int]] = {}
+    for block in blocks:
+        offers = sorted(
+            ((where, (rank, world)) for where, (b, rank, world) in saved if b == block),
+            key=lambda offer: offer[0] != first,
+        )
+        chosen = pieces_for([piece for _, piece in offers])
+        if chosen is None:
+            raise ValueError(f"no saved pieces make block {block} whole")
+        for position in chosen:
+            if offers[position][0] != first:
+                wanted.setdefault(offers[position][0], []).append(block)
+    return wanted

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from shoal.scheduler.pieces import pieces_for, whole_blocks
+from shoal.scheduler.pieces import fetch_plan, pieces_for, whole_blocks
 
 pytestmark = pytest.mark.unit
 
@@ -52,3 +52,28 @@ def test_a_sharded_block_is_whole_exactly_when_no_rank_is_missing(
         assert [offers[p] for p in chosen] == [(r, world) for r in range(world)]
     else:
         assert chosen is None
+
+
+def test_a_survivor_fetches_only_the_slices_it_lacks_from_whoever_has_them() -> None:
+    """Three replicas of blocks 0-1; replica 1 lost, its copy held by replica 2. Replica 0
+    keeps its own slices and fetches rank 1's from the held copy, rank 2's from replica 2's
+    own copy; a whole copy elsewhere wins over slices."""
+    own0, own2, held1 = (0, None), (2, None), (2, "dev-1")
+    saved = [
+        (own0, (0, 0, 3)),
+        (own0, (1, 0, 3)),
+        (own2, (0, 2, 3)),
+        (own2, (1, 2, 3)),
+        (held1, (0, 1, 3)),
+        (held1, (1, 1, 3)),
+    ]
+    assert fetch_plan(saved, [0, 1], own0) == {held1: [0, 1], own2: [0, 1]}
+    assert fetch_plan(saved, [0], own2) == {own0: [0], held1: [0]}
+    assert fetch_plan([*saved, ((1, "dev-9"), (1, 0, 1))], [0, 1], own0) == {
+        held1: [0],
+        own2: [0],
+        (1, "dev-9"): [1],
+    }
+    assert fetch_plan([(own0, (0, 0, 1))], [0], own0) == {}  # whole already
+    with pytest.raises(ValueError, match="no saved pieces make block 1 whole"):
+        fetch_plan(saved[:4], [1], own0)

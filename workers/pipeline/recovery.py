@@ -12,8 +12,8 @@ where there is one, which holds it (``Copies``). When a worker is lost mid-step:
    every block is in some survivor's snapshot or in a copy held for a lost worker (the
    latest copy may not have arrived: then the one before; at most the interval between
    copies is replayed). A replica of a sharded stage copies only its slice of each
-   block's optimizer state: a block is held when one slice of every rank is
-   (``scheduler.pieces``).
+   block's parameters and optimizer state: a block is held when one slice of every rank
+   is (``scheduler.pieces``).
 3. The blocks are re-cut over the surviving devices (``scheduler.layout``: the partitioner
    picks stages and replicas); survivors roll back to the restore step (a sharded replica
    given the other replicas' slices: its blocks are whole again, and the next step shards
@@ -34,11 +34,10 @@ from typing import Any
 from shoal.scheduler.copies import CopyCadence, most_replayed
 from shoal.scheduler.layout import plan_layout
 from shoal.scheduler.partition import PartitionError
-from shoal.scheduler.pieces import Piece, pieces_for, whole_blocks
+from shoal.scheduler.pieces import Piece, fetch_plan, whole_blocks
 from shoal.scheduler.profile import uniform_costs
 from shoal.scheduler.workload import Workload
 from shoal.workers.pipeline.rebalance import Layout, settle
-from shoal.workers.pipeline.stage_types import StageStateError
 from shoal.workers.pipeline.stage_worker import StageFailed
 from shoal.workers.pipeline.worker_group import GroupTimeout, Handle, StageLost, WorkerGroup
 from shoal.workers.snapshot import JobSnapshot, RunnerEvent, StepMetrics, stage_plans
@@ -185,8 +184,9 @@ Source = tuple[int, str | None]
 worker's device id whose copy it holds."""
 
 
-def _lost(layout: Layout, answers: Mapping[int, Any]) -> set[str]:
-    return {layout.plans[w].device.id for w in range(len(layout.plans)) if w not in answers}
+def _lost(layout: Layout, answers: Mapping[int, Any]) -> tuple[str, ...]:
+    """The devices of the workers that did not answer, in layout order."""
+    return tuple(p.device.id for w, p in enumerate(layout.plans) if w not in answers)
 
 
 def saved_pieces(
@@ -216,26 +216,6 @@ def restore_step(
         if whole_blocks(pieces) >= set(range(num_blocks)):
             return step
     return None
-
-
-def sources(
-    saved: Sequence[tuple[Source, Piece]], blocks: Sequence[int], first: Source | None = None
-) -> dict[Source, list[int]]:
-    """Where to fetch the pieces that make each of ``blocks`` whole, by source (those of
-    ``first``, the asking worker's own copy, preferred and left out: it has them)."""
-    wanted: dict[Source, list[int]] = {}
-    for block in blocks:
-        offers = sorted(
-            ((where, (rank, world)) for where, (b, rank, world) in saved if b == block),
-            key=lambda offer: offer[0] != first,
-        )
-        chosen = pieces_for([piece for _, piece in offers])
-        if chosen is None:
-            raise StageStateError(f"no saved pieces make block {block} whole")
-        for position in chosen:
-            if offers[position][0] != first:
-                wanted.setdefault(offers[position][0], []).append(block)
-    return wanted
 
 
 def _fetch(group: WorkerGroup, step: int, wanted: Mapping[Source, list[int]]) -> list[Handle]:
@@ -285,7 +265,7 @@ def recover(
     from its checkpoint elsewhere."""
     answers = survey(group, layout, max(MIN_PING_S, ping_timeout))
     alive = sorted(answers)
-    lost = tuple(layout.plans[w].device.id for w in range(len(layout.plans)) if w not in answers)
+    lost = _lost(layout, answers)
     first_lost = next(w for w in range(len(layout.plans)) if w not in answers) if lost else 0
     plan = layout.plans[first_lost]
     if len(alive) < max(1, snapshot.min_devices):
@@ -306,7 +286,7 @@ def recover(
     saved = saved_pieces(layout, answers, step)
     # Every fetch of a survivor's own copy before any rollback (calls run in order).
     fetched = {
-        w: _fetch(group, step, sources(saved, range(*layout.plans[w].blocks), (w, None)))
+        w: _fetch(group, step, fetch_plan(saved, range(*layout.plans[w].blocks), (w, None)))
         for w in alive
     }
     group.get([group.submit(w, "rollback", step, *fetched[w]) for w in alive], timeout)
@@ -320,6 +300,6 @@ def recover(
                 live.setdefault(holders[block], []).append(block)
         gone = [b for b in range(*p.blocks) if b not in held and b not in holders]
         moved[w] = [group.submit(u, "export", blocks) for u, blocks in live.items()]
-        moved[w] += _fetch(group, step, sources(saved, gone))
+        moved[w] += _fetch(group, step, fetch_plan(saved, gone))
     settle(group, new, keep, moved, timeout, regroup=True)
     return Recovery(new, step, lost)
