@@ -50,12 +50,16 @@ class Model:
         self.replicas = replicas
         self.time = [0.0, *accumulate(c.fwd_bwd_s for c in costs)]
         # Without recompute: params + grads + optimizer (1/R of it on each of R sharded
-        # replicas); activations (and the weight copies bf16 autocast keeps with them) are
-        # added per in-flight micro-batch.
+        # replicas, and of the params and grads too under ZeRO-3); activations (and the
+        # weight copies bf16 autocast keeps with them) are added per in-flight micro-batch.
         shards = replicas if workload.shard != "none" else 1
+        gathered = workload.shard == "full" and shards > 1
         self.static = [
             0,
-            *accumulate(2 * c.param_bytes + -(-c.optim_bytes // shards) for c in costs),
+            *accumulate(
+                -(-2 * c.param_bytes // (shards if gathered else 1)) + -(-c.optim_bytes // shards)
+                for c in costs
+            ),
         ]
         mbs, precision = workload.micro_batch_size, workload.precision
         self.act = [
@@ -68,6 +72,8 @@ class Model:
         # Every stage keeps room for the model's largest backward temporaries, as
         # ``scheduler.memory.stage_memory`` counts them.
         self.reserve = max((transient_bytes(c, mbs) for c in costs), default=0)
+        if gathered:  # ZeRO-3 gathers one block's whole parameters at a time
+            self.reserve += max((c.param_bytes for c in costs), default=0)
         self.inputs = [mbs * c.input_bytes_per_sample for c in costs]
         self._by_flight: dict[int, list[int]] = {}
         self._replicated: dict[int, Model] = {}

@@ -39,9 +39,10 @@ class Layout:
         return f"; replicas sharded ({self.shard}): whole, the model fits no layout"
 
 
-AUTO_SHARD = "gradients"
-"""What ``shard: auto`` shards with where only sharding fits: ZeRO-2 moves the bytes of an
-all-reduce (a reduce-scatter and an all-gather) and keeps what ZeRO-1 keeps."""
+AUTO_SHARDS = ("gradients", "full")
+"""What ``shard: auto`` shards with where only sharding fits, in order: ZeRO-2 moves the
+bytes of an all-reduce (a reduce-scatter and an all-gather) and keeps what ZeRO-1 keeps;
+ZeRO-3 keeps a share of the parameters too but gathers them for every micro-batch."""
 
 
 def relative_speeds(
@@ -68,15 +69,18 @@ def plan_layout(
 ) -> Layout:
     """Cut the blocks of ``costs`` into ``stages`` x ``replicas`` over ``devices`` (None: the
     partitioner chooses). A workload's ``shard: auto`` keeps replicas whole where the model
-    fits so and shards them (``AUTO_SHARD``) where only that fits; refused both ways, the
-    sharded refusal is raised, the more room it had."""
+    fits so and shards them (``AUTO_SHARDS``, the first that fits) where only that fits;
+    refused every way, the last refusal is raised, the one with the most room."""
     cut = partial(_cut, devices, gflops, costs, stages, replicas, sync_s_per_byte=sync_s_per_byte)
     if workload.shard != "auto":
         return cut(workload)
-    try:
-        return cut(replace(workload, shard="none"))
-    except PartitionError:
-        return cut(replace(workload, shard=AUTO_SHARD))
+    *tries, last = ("none", *AUTO_SHARDS)
+    for mode in tries:
+        try:
+            return cut(replace(workload, shard=mode))
+        except PartitionError:
+            pass
+    return cut(replace(workload, shard=last))
 
 
 def _cut(

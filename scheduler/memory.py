@@ -141,11 +141,14 @@ def stage_memory(
 def replica_state_bytes(costs: Sequence[BlockCost], replicas: int, shard: str) -> int:
     """What one replica of a stage holding ``costs``' blocks keeps between steps: their
     parameters and optimizer state, whole, or sharded over ``replicas``
-    (``workers.pipeline.sharding``: 1/R of every block's optimizer state, rounded up)."""
+    (``workers.pipeline.sharding``: 1/R of every block's optimizer state, rounded up; and
+    of its parameters too under ``full``)."""
     params = sum(c.param_bytes for c in costs)
     optimizer = sum(c.optim_bytes for c in costs)
     if shard == "none" or replicas < 2:
         return params + optimizer
+    if shard == "full":
+        return -(-(params + optimizer) // replicas)
     return params + -(-optimizer // replicas)
 
 
@@ -181,12 +184,17 @@ def fits(
     return need.total <= budget_bytes
 
 
-def _block_floor(cost: BlockCost, micro_batch_size: int, transient: int, shards: int = 1) -> int:
+def _block_floor(
+    cost: BlockCost, micro_batch_size: int, transient: int, shards: int = 1, full: bool = False
+) -> int:
     """The least a stage holding this block needs: its state (parameters, gradients, and
-    its optimizer state or a share of it over ``shards`` sharded replicas), one
-    micro-batch of it and the room every stage keeps for a backward's temporaries
-    (``transient``)."""
-    state = 2 * cost.param_bytes + -(-cost.optim_bytes // shards)
+    its optimizer state or a share of it over ``shards`` sharded replicas; ``full``, a
+    share of all three and the parameters gathered whole while it runs), one micro-batch
+    of it and the room every stage keeps for a backward's temporaries (``transient``)."""
+    if full and shards > 1:
+        state = -(-(2 * cost.param_bytes + cost.optim_bytes) // shards) + cost.param_bytes
+    else:
+        state = 2 * cost.param_bytes + -(-cost.optim_bytes // shards)
     return state + micro_batch_size * cost.activation_bytes_per_sample + transient
 
 
@@ -198,6 +206,7 @@ def submission_refusal(
     largest_device_bytes: int,
     max_devices: int,
     shards: int = 1,
+    full: bool = False,
 ) -> str | None:
     """None when the job might fit, else why it cannot fit on any ``max_devices`` devices of
     at most ``largest_device_bytes`` each. A lower bound, so it never refuses a job that
@@ -205,7 +214,8 @@ def submission_refusal(
     micro-batch's activations of each of its blocks at its peak, so the busiest device holds
     at least the average; no device holds less than the largest block it gets (with its
     optimizer state shared by at most ``shards`` sharded replicas: 1 where the job does not
-    shard); and every device keeps room for a backward's temporaries."""
+    shard; ``full``, its parameters and gradients too, gathered whole one block at a time);
+    and every device keeps room for a backward's temporaries."""
     devices = max(1, min(max_devices, len(costs)))
     whole = sum(2 * c.param_bytes for c in costs)
     optimizer_bytes = sum(c.optim_bytes for c in costs)
@@ -213,18 +223,25 @@ def submission_refusal(
     activations = micro_batch_size * sum(c.activation_bytes_per_sample for c in costs)
     transient = max(transient_bytes(c, micro_batch_size) for c in costs)
 
-    def bounds(shards: int) -> tuple[int, int, BlockCost]:
+    def bounds(shards: int, full: bool) -> tuple[int, int, BlockCost]:
         """The even split's bound, the largest block's, and that block, when each block's
-        optimizer state may be shared by ``shards`` replicas. Stages are at most one per
-        block; sharded replicas of them spread the optimizer state over up to ``shards``
-        times as many devices."""
+        optimizer state (``full``: all its state) may be shared by ``shards`` replicas.
+        Stages are at most one per block; sharded replicas of them spread what they share
+        over up to ``shards`` times as many devices."""
         sharing = max(1, min(max_devices, devices * shards))
-        spread = (whole + activations) * sharing + optimizer_bytes * devices
+        shared = optimizer_bytes + (whole if full else 0)
+        spread = (static - shared + activations) * sharing + shared * devices
         even = -(-spread // (devices * sharing)) + transient
-        biggest = max(costs, key=lambda c: _block_floor(c, micro_batch_size, transient, shards))
-        return even, _block_floor(biggest, micro_batch_size, transient, shards), biggest
+        if full and sharing > 1:  # one block's parameters gathered whole
+            even += max(c.param_bytes for c in costs)
 
-    even, block, biggest = bounds(shards)
+        def floor(cost: BlockCost) -> int:
+            return _block_floor(cost, micro_batch_size, transient, shards, full)
+
+        biggest = max(costs, key=floor)
+        return even, floor(biggest), biggest
+
+    even, block, biggest = bounds(shards, full)
     floor = max(even, block)
     if floor <= largest_device_bytes:
         return None
@@ -235,16 +252,27 @@ def submission_refusal(
     fixes = []
     if floor == even and devices < len(costs):
         fixes.append("allow more devices (resources.max_devices)")
-    if shards == 1 and optimizer_bytes > 0:
-        enough = next(
-            (r for r in range(2, max_devices + 1) if max(bounds(r)[:2]) <= largest_device_bytes),
-            None,
-        )
-        if enough is not None:
-            fixes.append(
-                f"shard the optimizer state over {enough} or more replicas"
-                f" (parallelism.shard: optimizer, parallelism.replicas: {enough})"
+    if not full:
+        for mode, what, also in (
+            ("optimizer", "the optimizer state", False),
+            ("full", "the parameters, gradients and optimizer state", True),
+        ):
+            if shards > 1 and not also:
+                continue  # sharded already: only sharding more of it can help
+            enough = next(
+                (
+                    r
+                    for r in range(2, max_devices + 1)
+                    if max(bounds(r, also)[:2]) <= largest_device_bytes
+                ),
+                None,
             )
+            if enough is not None:
+                fixes.append(
+                    f"shard {what} over {enough} or more replicas"
+                    f" (parallelism.shard: {mode}, parallelism.replicas: {enough})"
+                )
+                break
     one = max(c.activation_bytes_per_sample for c in costs)  # in the temporaries
     activation_part = micro_batch_size * one + (
         activations if floor == even else micro_batch_size * biggest.activation_bytes_per_sample

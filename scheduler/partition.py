@@ -52,7 +52,7 @@ from itertools import accumulate
 from shoal.scheduler.cut import Model, Slot, Stops, cut
 from shoal.scheduler.memory import format_bytes
 from shoal.scheduler.profile import BlockCost
-from shoal.scheduler.shares import flight_limit, share
+from shoal.scheduler.shares import flight_limit, uneven_refusal, workload_shares
 from shoal.scheduler.types import BlockRange, DeviceId
 from shoal.scheduler.workload import DeviceCapacity, Workload
 
@@ -138,7 +138,9 @@ def _assemble(
             )
             for g in range(r)
         ]
-        shares = share(times, limits, model.workload.micro_batches, p)
+        shares = workload_shares(model.workload, times, limits, p)
+        if shares is None:
+            return None
     sync = 0.0
     if r > 1 and sync_s_per_byte > 0:  # ring all-reduce of each stage's gradients, in parallel
         grads = max(sum(c.param_bytes for c in model.costs[b[0] : b[1]]) for _, b in used)
@@ -317,6 +319,9 @@ def plan_partition(
             f"{replicas} replicas need at least {replicas} micro-batches (one each) but the"
             f" mini-batch has {m}; raise micro_batches or use 1 to {m} replicas"
         )
+    lockstep = workload.shard == "full"  # ZeRO-3: every replica the same micro-batches
+    if lockstep and replicas is not None and m % replicas:
+        raise PartitionError(uneven_refusal(replicas, m))
     wanted = (stages or 1) * (replicas or 1)
     if wanted > count:
         raise PartitionError(
@@ -328,7 +333,7 @@ def plan_partition(
         (r, p)
         for r in ([replicas] if replicas else range(1, min(count, m) + 1))
         for p in ([stages] if stages else range(1, min(n, count // r) + 1))
-        if r * p <= count
+        if r * p <= count and not (lockstep and m % r)
     ]
     best: PartitionPlan | None = None
     exact = (replicas in (None, 1)) and (1 << count) * count**2 * n * n <= _EXACT_WORK
@@ -449,6 +454,8 @@ def order_partition(
             f"{r} replicas need at least {r} micro-batches but the mini-batch has"
             f" {workload.micro_batches}; raise micro_batches or use fewer replicas"
         )
+    if workload.shard == "full" and workload.micro_batches % r:
+        raise PartitionError(uneven_refusal(r, workload.micro_batches))
     slots = [Slot.of(group) for group in stage_devices]
     found = cut(model, slots, math.ceil(workload.micro_batches / r), exact_count=True)
     if found is None:

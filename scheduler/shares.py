@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 from shoal.scheduler.cut import Model
 from shoal.scheduler.types import BlockRange
+from shoal.scheduler.workload import Workload
 
 
 def share(times: Sequence[float], limits: Sequence[int], total: int, stages: int) -> list[int]:
@@ -63,3 +64,25 @@ def flight_limit(model: Model, blocks: BlockRange, memory: int, stages: int, sta
     if model.workload.schedule == "1f1b" and base + per * (stages - stage) <= memory:
         return 2**62  # 1F1B never keeps more than p - s in flight
     return 2**62 if per == 0 else max(0, (memory - base) // per)
+
+
+def workload_shares(
+    workload: Workload, times: Sequence[float], limits: Sequence[int], stages: int
+) -> list[int] | None:
+    """Each replica's micro-batches (``share``); ZeRO-3's replicas run in lockstep
+    (``workers.pipeline.gathering``): the same number each, or none fits (None)."""
+    m, r = workload.micro_batches, len(times)
+    if workload.shard != "full" or r == 1:
+        return share(times, limits, m, stages)
+    if m % r or m // r > min(limits):
+        return None
+    return [m // r] * r
+
+
+def uneven_refusal(replicas: int, micro_batches: int) -> str:
+    """Why ZeRO-3 cannot run ``replicas`` replicas over ``micro_batches``."""
+    return (
+        f"shard: full runs {replicas} replicas in lockstep on equal micro-batches, but the"
+        f" mini-batch has {micro_batches}; use a multiple of {replicas} micro_batches or"
+        " other replicas"
+    )

@@ -101,12 +101,14 @@ class ParallelismSpec(StrictModel):
     replicas: Literal["auto"] | int = "auto"
     schedule: Literal["gpipe", "1f1b"] = "1f1b"
     recompute: bool = False
-    shard: Literal["none", "optimizer", "gradients", "auto"] = Field(
+    shard: Literal["none", "optimizer", "gradients", "full", "auto"] = Field(
         "none",
         description="how the replicas of a stage split its state (ZeRO): optimizer, each"
         " keeps the optimizer state of 1/R of every block (ZeRO-1); gradients, the summed"
-        " gradients too (ZeRO-2, reduce-scatter instead of all-reduce); none, whole"
-        " replicas; auto, whole where the model fits so, else gradients (decided each"
+        " gradients too (ZeRO-2, reduce-scatter instead of all-reduce); full, the"
+        " parameters too, each block's gathered whole only while it runs (ZeRO-3/FSDP;"
+        " every replica gets the same number of micro-batches); none, whole replicas;"
+        " auto, whole where the model fits so, else gradients, else full (decided each"
         " time the job is placed)",
     )
 
@@ -312,6 +314,7 @@ def check_memory(accepted: AcceptedSpec, largest_device_mb: int | None) -> None:
         largest_device_bytes=largest_device_mb * 2**20,
         max_devices=spec.resources.max_devices,
         shards=_most_shards(spec),
+        full=spec.parallelism.shard in ("full", "auto"),
     )
     if message is not None:
         raise SpecError([("resources.max_devices", message)])
@@ -359,6 +362,17 @@ def _check_replicas(spec: JobSpec) -> None:
                     "parallelism.replicas",
                     f"{replicas} replicas need at least one micro-batch each but micro_batches"
                     f" is {spec.micro_batches}; raise micro_batches or lower replicas",
+                )
+            ]
+        )
+    if spec.parallelism.shard == "full" and spec.micro_batches % replicas:
+        raise SpecError(
+            [
+                (
+                    "parallelism.replicas",
+                    f"shard: full runs its {replicas} replicas in lockstep, each on the same"
+                    f" number of micro-batches, but micro_batches ({spec.micro_batches}) is"
+                    f" not a multiple of {replicas}; use a multiple of it or other replicas",
                 )
             ]
         )

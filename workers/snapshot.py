@@ -111,8 +111,9 @@ class JobSnapshot:
     precision: str = "fp32"
     """``fp32``, or ``bf16``: forward and loss under bfloat16 autocast (``workers.precision``)."""
     shard: str = "none"
-    """``none``, or how the replicas of a stage split its optimizer state (``optimizer``)
-    and summed gradients too (``gradients``): ``workers.pipeline.sharding``."""
+    """``none``, or how the replicas of a stage split its optimizer state (``optimizer``),
+    summed gradients too (``gradients``) and parameters too (``full``):
+    ``workers.pipeline.sharding``."""
     block_costs: tuple[BlockCost, ...] = ()
     """Each block's cost (``scheduler.profile``): what the elastic policy weighs measured
     times against; empty means equal blocks."""
@@ -127,14 +128,18 @@ class JobSnapshot:
     """The fewest devices the job may run on (a recovery with fewer gives the job back)."""
 
     def micro_batch_split(self) -> tuple[int, ...]:
-        """Micro-batches per replica, checked."""
-        if not self.replica_micro_batches:
-            return split_micro_batches(self.micro_batches, self.replicas)
-        split = self.replica_micro_batches
+        """Micro-batches per replica, checked (``full``: the same for every replica, whose
+        gathers go in lockstep, ``workers.pipeline.gathering``)."""
+        split = self.replica_micro_batches or split_micro_batches(self.micro_batches, self.replicas)
         if len(split) != self.replicas or sum(split) != self.micro_batches or min(split) < 1:
             raise ValueError(
                 f"replica_micro_batches {list(split)} must give each of the {self.replicas}"
                 f" replicas at least one micro-batch and sum to {self.micro_batches}"
+            )
+        if self.shard == "full" and len(set(split)) > 1:
+            raise ValueError(
+                f"shard full runs every replica in lockstep: micro-batches per replica"
+                f" {list(split)} must be equal (micro_batches a multiple of replicas)"
             )
         return split
 

@@ -1,4 +1,4 @@
-"""``shoal bench shard``: sharded replicas (ZeRO-1, ZeRO-2) against whole ones.
+"""``shoal bench shard``: sharded replicas (ZeRO-1, ZeRO-2, ZeRO-3) against whole ones.
 
 One model (an MLP of ``hidden`` x ``layers``, Adam) is trained by R replicas of one stage on R
 virtual CPU devices (one thread each), for each R of ``replicas`` and each
@@ -9,8 +9,7 @@ parameters and optimizer state, sharded: its slices' share of it), measured on t
 own classes after two steps (R ranks of one gloo group in this process, a thread each) and
 predicted by ``scheduler.memory.replica_state_bytes``; and what one replica's in-memory
 copy holds (``elastic.keep_copies``: sharded, its slice of the parameters and optimizer
-state), measured the same way and predicted by ``scheduler.memory.copy_bytes``. ``full``
-(ZeRO-3) is not built.
+state), measured the same way and predicted by ``scheduler.memory.copy_bytes``.
 """
 
 from __future__ import annotations
@@ -103,27 +102,32 @@ def measured_state_bytes(s: ShardSettings, replicas: int, mode: str) -> tuple[in
 
     def rank(collective: GlooCollective, r: int) -> tuple[int, int]:
         blocks = sets[r]
-        shards = None if mode == "none" else StageShards(blocks, mode, r, replicas)
+        shards = None if mode == "none" else StageShards(blocks, mode, collective)
         for step in range(2):
             x, y = source.batch(step * replicas + r, s.batch_size // replicas)
             out = x
             for block in blocks:
                 out = block.module(out)
             loss(out, y).backward()  # type: ignore[no-untyped-call]
-            if shards is not None and mode == "gradients":
+            if shards is None:
+                collective.all_reduce(blocks)
+                for block in blocks:
+                    block.step()
+                continue
+            if mode == "full":
+                shards.settle()  # reduce-scattered block by block in the backward
+            elif mode == "gradients":
                 shards.reduce_scatter(collective)
             else:
                 collective.all_reduce(blocks)
-            if shards is None:
-                for block in blocks:
-                    block.step()
-            else:
-                shards.update(None)
-                shards.gather(collective)
-        held = sum(b.nbytes() for b in blocks)
-        copied = shards.shards if shards is not None else blocks
-        copy = sum(t.nbytes for t in tensors_in([c.live_state() for c in copied]))
-        return held + (shards.nbytes() if shards is not None else 0), copy
+            shards.update(None)
+            shards.gather(collective)
+        if shards is None:
+            return sum(b.nbytes() for b in blocks), sum(
+                t.nbytes for t in tensors_in([b.live_state() for b in blocks])
+            )
+        copy = sum(t.nbytes for t in tensors_in([c.live_state() for c in shards.shards]))
+        return shards.held_bytes(), copy
 
     with threads(1):
         sizes = run_ranks(replicas, rank, timeout_s=120, name="bench-shard")
@@ -220,8 +224,12 @@ def run_shard(s: ShardSettings, progress: Progress = lambda _: None) -> dict[str
     for r in runs:
         base = whole[r["replicas"]]
         r["vs_none"] = r["samples_per_s"] / base["samples_per_s"]
-        r["optimizer_state_share"] = (r["state_bytes_per_device"] - params) / (
-            base["state_bytes_per_device"] - params
+        r["state_share"] = r["state_bytes_per_device"] / base["state_bytes_per_device"]
+        # Of the optimizer state alone, where the parameters are whole (not ZeRO-3).
+        r["optimizer_state_share"] = (
+            None
+            if r["shard"] == "full"
+            else (r["state_bytes_per_device"] - params) / (base["state_bytes_per_device"] - params)
         )
     return {
         "runs": runs,
@@ -235,7 +243,7 @@ def run_shard(s: ShardSettings, progress: Progress = lambda _: None) -> dict[str
             "warmup": s.warmup,
             "optimizer": "adam",
         },
-        "not_built": ["full (ZeRO-3)", "tensor parallelism"],
+        "not_built": ["tensor parallelism"],
         "machine": machine(),
         "wall_s": round(time.perf_counter() - started, 1),
     }

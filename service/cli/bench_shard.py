@@ -77,6 +77,7 @@ def shard_table(console: Console, result: dict[str, Any]) -> None:
     for name in ("replicas", "shard", "samples/s", "vs none", "state/device MiB"):
         table.add_column(name, justify="right")
     table.add_column("predicted", justify="right")
+    table.add_column("state share", justify="right")
     table.add_column("optimizer state share", justify="right")
     table.add_column("copy MiB", justify="right")
     for run in result["runs"]:
@@ -87,7 +88,8 @@ def shard_table(console: Console, result: dict[str, Any]) -> None:
             fmt(run["vs_none"], 2),
             fmt(run["state_bytes_per_device"] / 2**20),
             fmt(run["predicted_state_bytes_per_device"] / 2**20),
-            fmt(run["optimizer_state_share"], 3),
+            fmt(run["state_share"], 3),
+            "-" if run["optimizer_state_share"] is None else fmt(run["optimizer_state_share"], 3),
             fmt(run["copy_bytes_per_device"] / 2**20),
         )
     console.print(table)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 
 from shoal.scheduler.devices import Device
-from shoal.scheduler.layout import AUTO_SHARD, Layout, plan_layout, relative_speeds
+from shoal.scheduler.layout import AUTO_SHARDS, Layout, plan_layout, relative_speeds
 from shoal.scheduler.partition import PartitionError
 from shoal.scheduler.profile import REFERENCE_GFLOPS, BlockCost, uniform_costs
 from shoal.scheduler.workload import Workload
@@ -115,7 +117,7 @@ def test_shard_auto_keeps_replicas_whole_where_they_fit_and_shards_where_only_th
     with pytest.raises(PartitionError):
         layout(tight, Workload(4))  # whole, a replica needs 2.4 GiB
     sharded = layout(tight, auto)
-    assert (sharded.shard, sharded.plan.replicas) == (AUTO_SHARD, 2)
+    assert (sharded.shard, sharded.plan.replicas) == (AUTO_SHARDS[0], 2)
     assert sharded.sharded_note("auto") == (
         "; replicas sharded (gradients): whole, the model fits no layout"
     )
@@ -126,3 +128,10 @@ def test_shard_auto_keeps_replicas_whole_where_they_fit_and_shards_where_only_th
     small = tuple(device("n1", i, memory_mb=1500) for i in range(2))
     with pytest.raises(PartitionError, match="memory"):
         layout(small, auto)
+    # Four devices of 1.7 GiB: ZeRO-2 needs 1.8 GiB each (whole parameters and gradients),
+    # ZeRO-3 1.6 GiB (a quarter of everything, the block gathered): auto takes full.
+    four = tuple(device("n1", i, memory_mb=1700) for i in range(4))
+    by_four = partial(plan_layout, four, {}, costs=costs, stages=None, replicas=4)
+    with pytest.raises(PartitionError):
+        by_four(workload=Workload(4, shard="gradients"))
+    assert by_four(workload=auto).shard == "full"

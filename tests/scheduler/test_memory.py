@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -163,11 +165,26 @@ def test_a_block_that_fits_only_sharded_is_admitted_sharded_and_refused_with_the
             )
             is None
         )
-    # Where no share fits, sharding is not offered as the fix.
+    # Where only ZeRO-3 fits (4 GiB: a quarter of 4 GiB of state, the block's parameters
+    # gathered whole, 2 GiB of temporaries), it is offered; it is admitted that way.
     tight = submission_refusal(
         costs, optimizer="adam", micro_batch_size=1, largest_device_bytes=4 * GiB, max_devices=4
     )
-    assert tight is not None and "parallelism.shard" not in tight
+    assert tight is not None
+    assert (
+        "shard the parameters, gradients and optimizer state over 4 or more replicas"
+        " (parallelism.shard: full, parallelism.replicas: 4)"
+    ) in tight
+    fields: dict[str, Any] = {"optimizer": "adam", "micro_batch_size": 1, "max_devices": 4}
+    assert (
+        submission_refusal(costs, largest_device_bytes=4 * GiB, shards=4, full=True, **fields)
+        is None
+    )
+    refused = submission_refusal(costs, largest_device_bytes=4 * GiB, shards=3, full=True, **fields)
+    assert refused is not None and "parallelism.shard" not in refused  # sharded as it can be
+    # Where no share fits, sharding is not offered as the fix.
+    tighter = submission_refusal(costs, largest_device_bytes=3 * GiB + GiB // 2, **fields)
+    assert tighter is not None and "parallelism.shard" not in tighter
 
 
 @given(
@@ -178,7 +195,7 @@ def test_a_block_that_fits_only_sharded_is_admitted_sharded_and_refused_with_the
     act=st.integers(0, 50),
     m=st.integers(1, 4),
     optimizer=st.sampled_from(["sgd", "adam"]),
-    shard=st.sampled_from(["none", "optimizer", "gradients"]),
+    shard=st.sampled_from(["none", "optimizer", "gradients", "full"]),
 )
 def test_the_refusal_never_refuses_what_the_partitioner_can_place(
     params: int,
@@ -204,6 +221,7 @@ def test_the_refusal_never_refuses_what_the_partitioner_can_place(
             largest_device_bytes=memory,
             max_devices=devices,
             shards=1 if shard == "none" else devices,  # replicas: auto
+            full=shard == "full",
         )
         is None
     )
@@ -216,6 +234,8 @@ def test_sharded_replicas_keep_their_share_of_the_optimizer_state() -> None:
     assert replica_state_bytes(costs, 4, "optimizer") == 1200 + 600
     assert replica_state_bytes(costs, 4, "gradients") == 1200 + 600
     assert replica_state_bytes(costs, 7, "gradients") == 1200 + 343  # rounded up
+    assert replica_state_bytes(costs, 4, "full") == 900  # the parameters' share too
+    assert replica_state_bytes(costs, 1, "full") == 3600
 
 
 def test_a_sharded_replicas_copy_holds_its_slice_of_parameters_and_optimizer_state() -> None:

@@ -441,3 +441,23 @@ def test_sharded_replicas_are_planned_where_only_their_share_of_the_state_fits()
     assert plan.replicas == 2 and [s.blocks for s in plan.stages] == [(0, 2)]
     # Unasked, the planner picks them too: faster than a block on each device.
     assert plan_partition(costs, devices, sharded).replicas == 2
+
+
+def test_zero3_replicas_hold_a_share_of_everything_and_get_equal_micro_batches() -> None:
+    """ZeRO-3 keeps 1/R of the parameters, gradients and optimizer state, plus one block's
+    parameters gathered whole; its replicas run in lockstep, so a faster device gets no
+    more micro-batches than a slower one, and replica counts that cannot split the
+    mini-batch evenly are not planned."""
+    costs = [BlockCost(i, 1.0, 4_000, 8_000, 10) for i in range(2)]
+    full = Workload(micro_batches=6, shard="full")
+    whole = Model(costs, Workload(micro_batches=6)).memory(0, 2, 1)
+    share = Model(costs, full, replicas=2).memory(0, 2, 1)
+    assert share == whole - 2 * (2 * 4_000 + 8_000) // 2 + 4_000  # per block: half kept
+    devices = [DeviceCapacity("fast", 3.0, GiB), DeviceCapacity("slow", 1.0, GiB)]
+    plan = plan_partition(uniform_costs(4), devices, full, replicas=2)
+    assert plan.micro_batches == (3, 3)
+    uneven = [DeviceCapacity(f"d{i}", 1.0, GiB) for i in range(4)]
+    auto = plan_partition(uniform_costs(1), uneven, full)
+    assert 6 % auto.replicas == 0 and len(set(auto.micro_batches)) == 1
+    with pytest.raises(PartitionError, match="multiple of 4"):
+        plan_partition(uniform_costs(1), uneven, full, replicas=4)

@@ -37,7 +37,7 @@ def test_a_tiny_run_measures_each_modes_share_of_the_state_as_predicted(ray_addr
     result = run_shard(s, seen.append)
     assert seen == phases(s)
     runs = {r["shard"]: r for r in result["runs"]}
-    assert sorted(runs) == ["gradients", "none", "optimizer"]
+    assert sorted(runs) == ["full", "gradients", "none", "optimizer"]
     for mode, run in runs.items():
         assert run["samples_per_s"] > 0 and run["vs_none"] > 0
         assert abs(run["prediction_error"]) < 0.01, run
@@ -45,9 +45,13 @@ def test_a_tiny_run_measures_each_modes_share_of_the_state_as_predicted(ray_addr
         # ZeRO-1 and 2 keep half the optimizer state on each of 2 devices (Adam's step
         # counters aside).
         expected = 1.0 if mode == "none" else 0.5
-        assert run["optimizer_state_share"] == pytest.approx(expected, abs=0.01), run
+        if mode == "full":  # ZeRO-3: half of everything, the parameters too
+            assert run["optimizer_state_share"] is None
+            assert run["state_share"] == pytest.approx(0.5, abs=0.01), run
+        else:
+            assert run["optimizer_state_share"] == pytest.approx(expected, abs=0.01), run
         # A sharded replica's in-memory copy holds half the parameters and optimizer state.
         assert abs(run["copy_prediction_error"]) < 0.01, run
-    for mode in ("optimizer", "gradients"):
+    for mode in ("optimizer", "gradients", "full"):
         ratio = runs[mode]["copy_bytes_per_device"] / runs["none"]["copy_bytes_per_device"]
         assert ratio == pytest.approx(0.5, abs=0.01), (mode, ratio)

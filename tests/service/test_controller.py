@@ -908,12 +908,12 @@ def test_a_job_of_sharded_replicas_trains_as_one_of_whole_replicas(
     session_factory: SessionFactory, cluster: Cluster, tmp_path: Path
 ) -> None:
     """``parallelism.shard`` through submission, the controller and the runner: on Ray the
-    replicas shard (ZeRO-2) and train as whole ones do; in-process they stay whole, and the
-    job says so."""
+    replicas shard (ZeRO-3: the parameters too) and train as whole ones do; in-process they
+    stay whole, and the job says so. (ZeRO-2 goes the same way in ``shard: auto``'s test.)"""
     controller = make_controller(session_factory, cluster, tmp_path)
     who = owner(session_factory)
     losses = {}
-    for shard in ("gradients", "none"):
+    for shard in ("full", "none"):
         job_id = submit(
             session_factory,
             who,
@@ -942,8 +942,8 @@ def test_a_job_of_sharded_replicas_trains_as_one_of_whole_replicas(
         said = [e.data["sharded"] for e in events(session_factory, job_id) if e.kind == "shard"]
         on_ray = not isinstance(cluster, InProcessCluster)
         assert said == ([on_ray] if shard != "none" else []), said
-    assert len(losses["gradients"]) == 20
-    assert losses["gradients"] == pytest.approx(losses["none"], rel=1e-5, abs=1e-6)
+    assert len(losses["full"]) == 20
+    assert losses["full"] == pytest.approx(losses["none"], rel=1e-5, abs=1e-6)
 
 
 class SmallDeviceRay(TwoDeviceRay):

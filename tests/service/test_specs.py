@@ -79,7 +79,15 @@ def test_gpt_on_pysource_takes_vocabulary_and_length_from_data() -> None:
         ({"optimizer": {"clip_grad_norm": float("inf")}}, "optimizer.clip_grad_norm"),
         ({"optimizer": {"clip_grad_norm": "small"}}, "optimizer.clip_grad_norm"),
         ({"precision": "fp16"}, "precision"),
-        ({"parallelism": {"shard": "full"}}, "parallelism.shard"),
+        ({"parallelism": {"shard": "zero3"}}, "parallelism.shard"),
+        (
+            {
+                "parallelism": {"shard": "full", "replicas": 3},
+                "micro_batches": 4,
+                "resources": {"max_devices": 3},
+            },
+            "parallelism.replicas",
+        ),
     ],
 )
 def test_bad_specs_name_the_field(overrides: dict[str, object], field: str) -> None:
@@ -101,6 +109,10 @@ def test_sharded_replicas_are_accepted_with_or_without_in_memory_copies(
     assert validate_job_spec(job_spec(), []).spec.parallelism.shard == "none"
     auto = job_spec(parallelism={"shard": "auto"})
     assert validate_job_spec(auto, []).spec.parallelism.shard == "auto"
+    full = job_spec(
+        parallelism={"replicas": 2, "shard": "full"}, micro_batches=4, resources={"max_devices": 2}
+    )
+    assert validate_job_spec(full, []).spec.parallelism.shard == "full"
 
 
 def test_a_snapshot_carries_the_layouts_shard_and_auto_unplaced_is_whole(tmp_path: Path) -> None:

@@ -26,6 +26,8 @@ _SHARDED = {
     "optimizer": "each replica keeps the optimizer state of 1/R of every block (ZeRO-1)",
     "gradients": "each replica keeps the optimizer state and summed gradients of 1/R of"
     " every block (ZeRO-2)",
+    "full": "each replica keeps the parameters, summed gradients and optimizer state of 1/R"
+    " of every block, gathering a block's parameters for each use (ZeRO-3)",
 }
 
 
@@ -83,15 +85,24 @@ class Replicas:
             self._collective.close()
             self._collective = None
 
-    def _sharded(self, blocks: Sequence[Block]) -> StageShards | None:
-        """This replica's shares, made at the first update of a sharded, replicated stage
-        (from the blocks' whole state); None for whole replicas."""
+    def _sharded(self, blocks: Sequence[Block], *, relayed: bool = False) -> StageShards | None:
+        """This replica's shares, made from the blocks' whole state: at the first update of
+        a sharded, replicated stage, or (ZeRO-3, ``prepare``) before its first forward; None
+        for whole replicas. ``relayed`` steps (a call per forward and backward, whose
+        order among the replicas the runner sets) cannot gather in lockstep: ZeRO-3 shards
+        only the optimizer state there."""
         collective = self._collective
         if self._mode == "none" or collective is None or collective.world < 2:
             return None
         if self._shards is None:
-            self._shards = StageShards(blocks, self._mode, collective.rank, collective.world)
+            mode = "optimizer" if relayed and self._mode == "full" else self._mode
+            self._shards = StageShards(blocks, mode, collective)
         return self._shards
+
+    def prepare(self, blocks: Sequence[Block]) -> None:
+        """Before a step's first forward: ZeRO-3 shards the parameters now."""
+        if self._mode == "full":
+            self._sharded(blocks)
 
     def reduce(self, blocks: Sequence[Block], *, scatter: bool = True) -> None:
         """Sum the accumulated gradients over the replicas: all-reduced, or reduce-scattered
@@ -99,9 +110,11 @@ class Replicas:
         whose runner reads replica 0's norms alone). A lost replica is a ``LinkError``."""
         if self._collective is None:
             return
-        shards = self._sharded(blocks)
+        shards = self._sharded(blocks, relayed=not scatter)
         try:
-            if scatter and shards is not None and shards.mode == "gradients":
+            if shards is not None and shards.mode == "full":
+                shards.settle()  # summed micro-batch by micro-batch already
+            elif scatter and shards is not None and shards.mode == "gradients":
                 shards.reduce_scatter(self._collective)
             else:
                 self._collective.all_reduce(blocks)
@@ -147,13 +160,18 @@ class Replicas:
         self._shards = None
 
     def forget(self) -> None:
-        """The blocks were loaded anew: the shares hold a state that is no longer theirs."""
+        """The blocks are about to be loaded anew: the shares hold a state that is no
+        longer theirs (under ZeRO-3 the parameters get whole memory back for the load)."""
+        if self._shards is not None:
+            self._shards.release()
         self._shards = None
 
     def require_whole(self, what: str) -> None:
         if self._shards is not None:
             raise StageStateError(f"its replicas are sharded: unshard them before {what}")
 
-    def nbytes(self) -> int:
-        """Bytes of this replica's shares of the optimizer state."""
-        return self._shards.nbytes() if self._shards is not None else 0
+    def held_bytes(self, blocks: Sequence[Block]) -> int:
+        """Bytes of ``blocks``' state as this replica holds it now: whole, or its shares."""
+        if self._shards is not None:
+            return self._shards.held_bytes()
+        return sum(block.nbytes() for block in blocks)

@@ -31,11 +31,13 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.autograd.grad_mode import _unsafe_preserve_version_counter
 
 from shoal.workers.blocks import Block, make_optimizer
 from shoal.workers.pipeline.collective import GlooCollective, ordered_sum, pieces
+from shoal.workers.pipeline.gathering import Gatherer
 
-SHARD_MODES = ("none", "optimizer", "gradients")
+SHARD_MODES = ("none", "optimizer", "gradients", "full")
 
 
 class ShardingError(ValueError):
@@ -63,7 +65,7 @@ class BlockShard:
     parameters become views of one flat buffer, the slice one more view of it: the update
     changes them in place, and no copy of the slice is kept."""
 
-    def __init__(self, block: Block, rank: int, world: int) -> None:
+    def __init__(self, block: Block, rank: int, world: int, *, full: bool = False) -> None:
         self.block = block
         self.params = list(block.module.parameters())
         self.numel = sum(p.numel() for p in self.params)
@@ -74,12 +76,19 @@ class BlockShard:
         for p in self.params:
             p.data = self._flat[offset : offset + p.numel()].view_as(p)
             offset += p.numel()
-        self.values = nn.Parameter(self._flat[self.lo : self.hi])
+        own = self._flat[self.lo : self.hi]
+        self.full = full
+        """ZeRO-3: the slice is the only copy of the parameters kept; the whole ones are
+        gathered for each use (``fill``) and freed after it (``free``)."""
+        self.values = nn.Parameter(own.clone() if full else own)
+        self.filled = True
         self.optimizer = make_optimizer(block.conf, [self.values])
         whole = block.optimizer.state_dict()["state"]
         if whole:
             self._load({k: _slice(v, self.lo, self.hi) for k, v in self._flat_state(whole).items()})
         block.optimizer.state.clear()
+        if full:
+            self.free()
 
     def _flat_state(self, per_param: dict[int, dict[str, Any]]) -> dict[str, Any]:
         """The block's optimizer state with each element-wise entry flattened over its
@@ -165,9 +174,61 @@ class BlockShard:
         with torch.no_grad():
             self._flat.copy_(flat)
 
+    def _lengths(self) -> list[int]:
+        cuts = (slice_of(self.numel, q, self.world) for q in range(self.world))
+        return [hi - lo for lo, hi in cuts]
+
+    def fill(self, collective: GlooCollective) -> None:
+        """ZeRO-3: give the parameters their whole values again, all-gathered from every
+        replica's slice into the storage ``free`` released. The autograd graphs of
+        micro-batches in flight saved these very tensors: the refill writes the values they
+        saw (nothing updates the slices during a step), so their version stays as it was."""
+        if self.filled:
+            return
+        storage = self._flat.untyped_storage()
+        storage.resize_(self._flat.numel() * self._flat.element_size())
+        parts = collective.all_gather(self.values.detach(), self._lengths())
+        with torch.no_grad(), _unsafe_preserve_version_counter(self._flat):
+            torch.cat(parts, out=self._flat)
+        self.filled = True
+
+    def free(self) -> None:
+        """ZeRO-3: release the whole parameters' memory (the tensors stay, storage empty)."""
+        self._flat.untyped_storage().resize_(0)
+        self.filled = False
+
+    def release(self) -> None:
+        """The block is about to be loaded anew: its parameters get memory of their own
+        again (the load writes their values)."""
+        if not self.filled:
+            self._flat.untyped_storage().resize_(self._flat.numel() * self._flat.element_size())
+            self.filled = True
+
+    def scatter_grad(self, collective: GlooCollective) -> None:
+        """ZeRO-3: sum this micro-batch's gradient of the block over the replicas, keeping
+        this replica's slice of the sum, added to the slices of the micro-batches before
+        it; the whole gradient is dropped."""
+        whole = self.take_grad()
+        chunks = [whole[slice(*slice_of(self.numel, q, self.world))] for q in range(self.world)]
+        mine = collective.reduce_scatter(chunks)
+        if self.values.grad is None:
+            self.values.grad = mine
+        else:
+            self.values.grad.add_(mine)
+
     def nbytes(self) -> int:
         """Bytes of the slice's optimizer state (its values are the parameters')."""
         return sum(t.numel() * t.element_size() for t in _tensors(self.optimizer.state))
+
+    def held_bytes(self) -> int:
+        """Bytes this replica holds of the block now: its buffers, its parameters (whole,
+        or under ZeRO-3 the slice, and the whole ones only while gathered), the slice's
+        optimizer state."""
+        buffers = sum(b.numel() * b.element_size() for b in self.block.module.buffers())
+        params = self._flat.numel() * self._flat.element_size() if self.filled else 0
+        if self.full:
+            params += self.values.numel() * self.values.element_size()
+        return buffers + params + self.nbytes()
 
 
 def unflatten(flat: Tensor, shapes: Sequence[tuple[int, ...]]) -> list[Tensor]:
@@ -214,13 +275,18 @@ def _tensors(state: Any) -> list[Tensor]:
 
 
 class StageShards:
-    """One replica's shares of its stage's blocks, ``mode`` ``optimizer`` or ``gradients``."""
+    """One replica's shares of its stage's blocks, ``mode`` ``optimizer``, ``gradients`` or
+    ``full`` (whose parameters the ``collective`` gathers for each use,
+    ``workers.pipeline.gathering``)."""
 
-    def __init__(self, blocks: Sequence[Block], mode: str, rank: int, world: int) -> None:
+    def __init__(self, blocks: Sequence[Block], mode: str, collective: GlooCollective) -> None:
         if mode not in SHARD_MODES[1:]:
             raise ValueError(f"shard mode {mode!r}: choose one of {list(SHARD_MODES[1:])}")
+        rank, world = collective.rank, collective.world
         self.mode, self.rank, self.world = mode, rank, world
-        self.shards = [BlockShard(b, rank, world) for b in blocks]
+        full = mode == "full"
+        self.shards = [BlockShard(b, rank, world, full=full) for b in blocks]
+        self._gatherer = Gatherer(self.shards, collective) if full else None
         self._grads_scattered = False
 
     def _lengths(self, rank: int) -> list[int]:
@@ -260,6 +326,20 @@ class StageShards:
         parts = collective.all_gather(mine, [mine.numel()] * self.world)
         return ordered_sum(parts).sqrt()
 
+    def settle(self) -> None:
+        """ZeRO-3: the step's backwards are done and their gradients reduce-scattered as
+        they came (``workers.pipeline.gathering``): the slices hold the summed gradients."""
+        if self._gatherer is None:
+            raise ShardingError("only ZeRO-3 (shard: full) scatters its gradients as it goes")
+        unfinished = self._gatherer.unfinished()
+        if unfinished:
+            raise ShardingError(
+                f"blocks {unfinished}: some parameters got no gradient this micro-batch;"
+                " sharded replicas need every parameter trained every step"
+                " (set parallelism.shard: none)"
+            )
+        self._grads_scattered = True
+
     @property
     def scattered(self) -> bool:
         """Whether the step's summed gradients are here as slices (ZeRO-2), not whole."""
@@ -281,7 +361,10 @@ class StageShards:
         self._grads_scattered = False
 
     def gather(self, collective: GlooCollective) -> None:
-        """All-gather every replica's updated slices into the blocks' parameters."""
+        """All-gather every replica's updated slices into the blocks' parameters (ZeRO-3:
+        nothing now, each block gathers them where it next runs)."""
+        if self._gatherer is not None:
+            return
         mine = _flat([s.values.detach() for s in self.shards])
         sizes = [sum(self._lengths(q)) for q in range(self.world)]
         gathered = collective.all_gather(mine, sizes)
@@ -292,6 +375,10 @@ class StageShards:
     def unshard(self, collective: GlooCollective) -> None:
         """Give every block its whole optimizer state back (an all-gather of each replica's
         slices); the shards are done with after it."""
+        if self._gatherer is not None:
+            for shard in self.shards:
+                shard.fill(collective)
+            self._gatherer.remove()
         slices = [s.state_slices() for s in self.shards]
         keys = sorted({k for state in slices for k in state})
         sizes = [sum(self._lengths(q)) for q in range(self.world)]
@@ -309,6 +396,18 @@ class StageShards:
             }
             shard.restore(whole)
 
+    def release(self) -> None:
+        """The blocks are about to be loaded anew: whole parameters of their own again, no
+        hooks (``BlockShard.release``); the shards are done with after it."""
+        if self._gatherer is not None:
+            self._gatherer.remove()
+        for shard in self.shards:
+            shard.release()
+
     def nbytes(self) -> int:
         """Bytes of this replica's slices' optimizer state."""
         return sum(s.nbytes() for s in self.shards)
+
+    def held_bytes(self) -> int:
+        """Bytes this replica holds of its blocks now (``BlockShard.held_bytes``)."""
+        return sum(s.held_bytes() for s in self.shards)

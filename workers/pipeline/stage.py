@@ -254,6 +254,7 @@ class Stage:
         started = time.perf_counter()
         program = programs_for(schedule, depth, micro_batches)[self.index]
         try:
+            self._replicas.prepare(self.blocks)
             batch = None if inputs is None else self._receive(inputs)
             expected = None if targets is None else self._receive(targets)
             known = batch if batch is not None else expected
@@ -482,7 +483,7 @@ class Stage:
     def nbytes(self) -> int:
         """Bytes of the blocks' parameters and optimizer state, this replica's shares of it
         while sharded (memory accounting)."""
-        return sum(block.nbytes() for block in self.blocks) + self._replicas.nbytes()
+        return self._replicas.held_bytes(self.blocks)
 
     def kept_bytes(self) -> int:
         """Bytes of the inputs and outputs kept for the backwards of micro-batches in

@@ -17,6 +17,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from shoal.scheduler.memory import replica_state_bytes
+from shoal.scheduler.profile import BlockCost
 from shoal.workers.blocks import Block, map_tensors, tensors_in
 from shoal.workers.pipeline.collective import GlooCollective
 from shoal.workers.pipeline.group import RayGroup
@@ -98,7 +100,7 @@ def test_sharded_updates_equal_whole_replicas_and_unshard_gives_the_whole_state_
             for block in whole:
                 block.step()
             _backward(sharded, rank, step)
-            shards = shards or StageShards(sharded, mode, rank, world)
+            shards = shards or StageShards(sharded, mode, collective)
             if mode == "gradients":
                 shards.reduce_scatter(collective)
                 norms = shards.grad_norms(collective)
@@ -170,14 +172,35 @@ def node(ray_address: str) -> str:
 pytest_ray = pytest.mark.integration
 
 
+class MeasureHeld(RayGroup):
+    """A RayGroup that asks every worker for the bytes it holds (``Stage.nbytes``) right
+    after its ``at``-th step call, before anything else reaches it."""
+
+    def __init__(self, at: int, *args: Any) -> None:
+        self.at, self.calls = at, 0
+        self.held: list[Any] = []
+        super().__init__(*args)
+
+    def submit(self, stage: int, method: str, *args: Any) -> Any:
+        handle = super().submit(stage, method, *args)
+        if method in ("step", "steps") and stage == len(self._plans) - 1:
+            self.calls += 1
+            if self.calls == self.at:
+                self.held = [RayGroup.submit(self, w, "nbytes") for w in range(len(self._plans))]
+            elif self.calls == self.at + 1:
+                self.held = self.get(self.held, 60)
+        return handle
+
+
 @pytest_ray
-@pytest.mark.parametrize("mode", ["optimizer", "gradients"])
+@pytest.mark.parametrize("mode", ["optimizer", "gradients", "full"])
 def test_sharded_replicas_train_as_the_single_process_reference(
     node: str, tmp_path: Path, mode: str
 ) -> None:
     """2 replicas x 2 stages, gradient clipping on: the losses, gradient norms and final
     parameters equal one process's within the DESIGN tolerance, and a checkpoint written
-    sharded holds the whole state: the reference's."""
+    sharded holds the whole state: the reference's. Between steps each worker holds what
+    ``scheduler.memory.replica_state_bytes`` predicts for its mode (within 10%)."""
     snap = job(
         tmp_path,
         [],
@@ -190,15 +213,35 @@ def test_sharded_replicas_train_as_the_single_process_reference(
         checkpoint_every=3,
         checkpoint_keep=2,
     )
-    trainer = Trainer(snap, RayGroup)
+    groups: list[MeasureHeld] = []
+
+    def make(plans: Any, setup: Any) -> MeasureHeld:
+        groups.append(MeasureHeld(2, plans, setup))
+        return groups[-1]
+
+    trainer = Trainer(snap, make)
     assert trainer.run() is RunStatus.SUCCEEDED, trainer.report(0).error
     assert all(t.allreduce_s > 0 for m in metrics(trainer) for t in m.stages)
     assert_matches_reference(snap, metrics(trainer))
+    states = final_states(snap)
+
+    def cost(index: int) -> BlockCost:
+        def size(tensors: Any) -> int:
+            return sum(t.nbytes for t in tensors_in(tensors))
+
+        state = states[index]
+        return BlockCost(index, 1.0, size(state["module"]), size(state["optimizer"]["state"]), 0)
+
+    for plan, held in zip(snap.stages, groups[0].held, strict=True):
+        predicted = replica_state_bytes([cost(i) for i in range(*plan.blocks)], 2, mode)
+        assert held == pytest.approx(predicted, rel=0.1), (plan, held, predicted)
 
 
 @pytest_ray
 @pytest.mark.parametrize(
-    ("first", "then"), [("gradients", "none"), ("none", "optimizer")], ids=["from", "to"]
+    ("first", "then"),
+    [("gradients", "none"), ("none", "optimizer"), ("full", "gradients")],
+    ids=["from", "to", "zero3-to-zero2"],
 )
 def test_a_checkpoint_moves_between_sharded_and_whole_replicas(
     node: str, tmp_path: Path, first: str, then: str
@@ -222,8 +265,9 @@ def test_a_checkpoint_moves_between_sharded_and_whole_replicas(
 
 
 @pytest_ray
+@pytest.mark.parametrize("mode", ["optimizer", "full"])
 def test_sharded_replicas_relayout_into_a_pipeline_as_whole_ones_do(
-    node: str, tmp_path: Path
+    node: str, tmp_path: Path, mode: str
 ) -> None:
     """2 sharded replicas x 2 stages, then one 2-stage pipeline after step 1: every replica
     gives its blocks their whole state back before the move, and the run equals the same
@@ -237,7 +281,7 @@ def test_sharded_replicas_relayout_into_a_pipeline_as_whole_ones_do(
         assert trainer.run() is RunStatus.SUCCEEDED, trainer.report(0).error
         return trainer
 
-    sharded = run(tmp_path / "ray", RayGroup, "optimizer", node)
+    sharded = run(tmp_path / "ray", RayGroup, mode, node)
     whole = run(tmp_path / "local", LocalGroup, "none", None)
     assert [e.kind for e in sharded.report(0).events].count("relayout") == 1
     losses = [m.loss for m in metrics(sharded)]
@@ -280,8 +324,12 @@ class KillReplica(RayGroup):
 @pytest_ray
 @pytest.mark.parametrize(
     ("mode", "ranges", "replicas", "victim", "merged"),
-    [("gradients", [(0, 4)], 3, 1, [0, 2]), ("optimizer", [(0, 2), (2, 4)], 2, 3, [0, 1, 2])],
-    ids=["3-replicas", "2x2-pipeline"],
+    [
+        ("gradients", [(0, 4)], 3, 1, [0, 2]),
+        ("optimizer", [(0, 2), (2, 4)], 2, 3, [0, 1, 2]),
+        ("full", [(0, 4)], 3, 2, [0, 1]),
+    ],
+    ids=["3-replicas", "2x2-pipeline", "zero3"],
 )
 def test_a_lost_sharded_replica_is_recovered_in_place_from_the_replicas_copies(
     node: str,
