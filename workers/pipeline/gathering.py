@@ -4,13 +4,17 @@ Between uses a replica keeps only its slice of a block's parameters (``BlockShar
 the storage of the whole ones released). Hooks on each block's module do the rest, as
 FSDP's do (Zhao et al., VLDB '23; Rajbhandari et al., SC '20):
 
-* before its forward, the parameters are all-gathered from every replica's slice; after
-  it, released again;
+* before its forward, the parameters are all-gathered from every replica's slice;
 * when its output's gradient arrives (the backward reaching the block), gathered again:
   the autograd graph saved the very tensors it used, and the refill writes them back;
 * when every parameter has accumulated its gradient of the micro-batch, the gradient is
   reduce-scattered (each replica adds its slice of the sum to the slices of the
-  micro-batches before) and the parameters released.
+  micro-batches before).
+
+One block is whole at a time: a block's parameters are released when another block's are
+gathered (so a block whose backward follows its forward, or whose next forward follows
+its backward, as at the ends of a stage, keeps them between the two), and at the step's
+end, before the update changes the slices.
 
 Every replica gathers and scatters the same blocks in the same order only if each runs the
 same program: the same schedule over the same number of micro-batches, which the
@@ -41,6 +45,8 @@ class Gatherer:
     def __init__(self, shards: Sequence[BlockShard], collective: GlooCollective) -> None:
         self._collective = collective
         self._accumulated = {shard.index: 0 for shard in shards}
+        self._live: BlockShard | None = None
+        """The block whose parameters are whole now."""
         self._handles: list[Any] = []
         for shard in shards:
             module: nn.Module = shard.module
@@ -60,8 +66,16 @@ class Gatherer:
         except RuntimeError as exc:  # gloo and NCCL report a lost replica as RuntimeError
             raise LinkError(None, " ".join(str(exc).split())[:300]) from exc
 
-    def _before(self, shard: BlockShard, module: nn.Module, args: Any) -> None:
+    def _gather(self, shard: BlockShard) -> None:
+        """``shard``'s parameters whole, the other block's released first."""
+        if self._live is not None and self._live is not shard:
+            self._live.free()
+        self._live = None
         self._call(shard.fill)
+        self._live = shard
+
+    def _before(self, shard: BlockShard, module: nn.Module, args: Any) -> None:
+        self._gather(shard)
 
     def _after(self, shard: BlockShard, module: nn.Module, args: Any, output: Any) -> None:
         if torch.is_grad_enabled():
@@ -75,21 +89,23 @@ class Gatherer:
                 output.register_hook(  # type: ignore[no-untyped-call]
                     partial(self._backward_reaches, shard)
                 )
-        shard.free()
 
     def _backward_reaches(self, shard: BlockShard, grad: Tensor) -> None:
-        self._call(shard.fill)
+        self._gather(shard)
 
     def _done(self, shard: BlockShard, param: Tensor) -> None:
         self._accumulated[shard.index] += 1
         if self._accumulated[shard.index] == len(shard.params):
             self._accumulated[shard.index] = 0
             self._call(shard.scatter_grad)
-            shard.free()
 
-    def unfinished(self) -> list[int]:
-        """Blocks whose backward left some parameter without a gradient (their replicas
-        never summed it); the counts start again."""
+    def finish(self) -> list[int]:
+        """The step's backwards are done: release the parameters still whole; the blocks
+        whose backward left some parameter without a gradient (their replicas never summed
+        it). The counts start again."""
+        if self._live is not None:
+            self._live.free()
+            self._live = None
         left = [index for index, count in self._accumulated.items() if count]
         self._accumulated = dict.fromkeys(self._accumulated, 0)
         return left

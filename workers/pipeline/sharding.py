@@ -331,7 +331,7 @@ class StageShards:
         they came (``workers.pipeline.gathering``): the slices hold the summed gradients."""
         if self._gatherer is None:
             raise ShardingError("only ZeRO-3 (shard: full) scatters its gradients as it goes")
-        unfinished = self._gatherer.unfinished()
+        unfinished = self._gatherer.finish()
         if unfinished:
             raise ShardingError(
                 f"blocks {unfinished}: some parameters got no gradient this micro-batch;"

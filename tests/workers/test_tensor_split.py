@@ -1,0 +1,130 @@
+"""Tensor-parallel splits of a block (``workers.tensor_split``): the split block computes
+what the whole one does (within float rounding: its sums over devices reorder additions),
+converts to and from the whole block's state exactly, and trains as the whole one does."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from shoal.workers.snapshot import ModelRef
+from shoal.workers.tensor_split import TensorSplitError, cuts, split_block
+from shoal.workers.zoo.models import build_blocks
+from shoal.workers.zoo.registry import DataMeta
+
+pytestmark = pytest.mark.unit
+
+CPU = torch.device("cpu")
+
+
+def _gpt(index: int) -> nn.Module:
+    meta = DataMeta("lm", (16,), 50, vocab_size=50)
+    ref = ModelRef(
+        "gpt", None, {"vocab_size": 50, "seq_len": 16, "d_model": 24, "n_layers": 2, "n_heads": 6}
+    )
+    (block,) = build_blocks(ref, meta, 3, [index])
+    return block
+
+
+def _mlp(index: int) -> nn.Module:
+    meta = DataMeta("regression", (12,), 5)
+    ref = ModelRef("mlp", None, {"hidden": 20, "layers": 2, "out_features": 5})
+    (block,) = build_blocks(ref, meta, 3, [index])
+    return block
+
+
+def _input(kind: str, rows: int = 3) -> torch.Tensor:
+    g = torch.Generator().manual_seed(7)
+    if kind == "mlp-first":
+        return torch.randn(rows, 12, generator=g)
+    if kind == "mlp":
+        return torch.randn(rows, 20, generator=g)
+    return torch.randn(rows, 16, 24, generator=g)
+
+
+BLOCKS = {
+    "gpt-layer": (lambda: _gpt(1), "gpt"),
+    "gpt-head": (lambda: _gpt(3), "gpt"),
+    "mlp-first": (lambda: _mlp(0), "mlp-first"),
+    "mlp-hidden": (lambda: _mlp(1), "mlp"),
+    "mlp-out": (lambda: _mlp(2), "mlp"),
+}
+
+
+def test_cuts_cover_a_size_once() -> None:
+    for size in (1, 5, 16):
+        for parts in (1, 2, 3):
+            ranges = cuts(size, parts)
+            assert ranges[0][0] == 0 and ranges[-1][1] == size
+            assert all(a[1] == b[0] for a, b in itertools.pairwise(ranges))
+
+
+@settings(max_examples=20, deadline=None)
+@given(name=st.sampled_from(sorted(BLOCKS)), ways=st.integers(2, 4))
+def test_a_split_block_computes_and_learns_as_the_whole_one(name: str, ways: int) -> None:
+    make, kind = BLOCKS[name]
+    whole = make()
+    before = {k: v.clone() for k, v in whole.state_dict().items()}
+    split = split_block(whole, [CPU] * ways)
+    # The split holds the whole block's values exactly, and left the block as it was.
+    state = split.whole_state()
+    assert state.keys() == before.keys()
+    for key, value in before.items():
+        assert torch.equal(state[key], value), key
+        assert torch.equal(whole.state_dict()[key], value), key
+    x = _input(kind)
+    ours, theirs = split(x), whole(x)
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+    ours.square().sum().backward()
+    theirs.square().sum().backward()
+    grads = split.whole({n: p.grad for n, p in split.named_parameters() if p.grad is not None})
+    for n, p in whole.named_parameters():
+        assert p.grad is not None
+        # Summed over more terms than the outputs: within their share of the largest.
+        scale = float(p.grad.abs().max())
+        torch.testing.assert_close(grads[n], p.grad, rtol=1e-5, atol=1e-5 * scale)
+    # The same split again gives the same bits.
+    again = split_block(make(), [CPU] * ways)
+    assert torch.equal(again(x), split(x))
+
+
+def test_a_split_block_loads_a_whole_state_and_trains_as_the_whole_one() -> None:
+    whole = _gpt(1)
+    split = split_block(_gpt(2), [CPU, CPU, CPU])  # another layer's values, then loaded
+    split.load_whole(whole.state_dict())
+    steps: list[Any] = []
+    for module in (whole, split):
+        opt = torch.optim.Adam(module.parameters(), lr=0.01)
+        for step in range(5):
+            opt.zero_grad()
+            module(_input("gpt") + step).square().mean().backward()
+            opt.step()
+        steps.append(module.state_dict() if module is whole else split.whole_state())
+    for key, value in steps[0].items():
+        torch.testing.assert_close(steps[1][key], value, rtol=1e-4, atol=1e-5)
+
+
+def test_blocks_that_cannot_split_say_why() -> None:
+    with pytest.raises(TensorSplitError, match="Embedding"):
+        split_block(_gpt(0), [CPU, CPU])
+    with pytest.raises(TensorSplitError, match="6 heads"):
+        split_block(_gpt(1), [CPU] * 7)
+    with pytest.raises(TensorSplitError, match="2 or more devices"):
+        split_block(_gpt(1), [CPU])
+    with pytest.raises(TensorSplitError, match="parameterless"):
+        split_block(nn.Sequential(nn.Linear(3, 4), nn.LayerNorm(4)), [CPU, CPU])
+
+
+def test_splitting_draws_nothing_from_the_random_generator() -> None:
+    block = _gpt(1)
+    torch.manual_seed(11)
+    split_block(block, [CPU, CPU])
+    drawn = torch.rand(1)
+    torch.manual_seed(11)
+    assert torch.equal(torch.rand(1), drawn)

@@ -1,0 +1,270 @@
+"""Tensor parallelism (``parallelism.tensor: N``): one block split over N devices of a node.
+
+Megatron-LM's splits (Shoeybi et al., 2019), driven by one process: a worker holds the
+block's pieces on its N devices and runs them in turn (on GPUs each device's kernels are
+queued and run at once, the launches asynchronous). The parts every device would compute
+alike (layer norms, the biases added after a sum) run once, on the first device (*home*),
+and autograd carries the gradients across the copies between devices: the copy of a
+replicated input to each device is Megatron's *f* (identity forward, sum of the
+gradients backward), the sum of the devices' partial outputs its *g*.
+
+* A linear layer (``nn.Linear``, alone or in an ``nn.Sequential`` with parameterless
+  layers around it, as the built-in MLP's and GPT's output blocks are): split by output
+  features (*column*); each device applies the layers after it to its columns, and the
+  columns are concatenated on the home device.
+* A GPT layer (``workers.zoo.models.TransformerLayer``): the attention split by heads (the
+  query, key and value projections by rows, the output projection by columns) and the MLP
+  by its hidden features (the first linear by rows, the second by columns): *column then
+  row*, one sum per pair, each sum in device order on the home device.
+
+Each whole parameter is its pieces concatenated (``Piece``), so a split block's state
+converts to and from the whole block's exactly (``whole_state``, ``load_whole``):
+checkpoints and copies do not depend on the split. The sums over devices change the order
+of a row-split matrix product's additions: a split block equals the whole one within float
+rounding, and bitwise the same split again.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from shoal.workers.zoo.models import TransformerLayer
+
+
+class TensorSplitError(ValueError):
+    """A block cannot be split as asked; the message says why and what to change."""
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Where one whole parameter's values are in a split block: the split block's
+    parameters ``names`` (state-dict keys) concatenated along ``dim``."""
+
+    names: tuple[str, ...]
+    dim: int = 0
+
+
+def cuts(size: int, parts: int) -> list[tuple[int, int]]:
+    """``size`` cut into ``parts`` contiguous ``[lo, hi)`` ranges, the first ones one longer
+    where ``parts`` does not divide it."""
+    share, rest = divmod(size, parts)
+    out, lo = [], 0
+    for p in range(parts):
+        hi = lo + share + (1 if p < rest else 0)
+        out.append((lo, hi))
+        lo = hi
+    return out
+
+
+def _linear(weight: Tensor, bias: Tensor | None, device: torch.device) -> nn.Linear:
+    """A linear layer on ``device`` holding copies of ``weight`` and ``bias`` (made without
+    drawing from the random generator, as an initialization would)."""
+    out_features, in_features = weight.shape
+    shape = nn.Linear(in_features, out_features, bias=bias is not None, device="meta")
+    layer = shape.to_empty(device=device)
+    with torch.no_grad():
+        layer.weight.copy_(weight)
+        if bias is not None and layer.bias is not None:
+            layer.bias.copy_(bias)
+    return layer
+
+
+def _ordered_sum(parts: Sequence[Tensor], home: torch.device) -> Tensor:
+    """The devices' partial results summed on ``home`` in device order (Megatron's *g*)."""
+    total = parts[0].to(home)
+    for part in parts[1:]:
+        total = total + part.to(home)
+    return total
+
+
+class SplitBlock(nn.Module):
+    """A block split over ``devices``: computes what the whole block computes."""
+
+    pieces: dict[str, Piece]
+    """Each whole parameter or buffer (by the whole block's state-dict key): its pieces."""
+
+    def __init__(self, devices: Sequence[torch.device]) -> None:
+        super().__init__()
+        if len(devices) < 2:
+            raise TensorSplitError(f"a split needs 2 or more devices, got {len(devices)}")
+        self.devices = list(devices)
+        self.home = self.devices[0]
+        self.pieces = {}
+
+    def whole(self, values: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """``values`` by the split block's names (its state, or its parameters' gradients)
+        as the whole block's: each entry its pieces concatenated (copies, on the home
+        device); entries with a piece missing from ``values`` are left out."""
+        return {
+            name: torch.cat([values[n].detach().to(self.home) for n in piece.names], piece.dim)
+            for name, piece in self.pieces.items()
+            if all(n in values for n in piece.names)
+        }
+
+    def whole_state(self) -> dict[str, Tensor]:
+        """The whole block's state dict (``whole`` of this one's)."""
+        return self.whole(self.state_dict())
+
+    def load_whole(self, state: Mapping[str, Tensor]) -> None:
+        """Set every piece from the whole block's ``state`` (``whole_state``'s layout)."""
+        missing = sorted(set(self.pieces) - set(state))
+        if missing:
+            raise TensorSplitError(f"the state lacks {missing} of the split block")
+        mine = self.state_dict(keep_vars=True)
+        with torch.no_grad():
+            for name, piece in self.pieces.items():
+                sizes = [mine[n].shape[piece.dim] for n in piece.names]
+                parts = torch.split(state[name], sizes, piece.dim)
+                for n, part in zip(piece.names, parts, strict=True):
+                    mine[n].copy_(part)
+
+
+class SplitLinear(SplitBlock):
+    """A linear layer split by output features, with the parameterless layers around it
+    (``before`` on the home device, ``after`` on each device: element-wise)."""
+
+    def __init__(
+        self,
+        before: Sequence[nn.Module],
+        linear: nn.Linear,
+        after: Sequence[nn.Module],
+        prefix: str,
+        devices: Sequence[torch.device],
+    ) -> None:
+        super().__init__(devices)
+        if any(True for m in after for _ in m.parameters()):
+            raise TensorSplitError(
+                "only parameterless layers may follow the split linear layer (they run on"
+                " each device's columns)"
+            )
+        if linear.out_features < len(devices):
+            raise TensorSplitError(
+                f"a linear layer of {linear.out_features} outputs cannot be split"
+                f" {len(devices)} ways; use parallelism.tensor <= {linear.out_features}"
+            )
+        self.before = copy.deepcopy(nn.Sequential(*before)).to(self.home)
+        self.after = copy.deepcopy(nn.Sequential(*after))
+        for key in self.before.state_dict():
+            self.pieces[key] = Piece((f"before.{key}",))
+        weight, bias = linear.weight.detach(), linear.bias
+        self.columns = nn.ModuleList(
+            _linear(weight[lo:hi], None if bias is None else bias.detach()[lo:hi], device)
+            for (lo, hi), device in zip(
+                cuts(linear.out_features, len(devices)), devices, strict=True
+            )
+        )
+        count = len(devices)
+        self.pieces[f"{prefix}weight"] = Piece(tuple(f"columns.{d}.weight" for d in range(count)))
+        if bias is not None:
+            self.pieces[f"{prefix}bias"] = Piece(tuple(f"columns.{d}.bias" for d in range(count)))
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.before(x)
+        parts = [
+            self.after(column(h.to(device)))
+            for column, device in zip(self.columns, self.devices, strict=True)
+        ]
+        return torch.cat([p.to(self.home) for p in parts], dim=-1)
+
+
+class SplitTransformerLayer(SplitBlock):
+    """``TransformerLayer`` split by attention heads and MLP hidden features."""
+
+    def __init__(self, layer: TransformerLayer, devices: Sequence[torch.device]) -> None:
+        super().__init__(devices)
+        count, heads = len(devices), layer.n_heads
+        d = layer.proj.in_features
+        fc1, fc2 = layer.mlp[0], layer.mlp[2]
+        if not (isinstance(fc1, nn.Linear) and isinstance(fc2, nn.Linear)):
+            raise TensorSplitError("a GPT layer's MLP is two linear layers around a GELU")
+        hidden = fc1.out_features
+        if heads < count:
+            raise TensorSplitError(
+                f"a GPT layer of {heads} heads cannot be split {count} ways by heads;"
+                f" use parallelism.tensor <= {heads}"
+            )
+        self.head_dim = d // heads
+        self.ln1 = copy.deepcopy(layer.ln1).to(self.home)
+        self.ln2 = copy.deepcopy(layer.ln2).to(self.home)
+        self.proj_bias = nn.Parameter(layer.proj.bias.detach().to(self.home).clone())
+        self.fc2_bias = nn.Parameter(fc2.bias.detach().to(self.home).clone())
+        head_cuts = cuts(heads, count)
+        hidden_cuts = cuts(hidden, count)
+        qkv = layer.qkv.weight.detach()
+        self.heads = [hi - lo for lo, hi in head_cuts]
+        self.q, self.k, self.v = nn.ModuleList(), nn.ModuleList(), nn.ModuleList()
+        self.proj, self.fc1, self.fc2 = nn.ModuleList(), nn.ModuleList(), nn.ModuleList()
+        hd = self.head_dim
+        for (lo, hi), (a, b), device in zip(head_cuts, hidden_cuts, devices, strict=True):
+            rows = slice(lo * hd, hi * hd)
+            for target, offset in ((self.q, 0), (self.k, d), (self.v, 2 * d)):
+                target.append(_linear(qkv[offset:][rows], None, device))
+            self.proj.append(_linear(layer.proj.weight.detach()[:, rows], None, device))
+            self.fc1.append(_linear(fc1.weight.detach()[a:b], fc1.bias.detach()[a:b], device))
+            self.fc2.append(_linear(fc2.weight.detach()[:, a:b], None, device))
+        each = range(count)
+        self.pieces = {
+            "ln1.weight": Piece(("ln1.weight",)),
+            "ln1.bias": Piece(("ln1.bias",)),
+            "qkv.weight": Piece(
+                tuple(f"{part}.{i}.weight" for part in ("q", "k", "v") for i in each)
+            ),
+            "proj.weight": Piece(tuple(f"proj.{i}.weight" for i in each), dim=1),
+            "proj.bias": Piece(("proj_bias",)),
+            "ln2.weight": Piece(("ln2.weight",)),
+            "ln2.bias": Piece(("ln2.bias",)),
+            "mlp.0.weight": Piece(tuple(f"fc1.{i}.weight" for i in each)),
+            "mlp.0.bias": Piece(tuple(f"fc1.{i}.bias" for i in each)),
+            "mlp.2.weight": Piece(tuple(f"fc2.{i}.weight" for i in each), dim=1),
+            "mlp.2.bias": Piece(("fc2_bias",)),
+        }
+
+    def _attention(self, i: int, h: Tensor) -> Tensor:
+        """Device ``i``'s heads: their attention through its columns of the projection."""
+        b, t, _ = h.shape
+        q, k, v = (
+            part(h).view(b, t, self.heads[i], self.head_dim).transpose(1, 2)
+            for part in (self.q[i], self.k[i], self.v[i])
+        )
+        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out: Tensor = self.proj[i](attended.transpose(1, 2).reshape(b, t, -1))
+        return out
+
+    def _mlp(self, i: int, h: Tensor) -> Tensor:
+        out: Tensor = self.fc2[i](F.gelu(self.fc1[i](h)))
+        return out
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.ln1(x)
+        attended = [self._attention(i, h.to(dev)) for i, dev in enumerate(self.devices)]
+        x = x + (_ordered_sum(attended, self.home) + self.proj_bias)
+        h = self.ln2(x)
+        mixed = [self._mlp(i, h.to(dev)) for i, dev in enumerate(self.devices)]
+        out: Tensor = x + (_ordered_sum(mixed, self.home) + self.fc2_bias)
+        return out
+
+
+def split_block(module: nn.Module, devices: Sequence[torch.device]) -> SplitBlock:
+    """``module`` split over ``devices`` (its values copied; ``module`` is left as it was),
+    or ``TensorSplitError`` saying why it cannot be."""
+    if isinstance(module, TransformerLayer):
+        return SplitTransformerLayer(module, devices)
+    if isinstance(module, nn.Linear):
+        return SplitLinear([], module, [], "", devices)
+    if isinstance(module, nn.Sequential):
+        layers = list(module)
+        linears = [(i, m) for i, m in enumerate(layers) if isinstance(m, nn.Linear)]
+        if linears:
+            at, linear = linears[-1]  # the last: what comes after it runs on each device
+            return SplitLinear(layers[:at], linear, layers[at + 1 :], f"{at}.", devices)
+    raise TensorSplitError(
+        f"a block of type {type(module).__name__} has no tensor-parallel split: splits"
+        " exist for GPT layers and for one linear layer with parameterless layers around it"
+        " (use parallelism.tensor: 1)"
+    )
