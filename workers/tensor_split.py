@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from shoal.workers.pipeline.sharding import slice_of
 from shoal.workers.zoo.models import TransformerLayer
 
 
@@ -51,15 +52,9 @@ class Piece:
 
 
 def cuts(size: int, parts: int) -> list[tuple[int, int]]:
-    """``size`` cut into ``parts`` contiguous ``[lo, hi)`` ranges, the first ones one longer
-    where ``parts`` does not divide it."""
-    share, rest = divmod(size, parts)
-    out, lo = [], 0
-    for p in range(parts):
-        hi = lo + share + (1 if p < rest else 0)
-        out.append((lo, hi))
-        lo = hi
-    return out
+    """``size`` cut into ``parts`` contiguous ``[lo, hi)`` ranges, as sharded replicas cut
+    a block (``workers.pipeline.sharding.slice_of``: the first ones one longer)."""
+    return [slice_of(size, p, parts) for p in range(parts)]
 
 
 def _linear(weight: Tensor, bias: Tensor | None, device: torch.device) -> nn.Linear:
