@@ -45,17 +45,17 @@ def start_stage_worker(plan: StagePlan, setup: StageSetup) -> ActorHandle[Any]:
     ``workers.pipeline.group``) and a lost worker is reported, not silently replaced without its
     state; a second thread runs the in-memory copies' calls beside them (``COPIES_GROUP``).
     """
-    worker: ActorHandle[Any] = _StageWorkerActor.options(**_on_device(plan.device)).remote(
-        plan, setup
-    )
+    options = _on_device(plan.device, 1 + len(plan.tensor_devices))
+    worker: ActorHandle[Any] = _StageWorkerActor.options(**options).remote(plan, setup)
     return worker
 
 
-def _on_device(device: Device) -> dict[str, Any]:
-    """Actor options that take ``device``: one ``GPU`` (Ray sets CUDA_VISIBLE_DEVICES) or
-    one ``shoal_device``, on its node; single-threaded, never restarted or retried."""
+def _on_device(device: Device, count: int = 1) -> dict[str, Any]:
+    """Actor options that take ``device`` (with a tensor-parallel group, ``count`` devices
+    of its node): ``GPU``s (Ray sets CUDA_VISIBLE_DEVICES) or ``shoal_device``s, on its
+    node; single-threaded, never restarted or retried."""
     accelerator: dict[str, Any] = (
-        {"num_gpus": 1} if device.gpu else {"resources": {DEVICE_RESOURCE: 1}}
+        {"num_gpus": count} if device.gpu else {"resources": {DEVICE_RESOURCE: count}}
     )
     return {
         "num_cpus": 0,

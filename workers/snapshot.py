@@ -57,6 +57,9 @@ class StagePlan:
     blocks: BlockRange
     device: Device
     replica: int = 0
+    tensor_devices: tuple[Device, ...] = ()
+    """The other devices of the stage's tensor-parallel group, on ``device``'s node: each
+    block is split over ``device`` and these (``workers.tensor_split``)."""
 
 
 def stage_plans(devices: Sequence[Device], ranges: Sequence[BlockRange]) -> tuple[StagePlan, ...]:

@@ -29,11 +29,13 @@ from __future__ import annotations
 import copy
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from shoal.workers.blocks import Block
 from shoal.workers.pipeline.sharding import slice_of
 from shoal.workers.zoo.models import TransformerLayer
 
@@ -245,6 +247,13 @@ class SplitTransformerLayer(SplitBlock):
         return out
 
 
+def splittable(module: nn.Module) -> bool:
+    """Whether ``split_block`` has a split for ``module``'s kind (GPT layers, linear blocks)."""
+    if isinstance(module, TransformerLayer | nn.Linear):
+        return True
+    return isinstance(module, nn.Sequential) and any(isinstance(m, nn.Linear) for m in module)
+
+
 def split_block(module: nn.Module, devices: Sequence[torch.device]) -> SplitBlock:
     """``module`` split over ``devices`` (its values copied; ``module`` is left as it was),
     or ``TensorSplitError`` saying why it cannot be."""
@@ -263,3 +272,80 @@ def split_block(module: nn.Module, devices: Sequence[torch.device]) -> SplitBloc
         " exist for GPT layers and for one linear layer with parameterless layers around it"
         " (use parallelism.tensor: 1)"
     )
+
+
+class TensorBlock(Block):
+    """``block`` split over ``devices`` (``split_block``), its optimizer over the pieces:
+    a block whose state reads and loads as the whole block's (``state``, ``load``), so
+    checkpoints, copies and moves do not depend on the split. Each element-wise optimizer
+    entry of a whole parameter is its pieces' concatenated as the parameter is."""
+
+    module: SplitBlock
+
+    def __init__(self, block: Block, devices: Sequence[torch.device]) -> None:
+        state = block.state() if block.optimizer.state else None
+        self.whole_names = [name for name, _ in block.module.named_parameters()]
+        super().__init__(block.index, split_block(block.module, devices), block.conf)
+        self._names = [name for name, _ in self.module.named_parameters()]
+        if state is not None:
+            self.load(state)
+
+    def _pieces(self, whole: str) -> tuple[list[int], Piece]:
+        """Whole parameter ``whole``'s pieces: their indices in the optimizer, and how."""
+        piece = self.module.pieces[whole]
+        return [self._names.index(n) for n in piece.names], piece
+
+    def live_state(self) -> dict[str, Any]:
+        saved = self.optimizer.state_dict()
+        merged: dict[int, dict[str, Any]] = {}
+        for j, whole in enumerate(self.whole_names):
+            indices, piece = self._pieces(whole)
+            entries = [saved["state"].get(i) for i in indices]
+            if any(e is None for e in entries):
+                continue  # no step yet
+            merged[j] = {
+                key: torch.cat([e[key].to(self.module.home) for e in entries], piece.dim)
+                if isinstance(first, Tensor) and first.dim() > 0
+                else first
+                for key, first in entries[0].items()
+            }
+        groups = [
+            {**g, "params": list(range(len(self.whole_names)))} for g in saved["param_groups"]
+        ]
+        return {
+            "module": self.module.whole_state(),
+            "optimizer": {"state": merged, "param_groups": groups},
+        }
+
+    def load(self, state: dict[str, Any]) -> None:
+        try:
+            self.module.load_whole(state["module"])
+            whole = state["optimizer"]
+            mine = self.module.state_dict(keep_vars=True)
+            split: dict[int, dict[str, Any]] = {}
+            for j, name in enumerate(self.whole_names):
+                entry = whole["state"].get(j)
+                if entry is None:
+                    continue
+                indices, piece = self._pieces(name)
+                sizes = [mine[n].shape[piece.dim] for n in piece.names]
+                for p, i in enumerate(indices):
+                    split[i] = {
+                        key: torch.split(value, sizes, piece.dim)[p].clone()
+                        if isinstance(value, Tensor) and value.dim() > 0
+                        else (value.clone() if isinstance(value, Tensor) else value)
+                        for key, value in entry.items()
+                    }
+            groups = [{**g, "params": list(range(len(self._names)))} for g in whole["param_groups"]]
+            self.optimizer.load_state_dict({"state": split, "param_groups": groups})
+        except (KeyError, RuntimeError, ValueError) as exc:
+            raise ValueError(
+                f"block {self.index}: the state does not fit this block ({exc}); was it saved"
+                " from the same model config and optimizer?"
+            ) from exc
+
+    def to(self, device: torch.device) -> None:
+        raise TensorSplitError(
+            f"block {self.index} is split over {len(self.module.devices)} devices: it stays on"
+            " them (load its state into a block built for the new devices)"
+        )

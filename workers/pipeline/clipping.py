@@ -47,7 +47,9 @@ def grad_norms(blocks: Iterable[Any]) -> Wire:
     grads = _grads(blocks)
     if not grads:
         return send(torch.zeros(0))
-    return send(torch.stack(torch._foreach_norm(grads)))
+    # On one device, or several (a tensor-parallel stage): the norms go to the first's.
+    home = grads[0].device
+    return send(torch.stack([n.to(home) for n in torch._foreach_norm(grads)]))
 
 
 def clip_coefficient(parts: Sequence[Wire], max_norm: float | None) -> tuple[float, float | None]:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -34,8 +34,23 @@ from torch import Tensor, nn
 from shoal.workers.pipeline.collective import GlooCollective
 from shoal.workers.pipeline.transport import LinkError
 
-if TYPE_CHECKING:
-    from shoal.workers.pipeline.sharding import BlockShard
+
+class BlockShard(Protocol):
+    """What the hooks need of a block's share (``workers.pipeline.sharding.BlockShard``)."""
+
+    params: list[nn.Parameter]
+
+    @property
+    def index(self) -> int: ...
+
+    @property
+    def module(self) -> nn.Module: ...
+
+    def fill(self, collective: GlooCollective) -> None: ...
+
+    def free(self) -> None: ...
+
+    def scatter_grad(self, collective: GlooCollective) -> None: ...
 
 
 class Gatherer:

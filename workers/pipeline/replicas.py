@@ -4,8 +4,9 @@ shards them, this replica's shares of the blocks' state (``workers.pipeline.shar
 Without a group (one replica, or the in-process group, whose runner sums replicas itself)
 there is nothing to sum or shard. With one, the accumulated gradients are summed over the
 replicas before the update (``workers.pipeline.collective``); sharded, each replica updates
-its slices of every block and the slices are all-gathered, and before a block's state is
-read or moved every replica ``unshard``s.
+its slices of every block and the slices are all-gathered (ZeRO-3: gathered where each
+block next runs, ``workers.pipeline.gathering``), and before a block's state is read or
+moved every replica ``unshard``s.
 """
 
 from __future__ import annotations

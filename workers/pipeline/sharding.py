@@ -1,11 +1,14 @@
-"""Sharded replicas (ZeRO-1 and ZeRO-2): the replicas of a stage split its optimizer's work.
+"""Sharded replicas (ZeRO-1, 2 and 3): the replicas of a stage split its optimizer's work.
 
 With ``parallelism.shard: optimizer`` (ZeRO-1, Rajbhandari et al., SC '20) replica r of R
 keeps optimizer state only for its slice of every block: the gradients are summed over the
 replicas as without sharding (``GlooCollective.all_reduce``), each replica updates its
 slice, and the slices are all-gathered into every replica's parameters. With ``gradients``
 (ZeRO-2) no replica holds the whole summed gradient either: the replicas' gradients are
-reduce-scattered, each receiving only its slice's sum, and their own are dropped.
+reduce-scattered, each receiving only its slice's sum, and their own are dropped. With
+``full`` (ZeRO-3) the slices are the only parameters kept: a block's whole ones are
+gathered for each use and its gradient reduce-scattered micro-batch by micro-batch
+(``workers.pipeline.gathering``).
 
 A block's parameters, flattened in parameter order, are cut into R contiguous slices (the
 first ones a value longer where R does not divide them), so every block is spread over every

@@ -40,7 +40,6 @@ from torch import Tensor
 
 from shoal.scheduler.programs import programs_for
 from shoal.scheduler.types import BlockRange
-from shoal.workers.blocks import Block
 from shoal.workers.device_memory import Overhead, measure_overhead
 from shoal.workers.device_speed import measure_gflops
 from shoal.workers.host_memory import retain_freed_memory
@@ -49,6 +48,7 @@ from shoal.workers.pipeline.copier import Copier, Held
 from shoal.workers.pipeline.micro_batches import InFlight
 from shoal.workers.pipeline.pieces import whole_states
 from shoal.workers.pipeline.replicas import Replicas
+from shoal.workers.pipeline.stage_blocks import build_stage_blocks, stage_devices
 from shoal.workers.pipeline.stage_types import (
     StageSetup,
     StageStateError,
@@ -62,7 +62,6 @@ from shoal.workers.precision import autocast, autocast_dtype
 from shoal.workers.snapshot import StagePlan
 from shoal.workers.wire import Wire, receive, receive_tree, send, send_tree
 from shoal.workers.zoo.data import loss_fn
-from shoal.workers.zoo.models import build_blocks
 
 _GENERATIONS = 2
 """Steps of in-memory copies kept: the last one may be incomplete when a device is lost."""
@@ -91,13 +90,12 @@ class Stage:
         self._setup_slowdown = plan.device.emulate_slowdown
         self._timer = StepTimer(self.device, self._setup_slowdown)
         self._overhead = measure_overhead(self.device)  # before the worker's own tensors
-        indices = range(start, stop)
-        modules = build_blocks(setup.model, setup.meta, setup.seed, indices, setup.allowed)
-        self.blocks = [
-            Block(i, module, setup.optimizer) for i, module in zip(indices, modules, strict=True)
-        ]
-        for block in self.blocks:
-            block.to(self.device)
+        if plan.tensor_devices and setup.shard != "none":
+            raise ValueError(
+                "parallelism.shard with tensor parallelism is not built; use one of them"
+            )
+        self._devices = stage_devices(plan)
+        self.blocks = build_stage_blocks(setup, range(start, stop), self._devices)
         self._loss = loss_fn(setup.meta.task)
         self._amp_dtype = autocast_dtype(setup.precision)
         self._in_flight = InFlight(plan.index, self.device, setup.recompute)
@@ -399,12 +397,9 @@ class Stage:
         if missing:
             raise StageStateError(f"stage {self.index} got no state for blocks {missing}")
         s = self._setup
-        modules = build_blocks(s.model, s.meta, s.seed, new, s.allowed)
-        for i, module in zip(new, modules, strict=True):
-            block = Block(i, module, s.optimizer)
-            block.to(self.device)
-            block.load(states[i])
-            held[i] = block
+        for block in build_stage_blocks(s, new, self._devices):
+            block.load(states[block.index])
+            held[block.index] = block
         self.blocks = [held[i] for i in range(start, stop)]
         self._forget()
         self.index = self._in_flight.stage = index

@@ -1,0 +1,92 @@
+"""Tensor-parallel stages: a worker whose plan names a tensor group splits its blocks over
+the group's devices (``workers.tensor_split``) and trains as the single-process reference
+does, within the DESIGN tolerance; its checkpoints and moves hold whole blocks."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from shoal.scheduler.devices import Device
+from shoal.workers.pipeline.group import RayGroup
+from shoal.workers.pipeline.local_group import LocalGroup
+from shoal.workers.pipeline.runner import Trainer
+from shoal.workers.snapshot import RunStatus, StagePlan
+from shoal.workers.tensor_split import TensorBlock
+from tests.factories import ADAM, GPT, TOKENS, job, plans
+from tests.workers.runs import assert_matches_reference, final_states, metrics
+
+
+def _grouped(stages: tuple[StagePlan, ...], ways: int, node: str) -> tuple[StagePlan, ...]:
+    """``stages`` each given ``ways - 1`` more CPU devices of ``node`` as its tensor group."""
+    count = len(stages)
+    return tuple(
+        replace(
+            plan,
+            tensor_devices=tuple(
+                Device(f"{node[:8]}-cpu-{count + s * (ways - 1) + k}", node, 0, "cpu", 2048, False)
+                for k in range(ways - 1)
+            ),
+        )
+        for s, plan in enumerate(stages)
+    )
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    ("model", "ways"), [("mlp", 2), ("gpt", 2)], ids=["mlp-2-way", "gpt-2-way"]
+)
+def test_tensor_parallel_stages_train_as_the_reference(
+    tmp_path: Path, model: str, ways: int
+) -> None:
+    """Two stages, each split 2 ways, gradient clipping on, a checkpoint every 2 steps:
+    losses, gradient norms and the final (whole) parameters are the reference's."""
+    fields: dict[str, Any] = {"optimizer": replace(ADAM, clip_grad_norm=0.5)}
+    if model == "gpt":
+        fields |= {"model": GPT, "data": TOKENS, "num_blocks": 4}
+    snap = job(tmp_path, [(0, 2), (2, 4)], steps=4, checkpoint_every=2, checkpoint_keep=2, **fields)
+    snap = replace(snap, stages=_grouped(snap.stages, ways, "n0000000a"))
+    trainer = Trainer(snap, LocalGroup)
+    assert trainer.run() is RunStatus.SUCCEEDED, trainer.report(0).error
+    assert_matches_reference(snap, metrics(trainer))
+    # Checkpoints hold the whole blocks: a run without the split resumes from them.
+    tail = replace(snap, steps=6, stages=plans([(0, 2), (2, 4)]))
+    resumed = Trainer(tail, LocalGroup)
+    assert resumed.run() is RunStatus.SUCCEEDED, resumed.report(0).error
+    assert_matches_reference(tail, metrics(resumed))
+
+
+@pytest.mark.unit
+def test_a_split_stage_splits_what_has_a_split_and_keeps_the_rest_whole(tmp_path: Path) -> None:
+    from shoal.workers.pipeline.stage import Stage
+    from shoal.workers.pipeline.stage_types import StageSetup
+    from shoal.workers.zoo.data import make_data
+
+    snap = job(tmp_path, [(0, 4)], model=GPT, data=TOKENS, num_blocks=4)
+    (plan,) = _grouped(snap.stages, 2, "n0000000a")
+    meta = make_data(snap.data, snap.seed, ()).meta
+    stage = Stage(plan, StageSetup.of(snap, meta))
+    kinds = [isinstance(b, TensorBlock) for b in stage.blocks]
+    assert kinds == [False, True, True, True]  # the embedding has no split
+    with pytest.raises(ValueError, match="not built"):
+        Stage(plan, replace(StageSetup.of(snap, meta), shard="gradients"))
+
+
+@pytest.mark.integration
+def test_a_tensor_parallel_worker_takes_its_groups_devices_on_ray(
+    ray_address: str, tmp_path: Path
+) -> None:
+    """On Ray the worker takes one device resource for each device of its group, and
+    trains as the reference does."""
+    import ray
+
+    node = str(ray.get_runtime_context().get_node_id())
+    snap = job(tmp_path, [(0, 4)], steps=3, checkpoint_every=3, checkpoint_keep=1)
+    snap = replace(snap, stages=_grouped(plans([(0, 4)], node), 2, node))
+    trainer = Trainer(snap, RayGroup)
+    assert trainer.run() is RunStatus.SUCCEEDED, trainer.report(0).error
+    assert_matches_reference(snap, metrics(trainer))
+    assert sorted(final_states(snap)) == [0, 1, 2, 3]
