@@ -109,15 +109,18 @@ class Block:
     def load(self, state: dict[str, Any]) -> None:
         """Restore a ``state()`` onto the module's current device."""
         try:
-            self.module.load_state_dict(state["module"])
-            # load_state_dict keeps the caller's tensors when they are already on the right
-            # device; a private copy keeps in-place updates out of the caller's state.
-            self.optimizer.load_state_dict(_detached_copy(state["optimizer"]))
+            self._load(state)
         except (KeyError, RuntimeError, ValueError) as exc:
             raise ValueError(
                 f"block {self.index}: the state does not fit this block ({exc}); was it saved"
                 " from the same model config and optimizer?"
             ) from exc
+
+    def _load(self, state: dict[str, Any]) -> None:
+        self.module.load_state_dict(state["module"])
+        # load_state_dict keeps the caller's tensors when they are already on the right
+        # device; a private copy keeps in-place updates out of the caller's state.
+        self.optimizer.load_state_dict(_detached_copy(state["optimizer"]))
 
     def to(self, device: torch.device) -> None:
         """Move the parameters, buffers and optimizer state to ``device``.

@@ -317,32 +317,26 @@ class TensorBlock(Block):
             "optimizer": {"state": merged, "param_groups": groups},
         }
 
-    def load(self, state: dict[str, Any]) -> None:
-        try:
-            self.module.load_whole(state["module"])
-            whole = state["optimizer"]
-            mine = self.module.state_dict(keep_vars=True)
-            split: dict[int, dict[str, Any]] = {}
-            for j, name in enumerate(self.whole_names):
-                entry = whole["state"].get(j)
-                if entry is None:
-                    continue
-                indices, piece = self._pieces(name)
-                sizes = [mine[n].shape[piece.dim] for n in piece.names]
-                for p, i in enumerate(indices):
-                    split[i] = {
-                        key: torch.split(value, sizes, piece.dim)[p].clone()
-                        if isinstance(value, Tensor) and value.dim() > 0
-                        else (value.clone() if isinstance(value, Tensor) else value)
-                        for key, value in entry.items()
-                    }
-            groups = [{**g, "params": list(range(len(self._names)))} for g in whole["param_groups"]]
-            self.optimizer.load_state_dict({"state": split, "param_groups": groups})
-        except (KeyError, RuntimeError, ValueError) as exc:
-            raise ValueError(
-                f"block {self.index}: the state does not fit this block ({exc}); was it saved"
-                " from the same model config and optimizer?"
-            ) from exc
+    def _load(self, state: dict[str, Any]) -> None:
+        self.module.load_whole(state["module"])
+        whole = state["optimizer"]
+        mine = self.module.state_dict(keep_vars=True)
+        split: dict[int, dict[str, Any]] = {}
+        for j, name in enumerate(self.whole_names):
+            entry = whole["state"].get(j)
+            if entry is None:
+                continue
+            indices, piece = self._pieces(name)
+            sizes = [mine[n].shape[piece.dim] for n in piece.names]
+            for p, i in enumerate(indices):
+                split[i] = {
+                    key: torch.split(value, sizes, piece.dim)[p].clone()
+                    if isinstance(value, Tensor) and value.dim() > 0
+                    else (value.clone() if isinstance(value, Tensor) else value)
+                    for key, value in entry.items()
+                }
+        groups = [{**g, "params": list(range(len(self._names)))} for g in whole["param_groups"]]
+        self.optimizer.load_state_dict({"state": split, "param_groups": groups})
 
     def to(self, device: torch.device) -> None:
         raise TensorSplitError(

@@ -108,7 +108,7 @@ def _run_full(world: int, conf: OptimizerConf, micro_batches: int, lead: int) ->
 
 
 @pytest.mark.unit
-@settings(max_examples=5, deadline=None)
+@settings(max_examples=3, deadline=None)
 @given(
     world=st.integers(2, 3),
     conf=st.sampled_from([ADAM, SGD, OptimizerConf("adamw", 0.02, {"weight_decay": 0.1})]),
