@@ -4,6 +4,7 @@ train as whole ones do, within the stated tolerance, and bitwise as the same run
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -16,6 +17,7 @@ from torch import nn
 from shoal.workers.blocks import Block
 from shoal.workers.pipeline.collective import GlooCollective
 from shoal.workers.pipeline.local_ranks import run_ranks
+from shoal.workers.pipeline.replicas import Replicas
 from shoal.workers.pipeline.sharding import ShardingError, StageShards
 from shoal.workers.pipeline.transport import LinkError
 from shoal.workers.snapshot import OptimizerConf
@@ -179,3 +181,52 @@ def test_a_replica_gone_mid_gather_is_a_lost_link() -> None:
         return "lost"
 
     assert sorted(run_ranks(2, body, timeout_s=10, name="stage-0")) == ["left", "lost"]
+
+
+@pytest.mark.unit
+def test_relayed_steps_shard_full_replicas_as_optimizer() -> None:
+    """A relayed step (a call per forward and backward, the runner ordering them) cannot
+    gather in lockstep: its replicas of a ``full`` job shard the optimizer state only, the
+    parameters whole, and the update still equals plain data parallelism's."""
+    replicas = [Replicas(torch.device("cpu"), "full") for _ in range(2)]
+    address, port = replicas[0].host()
+    built = [(_blocks(ADAM), _blocks(ADAM)) for _ in range(2)]
+    results: list[Any] = [None, None]
+
+    def rank(r: int) -> None:
+        try:
+            replicas[r].join(address, port, r, 2, "stage-0")
+            relayed = built[r][0]
+            _train(relayed, r, 0, _one_f_one_b(2, 1))
+            replicas[r].reduce(relayed, scatter=False)
+            shares = replicas[r].shares(relayed)
+            assert shares is not None
+            shares.update(None)
+            replicas[r].gather()
+            replicas[r].unshard()
+            replicas[r].leave()
+            results[r] = shares.mode, [b.state() for b in relayed]
+        except BaseException as exc:  # read below
+            results[r] = exc
+
+    threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert all(isinstance(r, tuple) for r in results), results
+    # The whole replicas' update, for comparison: summed the same way, stepped whole.
+    for r in range(2):
+        _train(built[r][1], r, 0, _one_f_one_b(2, 1))
+    for p, q in zip(built[0][1], built[1][1], strict=True):
+        for a, b in zip(p.module.parameters(), q.module.parameters(), strict=True):
+            assert a.grad is not None and b.grad is not None
+            total = a.grad + b.grad
+            a.grad, b.grad = total.clone(), total.clone()
+    for block in built[0][1]:
+        block.step()
+    for mode, states in results:
+        assert mode == "optimizer"
+        for state, block in zip(states, built[0][1], strict=True):
+            for name, value in block.module.state_dict().items():
+                assert torch.equal(state["module"][name], value), name
