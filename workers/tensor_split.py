@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from shoal.workers.blocks import Block
+from shoal.workers.pipeline.collective import ordered_sum
 from shoal.workers.pipeline.sharding import slice_of
 from shoal.workers.zoo.models import TransformerLayer
 
@@ -70,14 +71,6 @@ def _linear(weight: Tensor, bias: Tensor | None, device: torch.device) -> nn.Lin
         if bias is not None and layer.bias is not None:
             layer.bias.copy_(bias)
     return layer
-
-
-def _ordered_sum(parts: Sequence[Tensor], home: torch.device) -> Tensor:
-    """The devices' partial results summed on ``home`` in device order (Megatron's *g*)."""
-    total = parts[0].to(home)
-    for part in parts[1:]:
-        total = total + part.to(home)
-    return total
 
 
 class SplitBlock(nn.Module):
@@ -240,10 +233,10 @@ class SplitTransformerLayer(SplitBlock):
     def forward(self, x: Tensor) -> Tensor:
         h = self.ln1(x)
         attended = [self._attention(i, h.to(dev)) for i, dev in enumerate(self.devices)]
-        x = x + (_ordered_sum(attended, self.home) + self.proj_bias)
+        x = x + (ordered_sum([a.to(self.home) for a in attended]) + self.proj_bias)
         h = self.ln2(x)
         mixed = [self._mlp(i, h.to(dev)) for i, dev in enumerate(self.devices)]
-        out: Tensor = x + (_ordered_sum(mixed, self.home) + self.fc2_bias)
+        out: Tensor = x + (ordered_sum([m.to(self.home) for m in mixed]) + self.fc2_bias)
         return out
 
 

@@ -79,8 +79,8 @@ def test_a_split_stage_splits_what_has_a_split_and_keeps_the_rest_whole(tmp_path
 def test_a_tensor_parallel_worker_takes_its_groups_devices_on_ray(
     ray_address: str, tmp_path: Path
 ) -> None:
-    """On Ray the worker takes one device resource for each device of its group, and
-    trains as the reference does."""
+    """On Ray the worker of a tensor group (launched asking one device resource for each
+    of its devices) trains as the reference does."""
     import ray
 
     node = str(ray.get_runtime_context().get_node_id())
