@@ -90,7 +90,13 @@ class Sweeper:
             active = list(session.scalars(sa.select(Sweep.id).where(Sweep.state.in_(_ACTIVE))))
         for sweep_id in active:
             with isolated(f"sweep {sweep_id}", partial(self._fail, sweep_id)):
-                self._follow(sweep_id, devices)
+                try:
+                    self._follow(sweep_id, devices)
+                except BaseException:
+                    # Its study heard what the rolled-back transaction did not keep (a trial
+                    # told, a report, an ask): rebuilt from the database on the next tick.
+                    self._tuners.pop(sweep_id, None)
+                    raise
         for sweep_id in set(self._tuners) - set(active):
             del self._tuners[sweep_id]
         for sweep_id in set(self._suspect) - set(active):

@@ -188,10 +188,12 @@ class Chaos:
         return items
 
     def where(self) -> str:
-        """The seed, the faults so far, every job's state, step, devices and last events,
-        and the control plane's log."""
+        """The seed, the faults so far, the sweep's state, every job's state, step, devices
+        and last events, and the control plane's log."""
         lines = [f"seed {self.seed} (SHOAL_CHAOS_SEED replays it); faults: {self.log}"]
         try:
+            sweep = self.api.get(f"/sweeps/{self.sweep_id}")
+            lines.append(f"sweep {sweep['state']}: {sweep['error']}")
             for job in self.jobs():
                 events = [
                     f"{e['kind']}: {e['message']}" for e in self.api.items(job["id"], "events")

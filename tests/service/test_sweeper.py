@@ -13,6 +13,8 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
+from sqlalchemy.exc import OperationalError
+from sqlalchemy.orm import Session
 
 from shoal.scheduler.devices import DEVICE_RESOURCE, Device, NodeInfo
 from shoal.service.auth import Principal
@@ -219,6 +221,38 @@ def test_a_restarted_control_plane_carries_the_sweep_on(
     assert sweep.state == "SUCCEEDED"
     assert [t.number for t in trials] == list(range(6))
     assert all(trial_state(t) == "SUCCEEDED" and t.objective is not None for t in trials)
+
+
+def test_a_database_lost_as_a_trial_is_told_leaves_the_study_as_the_database_has_it(
+    session_factory: SessionFactory, alice: Principal, tmp_path: Path
+) -> None:
+    """Writing a trial's end fails (the server restarting): the study, told already, is
+    rebuilt from the database, which tells it again; the sweep carries on."""
+    controller = make_controller(session_factory, InProcessCluster(NODES), tmp_path)
+    sweep_id, _ = submit(session_factory, alice, max_trials=4, early_stopping={"rule": "none"})
+    failed: list[int] = []
+
+    def restart_at_first_tell(session: Session, *_: object) -> None:
+        told = [
+            o
+            for o in session.dirty
+            if isinstance(o, Trial) and o.told and sa.inspect(o).attrs.told.history.has_changes()
+        ]
+        if told and not failed:
+            failed.append(told[0].number)
+            raise OperationalError("UPDATE trials", {}, ConnectionError("the server restarts"))
+
+    sa.event.listen(session_factory, "before_flush", restart_at_first_tell)
+    try:
+        reconcile_until(controller, lambda: ended(session_factory, sweep_id), timeout=240)
+    finally:
+        sa.event.remove(session_factory, "before_flush", restart_at_first_tell)
+    sweep, trials = sweep_of(session_factory, sweep_id)
+    assert failed, "no trial's end was committed"
+    assert sweep.state == "SUCCEEDED", sweep.error
+    assert all(trial_state(t) == "SUCCEEDED" and t.told for t in trials), [
+        (t.number, trial_state(t), t.told) for t in trials
+    ]
 
 
 class TwoNodes(InProcessCluster):
