@@ -22,6 +22,8 @@ class StageOut(BaseModel):
     replica: int = 0  # data-parallel replica; jobs placed before replicas existed have none
     device_id: str
     blocks: tuple[int, int]
+    tensor_devices: list[str] = []
+    """The rest of the stage's tensor-parallel group (``parallelism.tensor``), on one node."""
 
 
 class StageTimingOut(BaseModel):

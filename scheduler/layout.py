@@ -6,6 +6,7 @@ fewer blocks (heterogeneity-aware partitioning). Block costs are the job's trace
 (``workers.profiler``: seconds on the reference device), or equal when the model did not trace;
 device speeds come from each device's measured GFLOP/s (never its emulation label) relative to
 the reference device's, and a device not measured yet counts as the median of those that are.
+A tensor-parallel job is cut over groups of its devices as over devices (``scheduler.tensor``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from functools import partial
 from shoal.scheduler.devices import Device
 from shoal.scheduler.partition import PartitionError, PartitionPlan, plan_partition
 from shoal.scheduler.profile import REFERENCE_GFLOPS, BlockCost
+from shoal.scheduler.tensor import per_device, tensor_groups
 from shoal.scheduler.types import BlockRange, DeviceId
 from shoal.scheduler.workload import DeviceCapacity, Workload
 
@@ -31,6 +33,8 @@ class Layout:
     ranges: tuple[BlockRange, ...]
     shard: str = "none"
     """How its replicas split their state: the workload's mode, ``auto`` decided."""
+    tensor: int = 1
+    """Devices per stage: ``devices`` holds each stage's tensor group, consecutively."""
 
     def sharded_note(self, asked: str) -> str:
         """What ``shard: auto`` (``asked``) decided, said where it sharded; else nothing."""
@@ -94,18 +98,23 @@ def _cut(
     sync_s_per_byte: float,
 ) -> Layout:
     speeds = relative_speeds(devices, gflops)
-    capacities = [DeviceCapacity(d.id, speeds[d.id], d.usable_bytes) for d in devices]
+    # A tensor group is planned as one device: its first one's id, its slowest speed and
+    # smallest memory, and each block as one of its devices holds it.
+    groups = {group[0].id: group for group in tensor_groups(devices, workload.tensor)}
+    capacities = [
+        DeviceCapacity(first, min(speeds[d.id] for d in group), min(d.usable_bytes for d in group))
+        for first, group in groups.items()
+    ]
     plan = plan_partition(
-        costs,
+        per_device(costs, workload.tensor),
         capacities,
         workload,
         stages=stages,
         replicas=replicas,
         sync_s_per_byte=sync_s_per_byte,
     )
-    by_id = {d.id: d for d in devices}
     ordered = tuple(
-        by_id[device_id] for r in range(plan.replicas) for device_id, _ in plan.replica(r)
+        d for r in range(plan.replicas) for first, _ in plan.replica(r) for d in groups[first]
     )
     ranges = tuple(stage.blocks for stage in plan.stages)
-    return Layout(plan, ordered, ranges, workload.shard)
+    return Layout(plan, ordered, ranges, workload.shard, workload.tensor)

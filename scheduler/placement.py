@@ -14,14 +14,21 @@ p x r devices; with replicas ``auto``, as many whole pipelines of p as ``max_dev
 blocks; with both ``auto``, up to ``max_devices``. ``scheduler.layout`` then decides how many
 of them to use and how (devices it leaves out go back to the pool). Devices of one node are
 kept together; within the placement, consecutive devices share a node where they can.
+
+With ``parallelism.tensor: N`` each stage runs on a *tensor group* of N devices of one node,
+so all of the above counts whole groups (``min_devices`` and ``max_devices`` stay totals of
+devices), a node offers only as many devices as make whole groups, and the placement is
+node by node, N devices of one node after another.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from shoal.scheduler.devices import Device
+from shoal.scheduler.tensor import node_devices
 from shoal.scheduler.types import JobId
 
 
@@ -39,6 +46,7 @@ class JobRequest:
     spot_ok: bool = True
     replicas: int | None = 1  # None: auto
     owner: str = ""
+    tensor: int = 1  # devices per tensor-parallel group, all on one node
 
 
 @dataclass(frozen=True)
@@ -93,27 +101,39 @@ def eligible(request: JobRequest, devices: Sequence[Device]) -> list[Device]:
 
 
 def _wanted(request: JobRequest) -> tuple[int, int, int]:
-    """(fewest, most, unit): the devices the job can start with, in whole units."""
+    """(fewest, most, unit): the devices the job can start with, in whole units of whole
+    tensor groups."""
+    n = request.tensor
+    fewest, most, unit = _wanted_groups(
+        request, -(-request.min_devices // n), request.max_devices // n
+    )
+    return fewest * n, most * n, unit * n
+
+
+def _wanted_groups(request: JobRequest, low: int, high: int) -> tuple[int, int, int]:
+    """``_wanted`` in tensor groups, between ``low`` and ``high`` groups."""
     p, r = request.stages, request.replicas
     if p is not None and r is not None:
         return p * r, p * r, p * r
     if p is not None:  # replicas auto: whole pipelines
-        return p, max(p, request.max_devices // p * p), p
+        return p, max(p, high // p * p), p
     if r is not None:  # stages auto: whole replicas, at most one stage per block each
-        most = min(request.max_devices // r, request.num_blocks) * r
-        fewest = -(-request.min_devices // r) * r  # min_devices rounded up to whole replicas
+        most = min(high // r, request.num_blocks) * r
+        fewest = -(-low // r) * r  # low rounded up to whole replicas
         return min(max(fewest, r), most), most, r
-    return min(max(request.min_devices, 1), request.max_devices), request.max_devices, 1
+    return min(max(low, 1), high), high, 1
 
 
-def _pick(candidates: list[Device], count: int) -> tuple[Device, ...]:
-    """``count`` devices, filling the nodes with the most free devices first."""
-    by_node: dict[str, list[Device]] = {}
-    for device in candidates:
-        by_node.setdefault(device.node_id, []).append(device)
-    nodes = sorted(by_node.values(), key=lambda ds: (-len(ds), ds[0].node_id))
-    ordered = [d for node in nodes for d in sorted(node, key=lambda d: d.index)]
-    return tuple(ordered[:count])
+def _usable(devices: Sequence[Device], tensor: int) -> int:
+    """How many of ``devices`` make whole tensor groups on one node."""
+    return sum(len(ds) for ds in node_devices(devices, tensor))
+
+
+def _pick(candidates: list[Device], count: int, tensor: int) -> tuple[Device, ...]:
+    """``count`` devices (whole tensor groups), filling the nodes with the most usable free
+    devices first, so that each ``tensor`` consecutive devices share a node."""
+    nodes = sorted(node_devices(candidates, tensor), key=lambda ds: (-len(ds), ds[0].node_id))
+    return tuple(d for node in nodes for d in node)[:count]
 
 
 def place(
@@ -148,10 +168,11 @@ def place(
         if quota.max_devices is not None:
             most = min(most, quota.max_devices - used.devices)
         candidates = eligible(request, available)
-        if len(candidates) < fewest:
-            waiting.append(Waiting(request.job_id, _reason(request, fewest, len(candidates))))
+        usable = _usable(candidates, request.tensor)
+        if usable < fewest:
+            waiting.append(Waiting(request.job_id, _reason(request, fewest, candidates)))
             continue
-        chosen = _pick(candidates, min(most, len(candidates)) // unit * unit)
+        chosen = _pick(candidates, min(most, usable) // unit * unit, request.tensor)
         placed.append(Placement(request.job_id, chosen))
         used.jobs, used.devices = used.jobs + 1, used.devices + len(chosen)
         taken = {d.id for d in chosen}
@@ -165,17 +186,18 @@ def preemptions(
     """The running jobs of lower priority to suspend (they checkpoint and requeue, losing
     nothing) so that ``waiting`` can start: lowest priority first, then in ``running``'s order
     (give the youngest first: the least progress paused); none when the free devices already
-    suffice or when even all of them would not."""
+    suffice or when even all of them would not. With tensor groups, devices count only in
+    whole groups of one node, a victim's together with the free ones there."""
     fewest, _, _ = _wanted(waiting)
     pool = eligible(waiting, free)
-    if len(pool) >= fewest:
+    if _usable(pool, waiting.tensor) >= fewest:
         return []
     victims = []
     lower = [r for r in running if r.request.priority < waiting.priority]
     for job in sorted(lower, key=lambda r: r.request.priority):  # stable: caller's order
         victims.append(job.request.job_id)
         pool += eligible(waiting, job.devices)
-        if len(pool) >= fewest:
+        if _usable(pool, waiting.tensor) >= fewest:
             return victims
     return []
 
@@ -192,8 +214,17 @@ def _over_quota(request: JobRequest, used: Usage, quota: Quota, fewest: int) -> 
     return None
 
 
-def _reason(request: JobRequest, needed: int, have: int) -> str:
+def _reason(request: JobRequest, needed: int, candidates: Sequence[Device]) -> str:
     what = f"{request.device_kind} devices" if request.device_kind else "devices"
     if not request.spot_ok:
         what = f"on-demand (non-spot) {what}"
-    return f"needs {needed} free {what}, {have} available"
+    n = request.tensor
+    if n == 1:
+        return f"needs {needed} free {what}, {len(candidates)} available"
+    groups = _usable(candidates, n) // n
+    reason = f"needs {needed // n} tensor groups of {n} {what} on one node each, {groups} available"
+    per_node = sorted(Counter(d.node_id for d in candidates).values(), reverse=True)
+    if per_node:  # the free devices, spread too thin over the nodes
+        shown = ", ".join(map(str, per_node[:4])) + (", ..." if len(per_node) > 4 else "")
+        reason += f" (free per node: {shown})"
+    return reason

@@ -41,6 +41,9 @@ class BlockCost:
     optim_bytes: int
     activation_bytes_per_sample: int
     input_bytes_per_sample: int = 0
+    split_bytes: int = 0
+    """Of ``param_bytes``, what a tensor-parallel split divides over its devices (0: the
+    block has no split, ``workers.tensor_split``)."""
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.fwd_bwd_s) and self.fwd_bwd_s >= 0):
@@ -56,6 +59,11 @@ class BlockCost:
         bad = next((name for name, value in sizes.items() if value < 0), None)
         if bad is not None:
             raise ProfileError(f"block {self.index}: {bad} must be >= 0, got {sizes[bad]}")
+        if not 0 <= self.split_bytes <= self.param_bytes:
+            raise ProfileError(
+                f"block {self.index}: split_bytes must be 0..param_bytes ({self.param_bytes}),"
+                f" got {self.split_bytes}"
+            )
 
 
 @dataclass(frozen=True)

@@ -35,3 +35,6 @@ class Workload:
     shard: str = "none"
     """How replicas split their optimizer state (``parallelism.shard``): sharded, a stage of
     R replicas keeps 1/R of it on each device (``scheduler.memory.replica_state_bytes``)."""
+    tensor: int = 1
+    """Devices per tensor-parallel group (``parallelism.tensor``): each stage runs on a
+    group of this many devices of one node (``scheduler.tensor``)."""

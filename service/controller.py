@@ -52,7 +52,7 @@ from shoal.service.snapshots import block_costs, build_snapshot, job_request
 from shoal.service.specs import JobSpec
 from shoal.service.sweeper import Sweeper
 from shoal.service.traces import CodeRunner
-from shoal.workers.snapshot import RunStatus
+from shoal.workers.snapshot import RunStatus, partition_rows, stage_plans
 
 log = logging.getLogger(__name__)
 
@@ -403,16 +403,7 @@ class Controller:
             except (PartitionError, CodeNotFound) as exc:
                 transition(session, job, JobState.FAILED, str(exc), error=str(exc))
                 return
-            partition = [
-                {
-                    "stage": s,
-                    "replica": r,
-                    "device_id": device_id,
-                    "blocks": list(blocks),
-                }
-                for r in range(layout.plan.replicas)
-                for s, (device_id, blocks) in enumerate(layout.plan.replica(r))
-            ]
+            partition = partition_rows(stage_plans(layout.devices, layout.ranges, layout.tensor))
             try:
                 transition(
                     session,
@@ -474,6 +465,7 @@ class Controller:
                 precision=spec.precision,
                 stage_overhead_s=self._config.stage_overhead_s,
                 shard=spec.parallelism.shard,
+                tensor=spec.parallelism.tensor,
             ),
             sync_s_per_byte=self._config.allreduce_s_per_byte,
         )

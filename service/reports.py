@@ -13,7 +13,7 @@ from shoal.service.db.models import Checkpoint, DeviceRow, Job, JobMetric
 from shoal.service.jobs import add_event, transition
 from shoal.service.lifecycle import JobState
 from shoal.service.utilization import step_mfus
-from shoal.workers.snapshot import RunnerReport, RunStatus
+from shoal.workers.snapshot import RunnerReport, RunStatus, row_devices
 
 
 def persist_report(session: Session, job: Job, report: RunnerReport) -> None:
@@ -31,7 +31,7 @@ def persist_report(session: Session, job: Job, report: RunnerReport) -> None:
             job.partition = list(event.data["to"])
         elif event.kind in ("relayout", "recovered"):
             job.partition = list(event.data["to"])
-            job.devices = [row["device_id"] for row in event.data["to"]]
+            job.devices = row_devices(event.data["to"])
         elif event.kind == "device_speed" and "device_id" in event.data:
             row = session.get(DeviceRow, event.data["device_id"])
             if row is not None:

@@ -124,7 +124,9 @@ class Resizer:
             return set()
         try:
             self._cluster.relayout(
-                job.id, stage_plans(layout.devices, layout.ranges), layout.plan.micro_batches
+                job.id,
+                stage_plans(layout.devices, layout.ranges, layout.tensor),
+                layout.plan.micro_batches,
             )
         except (RunnerGone, ClusterUnavailable) as exc:
             log.warning("relayout of %s not delivered: %s", job.id, exc, extra={"job_id": job.id})

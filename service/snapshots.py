@@ -33,10 +33,11 @@ def build_snapshot(
     uploaded code; ``shard``: how the layout's replicas split their state (None: as the
     spec says, ``auto`` then meaning whole)."""
     spec = JobSpec.model_validate(job.spec)
-    depth = len(ranges)
-    if len(devices) != depth * replicas:
+    depth, tensor = len(ranges), spec.parallelism.tensor
+    if len(devices) != depth * replicas * tensor:
         raise ValueError(
-            f"{len(devices)} devices for {depth} stages x {replicas} replicas; a placement bug"
+            f"{len(devices)} devices for {depth} stages x {replicas} replicas x {tensor}"
+            " devices each; a placement bug"
         )
     return JobSnapshot(
         job_id=job.id,
@@ -57,7 +58,7 @@ def build_snapshot(
         recompute=spec.parallelism.recompute,
         precision=spec.precision,
         shard=shard or ("none" if spec.parallelism.shard == "auto" else spec.parallelism.shard),
-        stages=stage_plans(devices, ranges),
+        stages=stage_plans(devices, ranges, tensor),
         replicas=replicas,
         replica_micro_batches=tuple(replica_micro_batches),
         num_blocks=job.num_blocks,
@@ -97,6 +98,7 @@ def job_request(job: Job) -> JobRequest:
         spot_ok=spec.resources.spot_ok,
         replicas=replicas if isinstance(replicas, int) else None,
         owner=job.owner.name,
+        tensor=spec.parallelism.tensor,
     )
 
 

@@ -13,10 +13,19 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from shoal.scheduler.memory import submission_refusal
 from shoal.scheduler.profile import BlockCost
+from shoal.scheduler.tensor import per_device
 from shoal.service.code_store import DIGEST_PATTERN
 from shoal.service.spec_errors import SpecError, pydantic_errors
 from shoal.service.traces import CodeRunner, TraceRequest, trace_spec
@@ -27,6 +36,8 @@ from shoal.workers.zoo.registry import RegistryError, data_meta, resolve_model
 MAX_STEPS = 10_000_000
 MAX_BATCH = 1_048_576
 MAX_DEVICES = 4_096
+MAX_TENSOR = 64
+"""The most devices a tensor-parallel group may have (the devices of one node)."""
 MAX_NAME = 100
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]*")
 
@@ -111,6 +122,26 @@ class ParallelismSpec(StrictModel):
         " auto, whole where the model fits so, else gradients, else full (decided each"
         " time the job is placed)",
     )
+
+    tensor: int = Field(
+        1,
+        ge=1,
+        le=MAX_TENSOR,
+        description="devices per stage, all on one node: each block of the built-in GPT and"
+        " MLP models split over them (Megatron's column and row splits, one sum per split"
+        " pair), each device holding about 1/tensor of the block; with shard: none",
+    )
+
+    @field_validator("tensor")
+    @classmethod
+    def _unsharded(cls, value: int, info: ValidationInfo) -> int:
+        shard = info.data.get("shard", "none")
+        if value > 1 and shard != "none":
+            raise ValueError(
+                f"tensor: {value} is not combined with shard: {shard} yet; use shard: none"
+                " (or tensor: 1)"
+            )
+        return value
 
     @field_validator("stages", "replicas")
     @classmethod
@@ -298,7 +329,23 @@ def complete_job_spec(
     traced = trace_spec(request, code_runner)
     accepted = AcceptedSpec(completed, traced.num_blocks, traced.costs, traced.untraced)
     _check_stage_count(spec.parallelism.stages, accepted.num_blocks)
+    _check_tensor(accepted)
     return accepted
+
+
+def _check_tensor(accepted: AcceptedSpec) -> None:
+    """A tensor-parallel job needs a model whose blocks' splits are known (traced) and
+    that has a block to split (``workers.tensor_split``)."""
+    tensor = accepted.spec.parallelism.tensor
+    if tensor == 1:
+        return
+    if accepted.costs is None:
+        why = f"the model did not trace ({accepted.untraced}), so its blocks' splits are unknown"
+    elif not any(c.split_bytes for c in accepted.costs):
+        why = "no block of the model has a split (splits exist for GPT layers and linear layers)"
+    else:
+        return
+    raise SpecError([("parallelism.tensor", f"tensor: {tensor} cannot run: {why}; use 1")])
 
 
 def check_memory(accepted: AcceptedSpec, largest_device_mb: int | None) -> None:
@@ -307,12 +354,13 @@ def check_memory(accepted: AcceptedSpec, largest_device_mb: int | None) -> None:
     if accepted.costs is None or largest_device_mb is None:
         return
     spec = accepted.spec
+    tensor = spec.parallelism.tensor
     message = submission_refusal(
-        accepted.costs,
+        per_device(accepted.costs, tensor),
         optimizer=spec.optimizer.name,
         micro_batch_size=spec.batch_size // spec.micro_batches,
         largest_device_bytes=largest_device_mb * 2**20,
-        max_devices=spec.resources.max_devices,
+        max_devices=spec.resources.max_devices // tensor,
         shards=_most_shards(spec),
         full=spec.parallelism.shard in ("full", "auto"),
     )
@@ -337,21 +385,24 @@ def replica_count(spec: JobSpec) -> int:
 
 def _check_replicas(spec: JobSpec) -> None:
     replicas = replica_count(spec)
-    stages = spec.parallelism.stages
+    stages, tensor = spec.parallelism.stages, spec.parallelism.tensor
     per_replica = stages if isinstance(stages, int) else 1
-    needed = per_replica * replicas
+    needed = per_replica * replicas * tensor
     if needed > spec.resources.max_devices:
         what = (
             f"{stages} stages x {replicas} replicas"
             if isinstance(stages, int)
             else (f"{replicas} replicas of at least one stage")
+        ) + (f" x {tensor} devices each (parallelism.tensor)" if tensor > 1 else "")
+        field, lower = (
+            ("parallelism.tensor", "tensor") if tensor > 1 else ("parallelism.replicas", "replicas")
         )
         raise SpecError(
             [
                 (
-                    "parallelism.replicas",
+                    field,
                     f"{what} need {needed} devices but resources.max_devices is"
-                    f" {spec.resources.max_devices}; raise max_devices or lower replicas",
+                    f" {spec.resources.max_devices}; raise max_devices or lower {lower}",
                 )
             ]
         )

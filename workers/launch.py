@@ -45,7 +45,7 @@ def start_stage_worker(plan: StagePlan, setup: StageSetup) -> ActorHandle[Any]:
     ``workers.pipeline.group``) and a lost worker is reported, not silently replaced without its
     state; a second thread runs the in-memory copies' calls beside them (``COPIES_GROUP``).
     """
-    options = _on_device(plan.device, 1 + len(plan.tensor_devices))
+    options = _on_device(plan.device, len(plan.group))
     worker: ActorHandle[Any] = _StageWorkerActor.options(**options).remote(plan, setup)
     return worker
 

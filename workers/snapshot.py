@@ -7,7 +7,7 @@ object or a pydantic model, so actors never touch the database or the settings.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -16,6 +16,7 @@ from shoal.scheduler.devices import Device
 from shoal.scheduler.elastic import ElasticConfig
 from shoal.scheduler.profile import BlockCost
 from shoal.scheduler.types import BlockRange, JobId
+from shoal.scheduler.workload import Workload
 from shoal.workers.uploaded_code import JobCode
 
 
@@ -61,14 +62,49 @@ class StagePlan:
     """The other devices of the stage's tensor-parallel group, on ``device``'s node: each
     block is split over ``device`` and these (``workers.tensor_split``)."""
 
+    @property
+    def group(self) -> tuple[Device, ...]:
+        """Every device the stage holds: ``device``, then its tensor group's others."""
+        return (self.device, *self.tensor_devices)
 
-def stage_plans(devices: Sequence[Device], ranges: Sequence[BlockRange]) -> tuple[StagePlan, ...]:
-    """Replica-major plans: ``devices[r * p + s]`` runs stage s (``ranges[s]``) of replica r."""
+
+def stage_plans(
+    devices: Sequence[Device], ranges: Sequence[BlockRange], tensor: int = 1
+) -> tuple[StagePlan, ...]:
+    """Replica-major plans: ``devices[r * p + s]`` runs stage s (``ranges[s]``) of replica r;
+    with ``tensor`` N, ``devices[(r * p + s) * N :][:N]`` is that stage's tensor group."""
     depth = len(ranges)
+    groups = [devices[i : i + tensor] for i in range(0, len(devices), tensor)]
     return tuple(
-        StagePlan(index=i % depth, blocks=ranges[i % depth], device=d, replica=i // depth)
-        for i, d in enumerate(devices)
+        StagePlan(
+            index=i % depth,
+            blocks=ranges[i % depth],
+            device=group[0],
+            replica=i // depth,
+            tensor_devices=tuple(group[1:]),
+        )
+        for i, group in enumerate(groups)
     )
+
+
+def partition_rows(plans: Sequence[StagePlan]) -> list[dict[str, Any]]:
+    """The partition as the job row and the API keep it: stage, replica, device and blocks
+    per worker, and the rest of its tensor group where it has one."""
+    return [
+        {
+            "stage": p.index,
+            "replica": p.replica,
+            "device_id": p.device.id,
+            "blocks": list(p.blocks),
+            **({"tensor_devices": [d.id for d in p.tensor_devices]} if p.tensor_devices else {}),
+        }
+        for p in plans
+    ]
+
+
+def row_devices(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Every device a partition's rows hold: each worker's, then its tensor group's."""
+    return [i for row in rows for i in (row["device_id"], *row.get("tensor_devices", ()))]
 
 
 def split_micro_batches(micro_batches: int, replicas: int) -> tuple[int, ...]:
@@ -129,6 +165,23 @@ class JobSnapshot:
     """The most of the training time those copies may cost (``scheduler.copies``)."""
     min_devices: int = 1
     """The fewest devices the job may run on (a recovery with fewer gives the job back)."""
+
+    @property
+    def tensor(self) -> int:
+        """Devices per stage (``parallelism.tensor``): its plans' tensor groups' size."""
+        return 1 + len(self.stages[0].tensor_devices) if self.stages else 1
+
+    def workload(self) -> Workload:
+        """How a mini-batch of this job runs, as the partitioner plans it."""
+        return Workload(
+            micro_batches=self.micro_batches,
+            micro_batch_size=self.batch_size // self.micro_batches,
+            schedule=self.schedule,
+            recompute=self.recompute,
+            precision=self.precision,
+            shard=self.shard,
+            tensor=self.tensor,
+        )
 
     def micro_batch_split(self) -> tuple[int, ...]:
         """Micro-batches per replica, checked (``full``: the same for every replica, whose

@@ -87,6 +87,12 @@ class SplitBlock(nn.Module):
         self.home = self.devices[0]
         self.pieces = {}
 
+    def device_index(self, name: str) -> int:
+        """Which of ``devices`` holds parameter ``name``: a piece's index in its module
+        list (``columns.1.weight``: 1), else the first device (the whole parts)."""
+        parts = name.split(".")
+        return int(parts[1]) if len(parts) > 2 and parts[1].isdigit() else 0
+
     def whole(self, values: Mapping[str, Tensor]) -> dict[str, Tensor]:
         """``values`` by the split block's names (its state, or its parameters' gradients)
         as the whole block's: each entry its pieces concatenated (copies, on the home
@@ -242,9 +248,34 @@ class SplitTransformerLayer(SplitBlock):
 
 def splittable(module: nn.Module) -> bool:
     """Whether ``split_block`` has a split for ``module``'s kind (GPT layers, linear blocks)."""
-    if isinstance(module, TransformerLayer | nn.Linear):
-        return True
-    return isinstance(module, nn.Sequential) and any(isinstance(m, nn.Linear) for m in module)
+    return split_numel(module) > 0
+
+
+def split_numel(module: nn.Module) -> int:
+    """How many of ``module``'s parameters ``split_block`` divides over the devices (0: it
+    has no split); the rest stays whole on the first device."""
+    if isinstance(module, TransformerLayer):
+        fc1, fc2 = module.mlp[0], module.mlp[2]
+        split = [*module.qkv.parameters(), *module.proj.parameters(), *fc1.parameters()]
+        split += [*fc2.parameters()]
+        biases = 2 * module.proj.out_features  # the projection's and fc2's: added after the sums
+        return sum(p.numel() for p in split) - biases
+    if isinstance(module, nn.Linear):
+        return sum(p.numel() for p in module.parameters())
+    found = _split_linear(module)
+    return 0 if found is None else sum(p.numel() for p in found[1].parameters())
+
+
+def _split_linear(module: nn.Module) -> tuple[int, nn.Linear] | None:
+    """In an ``nn.Sequential``, the linear layer split by columns: its last, where only
+    parameterless layers follow it (they run on each device's columns)."""
+    if not isinstance(module, nn.Sequential):
+        return None
+    layers: list[nn.Module] = list(module)
+    linears = [(i, m) for i, m in enumerate(layers) if isinstance(m, nn.Linear)]
+    if not linears or any(True for m in layers[linears[-1][0] + 1 :] for _ in m.parameters()):
+        return None
+    return linears[-1]
 
 
 def split_block(module: nn.Module, devices: Sequence[torch.device]) -> SplitBlock:
@@ -254,12 +285,11 @@ def split_block(module: nn.Module, devices: Sequence[torch.device]) -> SplitBloc
         return SplitTransformerLayer(module, devices)
     if isinstance(module, nn.Linear):
         return SplitLinear([], module, [], "", devices)
-    if isinstance(module, nn.Sequential):
-        layers = list(module)
-        linears = [(i, m) for i, m in enumerate(layers) if isinstance(m, nn.Linear)]
-        if linears:
-            at, linear = linears[-1]  # the last: what comes after it runs on each device
-            return SplitLinear(layers[:at], linear, layers[at + 1 :], f"{at}.", devices)
+    found = _split_linear(module)
+    if found is not None:
+        at, linear = found
+        layers = list(module.children())
+        return SplitLinear(layers[:at], linear, layers[at + 1 :], f"{at}.", devices)
     raise TensorSplitError(
         f"a block of type {type(module).__name__} has no tensor-parallel split: splits"
         " exist for GPT layers and for one linear layer with parameterless layers around it"

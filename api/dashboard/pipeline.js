@@ -44,6 +44,8 @@ export function pipelinePicture(job, devices) {
       return h("tr", { className: slow ? "slowest" : "", "data-stage": stage.stage },
         h("th", { scope: "row" }, `stage ${stage.stage}`, stage.replica ? ` · replica ${stage.replica}` : ""),
         h("td", {}, h("code", {}, stage.device_id),
+          (stage.tensor_devices || []).length
+            ? h("div", { className: "sub tensor" }, `split with ${stage.tensor_devices.join(", ")}`) : null,
           h("div", { className: "sub" }, device ? `${device.kind}${device.spot ? " · spot" : ""} · ${fmt(device.speed_gflops, 3)} GFLOP/s` : ""),
           slow ? h("span", { className: "badge warn" }, "slowest stage") : null),
         h("td", {}, blocksTrack(stage.blocks, job.num_blocks)),

@@ -25,6 +25,7 @@ from shoal.scheduler.devices import Device
 from shoal.scheduler.memory import copy_bytes, replica_state_bytes
 from shoal.service.bench.pipeline import RUNNER_THREADS, ray_session, threads
 from shoal.service.bench.report import BenchError, Progress, machine
+from shoal.service.bench.tensor_block import WAYS, tensor_block
 from shoal.workers.blocks import Block, tensors_in
 from shoal.workers.pipeline.collective import GlooCollective
 from shoal.workers.pipeline.group import RayGroup
@@ -81,7 +82,9 @@ class ShardSettings:
 
 
 def phases(s: ShardSettings) -> list[str]:
-    return [f"{r} replicas, shard {m}" for r in s.replicas for m in SHARD_MODES]
+    return [f"{r} replicas, shard {m}" for r in s.replicas for m in SHARD_MODES] + [
+        f"one block, tensor parallelism {WAYS} against 1"
+    ]
 
 
 def measured_state_bytes(s: ShardSettings, replicas: int, mode: str) -> tuple[int, int]:
@@ -219,6 +222,17 @@ def run_shard(s: ShardSettings, progress: Progress = lambda _: None) -> dict[str
                         ),
                     }
                 )
+    progress(f"one block, tensor parallelism {WAYS} against 1")
+    split = tensor_block(
+        s.refs(),
+        costs,
+        hidden=s.hidden,
+        batch_size=s.batch_size,
+        micro_batches=s.micro_batches,
+        steps=s.steps,
+        warmup=s.warmup,
+        seed=s.seed,
+    )
     whole = {r["replicas"]: r for r in runs if r["shard"] == "none"}
     params = sum(c.param_bytes for c in costs)
     for r in runs:
@@ -243,7 +257,7 @@ def run_shard(s: ShardSettings, progress: Progress = lambda _: None) -> dict[str
             "warmup": s.warmup,
             "optimizer": "adam",
         },
-        "not_built": ["tensor parallelism"],
+        "tensor": split,
         "machine": machine(),
         "wall_s": round(time.perf_counter() - started, 1),
     }

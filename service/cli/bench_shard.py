@@ -93,3 +93,12 @@ def shard_table(console: Console, result: dict[str, Any]) -> None:
             fmt(run["copy_bytes_per_device"] / 2**20),
         )
     console.print(table)
+    split = result["tensor"]
+    console.print(
+        f"One block ({split['parameters']:,} parameters), split over {split['ways']} devices"
+        f" ({split['devices']}): {fmt(split['tp2_samples_per_s'])} samples/s against"
+        f" {fmt(split['tp1_samples_per_s'])} whole ({fmt(split['tp2_vs_tp1'], 2)}x); a device"
+        f" keeps {fmt(split['tp2_state_bytes_per_device'] / 2**20)} MiB of its"
+        f" {fmt(split['whole_state_bytes'] / 2**20)} MiB (predicted"
+        f" {fmt(split['predicted_tp2_state_bytes_per_device'] / 2**20)})"
+    )

@@ -124,7 +124,8 @@ def print_job(console: Console, job: Json, checkpoints: list[Json]) -> None:
         partition = _table(f"pipeline of {stages} stages", "STAGE", "DEVICE", "BLOCKS")
         for stage in job["partition"]:
             start, stop = stage["blocks"]
-            partition.add_row(str(stage["stage"]), stage["device_id"], f"{start}..{stop - 1}")
+            devices = ", ".join([stage["device_id"], *stage.get("tensor_devices", [])])
+            partition.add_row(str(stage["stage"]), devices, f"{start}..{stop - 1}")
         console.print(partition)
 
 

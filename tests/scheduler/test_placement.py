@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from shoal.scheduler.devices import Device
 from shoal.scheduler.placement import JobRequest, Quota, Running, Usage, place, preemptions
 from tests.factories import device
 
@@ -163,3 +164,51 @@ def test_a_waiting_job_preempts_the_lowest_priorities_only_as_far_as_it_needs() 
     # Only devices the waiting job may use count (its kind).
     picky = request("picky", priority=9, stages=2, max_devices=2, device_kind="gpu")
     assert preemptions(picky, running, free) == []
+
+
+def nodes(**counts: int) -> list[Device]:
+    """Free devices: ``n1=3`` is three devices of node n1."""
+    return [device(node, i) for node, count in counts.items() for i in range(count)]
+
+
+def test_tensor_groups_are_whole_and_on_one_node_each() -> None:
+    free = nodes(n1=3, n2=5, n3=1)  # 9 free, but only 2 + 4 make groups of 2
+    placed, _ = place([request("a", tensor=2, max_devices=16, num_blocks=8)], free)
+    ids = [d.id for d in placed[0].devices]
+    assert ids == ["n2-cpu-0", "n2-cpu-1", "n2-cpu-2", "n2-cpu-3", "n1-cpu-0", "n1-cpu-1"]
+    # min_devices and max_devices are totals of devices: 3..7 devices are 2..3 groups of 2.
+    placed, _ = place([request("b", tensor=2, min_devices=3, max_devices=7)], nodes(n1=8))
+    assert len(placed[0].devices) == 6
+    # Auto stages, 2 replicas: whole replicas of whole groups (4 devices), not 6.
+    placed, _ = place([request("c", tensor=2, replicas=2, max_devices=8)], nodes(n1=6))
+    assert len(placed[0].devices) == 4
+
+
+def test_explicit_stages_and_replicas_take_that_many_tensor_groups() -> None:
+    job = request("a", stages=2, replicas=2, tensor=2, max_devices=8)
+    placed, _ = place([job], nodes(n1=4, n2=3, n3=3))
+    assert [d.node_id for d in placed[0].devices] == ["n1"] * 4 + ["n2"] * 2 + ["n3"] * 2
+    _, waiting = place([job], nodes(n1=3, n2=3, n3=1))  # 7 free, 2 groups
+    assert waiting[0].reason == (
+        "needs 4 tensor groups of 2 devices on one node each, 2 available (free per node: 3, 3, 1)"
+    )
+
+
+def test_too_few_whole_tensor_groups_wait_saying_how_the_devices_are_spread() -> None:
+    job = request("a", stages=2, tensor=4, max_devices=8)
+    _, waiting = place([job], nodes(n1=5, n2=3))  # 8 free, but one group of 4
+    assert waiting[0].reason == (
+        "needs 2 tensor groups of 4 devices on one node each, 1 available (free per node: 5, 3)"
+    )
+    _, waiting = place([job], nodes(n1=1, n2=3, n3=2, n4=1, n5=1))
+    assert waiting[0].reason.endswith("0 available (free per node: 3, 2, 1, 1, ...)")
+
+
+def test_preemption_counts_a_victims_devices_only_where_they_complete_tensor_groups() -> None:
+    free = [device("n1", 0), device("n2", 0), device("n2", 1)]  # one group of 2
+    alone = Running(request("alone", priority=0), (device("n3", 0),))
+    completes = Running(request("completes", priority=1), (device("n1", 1),))
+    urgent = request("urgent", priority=9, stages=2, tensor=2, max_devices=4)
+    # 4 devices once "alone" stops, but its device makes no group with any other.
+    assert preemptions(urgent, [alone], free) == []
+    assert preemptions(urgent, [alone, completes], free) == ["alone", "completes"]

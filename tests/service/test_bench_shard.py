@@ -55,3 +55,11 @@ def test_a_tiny_run_measures_each_modes_share_of_the_state_as_predicted(ray_addr
     for mode in ("optimizer", "gradients", "full"):
         ratio = runs[mode]["copy_bytes_per_device"] / runs["none"]["copy_bytes_per_device"]
         assert ratio == pytest.approx(0.5, abs=0.01), (mode, ratio)
+    # One block split 2 ways: each device keeps half its state, as predicted, and it
+    # trains as the whole block within float rounding.
+    split = result["tensor"]
+    assert split["tp1_samples_per_s"] > 0 and split["tp2_samples_per_s"] > 0, split
+    assert abs(split["prediction_error"]) < 0.01, split
+    share = split["tp2_state_bytes_per_device"] / split["whole_state_bytes"]
+    assert share == pytest.approx(0.5, abs=0.01), split
+    assert split["loss_max_rel_diff"] < 1e-5, split

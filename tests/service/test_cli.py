@@ -104,10 +104,16 @@ class Stub:
     def advance(self, stub: StubJob) -> None:
         job = stub.job
         if job["state"] == "QUEUED":
-            job["devices"] = ["n1-cpu-0", "n1-cpu-1"]
+            job["devices"] = ["n1-cpu-0", "n1-cpu-1", "n1-cpu-2"]
             job["partition"] = [
                 {"stage": 0, "device_id": "n1-cpu-0", "blocks": [0, 2]},
-                {"stage": 1, "device_id": "n1-cpu-1", "blocks": [2, 3]},
+                # Split over two devices (parallelism.tensor: 2).
+                {
+                    "stage": 1,
+                    "device_id": "n1-cpu-1",
+                    "blocks": [2, 3],
+                    "tensor_devices": ["n1-cpu-2"],
+                },
             ]
             self.move(stub, "RUNNING")
         elif job["state"] == "RUNNING":
@@ -614,7 +620,8 @@ def test_status_of_one_job_shows_partition_error_and_checkpoints(api: str, stub:
     assert result.exit_code == 0, result.output
     out = cells(result.stdout)
     assert re.search(r"state\s+RUNNING", out)
-    assert re.search(r"0\s+n1-cpu-0\s+0\.\.1", out) and re.search(r"1\s+n1-cpu-1\s+2\.\.2", out)
+    assert re.search(r"0\s+n1-cpu-0\s+0\.\.1", out)
+    assert re.search(r"1\s+n1-cpu-1, n1-cpu-2\s+2\.\.2", out), out
     assert re.search(r"checkpoints\s+1, latest at step 2", out)
     shoal("status", job.job["id"])  # step 1
     failed = shoal("status", job.job["id"], "--json")

@@ -904,6 +904,21 @@ def test_stages_are_planned_in_what_a_device_has_beside_its_overhead(
     assert "has 0 B" in str(failed.error), failed.error
 
 
+def trained_losses(controller: Controller, factory: SessionFactory, job_id: str) -> list[float]:
+    """Reconcile until the job SUCCEEDED (failing with its state and error); its losses."""
+    reconcile_until(
+        controller,
+        lambda: job(factory, job_id).state == "SUCCEEDED",
+        what=lambda: (job(factory, job_id).state, job(factory, job_id).error),
+    )
+    with factory() as session:
+        return list(
+            session.scalars(
+                sa.select(JobMetric.loss).where(JobMetric.job_id == job_id).order_by(JobMetric.step)
+            )
+        )
+
+
 def test_a_job_of_sharded_replicas_trains_as_one_of_whole_replicas(
     session_factory: SessionFactory, cluster: Cluster, tmp_path: Path
 ) -> None:
@@ -923,27 +938,40 @@ def test_a_job_of_sharded_replicas_trains_as_one_of_whole_replicas(
             resources={"min_devices": 2, "max_devices": 2},
             elastic={"repartition": False},  # in-memory copies on, sharded or not
         )
-        reconcile_until(
-            controller,
-            lambda job_id=job_id: job(session_factory, job_id).state == "SUCCEEDED",
-            what=lambda job_id=job_id: (
-                job(session_factory, job_id).state,
-                job(session_factory, job_id).error,
-            ),
-        )
-        with session_factory() as session:
-            losses[shard] = list(
-                session.scalars(
-                    sa.select(JobMetric.loss)
-                    .where(JobMetric.job_id == job_id)
-                    .order_by(JobMetric.step)
-                )
-            )
+        losses[shard] = trained_losses(controller, session_factory, job_id)
         said = [e.data["sharded"] for e in events(session_factory, job_id) if e.kind == "shard"]
         on_ray = not isinstance(cluster, InProcessCluster)
         assert said == ([on_ray] if shard != "none" else []), said
     assert len(losses["full"]) == 20
     assert losses["full"] == pytest.approx(losses["none"], rel=1e-5, abs=1e-6)
+
+
+def test_a_tensor_parallel_job_trains_as_one_on_one_device(
+    session_factory: SessionFactory, cluster: Cluster, tmp_path: Path
+) -> None:
+    """``parallelism.tensor`` through submission, placement, the layout and the runner: a
+    stage on a group of two devices of the node, its blocks split over them, trains as the
+    same stage on one device does (within float rounding: the split sums in another order)."""
+    controller = make_controller(session_factory, cluster, tmp_path)
+    who = owner(session_factory)
+    losses = {}
+    for tensor in (2, 1):
+        job_id = submit(
+            session_factory,
+            who,
+            name=f"tensor-{tensor}",
+            steps=20,
+            parallelism={"stages": 1, "replicas": 1, "tensor": tensor},
+            resources={"min_devices": tensor, "max_devices": tensor},
+            elastic={"repartition": False},
+        )
+        losses[tensor] = trained_losses(controller, session_factory, job_id)
+        ran = job(session_factory, job_id)
+        (row,) = ran.partition
+        assert len(ran.devices) == tensor and row["device_id"] == ran.devices[0], ran.devices
+        assert row.get("tensor_devices", []) == ran.devices[1:], ran.partition
+    assert len(losses[2]) == 20
+    assert losses[2] == pytest.approx(losses[1], rel=1e-5, abs=1e-6)
 
 
 class SmallDeviceRay(TwoDeviceRay):

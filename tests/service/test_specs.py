@@ -10,7 +10,7 @@ import pytest
 from shoal.service.db.models import Job
 from shoal.service.snapshots import build_snapshot
 from shoal.service.spec_errors import SpecError
-from shoal.service.specs import validate_job_spec
+from shoal.service.specs import AcceptedSpec, check_memory, validate_job_spec
 from tests.factories import device, job_spec
 
 pytestmark = pytest.mark.unit
@@ -80,6 +80,15 @@ def test_gpt_on_pysource_takes_vocabulary_and_length_from_data() -> None:
         ({"optimizer": {"clip_grad_norm": "small"}}, "optimizer.clip_grad_norm"),
         ({"precision": "fp16"}, "precision"),
         ({"parallelism": {"shard": "zero3"}}, "parallelism.shard"),
+        ({"parallelism": {"tensor": 0}}, "parallelism.tensor"),
+        ({"parallelism": {"tensor": 2}}, "parallelism.tensor"),  # max_devices 1
+        (
+            {
+                "parallelism": {"tensor": 2, "replicas": 2, "shard": "gradients"},
+                "resources": {"max_devices": 4},
+            },
+            "parallelism.tensor",
+        ),
         (
             {
                 "parallelism": {"shard": "full", "replicas": 3},
@@ -94,6 +103,35 @@ def test_bad_specs_name_the_field(overrides: dict[str, object], field: str) -> N
     with pytest.raises(SpecError) as info:
         validate_job_spec(job_spec(**overrides), [])
     assert field in fields(info.value), info.value.errors
+
+
+def test_a_block_too_large_for_any_device_is_admitted_split_over_a_tensor_group() -> None:
+    """Admission counts a device's share of each split block: on the smallest devices a
+    GPT split 4 ways is admitted on, the same GPT on 4 whole devices is refused."""
+    gpt = {"builtin": "gpt", "config": {"d_model": 512, "n_layers": 2, "n_heads": 8}}
+    data = {"builtin": "synthetic-lm"}
+    whole = validate_job_spec(job_spec(model=gpt, data=data, resources={"max_devices": 4}), [])
+    split = validate_job_spec(
+        job_spec(
+            model=gpt,
+            data=data,
+            parallelism={"tensor": 4, "stages": 1},
+            resources={"min_devices": 4, "max_devices": 4},
+        ),
+        [],
+    )
+
+    def admitted(accepted: AcceptedSpec, mb: int) -> bool:
+        try:
+            check_memory(accepted, mb)
+        except SpecError as exc:
+            assert fields(exc) == ["resources.max_devices"], exc.errors
+            return False
+        return True
+
+    smallest = next(mb for mb in range(1, 1024) if admitted(split, mb))
+    assert not admitted(whole, smallest)
+    assert admitted(whole, 4 * smallest)  # the check is a bound, not a refusal of all
 
 
 @pytest.mark.parametrize("keep_copies", [True, False])

@@ -14,7 +14,13 @@ from hypothesis import strategies as st
 from torch import nn
 
 from shoal.workers.snapshot import ModelRef
-from shoal.workers.tensor_split import TensorSplitError, cuts, split_block
+from shoal.workers.tensor_split import (
+    TensorSplitError,
+    cuts,
+    split_block,
+    split_numel,
+    splittable,
+)
 from shoal.workers.zoo.models import build_blocks
 from shoal.workers.zoo.registry import DataMeta
 
@@ -117,8 +123,23 @@ def test_blocks_that_cannot_split_say_why() -> None:
         split_block(_gpt(1), [CPU] * 7)
     with pytest.raises(TensorSplitError, match="2 or more devices"):
         split_block(_gpt(1), [CPU])
-    with pytest.raises(TensorSplitError, match="parameterless"):
-        split_block(nn.Sequential(nn.Linear(3, 4), nn.LayerNorm(4)), [CPU, CPU])
+    normed = nn.Sequential(nn.Linear(3, 4), nn.LayerNorm(4))
+    assert not splittable(normed)  # the layer norm would run on each device's columns
+    with pytest.raises(TensorSplitError, match="no tensor-parallel split"):
+        split_block(normed, [CPU, CPU])
+
+
+@pytest.mark.parametrize("name", sorted(BLOCKS))
+def test_what_a_split_divides_is_what_the_partitioner_counts_divided(name: str) -> None:
+    """``split_numel`` (a traced block's ``split_bytes``) is the parameters whose pieces are
+    spread over the devices; the rest is whole on the first device."""
+    build, _ = BLOCKS[name]
+    block = build()
+    split = split_block(block, [CPU, CPU])
+    whole = dict(block.named_parameters())
+    spread = sum(whole[key].numel() for key, piece in split.pieces.items() if len(piece.names) > 1)
+    assert split_numel(block) == spread > 0
+    assert split_numel(_gpt(0)) == 0  # the embedding stays whole
 
 
 def test_splitting_draws_nothing_from_the_random_generator() -> None:

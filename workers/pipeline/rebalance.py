@@ -20,9 +20,16 @@ from typing import Any
 from shoal.scheduler.elastic import Decision, Repartition, StageSample, current_plan, decide
 from shoal.scheduler.partition import PartitionPlan
 from shoal.scheduler.profile import uniform_costs
-from shoal.scheduler.workload import DeviceCapacity, Workload
+from shoal.scheduler.tensor import per_device
+from shoal.scheduler.workload import DeviceCapacity
 from shoal.workers.pipeline.worker_group import Handle, WorkerGroup
-from shoal.workers.snapshot import JobSnapshot, RunnerEvent, StagePlan, StepMetrics
+from shoal.workers.snapshot import (
+    JobSnapshot,
+    RunnerEvent,
+    StagePlan,
+    StepMetrics,
+    partition_rows,
+)
 
 Policy = Callable[["Layout", Sequence[Sequence[StageSample]]], Decision]
 """Asked after a step: the running layout and the samples measured since it began."""
@@ -53,16 +60,8 @@ class Layout:
         )
 
     def rows(self) -> list[dict[str, Any]]:
-        """The partition as the API shows it: stage, replica, device and blocks per worker."""
-        return [
-            {
-                "stage": p.index,
-                "replica": p.replica,
-                "device_id": p.device.id,
-                "blocks": list(p.blocks),
-            }
-            for p in self.plans
-        ]
+        """The partition as the API shows it (``partition_rows``)."""
+        return partition_rows(self.plans)
 
     def with_plan(self, plan: PartitionPlan) -> Layout:
         """This layout's workers holding ``plan``'s cut and micro-batch shares."""
@@ -101,18 +100,14 @@ def snapshot_policy(snapshot: JobSnapshot) -> Policy | None:
     conf = snapshot.elastic
     if conf is None:
         return None
-    costs = snapshot.block_costs or uniform_costs(snapshot.num_blocks)
-    workload = Workload(
-        micro_batches=snapshot.micro_batches,
-        micro_batch_size=snapshot.batch_size // snapshot.micro_batches,
-        schedule=snapshot.schedule,
-        recompute=snapshot.recompute,
-        precision=snapshot.precision,
-        shard=snapshot.shard,
-    )
+    workload = snapshot.workload()
+    costs = per_device(snapshot.block_costs or uniform_costs(snapshot.num_blocks), workload.tensor)
 
     def policy(layout: Layout, history: Sequence[Sequence[StageSample]]) -> Decision:
-        devices = [DeviceCapacity(p.device.id, 1.0, p.device.usable_bytes) for p in layout.plans]
+        devices = [
+            DeviceCapacity(p.device.id, 1.0, min(d.usable_bytes for d in p.group))
+            for p in layout.plans
+        ]
         return decide(
             layout.plan(),
             costs,

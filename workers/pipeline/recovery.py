@@ -36,7 +36,6 @@ from shoal.scheduler.layout import plan_layout
 from shoal.scheduler.partition import PartitionError
 from shoal.scheduler.pieces import Piece, fetch_plan, whole_blocks
 from shoal.scheduler.profile import uniform_costs
-from shoal.scheduler.workload import Workload
 from shoal.workers.pipeline.rebalance import Layout, settle
 from shoal.workers.pipeline.stage_worker import StageFailed
 from shoal.workers.pipeline.worker_group import GroupTimeout, Handle, StageLost, WorkerGroup
@@ -228,25 +227,22 @@ def plan_survivors(
     snapshot: JobSnapshot, layout: Layout, alive: Sequence[int], gflops: Mapping[str, float]
 ) -> tuple[Layout, dict[int, int]]:
     """The new layout over the survivors' devices and which survivor becomes which worker."""
-    devices = [layout.plans[w].device for w in alive]
+    devices = [d for w in alive for d in layout.plans[w].group]
     planned = plan_layout(
         devices,
         gflops,
         costs=snapshot.block_costs or uniform_costs(snapshot.num_blocks),
         stages=None,
         replicas=None,
-        workload=Workload(
-            micro_batches=snapshot.micro_batches,
-            micro_batch_size=snapshot.batch_size // snapshot.micro_batches,
-            schedule=snapshot.schedule,
-            recompute=snapshot.recompute,
-            precision=snapshot.precision,
-            shard=snapshot.shard,
-        ),
+        workload=snapshot.workload(),
     )
-    new = Layout(stage_plans(planned.devices, planned.ranges), tuple(planned.plan.micro_batches))
-    where = {layout.plans[w].device.id: w for w in alive}
-    keep = {w: where[p.device.id] for w, p in enumerate(new.plans) if p.device.id in where}
+    new = Layout(
+        stage_plans(planned.devices, planned.ranges, planned.tensor),
+        tuple(planned.plan.micro_batches),
+    )
+    # A survivor stays a worker where the new layout gives it the devices it holds.
+    where = {layout.plans[w].group: w for w in alive}
+    keep = {w: where[p.group] for w, p in enumerate(new.plans) if p.group in where}
     return new, keep
 
 

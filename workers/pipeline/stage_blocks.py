@@ -17,7 +17,7 @@ from shoal.workers.zoo.models import build_blocks
 
 def stage_devices(plan: StagePlan) -> list[torch.device]:
     """The devices a worker for ``plan`` computes on: its own, then its tensor group's."""
-    group = (plan.device, *plan.tensor_devices)
+    group = plan.group
     if plan.device.gpu and torch.cuda.is_available() and torch.cuda.device_count() == len(group):
         # A Ray actor sees only its group's GPUs, as 0..N-1 in the order it was given them.
         return [torch.device("cuda", k) for k in range(len(group))]

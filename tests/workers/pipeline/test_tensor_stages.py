@@ -13,8 +13,10 @@ import pytest
 from shoal.scheduler.devices import Device
 from shoal.workers.pipeline.group import RayGroup
 from shoal.workers.pipeline.local_group import LocalGroup
+from shoal.workers.pipeline.rebalance import Layout
+from shoal.workers.pipeline.recovery import plan_survivors
 from shoal.workers.pipeline.runner import Trainer
-from shoal.workers.snapshot import RunStatus, StagePlan
+from shoal.workers.snapshot import RunStatus, StagePlan, stage_plans
 from shoal.workers.tensor_split import TensorBlock
 from tests.factories import ADAM, GPT, TOKENS, job, plans
 from tests.workers.runs import assert_matches_reference, final_states, metrics
@@ -90,3 +92,19 @@ def test_a_tensor_parallel_worker_takes_its_groups_devices_on_ray(
     assert trainer.run() is RunStatus.SUCCEEDED, trainer.report(0).error
     assert_matches_reference(snap, metrics(trainer))
     assert sorted(final_states(snap)) == [0, 1, 2, 3]
+
+
+@pytest.mark.unit
+def test_recovery_plans_on_the_survivors_whole_tensor_groups(tmp_path: Path) -> None:
+    """A lost worker takes its whole group: the survivors' groups are planned again as
+    groups, and each survivor keeps the group it holds."""
+    node = "n0000000a"
+    devices = [Device(f"{node[:8]}-cpu-{i}", node, i, "cpu", 2048, False) for i in range(4)]
+    snap = job(tmp_path, [(0, 2), (2, 4)])
+    snap = replace(snap, stages=stage_plans(devices, [(0, 2), (2, 4)], 2))
+    assert snap.tensor == 2 and snap.workload().tensor == 2
+    layout = Layout(snap.stages, (snap.micro_batches,))
+    for alive, group in (([0], devices[:2]), ([1], devices[2:])):
+        new, keep = plan_survivors(snap, layout, alive, {})
+        assert [p.group for p in new.plans] == [tuple(group)], new.plans
+        assert new.plans[0].blocks == (0, 4) and keep == {0: alive[0]}
