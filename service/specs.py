@@ -350,22 +350,35 @@ def _check_tensor(accepted: AcceptedSpec) -> None:
 
 def check_memory(accepted: AcceptedSpec, largest_device_mb: int | None) -> None:
     """Refuse a model that cannot fit on the devices the job may use, whatever the partition
-    (a lower bound on the memory per device); no devices known or no costs: nothing to check."""
+    (a lower bound on the memory per device); no devices known or no costs: nothing to check.
+    Where splitting its blocks over a tensor group would fit it, the refusal says so."""
     if accepted.costs is None or largest_device_mb is None:
         return
     spec = accepted.spec
-    tensor = spec.parallelism.tensor
-    message = submission_refusal(
-        per_device(accepted.costs, tensor),
-        optimizer=spec.optimizer.name,
-        micro_batch_size=spec.batch_size // spec.micro_batches,
-        largest_device_bytes=largest_device_mb * 2**20,
-        max_devices=spec.resources.max_devices // tensor,
-        shards=_most_shards(spec),
-        full=spec.parallelism.shard in ("full", "auto"),
-    )
-    if message is not None:
-        raise SpecError([("resources.max_devices", message)])
+
+    def refusal(tensor: int) -> str | None:
+        return submission_refusal(
+            per_device(accepted.costs or (), tensor),
+            optimizer=spec.optimizer.name,
+            micro_batch_size=spec.batch_size // spec.micro_batches,
+            largest_device_bytes=largest_device_mb * 2**20,
+            max_devices=spec.resources.max_devices // tensor,
+            shards=_most_shards(spec),
+            full=spec.parallelism.shard in ("full", "auto"),
+        )
+
+    message = refusal(spec.parallelism.tensor)
+    if message is None:
+        return
+    if spec.parallelism.tensor == 1 and spec.parallelism.shard == "none":
+        most = min(MAX_TENSOR, spec.resources.max_devices)
+        enough = next((n for n in range(2, most + 1) if refusal(n) is None), None)
+        if enough is not None:
+            message += (
+                f"; or split each block over {enough} devices of a node"
+                f" (parallelism.tensor: {enough})"
+            )
+    raise SpecError([("resources.max_devices", message)])
 
 
 def _most_shards(spec: JobSpec) -> int:

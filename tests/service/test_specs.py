@@ -132,6 +132,24 @@ def test_a_block_too_large_for_any_device_is_admitted_split_over_a_tensor_group(
     smallest = next(mb for mb in range(1, 1024) if admitted(split, mb))
     assert not admitted(whole, smallest)
     assert admitted(whole, 4 * smallest)  # the check is a bound, not a refusal of all
+    # Refused whole, the job is told the split that fits.
+    with pytest.raises(SpecError) as info:
+        check_memory(whole, smallest)
+    (error,) = info.value.errors
+    assert "(parallelism.tensor: " in error[1], error
+    told = int(error[1].rsplit("parallelism.tensor: ", 1)[1].rstrip(")"))
+    assert 2 <= told <= 4 and admitted(
+        validate_job_spec(
+            job_spec(
+                model=gpt,
+                data=data,
+                parallelism={"tensor": told, "stages": 1},
+                resources={"min_devices": told, "max_devices": 4},
+            ),
+            [],
+        ),
+        smallest,
+    )
 
 
 @pytest.mark.parametrize("keep_copies", [True, False])
