@@ -89,14 +89,14 @@ def stage_plans(
 
 def partition_rows(plans: Sequence[StagePlan]) -> list[dict[str, Any]]:
     """The partition as the job row and the API keep it: stage, replica, device and blocks
-    per worker, and the rest of its tensor group where it has one."""
+    per worker, and the rest of its tensor group (none: empty)."""
     return [
         {
             "stage": p.index,
             "replica": p.replica,
             "device_id": p.device.id,
             "blocks": list(p.blocks),
-            **({"tensor_devices": [d.id for d in p.tensor_devices]} if p.tensor_devices else {}),
+            "tensor_devices": [d.id for d in p.tensor_devices],
         }
         for p in plans
     ]

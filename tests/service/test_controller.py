@@ -969,7 +969,7 @@ def test_a_tensor_parallel_job_trains_as_one_on_one_device(
         ran = job(session_factory, job_id)
         (row,) = ran.partition
         assert len(ran.devices) == tensor and row["device_id"] == ran.devices[0], ran.devices
-        assert row.get("tensor_devices", []) == ran.devices[1:], ran.partition
+        assert row["tensor_devices"] == ran.devices[1:], ran.partition
     assert len(losses[2]) == 20
     assert losses[2] == pytest.approx(losses[1], rel=1e-5, abs=1e-6)
 
