@@ -35,6 +35,8 @@ class StageTimingOut(BaseModel):
     allreduce_s: float = 0.0
     transfer_s: float = 0.0
     copy_s: float = 0.0
+    tensor_devices: list[str] = []
+    """The rest of the stage's tensor-parallel group, beside ``device_id``."""
 
 
 class JobOut(BaseModel):

@@ -44,6 +44,9 @@ class BlockCost:
     split_bytes: int = 0
     """Of ``param_bytes``, what a tensor-parallel split divides over its devices (0: the
     block has no split, ``workers.tensor_split``)."""
+    split_ways: int = 0
+    """The most devices that split can go over (a GPT layer's heads, a linear layer's output
+    features; 0: no split, or not known)."""
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.fwd_bwd_s) and self.fwd_bwd_s >= 0):
@@ -55,6 +58,7 @@ class BlockCost:
             "optim_bytes": self.optim_bytes,
             "activation_bytes_per_sample": self.activation_bytes_per_sample,
             "input_bytes_per_sample": self.input_bytes_per_sample,
+            "split_ways": self.split_ways,
         }
         bad = next((name for name, value in sizes.items() if value < 0), None)
         if bad is not None:

@@ -334,18 +334,30 @@ def complete_job_spec(
 
 
 def _check_tensor(accepted: AcceptedSpec) -> None:
-    """A tensor-parallel job needs a model whose blocks' splits are known (traced) and
-    that has a block to split (``workers.tensor_split``)."""
+    """A tensor-parallel job needs a model whose blocks' splits are known (traced), that has
+    a block to split (``workers.tensor_split``), and whose every split goes ``tensor`` ways
+    (a GPT layer by heads, a linear layer by output features)."""
     tensor = accepted.spec.parallelism.tensor
     if tensor == 1:
         return
     if accepted.costs is None:
         why = f"the model did not trace ({accepted.untraced}), so its blocks' splits are unknown"
+        fix = "use 1"
     elif not any(c.split_bytes for c in accepted.costs):
         why = "no block of the model has a split (splits exist for GPT layers and linear layers)"
+        fix = "use 1"
     else:
-        return
-    raise SpecError([("parallelism.tensor", f"tensor: {tensor} cannot run: {why}; use 1")])
+        most = _most_ways(accepted.costs)
+        if tensor <= most:
+            return
+        why = f"a block of the model splits at most {most} ways (its heads or output features)"
+        fix = f"use parallelism.tensor <= {most}"
+    raise SpecError([("parallelism.tensor", f"tensor: {tensor} cannot run: {why}; {fix}")])
+
+
+def _most_ways(costs: Sequence[BlockCost]) -> int:
+    """The most devices every split block of a model splits over (0: no block splits)."""
+    return min((c.split_ways for c in costs if c.split_bytes), default=0)
 
 
 def check_memory(accepted: AcceptedSpec, largest_device_mb: int | None) -> None:
@@ -371,7 +383,7 @@ def check_memory(accepted: AcceptedSpec, largest_device_mb: int | None) -> None:
     if message is None:
         return
     if spec.parallelism.tensor == 1 and spec.parallelism.shard == "none":
-        most = min(MAX_TENSOR, spec.resources.max_devices)
+        most = min(MAX_TENSOR, spec.resources.max_devices, _most_ways(accepted.costs))
         enough = next((n for n in range(2, most + 1) if refusal(n) is None), None)
         if enough is not None:
             message += (

@@ -2,9 +2,10 @@
 plane knows: the job's traced block costs, its precision and micro-batches, and the devices
 the step ran on as the inventory and the workers' speed measurements describe them.
 
-A step ran on its stages' devices; a SHARP trial's step reports no stages and ran on its
-sweep's shared devices (the job's), so a sweep's trials' MFUs add up to its executor's. A model
-that did not trace (a factory's that needs real data) has no FLOP count and reports no MFU.
+A step ran on its stages' devices (a tensor-parallel stage on its whole group); a SHARP
+trial's step reports no stages and ran on its sweep's shared devices (the job's), so a sweep's
+trials' MFUs add up to its executor's. A model that did not trace (a factory's that needs real
+data) has no FLOP count and reports no MFU.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from shoal.workers.snapshot import StepMetrics
 
 
 def _step_devices(job: Job, metric: StepMetrics) -> list[str]:
-    ids = [s.device_id for s in metric.stages] or [str(d) for d in job.devices]
+    ids = [d for s in metric.stages for d in (s.device_id, *s.tensor_devices)]
+    ids = ids or [str(d) for d in job.devices]
     return list(dict.fromkeys(ids))
 
 

@@ -45,7 +45,7 @@ from shoal.scheduler.memory import FLOAT_BYTES, optimizer_state_factor
 from shoal.scheduler.profile import REFERENCE_GFLOPS, BlockCost
 from shoal.workers.precision import autocast_dtype
 from shoal.workers.snapshot import DataRef, ModelRef
-from shoal.workers.tensor_split import split_numel
+from shoal.workers.tensor_split import SplitSize, split_size
 from shoal.workers.zoo.data import loss_fn, sample_batch
 from shoal.workers.zoo.models import build_blocks, built_alike, count_blocks
 
@@ -203,7 +203,7 @@ def trace_costs(
             )
         loss = loss_fn(meta.task)
         costs = []
-        traced: dict[tuple[object, ...], tuple[_Trace, int, int]] = {}
+        traced: dict[tuple[object, ...], tuple[_Trace, int, SplitSize]] = {}
         for i in range(count):
             last = i == count - 1
             key = (alike[i], tuple(x.shape), x.dtype, i > 0, last)
@@ -212,7 +212,7 @@ def trace_costs(
                 end = (lambda y: loss(y, target)) if last else (lambda y: y)
                 params = sum(p.numel() for p in block.parameters()) * FLOAT_BYTES
                 trace = _trace_block(block, x, end, input_grad=i > 0, low=low)
-                traced[key] = (trace, params, split_numel(block) * FLOAT_BYTES)
+                traced[key] = (trace, params, split_size(block))
             trace, params, split = traced[key]
             costs.append(
                 BlockCost(
@@ -222,7 +222,8 @@ def trace_costs(
                     optim_bytes=round(params * state_factor),
                     activation_bytes_per_sample=-(-trace.saved_bytes // rows),
                     input_bytes_per_sample=-(-_nbytes(x) // rows),
-                    split_bytes=split,
+                    split_bytes=split.numel * FLOAT_BYTES,
+                    split_ways=split.ways,
                 )
             )
             x = trace.output

@@ -230,6 +230,8 @@ class StageTiming:
     transfer_s: float = 0.0
     copy_s: float = 0.0
     """Seconds its in-memory copies (``workers.pipeline.recovery``) took just before this step."""
+    tensor_devices: tuple[str, ...] = ()
+    """The rest of the stage's tensor-parallel group (``StagePlan.tensor_devices``)."""
 
 
 @dataclass(frozen=True)

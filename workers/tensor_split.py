@@ -74,7 +74,9 @@ def _linear(weight: Tensor, bias: Tensor | None, device: torch.device) -> nn.Lin
 
 
 class SplitBlock(nn.Module):
-    """A block split over ``devices``: computes what the whole block computes."""
+    """A block split over ``devices``: computes what the whole block computes. Each split
+    keeps the pieces of a device in ``nn.ModuleList``s indexed by device, and everything
+    else on the first device (``device_index`` reads where a parameter is from that)."""
 
     pieces: dict[str, Piece]
     """Each whole parameter or buffer (by the whole block's state-dict key): its pieces."""
@@ -91,7 +93,8 @@ class SplitBlock(nn.Module):
         """Which of ``devices`` holds parameter ``name``: a piece's index in its module
         list (``columns.1.weight``: 1), else the first device (the whole parts)."""
         parts = name.split(".")
-        return int(parts[1]) if len(parts) > 2 and parts[1].isdigit() else 0
+        holder = getattr(self, parts[0], None)
+        return int(parts[1]) if isinstance(holder, nn.ModuleList) else 0
 
     def whole(self, values: Mapping[str, Tensor]) -> dict[str, Tensor]:
         """``values`` by the split block's names (its state, or its parameters' gradients)
@@ -248,27 +251,41 @@ class SplitTransformerLayer(SplitBlock):
 
 def splittable(module: nn.Module) -> bool:
     """Whether ``split_block`` has a split for ``module``'s kind (GPT layers, linear blocks)."""
-    return split_numel(module) > 0
+    return split_size(module).numel > 0
 
 
-def split_numel(module: nn.Module) -> int:
-    """How many of ``module``'s parameters ``split_block`` divides over the devices (0: it
-    has no split); the rest stays whole on the first device."""
+@dataclass(frozen=True)
+class SplitSize:
+    """What ``split_block`` divides of a block: ``numel`` of its parameters (the rest stays
+    whole on the first device) over at most ``ways`` devices (a GPT layer's heads, a linear
+    layer's output features); both 0 where the block has no split."""
+
+    numel: int
+    ways: int
+
+
+def split_size(module: nn.Module) -> SplitSize:
+    """``module``'s ``SplitSize``."""
     if isinstance(module, TransformerLayer):
         fc1, fc2 = module.mlp[0], module.mlp[2]
         split = [*module.qkv.parameters(), *module.proj.parameters(), *fc1.parameters()]
         split += [*fc2.parameters()]
         biases = 2 * module.proj.out_features  # the projection's and fc2's: added after the sums
-        return sum(p.numel() for p in split) - biases
-    if isinstance(module, nn.Linear):
-        return sum(p.numel() for p in module.parameters())
+        numel = sum(p.numel() for p in split) - biases
+        hidden = fc1.out_features if isinstance(fc1, nn.Linear) else 0  # else no split
+        return SplitSize(numel, min(module.n_heads, hidden))
     found = _split_linear(module)
-    return 0 if found is None else sum(p.numel() for p in found[1].parameters())
+    if found is None:
+        return SplitSize(0, 0)
+    linear = found[1]
+    return SplitSize(sum(p.numel() for p in linear.parameters()), linear.out_features)
 
 
 def _split_linear(module: nn.Module) -> tuple[int, nn.Linear] | None:
-    """In an ``nn.Sequential``, the linear layer split by columns: its last, where only
-    parameterless layers follow it (they run on each device's columns)."""
+    """The linear layer split by columns: ``module`` itself, or in an ``nn.Sequential`` its
+    last, where only parameterless layers follow it (they run on each device's columns)."""
+    if isinstance(module, nn.Linear):
+        return 0, module
     if not isinstance(module, nn.Sequential):
         return None
     layers: list[nn.Module] = list(module)

@@ -954,7 +954,7 @@ def test_a_tensor_parallel_job_trains_as_one_on_one_device(
     same stage on one device does (within float rounding: the split sums in another order)."""
     controller = make_controller(session_factory, cluster, tmp_path)
     who = owner(session_factory)
-    losses = {}
+    losses, flops = {}, {}
     for tensor in (2, 1):
         job_id = submit(
             session_factory,
@@ -970,8 +970,27 @@ def test_a_tensor_parallel_job_trains_as_one_on_one_device(
         (row,) = ran.partition
         assert len(ran.devices) == tensor and row["device_id"] == ran.devices[0], ran.devices
         assert row["tensor_devices"] == ran.devices[1:], ran.partition
+        flops[tensor] = _flops_by_mfu(session_factory, job_id)
     assert len(losses[2]) == 20
     assert losses[2] == pytest.approx(losses[1], rel=1e-5, abs=1e-6)
+    # MFU counts the whole group's peak: the same model's FLOPs either way.
+    assert flops[2] == pytest.approx(flops[1]), flops
+
+
+def _flops_by_mfu(session_factory: SessionFactory, job_id: str) -> list[float]:
+    """Each step's FLOPs as its MFU says: MFU x seconds x the summed peak of every device the
+    step's stages name (CPU devices peak at what they measured)."""
+    with session_factory() as session:
+        gflops = {d.id: d.speed_gflops or 0.0 for d in session.scalars(sa.select(DeviceRow))}
+        metrics = session.scalars(
+            sa.select(JobMetric).where(JobMetric.job_id == job_id).order_by(JobMetric.step)
+        ).all()
+    named = [[d for s in m.stages for d in (s["device_id"], *s["tensor_devices"])] for m in metrics]
+    assert all(m.mfu is not None for m in metrics), [m.mfu for m in metrics]
+    return [
+        (m.mfu or 0.0) * m.step_time_s * sum(gflops[d] for d in ds) * 1e9
+        for m, ds in zip(metrics, named, strict=True)
+    ]
 
 
 class SmallDeviceRay(TwoDeviceRay):

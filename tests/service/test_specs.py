@@ -152,6 +152,45 @@ def test_a_block_too_large_for_any_device_is_admitted_split_over_a_tensor_group(
     )
 
 
+@pytest.mark.parametrize(
+    ("model", "message"),
+    [
+        (
+            {"factory": f"{FACTORIES}:normed_mlp", "config": {}},
+            "no block of the model has a split",
+        ),
+        (
+            {"factory": f"{FACTORIES}:data_dependent_mlp", "config": {}},
+            "the model did not trace",
+        ),
+        # digits has 10 classes: the output block splits at most 10 ways.
+        ({"builtin": "mlp", "config": {"hidden": 32}}, "at most 10 ways"),
+        (
+            {"builtin": "gpt", "config": {"d_model": 64, "n_layers": 1, "n_heads": 4}},
+            "at most 4 ways",
+        ),
+    ],
+)
+def test_a_tensor_split_the_model_cannot_take_is_refused_at_submission(
+    model: dict[str, Any], message: str
+) -> None:
+    data = {"builtin": "synthetic-lm"} if model.get("builtin") == "gpt" else {"builtin": "digits"}
+    spec = job_spec(
+        model=model,
+        data=data,
+        parallelism={"tensor": 16, "stages": 1},
+        resources={"min_devices": 16, "max_devices": 16},
+    )
+    with pytest.raises(SpecError) as info:
+        validate_job_spec(spec, [FACTORIES])
+    (error,) = info.value.errors
+    assert error[0] == "parallelism.tensor" and message in error[1], error
+    if "ways" in message:  # the most it names is admitted
+        most = int(message.split()[2])
+        spec["parallelism"]["tensor"] = most
+        assert validate_job_spec(spec, [FACTORIES]).spec.parallelism.tensor == most
+
+
 @pytest.mark.parametrize("keep_copies", [True, False])
 def test_sharded_replicas_are_accepted_with_or_without_in_memory_copies(
     keep_copies: bool,

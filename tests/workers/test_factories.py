@@ -164,6 +164,18 @@ def tiny_mlp_list(config: dict[str, Any], meta: DataMeta) -> list[nn.Module]:
     return list(tiny_mlp(config, meta))
 
 
+def normed_mlp(config: dict[str, Any], meta: DataMeta) -> nn.Sequential:
+    """Two blocks, each a linear layer followed by a layer norm: no block has a
+    tensor-parallel split (the norm would run on each device's columns)."""
+    hidden = int(config.get("hidden", 8))
+    return nn.Sequential(
+        nn.Sequential(
+            nn.Flatten(), nn.Linear(math.prod(meta.input_shape), hidden), nn.LayerNorm(hidden)
+        ),
+        nn.Sequential(nn.Linear(hidden, meta.targets), nn.LayerNorm(meta.targets)),
+    )
+
+
 class _DataDependent(nn.Module):
     """Reads a value out of its input: fine on real tensors, impossible on the meta device."""
 

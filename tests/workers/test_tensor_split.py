@@ -15,10 +15,11 @@ from torch import nn
 
 from shoal.workers.snapshot import ModelRef
 from shoal.workers.tensor_split import (
+    SplitSize,
     TensorSplitError,
     cuts,
     split_block,
-    split_numel,
+    split_size,
     splittable,
 )
 from shoal.workers.zoo.models import build_blocks
@@ -131,15 +132,32 @@ def test_blocks_that_cannot_split_say_why() -> None:
 
 @pytest.mark.parametrize("name", sorted(BLOCKS))
 def test_what_a_split_divides_is_what_the_partitioner_counts_divided(name: str) -> None:
-    """``split_numel`` (a traced block's ``split_bytes``) is the parameters whose pieces are
-    spread over the devices; the rest is whole on the first device."""
+    """``split_size`` (a traced block's ``split_bytes`` and ``split_ways``): its ``numel``
+    is the parameters whose pieces are spread over the devices, the rest whole on the first
+    device; its ``ways`` the most devices the block splits over."""
     build, _ = BLOCKS[name]
     block = build()
     split = split_block(block, [CPU, CPU])
     whole = dict(block.named_parameters())
     spread = sum(whole[key].numel() for key, piece in split.pieces.items() if len(piece.names) > 1)
-    assert split_numel(block) == spread > 0
-    assert split_numel(_gpt(0)) == 0  # the embedding stays whole
+    size = split_size(block)
+    assert size.numel == spread > 0
+    split_block(block, [CPU] * size.ways)
+    with pytest.raises(TensorSplitError, match=f"parallelism.tensor <= {size.ways}"):
+        split_block(block, [CPU] * (size.ways + 1))
+    assert split_size(_gpt(0)) == SplitSize(0, 0)  # the embedding stays whole
+
+
+@pytest.mark.parametrize("name", sorted(BLOCKS))
+def test_a_split_says_which_device_holds_each_parameter(name: str) -> None:
+    """``device_index`` (what a device's share of the state is counted by) names the device
+    each parameter was put on: checked with a second device of another kind (meta)."""
+    build, _ = BLOCKS[name]
+    devices = [CPU, torch.device("meta"), torch.device("meta")]
+    split = split_block(build(), devices)
+    where = {n: split.devices[split.device_index(n)] for n, _ in split.named_parameters()}
+    assert where == {n: p.device for n, p in split.named_parameters()}
+    assert set(where.values()) == {CPU, torch.device("meta")}
 
 
 def test_splitting_draws_nothing_from_the_random_generator() -> None:

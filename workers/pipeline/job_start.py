@@ -60,9 +60,9 @@ def announce(
     run: RunLog,
     timeout: float,
 ) -> dict[str, float]:
-    """Record where the stages run (``placement``), then measure each device's speed
-    (``device_speed``) and, on a GPU, what its worker holds before any block
-    (``device_memory``); the speeds by device id, in GFLOP/s."""
+    """Record where the stages run (``placement``), then measure each device's speed (every
+    device of a tensor group's: ``device_speed``) and, on a GPU, what its worker holds
+    before any block (``device_memory``); the speeds by device id, in GFLOP/s."""
     sizes = _ask_all(group, len(plans), "nbytes", timeout)
     pids = _ask_all(group, len(plans), "pid", timeout)
     stages = [
@@ -84,13 +84,14 @@ def announce(
     speeds: dict[str, float] = {}
     # One device at a time: concurrent benchmarks on shared cores would measure contention.
     for w, p in enumerate(plans):
-        gflops, overhead = group.get(
+        measured, overhead = group.get(
             [group.submit(w, "measure_speed"), group.submit(w, "device_overhead")], timeout
         )
-        speeds[p.device.id] = gflops
         if overhead.how != "none":
             run.record(device_memory_event(p.device, overhead, step))
-        run.record(device_speed_event(p.device, gflops, step, stage=p.index, replica=p.replica))
+        for device, gflops in zip(p.group, measured, strict=True):
+            speeds[device.id] = gflops
+            run.record(device_speed_event(device, gflops, step, stage=p.index, replica=p.replica))
     return speeds
 
 

@@ -88,6 +88,7 @@ class Stage:
             # Virtual CPU devices share a machine's cores: one thread each keeps them apart.
             torch.set_num_threads(1)
         self._setup_slowdown = plan.device.emulate_slowdown
+        self._slowdowns = [d.emulate_slowdown for d in plan.group]
         self._timer = StepTimer(self.device, self._setup_slowdown)
         self._overhead = measure_overhead(self.device)  # before the worker's own tensors
         if plan.tensor_devices and setup.shard != "none":
@@ -489,6 +490,10 @@ class Stage:
         """The worker's process id (shown in the placement event, for operators)."""
         return os.getpid()
 
-    def measure_speed(self) -> float:
-        """GFLOP/s of a fixed matmul on this device, slowed like compute (not counted as it)."""
-        return measure_gflops(self.device, self._setup_slowdown)
+    def measure_speed(self) -> list[float]:
+        """GFLOP/s of a fixed matmul on each device of the stage (its own, then its tensor
+        group's, one after another), slowed like compute (not counted as it)."""
+        return [
+            measure_gflops(device, slowdown)
+            for device, slowdown in zip(self._devices, self._slowdowns, strict=True)
+        ]

@@ -169,6 +169,7 @@ def _metrics(
                 allreduce_s=c.allreduce_s,
                 transfer_s=c.transfer_s,
                 copy_s=c.copy_s,
+                tensor_devices=tuple(d.id for d in p.tensor_devices),
             )
             for p, c in zip(layout.plans, done.clocks, strict=True)
         ),

@@ -382,8 +382,12 @@ def test_compute_time_is_measured_and_slowed(make_group: MakeGroup, setup: Stage
     fast = make_group([(0, 4)], setup)
     slow = make_group([(0, 4)], setup, slowdown=4.0)
     # Best of three: contention from other processes only ever lowers a measured speed.
-    fast_speed = max(fast.get([fast.submit(0, "measure_speed") for _ in range(3)], 60))
-    slow_speed = max(slow.get([slow.submit(0, "measure_speed") for _ in range(3)], 60))
+    fast_speed = max(
+        s for (s,) in fast.get([fast.submit(0, "measure_speed") for _ in range(3)], 60)
+    )
+    slow_speed = max(
+        s for (s,) in slow.get([slow.submit(0, "measure_speed") for _ in range(3)], 60)
+    )
     assert 0 < slow_speed < 0.6 * fast_speed
     x, y = make_data(DATA, SEED).batch(0, 4)
     slow.get([slow.submit(0, "forward_loss", 0, send(x), send(y), 1.0)], 60)
