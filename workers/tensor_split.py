@@ -17,6 +17,10 @@ gradients backward), the sum of the devices' partial outputs its *g*.
   by its hidden features (the first linear by rows, the second by columns): *column then
   row*, one sum per pair, each sum in device order on the home device.
 
+* A block of a factory's own that declares its split (``DeclaredSplit``): its
+  ``tensor_split(devices)`` returns a ``SplitBlock`` of the user's writing, checked when it
+  is made (its pieces must make up the block's state exactly, each on its device).
+
 Each whole parameter is its pieces concatenated (``Piece``), so a split block's state
 converts to and from the whole block's exactly (``whole_state``, ``load_whole``):
 checkpoints and copies do not depend on the split. The sums over devices change the order
@@ -29,7 +33,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -60,9 +64,9 @@ def cuts(size: int, parts: int) -> list[tuple[int, int]]:
     return [slice_of(size, p, parts) for p in range(parts)]
 
 
-def _linear(weight: Tensor, bias: Tensor | None, device: torch.device) -> nn.Linear:
+def linear_piece(weight: Tensor, bias: Tensor | None, device: torch.device) -> nn.Linear:
     """A linear layer on ``device`` holding copies of ``weight`` and ``bias`` (made without
-    drawing from the random generator, as an initialization would)."""
+    drawing from the random generator, as an initialization would): a piece of a split."""
     out_features, in_features = weight.shape
     shape = nn.Linear(in_features, out_features, bias=bias is not None, device="meta")
     layer = shape.to_empty(device=device)
@@ -153,7 +157,7 @@ class SplitLinear(SplitBlock):
             self.pieces[key] = Piece((f"before.{key}",))
         weight, bias = linear.weight.detach(), linear.bias
         self.columns = nn.ModuleList(
-            _linear(weight[lo:hi], None if bias is None else bias.detach()[lo:hi], device)
+            linear_piece(weight[lo:hi], None if bias is None else bias.detach()[lo:hi], device)
             for (lo, hi), device in zip(
                 cuts(linear.out_features, len(devices)), devices, strict=True
             )
@@ -203,10 +207,10 @@ class SplitTransformerLayer(SplitBlock):
         for (lo, hi), (a, b), device in zip(head_cuts, hidden_cuts, devices, strict=True):
             rows = slice(lo * hd, hi * hd)
             for target, offset in ((self.q, 0), (self.k, d), (self.v, 2 * d)):
-                target.append(_linear(qkv[offset:][rows], None, device))
-            self.proj.append(_linear(layer.proj.weight.detach()[:, rows], None, device))
-            self.fc1.append(_linear(fc1.weight.detach()[a:b], fc1.bias.detach()[a:b], device))
-            self.fc2.append(_linear(fc2.weight.detach()[:, a:b], None, device))
+                target.append(linear_piece(qkv[offset:][rows], None, device))
+            self.proj.append(linear_piece(layer.proj.weight.detach()[:, rows], None, device))
+            self.fc1.append(linear_piece(fc1.weight.detach()[a:b], fc1.bias.detach()[a:b], device))
+            self.fc2.append(linear_piece(fc2.weight.detach()[:, a:b], None, device))
         each = range(count)
         self.pieces = {
             "ln1.weight": Piece(("ln1.weight",)),
@@ -249,8 +253,21 @@ class SplitTransformerLayer(SplitBlock):
         return out
 
 
+class DeclaredSplit(Protocol):
+    """A block that declares its own split (a factory's): the most devices it splits over,
+    and its split over ``devices`` (2 to ``tensor_ways`` of them), a ``SplitBlock`` that
+    computes what the block does, each whole parameter's pieces in ``pieces``."""
+
+    tensor_ways: int
+
+    def tensor_split(self, devices: Sequence[torch.device]) -> SplitBlock: ...
+
+
 def splittable(module: nn.Module) -> bool:
-    """Whether ``split_block`` has a split for ``module``'s kind (GPT layers, linear blocks)."""
+    """Whether ``split_block`` has a split for ``module`` (GPT layers, linear blocks, blocks
+    that declare one)."""
+    if _declares(module):
+        return _declared_ways(module) >= 2
     return split_size(module).numel > 0
 
 
@@ -265,7 +282,15 @@ class SplitSize:
 
 
 def split_size(module: nn.Module) -> SplitSize:
-    """``module``'s ``SplitSize``."""
+    """``module``'s ``SplitSize`` (a declared split's counted on meta devices)."""
+    if _declares(module):
+        ways = _declared_ways(module)
+        if ways < 2:
+            return SplitSize(0, 0)
+        pieces = cast(DeclaredSplit, module).tensor_split([torch.device("meta")] * 2).pieces
+        params = dict(module.named_parameters())
+        spread = [params[k] for k, p in pieces.items() if len(p.names) > 1 and k in params]
+        return SplitSize(sum(p.numel() for p in spread), ways)
     if isinstance(module, TransformerLayer):
         fc1, fc2 = module.mlp[0], module.mlp[2]
         split = [*module.qkv.parameters(), *module.proj.parameters(), *fc1.parameters()]
@@ -298,6 +323,8 @@ def _split_linear(module: nn.Module) -> tuple[int, nn.Linear] | None:
 def split_block(module: nn.Module, devices: Sequence[torch.device]) -> SplitBlock:
     """``module`` split over ``devices`` (its values copied; ``module`` is left as it was),
     or ``TensorSplitError`` saying why it cannot be."""
+    if _declares(module):
+        return _declared_split(module, devices)
     if isinstance(module, TransformerLayer):
         return SplitTransformerLayer(module, devices)
     if isinstance(module, nn.Linear):
@@ -312,6 +339,62 @@ def split_block(module: nn.Module, devices: Sequence[torch.device]) -> SplitBloc
         " exist for GPT layers and for one linear layer with parameterless layers around it"
         " (use parallelism.tensor: 1)"
     )
+
+
+def _declares(module: nn.Module) -> bool:
+    """Whether ``module`` declares its own split (``DeclaredSplit``)."""
+    return callable(getattr(module, "tensor_split", None))
+
+
+def _declared_ways(module: nn.Module) -> int:
+    ways = getattr(module, "tensor_ways", None)
+    if not isinstance(ways, int) or isinstance(ways, bool):
+        raise TensorSplitError(
+            f"a block of type {type(module).__name__} has tensor_split but its tensor_ways is"
+            f" {ways!r}: give the most devices its split goes over, an int"
+        )
+    return ways
+
+
+def _declared_split(module: nn.Module, devices: Sequence[torch.device]) -> SplitBlock:
+    """``module``'s own split, checked: a ``SplitBlock`` over ``devices`` whose pieces make
+    up the block's state exactly (every entry, nothing else), each on its device."""
+    kind = type(module).__name__
+    ways = _declared_ways(module)
+    if not 2 <= len(devices) <= ways:
+        raise TensorSplitError(
+            f"a block of type {kind} splits over 2 to {ways} devices, not {len(devices)};"
+            f" use parallelism.tensor <= {ways}"
+        )
+    split = cast(DeclaredSplit, module).tensor_split(devices)
+    if not isinstance(split, SplitBlock):
+        raise TensorSplitError(
+            f"{kind}.tensor_split returned {type(split).__name__}, not a SplitBlock"
+        )
+    whole = module.state_dict()
+    mine = split.state_dict()
+    named = [n for piece in split.pieces.values() for n in piece.names]
+    wrong = sorted((set(split.pieces) ^ set(whole)) | (set(named) ^ set(mine)))
+    if wrong or list(split.devices) != list(devices):
+        raise TensorSplitError(
+            f"{kind}.tensor_split's pieces must name every entry of the block's state dict,"
+            f" each with the split's own entries that hold it, over the devices given"
+            f" (wrong: {wrong[:4] or 'its devices'})"
+        )
+    values = split.whole_state()
+    unequal = [
+        k for k, v in whole.items() if values[k].shape != v.shape or not torch.equal(values[k], v)
+    ]
+    misplaced = [
+        n for n, p in split.named_parameters() if p.device != split.devices[split.device_index(n)]
+    ]
+    if unequal or misplaced:
+        raise TensorSplitError(
+            f"{kind}.tensor_split's pieces of {unequal[:4]} do not concatenate to the block's"
+            f" values, or {misplaced[:4]} are not on their device (a device's pieces in module"
+            " lists indexed by device, the rest on the first)"
+        )
+    return split
 
 
 class TensorBlock(Block):

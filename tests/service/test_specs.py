@@ -165,6 +165,8 @@ def test_a_block_too_large_for_any_device_is_admitted_split_over_a_tensor_group(
         ),
         # digits has 10 classes: the output block splits at most 10 ways.
         ({"builtin": "mlp", "config": {"hidden": 32}}, "at most 10 ways"),
+        # A block that declares its split: over at most its 6 hidden features.
+        ({"factory": f"{FACTORIES}:residual_mlp", "config": {"hidden": 6}}, "at most 6 ways"),
         (
             {"builtin": "gpt", "config": {"d_model": 64, "n_layers": 1, "n_heads": 4}},
             "at most 4 ways",

@@ -28,6 +28,7 @@ def reference(snap: JobSnapshot) -> ReferenceResult:
         micro_batches=snap.micro_batches,
         steps=snap.steps,
         seed=snap.seed,
+        allowed=snap.allowed_factories,
         precision=snap.precision,
     )
 

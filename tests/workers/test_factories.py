@@ -6,18 +6,22 @@ The toy factories at the bottom are real ones: other worker tests name them as
 
 from __future__ import annotations
 
+import copy
 import importlib
 import math
 import re
 import sys
+from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from shoal.workers.factories import FactoryError, check_allowed, load_callable
+from shoal.workers.tensor_split import Piece, SplitBlock, cuts, linear_piece
 from shoal.workers.zoo.registry import DataMeta
 
 pytestmark = pytest.mark.unit
@@ -173,6 +177,77 @@ def normed_mlp(config: dict[str, Any], meta: DataMeta) -> nn.Sequential:
             nn.Flatten(), nn.Linear(math.prod(meta.input_shape), hidden), nn.LayerNorm(hidden)
         ),
         nn.Sequential(nn.Linear(hidden, meta.targets), nn.LayerNorm(meta.targets)),
+    )
+
+
+class ResidualMLP(nn.Module):
+    """``x + fc2(gelu(fc1(norm(x))))``, a block of a factory's own that declares its
+    tensor-parallel split: by the MLP's hidden features, column then row."""
+
+    def __init__(self, width: int, hidden: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.fc1 = nn.Linear(width, hidden)
+        self.fc2 = nn.Linear(hidden, width)
+        self.tensor_ways = hidden
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = x + self.fc2(F.gelu(self.fc1(self.norm(x))))
+        return out
+
+    def tensor_split(self, devices: Sequence[torch.device]) -> SplitBlock:
+        return SplitResidualMLP(self, devices)
+
+
+class SplitResidualMLP(SplitBlock):
+    """``ResidualMLP`` split: each device its hidden features' rows of ``fc1`` and columns
+    of ``fc2``; the norm and ``fc2``'s bias on the first device, the partial sums added
+    there in device order."""
+
+    def __init__(self, block: ResidualMLP, devices: Sequence[torch.device]) -> None:
+        super().__init__(devices)
+        self.norm = copy.deepcopy(block.norm).to(self.home)
+        self.fc2_bias = nn.Parameter(block.fc2.bias.detach().to(self.home).clone())
+        w1, b1, w2 = block.fc1.weight.detach(), block.fc1.bias.detach(), block.fc2.weight.detach()
+        parts = cuts(block.fc1.out_features, len(devices))
+        self.fc1 = nn.ModuleList(
+            linear_piece(w1[lo:hi], b1[lo:hi], d)
+            for (lo, hi), d in zip(parts, devices, strict=True)
+        )
+        self.fc2 = nn.ModuleList(
+            linear_piece(w2[:, lo:hi], None, d) for (lo, hi), d in zip(parts, devices, strict=True)
+        )
+        each = range(len(devices))
+        self.pieces = {
+            "norm.weight": Piece(("norm.weight",)),
+            "norm.bias": Piece(("norm.bias",)),
+            "fc1.weight": Piece(tuple(f"fc1.{i}.weight" for i in each)),
+            "fc1.bias": Piece(tuple(f"fc1.{i}.bias" for i in each)),
+            "fc2.weight": Piece(tuple(f"fc2.{i}.weight" for i in each), dim=1),
+            "fc2.bias": Piece(("fc2_bias",)),
+        }
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        partial = [
+            fc2(F.gelu(fc1(h.to(d)))).to(self.home)
+            for fc1, fc2, d in zip(self.fc1, self.fc2, self.devices, strict=True)
+        ]
+        total = partial[0]
+        for more in partial[1:]:
+            total = total + more
+        out: torch.Tensor = x + (total + self.fc2_bias)
+        return out
+
+
+def residual_mlp(config: dict[str, Any], meta: DataMeta) -> nn.Sequential:
+    """Three blocks, the middle one a ``ResidualMLP`` (its split declared) of
+    ``config["hidden"]`` hidden features (default 6)."""
+    width, hidden = 8, int(config.get("hidden", 6))
+    return nn.Sequential(
+        nn.Sequential(nn.Flatten(), nn.Linear(math.prod(meta.input_shape), width)),
+        ResidualMLP(width, hidden),
+        nn.Linear(width, meta.targets),
     )
 
 

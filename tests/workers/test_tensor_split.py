@@ -5,6 +5,8 @@ converts to and from the whole block's state exactly, and trains as the whole on
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -15,6 +17,7 @@ from torch import nn
 
 from shoal.workers.snapshot import ModelRef
 from shoal.workers.tensor_split import (
+    SplitBlock,
     SplitSize,
     TensorSplitError,
     cuts,
@@ -24,6 +27,7 @@ from shoal.workers.tensor_split import (
 )
 from shoal.workers.zoo.models import build_blocks
 from shoal.workers.zoo.registry import DataMeta
+from tests.workers.test_factories import ResidualMLP, SplitResidualMLP
 
 pytestmark = pytest.mark.unit
 
@@ -52,6 +56,8 @@ def _input(kind: str, rows: int = 3) -> torch.Tensor:
         return torch.randn(rows, 12, generator=g)
     if kind == "mlp":
         return torch.randn(rows, 20, generator=g)
+    if kind == "declared":
+        return torch.randn(rows, 8, generator=g)
     return torch.randn(rows, 16, 24, generator=g)
 
 
@@ -61,7 +67,16 @@ BLOCKS = {
     "mlp-first": (lambda: _mlp(0), "mlp-first"),
     "mlp-hidden": (lambda: _mlp(1), "mlp"),
     "mlp-out": (lambda: _mlp(2), "mlp"),
+    "declared": (lambda: _declared(), "declared"),
 }
+
+
+def _declared(cls: type[ResidualMLP] = ResidualMLP) -> ResidualMLP:
+    """A block of a factory's own that declares its split (6 hidden features), the same
+    values each time."""
+    with torch.random.fork_rng():
+        torch.manual_seed(5)
+        return cls(8, 6)
 
 
 def test_cuts_cover_a_size_once() -> None:
@@ -148,16 +163,60 @@ def test_what_a_split_divides_is_what_the_partitioner_counts_divided(name: str) 
     assert split_size(_gpt(0)) == SplitSize(0, 0)  # the embedding stays whole
 
 
-@pytest.mark.parametrize("name", sorted(BLOCKS))
+@pytest.mark.parametrize("name", sorted(set(BLOCKS) - {"declared"}))
 def test_a_split_says_which_device_holds_each_parameter(name: str) -> None:
     """``device_index`` (what a device's share of the state is counted by) names the device
-    each parameter was put on: checked with a second device of another kind (meta)."""
+    each parameter was put on: checked with a second device of another kind (meta). A
+    declared split is checked so when it is made (on devices that hold values)."""
     build, _ = BLOCKS[name]
     devices = [CPU, torch.device("meta"), torch.device("meta")]
     split = split_block(build(), devices)
     where = {n: split.devices[split.device_index(n)] for n, _ in split.named_parameters()}
     assert where == {n: p.device for n, p in split.named_parameters()}
     assert set(where.values()) == {CPU, torch.device("meta")}
+
+
+class _NotASplit(ResidualMLP):
+    def tensor_split(self, devices: Sequence[torch.device]) -> SplitBlock:
+        return nn.Identity()  # type: ignore[return-value]
+
+
+class _PieceLeftOut(ResidualMLP):
+    def tensor_split(self, devices: Sequence[torch.device]) -> SplitBlock:
+        split = SplitResidualMLP(self, devices)
+        del split.pieces["norm.bias"]
+        return split
+
+
+class _WrongDim(ResidualMLP):
+    def tensor_split(self, devices: Sequence[torch.device]) -> SplitBlock:
+        split = SplitResidualMLP(self, devices)
+        split.pieces["fc2.weight"] = replace(split.pieces["fc2.weight"], dim=0)
+        return split
+
+
+class _WaysUnsaid(ResidualMLP):
+    tensor_ways = "many"  # type: ignore[assignment]
+
+    def __init__(self, width: int, hidden: int) -> None:
+        nn.Module.__init__(self)
+
+
+@pytest.mark.parametrize(
+    ("cls", "ways", "message"),
+    [
+        (ResidualMLP, 7, r"splits over 2 to 6 devices, not 7; use parallelism.tensor <= 6"),
+        (_NotASplit, 2, r"returned Identity, not a SplitBlock"),
+        (_PieceLeftOut, 2, r"must name every entry .* \['norm.bias'\]"),
+        (_WrongDim, 2, r"pieces of \['fc2.weight'\] do not concatenate"),
+        (_WaysUnsaid, 2, r"its tensor_ways is 'many'"),
+    ],
+)
+def test_a_declared_split_is_checked_when_it_is_made(
+    cls: type[ResidualMLP], ways: int, message: str
+) -> None:
+    with pytest.raises(TensorSplitError, match=message):
+        split_block(_declared(cls), [CPU] * ways)
 
 
 def test_splitting_draws_nothing_from_the_random_generator() -> None:

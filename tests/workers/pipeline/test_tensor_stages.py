@@ -18,7 +18,7 @@ from shoal.workers.pipeline.local_group import LocalGroup
 from shoal.workers.pipeline.rebalance import Layout
 from shoal.workers.pipeline.recovery import plan_survivors
 from shoal.workers.pipeline.runner import Trainer
-from shoal.workers.snapshot import RunStatus, StagePlan, stage_plans
+from shoal.workers.snapshot import ModelRef, RunStatus, StagePlan, stage_plans
 from shoal.workers.tensor_split import TensorBlock
 from tests.factories import ADAM, GPT, TOKENS, job, plans
 from tests.workers.runs import assert_bitwise_equal, assert_matches_reference, final_states, metrics
@@ -39,25 +39,35 @@ def _grouped(stages: tuple[StagePlan, ...], ways: int, node: str) -> tuple[Stage
     )
 
 
+DECLARED = ModelRef(None, "tests.workers.test_factories:residual_mlp", {"hidden": 6})
+"""A factory's model whose middle block declares its own split."""
+
+
 @pytest.mark.unit
 @pytest.mark.parametrize(
-    ("model", "ways"), [("mlp", 2), ("gpt", 2)], ids=["mlp-2-way", "gpt-2-way"]
+    ("model", "ways"),
+    [("mlp", 2), ("gpt", 2), ("declared", 2)],
+    ids=["mlp-2-way", "gpt-2-way", "declared-2-way"],
 )
 def test_tensor_parallel_stages_train_as_the_reference(
     tmp_path: Path, model: str, ways: int
 ) -> None:
-    """Two stages, each split 2 ways, gradient clipping on, a checkpoint every 2 steps:
-    losses, gradient norms and the final (whole) parameters are the reference's."""
+    """Two stages, each split, gradient clipping on, a checkpoint every 2 steps: losses,
+    gradient norms and the final (whole) parameters are the reference's."""
     fields: dict[str, Any] = {"optimizer": replace(ADAM, clip_grad_norm=0.5)}
     if model == "gpt":
         fields |= {"model": GPT, "data": TOKENS, "num_blocks": 4}
-    snap = job(tmp_path, [(0, 2), (2, 4)], steps=4, checkpoint_every=2, checkpoint_keep=2, **fields)
+    if model == "declared":
+        allowed = ("tests.workers.test_factories",)
+        fields |= {"model": DECLARED, "num_blocks": 3, "allowed_factories": allowed}
+    ranges = [(0, 2), (2, fields.get("num_blocks", 4))]
+    snap = job(tmp_path, ranges, steps=4, checkpoint_every=2, checkpoint_keep=2, **fields)
     snap = replace(snap, stages=_grouped(snap.stages, ways, "n0000000a"))
     trainer = Trainer(snap, LocalGroup)
     assert trainer.run() is RunStatus.SUCCEEDED, trainer.report(0).error
     assert_matches_reference(snap, metrics(trainer))
     # Checkpoints hold the whole blocks: a run without the split resumes from them.
-    tail = replace(snap, steps=6, stages=plans([(0, 2), (2, 4)]))
+    tail = replace(snap, steps=6, stages=plans(ranges))
     resumed = Trainer(tail, LocalGroup)
     assert resumed.run() is RunStatus.SUCCEEDED, resumed.report(0).error
     assert_matches_reference(tail, metrics(resumed))
