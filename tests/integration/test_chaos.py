@@ -110,10 +110,13 @@ FAULTS = ("kill a node", "drain a node", "kill the control plane", "restart the 
 CHAOS_TIMEOUT_S = 240.0
 """The longest wait for any one thing (a job's progress, a fault's outcome, the end)."""
 PROGRESS_STEPS = 5
+"""Steps every running job must train between faults: the service works again."""
+PIPELINE_STEPS = 3000
+"""The pipeline jobs' length: still training when the last fault strikes (1,000 steps ended
+before the fourth fault on a quiet machine, at 0.01-0.05 s a step)."""
 ACTIVE = ("RUNNING", "RECOVERING")
 RIDDEN = ("device_lost", "recovered", "relayout", "resize", "suspended", "resumed")
 """The job events that tell how a job rode out a fault (printed per job at the end)."""
-"""Steps every running job must train between faults: the service works again."""
 
 
 def chaos_job(name: str, seed: int, steps: int) -> Json:
@@ -351,7 +354,7 @@ def test_every_fault_at_once_leaves_every_job_exact_and_every_submission_once(
         )
         names = ["pipeline-a", "pipeline-b"]
         for seed_of_job, name in enumerate(names, start=5):
-            chaos.submit(chaos_job(name, seed_of_job, 1000), f"submit-{name}")
+            chaos.submit(chaos_job(name, seed_of_job, PIPELINE_STEPS), f"submit-{name}")
         chaos.progress(names)
 
         faults = chaos.rng.sample(FAULTS, len(FAULTS))
