@@ -1,4 +1,5 @@
-"""``shoal bench shard``: sharded replicas (ZeRO-1, ZeRO-2) against whole ones."""
+"""``shoal bench shard``: sharded replicas (ZeRO-1, 2 and 3) against whole ones, and a block
+split over two devices against whole (tensor parallelism)."""
 
 from __future__ import annotations
 
@@ -43,8 +44,9 @@ def shard(
     steps: int,
     as_json: bool,
 ) -> None:
-    """Replicas of one stage under parallelism.shard none, optimizer (ZeRO-1) and gradients
-    (ZeRO-2): samples/s, and the state a device keeps, measured and predicted."""
+    """Replicas of one stage under parallelism.shard none, optimizer (ZeRO-1), gradients
+    (ZeRO-2) and full (ZeRO-3), and one block split 2 ways against whole (parallelism.tensor):
+    samples/s, and the state a device keeps, measured and predicted."""
     from shoal.service.bench.report import BenchError
     from shoal.service.bench.shard import ShardSettings, run_shard
     from shoal.service.bench.shard import phases as shard_phases

@@ -175,15 +175,13 @@ class GroupMember:
 class GlooCollective(GroupMember):
     """One rank of one stage's data-parallel group: replica 0 hosts, every replica joins."""
 
-    def reduce_scatter(self, chunks: Sequence[Tensor]) -> Tensor:
-        """This rank's chunk summed over the group in replica order: ``chunks[q]`` (flat,
-        sizes may differ by ``q``) goes to rank q, which folds what it gets as
-        ``ordered_sum`` does, so each chunk's sum is bitwise ``all_reduce``'s."""
-        sizes = [c.numel() for c in chunks]
+    def reduce_scatter(self, sent: Tensor, sizes: Sequence[int]) -> Tensor:
+        """This rank's chunk summed over the group in replica order: ``sent`` (flat) holds
+        one chunk per rank end to end, rank q's ``sizes[q]`` values; rank q folds what it
+        gets as ``ordered_sum`` does, so each chunk's sum is bitwise ``all_reduce``'s."""
         mine = sizes[self.rank]
         received = torch.empty(mine * self.world, device=self._device)
-        sent = torch.cat([c.reshape(-1).to(self._device) for c in chunks])
-        self.group.alltoall_base(received, sent, [mine] * self.world, sizes).wait()
+        self.group.alltoall_base(received, sent.to(self._device), [mine] * self.world, sizes).wait()
         return ordered_sum(pieces(received, [mine] * self.world)) if mine else received[:0]
 
     def all_gather(self, mine: Tensor, sizes: Sequence[int]) -> list[Tensor]:
@@ -211,5 +209,5 @@ class GlooCollective(GroupMember):
         adds it: each rank folds one R-th (``reduce_scatter``), the R-ths are gathered."""
         n = flat.numel()
         sizes = [n // self.world + (1 if q < n % self.world else 0) for q in range(self.world)]
-        mine = self.reduce_scatter(pieces(flat, sizes))
+        mine = self.reduce_scatter(flat, sizes)
         return torch.cat(self.all_gather(mine, sizes))

@@ -158,8 +158,9 @@ class BlockShard:
             },
         }
 
-    def take_grad(self) -> Tensor:
-        """The block's whole gradient, flat (then dropped from the parameters)."""
+    def grad_parts(self, lo: int, hi: int) -> list[Tensor]:
+        """Values ``[lo, hi)`` of the block's flat gradient as views of its parameters'
+        gradients, in order (nothing copied)."""
         missing = [i for i, p in enumerate(self.params) if p.grad is None]
         if missing:
             raise ShardingError(
@@ -167,15 +168,24 @@ class BlockShard:
                 " sharded replicas need every parameter trained every step"
                 " (set parallelism.shard: none)"
             )
-        flat = _flat([p.grad for p in self.params if p.grad is not None])
+        parts, offset = [], 0
+        for p in self.params:
+            a, b = max(lo, offset), min(hi, offset + p.numel())
+            if a < b and p.grad is not None:
+                parts.append(p.grad.reshape(-1)[a - offset : b - offset])
+            offset += p.numel()
+        return parts
+
+    def drop_grad(self) -> None:
+        """The parameters' gradients, summed into the slice's, are dropped."""
         for p in self.params:
             p.grad = None
-        return flat
 
-    def write_back(self, flat: Tensor) -> None:
-        """Set the block's parameters from the whole flat ``flat``."""
+    def write_slice(self, rank: int, values: Tensor) -> None:
+        """Set replica ``rank``'s slice of the block's parameters to ``values``."""
+        lo, hi = slice_of(self.numel, rank, self.world)
         with torch.no_grad():
-            self._flat.copy_(flat)
+            self._flat[lo:hi].copy_(values)
 
     def _lengths(self) -> list[int]:
         cuts = (slice_of(self.numel, q, self.world) for q in range(self.world))
@@ -211,9 +221,9 @@ class BlockShard:
         """ZeRO-3: sum this micro-batch's gradient of the block over the replicas, keeping
         this replica's slice of the sum, added to the slices of the micro-batches before
         it; the whole gradient is dropped."""
-        whole = self.take_grad()
-        chunks = [whole[slice(*slice_of(self.numel, q, self.world))] for q in range(self.world)]
-        mine = collective.reduce_scatter(chunks)
+        whole = _flat(self.grad_parts(0, self.numel))  # the slices end to end, rank order
+        mine = collective.reduce_scatter(whole, self._lengths())
+        self.drop_grad()
         if self.values.grad is None:
             self.values.grad = mine
         else:
@@ -299,13 +309,19 @@ class StageShards:
     def reduce_scatter(self, collective: GlooCollective) -> None:
         """ZeRO-2: sum the gradients over the replicas, each keeping only its slices' sums;
         the blocks' own gradients are dropped."""
-        pairs = [(s, s.take_grad()) for s in self.shards]
-        chunks = [
-            _flat([g[slice(*slice_of(s.numel, q, self.world))] for s, g in pairs])
-            for q in range(self.world)
-        ]
-        mine = collective.reduce_scatter(chunks)
+        cuts = [[slice_of(s.numel, q, self.world) for s in self.shards] for q in range(self.world)]
+        sent = _flat(
+            [
+                part
+                for q in range(self.world)
+                for shard, (lo, hi) in zip(self.shards, cuts[q], strict=True)
+                for part in shard.grad_parts(lo, hi)
+            ]
+        )
+        sizes = [sum(self._lengths(q)) for q in range(self.world)]
+        mine = collective.reduce_scatter(sent, sizes)
         for shard, part in zip(self.shards, pieces(mine, self._lengths(self.rank)), strict=True):
+            shard.drop_grad()
             shard.values.grad = part.clone()
         self._grads_scattered = True
 
@@ -353,8 +369,9 @@ class StageShards:
         whole ones unless reduce-scattered), multiplied first by ``clip`` when given."""
         for shard in self.shards:
             if not self._grads_scattered:
-                whole = shard.take_grad()
-                shard.values.grad = whole[shard.lo : shard.hi].clone()
+                own = shard.grad_parts(shard.lo, shard.hi)
+                shard.values.grad = _flat(own, shard.values.device)
+                shard.drop_grad()
             grad = shard.values.grad
             if clip is not None and grad is not None:
                 # A float32 scalar tensor, as clip_grad_norm_ multiplies by.
@@ -370,10 +387,9 @@ class StageShards:
             return
         mine = _flat([s.values.detach() for s in self.shards])
         sizes = [sum(self._lengths(q)) for q in range(self.world)]
-        gathered = collective.all_gather(mine, sizes)
-        parts = [pieces(p, self._lengths(q)) for q, p in enumerate(gathered)]
-        for b, shard in enumerate(self.shards):
-            shard.write_back(torch.cat([part[b] for part in parts]))
+        for q, part in enumerate(collective.all_gather(mine, sizes)):
+            for shard, values in zip(self.shards, pieces(part, self._lengths(q)), strict=True):
+                shard.write_slice(q, values)
 
     def unshard(self, collective: GlooCollective) -> None:
         """Give every block its whole optimizer state back (an all-gather of each replica's
