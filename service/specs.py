@@ -344,7 +344,10 @@ def _check_tensor(accepted: AcceptedSpec) -> None:
         why = f"the model did not trace ({accepted.untraced}), so its blocks' splits are unknown"
         fix = "use 1"
     elif not any(c.split_bytes for c in accepted.costs):
-        why = "no block of the model has a split (splits exist for GPT layers and linear layers)"
+        why = (
+            "no block of the model has a split (splits exist for GPT layers, linear layers"
+            " and blocks that declare one, tensor_split, that can be made on meta devices)"
+        )
         fix = "use 1"
     else:
         most = _most_ways(accepted.costs)

@@ -282,15 +282,19 @@ class SplitSize:
 
 
 def split_size(module: nn.Module) -> SplitSize:
-    """``module``'s ``SplitSize`` (a declared split's counted on meta devices)."""
+    """``module``'s ``SplitSize``. A declared split is counted on meta devices; one that
+    cannot be made there (or says no ``tensor_ways``) counts as none, so a model's trace,
+    and its jobs without ``parallelism.tensor``, do not depend on it."""
     if _declares(module):
-        ways = _declared_ways(module)
-        if ways < 2:
+        try:
+            ways = _declared_ways(module)
+            meta = [torch.device("meta")] * 2
+            pieces = dict(cast(DeclaredSplit, module).tensor_split(meta).pieces) if ways > 1 else {}
+        except Exception:  # the user's code: checked, with its error, where a stage splits it
             return SplitSize(0, 0)
-        pieces = cast(DeclaredSplit, module).tensor_split([torch.device("meta")] * 2).pieces
         params = dict(module.named_parameters())
         spread = [params[k] for k, p in pieces.items() if len(p.names) > 1 and k in params]
-        return SplitSize(sum(p.numel() for p in spread), ways)
+        return SplitSize(sum(p.numel() for p in spread), ways) if spread else SplitSize(0, 0)
     if isinstance(module, TransformerLayer):
         fc1, fc2 = module.mlp[0], module.mlp[2]
         split = [*module.qkv.parameters(), *module.proj.parameters(), *fc1.parameters()]

@@ -217,6 +217,8 @@ def test_a_declared_split_is_checked_when_it_is_made(
 ) -> None:
     with pytest.raises(TensorSplitError, match=message):
         split_block(_declared(cls), [CPU] * ways)
+    if cls is _WaysUnsaid:  # counted as no split: the model's trace does not fail on it
+        assert split_size(_declared(cls)) == SplitSize(0, 0)
 
 
 def test_splitting_draws_nothing_from_the_random_generator() -> None:
