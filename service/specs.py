@@ -353,7 +353,10 @@ def _check_tensor(accepted: AcceptedSpec) -> None:
         most = _most_ways(accepted.costs)
         if tensor <= most:
             return
-        why = f"a block of the model splits at most {most} ways (its heads or output features)"
+        why = (
+            f"a block of the model splits at most {most} ways (its heads, output features"
+            " or declared tensor_ways)"
+        )
         fix = f"use parallelism.tensor <= {most}"
     raise SpecError([("parallelism.tensor", f"tensor: {tensor} cannot run: {why}; {fix}")])
 
