@@ -80,9 +80,10 @@ def unflatten_grads(blocks: Iterable[Any], flat: Tensor) -> None:
 
 
 def ordered_sum(buffers: Sequence[Tensor]) -> Tensor:
-    """``((b_0 + b_1) + b_2) + ...``: the one order both implementations sum in."""
-    total = buffers[0].clone()
-    for buffer in buffers[1:]:
+    """``((b_0 + b_1) + b_2) + ...``: the one order both implementations sum in (a new
+    tensor)."""
+    total = buffers[0] + buffers[1] if len(buffers) > 1 else buffers[0].clone()
+    for buffer in buffers[2:]:
         total += buffer
     return total
 
@@ -178,20 +179,39 @@ class GlooCollective(GroupMember):
     def reduce_scatter(self, sent: Tensor, sizes: Sequence[int]) -> Tensor:
         """This rank's chunk summed over the group in replica order: ``sent`` (flat) holds
         one chunk per rank end to end, rank q's ``sizes[q]`` values; rank q folds what it
-        gets as ``ordered_sum`` does, so each chunk's sum is bitwise ``all_reduce``'s."""
-        mine = sizes[self.rank]
-        received = torch.empty(mine * self.world, device=self._device)
-        self.group.alltoall_base(received, sent.to(self._device), [mine] * self.world, sizes).wait()
-        return ordered_sum(pieces(received, [mine] * self.world)) if mine else received[:0]
+        gets as ``ordered_sum`` does, so each chunk's sum is bitwise ``all_reduce``'s.
+        The first and the last rank keep their own chunk out of the exchange (the others'
+        are contiguous without it); a rank between them sends it to itself."""
+        sent = sent.to(self._device)
+        rank, mine = self.rank, sizes[self.rank]
+        lo = sum(sizes[:rank])
+        own = sent[lo : lo + mine]
+        keep = rank in (0, self.world - 1)
+        out = sent[lo + mine :] if rank == 0 else sent[:lo] if keep else sent
+        others = [0 if q == rank and keep else size for q, size in enumerate(sizes)]
+        counts = [0 if q == rank and keep else mine for q in range(self.world)]
+        received = torch.empty(sum(counts), dtype=sent.dtype, device=self._device)
+        self.group.alltoall_base(received, out, counts, others).wait()
+        chunks = pieces(received, [n for n in counts if n or not keep])
+        if keep:
+            chunks.insert(rank, own)
+        return ordered_sum(chunks) if mine else received[:0]
 
     def all_gather(self, mine: Tensor, sizes: Sequence[int]) -> list[Tensor]:
-        """Every rank's ``mine`` (flat; rank q's holds ``sizes[q]`` values), in rank order."""
-        longest = max(sizes)
-        padded = torch.zeros(longest, dtype=mine.dtype, device=self._device)
-        padded[: mine.numel()] = mine.reshape(-1)
-        parts = [torch.empty_like(padded) for _ in range(self.world)]
-        self.group.allgather([parts], [padded]).wait()
-        return [part[:size] for part, size in zip(parts, sizes, strict=True)]
+        """Every rank's ``mine`` (flat; rank q's holds ``sizes[q]`` values), in rank order;
+        this rank's is ``mine`` itself. An all-to-all sends ``mine`` to every other rank:
+        with two ranks it goes as it is (gloo's own all-gather copies it in and out, and
+        measured about 1.6x slower for the same bytes: docs/benchmarks.md)."""
+        rank, world = self.rank, self.world
+        flat = mine.reshape(-1).to(self._device)
+        sent = flat.expand(world - 1, flat.numel()).reshape(-1)  # a copy only beyond two
+        counts = [0 if q == rank else size for q, size in enumerate(sizes)]
+        received = torch.empty(sum(counts), dtype=flat.dtype, device=self._device)
+        out = [0 if q == rank else flat.numel() for q in range(world)]
+        self.group.alltoall_base(received, sent, counts, out).wait()
+        parts = pieces(received, [n for q, n in enumerate(counts) if q != rank])
+        parts.insert(rank, flat)
+        return parts
 
     def all_reduce(self, blocks: Sequence[Any]) -> None:
         """Replace the blocks' gradients by their sum over the group, in replica order."""

@@ -222,8 +222,8 @@ class BlockShard:
         this replica's slice of the sum, added to the slices of the micro-batches before
         it; the whole gradient is dropped."""
         whole = _flat(self.grad_parts(0, self.numel))  # the slices end to end, rank order
-        mine = collective.reduce_scatter(whole, self._lengths())
         self.drop_grad()
+        mine = collective.reduce_scatter(whole, self._lengths())
         if self.values.grad is None:
             self.values.grad = mine
         else:
@@ -318,11 +318,12 @@ class StageShards:
                 for part in shard.grad_parts(lo, hi)
             ]
         )
+        for shard in self.shards:
+            shard.drop_grad()
         sizes = [sum(self._lengths(q)) for q in range(self.world)]
         mine = collective.reduce_scatter(sent, sizes)
         for shard, part in zip(self.shards, pieces(mine, self._lengths(self.rank)), strict=True):
-            shard.drop_grad()
-            shard.values.grad = part.clone()
+            shard.values.grad = part  # a view of the sum, made for this step
         self._grads_scattered = True
 
     def grad_norms(self, collective: GlooCollective) -> Tensor:
@@ -382,12 +383,15 @@ class StageShards:
 
     def gather(self, collective: GlooCollective) -> None:
         """All-gather every replica's updated slices into the blocks' parameters (ZeRO-3:
-        nothing now, each block gathers them where it next runs)."""
+        nothing now, each block gathers them where it next runs). This replica's own
+        slices are views of its parameters, updated in place already."""
         if self._gatherer is not None:
             return
         mine = _flat([s.values.detach() for s in self.shards])
         sizes = [sum(self._lengths(q)) for q in range(self.world)]
         for q, part in enumerate(collective.all_gather(mine, sizes)):
+            if q == self.rank:
+                continue
             for shard, values in zip(self.shards, pieces(part, self._lengths(q)), strict=True):
                 shard.write_slice(q, values)
 
