@@ -199,19 +199,43 @@ class GlooCollective(GroupMember):
 
     def all_gather(self, mine: Tensor, sizes: Sequence[int]) -> list[Tensor]:
         """Every rank's ``mine`` (flat; rank q's holds ``sizes[q]`` values), in rank order;
-        this rank's is ``mine`` itself. An all-to-all sends ``mine`` to every other rank:
-        with two ranks it goes as it is (gloo's own all-gather copies it in and out, and
-        measured about 1.6x slower for the same bytes: docs/benchmarks.md)."""
-        rank, world = self.rank, self.world
+        this rank's is ``mine`` itself."""
         flat = mine.reshape(-1).to(self._device)
-        sent = flat.expand(world - 1, flat.numel()).reshape(-1)  # a copy only beyond two
+        others = sum(sizes) - sizes[self.rank]
+        received = torch.empty(others, dtype=flat.dtype, device=self._device)
+        self._send_around(flat, received, sizes)
+        parts = pieces(received, [n for q, n in enumerate(sizes) if q != self.rank])
+        parts.insert(self.rank, flat)
+        return parts
+
+    def all_gather_into(self, out: Tensor, mine: Tensor, sizes: Sequence[int]) -> None:
+        """Every rank's ``mine`` written into ``out`` (flat, rank q's ``sizes[q]`` values
+        end to end in rank order), this rank's copied in: the others' land in place where
+        they are contiguous (the first and the last rank)."""
+        rank, world = self.rank, self.world
+        lo = sum(sizes[:rank])
+        hi = lo + sizes[rank]
+        flat = mine.reshape(-1).to(self._device)
+        if rank in (0, world - 1):
+            self._send_around(flat, out[hi:] if rank == 0 else out[:lo], sizes)
+        else:
+            received = torch.empty(out.numel() - (hi - lo), dtype=out.dtype, device=out.device)
+            self._send_around(flat, received, sizes)
+            out[:lo].copy_(received[:lo])
+            out[hi:].copy_(received[lo:])
+        out[lo:hi].copy_(flat)
+
+    def _send_around(self, flat: Tensor, received: Tensor, sizes: Sequence[int]) -> None:
+        """Send ``flat`` to every other rank and receive theirs into ``received`` (rank
+        order, this rank's left out), by an all-to-all: with two ranks ``flat`` goes as it
+        is (gloo's own all-gather copies it in and out, and measured about 1.6x slower for
+        the same bytes: docs/benchmarks.md); beyond two it is repeated once per other
+        rank."""
+        rank, world = self.rank, self.world
+        sent = flat if world == 2 else flat.repeat(world - 1)
         counts = [0 if q == rank else size for q, size in enumerate(sizes)]
-        received = torch.empty(sum(counts), dtype=flat.dtype, device=self._device)
         out = [0 if q == rank else flat.numel() for q in range(world)]
         self.group.alltoall_base(received, sent, counts, out).wait()
-        parts = pieces(received, [n for q, n in enumerate(counts) if q != rank])
-        parts.insert(rank, flat)
-        return parts
 
     def all_reduce(self, blocks: Sequence[Any]) -> None:
         """Replace the blocks' gradients by their sum over the group, in replica order."""

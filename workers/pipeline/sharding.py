@@ -200,9 +200,8 @@ class BlockShard:
             return
         storage = self._flat.untyped_storage()
         storage.resize_(self._flat.numel() * self._flat.element_size())
-        parts = collective.all_gather(self.values.detach(), self._lengths())
         with torch.no_grad(), _unsafe_preserve_version_counter(self._flat):
-            torch.cat(parts, out=self._flat)
+            collective.all_gather_into(self._flat, self.values.detach(), self._lengths())
         self.filled = True
 
     def free(self) -> None:

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from shoal.workers.pipeline.collective import (
     GlooCollective,
@@ -89,6 +89,26 @@ def test_gloo_sum_equals_the_in_process_sum_bitwise(count: int) -> None:
     assert _run_ranks(distributed) == []
     for a, b in zip(local, distributed, strict=True):
         assert torch.equal(flatten_grads(a.blocks), flatten_grads(b.blocks))
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("count", [2, 3, 4])
+def test_all_gathers_give_every_rank_every_slice_in_rank_order(count: int) -> None:
+    sizes = [3, 0, 2, 1][:count]  # uneven, one rank with nothing
+    slices = [torch.arange(n, dtype=torch.float32) + 10 * q for q, n in enumerate(sizes)]
+    whole = torch.cat(slices)
+
+    def rank(collective: GlooCollective, r: int) -> tuple[list[Tensor], Tensor]:
+        listed = collective.all_gather(slices[r], sizes)
+        out = torch.full((sum(sizes),), -1.0)
+        collective.all_gather_into(out, slices[r], sizes)
+        return listed, out
+
+    for r, result in enumerate(run_ranks(count, rank, timeout_s=30, name="gather")):
+        assert not isinstance(result, BaseException), (r, result)
+        listed, out = result
+        assert [t.tolist() for t in listed] == [t.tolist() for t in slices], r
+        assert torch.equal(out, whole), (r, out)
 
 
 @pytest.mark.unit
