@@ -186,8 +186,13 @@ class GlooCollective(GroupMember):
         rank, mine = self.rank, sizes[self.rank]
         lo = sum(sizes[:rank])
         own = sent[lo : lo + mine]
-        keep = rank in (0, self.world - 1)
-        out = sent[lo + mine :] if rank == 0 else sent[:lo] if keep else sent
+        if rank == 0:
+            out = sent[lo + mine :]
+        elif rank == self.world - 1:
+            out = sent[:lo]
+        else:
+            out = sent
+        keep = out is not sent
         others = [0 if q == rank and keep else size for q, size in enumerate(sizes)]
         counts = [0 if q == rank and keep else mine for q in range(self.world)]
         received = torch.empty(sum(counts), dtype=sent.dtype, device=self._device)
