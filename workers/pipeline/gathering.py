@@ -19,12 +19,14 @@ end, before the update changes the slices.
 Every replica gathers and scatters the same blocks in the same order only if each runs the
 same program: the same schedule over the same number of micro-batches, which the
 partitioner gives a ``full`` job (``scheduler.partition``). The collectives run inside the
-stage's forwards and backwards, so their time counts as the stage's compute.
+stage's forwards and backwards and are timed as all-reduce time, which the forward's and
+backward's compute time leaves out (``workers.pipeline.timing``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from functools import partial
 from typing import Any, Protocol
 
@@ -53,12 +55,23 @@ class BlockShard(Protocol):
     def scatter_grad(self, collective: GlooCollective) -> None: ...
 
 
+Timed = Callable[[str], AbstractContextManager[None]]
+"""Times what runs inside it as the part named (``StepTimer.span``)."""
+
+
+def untimed(part: str) -> AbstractContextManager[None]:
+    return nullcontext()
+
+
 class Gatherer:
     """The hooks that gather and release ``shards``' parameters around each use of them,
-    over ``collective`` (this stage's replicas)."""
+    over ``collective`` (this stage's replicas), each exchange timed by ``timed``."""
 
-    def __init__(self, shards: Sequence[BlockShard], collective: GlooCollective) -> None:
+    def __init__(
+        self, shards: Sequence[BlockShard], collective: GlooCollective, timed: Timed = untimed
+    ) -> None:
         self._collective = collective
+        self._timed = timed
         self._accumulated = {shard.index: 0 for shard in shards}
         self._live: BlockShard | None = None
         """The block whose parameters are whole now."""
@@ -77,7 +90,8 @@ class Gatherer:
     def _call(self, what: Callable[[GlooCollective], None]) -> None:
         """``what(collective)``; a replica lost meanwhile is a ``LinkError`` (recovered)."""
         try:
-            what(self._collective)
+            with self._timed("allreduce"):
+                what(self._collective)
         except RuntimeError as exc:  # gloo and NCCL report a lost replica as RuntimeError
             raise LinkError(None, " ".join(str(exc).split())[:300]) from exc
 

@@ -18,6 +18,7 @@ from torch import Tensor
 
 from shoal.workers.blocks import Block
 from shoal.workers.pipeline.collective import GlooCollective
+from shoal.workers.pipeline.gathering import Timed, untimed
 from shoal.workers.pipeline.sharding import BlockShard, StageShards
 from shoal.workers.pipeline.stage_types import StageStateError
 from shoal.workers.pipeline.transport import LinkError
@@ -46,11 +47,13 @@ def shard_event(mode: str, grouped: bool, step: int) -> RunnerEvent:
 
 
 class Replicas:
-    """The replicas' group of one stage on ``device``, sharded per ``mode``."""
+    """The replicas' group of one stage on ``device``, sharded per ``mode``; ZeRO-3's
+    exchanges within forwards and backwards timed by ``timed``."""
 
-    def __init__(self, device: torch.device, mode: str) -> None:
+    def __init__(self, device: torch.device, mode: str, timed: Timed = untimed) -> None:
         self._device = device
         self._mode = mode
+        self._timed = timed
         self._collective: GlooCollective | None = None
         self._shards: StageShards | None = None
 
@@ -97,7 +100,7 @@ class Replicas:
             return None
         if self._shards is None:
             mode = "optimizer" if relayed and self._mode == "full" else self._mode
-            self._shards = StageShards(blocks, mode, collective)
+            self._shards = StageShards(blocks, mode, collective, self._timed)
         return self._shards
 
     def prepare(self, blocks: Sequence[Block]) -> None:

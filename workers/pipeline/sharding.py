@@ -38,7 +38,7 @@ from torch.autograd.grad_mode import _unsafe_preserve_version_counter
 
 from shoal.workers.blocks import Block, make_optimizer
 from shoal.workers.pipeline.collective import GlooCollective, ordered_sum, pieces
-from shoal.workers.pipeline.gathering import Gatherer
+from shoal.workers.pipeline.gathering import Gatherer, Timed, untimed
 
 SHARD_MODES = ("none", "optimizer", "gradients", "full")
 
@@ -289,16 +289,22 @@ def _tensors(state: Any) -> list[Tensor]:
 class StageShards:
     """One replica's shares of its stage's blocks, ``mode`` ``optimizer``, ``gradients`` or
     ``full`` (whose parameters the ``collective`` gathers for each use,
-    ``workers.pipeline.gathering``)."""
+    ``workers.pipeline.gathering``, timed by ``timed``)."""
 
-    def __init__(self, blocks: Sequence[Block], mode: str, collective: GlooCollective) -> None:
+    def __init__(
+        self,
+        blocks: Sequence[Block],
+        mode: str,
+        collective: GlooCollective,
+        timed: Timed = untimed,
+    ) -> None:
         if mode not in SHARD_MODES[1:]:
             raise ValueError(f"shard mode {mode!r}: choose one of {list(SHARD_MODES[1:])}")
         rank, world = collective.rank, collective.world
         self.mode, self.rank, self.world = mode, rank, world
         full = mode == "full"
         self.shards = [BlockShard(b, rank, world, full=full) for b in blocks]
-        self._gatherer = Gatherer(self.shards, collective) if full else None
+        self._gatherer = Gatherer(self.shards, collective, timed) if full else None
         self._grads_scattered = False
 
     def _lengths(self, rank: int) -> list[int]:

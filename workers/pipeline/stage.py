@@ -100,7 +100,7 @@ class Stage:
         self._loss = loss_fn(setup.meta.task)
         self._amp_dtype = autocast_dtype(setup.precision)
         self._in_flight = InFlight(plan.index, self.device, setup.recompute)
-        self._replicas = Replicas(self.device, setup.shard)
+        self._replicas = Replicas(self.device, setup.shard, self._timer.span)
         self._links = Links(self.device)
         self._own = Copier(self.device, _GENERATIONS)
         self._held = Held(_GENERATIONS)

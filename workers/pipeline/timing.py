@@ -7,6 +7,9 @@ on NCCL's streams and makes the compute stream wait; the events around that wait
 as all-reduce or wait time, never as compute (the elastic policy plans on compute). Not
 yet measured on a GPU.
 
+A part measured inside another is that part's alone: the outer part's time leaves it out
+(ZeRO-3 gathers a block's parameters inside its forward: all-reduce time, not compute).
+
 A device's ``emulate_slowdown`` factor f > 1 (virtual devices in tests and benches) makes
 compute sleep (f - 1) x its measured time, counted as compute: a straggler is visible only
 through measured times, as a real slow device would be.
@@ -17,7 +20,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -40,6 +43,27 @@ class StepClock:
     copy_s: float = 0.0
 
 
+@dataclass
+class _Span:
+    """One timed part in progress or awaiting its CUDA events (``start`` None: wall clock)."""
+
+    part: str
+    start: Any = None
+    end: Any = None
+    inner_s: float = 0.0
+    """Wall-clock seconds of the parts timed inside it."""
+    inner: list[_Span] = field(default_factory=list)
+    """The parts timed inside it by CUDA events."""
+
+    def elapsed_s(self) -> float:
+        """Seconds between its CUDA events."""
+        return float(self.start.elapsed_time(self.end)) / 1000.0
+
+    def own_s(self) -> float:
+        """Its seconds less those of the parts inside it."""
+        return self.elapsed_s() - self.inner_s - sum(span.elapsed_s() for span in self.inner)
+
+
 class StepTimer:
     """Accumulates each part's seconds until ``lap``."""
 
@@ -48,7 +72,8 @@ class StepTimer:
         self._device = device
         self._slowdown = max(1.0, slowdown)
         self._seconds = dict.fromkeys(PARTS, 0.0)
-        self._events: list[tuple[str, Any, Any]] = []
+        self._events: list[_Span] = []
+        self._open: list[_Span] = []
         self._copy_from: float | None = None
 
     def copying(self) -> None:
@@ -64,32 +89,46 @@ class StepTimer:
 
     @contextmanager
     def span(self, part: str) -> Iterator[None]:
-        """Time the block as ``part``."""
+        """Time the block as ``part`` (less the parts timed inside it)."""
         if self._copy_from is not None:
             self._seconds["copy"] += time.perf_counter() - self._copy_from
             self._copy_from = None
-        if self._cuda and not (part == "compute" and self._slowdown > 1.0):
-            start, end = _event(), _event()
-            start.record()
-            yield
-            end.record()
-            self._events.append((part, start, end))
-            return
+        slowed = part == "compute" and self._slowdown > 1.0
+        outer = self._open[-1] if self._open else None
+        # CUDA events, unless the sleep needs the real time, or a part around this one
+        # is timed by the wall clock (which then takes this one's time out of its own).
+        events = self._cuda and not slowed and (outer is None or outer.start is not None)
+        span = _Span(part, _event() if events else None, _event() if events else None)
+        self._open.append(span)
         started = time.perf_counter()
-        yield
-        if self._cuda:  # an emulated straggler on a GPU: the sleep needs the real time
-            torch.cuda.synchronize(self._device)
-        if part == "compute" and self._slowdown > 1.0:
-            time.sleep((self._slowdown - 1.0) * (time.perf_counter() - started))
-        self._seconds[part] += time.perf_counter() - started
+        try:
+            if events:
+                span.start.record()
+                yield
+                span.end.record()
+                self._events.append(span)
+                if outer is not None:
+                    outer.inner.append(span)
+                return
+            yield
+            if self._cuda:  # the wall clock on a GPU: the device must be done
+                torch.cuda.synchronize(self._device)
+            if slowed:
+                time.sleep((self._slowdown - 1.0) * (time.perf_counter() - started - span.inner_s))
+            elapsed = time.perf_counter() - started
+            self._seconds[part] += elapsed - span.inner_s
+            if outer is not None:
+                outer.inner_s += elapsed
+        finally:
+            self._open.pop()
 
     def lap(self) -> StepClock:
         """The seconds of each part since the last lap; restart the counts. On CUDA this
         waits for the device to reach the last recorded event: call it once per step."""
         if self._events:
-            self._events[-1][2].synchronize()
-            for part, start, end in self._events:
-                self._seconds[part] += start.elapsed_time(end) / 1000.0
+            self._events[-1].end.synchronize()
+            for span in self._events:
+                self._seconds[span.part] += span.own_s()
             self._events.clear()
         seconds, self._seconds = self._seconds, dict.fromkeys(PARTS, 0.0)
         return StepClock(

@@ -5,6 +5,7 @@ train as whole ones do, within the stated tolerance, and bitwise as the same run
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -19,6 +20,7 @@ from shoal.workers.pipeline.collective import GlooCollective
 from shoal.workers.pipeline.local_ranks import run_ranks
 from shoal.workers.pipeline.replicas import Replicas
 from shoal.workers.pipeline.sharding import ShardingError, StageShards
+from shoal.workers.pipeline.timing import StepClock, StepTimer
 from shoal.workers.pipeline.transport import LinkError
 from shoal.workers.snapshot import OptimizerConf
 from tests.factories import ADAM, SGD
@@ -163,6 +165,35 @@ def test_a_zero3_parameter_left_without_gradient_is_named() -> None:
 
     for message in _ranks(2, body):
         assert "blocks [0]" in message and "parallelism.shard: none" in message
+
+
+@pytest.mark.unit
+def test_zero3_exchanges_inside_a_forward_and_backward_are_timed_as_all_reduce() -> None:
+    """The gathers and reduce-scatters run inside the stage's compute: the step's timings
+    book them as all-reduce time, which the compute time leaves out."""
+    gathers = [0, 0]
+
+    def body(collective: GlooCollective, rank: int) -> StepClock:
+        timer = StepTimer(torch.device("cpu"))
+        blocks = _blocks(SGD)
+        shards = StageShards(blocks, "full", collective, timer.span)
+        real = collective.all_gather_into
+
+        def slow_gather(*args: Any) -> None:
+            gathers[rank] += 1
+            time.sleep(0.01)  # an exchange slower than these tiny blocks' compute
+            real(*args)
+
+        collective.all_gather_into = slow_gather  # type: ignore[method-assign]
+        with timer.span("compute"):
+            _train(blocks, rank, 0, _one_f_one_b(2, 1))
+        shards.settle()
+        return timer.lap()
+
+    for rank, clock in enumerate(_ranks(2, body)):
+        assert gathers[rank] >= len(_blocks(SGD)), gathers
+        assert clock.allreduce_s >= 0.01 * gathers[rank], clock
+        assert clock.compute_s < 0.01 * gathers[rank], clock
 
 
 @pytest.mark.unit
