@@ -233,9 +233,8 @@ class GlooCollective(GroupMember):
     def _send_around(self, flat: Tensor, received: Tensor, sizes: Sequence[int]) -> None:
         """Send ``flat`` to every other rank and receive theirs into ``received`` (rank
         order, this rank's left out), by an all-to-all: with two ranks ``flat`` goes as it
-        is (gloo's own all-gather copies it in and out, and measured about 1.6x slower for
-        the same bytes: docs/benchmarks.md); beyond two it is repeated once per other
-        rank."""
+        is (gloo's own all-gather measured 1.5-2x slower for the same bytes:
+        docs/benchmarks.md); beyond two it is repeated once per other rank."""
         rank, world = self.rank, self.world
         sent = flat if world == 2 else flat.repeat(world - 1)
         counts = [0 if q == rank else size for q, size in enumerate(sizes)]

@@ -26,7 +26,6 @@ backward's compute time leaves out (``workers.pipeline.timing``).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager, nullcontext
 from functools import partial
 from typing import Any, Protocol
 
@@ -34,6 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from shoal.workers.pipeline.collective import GlooCollective
+from shoal.workers.pipeline.timing import Timed, untimed
 from shoal.workers.pipeline.transport import LinkError
 
 
@@ -53,14 +53,6 @@ class BlockShard(Protocol):
     def free(self) -> None: ...
 
     def scatter_grad(self, collective: GlooCollective) -> None: ...
-
-
-Timed = Callable[[str], AbstractContextManager[None]]
-"""Times what runs inside it as the part named (``StepTimer.span``)."""
-
-
-def untimed(part: str) -> AbstractContextManager[None]:
-    return nullcontext()
 
 
 class Gatherer:

@@ -18,9 +18,9 @@ from torch import Tensor
 
 from shoal.workers.blocks import Block
 from shoal.workers.pipeline.collective import GlooCollective
-from shoal.workers.pipeline.gathering import Timed, untimed
 from shoal.workers.pipeline.sharding import BlockShard, StageShards
 from shoal.workers.pipeline.stage_types import StageStateError
+from shoal.workers.pipeline.timing import Timed, untimed
 from shoal.workers.pipeline.transport import LinkError
 from shoal.workers.snapshot import RunnerEvent
 

@@ -38,7 +38,8 @@ from torch.autograd.grad_mode import _unsafe_preserve_version_counter
 
 from shoal.workers.blocks import Block, make_optimizer
 from shoal.workers.pipeline.collective import GlooCollective, ordered_sum, pieces
-from shoal.workers.pipeline.gathering import Gatherer, Timed, untimed
+from shoal.workers.pipeline.gathering import Gatherer
+from shoal.workers.pipeline.timing import Timed, untimed
 
 SHARD_MODES = ("none", "optimizer", "gradients", "full")
 

@@ -18,14 +18,22 @@ through measured times, as a real slow device would be.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 PARTS = ("compute", "transfer", "wait", "allreduce", "copy")
+
+Timed = Callable[[str], AbstractContextManager[None]]
+"""Times what runs inside it as the part named (``StepTimer.span``)."""
+
+
+def untimed(part: str) -> AbstractContextManager[None]:
+    """Times nothing (the collectives used outside a stage: tests, benches)."""
+    return nullcontext()
 
 
 @dataclass(frozen=True)
