@@ -1,6 +1,7 @@
 """Where a model's shards live in the SHARP executor: on its arrival, cut into shards for
-the smallest device, given homes and restored from its latest checkpoint; after a loss,
-the shards of lost devices given new homes and every shard put back to one step."""
+the smallest device, given homes and restored from its latest checkpoint; moved whole
+to another device; after a loss, the shards of lost devices given new homes and every
+shard put back to one step."""
 
 from __future__ import annotations
 
@@ -68,4 +69,19 @@ def rehome(model: ModelRun, homes: Homes, pool: HostPool, blocks: Blocks | None)
         else:  # built from its seed again
             calls.append(pool.submit(host, "drop", key))
         calls.append(model.add(pool, host, shard, blocks))
+    return calls
+
+
+def move(model: ModelRun, homes: Homes, pool: HostPool, there: int, blocks: Blocks) -> list[Call]:
+    """``model`` moves whole to ``there`` with its states in ``blocks`` (its step's): the
+    calls that drop its shards at home and add them there. Its shards live there from now
+    on, whatever the calls meet: a device lost before they end (either) rolls it back
+    there, or, ``there`` lost, to the devices left; never to shards dropped at home."""
+    job_id, shards = model.snap.job_id, model.plan.shards
+    calls = [
+        pool.submit(home, "drop", (job_id, s.index))
+        for s, home in zip(shards, model.homes, strict=True)
+    ]
+    calls += [model.add(pool, there, s, blocks) for s in shards]
+    homes.move(model, there)
     return calls

@@ -45,7 +45,7 @@ from shoal.workers.sharp.checkpointing import CheckpointThread
 from shoal.workers.sharp.homes import Homes
 from shoal.workers.sharp.inbox import Inbox
 from shoal.workers.sharp.models import Copying, ModelRun, Task
-from shoal.workers.sharp.placing import arrive, rehome
+from shoal.workers.sharp.placing import arrive, move, rehome
 from shoal.workers.sharp.shard_host import ShardFailed, ShardKey, TaskResult
 from shoal.workers.sharp.shard_pool import (
     Call,
@@ -367,10 +367,7 @@ class SharpTrainer:
             try:
                 blocks = model.gather(pool, self._timeout)
             except HostLost as exc:  # a shard's device went between the step and the gather
-                model.lost = str(exc)
-                self._lose(pool, self._homes.host_of(exc.device_id), str(exc))
-                if model.lost is not None:  # its last step: ``_lose`` passes it by
-                    self._roll_back(pool, model)
+                self._lost_meanwhile(pool, model, exc)
                 return
             if snap.keep_copies:
                 model.saved, model.copying = (step, blocks), None
@@ -411,18 +408,20 @@ class SharpTrainer:
         try:
             if blocks is None:
                 blocks = model.saved_at(step) or model.gather(pool, self._timeout)
-            job_id = model.snap.job_id
-            calls = [pool.submit(home, "drop", (job_id, s.index)) for s in model.plan.shards]
-            calls += [model.add(pool, there, s, blocks) for s in model.plan.shards]
-            await_all(pool, calls, self._timeout)
-        except HostLost as exc:  # before it moved or after: it rolls back from its copy
-            model.lost = str(exc)
-            self._lose(pool, self._homes.host_of(exc.device_id), str(exc))
-            if model.lost is not None:
-                self._roll_back(pool, model)
+            await_all(pool, move(model, self._homes, pool, there, blocks), self._timeout)
+        except HostLost as exc:  # before it moved, or as it did (``placing.move``)
+            self._lost_meanwhile(pool, model, exc)
             return
-        self._homes.move(model, there)
         model.moved(self._devices, home, step)
+
+    def _lost_meanwhile(self, pool: HostPool, model: ModelRun, exc: HostLost) -> None:
+        """A device was lost while ``model``'s state was gathered or moved at a step
+        boundary: every model with shards there rolls back, and so does ``model`` (a move
+        may be half done) unless ``_lose`` passed it by (its last step was trained)."""
+        model.lost, host = str(exc), self._homes.host_of(exc.device_id)
+        self._lose(pool, host, str(exc))
+        if model.lost is not None:
+            self._roll_back(pool, model, [host])
 
     def _start_copy(self, pool: HostPool, model: ModelRun, step: int) -> None:
         """Have the model's shard hosts copy it as it is after ``step`` steps (each host
@@ -464,11 +463,13 @@ class SharpTrainer:
             if model.snap.job_id not in busy:
                 self._roll_back(pool, model)
 
-    def _roll_back(self, pool: HostPool, model: ModelRun) -> None:
+    def _roll_back(self, pool: HostPool, model: ModelRun, left: Sequence[int] = ()) -> None:
         """Re-form ``model`` from its last copy: the shards of lost devices move to the
         least loaded live ones, every shard reloads its state of that step, and the model
         runs on from there (Hydra's promise: a lost device costs its in-flight task; here
-        the steps since the copy, at most the step under way)."""
+        the steps since the copy, at most the step under way). ``left``: a device it was
+        moving from, lost with the shards it had there."""
+        gone = self._homes.lost([*model.homes, *left])
         taken, before = model.saved[0] if model.saved else None, None
         if model.copying is not None:  # on its way: the loss may have cut it short
             taken, before = model.copying.step, taken
@@ -484,11 +485,9 @@ class SharpTrainer:
             self._drop(pool, model)  # its shards on the devices left
             # Ended after the checkpoints it has under way: its report then names them all,
             # and the control plane resumes it from the latest.
-            lost = tuple(self._homes.lost(model.homes))
-            self._writer.then(model.run.end, RunStatus.LOST, f"{reason}; {why}", lost)
+            self._writer.then(model.run.end, RunStatus.LOST, f"{reason}; {why}", tuple(gone))
             return
         step, blocks = copy
-        gone = self._homes.lost(model.homes)
         try:
             await_all(pool, rehome(model, self._homes, pool, blocks), self._timeout)
         except HostLost as exc:  # another device went meanwhile: its models roll back too

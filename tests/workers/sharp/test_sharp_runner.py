@@ -478,6 +478,69 @@ def test_a_model_moves_between_ray_shard_workers(ray_address: str, tmp_path: Pat
     moves_to_the_idle_device(tmp_path, RayPool, ray.get_runtime_context().get_node_id())
 
 
+class MoveLosingPool(LocalPool):
+    """A LocalPool that loses a device as model a or c moves whole from device 0 to device
+    1 (``moves_to_the_idle_device``'s setting): device ``lose`` fails the move's first call
+    there (1: the first of their shards added there; 0: the first dropped) and every later
+    one."""
+
+    lose = 1
+
+    def __init__(self, devices: Any, budgets: Any) -> None:
+        super().__init__(devices, budgets)
+        self.gone = False
+
+    def submit(self, host: int, method: str, *args: Any) -> Any:
+        from concurrent.futures import Future
+
+        from shoal.workers.sharp.shard_pool import HostLost, _Local
+
+        moving = method == ("add" if self.lose == 1 else "drop") and args[0][0] in "ac"
+        self.gone = self.gone or (host == self.lose and moving)
+        if host != self.lose or not self.gone:
+            return super().submit(host, method, *args)
+        gone: Future[Any] = Future()
+        gone.set_exception(HostLost(self.devices[host].id, "its node was preempted"))
+        return _Local(host, method, gone)
+
+
+class HomeLosingPool(MoveLosingPool):
+    lose = 0
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("make_pool", [MoveLosingPool, HomeLosingPool])
+def test_a_device_lost_as_a_model_moves_rolls_it_back_exactly(
+    tmp_path: Path, make_pool: PoolFactory
+) -> None:
+    """The device a model moves to, or the one it leaves, is lost halfway through the move
+    (some of its shards dropped at home, none or some added there): it rolls back from its
+    copy to the device left, and every model still trains exactly as alone."""
+    snaps = [
+        model(tmp_path, name, seed=i, steps=4, keep_copies=True, copy_budget=1.0)
+        for i, name in enumerate("abc")
+    ]
+    pool = devices()
+    budget = budget_for_shards(snaps[0], 3)
+    trainer = SharpTrainer(snaps, pool, make_pool, budgets={d.id: budget for d in pool})
+    trainer.cancel("b")
+    statuses = trainer.run()
+    errors = {s.job_id: trainer.report(s.job_id, 0).error for s in snaps}
+    assert statuses == {
+        "a": RunStatus.SUCCEEDED,
+        "b": RunStatus.CANCELLED,
+        "c": RunStatus.SUCCEEDED,
+    }, errors
+    dead = pool[make_pool.lose].id  # type: ignore[attr-defined]
+    lost = [e for n in "ac" for e in trainer.report(n, 0).events if e.kind == "device_lost"]
+    assert lost and all(e.data["devices"] == [dead] for e in lost), lost
+    for snap in (snaps[0], snaps[2]):
+        report = trainer.report(snap.job_id, 0)
+        latest = {m.step: m.loss for m in report.metrics}  # a replayed step's record replaces it
+        assert sorted(latest) == [1, 2, 3, 4]
+        assert_alone(snap, [latest[s] for s in range(1, 5)])
+
+
 @pytest.mark.unit
 def test_cancelling_a_model_that_has_ended_changes_nothing(tmp_path: Path) -> None:
     """A pruning decision may arrive after the trial's last step, while others train."""
