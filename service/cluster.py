@@ -225,7 +225,6 @@ class InProcessCluster:
         self._make_pool: PoolFactory = make_pool or LocalPool
         """The sweeps' executors' device workers: threads of this process."""
         self._runners: dict[JobId, JobRunner] = {}
-        self._threads: dict[JobId, threading.Thread] = {}
         self._pools: dict[str, Any] = {}
         self._lock = threading.Lock()
 
@@ -239,14 +238,7 @@ class InProcessCluster:
         with self._lock:
             if snapshot.job_id in self._runners:
                 return  # like a named actor: never two runners for one job
-            runner = JobRunner(snapshot, LocalGroup)
-            # Daemons: a test that fails mid-run leaves nothing keeping its process alive.
-            thread = threading.Thread(
-                target=runner.run, name=f"runner-{snapshot.job_id[:8]}", daemon=True
-            )
-            self._runners[snapshot.job_id] = runner
-            self._threads[snapshot.job_id] = thread
-        thread.start()
+            self._runners[snapshot.job_id] = JobRunner(snapshot, LocalGroup)  # trains on
 
     def _runner(self, job_id: JobId) -> Any:
         with self._lock:
@@ -278,9 +270,7 @@ class InProcessCluster:
         with self._lock:
             if sweep_id in self._pools:
                 return
-            pool = SweepExecutor(devices, self._make_pool, policy)
-            self._pools[sweep_id] = pool
-        threading.Thread(target=pool.run, name=f"sweep-{sweep_id[:8]}", daemon=True).start()
+            self._pools[sweep_id] = SweepExecutor(devices, self._make_pool, policy)  # trains on
 
     def has_pool(self, sweep_id: str) -> bool:
         with self._lock:
@@ -319,8 +309,6 @@ class InProcessCluster:
         """Forget the runner (it stops at its next step boundary), like killing the actor."""
         with self._lock:
             runner = self._runners.pop(job_id, None)
-            thread = self._threads.pop(job_id, None)
         if runner is not None:
             runner.cancel()
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout=60)
+            runner.wait(60)

@@ -26,9 +26,9 @@ from shoal.workers.snapshot import JobSnapshot
 from shoal.workers.uploaded_code import JobCode, code_options
 
 RUNNER_NAMESPACE = "shoal"
-RUNNER_CONCURRENCY = 4
-"""Threads of a runner actor: ``run`` holds one for the whole job; ``poll``/``cancel`` use the
-others, so they answer while it trains."""
+RUNNER_CONCURRENCY = 3
+"""Threads of a runner actor for ``poll``, ``cancel`` and the like (it trains on a thread of
+its own): they answer while it trains."""
 
 
 def runner_name(job_id: JobId) -> str:
@@ -44,11 +44,8 @@ def find_runner(job_id: JobId) -> ActorHandle[Any] | None:
 
 
 def start_runner(snapshot: JobSnapshot) -> ActorHandle[Any]:
-    """The job's runner, started and set training unless it already exists.
-
-    ``get_if_exists`` makes two racing starts share one actor; ``JobRunner.run`` ignores a
-    second call, so the race at worst sends one no-op.
-    """
+    """The job's runner, started (it trains from its creation) unless it already exists:
+    ``get_if_exists`` makes two racing starts share one actor."""
     existing = find_runner(snapshot.job_id)
     if existing is not None:
         return existing
@@ -56,8 +53,6 @@ def start_runner(snapshot: JobSnapshot) -> ActorHandle[Any]:
     runner: ActorHandle[Any] = runner_actor.options(
         **_detached_on_head(runner_name(snapshot.job_id)), **code_options(snapshot.code)
     ).remote(snapshot)
-    # Not awaited: ``run`` returns when training ends; progress is read with ``poll``.
-    runner.run.remote()
     return runner
 
 
@@ -105,7 +100,6 @@ def start_pool(
     pool: ActorHandle[Any] = pool_actor.options(
         **_detached_on_head(pool_name(sweep_id)), **code_options(code)
     ).remote(list(devices), None, policy)
-    pool.run.remote()
     return pool
 
 

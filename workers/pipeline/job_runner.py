@@ -1,6 +1,11 @@
 """A job's runner as Ray runs it: ``workers.actors`` starts ``JobRunner`` as the job's
-detached actor; ``run`` trains on one of its threads (``workers.pipeline.runner.Trainer``),
-``poll``, ``cancel``, ``suspend`` and ``relayout`` answer from the others."""
+detached actor; it trains from its creation on a thread of its own
+(``workers.pipeline.runner.Trainer``), and ``poll``, ``cancel``, ``suspend`` and
+``relayout`` answer on the actor's threads meanwhile.
+
+Training starts with the actor, not with a call after it: Ray queues a call made to an
+actor still starting in its caller's process, so a control plane killed in the seconds a
+runner takes to start would take the call along, and leave a runner that never trains."""
 
 from __future__ import annotations
 
@@ -30,16 +35,14 @@ class JobRunner:
             step_timeout_s=step_timeout_s,
             policy=snapshot_policy(snapshot),
         )
-        self._started = False
-        self._lock = threading.Lock()
+        # A daemon: a test that fails mid-run leaves nothing keeping its process alive.
+        self._training = threading.Thread(target=self._trainer.run, name="trainer", daemon=True)
+        self._training.start()
 
-    def run(self) -> RunStatus:
-        """Train (blocking until the job ends); a second call returns the status at once."""
-        with self._lock:
-            if self._started:
-                return self._trainer.status
-            self._started = True
-        return self._trainer.run()
+    def wait(self, timeout_s: float | None = None) -> RunStatus:
+        """The run's status once it has ended, or after ``timeout_s`` (then RUNNING)."""
+        self._training.join(timeout_s)
+        return self._trainer.status
 
     def poll(self, cursor: int) -> RunnerReport:
         return self._trainer.report(cursor)

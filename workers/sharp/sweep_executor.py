@@ -1,9 +1,10 @@
 """A sweep's SHARP executor as the control plane drives it: the actor around ``SharpTrainer``.
 
 ``workers.actors`` runs ``SweepExecutor`` as a detached, threaded Ray actor named after the
-sweep (an in-process cluster runs it on a thread): ``run`` trains on one thread while the
-others add trials, cancel pruned ones, suspend those leaving with the sweep for other
-devices, and answer polls; ``close`` lets it end.
+sweep: it trains from its creation on a thread of its own (for the reason a job's runner
+does: ``workers.pipeline.job_runner``) while the actor's threads add trials, cancel pruned
+ones, suspend those leaving with the sweep for other devices, and answer polls; ``close``
+lets it end.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from shoal.scheduler.devices import Device
 from shoal.scheduler.sharp import Policy
 from shoal.workers.sharp.runner import SharpTrainer
 from shoal.workers.sharp.shard_pool import PoolFactory
-from shoal.workers.snapshot import JobSnapshot, RunnerReport, RunStatus
+from shoal.workers.snapshot import JobSnapshot, RunnerReport
 
 
 class SweepExecutor:
@@ -34,16 +35,13 @@ class SweepExecutor:
             policy=Policy(policy),
             keep_open=True,
         )
-        self._started = False
-        self._lock = threading.Lock()
+        self._training = threading.Thread(target=self._trainer.run, name="sharp", daemon=True)
+        self._training.start()
 
-    def run(self) -> dict[str, RunStatus]:
-        """Train until closed and every trial has ended; a second call returns at once."""
-        with self._lock:
-            if self._started:
-                return {}
-            self._started = True
-        return self._trainer.run()
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Whether it has ended (closed, every trial ended), waiting up to ``timeout_s``."""
+        self._training.join(timeout_s)
+        return not self._training.is_alive()
 
     def add(self, snap: JobSnapshot) -> None:
         self._trainer.add(snap)

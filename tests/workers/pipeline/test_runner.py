@@ -475,11 +475,12 @@ def test_failures_end_the_run_with_a_one_line_reason(
 
 
 @pytest.mark.unit
-def test_job_runner_runs_once(tmp_path: Path) -> None:
-    runner = JobRunner(job(tmp_path, [(0, 4)], steps=1), LocalGroup)
-    assert runner.run() is RunStatus.SUCCEEDED
-    assert runner.run() is RunStatus.SUCCEEDED  # a second run trains nothing again
-    assert len(runner.poll(0).metrics) == 1
+def test_a_job_runner_trains_from_its_creation_with_no_other_call(tmp_path: Path) -> None:
+    """Its creator may die just after creating it (a control plane killed): created and
+    never called, it trains the job to the end, once."""
+    runner = JobRunner(job(tmp_path, [(0, 4)], steps=3), LocalGroup)
+    assert runner.wait(120) is RunStatus.SUCCEEDED, runner.poll(0).error
+    assert [m.step for m in runner.poll(0).metrics] == [1, 2, 3]
     runner.cancel()
     assert runner.poll(0).status is RunStatus.SUCCEEDED
 

@@ -380,18 +380,15 @@ def test_a_running_pool_takes_new_models_cancels_others_and_ends_when_closed(
 
     pool = devices()
     runner = SweepExecutor([replace(d, memory_mb=1) for d in pool], LocalPool)
-    thread = threading.Thread(target=runner.run)
-    thread.start()
     first = model(tmp_path, "a", steps=30)
     runner.add(first)
     while runner.poll("a", 0).step < 2:
-        thread.join(0.01)
+        runner.wait(0.01)
     second = model(tmp_path, "b", seed=9, steps=4)
     runner.add(second)
     runner.cancel("a")
     runner.close()
-    thread.join(120)
-    assert not thread.is_alive()
+    assert runner.wait(120), "the executor did not end once closed and empty"
     stopped, done = runner.poll("a", 0), runner.poll("b", 0)
     assert stopped.status is RunStatus.CANCELLED and 2 <= stopped.step < 30
     assert done.status is RunStatus.SUCCEEDED and done.step == 4
@@ -410,17 +407,15 @@ def test_a_suspended_model_checkpoints_its_step_and_resumes_elsewhere_replaying_
     from shoal.workers.sharp.sweep_executor import SweepExecutor
 
     runner = SweepExecutor(devices(), LocalPool)
-    thread = threading.Thread(target=runner.run)
-    thread.start()
     moving = model(tmp_path, "a", steps=30, checkpoint_every=1)
     staying = model(tmp_path, "b", seed=9, steps=12)
     runner.add(moving)
     runner.add(staying)
     while runner.poll("a", 0).step < 2:
-        thread.join(0.01)
+        runner.wait(0.01)
     runner.suspend("a")
     runner.close()
-    thread.join(120)
+    assert runner.wait(120), "the executor did not end once closed and empty"
     suspended = runner.poll("a", 0)
     assert suspended.status is RunStatus.SUSPENDED and 2 <= suspended.step < 30
     said = [e.step for e in suspended.events if e.kind == "suspended"]
@@ -548,15 +543,13 @@ def test_cancelling_a_model_that_has_ended_changes_nothing(tmp_path: Path) -> No
     from shoal.workers.sharp.sweep_executor import SweepExecutor
 
     runner = SweepExecutor(devices(), LocalPool)
-    thread = threading.Thread(target=runner.run)
-    thread.start()
     runner.add(model(tmp_path, "a", steps=2))
     runner.add(model(tmp_path, "b", seed=9, steps=40))
     while runner.poll("a", 0).status is RunStatus.RUNNING:
-        thread.join(0.01)
+        runner.wait(0.01)
     runner.cancel("a")
     runner.close()
-    thread.join(120)
+    assert runner.wait(120), "the executor did not end once closed and empty"
     assert runner.poll("a", 0).status is RunStatus.SUCCEEDED
     assert runner.poll("b", 0).status is RunStatus.SUCCEEDED, runner.poll("b", 0).error
 
