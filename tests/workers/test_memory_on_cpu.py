@@ -22,11 +22,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from shoal.scheduler.devices import Device
 from shoal.scheduler.memory import format_bytes, in_flight, stage_memory
+from shoal.workers.pipeline.batch_rows import Rows
 from shoal.workers.pipeline.stage import Stage
 from shoal.workers.pipeline.stage_types import StageSetup
 from shoal.workers.profiler import trace_costs
 from shoal.workers.snapshot import DataRef, ModelRef, OptimizerConf, StagePlan
-from shoal.workers.wire import send
 from shoal.workers.zoo.data import make_data
 from tests.workers.memory_cases import CASES, MICRO_BATCHES
 
@@ -96,23 +96,23 @@ def predicted_and_peak(
         recompute=recompute,
         precision=precision,
     )
-    source = make_data(data, 0)
     setup = StageSetup(
         model=model,
-        meta=source.meta,
+        meta=make_data(data, 0).meta,
         optimizer=OptimizerConf("adamw", 3e-4),
         seed=0,
         num_blocks=len(costs),
         recompute=recompute,
         precision=precision,
+        data=data,
+        batch_size=batch,
     )
     cpu = Device("cpu-0", "node-0", 0, "cpu", 4096, gpu=False)
     stage = Stage(StagePlan(0, blocks, cpu), setup)
     counter = LiveBytes([t for b in stage.blocks for t in b.module.state_dict().values()])
-    batches = [source.batch(step, batch) for step in range(2)]
-    with counter:
-        for x, y in batches:
-            stage.step(schedule, 1, MICRO_BATCHES, send(x), send(y), rows / batch, True)
+    with counter:  # the stage draws each step's batch inside the step
+        for step in range(2):
+            stage.step(schedule, 1, MICRO_BATCHES, Rows(step, 0, batch), rows / batch, True)
     predicted = need.total
     state = (
         f"{case} {precision} {schedule} recompute={recompute}: predicted"

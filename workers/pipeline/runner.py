@@ -95,8 +95,6 @@ class Trainer:
         """The next step, handed out before the last one was collected."""
         self._ended = float("-inf")
         """When the last step was collected."""
-        self._batch_bytes = 0
-        """The bytes of one step's batch, once one was drawn."""
 
     # ------------------------------------------------------------------ thread-safe API
 
@@ -393,7 +391,7 @@ class Trainer:
         relay = self._connect(group, layout, step)
         one_call = in_one_call(self.snapshot, relay=relay)
         count = self._span(step, rebalancer, copies, unrecorded) if one_call else 1
-        flight = start_step(
+        return start_step(
             self.snapshot,
             group,
             layout,
@@ -404,8 +402,6 @@ class Trainer:
             timeout=self._timeout,
             clock=self._clock,
         )
-        self._batch_bytes = flight.batch_bytes
-        return flight
 
     def _span(
         self, step: int, rebalancer: Rebalancer | None, copies: Copies | None, unrecorded: int
@@ -428,7 +424,7 @@ class Trainer:
             until = min(until, rebalancer.steps_to_ask(unrecorded))
         last = self._run.last_metrics()
         step_s = last.step_time_s if last is not None else None
-        return steps_per_call(step_s, self._batch_bytes, until)
+        return steps_per_call(step_s, until)
 
     def _quiet(self, flight: Flight, rebalancer: Rebalancer | None, relayout: bool) -> bool:
         """Whether the boundary after ``flight`` needs nothing of the workers but calls

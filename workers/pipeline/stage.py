@@ -43,6 +43,7 @@ from shoal.scheduler.types import BlockRange
 from shoal.workers.device_memory import Overhead, measure_overhead
 from shoal.workers.device_speed import measure_gflops
 from shoal.workers.host_memory import retain_freed_memory
+from shoal.workers.pipeline.batch_rows import Draws, Rows
 from shoal.workers.pipeline.clipping import grad_norms, scale_grads
 from shoal.workers.pipeline.copier import Copier, Held
 from shoal.workers.pipeline.micro_batches import InFlight
@@ -102,6 +103,7 @@ class Stage:
         self._in_flight = InFlight(plan.index, self.device, setup.recompute)
         self._replicas = Replicas(self.device, setup.shard, self._timer.span)
         self._links = Links(self.device)
+        self._draws = Draws(setup)
         self._own = Copier(self.device, _GENERATIONS)
         self._held = Held(_GENERATIONS)
         self._failed_step = False
@@ -239,27 +241,28 @@ class Stage:
         schedule: str,
         depth: int,
         micro_batches: int,
-        inputs: Wire | None,
-        targets: Wire | None,
+        rows: Rows,
         scale: float,
         update: bool,
     ) -> StepOutcome:
         """Run this stage's program of one step over ``micro_batches`` micro-batches of a
-        ``depth``-stage ``schedule`` (stage 0 gets their ``inputs``, the last stage their
-        ``targets``, rows in micro-batch order), exchanging activations and gradients with
-        the neighbours over its links; then sum the gradients over the replicas, and
-        (``update``) apply them. Any failure closes the links and the replicas' group
-        first, so neighbours and replicas fail at once, not after their timeouts."""
+        ``depth``-stage ``schedule`` (stage 0 draws their inputs, the last stage their
+        targets: ``rows`` of the step's batch, in micro-batch order), exchanging
+        activations and gradients with the neighbours over its links; then sum the
+        gradients over the replicas, and (``update``) apply them. Any failure closes the
+        links and the replicas' group first, so neighbours and replicas fail at once, not
+        after their timeouts."""
         started = time.perf_counter()
         program = programs_for(schedule, depth, micro_batches)[self.index]
         try:
             self._replicas.prepare(self.blocks)
-            batch = None if inputs is None else self._receive(inputs)
-            expected = None if targets is None else self._receive(targets)
-            known = batch if batch is not None else expected
-            rows = 0 if known is None else len(known) // micro_batches
+            with self._timer.span("transfer"):  # booked as receiving the batch was
+                batch, expected = self._draws.take(
+                    rows, self.device, inputs=self.first, targets=self.last
+                )
+            size = (rows.stop - rows.start) // micro_batches
             losses = run_program(
-                self, self._links, self._timer, program, batch, expected, rows, scale
+                self, self._links, self._timer, program, batch, expected, size, scale
             )
             if self._replicas.grouped:
                 with self._timer.span("allreduce"):
@@ -282,17 +285,13 @@ class Stage:
         schedule: str,
         depth: int,
         micro_batches: int,
-        inputs: Sequence[Wire | None],
-        targets: Sequence[Wire | None],
+        steps: Sequence[Rows],
         scale: float,
     ) -> list[StepOutcome]:
-        """``len(inputs)`` steps back to back, each as ``step`` with its own batch, each
+        """``len(steps)`` steps back to back, each as ``step`` with its own rows, each
         applying its gradients (``scheduler.overlap``: several steps per call). A failed
         step ends the call: the steps after it do not run."""
-        return [
-            self.step(schedule, depth, micro_batches, x, y, scale, True)
-            for x, y in zip(inputs, targets, strict=True)
-        ]
+        return [self.step(schedule, depth, micro_batches, r, scale, True) for r in steps]
 
     def link_keep(self, names: dict[int, str | None]) -> None:
         """Keep only the links named in ``names`` (by neighbour offset, -1 or +1)."""

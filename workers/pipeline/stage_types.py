@@ -11,7 +11,7 @@ import torch
 
 from shoal.scheduler.devices import Device
 from shoal.workers.pipeline.timing import StepClock
-from shoal.workers.snapshot import JobSnapshot, ModelRef, OptimizerConf
+from shoal.workers.snapshot import DataRef, JobSnapshot, ModelRef, OptimizerConf
 from shoal.workers.wire import Wire
 from shoal.workers.zoo.registry import DataMeta
 
@@ -34,6 +34,10 @@ class StageSetup:
     precision: str = "fp32"
     shard: str = "none"
     """How replicas split the stage's optimizer work (``workers.pipeline.sharding``)."""
+    data: DataRef | None = None
+    """What the first and last stages draw their batches from (``workers.pipeline.batch_rows``),
+    ``batch_size`` rows a step."""
+    batch_size: int = 0
 
     @classmethod
     def of(cls, snapshot: JobSnapshot, meta: DataMeta) -> StageSetup:
@@ -47,6 +51,8 @@ class StageSetup:
             allowed=snapshot.allowed_factories,
             precision=snapshot.precision,
             shard=snapshot.shard,
+            data=snapshot.data,
+            batch_size=snapshot.batch_size,
         )
 
 

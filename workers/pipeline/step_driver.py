@@ -12,16 +12,17 @@ Two ways to drive it, the same arithmetic in the same order (bitwise equal resul
 * **Peer to peer** (``RayGroup`` with linked neighbours): one ``steps`` call per worker
   (``step`` and ``apply_step`` with clipping: the coefficient needs every stage's norms
   first); each stage runs its own program (``workers.pipeline.step_program``) and exchanges
-  activations with its neighbours directly. The runner moves only the steps' inputs and
-  targets, and reads back losses, norms and timings. One call may carry several steps,
-  run back to back, where the boundaries between them need nothing of the runner
-  (``scheduler.overlap``). A call is handed out (``start_step``) and collected
+  activations with its neighbours directly. The runner moves no data: it names each
+  replica's rows of the step's batch (its first and last stages draw them themselves:
+  ``workers.pipeline.batch_rows``), and reads back losses, norms and timings. One call may
+  carry several steps, run back to back, where the boundaries between them need nothing
+  of the runner (``scheduler.overlap``). A call is handed out (``start_step``) and collected
   (``finish_step``) separately, so the runner can hand out the next call before collecting
   this one when nothing has to happen between them (``workers.pipeline.runner``): each worker then
   starts it as soon as it ends this one, instead of after a round trip through the runner.
 * **Relayed** (``LocalGroup``, the reference; and wherever neighbours cannot link): every
   forward and backward is its own call, and each activation goes stage -> runner -> stage
-  as a handle passed from one call to the next.
+  as a handle passed from one call to the next; the runner draws the batch and sends it.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from typing import Any
 from torch import Tensor
 
 from shoal.scheduler.schedules import Action, Op, build, submission_order
+from shoal.workers.pipeline.batch_rows import Rows
 from shoal.workers.pipeline.clipping import clip_coefficient
 from shoal.workers.pipeline.rebalance import Layout
 from shoal.workers.pipeline.stage_worker import StageFailed
@@ -67,8 +69,6 @@ class Flight:
     handles: tuple[Handle, ...] = ()
     relayed: _Done | None = None
     """A relayed step runs while it is handed out: its result."""
-    batch_bytes: int = 0
-    """The bytes of one step's batch (inputs and targets)."""
     one_call: bool = False
     """Whether the steps are one call per worker (peer to peer, no clipping): a worker runs
     its calls in order, so the next call, handed out before this one is collected, starts
@@ -105,15 +105,11 @@ def start_step(
     if count != 1 and not one_call:
         raise ValueError(f"{count} steps in one call: only unclipped peer-to-peer steps can be")
     started = clock()
-    batches = [data.batch(step + i, snap.batch_size) for i in range(count)]
-    nbytes = sum(t.nbytes for t in batches[0])
     if relay:
-        done = _relayed(snap, group, layout, *batches[0], timeout)
-        return Flight(step, 1, layout, started, relayed=done, batch_bytes=nbytes)
-    handles = _hand_out(snap, group, layout, batches)
-    return Flight(
-        step, count, layout, started, tuple(handles), batch_bytes=nbytes, one_call=one_call
-    )
+        done = _relayed(snap, group, layout, *data.batch(step, snap.batch_size), timeout)
+        return Flight(step, 1, layout, started, relayed=done)
+    handles = _hand_out(snap, group, layout, step, count)
+    return Flight(step, count, layout, started, tuple(handles), one_call=one_call)
 
 
 def finish_step(
@@ -178,34 +174,26 @@ def _metrics(
 
 
 def _hand_out(
-    snap: JobSnapshot,
-    group: WorkerGroup,
-    layout: Layout,
-    batches: Sequence[tuple[Tensor, Tensor]],
+    snap: JobSnapshot, group: WorkerGroup, layout: Layout, step: int, count: int
 ) -> list[Handle]:
-    """One call per worker of the peer-to-peer path: ``steps`` over ``batches`` (``step``
-    without the update where the gradients are clipped first)."""
+    """One call per worker of the peer-to-peer path: ``steps`` over the batches ``step``
+    to ``step + count - 1`` (``step`` without the update where the gradients are clipped
+    first), each replica's workers given its rows of them."""
     depth = layout.depth
     rows = snap.batch_size // snap.micro_batches
     scale = rows / snap.batch_size
     clipped = snap.optimizer.clip_grad_norm is not None
     handles: list[Handle] = []
     offset = 0
-    for r, count in enumerate(layout.split):
-        part = slice(offset * rows, (offset + count) * rows)
-        xs = [send(inputs[part]) for inputs, _ in batches]
-        ys = [send(targets[part]) for _, targets in batches]
-        for s in range(depth):
-            w = r * depth + s
-            x = xs if s == 0 else [None] * len(batches)
-            y = ys if s == depth - 1 else [None] * len(batches)
+    for r, split in enumerate(layout.split):
+        ranges = [Rows(step + i, offset * rows, (offset + split) * rows) for i in range(count)]
+        for w in range(r * depth, (r + 1) * depth):
             if clipped:
-                handles.append(
-                    group.submit(w, "step", snap.schedule, depth, count, x[0], y[0], scale, False)
-                )
+                call = group.submit(w, "step", snap.schedule, depth, split, ranges[0], scale, False)
             else:
-                handles.append(group.submit(w, "steps", snap.schedule, depth, count, x, y, scale))
-        offset += count
+                call = group.submit(w, "steps", snap.schedule, depth, split, ranges, scale)
+            handles.append(call)
+        offset += split
     return handles
 
 

@@ -14,6 +14,7 @@ import torch
 
 from shoal.scheduler.devices import Device
 from shoal.scheduler.types import BlockRange
+from shoal.workers.pipeline.batch_rows import Rows
 from shoal.workers.pipeline.clipping import clip_coefficient
 from shoal.workers.pipeline.group import NEW_NODE_S, RayGroup
 from shoal.workers.pipeline.local_group import LocalGroup
@@ -59,7 +60,7 @@ def node_id(kind: str) -> str:
 @pytest.fixture
 def setup() -> StageSetup:
     meta = make_data(DATA, SEED).meta
-    return StageSetup(MODEL, meta, OPTIMIZER, SEED, BLOCKS)
+    return StageSetup(MODEL, meta, OPTIMIZER, SEED, BLOCKS, data=DATA, batch_size=2)
 
 
 @pytest.fixture
@@ -243,10 +244,9 @@ def test_a_stage_whose_step_failed_takes_no_copy_until_its_blocks_are_restored(
     up at once rather than wait out its timeout."""
     group = make_group([(0, 4)], setup)
     (state,) = group.get([group.submit(0, "state")], 60)
-    _, y = make_data(DATA, SEED).batch(0, 2)
-    bad = send(torch.zeros(2, 3))  # 3 features, the model wants 8
-    with pytest.raises(StageFailed, match="stage 0 failed in step"):
-        group.get([group.submit(0, "step", "1f1b", 1, 1, bad, send(y), 1.0, True)], 60)
+    past = Rows(0, 2, 4)  # the batch has 2 rows
+    with pytest.raises(StageFailed, match=r"stage 0 failed in step: .*it has 2 rows"):
+        group.get([group.submit(0, "step", "1f1b", 1, 1, past, 1.0, True)], 60)
     with pytest.raises(StageFailed, match="failed a step since its blocks were restored"):
         group.get([group.submit(0, "snapshot", 1, 1)], 60)
     started = time.monotonic()

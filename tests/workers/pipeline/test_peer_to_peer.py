@@ -15,6 +15,7 @@ import pytest
 
 from shoal.scheduler.devices import Device
 from shoal.scheduler.types import BlockRange
+from shoal.workers.pipeline.batch_rows import Rows
 from shoal.workers.pipeline.group import RayGroup
 from shoal.workers.pipeline.local_group import LocalGroup
 from shoal.workers.pipeline.runner import Trainer
@@ -22,7 +23,6 @@ from shoal.workers.pipeline.stage_types import StageSetup
 from shoal.workers.pipeline.stage_worker import StageFailed
 from shoal.workers.pipeline.worker_group import StageLost
 from shoal.workers.snapshot import DataRef, ModelRef, OptimizerConf, RunStatus, StagePlan
-from shoal.workers.wire import send
 from shoal.workers.zoo.data import make_data
 from tests.factories import GPT, SGD, TOKENS, dp_plans, even_ranges, job, plans
 from tests.workers.runs import assert_bitwise_equal, final_states
@@ -142,7 +142,8 @@ def stage_plans(ranges: list[BlockRange], node: str, first: int = 0) -> list[Sta
 @pytest.fixture
 def setup() -> StageSetup:
     meta = make_data(DATA, 7).meta
-    return StageSetup(MODEL, meta, OptimizerConf("adam", 0.01), 7, 4)
+    optimizer = OptimizerConf("adam", 0.01)
+    return StageSetup(MODEL, meta, optimizer, 7, 4, data=DATA, batch_size=8)
 
 
 @pytest.fixture
@@ -153,11 +154,14 @@ def group(node: str, setup: StageSetup) -> Iterator[RayGroup]:
 
 
 def step_calls(group: RayGroup, *, targets: bool = True) -> list[Any]:
-    x, y = make_data(DATA, 7).batch(0, 8)
+    """Step 0's calls; without ``targets``, the last stage is asked for rows past the
+    batch's 8."""
+    rows = Rows(0, 0, 8)
+    last = rows if targets else Rows(0, 8, 16)
     return [
-        group.submit(0, "step", "1f1b", 3, 4, send(x), None, 0.25, True),
-        group.submit(1, "step", "1f1b", 3, 4, None, None, 0.25, True),
-        group.submit(2, "step", "1f1b", 3, 4, None, send(y) if targets else None, 0.25, True),
+        group.submit(0, "step", "1f1b", 3, 4, rows, 0.25, True),
+        group.submit(1, "step", "1f1b", 3, 4, rows, 0.25, True),
+        group.submit(2, "step", "1f1b", 3, 4, last, 0.25, True),
     ]
 
 
@@ -192,7 +196,7 @@ def test_a_stage_error_mid_step_is_blamed_on_that_stage_and_its_neighbours_stop_
     assert group.connect() is None
     before = names(group)
     started = time.monotonic()
-    with pytest.raises(StageFailed, match=r"stage 2 failed in step: .*got no batch") as failed:
+    with pytest.raises(StageFailed, match=r"stage 2 failed in step: .*it has 8 rows") as failed:
         group.get(step_calls(group, targets=False), 120)
     assert type(failed.value) is StageFailed  # the cause, not a neighbour's broken link
     assert time.monotonic() - started < 20  # the neighbours did not wait out a timeout

@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from shoal.scheduler.devices import Device
+from shoal.workers.pipeline.batch_rows import Rows
 from shoal.workers.pipeline.copier import Copier
 from shoal.workers.pipeline.stage import Stage
 from shoal.workers.pipeline.stage_types import StageSetup
 from shoal.workers.profiler import trace_costs
 from shoal.workers.snapshot import DataRef, ModelRef, OptimizerConf, StagePlan
-from shoal.workers.wire import send
 from shoal.workers.zoo.data import make_data
 
 MODEL = ModelRef("mlp", None, {"hidden": 64, "layers": 2})
@@ -25,13 +25,13 @@ BATCH, MICRO_BATCHES = 8, 2
 def stage_on(device: Device, optimizer: str = "adamw") -> tuple[Stage, Callable[[int], None]]:
     """A one-stage job of an MLP with ``optimizer`` on ``device``, and its step ``n``."""
     blocks = len(trace_costs(MODEL, DATA, micro_batch_size=BATCH, optimizer=optimizer))
-    source = make_data(DATA, 0)
-    setup = StageSetup(MODEL, source.meta, OptimizerConf(optimizer, 1e-3), 0, blocks)
+    meta = make_data(DATA, 0).meta
+    opt = OptimizerConf(optimizer, 1e-3)
+    setup = StageSetup(MODEL, meta, opt, 0, blocks, data=DATA, batch_size=BATCH)
     stage = Stage(StagePlan(0, (0, blocks), device), setup)
 
     def step(n: int) -> None:
-        x, y = source.batch(n, BATCH)
-        stage.step("1f1b", 1, MICRO_BATCHES, send(x), send(y), 1.0, True)
+        stage.step("1f1b", 1, MICRO_BATCHES, Rows(n, 0, BATCH), 1.0, True)
 
     return stage, step
 

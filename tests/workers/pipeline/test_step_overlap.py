@@ -9,7 +9,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
+import torch
 
 from shoal.scheduler.copies import LONGEST_INTERVAL
 from shoal.scheduler.elastic import Decision, ElasticConfig, Keep, StageSample
@@ -23,6 +25,7 @@ from shoal.workers.pipeline.step_driver import Flight, finish_step
 from shoal.workers.pipeline.timing import StepClock
 from shoal.workers.pipeline.worker_group import Handle
 from shoal.workers.snapshot import JobSnapshot, RunStatus
+from shoal.workers.wire import Bits
 from tests.factories import SGD, job, plans
 from tests.workers.runs import assert_bitwise_equal, final_states
 
@@ -31,19 +34,23 @@ STEP_CALLS = {"step", "steps"}
 
 class Spy(RayGroup):
     """A RayGroup that records, at every collection of a call, how many calls its workers
-    had been handed (the one collected included) and how many steps that call carried; and
-    every method it was handed."""
+    had been handed (the one collected included) and how many steps that call carried;
+    every method it was handed; and any data (tensors, arrays) a step call carried."""
 
     def __init__(self, *args: Any) -> None:
         self.handed: list[int] = []
         self.collected: list[tuple[int, int]] = []
         self.methods: list[str] = []
+        self.data: list[Any] = []
         super().__init__(*args)
 
     def submit(self, stage: int, method: str, *args: Any) -> Handle:
         self.methods.append(method)
         if method in STEP_CALLS and stage == 0:
             self.handed.append(len(args[3]) if method == "steps" else 1)
+        if method in STEP_CALLS:
+            values = [v for a in args for v in (a if isinstance(a, list) else [a])]
+            self.data += [v for v in values if isinstance(v, torch.Tensor | np.ndarray | Bits)]
         return super().submit(stage, method, *args)
 
     def get(self, handles: Sequence[Handle], timeout: float) -> list[Any]:
@@ -88,6 +95,7 @@ def test_steps_are_handed_out_together_and_early_except_where_a_boundary_needs_t
     # already handed out; step 3 ends at a checkpoint (its states must be those of that
     # step); steps 4-6 then go in one call, up to the run's end.
     assert spy.collected == [(2, 1), (2, 1), (1, 1), (1, 3)]
+    assert spy.data == []  # the stage draws its batches: the runner relays no data
     metrics = trainer.report(0).metrics
     assert [m.step for m in metrics] == [1, 2, 3, 4, 5, 6]
     assert all(m.step_time_s > 0 for m in metrics)
