@@ -14,6 +14,7 @@ from itertools import accumulate
 
 from shoal.scheduler.memory import autocast_copy_bytes, transient_bytes
 from shoal.scheduler.profile import BlockCost
+from shoal.scheduler.schedules import peak_in_flight
 from shoal.scheduler.types import BlockRange
 from shoal.scheduler.workload import DeviceCapacity, Workload
 
@@ -90,9 +91,7 @@ class Model:
         return model
 
     def in_flight(self, stages: int, stage: int, cap: int) -> int:
-        if self.workload.schedule == "gpipe":
-            return cap
-        return min(cap, stages - stage)
+        return peak_in_flight(self.workload.schedule, stages, stage, cap)
 
     def _memory_prefix(self, flight: int) -> list[int]:
         prefix = self._by_flight.get(flight)

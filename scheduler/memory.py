@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from shoal.scheduler.profile import BlockCost
+from shoal.scheduler.schedules import peak_in_flight
 from shoal.scheduler.types import BlockRange
 
 FLOAT_BYTES = 4
@@ -89,9 +90,7 @@ def in_flight(schedule: str, stages: int, stage: int, micro_batches: int) -> int
             f"stage {stage} of {stages} with {micro_batches} micro-batches is not a pipeline"
             " position; use 0 <= stage < stages and micro_batches >= 1"
         )
-    if schedule == "gpipe":
-        return micro_batches
-    return min(micro_batches, stages - stage)
+    return peak_in_flight(schedule, stages, stage, micro_batches)
 
 
 def autocast_copy_bytes(cost: BlockCost, precision: str) -> int:

@@ -73,7 +73,7 @@ def test_1f1b_steady_state_fuses_send_forward_recv_backward() -> None:
     programs = programs_for("1f1b", 4, 8)
     posts = {str(i) for i in programs[1] if isinstance(i, Post)}
     assert "S>a4+R>g2" in posts
-    assert "S<g1+R<a5" in posts
+    assert "R<a5+S<g1" in posts
 
 
 def test_render_1f1b_programs() -> None:

@@ -14,6 +14,7 @@ from shoal.scheduler.schedules import (
     gpipe,
     in_flight,
     one_f_one_b,
+    peak_in_flight,
     render,
     simulate,
     submission_order,
@@ -37,9 +38,74 @@ def test_built_schedules_validate(size: tuple[int, int], name: str) -> None:
 
 @given(sizes)
 def test_1f1b_bounds_in_flight_micro_batches(size: tuple[int, int]) -> None:
+    # p - s on stage s, one more on the first stage of a pipeline (it runs a forward ahead).
     stages, micro_batches = size
     for s, actions in enumerate(one_f_one_b(stages, micro_batches)):
-        assert in_flight(actions) <= min(stages - s, micro_batches)
+        ahead = 1 if s == 0 and stages > 1 else 0
+        assert in_flight(actions) == min(stages - s + ahead, micro_batches)
+    for s, actions in enumerate(one_f_one_b(stages, micro_batches, ahead=0)):
+        assert in_flight(actions) == min(stages - s, micro_batches)
+
+
+@given(sizes, names)
+def test_peak_in_flight_is_the_built_schedules(size: tuple[int, int], name: str) -> None:
+    stages, micro_batches = size
+    for s, actions in enumerate(build(name, stages, micro_batches)):
+        assert peak_in_flight(name, stages, s, micro_batches) == in_flight(actions)
+
+
+def _step_seconds(
+    schedule: tuple[tuple[Action, ...], ...], cost: list[tuple[float, float]]
+) -> float:
+    """When the last action of ``schedule`` ends, each stage running its actions in order as
+    soon as their inputs are there, stage s's forward taking ``cost[s][0]`` seconds and its
+    backward ``cost[s][1]`` (transfers free)."""
+    ended: dict[Action, float] = {}
+    free = [0.0] * len(schedule)
+    cursors = [0] * len(schedule)
+    last = len(schedule) - 1
+    while any(c < len(row) for c, row in zip(cursors, schedule, strict=True)):
+        for s, row in enumerate(schedule):
+            if cursors[s] == len(row):
+                continue
+            a = row[cursors[s]]
+            need = (
+                Action(s - 1, Op.F, a.microbatch)
+                if a.op is Op.F and s > 0
+                else Action(s, Op.F, a.microbatch)
+                if a.op is Op.F or s == last
+                else Action(s + 1, Op.B, a.microbatch)
+            )
+            if need != a and need not in ended:
+                continue
+            start = max(free[s], ended.get(need, 0.0))
+            free[s] = ended[a] = start + cost[s][0 if a.op is Op.F else 1]
+            cursors[s] += 1
+    return max(free)
+
+
+@given(
+    st.integers(2, 5),
+    st.integers(1, 12),
+    st.lists(st.tuples(st.floats(0.1, 4), st.floats(0.1, 4)), min_size=5, max_size=5),
+)
+def test_the_first_stage_running_ahead_never_lengthens_a_step(
+    stages: int, micro_batches: int, costs: list[tuple[float, float]]
+) -> None:
+    cost = costs[:stages]
+    plain = _step_seconds(one_f_one_b(stages, micro_batches, ahead=0), cost)
+    ahead = _step_seconds(one_f_one_b(stages, micro_batches), cost)
+    assert ahead <= plain + 1e-9
+
+
+def test_the_first_stage_running_ahead_fills_its_wait_when_it_is_the_slowest() -> None:
+    # The pipeline bench's two stages: the first 8% the heavier, a backward twice a forward.
+    cost = [(1.08, 2.17), (1.0, 2.0)]
+    plain = _step_seconds(one_f_one_b(2, 8, ahead=0), cost)
+    ahead = _step_seconds(one_f_one_b(2, 8), cost)
+    busy = 8 * sum(cost[0])
+    assert busy / plain == pytest.approx(0.905, abs=0.005)
+    assert busy / ahead == pytest.approx(0.954, abs=0.005)
 
 
 @given(sizes)
@@ -142,7 +208,7 @@ def test_build_refuses_unknown_names_and_sizes() -> None:
 
 def test_render_1f1b_grid() -> None:
     assert render(one_f_one_b(3, 4)).splitlines() == [
-        "s0 F0 F1 F2  .  . B0 F3 B1  . B2  . B3",
+        "s0 F0 F1 F2 F3  . B0  . B1  . B2  . B3",
         "s1  . F0 F1  . B0 F2 B1 F3 B2  . B3  .",
         "s2  .  . F0 B0 F1 B1 F2 B2 F3 B3  .  .",
     ]
