@@ -37,14 +37,17 @@ _EPS = 1e-6
 """torch's guard against dividing by a zero norm, kept so the coefficients agree."""
 
 
-def _grads(blocks: Iterable[Any]) -> list[Tensor]:
-    # As clip_grad_norm_: parameters without a gradient take no part.
+def gradients(blocks: Iterable[Any]) -> list[Tensor]:
+    """Every gradient of ``blocks``, block and parameter order. Parameters without one take
+    no part, as in ``clip_grad_norm_`` and in the replicas' sum (an optimizer skips them, and
+    a zero filled in would move Adam's moments; every replica runs the same code, so the
+    sets agree)."""
     return [p.grad for block in blocks for p in block.module.parameters() if p.grad is not None]
 
 
 def grad_norms(blocks: Iterable[Any]) -> Wire:
     """The L2 norm of every gradient of ``blocks``, block and parameter order, one tensor."""
-    grads = _grads(blocks)
+    grads = gradients(blocks)
     if not grads:
         return send(torch.zeros(0))
     # On one device, or several (a tensor-parallel stage): the norms go to the first's.
@@ -66,7 +69,7 @@ def clip_coefficient(parts: Sequence[Wire], max_norm: float | None) -> tuple[flo
 
 def scale_grads(blocks: Iterable[Any], coefficient: float) -> None:
     """Multiply every gradient of ``blocks`` by ``coefficient`` in place."""
-    grads = _grads(blocks)
+    grads = gradients(blocks)
     if grads:
         # A float32 scalar tensor, as clip_grad_norm_ multiplies by: the same products.
         torch._foreach_mul_(grads, torch.tensor(coefficient, device=grads[0].device))

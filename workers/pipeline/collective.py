@@ -38,6 +38,8 @@ import torch
 import torch.distributed
 from torch import Tensor
 
+from shoal.workers.pipeline.clipping import gradients
+
 # torch's stubs do not export the store and process-group classes; used untyped.
 dist: Any = torch.distributed
 
@@ -52,15 +54,9 @@ class HasBlocks(Protocol):
     def blocks(self) -> Sequence[Any]: ...
 
 
-def _grads(blocks: Iterable[Any]) -> list[Tensor]:
-    # Only parameters that got a gradient: an optimizer skips the others, and a zero filled in
-    # would move Adam's moments. Every replica runs the same code, so the sets agree.
-    return [p.grad for block in blocks for p in block.module.parameters() if p.grad is not None]
-
-
 def flatten_grads(blocks: Iterable[Any]) -> Tensor:
     """The blocks' gradients as one flat buffer, in block and parameter order."""
-    grads = _grads(blocks)
+    grads = gradients(blocks)
     if not grads:
         return torch.zeros(0)
     return torch.cat([g.reshape(-1) for g in grads])
@@ -68,7 +64,7 @@ def flatten_grads(blocks: Iterable[Any]) -> Tensor:
 
 def unflatten_grads(blocks: Iterable[Any], flat: Tensor) -> None:
     """Write ``flat`` (as made by ``flatten_grads``) back into the blocks' gradients."""
-    grads = _grads(blocks)
+    grads = gradients(blocks)
     total = sum(g.numel() for g in grads)
     if total != flat.numel():
         raise ValueError(f"a gradient buffer of {flat.numel()} values for {total} gradients")
