@@ -81,8 +81,7 @@ def one_f_one_b(stages: int, micro_batches: int, *, ahead: int = FIRST_STAGE_AHE
     _check_sizes(stages, micro_batches)
     schedule = []
     for s in range(stages):
-        extra = ahead if s == 0 and stages > 1 else 0
-        warmup = min(stages - s - 1 + extra, micro_batches)
+        warmup = _warmup(stages, s, micro_batches, ahead)
         actions = [Action(s, Op.F, j) for j in range(warmup)]
         for j in range(warmup, micro_batches):
             actions += [Action(s, Op.F, j), Action(s, Op.B, j - warmup)]
@@ -96,8 +95,13 @@ def peak_in_flight(name: str, stages: int, stage: int, micro_batches: int) -> in
     holds at once (``in_flight`` of its actions), without building it."""
     if name == "gpipe":
         return micro_batches
-    extra = FIRST_STAGE_AHEAD if stage == 0 and stages > 1 else 0
-    return min(micro_batches, stages - stage + extra)
+    return min(micro_batches, _warmup(stages, stage, micro_batches, FIRST_STAGE_AHEAD) + 1)
+
+
+def _warmup(stages: int, stage: int, micro_batches: int, ahead: int) -> int:
+    """The forwards stage ``stage`` of a 1F1B pipeline runs before its first backward."""
+    extra = ahead if stage == 0 and stages > 1 else 0
+    return min(stages - stage - 1 + extra, micro_batches)
 
 
 SCHEDULES: dict[str, Callable[[int, int], Schedule]] = {"gpipe": gpipe, "1f1b": one_f_one_b}
@@ -119,7 +123,8 @@ def _check_sizes(stages: int, micro_batches: int) -> None:
         )
 
 
-def _dependencies(action: Action, last_stage: int) -> tuple[Action, ...]:
+def dependencies(action: Action, last_stage: int) -> tuple[Action, ...]:
+    """The actions ``action`` needs done first (``last_stage``: the pipeline's last)."""
     s, j = action.stage, action.microbatch
     if action.op is Op.F:
         return (Action(s - 1, Op.F, j),) if s > 0 else ()
@@ -140,7 +145,7 @@ def simulate(schedule: Schedule) -> tuple[Timeline, tuple[tuple[Action, ...], ..
         ready = [
             actions[cursors[s]]
             if cursors[s] < len(actions)
-            and all(d in done for d in _dependencies(actions[cursors[s]], last))
+            and all(d in done for d in dependencies(actions[cursors[s]], last))
             else None
             for s, actions in enumerate(schedule)
         ]

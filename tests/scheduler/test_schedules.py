@@ -11,6 +11,7 @@ from shoal.scheduler.schedules import (
     Op,
     ScheduleError,
     build,
+    dependencies,
     gpipe,
     in_flight,
     one_f_one_b,
@@ -69,16 +70,10 @@ def _step_seconds(
             if cursors[s] == len(row):
                 continue
             a = row[cursors[s]]
-            need = (
-                Action(s - 1, Op.F, a.microbatch)
-                if a.op is Op.F and s > 0
-                else Action(s, Op.F, a.microbatch)
-                if a.op is Op.F or s == last
-                else Action(s + 1, Op.B, a.microbatch)
-            )
-            if need != a and need not in ended:
+            needs = dependencies(a, last)
+            if any(d not in ended for d in needs):
                 continue
-            start = max(free[s], ended.get(need, 0.0))
+            start = max([free[s], *(ended[d] for d in needs)])
             free[s] = ended[a] = start + cost[s][0 if a.op is Op.F else 1]
             cursors[s] += 1
     return max(free)
