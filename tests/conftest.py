@@ -135,13 +135,18 @@ def session_factory(database_url: str) -> Iterator[object]:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """A test run on both cluster backends and both databases runs Ray on SQLite only:
-    PostgreSQL is covered by its in-process variant (the controller's database code does not
-    depend on the backend), and every Ray variant costs seconds of actor start-up."""
+    """A test on a real Ray run on both databases runs on SQLite only: PostgreSQL is covered
+    by the test's in-process variant where it has one (the controller's database code does
+    not depend on the backend), by the PostgreSQL-only end-to-end tests (tests/integration:
+    the chaos test loses, drains and suspends jobs on PostgreSQL), and every Ray variant
+    costs seconds of actor start-up and training."""
+    ids = {item.nodeid for item in items}
     kept, dropped = [], []
     for item in items:
         params = getattr(getattr(item, "callspec", None), "params", {})
-        both = params.get("database_url") == "postgresql" and "ray" in params.values()
+        on_ray = "ray" in params.values() or "ray_address" in getattr(item, "fixturenames", ())
+        twin = item.nodeid.replace("postgresql", "sqlite")
+        both = params.get("database_url") == "postgresql" and on_ray and twin in ids
         (dropped if both else kept).append(item)
     if dropped:
         config.hook.pytest_deselected(items=dropped)
