@@ -48,6 +48,7 @@ from shoal.service.jobs import JobConflict, add_event, transition
 from shoal.service.lifecycle import JobState
 from shoal.service.reports import follow_recovery, persist_report
 from shoal.service.resizer import Resizer
+from shoal.service.silence import Silences
 from shoal.service.snapshots import block_costs, build_snapshot, job_request
 from shoal.service.specs import JobSpec
 from shoal.service.sweeper import Sweeper
@@ -79,6 +80,8 @@ class ControllerConfig:
     """Uploaded code, which jobs that name it are started with."""
     code_runner: CodeRunner | None = None
     """Checks a sweep's trial specs that have uploaded code (``service.code_checks``)."""
+    runner_silence_s: float = 300.0
+    """A job's runner unanswering its polls this long in a row is taken for lost."""
 
 
 class Controller:
@@ -90,6 +93,7 @@ class Controller:
         self._resizer = Resizer(factory, cluster, self._layout, config.growth_min_gain)
         self._runner_deaths: dict[str, tuple[int, int]] = {}
         """Per job: the step of its runner's last death, and how many in a row there."""
+        self._silences = Silences(config.runner_silence_s)
         self._sweeper = Sweeper(
             factory,
             cluster,
@@ -153,7 +157,11 @@ class Controller:
             return
         except ClusterUnavailable as exc:
             log.warning("%s", exc)
+            silent = self._silences.unanswered(job_id) if pool is None else None
+            if silent is not None:  # a sweep's executor answers for all its trials
+                self._runner_lost(job_id, f"{exc}: no answer for {silent:.0f} s", devices)
             return
+        self._silences.answered(job_id)
         with transaction(self._factory) as session:
             job = session.get(Job, job_id)
             if job is None:

@@ -84,6 +84,7 @@ def serve(settings: Settings) -> None:
             default_quota=Quota(settings.user_max_jobs, settings.user_max_devices),
             code_store=checks.store,
             code_runner=checks,
+            runner_silence_s=settings.runner_silence_s,
         ),
     )
     # Live streams (GET /api/v1/stream) never end by themselves: a stop waits 5 s at most.

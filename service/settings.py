@@ -80,6 +80,14 @@ class Settings(BaseSettings):
     )
     poll_interval_s: float = Field(0.5, ge=0.0, le=60.0, description="Controller reconcile period.")
     ray_timeout_s: float = Field(30.0, gt=0.0, le=600.0, description="Timeout of every Ray call.")
+    runner_silence_s: float = Field(
+        300.0,
+        gt=0.0,
+        le=86_400.0,
+        description="A job's runner that answers no poll for this long in a row (its actor"
+        " never started, its process wedged) is taken for lost: it is stopped and the job"
+        " resumes from its latest checkpoint, as after a runner that died.",
+    )
     stage_overhead_ms: float = Field(
         3.0,
         ge=0.0,
