@@ -76,12 +76,21 @@ class Cluster(Protocol):
         ...
 
 
+POLL_TIMEOUT_S = 5.0
+"""The longest a poll of a runner or sweep executor waits (at most the Ray timeout): they
+answer polls on a thread of their own within milliseconds, and the controller polls every
+running job in turn each tick, so an actor that does not answer (``service.silence``)
+must not hold up every other job for the whole Ray timeout, tick after tick. A poll that
+times out loses nothing: the next one reads from the same cursor."""
+
+
 class RayCluster:
     """``Cluster`` on a Ray cluster: connects once, then drives runners by name."""
 
     def __init__(self, address: str | None, *, timeout_s: float) -> None:
         self._ray = connect_ray(address)
         self._timeout_s = timeout_s
+        self._poll_s = min(POLL_TIMEOUT_S, timeout_s)
 
     def nodes(self) -> list[NodeInfo]:
         # Ray keeps drain requests (node id -> deadline) apart from the node table; Ray
@@ -103,28 +112,33 @@ class RayCluster:
 
         start_runner(snapshot)
 
-    def _ask(self, handle: Any, what: str, method: str, *args: Any) -> Any:
-        """Call ``method`` of the actor ``handle`` (``what`` names it in errors) and wait."""
+    def _ask(
+        self, handle: Any, what: str, method: str, *args: Any, timeout_s: float | None = None
+    ) -> Any:
+        """Call ``method`` of the actor ``handle`` (``what`` names it in errors) and wait
+        ``timeout_s`` at most (default: the Ray timeout)."""
         from ray.exceptions import GetTimeoutError, RayActorError
 
         if handle is None:
             raise RunnerGone(f"{what} is gone (no live actor with its name)")
+        wait_s = self._timeout_s if timeout_s is None else timeout_s
         try:
-            return self._ray.get(getattr(handle, method).remote(*args), timeout=self._timeout_s)
+            return self._ray.get(getattr(handle, method).remote(*args), timeout=wait_s)
         except RayActorError as exc:
             raise RunnerGone(f"{what} died: {_first_line(exc)}") from None
         except GetTimeoutError:
             raise ClusterUnavailable(
-                f"{what} did not answer {method} within {self._timeout_s:g} s"
+                f"{what} did not answer {method} within {wait_s:g} s"
             ) from None
 
-    def _call(self, job_id: JobId, method: str, *args: Any) -> Any:
+    def _call(self, job_id: JobId, method: str, *args: Any, timeout_s: float | None = None) -> Any:
         from shoal.workers.actors import find_runner
 
-        return self._ask(find_runner(job_id), f"runner of job {job_id}", method, *args)
+        runner = find_runner(job_id)
+        return self._ask(runner, f"runner of job {job_id}", method, *args, timeout_s=timeout_s)
 
     def poll(self, job_id: JobId, cursor: int) -> RunnerReport:
-        report: RunnerReport = self._call(job_id, "poll", cursor)
+        report: RunnerReport = self._call(job_id, "poll", cursor, timeout_s=self._poll_s)
         return report
 
     def cancel(self, job_id: JobId) -> None:
@@ -153,16 +167,21 @@ class RayCluster:
 
         return find_pool(sweep_id) is not None
 
-    def _pool_call(self, sweep_id: str, method: str, *args: Any) -> Any:
+    def _pool_call(
+        self, sweep_id: str, method: str, *args: Any, timeout_s: float | None = None
+    ) -> Any:
         from shoal.workers.actors import find_pool
 
-        return self._ask(find_pool(sweep_id), f"the executor of sweep {sweep_id}", method, *args)
+        what = f"the executor of sweep {sweep_id}"
+        return self._ask(find_pool(sweep_id), what, method, *args, timeout_s=timeout_s)
 
     def add_trial(self, sweep_id: str, snapshot: JobSnapshot) -> None:
         self._pool_call(sweep_id, "add", snapshot)
 
     def poll_trial(self, sweep_id: str, job_id: JobId, cursor: int) -> RunnerReport:
-        report: RunnerReport = self._pool_call(sweep_id, "poll", job_id, cursor)
+        report: RunnerReport = self._pool_call(
+            sweep_id, "poll", job_id, cursor, timeout_s=self._poll_s
+        )
         return report
 
     def cancel_trial(self, sweep_id: str, job_id: JobId) -> None:

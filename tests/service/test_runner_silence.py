@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from shoal.service.auth import Principal
-from shoal.service.cluster import ClusterUnavailable, InProcessCluster
+from shoal.service.cluster import POLL_TIMEOUT_S, ClusterUnavailable, InProcessCluster
 from shoal.service.controller import MAX_RUNNER_RESTARTS, Controller, ControllerConfig
 from shoal.service.db.models import JobEvent
 from shoal.service.db.session import SessionFactory
@@ -172,3 +172,22 @@ def test_a_wedged_runner_on_ray_is_stopped_and_its_job_resumes_on_a_new_one(
     assert lost.data["step"] == 0 and job(session_factory, job_id).attempt == 2
     request_cancel(session_factory, who, job_id)
     reconcile_until(controller, lambda: job(session_factory, job_id).state == "CANCELLED")
+
+
+@pytest.mark.integration
+def test_a_wedged_runner_holds_up_each_tick_for_the_poll_timeout_not_the_ray_timeout(
+    session_factory: SessionFactory, ray_address: str, wedge: Callable[[str], None], tmp_path: Path
+) -> None:
+    """The controller polls every job in turn: a runner that does not answer costs each
+    tick ``POLL_TIMEOUT_S``, not the 30 s of every other Ray call."""
+    config = ControllerConfig(checkpoint_root=str(tmp_path / "ckpt"))  # silence: 300 s
+    controller = Controller(session_factory, TwoDeviceRay(ray_address, timeout_s=30), config)
+    job_id = submit(session_factory, owner(session_factory), steps=100_000)
+    wedge(job_id)
+    controller.reconcile_once()  # placed: its runner is the wedged actor
+    assert job(session_factory, job_id).state == "RUNNING"
+    began = time.monotonic()
+    controller.reconcile_once()
+    took = time.monotonic() - began
+    assert POLL_TIMEOUT_S <= took < POLL_TIMEOUT_S + 10, took
+    assert job(session_factory, job_id).state == "RUNNING"  # 300 s of silence not reached
