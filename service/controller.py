@@ -157,8 +157,9 @@ class Controller:
             return
         except ClusterUnavailable as exc:
             log.warning("%s", exc)
+            # A sweep's trials are their executor's to answer for: not counted here.
             silent = self._silences.unanswered(job_id) if pool is None else None
-            if silent is not None:  # a sweep's executor answers for all its trials
+            if silent is not None:
                 self._runner_lost(job_id, f"{exc}: no answer for {silent:.0f} s", devices)
             return
         self._silences.answered(job_id)
