@@ -17,7 +17,12 @@ from typing import Any
 import pytest
 
 from shoal.service.auth import Principal
-from shoal.service.cluster import POLL_TIMEOUT_S, ClusterUnavailable, InProcessCluster
+from shoal.service.cluster import (
+    POLL_TIMEOUT_S,
+    Cluster,
+    ClusterUnavailable,
+    InProcessCluster,
+)
 from shoal.service.controller import MAX_RUNNER_RESTARTS, Controller, ControllerConfig
 from shoal.service.db.models import JobEvent
 from shoal.service.db.session import SessionFactory
@@ -37,9 +42,9 @@ from tests.service.test_controller import (
 SILENCE_S = 1.0
 
 
-def controller_of(factory: SessionFactory, cluster: object, tmp_path: Path) -> Controller:
+def controller_of(factory: SessionFactory, cluster: Cluster, tmp_path: Path) -> Controller:
     config = ControllerConfig(checkpoint_root=str(tmp_path / "ckpt"), runner_silence_s=SILENCE_S)
-    return Controller(factory, cluster, config)  # type: ignore[arg-type]
+    return Controller(factory, cluster, config)
 
 
 @pytest.mark.unit
@@ -62,31 +67,23 @@ def test_silences_count_from_the_first_unanswered_poll_and_start_again_after_an_
 
 class Mute(InProcessCluster):
     """In-process runners whose polls go unanswered while their job is in ``mute`` (as a
-    Ray call that times out); ``speak_after`` runners stopped, they answer again."""
+    Ray call that times out)."""
 
-    def __init__(self, speak_after: int | None) -> None:
+    def __init__(self) -> None:
         super().__init__(NODES)
         self.mute: set[str] = set()
-        self.stopped = 0
-        self.speak_after = speak_after
 
     def poll(self, job_id: str, cursor: int) -> RunnerReport:
         if job_id in self.mute:
             raise ClusterUnavailable(f"runner of job {job_id} did not answer poll within 1 s")
         return super().poll(job_id, cursor)
 
-    def stop_runner(self, job_id: str) -> None:
-        super().stop_runner(job_id)
-        self.stopped += 1
-        if self.speak_after is not None and self.stopped >= self.speak_after:
-            self.mute.discard(job_id)
-
 
 @pytest.mark.integration
 def test_a_runner_that_never_answers_fails_its_job_after_its_restarts_saying_why(
     session_factory: SessionFactory, tmp_path: Path
 ) -> None:
-    cluster = Mute(speak_after=None)
+    cluster = Mute()
     controller = controller_of(session_factory, cluster, tmp_path)
     job_id = submit(session_factory, owner(session_factory), steps=100_000)
     cluster.mute.add(job_id)
