@@ -40,10 +40,17 @@ from tests.service.test_controller import (
 )
 
 SILENCE_S = 1.0
+"""The in-process runners' silence: they answer at once once made."""
+RAY_SILENCE_S = 15.0
+"""On Ray a new runner's actor takes seconds to start on a loaded 2-core machine (its polls
+wait meanwhile): with 1 s, the real runner that replaced the wedged one was itself taken
+for lost three times in a CI run."""
 
 
-def controller_of(factory: SessionFactory, cluster: Cluster, tmp_path: Path) -> Controller:
-    config = ControllerConfig(checkpoint_root=str(tmp_path / "ckpt"), runner_silence_s=SILENCE_S)
+def controller_of(
+    factory: SessionFactory, cluster: Cluster, tmp_path: Path, silence_s: float = SILENCE_S
+) -> Controller:
+    config = ControllerConfig(checkpoint_root=str(tmp_path / "ckpt"), runner_silence_s=silence_s)
     return Controller(factory, cluster, config)
 
 
@@ -146,7 +153,8 @@ def test_a_wedged_runner_on_ray_is_stopped_and_its_job_resumes_on_a_new_one(
 ) -> None:
     """On Ray: the job's runner name is held by an actor that never answers a poll. After
     the silence the controller kills it, starts a real runner, and the job trains."""
-    controller = controller_of(session_factory, TwoDeviceRay(ray_address, timeout_s=0.5), tmp_path)
+    cluster = TwoDeviceRay(ray_address, timeout_s=0.5)
+    controller = controller_of(session_factory, cluster, tmp_path, RAY_SILENCE_S)
     who: Principal = owner(session_factory)
     job_id = submit(session_factory, who, steps=100_000)  # ends only when cancelled
     wedge(job_id)
@@ -159,7 +167,7 @@ def test_a_wedged_runner_on_ray_is_stopped_and_its_job_resumes_on_a_new_one(
     reconcile_until(
         controller,
         trains_again,
-        timeout=90,
+        timeout=RAY_SILENCE_S + 90,
         what=lambda: [(e.kind, e.message) for e in events(session_factory, job_id)],
     )
     history = events(session_factory, job_id)
