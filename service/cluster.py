@@ -77,7 +77,7 @@ class Cluster(Protocol):
 
 
 POLL_TIMEOUT_S = 5.0
-"""The longest a poll of a runner or sweep executor waits (at most the Ray timeout): they
+"""The longest a poll of a job's runner waits (at most the Ray timeout): they
 answer polls on a thread of their own within milliseconds, and the controller polls every
 running job in turn each tick, so an actor that does not answer (``service.silence``)
 must not hold up every other job for the whole Ray timeout, tick after tick. A poll that
@@ -167,13 +167,10 @@ class RayCluster:
 
         return find_pool(sweep_id) is not None
 
-    def _pool_call(
-        self, sweep_id: str, method: str, *args: Any, timeout_s: float | None = None
-    ) -> Any:
+    def _pool_call(self, sweep_id: str, method: str, *args: Any) -> Any:
         from shoal.workers.actors import find_pool
 
-        what = f"the executor of sweep {sweep_id}"
-        return self._ask(find_pool(sweep_id), what, method, *args, timeout_s=timeout_s)
+        return self._ask(find_pool(sweep_id), f"the executor of sweep {sweep_id}", method, *args)
 
     def add_trial(self, sweep_id: str, snapshot: JobSnapshot) -> None:
         self._pool_call(sweep_id, "add", snapshot)
