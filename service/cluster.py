@@ -77,7 +77,7 @@ class Cluster(Protocol):
 
 
 POLL_TIMEOUT_S = 5.0
-"""The longest a poll of a job's runner waits (at most the Ray timeout): they
+"""The longest a poll of a job's runner waits (at most the Ray timeout): runners
 answer polls on a thread of their own within milliseconds, and the controller polls every
 running job in turn each tick, so an actor that does not answer (``service.silence``)
 must not hold up every other job for the whole Ray timeout, tick after tick. A poll that
