@@ -19,7 +19,7 @@ every stage's actions in a dependency-respecting global order
 schedule.
 
 Peer to peer: ``connect`` links every two neighbouring stages of each replica
-(``workers.pipeline.transport``: gloo on CPU, NCCL on GPU), forming only the links that are
+(``workers.pipeline.transport``: a socket on CPU, NCCL on GPU), forming only the links that are
 missing (after a start, a relayout, a recovery or a failed step) and closing those whose
 pair is gone; a worker's ``step`` call then runs its whole step against its neighbours
 (``workers.pipeline.step_program``). ``LocalGroup`` has no links: its runner relays every
@@ -225,9 +225,9 @@ class RayGroup:
 
     def connect(self) -> str | None:
         pairs = _neighbours(self._plans)
-        shared = self._shared_gpu(pairs)
-        if shared is not None:
-            return shared
+        unlinkable = _mixed_pair(self._plans, pairs) or self._shared_gpu(pairs)
+        if unlinkable is not None:
+            return unlinkable
         ids = [a._actor_id.hex() for a in self._actors]
         wanted = {w: (ids[w], ids[w + 1]) for w in pairs}
         new = [w for w in pairs if wanted[w] not in self._links]
@@ -251,7 +251,7 @@ class RayGroup:
         where = self.get([*keeps, *hosts], timeout)[len(keeps) :]
         joins = []
         # Ascending: a worker joins its link below before its link above, so the pairs
-        # form from stage 0 up (gloo's join waits for the other rank).
+        # form from stage 0 up (a host's join waits for the other end).
         for w, (address, port) in zip(new, where, strict=True):
             joins.append(self.submit(w, "link_join", 1, name(w), address, port))
             joins.append(self.submit(w + 1, "link_join", -1, name(w), address, port))
@@ -398,6 +398,17 @@ def _neighbours(plans: Sequence[StagePlan]) -> list[int]:
         for w, (a, b) in enumerate(pairwise(plans))
         if a.replica == b.replica and b.index == a.index + 1
     ]
+
+
+def _mixed_pair(plans: Sequence[StagePlan], pairs: Sequence[int]) -> str | None:
+    """Why neighbours cannot link, if a GPU stage neighbours a CPU one (a link is NCCL
+    between GPUs, a socket between CPUs); None otherwise."""
+    for w in pairs:
+        a, b = plans[w].device, plans[w + 1].device
+        if a.gpu != b.gpu:
+            kinds = ("a GPU" if a.gpu else "a CPU", "a GPU" if b.gpu else "a CPU")
+            return f"device {a.id} is {kinds[0]} and {b.id} {kinds[1]}, which no link joins"
+    return None
 
 
 def _replicas_by_stage(plans: Sequence[StagePlan]) -> list[list[int]]:

@@ -16,7 +16,7 @@ import pytest
 from shoal.scheduler.devices import Device
 from shoal.scheduler.types import BlockRange
 from shoal.workers.pipeline.batch_rows import Rows
-from shoal.workers.pipeline.group import RayGroup
+from shoal.workers.pipeline.group import RayGroup, _mixed_pair
 from shoal.workers.pipeline.local_group import LocalGroup
 from shoal.workers.pipeline.runner import Trainer
 from shoal.workers.pipeline.stage_types import StageSetup
@@ -248,3 +248,15 @@ def test_a_job_on_a_gpu_steps_in_one_call_and_equals_the_relayed_reference(
     assert held.data["device_id"] == gpu.id and held.data["overhead_bytes"] > 0, held.message
     speeds = [e.data["gflops"] for e in trainer.report(0).events if e.kind == "device_speed"]
     assert speeds and speeds[0] > 1000  # compute-bound: a GPU is measured in TFLOP/s
+
+
+def test_a_gpu_stage_next_to_a_cpu_stage_is_relayed_with_the_reason() -> None:
+    """A link is NCCL between GPUs and a socket between CPUs: a mixed pair has none."""
+    ranges = even_ranges(3, 3)
+    cpus = plans(ranges)
+    gpu = replace(cpus[1].device, id="n0000000-gpu-1", kind="h100", gpu=True)
+    mixed = (cpus[0], replace(cpus[1], device=gpu), cpus[2])
+    assert _mixed_pair(cpus, [0, 1]) is None
+    reason = _mixed_pair(mixed, [0, 1])
+    assert reason is not None
+    assert "n0000000-gpu-1" in reason and "a GPU" in reason and "a CPU" in reason
