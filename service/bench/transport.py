@@ -1,13 +1,16 @@
 """``shoal bench transport``: how activations could move between stages, measured here.
 
-Two questions for issue 3's "Transport" choice, each on a 2-actor chain like two stages:
+Three questions, the first two for issue 3's "Transport" choice, each on a 2-actor chain
+like two stages:
 
-1. Ray object refs (what ``workers.pipeline.group`` does now: the driver passes stage 0's result ref
-   to stage 1) against a Ray Compiled Graph of the same chain (``InputNode`` ->
+1. Ray object refs (what ``workers.pipeline.group`` does where it relays: the driver passes
+   stage 0's result ref to stage 1) against a Ray Compiled Graph of the same chain (``InputNode`` ->
    ``a.relay.bind`` -> ``b.relay.bind``, ``experimental_compile``), one call at a time and
    with several in flight, for a small and an activation-sized tensor.
 2. A torch tensor against the same data as a numpy array through one actor call (Ray
    stores numpy arrays zero-copy; torch tensors are pickled).
+3. A pipeline link's round trip between two processes, on the socket CPU links use against
+   a gloo pair (``service.bench.links``).
 
 Compiled Graphs hang on teardown after a value larger than their channel buffer passed
 (DESIGN, "Performance model"); measured here, it still hangs with a 4 MB tensor and the
@@ -28,6 +31,7 @@ import ray
 import torch
 from ray.dag import InputNode
 
+from shoal.service.bench.links import LINK_WIRES, round_trip_ms
 from shoal.service.bench.pipeline import ray_session
 from shoal.service.bench.report import BenchError, Progress, machine
 
@@ -40,6 +44,8 @@ TRANSPORT_KEYS = (
     "torch_tensor_call_ms",
     "numpy_array_call_ms",
     "numpy_speedup",
+    "link_round_trip_ms",
+    "socket_link_speedup",
     "faster_chain",
 )
 
@@ -170,6 +176,14 @@ def run_transport(s: TransportSettings, progress: Progress = lambda _: None) -> 
         result["numpy_array_call_ms"] = _echo_ms(a, tensor.numpy(), s, count)
         for actor in (a, b):
             ray.kill(actor)
+    progress("pipeline links: socket vs gloo")
+    result["link_round_trip_ms"] = {
+        kind: {
+            size: round_trip_ms(kind, size, _calls(s, size), s.repeats, s.warmup)
+            for size in s.sizes
+        }
+        for kind in LINK_WIRES
+    }
     return transport_result(result, s, clean=clean, started=started)
 
 
@@ -180,7 +194,8 @@ def transport_result(
     big = max(s.sizes)
     refs_ms = measured["object_ref_chain_ms"][big]
     graph_ms = measured["compiled_graph_chain_ms"][big]
-    if min(refs_ms, graph_ms, measured["numpy_array_call_ms"]) <= 0:
+    links = measured["link_round_trip_ms"]
+    if min(refs_ms, graph_ms, measured["numpy_array_call_ms"], *links["socket"].values()) <= 0:
         raise BenchError("a transport measurement came out as zero; raise --calls")
     return {
         **measured,
@@ -189,6 +204,9 @@ def transport_result(
             for size in s.sizes
         },
         "numpy_speedup": measured["torch_tensor_call_ms"] / measured["numpy_array_call_ms"],
+        "socket_link_speedup": {
+            size: links["gloo"][size] / links["socket"][size] for size in s.sizes
+        },
         "faster_chain": "compiled_graph" if graph_ms < refs_ms else "object_refs",
         "compiled_graph_teardown_clean": clean,
         "settings": asdict(s),

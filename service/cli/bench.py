@@ -139,14 +139,15 @@ def pipeline(
 )
 @JSON_OPTION
 def transport(repeats: int, calls: int, sizes: tuple[int, ...], as_json: bool) -> None:
-    """Ray object refs vs Compiled Graphs between two actors; torch tensors vs numpy arrays."""
+    """Ray object refs vs Compiled Graphs between two actors; torch tensors vs numpy arrays;
+    a pipeline link's round trip, socket vs gloo."""
     from shoal.service.bench.transport import TransportSettings, run_transport
 
     settings = TransportSettings(repeats=repeats, calls=calls)
     if sizes:
         settings = TransportSettings(sizes=tuple(sorted(set(sizes))), repeats=repeats, calls=calls)
     console = make_console()
-    with phases(console, 2 * len(settings.sizes) + 1, as_json) as progress:
+    with phases(console, 2 * len(settings.sizes) + 2, as_json) as progress:
         result = run_transport(settings, progress)
     if as_json:
         click.echo(json.dumps(result))

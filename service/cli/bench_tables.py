@@ -75,6 +75,13 @@ def transport_table(
         f" {result['numpy_array_call_ms']:.2f} ms ({result['numpy_speedup']:.2f}x);"
         f" faster chain: {result['faster_chain']}"
     )
+    links = result["link_round_trip_ms"]
+    for size in sizes:
+        console.print(
+            f"pipeline link round trip, {size:,} floats: socket {links['socket'][size]:.3f} ms,"
+            f" gloo {links['gloo'][size]:.3f} ms"
+            f" ({result['socket_link_speedup'][size]:.2f}x)"
+        )
 
 
 def elastic_table(console: Console, result: dict[str, Any]) -> None:

@@ -140,11 +140,13 @@ def test_transport_result_names_the_faster_option() -> None:
         "compiled_graph_chain_inflight_ms": {16: 0.3, 1024: 1.0},
         "torch_tensor_call_ms": 20.0,
         "numpy_array_call_ms": 5.0,
+        "link_round_trip_ms": {"socket": {16: 0.25, 1024: 0.5}, "gloo": {16: 2.0, 1024: 2.0}},
     }
     result = transport_result(measured, s, clean=True, started=0.0)
     assert result["faster_chain"] == "compiled_graph"
     assert result["compiled_graph_speedup"] == {16: 4.0, 1024: 3.0}
     assert result["numpy_speedup"] == 4.0
+    assert result["socket_link_speedup"] == {16: 8.0, 1024: 4.0}
     assert set(TRANSPORT_KEYS) <= set(result)
 
 
@@ -219,6 +221,7 @@ def test_bench_tables_render_without_json(monkeypatch: pytest.MonkeyPatch) -> No
         "compiled_graph_chain_inflight_ms": {16: 0.3},
         "torch_tensor_call_ms": 20.0,
         "numpy_array_call_ms": 5.0,
+        "link_round_trip_ms": {"socket": {16: 0.025}, "gloo": {16: 0.15}},
     }
     answer = transport_result(measured, t, clean=True, started=0.0)
     monkeypatch.setattr(transport_bench, "run_transport", lambda settings, progress: answer)
@@ -226,6 +229,7 @@ def test_bench_tables_render_without_json(monkeypatch: pytest.MonkeyPatch) -> No
     assert result.exit_code == 0, result.output
     assert "4.00x" in result.output
     assert "faster chain: compiled_graph" in result.output
+    assert "socket 0.025 ms, gloo 0.150 ms (6.00x)" in result.output
 
 
 @pytest.mark.unit

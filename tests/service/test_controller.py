@@ -588,13 +588,14 @@ def running_job(
     *,
     replicas: int | str = 1,
     max_devices: int = 2,
+    steps: int = STEPS,
     **overrides: object,
 ) -> str:
-    """A 2-stage job of STEPS steps on at least 2 devices, five steps in."""
+    """A 2-stage job of ``steps`` steps on at least 2 devices, five steps in."""
     job_id = submit(
         factory,
         owner(factory),
-        steps=STEPS,
+        steps=steps,
         micro_batches=4,
         optimizer={"name": "sgd", "lr": 0.05},
         parallelism={"stages": 2, "replicas": replicas},
@@ -605,9 +606,53 @@ def running_job(
     return job_id
 
 
-def growing_job(factory: SessionFactory, controller: Controller) -> str:
+def growing_job(factory: SessionFactory, controller: Controller, steps: int = STEPS) -> str:
     """A 2-stage job on 2 devices that could use 4, five steps in."""
-    return running_job(factory, controller, replicas="auto", max_devices=4)
+    return running_job(factory, controller, replicas="auto", max_devices=4, steps=steps)
+
+
+UNENDING = 100_000
+"""Steps of a job that ends only when cancelled. On Ray workers a step of this model takes
+a few ms (its stages linked by sockets), so a job of STEPS steps can end before a change
+the test makes reaches it; such a test runs this long and cancels the job once the change
+is seen (``cancel_after``), then checks the steps it trained (``assert_exact_steps``)."""
+
+
+def cancel_after(
+    factory: SessionFactory,
+    controller: Controller,
+    job_id: str,
+    kind: str,
+    more: int = 5,
+) -> list[JobEvent]:
+    """Reconcile until the job has an event of ``kind`` and ``more`` steps after it, then
+    cancel it and wait until it is CANCELLED; its events."""
+
+    def seen() -> bool:
+        return any(e.kind == kind for e in events(factory, job_id))
+
+    def last_events() -> object:
+        return [(e.kind, e.message) for e in events(factory, job_id)][-8:]
+
+    reconcile_until(controller, seen, timeout=180, what=last_events)
+    at = job(factory, job_id).step
+    reconcile_until(controller, lambda: job(factory, job_id).step >= at + more, timeout=60)
+    with factory() as session:
+        row = session.get(Job, job_id)
+        assert row is not None
+        who = Principal(row.owner_id, "alice", False)
+    request_cancel(factory, who, job_id)
+    reconcile_until(
+        controller, lambda: job(factory, job_id).state == "CANCELLED", timeout=60, what=last_events
+    )
+    return events(factory, job_id)
+
+
+def assert_exact_steps(factory: SessionFactory, job_id: str) -> None:
+    """Every step the job trained is stored once, in order, with the single-process losses."""
+    steps, losses = zip(*losses_of(factory, job_id), strict=True)
+    assert list(steps) == list(range(1, len(steps) + 1))
+    assert list(losses) == pytest.approx(reference_losses(len(steps), 4), rel=1e-5, abs=1e-6)
 
 
 def test_a_running_job_grows_onto_devices_that_appear(
@@ -616,13 +661,10 @@ def test_a_running_job_grows_onto_devices_that_appear(
     """Two devices, a job that could use four: two more appear mid-run and the job grows
     from one pipeline of 2 stages to two replicas, in place, every step once and exact."""
     controller = make_controller(session_factory, resizable, tmp_path)  # type: ignore[arg-type]
-    job_id = growing_job(session_factory, controller)
+    job_id = growing_job(session_factory, controller, steps=UNENDING)
     assert len(job(session_factory, job_id).devices) == 2
     resizable.devices = 4
-    reconcile_until(
-        controller, lambda: job(session_factory, job_id).state == "SUCCEEDED", timeout=180
-    )
-    history = events(session_factory, job_id)
+    history = cancel_after(session_factory, controller, job_id, "relayout")
     (resize,) = [e for e in history if e.kind == "resize"]
     (moved,) = [e for e in history if e.kind == "relayout"]
     assert len(resize.data["added"]) == 2 and moved.data["removed"] == []
@@ -630,9 +672,7 @@ def test_a_running_job_grows_onto_devices_that_appear(
     assert len(moved.data["to"]) == 4 and moved.data["micro_batches"] == [2, 2]
     row = job(session_factory, job_id)
     assert row.attempt == 1 and len(row.partition) == 4
-    steps, losses = zip(*losses_of(session_factory, job_id), strict=True)
-    assert list(steps) == list(range(1, STEPS + 1))
-    assert list(losses) == pytest.approx(reference_losses(STEPS, 4), rel=1e-5, abs=1e-6)
+    assert_exact_steps(session_factory, job_id)
 
 
 def test_a_job_does_not_grow_for_less_than_the_configured_gain(
@@ -659,21 +699,16 @@ def test_a_drained_device_is_left_at_a_step_boundary_without_losing_a_step(
 ) -> None:
     resizable.devices = 3
     controller = make_controller(session_factory, resizable, tmp_path)  # type: ignore[arg-type]
-    job_id = running_job(session_factory, controller)
+    job_id = running_job(session_factory, controller, steps=UNENDING)
     drained = job(session_factory, job_id).devices[1]
     drain(session_factory, drained)
-    reconcile_until(
-        controller, lambda: job(session_factory, job_id).state == "SUCCEEDED", timeout=180
-    )
-    history = events(session_factory, job_id)
+    history = cancel_after(session_factory, controller, job_id, "relayout")
     (moved,) = [e for e in history if e.kind == "relayout"]
     assert moved.data["removed"] == [drained] and len(moved.data["added"]) == 1
     assert not [e for e in history if e.kind in ("device_lost", "resumed")]
     row = job(session_factory, job_id)
     assert drained not in row.devices and row.attempt == 1
-    steps, losses = zip(*losses_of(session_factory, job_id), strict=True)
-    assert list(steps) == list(range(1, STEPS + 1))
-    assert list(losses) == pytest.approx(reference_losses(STEPS, 4), rel=1e-5, abs=1e-6)
+    assert_exact_steps(session_factory, job_id)
 
 
 def test_a_drained_device_with_nowhere_to_go_suspends_the_job_which_resumes_replaying_nothing(
@@ -683,7 +718,12 @@ def test_a_drained_device_with_nowhere_to_go_suspends_the_job_which_resumes_repl
     one makes the runner checkpoint at its next step boundary and stop, the job waits
     QUEUED, and when a device appears it resumes from that very step."""
     controller = make_controller(session_factory, resizable, tmp_path)  # type: ignore[arg-type]
-    job_id = running_job(session_factory, controller, checkpoint={"every_steps": 1000, "keep": 2})
+    job_id = running_job(
+        session_factory,
+        controller,
+        steps=UNENDING,
+        checkpoint={"every_steps": 1_000_000, "keep": 2},
+    )
     drained = job(session_factory, job_id).devices[1]
     drain(session_factory, drained)
     reconcile_until(controller, lambda: job(session_factory, job_id).state == "QUEUED")
@@ -691,10 +731,7 @@ def test_a_drained_device_with_nowhere_to_go_suspends_the_job_which_resumes_repl
     controller.reconcile_once()
     assert job(session_factory, job_id).state == "QUEUED"  # no device to go to yet
     resizable.devices = 3
-    reconcile_until(
-        controller, lambda: job(session_factory, job_id).state == "SUCCEEDED", timeout=180
-    )
-    history = events(session_factory, job_id)
+    history = cancel_after(session_factory, controller, job_id, "resumed")
     (suspend,) = [e for e in history if e.kind == "suspend"]
     assert suspend.data["draining"] == [drained]
     (stopped,) = [e for e in history if e.kind == "suspended"]
@@ -706,9 +743,7 @@ def test_a_drained_device_with_nowhere_to_go_suspends_the_job_which_resumes_repl
     assert ("RUNNING", "QUEUED") in states
     row = job(session_factory, job_id)
     assert drained not in row.devices and row.attempt == 2
-    steps, losses = zip(*losses_of(session_factory, job_id), strict=True)
-    assert list(steps) == list(range(1, STEPS + 1))
-    assert list(losses) == pytest.approx(reference_losses(STEPS, 4), rel=1e-5, abs=1e-6)
+    assert_exact_steps(session_factory, job_id)
 
 
 def test_a_higher_priority_job_preempts_a_lower_one_which_resumes_losing_nothing(
