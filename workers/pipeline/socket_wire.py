@@ -1,12 +1,15 @@
 """A CPU link's wire: one TCP connection between two neighbouring stages, no gloo beneath.
 
-Between two processes on the 2-core dev machine, 64x8 floats there and back took 162 us
-over a gloo pair (median of 1,900; p90 192 us) against 21 us over a plain TCP socket
-(p90 23 us): gloo hands every message to its device thread and back through a condition
-variable, and asks the receiver to be ready before it writes, several thread wake-ups per
-hop where the socket has one. A pipeline of small micro-batches pays a hop per activation
-and per gradient on its critical path, so CPU links carry their bytes on a socket of their
-own; CUDA links stay on NCCL (device to device, ``workers.pipeline.transport``).
+gloo hands every message to a device thread of its own and back through a condition
+variable, and a send waits for the receiver's ready-to-receive: several thread wake-ups per
+hop where a socket read in the waiting thread has one. In a 2-stage pipeline of a tiny
+model on the 2-core dev machine, each hop over gloo took 0.5-0.6 ms from one stage's send to
+the other's receive and a step 8.4-9.8 ms; over this wire the step takes 2.6-2.7 ms
+(``docs/benchmarks.md``, "CPU links on sockets"). Alone, two idle processes passing 1,024
+floats there and back take ~0.09 ms over this wire against ~0.14 ms over a gloo pair
+(``shoal bench transport``). A pipeline pays a hop per activation and per gradient on its
+critical path, so CPU links carry their bytes on a socket of their own; CUDA links stay on
+NCCL (device to device, ``workers.pipeline.transport``).
 
 The stream carries the tensors' bytes back to back in the order they were sent; the
 receiver posts its receives in that same order (``scheduler.programs`` fixes one order per

@@ -2,8 +2,8 @@
 
 Stage s and stage s+1 of a replica share a link, the lower stage its host. On CUDA it is a
 two-rank NCCL group (device to device, no host copy); on CPU a TCP connection of its own
-(``workers.pipeline.socket_wire``: a hop there and back in 21 us where a gloo pair took
-162 us). Activations go up and gradients down as non-blocking sends and receives, posted
+(``workers.pipeline.socket_wire``: one thread wake-up a hop where gloo has several).
+Activations go up and gradients down as non-blocking sends and receives, posted
 on both sides in the one order ``scheduler.programs`` fixes for the pair, so NCCL's
 in-order streams cannot deadlock and a socket's bytes need no framing.
 
