@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import httpx
@@ -37,6 +38,17 @@ def until(done: Callable[[], bool], timeout: float, what: str) -> None:
     while not done():
         assert time.monotonic() < deadline, f"{what}: not within {timeout} s"
         time.sleep(0.2)
+
+
+@contextmanager
+def cancelled_after(shoal: Shoal, job_id: str) -> Iterator[None]:
+    """Cancel the job when the body ends, failed or not: a job left running would hold
+    its devices from the tests after this one."""
+    try:
+        yield
+    finally:
+        if get(shoal, f"/jobs/{job_id}")["state"] in ("QUEUED", "RUNNING"):
+            post(shoal, f"/jobs/{job_id}/cancel")
 
 
 def three_stage_job(shoal: Shoal, name: str) -> str:
@@ -82,6 +94,11 @@ def test_a_running_jobs_curve_moves_live_its_pipeline_shows_the_slow_device_and_
     page: Any, shoal: Shoal
 ) -> None:
     job_id = three_stage_job(shoal, "live-job")
+    with cancelled_after(shoal, job_id):
+        watch_a_running_job(page, shoal, job_id)
+
+
+def watch_a_running_job(page: Any, shoal: Shoal, job_id: str) -> None:
     sign_in(page, shoal)
     row = page.locator(f'tr[data-job="{job_id}"]')
     row.get_by_text("RUNNING").wait_for()
@@ -97,9 +114,12 @@ def test_a_running_jobs_curve_moves_live_its_pipeline_shows_the_slow_device_and_
 
     pipeline = page.locator("#pipeline tbody tr")
     until(lambda: pipeline.count() == 3, 30, "three stages drawn")
-    page.locator("#pipeline .slowest").wait_for(timeout=30_000)
-    slow_row = page.locator("#pipeline tr.slowest").inner_text()
-    assert "cpu-slow" in slow_row and "slowest stage" in slow_row
+    # The latest step's timings, live: a stage on a fast device can read slowest in a step
+    # where its cores were taken (three stages share two), so the badge settles on the slow
+    # device's stage within some steps.
+    slowest = page.locator("#pipeline tr.slowest")
+    until(lambda: "cpu-slow" in " ".join(slowest.all_inner_texts()), 60, "cpu-slow slowest")
+    assert "slowest stage" in slowest.inner_text()
     grid = page.locator("#schedule tbody tr")
     assert grid.count() == 3
     assert page.locator("#schedule td.op-F").count() == 3 * 4  # 1F1B, 4 micro-batches
@@ -148,6 +168,11 @@ def test_the_devices_page_shows_nodes_spot_memory_held_jobs_and_draining(
         resources={"min_devices": 2, "max_devices": 2, "device_kind": "cpu"},
     )
     job_id = post(shoal, "/jobs", spec)["id"]
+    with cancelled_after(shoal, job_id):
+        see_devices(page, shoal, job_id)
+
+
+def see_devices(page: Any, shoal: Shoal, job_id: str) -> None:
     until(lambda: get(shoal, f"/jobs/{job_id}")["step"] >= 1, 120, "the job trains")
     devices = get(shoal, "/devices")["items"]
     slow = next(d for d in devices if d["kind"] == "cpu-slow")
@@ -166,7 +191,6 @@ def test_the_devices_page_shows_nodes_spot_memory_held_jobs_and_draining(
         assert held.get_by_role("link", name=job_id[:8]).is_visible()
         assert "KiB /" in held.inner_text()  # the stage's planned bytes, of 2.0 GiB
     snap(page, "devices")
-    post(shoal, f"/jobs/{job_id}/cancel")
 
 
 def test_a_sweeps_trials_are_compared_on_its_page(page: Any, shoal: Shoal) -> None:

@@ -16,6 +16,8 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
+import time
 import types
 from collections.abc import Callable
 from pathlib import Path
@@ -325,6 +327,23 @@ def _fake_ray(monkeypatch: pytest.MonkeyPatch, *, actors: list[list[str]], fail:
     return calls
 
 
+def _record_sleeps(
+    monkeypatch: pytest.MonkeyPatch, hook: Any, calls: list[str], say: Callable[[float], str]
+) -> None:
+    """The hook's sleeps become entries of ``calls``. ``time.sleep`` is patched for the
+    whole process, so another thread's sleeps (a library's, left from an earlier test) sleep
+    as before and are not recorded."""
+    here, sleep = threading.get_ident(), time.sleep
+
+    def recorded(seconds: float) -> None:
+        if threading.get_ident() == here:
+            calls.append(say(seconds))
+        else:
+            sleep(seconds)
+
+    monkeypatch.setattr(hook.time, "sleep", recorded)
+
+
 def test_drain_hook_drains_then_waits_for_the_actors_to_leave(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -332,7 +351,7 @@ def test_drain_hook_drains_then_waits_for_the_actors_to_leave(
     calls = _fake_ray(monkeypatch, actors=[["stage-worker"], ["stage-worker"], []], fail=False)
     commands: list[list[str]] = []
     monkeypatch.setattr(hook.subprocess, "run", lambda cmd, **kw: commands.append(cmd))
-    monkeypatch.setattr(hook.time, "sleep", lambda s: calls.append(f"sleep {s}"))
+    _record_sleeps(monkeypatch, hook, calls, lambda s: f"sleep {s}")
     assert hook.main(["--deadline-s", "100"]) == 0
     (drain,) = commands
     assert drain[1:4] == ["-m", "ray.scripts.scripts", "drain-node"]
@@ -346,7 +365,7 @@ def test_drain_hook_drains_then_waits_for_the_actors_to_leave(
 def test_drain_hook_waits_out_its_deadline_when_ray_fails(monkeypatch: pytest.MonkeyPatch) -> None:
     hook = _load_hook()
     calls = _fake_ray(monkeypatch, actors=[], fail=True)
-    monkeypatch.setattr(hook.time, "sleep", lambda s: calls.append(f"sleep {round(s)}"))
+    _record_sleeps(monkeypatch, hook, calls, lambda s: f"sleep {round(s)}")
     assert hook.main(["--deadline-s", "40"]) == 0
     assert calls == ["init auto", "sleep 40"]
 
