@@ -49,6 +49,8 @@ class SimResult:
     exposed_transfer_s: float
     peak_bytes: tuple[tuple[DeviceId, int], ...]
     records: tuple[TaskRecord, ...] = ()
+    trades: int = 0
+    """Times a model took the place of one on a faster device (``trade_target``)."""
 
     @property
     def ratio(self) -> float:
@@ -70,6 +72,7 @@ class Tally:
     peaks: dict[DeviceId, int] = field(default_factory=dict)
     records: list[TaskRecord] = field(default_factory=list)
     count: int = 0
+    trades: int = 0
 
     def ran(self, task: TaskRecord, compute_s: float, copy_s: float) -> int:
         """A task ended: completed (its compute counts) or lost with its device. Its
@@ -118,4 +121,5 @@ class Tally:
             exposed_transfer_s=self.exposed_transfer_s,
             peak_bytes=tuple((d, self.peaks.get(d, 0)) for d in self.devices),
             records=tuple(self.records),
+            trades=self.trades,
         )

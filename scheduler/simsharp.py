@@ -6,7 +6,10 @@ What it models is what the executor does, with the same decisions (``scheduler.s
   executor's own placement, models heaviest first: the host memory of the device's
   worker, which runs every task of the shard). Once the executor has seen a model's step
   end, the model may move whole to another device where that ends both devices' work
-  sooner (``move_target``), its state copied over at the device's bandwidth first.
+  sooner (``move_target``), its state copied over at the device's bandwidth first. Or
+  (``Moves.TRADES``) models trade places before any task (``scheduler.simtrades``): each
+  shard's state follows when its task runs there, copied in as any task's shard is (the
+  network taken to be as fast as the device's host link).
 - *Queues.* The executor keeps each live device ``depth`` tasks deep, choosing with
   ``assign`` among the models whose next task's shard lives there. It acts ``latency_s``
   after a task ends (the result's way to it) and a task it submits reaches the device
@@ -21,7 +24,8 @@ What it models is what the executor does, with the same decisions (``scheduler.s
   so only what it takes beyond that is exposed. Then it computes for its reference seconds
   over the device's speed (times the model's ``truth``).
 - *Spot outages.* The device's tasks are lost; each model with a shard there rolls back to
-  the start of its step (the executor's in-memory copies), its tasks queued elsewhere
+  the start of its step (the executor's in-memory copies; ``Recovery.TASK``: to its last
+  task done), its tasks queued elsewhere
   dropped and those running elsewhere wasted, its shards on the lost device re-homed on
   the live ones (``home_shards``); it runs on once the executor has seen its tasks in
   flight end. A device that comes back is empty until a model moves there.
@@ -32,7 +36,7 @@ models waiting at one device.
 
 from __future__ import annotations
 
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Mapping, Sequence
 from heapq import heappop, heappush
 
@@ -51,15 +55,25 @@ from shoal.scheduler.sharp import (
 )
 from shoal.scheduler.sharp_homes import Home, home_shards, move_target
 from shoal.scheduler.simcluster import Cluster
+from shoal.scheduler.simhomes import Residency
 from shoal.scheduler.simresult import SimulationError, Tally, TaskRecord
-from shoal.scheduler.simstate import ENGINE, Engine, SimModel, SimQueue, SimTask
+from shoal.scheduler.simstate import (
+    ENGINE,
+    Engine,
+    Moves,
+    Recovery,
+    SimModel,
+    SimQueue,
+    SimTask,
+)
+from shoal.scheduler.simtrades import Trading
 from shoal.scheduler.types import DeviceId
 
 _LOST, _BACK, _END, _WAKE, _SEE = range(5)
 """Event kinds, in the order they are handled at equal times."""
 
 
-class _Sharp:
+class _Sharp(Trading):
     """One run (mutable; ``run`` once)."""
 
     def __init__(
@@ -79,20 +93,16 @@ class _Sharp:
             kind = d.kind
             idle = IdleDevice(d.id, kind.speed, kind.budget_bytes, kind.bandwidth_gbps)
             self.devices[d.id] = SimQueue(d, idle)
-        self.load: dict[DeviceId, float] = dict.fromkeys(self.devices, 0.0)
         self.plans = {p.model: p for p in plans}
         self.models: dict[ModelId, SimModel] = {}
-        self.residents: dict[DeviceId, set[ModelId]] = {d: set() for d in self.devices}
-        """The models with work left that live on each device."""
-        self.left_at: dict[DeviceId, float] = dict.fromkeys(self.devices, 0.0)
-        """Reference seconds of the work left of the models living on each device."""
+        self.homes = Residency({name: d.idle for name, d in self.devices.items()})
         for plan in sorted(plans, key=lambda p: (-p.work_s, p.order, p.model)):  # as admitted
-            model = SimModel(plan, self._home(plan, range(len(plan.shards))))
+            homes = self._home(plan, range(len(plan.shards)))
+            model = SimModel(plan, homes, list(homes))
             self.models[plan.model] = model
             self._settle(model)
         self.waiting: dict[DeviceId, set[ModelId]] = {d: set() for d in self.devices}
         """Models whose next task may be queued now, by the device its shard lives on."""
-        self.speeds = Counter(d.idle.speed for d in self.devices.values())
         self.work_left = sum(p.work_s for p in plans)
         self.events: list[tuple[float, int, int, DeviceId, int]] = []
         self.homeless: set[ModelId] = set()
@@ -143,18 +153,20 @@ class _Sharp:
     def _home(self, plan: ModelPlan, shards: Sequence[int]) -> list[DeviceId]:
         """Homes for ``shards`` of ``plan`` (all of them when it arrives, those of a lost
         device after), placed as the executor places them; their work counted there."""
+        spread = self.engine.moves is Moves.TRADES
+        held = self.homes.left_at if spread else self.homes.load  # level: what is to go
         live = [
-            Home(name, d.idle.speed, self.load[name], d.idle.budget_bytes)
+            Home(name, d.idle.speed, held[name], d.idle.budget_bytes)
             for name, d in self.devices.items()
             if d.alive
         ]
         chosen = [plan.shards[i] for i in shards]
         try:
-            homes = home_shards(chosen, plan.steps, live)
+            homes = home_shards(chosen, plan.steps, live, spread=spread)
         except ShardError as exc:
             raise SimulationError(f"model {plan.model} cannot be placed: {exc}") from None
         for shard, home in zip(chosen, homes, strict=True):
-            self.load[home] += plan.steps * (shard.forward_s + shard.backward_s)
+            self.homes.load[home] += plan.steps * (shard.forward_s + shard.backward_s)
         return homes
 
     def _can_submit(self, model: SimModel, now: float) -> bool:
@@ -166,13 +178,23 @@ class _Sharp:
         home = model.homes[model.plan.shard_at(at).index] if at < model.plan.tasks else None
         return (
             at < model.plan.tasks
+            and model.joining is None
             and now >= model.paused_until
             and (not new_step or model.seen >= at)
             and (model.seen >= at or model.last_device == home)
         )
 
     def _refresh(self, model: SimModel, now: float = 0.0) -> None:
-        """File ``model`` under the device its next task may be queued on, if any."""
+        """File ``model`` under the device its next task may be queued on, if any, once it
+        has traded places where that pays (``Engine.trades``)."""
+        if self.engine.moves is Moves.TRADES and self._can_submit(model, now):
+            if model.leaving is not None:
+                self._maybe_hand_over(model, now)
+            else:
+                self._maybe_trade(model, now)
+        self._file(model, now)
+
+    def _file(self, model: SimModel, now: float) -> None:
         if model.waiting_at is not None:
             self.waiting[model.waiting_at].discard(model.plan.model)
             model.waiting_at = None
@@ -249,6 +271,7 @@ class _Sharp:
             if self.prefetch:  # copied in since it reached the device
                 copy = max(0.0, job.arrive_s + copy - now)
         device.last = (job.model, shard.index)
+        model.held[shard.index] = device.sim.id
         job.start_s, job.copy_s = now, copy
         job.compute_s = self._task_s(model, job.position, device)
         device.running = job
@@ -280,9 +303,13 @@ class _Sharp:
             estimated = plan.task_s(job.position) / device.idle.speed
             model.ratio = refine_ratio(model.ratio, estimated, job.compute_s)
             self.work_left -= plan.task_s(job.position)
-            self.left_at[model.homes[0]] -= plan.task_s(job.position)
+            self.homes.advance(job.model, model.homes[0], plan.task_s(job.position))
             if model.done == plan.tasks:
                 self.left -= 1
+                if model.leaving is not None:  # its taker need not wait
+                    taker = self.models[model.leaving[1]]
+                    self._hand_over(model)
+                    self._file(taker, now)
                 self._unsettle(model)
             elif model.done % (2 * len(plan.shards)) == 0:
                 model.step_runs = []  # a whole step: what a loss rolls back to
@@ -310,7 +337,8 @@ class _Sharp:
             if epoch == model.epoch:
                 model.seen = max(model.seen, done)
                 at_boundary = done == model.submitted and done % (2 * len(model.plan.shards)) == 0
-                if at_boundary and done < model.plan.tasks and self.engine.moves:
+                at_steps = self.engine.moves is Moves.AT_STEPS
+                if at_boundary and done < model.plan.tasks and at_steps:
                     self._maybe_move(model, now)
         self._refresh(model, now)
 
@@ -321,48 +349,48 @@ class _Sharp:
         home = self.devices[model.homes[0]]
         plan = model.plan
         state = sum(s.state_bytes for s in plan.shards)
-        here = (self.left_at[home.sim.id], home.idle.speed)
+        here = (self.homes.left_at[home.sim.id], home.idle.speed)
         others = {
-            name: (self.left_at[name], device.idle.speed, transfer_s(state, device.idle))
+            name: (self.homes.left_at[name], device.idle.speed, transfer_s(state, device.idle))
             for name, device in self.devices.items()
             if device.alive and name != home.sim.id
         }
         there = move_target(plan.remaining_s(model.done), here, others)
         if there is None:
             return
-        there_device = self.devices[there]
         copy_s = others[there][2]
+        self._relocate(model, there)
+        model.held = list(model.homes)
+        if copy_s > 0:  # its state is copied over before its next step
+            model.paused_until = now + copy_s
+            self._note(model.paused_until, there, plan.model, -1, model.epoch)
+
+    def _relocate(self, model: SimModel, there: DeviceId) -> None:
+        """``model`` lives on ``there`` from now on, all its shards and their placed work."""
+        plan = model.plan
         self._unsettle(model)
         for shard in plan.shards:
             work = plan.steps * (shard.forward_s + shard.backward_s)
-            self.load[model.homes[shard.index]] -= work
-            self.load[there_device.sim.id] += work
-        model.homes = [there_device.sim.id] * len(plan.shards)
+            self.homes.load[model.homes[shard.index]] -= work
+            self.homes.load[there] += work
+        model.homes = [there] * len(plan.shards)
         self._settle(model)
-        if copy_s > 0:  # its state is copied over before its next step
-            model.paused_until = now + copy_s
-            self._note(model.paused_until, there_device.sim.id, plan.model, -1, model.epoch)
 
     def _settle(self, model: SimModel) -> None:
         """Count ``model`` (with work left) on its home device."""
-        home = model.homes[0]
-        self.residents[home].add(model.plan.model)
-        self.left_at[home] += model.plan.remaining_s(model.done)
+        left = model.plan.remaining_s(model.done)
+        self.homes.settle(model.plan.model, model.homes[0], left)
 
     def _unsettle(self, model: SimModel) -> None:
         """No longer count ``model`` on its home (it ended, moves or lost its device)."""
-        home = model.homes[0]
-        self.residents[home].discard(model.plan.model)
-        self.left_at[home] -= model.plan.remaining_s(model.done)
-        if not self.residents[home]:
-            self.left_at[home] = 0.0  # what float sums leave
+        self.homes.unsettle(model.plan.model, model.homes[0])
 
     def _return(self, device: SimQueue, now: float) -> None:
         """A device is back, empty; models that had no device left live on it."""
         if device.alive:
             return
         device.alive = True
-        self.speeds[device.idle.speed] += 1
+        self.homes.set_alive(device.sim.id, True)
         for name in sorted(self.homeless):
             model = self.models[name]
             self._unsettle(model)
@@ -374,7 +402,7 @@ class _Sharp:
         if not device.alive:
             return
         device.alive = False
-        self.speeds[device.idle.speed] -= 1
+        self.homes.set_alive(device.sim.id, False)
         job = device.running
         if job is not None:
             bytes_ = self.models[job.model].plan.shard_at(job.position).bytes
@@ -385,14 +413,15 @@ class _Sharp:
         device.running, device.queue, device.in_flight, device.last = None, deque(), 0, None
         name = device.sim.id
         for model in self.models.values():
-            if name in model.homes and model.done < model.plan.tasks:
+            if (name in model.homes or name in model.held) and model.done < model.plan.tasks:
                 self._roll_back(model, now)
 
     def _roll_back(self, model: SimModel, now: float) -> None:
-        """Back to the start of its step: its queued tasks dropped, those running elsewhere
-        wasted, its shards on lost devices re-homed; it runs on once the executor has seen
-        them end."""
+        """Back to the start of its step (``Recovery.STEP``; with ``Recovery.TASK`` to its
+        last task done): its queued tasks dropped, those running elsewhere wasted, its
+        shards on lost devices re-homed; it runs on once the executor has seen them end."""
         plan = model.plan
+        self._call_off(model, now)
         self._unsettle(model)
         model.epoch += 1
         busy_until = now
@@ -404,33 +433,37 @@ class _Sharp:
             device.in_flight -= len(device.queue) - len(kept)
             device.queue = kept
         self._rehome(model)
-        for number, device_id, compute_s, copy_s in model.step_runs:
-            self.tally.undo(number, device_id, compute_s, copy_s)
-        k = 2 * len(plan.shards)
-        start = model.done // k * k
-        self.work_left += sum(plan.task_s(p) for p in range(start, model.done))
+        start = model.done
+        if self.engine.recovery is Recovery.STEP:
+            for number, device_id, compute_s, copy_s in model.step_runs:
+                self.tally.undo(number, device_id, compute_s, copy_s)
+            k = 2 * len(plan.shards)
+            start = model.done // k * k
+            self.work_left += sum(plan.task_s(p) for p in range(start, model.done))
+            model.step_runs = []
         model.done = model.submitted = model.seen = start
-        model.step_runs, model.input_at = [], {}
         model.paused_until = busy_until + self.engine.latency_s
+        model.input_at = {start: model.paused_until}  # the batch, or the copied output
         self._settle(model)
         self._note(model.paused_until, model.homes[0], plan.model, -1, model.epoch)
         self._refresh(model, now)
 
     def _rehome(self, model: SimModel) -> None:
         """Its shards on lost devices go to live ones (as the executor re-homes them); with
-        none live, it waits for a device to come back."""
+        none live, it waits for a device to come back. Each shard's state is its copy's,
+        at home."""
         plan = model.plan
         orphans = [s.index for s in plan.shards if not self.devices[model.homes[s.index]].alive]
-        if not orphans:
-            return
-        if not any(d.alive for d in self.devices.values()):
+        if orphans and not any(d.alive for d in self.devices.values()):
             self.homeless.add(plan.model)
-            return
-        self.homeless.discard(plan.model)
-        for index, home in zip(orphans, self._home(plan, orphans), strict=True):
-            shard = plan.shards[index]
-            self.load[model.homes[index]] -= plan.steps * (shard.forward_s + shard.backward_s)
-            model.homes[index] = home
+        elif orphans:
+            self.homeless.discard(plan.model)
+            for index, home in zip(orphans, self._home(plan, orphans), strict=True):
+                shard = plan.shards[index]
+                work = plan.steps * (shard.forward_s + shard.backward_s)
+                self.homes.load[model.homes[index]] -= work
+                model.homes[index] = home
+        model.held = list(model.homes)
 
     def _stuck(self) -> str:
         up = [d for d in self.devices.values() if d.alive]

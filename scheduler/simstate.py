@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 from shoal.scheduler.sharp import IdleDevice, ModelId, ModelPlan
 from shoal.scheduler.simcluster import SimDevice
@@ -13,16 +14,42 @@ from shoal.scheduler.simresult import SimulationError
 from shoal.scheduler.types import DeviceId
 
 
+class Moves(StrEnum):
+    """When a model leaves the device it was placed on (besides a loss of that device)."""
+
+    NONE = "none"
+    AT_STEPS = "at-steps"
+    """At a step boundary, whole, to the device where that ends both devices' work sooner
+    (``move_target``): what the executor does."""
+    TRADES = "trades"
+    """Before any of its tasks, to a faster device holding no model, or trading places
+    with the model there with the least work to go (``trade_target``, handed over when
+    that loses least: ``hand_over_now``), models placed one a device while any is free
+    (``home_shards``' spread). The executor does not trade yet."""
+
+
+class Recovery(StrEnum):
+    """What a lost device costs the models with shards or tasks on it."""
+
+    STEP = "step"
+    """The step under way: they roll back to its start, their copy (what the executor
+    does)."""
+    TASK = "task"
+    """The tasks in flight: each task's outputs and each shard's state once its backward
+    has stepped it are copied off the device as they are made, so only unfinished tasks
+    run again (Hydra's promise). The executor does not copy that often yet."""
+
+
 @dataclass(frozen=True)
 class Engine:
     """The executor's constants: tasks queued per device (``QUEUE_DEPTH``), the one-way
-    latency between it and a worker (and between two workers), and whether a model at a
-    step boundary moves to another device where that ends both devices' work sooner
-    (``move_target``)."""
+    latency between it and a worker (and between two workers), when models move and what
+    a lost device costs."""
 
     depth: int = 2
     latency_s: float = 0.0
-    moves: bool = True
+    moves: Moves = Moves.AT_STEPS
+    recovery: Recovery = Recovery.STEP
 
     def __post_init__(self) -> None:
         if self.depth < 1 or not self.latency_s >= 0:
@@ -72,6 +99,10 @@ class SimModel:
 
     plan: ModelPlan
     homes: list[DeviceId]
+    """Where each shard lives: the device whose queue takes its tasks."""
+    held: list[DeviceId] = field(default_factory=list)
+    """Where each shard's state is: its home, or where its last task ran while it
+    follows a trade there."""
     done: int = 0
     submitted: int = 0
     seen: int = 0
@@ -85,6 +116,11 @@ class SimModel:
     waiting_at: DeviceId | None = None
     last_device: DeviceId | None = None
     """Where its last submitted task runs."""
+    joining: tuple[DeviceId, ModelId] | None = None
+    """A faster device it takes once the model there hands it over (``hand_over_now``),
+    and that model; meanwhile it queues no task."""
+    leaving: tuple[DeviceId, ModelId] | None = None
+    """Where it goes once it hands its device over, and the model that takes it."""
     step_runs: list[tuple[int, DeviceId, float, float]] = field(default_factory=list)
     """The tally's numbers of the step under way's tasks (with device, compute, copy):
     undone by a roll back."""

@@ -30,7 +30,15 @@ from shoal.scheduler.sharp import (
     shard_model,
     transfer_s,
 )
-from shoal.scheduler.sharp_homes import Home, home_shards, move_target, moved_end_s
+from shoal.scheduler.sharp_homes import (
+    Faster,
+    Home,
+    hand_over_now,
+    home_shards,
+    move_target,
+    moved_end_s,
+    trade_target,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -307,6 +315,44 @@ def test_a_models_shards_live_together_where_its_work_ends_soonest() -> None:
     fast = Home("fast", speed=4.0, load_s=10.0)  # (10 + 12) / 4 < 12
     assert home_shards(shards, 2, [idle, fast]) == ["fast", "fast"]
     assert home_shards(shards, 2, [Home("b"), Home("a")]) == ["a", "a"]  # ties: lowest id
+
+
+def test_spread_models_take_the_fastest_empty_device_first() -> None:
+    shards = [shard(0), shard(1)]
+    fast = Home("fast", speed=4.0, load_s=1.0)  # (1 + 6) / 4 is sooner than 6 on "slow"
+    slow = Home("slow", speed=1.0)
+    slower = Home("slower", speed=0.5)
+    assert home_shards(shards, 1, [fast, slow]) == ["fast", "fast"]
+    assert home_shards(shards, 1, [fast, slower, slow], spread=True) == ["slow", "slow"]
+    busy = Home("slow", speed=1.0, load_s=1.0)
+    assert home_shards(shards, 1, [fast, busy], spread=True) == ["fast", "fast"]  # none empty
+
+
+def test_a_model_trades_up_to_the_fastest_device_whose_model_has_enough_less_to_go() -> None:
+    h100, a100 = Faster("h100", 3.0, 50.0), Faster("a100", 1.5, 10.0)
+    assert trade_target(100.0, 0.6, [a100, h100]) == h100  # the fastest first
+    assert trade_target(100.0, 0.6, [a100, h100], margin=0.6) == a100  # 50 + 60 >= 100
+    assert trade_target(100.0, 0.6, [a100, h100], margin=0.95) is None
+    assert trade_target(100.0, 3.0, [a100, h100]) is None  # none faster than home
+    # As fast: a device holding no model first, then the least to go, then the first given.
+    empty, least, other = Faster("e", 3.0, None), Faster("l", 3.0, 5.0), Faster("o", 3.0, 5.0)
+    assert trade_target(100.0, 0.6, [least, empty]) == empty
+    assert trade_target(100.0, 0.6, [h100, other, least]) == other
+    assert trade_target(0.0, 0.6, [empty]) == empty  # an empty device takes any model
+    assert trade_target(0.0, 0.6, [least]) is None
+
+
+def test_a_trade_hands_the_device_over_when_that_loses_least_work() -> None:
+    # The taker's input is there in 4 s; this model's queued work ends in 1 s; one more
+    # task takes 1 s. Now: this device (speed 3) idles 3 s, 9 s of work; one more task:
+    # the taker's device (speed 1) idles 0 s (the task ends before the taker's input).
+    assert not hand_over_now(4.0, 1.0, 1.0, 3.0, 1.0)
+    # Ends in 3.8 s and one more would take 3 s: now 0.2 x 3 = 0.6 against 2.8 x 1.
+    assert hand_over_now(4.0, 3.8, 3.0, 3.0, 1.0)
+    # The taker's input comes first: now, its device idles 2 s for this model's input (2
+    # s of work); later it would idle 3 s.
+    assert hand_over_now(1.0, 3.0, 1.0, 3.0, 1.0)
+    assert hand_over_now(2.0, 2.0, 0.0, 3.0, 1.0)  # no idle either way: a tie hands over
 
 
 def test_a_model_lives_only_where_its_largest_shard_fits() -> None:

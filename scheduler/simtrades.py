@@ -1,0 +1,119 @@
+"""Trades of places in the simulated SHARP executor (``scheduler.simsharp``, ``Moves.TRADES``).
+
+Before a model queues a task it may go to a faster device holding no model, or trade
+places with the model there with the least work to go (``trade_target``). A trade is
+made in two halves: the model coming stops queueing tasks at once; the model leaving
+queues tasks where it is until handing the device over loses less work than one more
+task would (``hand_over_now``), and then each lives where the other did. A loss of either
+before that calls the trade off; a model leaving that ends hands over at once.
+"""
+
+from __future__ import annotations
+
+from shoal.scheduler.sharp import ModelId
+from shoal.scheduler.sharp_homes import hand_over_now, trade_target
+from shoal.scheduler.simhomes import Residency
+from shoal.scheduler.simresult import Tally
+from shoal.scheduler.simstate import SimModel, SimQueue
+from shoal.scheduler.types import DeviceId
+
+
+class Trading:
+    """The trading half of the simulated executor; ``scheduler.simsharp._Sharp`` is one."""
+
+    devices: dict[DeviceId, SimQueue]
+    models: dict[ModelId, SimModel]
+    homes: Residency
+    tally: Tally
+
+    def _relocate(self, model: SimModel, there: DeviceId) -> None:
+        raise NotImplementedError
+
+    def _refresh(self, model: SimModel, now: float = 0.0) -> None:
+        raise NotImplementedError
+
+    def _file(self, model: SimModel, now: float) -> None:
+        raise NotImplementedError
+
+    def _maybe_trade(self, model: SimModel, now: float) -> None:
+        """Before its next task the model goes to a faster device that holds no model, or
+        trades places with the model there that has the least work to go, when it has
+        enough more to go itself (``trade_target``, the executor's rule). Each shard's state
+        follows it when its task runs there (copied in as any task's shard is); the traded
+        model's tasks already queued on the faster device run there first."""
+        plan, home = model.plan, model.homes[0]
+        need = max(s.bytes for s in plan.shards)
+        rate = self.homes.rate(home)
+        left = self.homes.left(plan.model)
+        target = trade_target(left, rate, self.homes.faster(rate, need))
+        if target is None:
+            return
+        other = self.homes.least(target.place)
+        if other is None:
+            self._relocate(model, target.place)
+            self.tally.trades += 1
+            return
+        displaced = self.models[other]
+        fits = max(s.bytes for s in displaced.plan.shards) <= self.devices[home].idle.budget_bytes
+        if fits and displaced.leaving is None and displaced.joining is None:
+            model.joining, displaced.leaving = (target.place, other), (home, plan.model)
+            self.homes.promise(target.place, True)
+            self._refresh(displaced, now)  # it may hand over at once
+
+    def _maybe_hand_over(self, model: SimModel, now: float) -> None:
+        """A model a trade sends off its device hands it over now or after one more task
+        there, whichever loses less work (``hand_over_now``)."""
+        assert model.leaving is not None
+        there, other = model.leaving
+        here = self.devices[model.homes[0]]
+        taker = self.models[other]
+        next_s = model.plan.task_s(model.submitted) * model.ratio / here.idle.speed
+        speed, partner = here.idle.speed, self.devices[there].idle.speed
+        ready, busy = self._ready_at(taker, now) - now, self._ready_at(model, now) - now
+        if hand_over_now(ready, busy, next_s, speed, partner):
+            self._hand_over(model)
+            self._file(taker, now)
+
+    def _hand_over(self, model: SimModel) -> None:
+        """The trade is made: ``model`` lives where its taker lived, the taker here."""
+        assert model.leaving is not None
+        there, other = model.leaving
+        taker = self.models[other]
+        here = model.homes[0]
+        model.leaving = taker.joining = None
+        self.homes.promise(here, False)
+        if model.done < model.plan.tasks:
+            self._relocate(model, there)
+        self._relocate(taker, here)
+        self.tally.trades += 1
+
+    def _call_off(self, model: SimModel, now: float) -> None:
+        """A trade ``model`` takes part in is off (it rolls back)."""
+        for pending in (model.joining, model.leaving):
+            if pending is not None:
+                partner = self.models[pending[1]]
+                promised = model.joining[0] if model.joining else model.homes[0]
+                self.homes.promise(promised, False)
+                model.joining = model.leaving = partner.joining = partner.leaving = None
+                self._file(partner, now)
+
+    def _ready_at(self, model: SimModel, now: float) -> float:
+        """When the output of the model's last queued task is there, as the executor would
+        estimate it (its tasks' reference seconds, times its measured ratio, over the
+        device's speed, after what runs and waits before them)."""
+        if model.seen >= model.submitted or model.last_device is None:
+            return now
+        device = self.devices[model.last_device]
+        at = now
+        if device.running is not None:
+            job = device.running
+            at = job.start_s + job.copy_s + job.compute_s
+            if job.model == model.plan.model and job.position == model.submitted - 1:
+                return at
+        for job in device.queue:
+            owner = self.models[job.model]
+            estimate = owner.plan.task_s(job.position) * owner.ratio / device.idle.speed
+            at = max(at, job.arrive_s) + estimate
+            if job.model == model.plan.model and job.position == model.submitted - 1:
+                return at
+        return at
