@@ -40,7 +40,6 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from heapq import heappop, heappush
 
-from shoal.scheduler.memory import format_bytes
 from shoal.scheduler.sharp import (
     IdleDevice,
     ModelId,
@@ -65,6 +64,7 @@ from shoal.scheduler.simstate import (
     SimModel,
     SimQueue,
     SimTask,
+    stuck,
 )
 from shoal.scheduler.simtrades import Trading
 from shoal.scheduler.types import DeviceId
@@ -103,6 +103,9 @@ class _Sharp(Trading):
             self._settle(model)
         self.waiting: dict[DeviceId, set[ModelId]] = {d: set() for d in self.devices}
         """Models whose next task may be queued now, by the device its shard lives on."""
+        self.stirred: set[DeviceId] = set()
+        """Devices that may take a task since the last dispatch (a model filed there, a task
+        of theirs seen end, back from an outage): what a dispatch looks at."""
         self.work_left = sum(p.work_s for p in plans)
         self.events: list[tuple[float, int, int, DeviceId, int]] = []
         self.homeless: set[ModelId] = set()
@@ -126,7 +129,7 @@ class _Sharp(Trading):
         self._dispatch(now)
         while self.left:
             if not self.events:
-                raise SimulationError(self._stuck())
+                raise SimulationError(stuck(self.devices.values(), self.models.values()))
             now = self.events[0][0]
             while self.events and self.events[0][0] == now:
                 _, kind, _, name, tag = heappop(self.events)
@@ -186,7 +189,7 @@ class _Sharp(Trading):
 
     def _refresh(self, model: SimModel, now: float = 0.0) -> None:
         """File ``model`` under the device its next task may be queued on, if any, once it
-        has traded places where that pays (``Engine.trades``)."""
+        has traded places where that pays (``Moves.TRADES``)."""
         if self.engine.moves is Moves.TRADES and self._can_submit(model, now):
             if model.leaving is not None:
                 self._maybe_hand_over(model, now)
@@ -201,6 +204,7 @@ class _Sharp(Trading):
         if self._can_submit(model, now):
             home = model.homes[model.plan.shard_at(model.submitted).index]
             self.waiting[home].add(model.plan.model)
+            self.stirred.add(home)
             model.waiting_at = home
 
     def _progress(self, model: SimModel) -> Progress:
@@ -216,7 +220,7 @@ class _Sharp(Trading):
         """The executor fills every live device's queue to ``depth``, a first task for each
         device before a second."""
         for depth in range(1, self.engine.depth + 1):
-            for name in sorted(d for d, models in self.waiting.items() if models):
+            for name in sorted(self.stirred):
                 device = self.devices[name]
                 while device.alive and device.in_flight < depth and self.waiting[name]:
                     here = [self.models[m] for m in sorted(self.waiting[name])]
@@ -230,6 +234,11 @@ class _Sharp(Trading):
                     if chosen is None:
                         break  # homes are placed where shards fit: only a planning bug
                     self._submit(device, self.models[chosen.task.model], now)
+        self.stirred = {d for d in self.stirred if self._has_room(self.devices[d])}
+
+    def _has_room(self, device: SimQueue) -> bool:
+        name = device.sim.id
+        return device.alive and device.in_flight < self.engine.depth and bool(self.waiting[name])
 
     def _submit(self, device: SimQueue, model: SimModel, now: float) -> None:
         self.seq += 1
@@ -334,6 +343,7 @@ class _Sharp(Trading):
         model = self.models[name]
         if done >= 0:
             device.in_flight = max(0, device.in_flight - 1)
+            self.stirred.add(device.sim.id)
             if epoch == model.epoch:
                 model.seen = max(model.seen, done)
                 at_boundary = done == model.submitted and done % (2 * len(model.plan.shards)) == 0
@@ -390,6 +400,7 @@ class _Sharp(Trading):
         if device.alive:
             return
         device.alive = True
+        self.stirred.add(device.sim.id)
         self.homes.set_alive(device.sim.id, True)
         for name in sorted(self.homeless):
             model = self.models[name]
@@ -430,8 +441,10 @@ class _Sharp(Trading):
                 job = device.running
                 busy_until = max(busy_until, job.start_s + job.copy_s + job.compute_s)
             kept = deque(j for j in device.queue if j.model != plan.model)
-            device.in_flight -= len(device.queue) - len(kept)
-            device.queue = kept
+            if len(kept) < len(device.queue):
+                device.in_flight -= len(device.queue) - len(kept)
+                device.queue = kept
+                self.stirred.add(device.sim.id)
         self._rehome(model)
         start = model.done
         if self.engine.recovery is Recovery.STEP:
@@ -464,25 +477,6 @@ class _Sharp(Trading):
                 self.homes.load[model.homes[index]] -= work
                 model.homes[index] = home
         model.held = list(model.homes)
-
-    def _stuck(self) -> str:
-        up = [d for d in self.devices.values() if d.alive]
-        if not up:
-            return (
-                f"{self.left} model(s) cannot finish: every device is lost and none comes back;"
-                " add devices or expect fewer outages"
-            )
-        largest = max(d.idle.budget_bytes for d in up)
-        for model in self.models.values():
-            if model.done < model.plan.tasks:
-                shard = model.plan.shard_at(model.done)
-                if shard.bytes > largest:
-                    return (
-                        f"model {model.plan.model} cannot finish: shard {shard.index} needs"
-                        f" {format_bytes(shard.bytes)} but the largest device that is up has"
-                        f" {format_bytes(largest)}; cut its shards for the smallest device"
-                    )
-        return f"{self.left} model(s) cannot finish: their shards' devices are lost for good"
 
 
 def run_sharp(

@@ -5,9 +5,11 @@ device's queue, each model's progress, each task.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from shoal.scheduler.memory import format_bytes
 from shoal.scheduler.sharp import IdleDevice, ModelId, ModelPlan
 from shoal.scheduler.simcluster import SimDevice
 from shoal.scheduler.simresult import SimulationError
@@ -124,3 +126,24 @@ class SimModel:
     step_runs: list[tuple[int, DeviceId, float, float]] = field(default_factory=list)
     """The tally's numbers of the step under way's tasks (with device, compute, copy):
     undone by a roll back."""
+
+
+def stuck(devices: Iterable[SimQueue], models: Iterable[SimModel]) -> str:
+    """Why the models with work left cannot finish (no event is left to come)."""
+    left = [m for m in models if m.done < m.plan.tasks]
+    up = [d for d in devices if d.alive]
+    if not up:
+        return (
+            f"{len(left)} model(s) cannot finish: every device is lost and none comes back;"
+            " add devices or expect fewer outages"
+        )
+    largest = max(d.idle.budget_bytes for d in up)
+    for model in left:
+        shard = model.plan.shard_at(model.done)
+        if shard.bytes > largest:
+            return (
+                f"model {model.plan.model} cannot finish: shard {shard.index} needs"
+                f" {format_bytes(shard.bytes)} but the largest device that is up has"
+                f" {format_bytes(largest)}; cut its shards for the smallest device"
+            )
+    return f"{len(left)} model(s) cannot finish: their shards' devices are lost for good"
