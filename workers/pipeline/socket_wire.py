@@ -45,6 +45,11 @@ _HELLO = struct.Struct("!H")
 """The joining end's first bytes: the length of the link's name, then the name (the hosting
 end checks it, so a stray connection is not taken for the neighbour)."""
 
+GREETING_S = 5.0
+"""How long the hosting end waits for a connection's greeting: the neighbour sends it as
+soon as it connects, so a connection silent this long is a stray one, and the host goes
+back to waiting for the neighbour."""
+
 
 class WireError(RuntimeError):
     """The connection failed or was closed."""
@@ -91,10 +96,11 @@ class SocketWork:
 
 class SocketWire:
     """One end of a CPU link. The lower stage calls ``host`` and hands its address to both
-    ends, which then ``join`` (the host accepts, the other connects)."""
+    ends, which then ``join`` (the host accepts, the other connects); each waits at most
+    ``timeout_s`` for the other."""
 
-    def __init__(self, connect_timeout_s: float) -> None:
-        self._timeout_s = connect_timeout_s
+    def __init__(self, timeout_s: float) -> None:
+        self._timeout_s = timeout_s
         self._listener: socket.socket | None = None
         self._sock: socket.socket | None = None
         self._lock = threading.Lock()
@@ -139,7 +145,7 @@ class SocketWire:
         try:
             while True:
                 sock, _ = listener.accept()
-                sock.settimeout(self._timeout_s)
+                sock.settimeout(min(self._timeout_s, GREETING_S))
                 try:
                     (length,) = _HELLO.unpack(_read_exactly(sock, _HELLO.size))
                     if _read_exactly(sock, length) == wanted:

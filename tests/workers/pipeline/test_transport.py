@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from shoal.workers.pipeline.socket_wire import SocketWire
+from shoal.workers.pipeline.socket_wire import GREETING_S, SocketWire
 from shoal.workers.pipeline.transport import GroupWire, Link, LinkError, Shape, Wire
 
 pytestmark = pytest.mark.unit
@@ -186,6 +186,28 @@ def test_a_send_the_neighbour_never_reads_fails_when_it_closes() -> None:
     assert isinstance(out.get("error"), LinkError), out
     assert out["seconds"] < 10, out
     lower.close()
+
+
+def test_a_silent_connection_holds_the_link_up_only_for_the_greeting() -> None:
+    """A connection that never greets (a port scan, a dead client) is dropped after
+    ``GREETING_S``, and the neighbour connecting behind it is taken, long before the link's
+    timeout."""
+    lower, upper = Link(CPU, +1, "the-link", timeout_s=120.0), Link(CPU, -1, "the-link")
+    address, port = lower.host()
+    silent = socket.create_connection((address, port), timeout=10)
+    began = time.monotonic()
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            joins = [pool.submit(end.join, address, port) for end in (lower, upper)]
+            for join in joins:
+                join.result(timeout=60)
+        took = time.monotonic() - began
+        assert GREETING_S <= took < GREETING_S + 10, took
+        assert silent.recv(1) == b"", "the host kept the silent connection open"
+    finally:
+        silent.close()
+        lower.close()
+        upper.close()
 
 
 def test_a_connection_that_does_not_name_the_link_is_not_taken_for_the_neighbour() -> None:
