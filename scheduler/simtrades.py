@@ -38,7 +38,7 @@ class Trading:
     def _maybe_trade(self, model: SimModel, now: float) -> None:
         """Before its next task the model goes to a faster device that holds no model, or
         trades places with the model there that has the least work to go, when it has
-        enough more to go itself (``trade_target``, the executor's rule). Each shard's state
+        enough more to go itself (``trade_target``). Each shard's state
         follows it when its task runs there (copied in as any task's shard is); the traded
         model's tasks already queued on the faster device run there first."""
         plan, home = model.plan, model.homes[0]
@@ -99,21 +99,19 @@ class Trading:
 
     def _ready_at(self, model: SimModel, now: float) -> float:
         """When the output of the model's last queued task is there, as the executor would
-        estimate it (its tasks' reference seconds, times its measured ratio, over the
-        device's speed, after what runs and waits before them)."""
+        estimate it: each task before it on its device takes its reference seconds, times
+        its model's measured ratio, over the device's speed (the one running, from when it
+        started)."""
         if model.seen >= model.submitted or model.last_device is None:
             return now
         device = self.devices[model.last_device]
+        running = [] if device.running is None else [device.running]
         at = now
-        if device.running is not None:
-            job = device.running
-            at = job.start_s + job.copy_s + job.compute_s
-            if job.model == model.plan.model and job.position == model.submitted - 1:
-                return at
-        for job in device.queue:
+        for job in [*running, *device.queue]:
             owner = self.models[job.model]
             estimate = owner.plan.task_s(job.position) * owner.ratio / device.idle.speed
-            at = max(at, job.arrive_s) + estimate
+            at = job.start_s + job.copy_s if job is device.running else max(at, job.arrive_s)
+            at += estimate
             if job.model == model.plan.model and job.position == model.submitted - 1:
                 return at
         return at
