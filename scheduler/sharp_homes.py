@@ -155,8 +155,8 @@ def trade_target(
 def hand_over_now(
     ready_in_s: float, busy_in_s: float, next_s: float, speed: float, partner_speed: float
 ) -> bool:
-    """Whether a model that two trading models' rule (``trade_target``) sends off its device
-    hands the device over now rather than after one more task there. The model taking its
+    """Whether a model that a trade (``trade_target``) sends off its device hands the
+    device over now rather than after one more task there. The model taking its
     place has its input there in ``ready_in_s``; this model's work queued on the device ends
     in ``busy_in_s``, and one more task would take ``next_s``. Now: this device (``speed``)
     idles until the other's input comes, or the other's (``partner_speed``) until this

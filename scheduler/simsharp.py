@@ -157,9 +157,9 @@ class _Sharp(Trading):
         """Homes for ``shards`` of ``plan`` (all of them when it arrives, those of a lost
         device after), placed as the executor places them; their work counted there."""
         spread = self.engine.moves is Moves.TRADES
-        held = self.homes.left_at if spread else self.homes.load  # level: what is to go
+        load = self.homes.left_at if spread else self.homes.load  # level: what is to go
         live = [
-            Home(name, d.idle.speed, held[name], d.idle.budget_bytes)
+            Home(name, d.idle.speed, load[name], d.idle.budget_bytes)
             for name, d in self.devices.items()
             if d.alive
         ]
