@@ -278,6 +278,14 @@ class ModelPlan:
             else (shard.backward_s)
         )
 
+    def open_forward_s(self, position: int) -> float:
+        """Reference seconds of the forwards whose backward is still to come once the
+        first ``position`` tasks are done: what moving the model to another device then
+        runs again there (a shard's forward graph stays in its process)."""
+        k = len(self.shards)
+        r = position % (2 * k)
+        return sum(s.forward_s for s in self.shards[: r if r < k else 2 * k - r])
+
     def remaining_s(self, done: int) -> float:
         """Reference seconds of the tasks after the first ``done``; O(1)."""
         if done >= self.tasks:

@@ -153,7 +153,12 @@ def trade_target(
 
 
 def hand_over_now(
-    ready_in_s: float, busy_in_s: float, next_s: float, speed: float, partner_speed: float
+    ready_in_s: float,
+    busy_in_s: float,
+    next_s: float,
+    speed: float,
+    partner_speed: float,
+    redo_s: tuple[float, float] = (0.0, 0.0),
 ) -> bool:
     """Whether a model that a trade (``trade_target``) sends off its device hands the
     device over now rather than after one more task there. The model taking its
@@ -161,9 +166,11 @@ def hand_over_now(
     in ``busy_in_s``, and one more task would take ``next_s``. Now: this device (``speed``)
     idles until the other's input comes, or the other's (``partner_speed``) until this
     model's does. One more task: the other's device idles from the other's input until
-    this model's. The one that loses less work wins; a tie hands over."""
+    this model's. Either way the forwards whose backward is still to come run again where
+    the model goes (``redo_s``, reference seconds now and after one more task:
+    ``ModelPlan.open_forward_s``). The one that loses less work wins; a tie hands over."""
     now = (
         max(0.0, ready_in_s - busy_in_s) * speed + max(0.0, busy_in_s - ready_in_s) * partner_speed
     )
     later = max(0.0, busy_in_s + next_s - ready_in_s) * partner_speed
-    return now <= later
+    return now + redo_s[0] <= later + redo_s[1]

@@ -58,6 +58,7 @@ from shoal.scheduler.simhomes import Residency
 from shoal.scheduler.simresult import SimulationError, Tally, TaskRecord
 from shoal.scheduler.simstate import (
     ENGINE,
+    GONE,
     Engine,
     Moves,
     Recovery,
@@ -280,9 +281,11 @@ class _Sharp(Trading):
             if self.prefetch:  # copied in since it reached the device
                 copy = max(0.0, job.arrive_s + copy - now)
         device.last = (job.model, shard.index)
-        model.held[shard.index] = device.sim.id
         job.start_s, job.copy_s = now, copy
         job.compute_s = self._task_s(model, job.position, device)
+        if model.forward_again(job.position, device.sim.id):
+            job.compute_s += shard.forward_s * self.truth.get(job.model, 1.0) / device.idle.speed
+        model.held[shard.index] = device.sim.id
         device.running = job
         self._event(now + copy + job.compute_s, _END, device.sim.id, job.ident)
 
@@ -464,7 +467,7 @@ class _Sharp(Trading):
     def _rehome(self, model: SimModel) -> None:
         """Its shards on lost devices go to live ones (as the executor re-homes them); with
         none live, it waits for a device to come back. Each shard's state is its copy's,
-        at home."""
+        at home; a forward's graph on a lost device is ``GONE``."""
         plan = model.plan
         orphans = [s.index for s in plan.shards if not self.devices[model.homes[s.index]].alive]
         if orphans and not any(d.alive for d in self.devices.values()):
@@ -476,7 +479,10 @@ class _Sharp(Trading):
                 work = plan.steps * (shard.forward_s + shard.backward_s)
                 self.homes.load[model.homes[index]] -= work
                 model.homes[index] = home
-        model.held = list(model.homes)
+        model.held = [
+            home if held != GONE and self.devices[held].alive else GONE
+            for held, home in zip(model.held, model.homes, strict=True)
+        ]
 
 
 def run_sharp(

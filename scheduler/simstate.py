@@ -95,6 +95,10 @@ class SimQueue:
     woken: float = -1.0
 
 
+GONE: DeviceId = ""
+"""Where a shard's state is when its forward's graph was lost with a device."""
+
+
 @dataclass
 class SimModel:
     """A model's progress as the simulated executor tracks it."""
@@ -104,7 +108,7 @@ class SimModel:
     """Where each shard lives: the device whose queue takes its tasks."""
     held: list[DeviceId] = field(default_factory=list)
     """Where each shard's state is: its home, or where its last task ran while it
-    follows a trade there."""
+    follows a trade there (``GONE``: its forward's graph was lost with a device)."""
     done: int = 0
     submitted: int = 0
     seen: int = 0
@@ -126,6 +130,14 @@ class SimModel:
     step_runs: list[tuple[int, DeviceId, float, float]] = field(default_factory=list)
     """The tally's numbers of the step under way's tasks (with device, compute, copy):
     undone by a roll back."""
+
+    def forward_again(self, position: int, device: DeviceId) -> bool:
+        """Whether the task at ``position``, on ``device``, is a backward whose shard's
+        forward ran elsewhere (a trade moved it in between, or its device was lost): the
+        forward runs again on ``device`` first, from the micro-batches' inputs, as the
+        executor hands a shard over (an autograd graph cannot leave its process)."""
+        k = len(self.plan.shards)
+        return position % (2 * k) >= k and self.held[self.plan.shard_at(position).index] != device
 
 
 def stuck(devices: Iterable[SimQueue], models: Iterable[SimModel]) -> str:

@@ -5,7 +5,9 @@ places with the model there with the least work to go (``trade_target``). A trad
 made in two halves: the model coming stops queueing tasks at once; the model leaving
 queues tasks where it is until handing the device over loses less work than one more
 task would (``hand_over_now``), and then each lives where the other did. A loss of either
-before that calls the trade off; a model leaving that ends hands over at once.
+before that calls the trade off; a model leaving that ends hands over at once. A shard
+moved between its forward and its backward runs its forward again where it goes, from the
+micro-batches' inputs, as the executor hands shards over (``SimModel.forward_again``).
 """
 
 from __future__ import annotations
@@ -62,7 +64,8 @@ class Trading:
 
     def _maybe_hand_over(self, model: SimModel, now: float) -> None:
         """A model a trade sends off its device hands it over now or after one more task
-        there, whichever loses less work (``hand_over_now``)."""
+        there, whichever loses less work (``hand_over_now``), the forwards it would run
+        again at the other device counted."""
         assert model.leaving is not None
         there, other = model.leaving
         here = self.devices[model.homes[0]]
@@ -70,7 +73,9 @@ class Trading:
         next_s = model.plan.task_s(model.submitted) * model.ratio / here.idle.speed
         speed, partner = here.idle.speed, self.devices[there].idle.speed
         ready, busy = self._ready_at(taker, now) - now, self._ready_at(model, now) - now
-        if hand_over_now(ready, busy, next_s, speed, partner):
+        plan, at = model.plan, model.submitted
+        redo = (plan.open_forward_s(at) * model.ratio, plan.open_forward_s(at + 1) * model.ratio)
+        if hand_over_now(ready, busy, next_s, speed, partner, redo):
             self._hand_over(model)
             self._file(taker, now)
 

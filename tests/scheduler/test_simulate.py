@@ -136,7 +136,8 @@ def test_models_that_trade_places_share_the_fast_device_as_the_bound_assumes() -
     """Two alike models on a fast and a slow device: placed and moved at step boundaries
     both live on the fast one (the slow one alone would end later), 64 s; trading places
     before a task (``Moves.TRADES``), each starts on a device of its own and the one on
-    the slow device takes the fast one once the other has enough less to go."""
+    the slow device takes the fast one once the other has enough less to go (52 s: each
+    hand-over runs the forwards whose backward is to come again on the other device)."""
     mixed = Cluster(
         (
             (DeviceKind("fast", 3.0, 16 * GiB, math.inf), 1),
@@ -148,7 +149,7 @@ def test_models_that_trade_places_share_the_fast_device_as_the_bound_assumes() -
     trading = simulate(mixed, plans, engine=Engine(moves=Moves.TRADES), record=True)
     assert at_steps.makespan_s == pytest.approx(64.0) and at_steps.trades == 0
     assert trading.lower_bound_s == pytest.approx(48.0)  # 192 s of work at 4 per second
-    assert trading.trades > 0 and trading.ratio <= 1.05
+    assert trading.trades > 0 and trading.ratio <= 1.1
     for model in "ab":
         assert {r.device for r in trading.records if r.model == model} == {
             "fast-0000",
@@ -209,19 +210,30 @@ def test_a_spot_loss_costs_the_step_under_way() -> None:
     assert lost.makespan_s == pytest.approx(15.0 + 1.0 + plan.work_s)
 
 
-def test_with_task_recovery_a_spot_loss_costs_the_tasks_in_flight() -> None:
+def test_with_task_recovery_a_spot_loss_costs_the_tasks_in_flight_and_the_open_forwards() -> None:
     """``Recovery.TASK``: what a task made is copied off its device as it is made, so the
-    model goes on from its last task done (F0 kept, F1 run again) on the device left."""
+    model goes on from its last task done on the device left, but a backward whose
+    forward's graph was lost runs that forward again first. Lost in B0 at 50 s: F0, F1 and
+    B1 are kept, and B0 runs after F0 again (1 s to copy shard 0 in, 10 s, 20 s). Lost in
+    F1 at 15 s it saves nothing: F0's forward runs again before B0, as a step's roll back
+    would run it before F1."""
     plan = chain("m", forward=10.0, backward=20.0, state=10**9)
-    world = cluster(2, gbps=1.0, spot=True, outages=(Outage("k-0000", 15.0),))
-    lost = simulate(world, [plan], engine=Engine(recovery=Recovery.TASK), record=True)
+    engine = Engine(recovery=Recovery.TASK)
+    world = cluster(2, gbps=1.0, spot=True, outages=(Outage("k-0000", 50.0),))
+    lost = simulate(world, [plan], engine=engine, record=True)
     assert (lost.lost_tasks, lost.tasks) == (1, plan.tasks)
     assert [(r.position, r.completed) for r in lost.records if r.device == "k-0000"] == [
         (0, True),
-        (1, False),
+        (1, True),
+        (2, True),
+        (3, False),
     ]
-    assert lost.makespan_s == pytest.approx(15.0 + 1.0 + plan.work_s - 10.0)
+    assert lost.makespan_s == pytest.approx(50.0 + 1.0 + 10.0 + 20.0)
     check_schedule(world, [plan], lost)
+    early = cluster(2, gbps=1.0, spot=True, outages=(Outage("k-0000", 15.0),))
+    task = simulate(early, [plan], engine=engine)
+    step = simulate(early, [plan])
+    assert task.makespan_s == pytest.approx(step.makespan_s) == pytest.approx(15 + 1 + 60)
 
 
 def test_a_device_may_come_back() -> None:
@@ -411,16 +423,17 @@ def test_every_baseline_schedule_keeps_the_invariants(
 
 
 @pytest.mark.slow
-def test_the_spot_cluster_ends_near_the_bound_when_models_trade_and_losses_cost_a_task() -> None:
-    """Issue 20's goal (<= 1.1 the lower bound) for the engine that trades places and
-    copies each task's outputs off its device. What the executor does today (moves at step
-    boundaries, a loss costing the step under way) is far from it: losses and the slow
-    devices' models are what the bound does not wait for."""
+def test_the_spot_cluster_ends_nearer_the_bound_when_models_trade_and_losses_cost_tasks() -> None:
+    """The engine that trades places and copies each task's outputs off its device, each
+    hand-over and each loss running the open forwards again (as the executor can): 1.15
+    of the lower bound, short of issue 20's 1.1 but well ahead of what the executor does
+    today (moves at step boundaries, a loss costing the step under way), 1.30: losses and
+    the slow devices' models are what the bound does not wait for."""
     setting = spot_setting()
     engine = Engine(moves=Moves.TRADES, recovery=Recovery.TASK)
     trading = simulate(setting.cluster, setting.plans, engine=engine)
     today = simulate(setting.cluster, setting.plans)
-    assert trading.ratio <= 1.1 < today.ratio, (trading.ratio, today.ratio)
+    assert trading.ratio <= 1.16 and today.ratio >= 1.25, (trading.ratio, today.ratio)
 
 
 @pytest.mark.slow

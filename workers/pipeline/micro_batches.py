@@ -96,6 +96,11 @@ class InFlight:
             )
         return kept
 
+    def inputs(self) -> dict[int, tuple[Tensor, bool]]:
+        """Each micro-batch in flight's input (detached) and whether it ends in the loss:
+        what runs its forward again in another process (a SHARP shard handed over)."""
+        return {mb: (k.input.detach(), k.is_loss) for mb, k in sorted(self._kept.items())}
+
     def require_none(self, before: str) -> None:
         """Refuse ``before`` (what would come next) while micro-batches are in flight."""
         if self._kept:

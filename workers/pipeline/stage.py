@@ -100,7 +100,8 @@ class Stage:
         self.blocks = build_stage_blocks(setup, range(start, stop), self._devices)
         self._loss = loss_fn(setup.meta.task)
         self._amp_dtype = autocast_dtype(setup.precision)
-        self._in_flight = InFlight(plan.index, self.device, setup.recompute)
+        self.in_flight = InFlight(plan.index, self.device, setup.recompute)
+        """The micro-batches run forward and not yet backward (a SHARP shard hands theirs over)."""
         self._replicas = Replicas(self.device, setup.shard, self._timer.span)
         self._links = Links(self.device)
         self._draws = Draws(setup)
@@ -138,7 +139,7 @@ class Stage:
             with autocast(self._amp_dtype, self.device):
                 return head(self._run(y))
 
-        return self._in_flight.forward(mb, inp, run, is_loss=is_loss, input_grad=not self.first)
+        return self.in_flight.forward(mb, inp, run, is_loss=is_loss, input_grad=not self.first)
 
     def forward(self, mb: int, x: Wire) -> Wire:
         """Run micro-batch ``mb`` through the stage; the output goes to the next stage."""
@@ -173,7 +174,7 @@ class Stage:
 
     def backward_tensor(self, mb: int, upstream: Tensor | None) -> Tensor | None:
         """``backward`` on the device: the input's gradient tensor (None on stage 0)."""
-        kept = self._in_flight.take(mb, upstream=upstream is not None)
+        kept = self.in_flight.take(mb, upstream=upstream is not None)
         with self._compute():
             torch.autograd.backward(kept.graph(), upstream)
         if self.first or kept.input.grad is None:
@@ -198,7 +199,7 @@ class Stage:
         return self.lap()
 
     def _update(self, clip: float | None) -> None:
-        self._in_flight.require_none("every forward needs its backward before the step")
+        self.in_flight.require_none("every forward needs its backward before the step")
         shares = self._replicas.shares(self.blocks)
         copied = self._replicas.copyable(self.blocks)
         stateless = [part for part in copied if not part.optimizer.state]
@@ -385,7 +386,7 @@ class Stage:
         """Be stage ``index`` holding blocks ``[start, stop)`` from now on, between two steps:
         keep the held blocks, build the others from their states in ``parts`` (``export``s of
         their holders), drop the rest. The stage's bytes after the move."""
-        self._in_flight.require_none("blocks move only between steps")
+        self.in_flight.require_none("blocks move only between steps")
         self._replicas.require_whole("moving blocks")
         start, stop = blocks
         if not 0 <= start < stop <= self._setup.num_blocks:
@@ -402,7 +403,7 @@ class Stage:
             held[block.index] = block
         self.blocks = [held[i] for i in range(start, stop)]
         self._forget()
-        self.index = self._in_flight.stage = index
+        self.index = self.in_flight.stage = index
         self.first, self.last = start == 0, stop == s.num_blocks
         return self.nbytes()
 
@@ -454,7 +455,7 @@ class Stage:
         states = self._own.result(step)
         if states is None:
             raise StageStateError(f"stage {self.index} kept no state of step {step}")
-        self._in_flight.clear()
+        self.in_flight.clear()
         for block in self.blocks:
             block.optimizer.zero_grad(set_to_none=True)
         self._load(whole_states([states, *parts]))
@@ -483,7 +484,7 @@ class Stage:
     def kept_bytes(self) -> int:
         """Bytes of the inputs and outputs kept for the backwards of micro-batches in
         flight (memory accounting)."""
-        return self._in_flight.nbytes()
+        return self.in_flight.nbytes()
 
     def pid(self) -> int:
         """The worker's process id (shown in the placement event, for operators)."""

@@ -82,8 +82,26 @@ class Stashed:
 Inputs = Sequence[Wire | None] | Stashed
 """What a shard task computes from: tensors sent to it, or what the host's stash holds."""
 
-TASK_METHODS = frozenset({"forward", "backward"})
-"""The methods that return ``(Outputs, TaskResult)``."""
+
+@dataclass(frozen=True)
+class Handover:
+    """A shard on its way to another host between two of its model's tasks (a trade of
+    places, ``give`` to ``take``): its blocks' states; the inputs of the micro-batches it
+    ran forward and not yet backward, and whether they end in the loss (an autograd graph
+    cannot leave its process: their forward runs again where it goes, from the same
+    parameters and inputs, so the backward there is the one it would have run here); and
+    the outputs its host kept for the model's next task (by that task's position), when
+    that task is this shard's."""
+
+    state: dict[int, Any]
+    inputs: dict[int, Wire]
+    loss: bool
+    stash: tuple[int, list[Wire | None]] | None
+
+
+PAIRED_METHODS = frozenset({"forward", "backward", "give"})
+"""The methods whose value is a pair: what goes on to another call (``HostPool.outputs``:
+a task's ``Outputs``, a ``Handover``) and what the executor reads (``HostPool.result``)."""
 
 
 class ShardHost:
@@ -175,6 +193,61 @@ class ShardHost:
         self._stage(key)
         for kept in [k for k in self._stash if k[0] == key[0]]:
             del self._stash[kept]
+        self._forget(key)
+
+    def give(self, key: ShardKey, stashed: int | None = None) -> tuple[Handover, int]:
+        """Hand shard ``key`` over to another host (``Handover``) and forget it, with the
+        outputs kept here for its model's task at position ``stashed`` (``Stashed``) if
+        given: the executor names them when that task is this shard's. With the bytes
+        it sends."""
+        stage = self._stage(key)
+        self._settle()
+        kept = stage.in_flight.inputs()
+        outputs = self._stash.pop((key[0], stashed), []) if stashed is not None else []
+        sent = [x for x, _ in kept.values()] + [t for t in outputs if t is not None]
+        handover = Handover(
+            send_tree(stage.state()),
+            {mb: send(x) for mb, (x, _) in kept.items()},
+            any(loss for _, loss in kept.values()),
+            None if stashed is None else (stashed, [_send(t) for t in outputs]),
+        )
+        self._forget(key)
+        return handover, stage.nbytes() + sum(t.numel() * t.element_size() for t in sent)
+
+    def take(
+        self,
+        key: ShardKey,
+        setup: StageSetup,
+        blocks: tuple[int, int],
+        planned: int,
+        handover: Handover,
+        targets: Sequence[Wire] | None = None,
+        scale: float = 1.0,
+    ) -> int:
+        """Hold shard ``key`` as another host handed it over (``give``): its states
+        loaded, each micro-batch in flight run forward again here (``targets`` and
+        ``scale``: the loss's, the model's last shard's), and the outputs kept for its
+        model's next task kept here. The bytes it takes on the device, as ``add``."""
+        if handover.loss and targets is None:
+            raise StageStateError(f"shard {key} is handed over mid-loss without its targets")
+        size = self.add(key, setup, blocks, planned, handover.state)
+        if handover.inputs:
+            stage, _ = self._begin(key, None)
+            with self._saves[key].hooks():
+                for mb, wire in sorted(handover.inputs.items()):
+                    x = receive(wire, stage.device)
+                    if targets is not None and handover.loss:
+                        stage.loss_tensor(mb, x, receive(targets[mb], stage.device), scale)
+                    else:
+                        stage.forward_tensor(mb, x)
+        if handover.stash is not None:
+            position, outputs = handover.stash
+            self._stash[(key[0], position)] = [
+                None if t is None else receive(t, self._target) for t in outputs
+            ]
+        return size
+
+    def _forget(self, key: ShardKey) -> None:
         self._demote(key)
         self._settle()
         self._residue.pop(key, None)
@@ -278,7 +351,7 @@ class ShardHost:
         else in wire form. A forward's output is copied: the shard that made it still
         holds it for its backward, and the next shard may change its input in place."""
         if keep is None:
-            return [None if t is None else send(t) for t in outputs]
+            return [_send(t) for t in outputs]
         with torch.no_grad():
             self._stash[(model, keep)] = [
                 None if t is None else (t.detach().clone() if copy else t.detach()) for t in outputs
@@ -381,13 +454,17 @@ def _every(tensors: Sequence[torch.Tensor | None], key: ShardKey) -> list[torch.
     return present
 
 
+def _send(tensor: torch.Tensor | None) -> Wire | None:
+    return None if tensor is None else send(tensor)
+
+
 def _parameters(stage: Stage) -> list[torch.Tensor]:
     return [p for block in stage.blocks for p in block.module.parameters()]
 
 
 SHARD_METHODS = frozenset(
-    {"add", "load", "copy", "drop", "held", "overhead", "measure_speed", "forward", "backward",
-     "pid"}
+    {"add", "load", "copy", "drop", "give", "take", "held", "overhead", "measure_speed",
+     "forward", "backward", "pid"}
 )  # fmt: skip
 """The ``ShardHost`` methods the executor may call."""
 

@@ -35,7 +35,7 @@ from ray.exceptions import (
 from shoal.scheduler.devices import Device
 from shoal.scheduler.types import DeviceId
 from shoal.workers import launch
-from shoal.workers.sharp.shard_host import TASK_METHODS, ShardFailed, ShardWorker
+from shoal.workers.sharp.shard_host import PAIRED_METHODS, ShardFailed, ShardWorker
 
 
 class HostLost(RuntimeError):
@@ -153,7 +153,7 @@ class LocalPool:
 
     def result(self, call: Call) -> Any:
         value = _own(call, _Local).future.result(timeout=0)
-        return value[1] if call.method in TASK_METHODS else value
+        return value[1] if call.method in PAIRED_METHODS else value
 
     def outputs(self, call: Call) -> Any:
         return _Later(_own(call, _Local).future)
@@ -180,7 +180,7 @@ class RayPool:
 
     def submit(self, host: int, method: str, *args: Any) -> Call:
         actor = self._actors[host]
-        if method not in TASK_METHODS:
+        if method not in PAIRED_METHODS:
             return _Remote(host, method, actor.call.remote(method, *args))
         refs: Any = actor.call.options(num_returns=2).remote(method, *args)
         return _Remote(host, method, refs[1], refs[0])
