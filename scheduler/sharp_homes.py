@@ -8,6 +8,7 @@ with these.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
@@ -77,6 +78,28 @@ def moved_end_s(
     now = max(home_left / home_speed, there_left / there_speed)
     moved = max((home_left - left_s) / home_speed, copy_s + (there_left + left_s) / there_speed)
     return now, moved
+
+
+SAME_SPEED = 0.15
+"""Measured speeds within this fraction of a faster device's count as that device's: one
+CPU core's matmul rate varies by 5-10% between two measurements, and a trade made on
+noise costs the open forwards of two models for nothing."""
+
+
+def speed_levels(measured: Sequence[float], tolerance: float = SAME_SPEED) -> list[float]:
+    """Each device's speed relative to the fastest (1.0) from its ``measured`` rate (say,
+    GFLOP/s): fastest first, a device within ``tolerance`` below the first of the level
+    before it takes that level's speed, else starts a level of its own. Devices alike stay
+    alike however their measurements scatter; the executor places and trades by these."""
+    if any(not rate > 0 for rate in measured):
+        raise ValueError(f"measured speeds must be positive, got {list(measured)}")
+    levels = [0.0] * len(measured)
+    top, lead = max(measured, default=1.0), math.inf
+    for i in sorted(range(len(measured)), key=lambda i: -measured[i]):
+        if measured[i] < lead * (1 - tolerance):
+            lead = measured[i]
+        levels[i] = lead / top
+    return levels
 
 
 Place = TypeVar("Place", str, int)

@@ -19,7 +19,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from shoal.scheduler.devices import DEVICE_RESOURCE, Device
 from shoal.workers.pipeline.stage_types import StageSetup
 from shoal.workers.pipeline.stage_worker import StageWorker
-from shoal.workers.sharp.shard_host import ShardWorker
+from shoal.workers.sharp.shard_worker import ShardWorker
 from shoal.workers.snapshot import StagePlan
 
 COPIES_GROUP = "copies"

@@ -1,15 +1,17 @@
-"""Where the SHARP executor's models live: its devices (by pool position), those found lost,
-and the reference seconds of work each device's models hold, which place new shards
-(``scheduler.sharp_homes.home_shards``) and move models (``scheduler.sharp_homes.move_target``)."""
+"""Where the SHARP executor's models live: its devices (by pool position), their measured
+speeds, those found lost or promised to a trade, and the reference seconds of work each
+device's models hold, which place new shards (``scheduler.sharp_homes.home_shards``),
+move models at step boundaries (``scheduler.sharp_homes.move_target``) and trade places
+(``scheduler.sharp_homes.trade_target``, ``workers.sharp.trading``)."""
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from shoal.scheduler.devices import Device
 from shoal.scheduler.sharp import Shard
-from shoal.scheduler.sharp_homes import Home, home_shards, move_target
+from shoal.scheduler.sharp_homes import Faster, Home, home_shards, move_target, speed_levels
 from shoal.scheduler.types import DeviceId
 from shoal.workers.sharp.models import ModelRun
 
@@ -20,13 +22,17 @@ def work_s(shard: Shard, steps: int) -> float:
 
 
 class Homes:
-    """The devices' state; which are lost is read from other threads too."""
+    """The devices' state; which are lost is read from other threads too. With ``spread``
+    (models trade places) a model is placed on an empty device first, the fastest."""
 
-    def __init__(self, devices: Sequence[Device]) -> None:
+    def __init__(self, devices: Sequence[Device], *, spread: bool = False) -> None:
         self.devices = list(devices)
+        self._spread = spread
         self._lock = threading.Lock()
         self._dead: set[int] = set()
         self._load = [0.0] * len(self.devices)
+        self._speed = [1.0] * len(self.devices)
+        self._promised: set[int] = set()
 
     def live(self) -> list[int]:
         return [h for h in range(len(self.devices)) if h not in self._dead]
@@ -37,6 +43,7 @@ class Homes:
     def lose(self, host: int) -> None:
         with self._lock:
             self._dead.add(host)
+        self._promised.discard(host)
 
     def lost(self, hosts: Iterable[int] | None = None) -> list[DeviceId]:
         """The ids of the lost devices (among ``hosts``), in pool order."""
@@ -47,12 +54,25 @@ class Homes:
     def host_of(self, device_id: DeviceId) -> int:
         return next(h for h, d in enumerate(self.devices) if d.id == device_id)
 
+    def measured(self, gflops: Mapping[int, float]) -> None:
+        """The devices' measured rates (say, GFLOP/s) by pool position: their speeds from
+        now on, relative to the fastest of them (``speed_levels``)."""
+        hosts = sorted(gflops)
+        for host, speed in zip(hosts, speed_levels([gflops[h] for h in hosts]), strict=True):
+            self._speed[host] = speed
+
+    def speed(self, host: int) -> float:
+        return self._speed[host]
+
     def place(self, shards: Sequence[Shard], steps: int) -> list[int]:
         """The live pool positions ``shards`` go to (``home_shards``), their work counted
         on those devices."""
         live = self.live()
         ids = home_shards(
-            shards, steps, [Home(self.devices[h].id, 1.0, self._load[h]) for h in live]
+            shards,
+            steps,
+            [Home(self.devices[h].id, self._speed[h], self._load[h]) for h in live],
+            spread=self._spread,
         )
         position = {self.devices[h].id: h for h in live}
         homes = [position[i] for i in ids]
@@ -83,5 +103,38 @@ class Homes:
         if home not in left:
             return None  # its device is lost: it rolls back instead
         mine = model.plan.remaining_s(model.done)
-        others = {host: (work, 1.0, 0.0) for host, work in left.items() if host != home}
-        return move_target(mine, (left[home], 1.0), others)
+        others = {h: (work, self._speed[h], 0.0) for h, work in left.items() if h != home}
+        return move_target(mine, (left[home], self._speed[home]), others)
+
+    # ------------------------------------------------------------------------- trades
+
+    def living(self, models: Iterable[ModelRun]) -> dict[int, list[ModelRun]]:
+        """The active models living whole on each live device (a loss may leave a model's
+        shards on several: it trades no place until it moves whole)."""
+        living: dict[int, list[ModelRun]] = {h: [] for h in self.live()}
+        for m in models:
+            if m.active and len(set(m.homes)) == 1 and m.homes[0] in living:
+                living[m.homes[0]].append(m)
+        return living
+
+    def rate(self, host: int, residents: int) -> float:
+        """The speed each of ``residents`` models living on ``host`` gets: its own, shared."""
+        return self._speed[host] / max(1, residents)
+
+    def faster(self, home: int, living: Mapping[int, list[ModelRun]]) -> list[Faster[int]]:
+        """The live devices but ``home`` and those promised to a trade, as ``trade_target``
+        reads them: the speed a model going there gets, and the least work to go of the
+        models living there. Every device holds any shard (they are cut for the smallest)."""
+        return [
+            Faster(
+                host,
+                self.rate(host, len(models)),
+                min((m.plan.remaining_s(m.done) for m in models), default=None),
+            )
+            for host, models in living.items()
+            if host != home and host not in self._promised
+        ]
+
+    def promise(self, host: int, promised: bool) -> None:
+        """``host`` is promised to a model coming in a trade (or no longer is)."""
+        (self._promised.add if promised else self._promised.discard)(host)

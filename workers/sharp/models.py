@@ -43,6 +43,17 @@ class Copying:
 
 
 @dataclass
+class Trade:
+    """A trade of places a model takes part in (``workers.sharp.trading``): the device it
+    goes to and the model living there, which comes to its device in turn. The model
+    ``coming`` queues no task until the other hands its device over."""
+
+    there: int
+    partner: str
+    coming: bool
+
+
+@dataclass
 class ModelRun:
     """One model's training state in the executor."""
 
@@ -89,8 +100,16 @@ class ModelRun:
     (SUSPENDED with the checkpoint of the step it stopped at, or LOST) once the checkpoints
     it has under way are written."""
 
+    trade: Trade | None = None
+    """The trade of places it takes part in, until the hand-over or a call-off."""
+
     def __post_init__(self) -> None:
         self.cadence = CopyCadence(self.snap.copy_budget)
+
+    @property
+    def scale(self) -> float:
+        """A micro-batch's share of the mini-batch: its loss's factor."""
+        return (self.snap.batch_size // self.snap.micro_batches) / self.snap.batch_size
 
     @property
     def active(self) -> bool:
@@ -106,9 +125,11 @@ class ModelRun:
         is not the first of a step whose last task's end (its copy, checkpoint,
         suspension) is still to be seen, and its input will be there when ``host`` gets
         to it: the task before it has ended, or runs on ``host`` first (a task waiting
-        for a producer elsewhere would hold up the tasks queued behind it)."""
+        for a producer elsewhere would hold up the tasks queued behind it); and it is
+        not waiting for the other half of a trade (``Trade.coming``)."""
         at = self.submitted
-        if not (self.runnable and at < self.plan.tasks):
+        coming = self.trade is not None and self.trade.coming
+        if not (self.runnable and at < self.plan.tasks) or coming:
             return False
         new_step = at % (2 * len(self.plan.shards)) == 0
         ready = self.done == at or (not new_step and self.last_host == host)
@@ -144,9 +165,7 @@ class ModelRun:
             if task.shard == 0:
                 self._draw_batch(task.step, clock())
             if last:
-                snap = self.snap
-                scale = (snap.batch_size // snap.micro_batches) / snap.batch_size
-                args: tuple[Any, ...] = (self.carry, self.targets, scale, prefetch, keep)
+                args: tuple[Any, ...] = (self.carry, self.targets, self.scale, prefetch, keep)
             else:
                 args = (self.carry, None, 1.0, prefetch, keep)
             call = pool.submit(host, "forward", key, *args)
@@ -208,6 +227,14 @@ class ModelRun:
         """Its copy in this process (``saved``), if that is of ``step``."""
         return self.saved[1] if self.saved is not None and self.saved[0] == step else None
 
+    def start_copy(self, pool: HostPool, step: int) -> set[Call]:
+        """Have its shards' hosts copy it as it is after ``step`` steps (each host takes
+        its part after the task it runs, before any later task of the model there): the
+        calls, which it waits for (``copying``) while the executor dispatches on."""
+        calls = set(self.copy_calls(pool))
+        self.copying = Copying(step, calls)
+        return calls
+
     def copy_calls(self, pool: HostPool) -> list[Call]:
         """Have its shards' hosts copy them as they are after the tasks queued there so far
         (each answers with its blocks' states in wire form)."""
@@ -222,12 +249,16 @@ class ModelRun:
             blocks.update(states)
         return blocks
 
-    def add(self, pool: HostPool, host: int, shard: Shard, blocks: Blocks | None) -> Call:
+    def add(
+        self, pool: HostPool, host: int, shard: Shard, blocks: Blocks | None, *, again: bool = False
+    ) -> Call:
         """Load ``shard`` into ``host``'s memory with its blocks' states from ``blocks``
-        (None or empty: built from the model's seed)."""
+        (None or empty: built from the model's seed); ``again``: whatever ``host`` holds of
+        it now is dropped first (``ShardHost.reload``)."""
         setup = StageSetup.of(self.snap, self.data.meta)
         key = (self.snap.job_id, shard.index)
-        return pool.submit(host, "add", key, setup, shard.blocks, shard.bytes, part(shard, blocks))
+        args = (key, setup, shard.blocks, shard.bytes, part(shard, blocks))
+        return pool.submit(host, "reload" if again else "add", *args)
 
     def placement(self, devices: Sequence[Device]) -> RunnerEvent:
         """The event that says where its shards are."""
@@ -242,15 +273,21 @@ class ModelRun:
             {"executor": "sharp", "stages": self.rows(devices, sizes=True)},
         )
 
-    def moved(self, devices: Sequence[Device], home: int, step: int) -> None:
-        """Record that it moved whole from ``home`` to where it lives now, at ``step``."""
+    def moved(
+        self,
+        devices: Sequence[Device],
+        home: int,
+        step: int,
+        why: str = "at step {step}, where the two devices' models end sooner",
+    ) -> None:
+        """Record that it moved whole from ``home`` to where it lives now, at ``step``
+        (``why``, formatted with it)."""
         old, new = devices[home].id, devices[self.homes[0]].id
         self.record(
             RunnerEvent(
                 "relayout",
                 step,
-                f"SHARP: moved from {old} to {new} at step {step}, where the two devices'"
-                " models end sooner",
+                f"SHARP: moved from {old} to {new} {why.format(step=step)}",
                 {"to": self.rows(devices), "removed": [old], "added": [new]},
             ),
         )
@@ -316,3 +353,5 @@ class Task:
     host: int
     position: int
     number: int
+    at: float = 0.0
+    """When it was queued (the runner's clock)."""

@@ -9,7 +9,7 @@ from shoal.scheduler.sharp import ModelPlan, shard_model
 from shoal.workers.checkpoint_events import resumed_event
 from shoal.workers.checkpoints import CheckpointStore
 from shoal.workers.sharp.homes import Homes
-from shoal.workers.sharp.models import Blocks, ModelRun, part
+from shoal.workers.sharp.models import Blocks, ModelRun
 from shoal.workers.sharp.shard_pool import Call, HostPool
 from shoal.workers.snapshot import JobSnapshot, RunStatus
 from shoal.workers.zoo.data import make_data
@@ -53,22 +53,17 @@ def arrive(snap: JobSnapshot, budget: int, order: int, homes: Homes) -> ModelRun
 def rehome(model: ModelRun, homes: Homes, pool: HostPool, blocks: Blocks | None) -> list[Call]:
     """After a loss: ``model``'s shards on lost devices move to the least loaded live ones
     (``Homes.place``), and every shard goes back to its states in ``blocks`` (a step's, or
-    None: built from the seed again, as when it was placed). The calls that do it."""
-    job_id, shards = model.snap.job_id, model.plan.shards
+    None: built from the seed again, as when it was placed), whatever its device holds of
+    it (a hand-over to it may have been cut short). The calls that do it."""
+    shards = model.plan.shards
     orphans = [s for s in shards if not homes.alive(model.homes[s.index])]
     places = homes.place(orphans, model.snap.steps)
     moved = {s.index: host for s, host in zip(orphans, places, strict=True)}
     calls = []
     for shard in shards:
-        key, host, state = (job_id, shard.index), model.homes[shard.index], part(shard, blocks)
-        if not homes.alive(host):
-            host = model.homes[shard.index] = moved[shard.index]
-        elif state is not None:
-            calls.append(pool.submit(host, "load", key, state))
-            continue
-        else:  # built from its seed again
-            calls.append(pool.submit(host, "drop", key))
-        calls.append(model.add(pool, host, shard, blocks))
+        if not homes.alive(model.homes[shard.index]):
+            model.homes[shard.index] = moved[shard.index]
+        calls.append(model.add(pool, model.homes[shard.index], shard, blocks, again=True))
     return calls
 
 

@@ -3,13 +3,13 @@
 Hydra's shard alternator parallelism (Nagrecha & Kumar): each model is cut into shards that
 fit half of the smallest device (``scheduler.sharp.shard_model``; the other half holds the
 prefetched next shard), all its shards live in the host memory of one device
-(``scheduler.sharp_homes.home_shards``, ``workers.sharp.shard_host``), and each device has two tasks
-queued, each the next task of one of the models living there, chosen by the policy
-(Sharded-LRTF by default: ``scheduler.sharp.assign``), prefetching the shard it will likely
-run after. A model's step is the chain forward 0..k-1, backward k-1..0, so the parallelism
-is across models; a task's outputs stay on the device for the next one. Once a step has
-ended a model may move whole to another device (``scheduler.sharp_homes.move_target``); between a
-shard's forward and backward it stays: its backward needs what its forward kept there.
+(``scheduler.sharp_homes.home_shards``, ``workers.sharp.shard_host``), and each device has
+two tasks queued, each the next task of one of the models living there, chosen by the
+policy (Sharded-LRTF by default: ``scheduler.sharp.assign``), prefetching the shard it will
+likely run after. A model's step is the chain forward 0..k-1, backward k-1..0, so the
+parallelism is across models; a task's outputs stay on the device for the next one. At a
+step boundary a model may move whole to another device (``move_target``); with ``trades``,
+before any task, to a faster one, trading places (``workers.sharp.trading``).
 
 Each model trains exactly as it would alone: the same micro-batches, gradients accumulated
 in the same order, each shard stepping once its backward is done (``workers.sharp.shard_host``).
@@ -26,7 +26,6 @@ from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from shoal.scheduler.copies import most_replayed
 from shoal.scheduler.devices import Device
 from shoal.scheduler.sharp import (
     IdleDevice,
@@ -38,15 +37,15 @@ from shoal.scheduler.sharp import (
     refine_ratio,
 )
 from shoal.scheduler.types import DeviceId
-from shoal.workers.device_memory import device_memory_event
-from shoal.workers.device_speed import device_speed_event
 from shoal.workers.pipeline.stage_worker import one_line
 from shoal.workers.sharp.checkpointing import CheckpointThread
 from shoal.workers.sharp.homes import Homes
 from shoal.workers.sharp.inbox import Inbox
-from shoal.workers.sharp.models import Copying, ModelRun, Task
-from shoal.workers.sharp.placing import arrive, move, rehome
-from shoal.workers.sharp.shard_host import ShardFailed, ShardKey, TaskResult
+from shoal.workers.sharp.measuring import Measurements
+from shoal.workers.sharp.models import ModelRun, Task
+from shoal.workers.sharp.placing import arrive, move
+from shoal.workers.sharp.recovering import Recovering
+from shoal.workers.sharp.shard_host import ShardKey, TaskResult
 from shoal.workers.sharp.shard_pool import (
     Call,
     HostLost,
@@ -55,6 +54,8 @@ from shoal.workers.sharp.shard_pool import (
     PoolFactory,
     await_all,
 )
+from shoal.workers.sharp.shard_worker import ShardFailed
+from shoal.workers.sharp.trading import Trading
 from shoal.workers.snapshot import JobSnapshot, RunnerReport, RunStatus, StepMetrics
 
 DEFAULT_TASK_TIMEOUT_S = 600.0
@@ -64,7 +65,7 @@ QUEUE_DEPTH = 2
 this loop (a round trip through Ray and the policy) between two tasks."""
 
 
-class SharpTrainer:
+class SharpTrainer(Recovering):
     """Trains ``models`` together on ``devices``; ``report`` is thread-safe."""
 
     def __init__(
@@ -76,6 +77,7 @@ class SharpTrainer:
         budgets: Mapping[DeviceId, int],
         policy: Policy = Policy.LRTF,
         prefetch: bool = True,
+        trades: bool = False,
         keep_open: bool = False,
         task_timeout_s: float = DEFAULT_TASK_TIMEOUT_S,
         clock: Callable[[], float] = time.perf_counter,
@@ -95,9 +97,10 @@ class SharpTrainer:
         self._inbox = Inbox(keep_open)
         self._writer = CheckpointThread(self._inbox.stop)
         self._dispatched = 0
-        self._homes = Homes(self._devices)
-        self._reported: set[int] = set()
-        """Pool positions of devices whose overhead a model's events have said."""
+        self._homes = Homes(self._devices, spread=trades)
+        self._trades = trades
+        self._trading = Trading(self._homes)
+        self._measures = Measurements()
         self._in_flight: dict[Call, Task] = {}
         """Shard tasks under way, up to ``QUEUE_DEPTH`` per device."""
         self._copy_calls: dict[Call, ModelRun] = {}
@@ -171,7 +174,7 @@ class SharpTrainer:
             self._admit(pool)
             self._reap(pool)
             self._dispatch(pool)
-            waiting = [*self._in_flight, *self._copy_calls]
+            waiting = [*self._in_flight, *self._copy_calls, *self._trading.calls]
             if waiting:
                 done = pool.wait(waiting, self._timeout)
                 # Copies first: a host took its part before its next task of the model, so
@@ -180,7 +183,10 @@ class SharpTrainer:
                 copies = [c for c in done if c in self._copy_calls]
                 for call in copies:
                     self._copied(pool, self._copy_calls.pop(call), call)
-                tasks = sorted((c for c in done if c in self._in_flight), key=self._number)
+                for call in [c for c in done if c in self._trading.calls]:
+                    self._handed(pool, self._trading.calls.pop(call), call)
+                tasks = [c for c in done if c in self._in_flight]
+                tasks.sort(key=lambda c: self._in_flight[c].number)
                 for call in tasks:
                     self._complete(pool, self._in_flight.pop(call), call)
             elif not self._inbox.wait_for_more():
@@ -194,11 +200,18 @@ class SharpTrainer:
             placing = sorted(
                 arriving, key=lambda s: -s.steps * sum(c.fwd_bwd_s for c in s.block_costs)
             )
+            if self._trades:  # placed by speed; else as alike (a move at a step levels them)
+                try:
+                    live = self._homes.live()
+                    self._homes.measured(self._measures.measure(pool, live, self._timeout))
+                except HostLost as exc:  # placed on the devices left
+                    self._lose(pool, self._homes.host_of(exc.device_id), str(exc))
             adds = [c for snap in placing for c in self._place(pool, snap)]
             try:
                 await_all(pool, adds, self._timeout)
+                self._measures.measure(pool, self._homes.live(), self._timeout)
                 for snap in arriving:
-                    self._report_devices(pool, self._models[snap.job_id])
+                    self._measures.say(self._models[snap.job_id], self._devices)
             except HostLost as exc:  # its models (new ones too) are placed again
                 self._lose(pool, self._homes.host_of(exc.device_id), str(exc))
             for snap in arriving:
@@ -209,22 +222,6 @@ class SharpTrainer:
                     model.saved = (model.step, model.gather(pool, self._timeout))
                 except HostLost as exc:  # it trained nothing yet: no copy is needed
                     self._lose(pool, self._homes.host_of(exc.device_id), str(exc))
-
-    def _report_devices(self, pool: HostPool, model: ModelRun) -> None:
-        """The first model placed says in events what each device holds for its worker (on
-        a GPU) and how fast it computes, as a pipeline job's runner does: the control plane
-        plans in the rest of its memory and takes the speed as a CPU device's MFU peak."""
-        hosts = [h for h in range(len(self._devices)) if h not in self._reported]
-        hosts = [h for h in hosts if self._homes.alive(h)]
-        for host in hosts:  # one at a time: benchmarks side by side would measure contention
-            # Apart: an answer read only after the benchmark would time it as the round trip.
-            (overhead,) = await_all(pool, [pool.submit(host, "overhead")], self._timeout)
-            (gflops,) = await_all(pool, [pool.submit(host, "measure_speed")], self._timeout)
-            self._reported.add(host)
-            device = self._devices[host]
-            if overhead.how != "none":
-                model.record(device_memory_event(device, overhead, model.step))
-            model.record(device_speed_event(device, gflops, model.step))
 
     def _reap(self, pool: HostPool) -> None:
         """End the models to stop (cancelled, or a checkpoint failed) with no task in flight
@@ -238,13 +235,11 @@ class SharpTrainer:
                 self._drop(pool, model)
 
     def _busy_models(self) -> set[str]:
-        return {t.model.snap.job_id for t in self._in_flight.values()}
-
-    def _number(self, call: Call) -> int:
-        return self._in_flight[call].number
+        return {t.model.snap.job_id for t in self._in_flight.values()} | self._trading.busy()
 
     def _drop(self, pool: HostPool, model: ModelRun) -> None:
         model.copying = None
+        self._trading.call_off(model, self._models)
         job_id = model.snap.job_id
         calls = [
             pool.submit(host, "drop", (job_id, s.index))
@@ -277,7 +272,9 @@ class SharpTrainer:
         its next task as soon as it ends one, with no round trip through this loop between
         them, and the task's inputs come from the task before it in its model's chain
         without passing through here (kept on the device when that ran there too, else
-        straight from that device)."""
+        straight from that device). Models trade places first, when they do."""
+        if self._trades:
+            self._trading.consider(pool, self._models, self._in_flight.values(), self._clock())
         queued = Counter(t.host for t in self._in_flight.values())
         for depth in range(1, QUEUE_DEPTH + 1):  # a task for every device before a second
             for host, device in enumerate(self._devices):
@@ -290,7 +287,7 @@ class SharpTrainer:
                 model, task, prefetch = picked
                 position = model.submitted
                 call = model.submit(pool, host, task, prefetch, self._dispatched, self._clock)
-                self._in_flight[call] = Task(model, host, position, self._dispatched)
+                self._in_flight[call] = Task(model, host, position, self._dispatched, self._clock())
                 self._dispatched += 1
                 queued[host] += 1
 
@@ -372,7 +369,7 @@ class SharpTrainer:
             if snap.keep_copies:
                 model.saved, model.copying = (step, blocks), None
         elif copy_due:
-            self._start_copy(pool, model, step)
+            self._copy_calls.update(dict.fromkeys(model.start_copy(pool, step), model))
         if snap.keep_copies:
             model.cadence.observe_step(model.step_compute_s)
         model.record(
@@ -391,7 +388,7 @@ class SharpTrainer:
             self._writer.write(model, step, blocks, self._devices, leave)
         if step == snap.steps or leave:
             self._drop(pool, model)  # it ends once its last checkpoint is written
-        else:
+        elif not self._trades:  # trading models move before any task instead
             self._maybe_move(pool, model, step, blocks or None)
 
     def _maybe_move(
@@ -414,22 +411,6 @@ class SharpTrainer:
             return
         model.moved(self._devices, home, step)
 
-    def _lost_meanwhile(self, pool: HostPool, model: ModelRun, exc: HostLost) -> None:
-        """A device was lost while ``model``'s state was gathered or moved at a step
-        boundary: every model with shards there rolls back, and so does ``model`` (a move
-        may be half done) unless ``_lose`` passed it by (its last step was trained)."""
-        model.lost, host = str(exc), self._homes.host_of(exc.device_id)
-        self._lose(pool, host, str(exc))
-        if model.lost is not None:
-            self._roll_back(pool, model, [host])
-
-    def _start_copy(self, pool: HostPool, model: ModelRun, step: int) -> None:
-        """Have the model's shard hosts copy it as it is after ``step`` steps (each host
-        takes its part after the task it runs, before any later task of the model there)."""
-        calls = set(model.copy_calls(pool))
-        model.copying = Copying(step, calls)
-        self._copy_calls.update(dict.fromkeys(calls, model))
-
     def _copied(self, pool: HostPool, model: ModelRun, call: Call) -> None:
         """A host's part of ``model``'s copy is in; once every part is, the copy replaces
         the model's last one, and what it took is the copies' measured cost."""
@@ -447,53 +428,3 @@ class SharpTrainer:
             self._lose(pool, self._homes.host_of(exc.device_id), str(exc))
             return
         model.took_part(call, states, seconds, finished)
-
-    # ------------------------------------------------------------------- lost devices
-
-    def _lose(self, pool: HostPool, host: int, reason: str) -> None:
-        """Device ``host`` is gone with the shards it held: every model with one there rolls
-        back to its last copy (now, or once its task in flight elsewhere is done); only the
-        work since that step boundary is lost."""
-        self._homes.lose(host)
-        busy = self._busy_models()
-        for model in list(self._models.values()):
-            if not model.active or host not in model.homes:
-                continue  # ended, or trained all its steps (its shards are dropped)
-            model.lost = reason
-            if model.snap.job_id not in busy:
-                self._roll_back(pool, model)
-
-    def _roll_back(self, pool: HostPool, model: ModelRun, left: Sequence[int] = ()) -> None:
-        """Re-form ``model`` from its last copy: the shards of lost devices move to the
-        least loaded live ones, every shard reloads its state of that step, and the model
-        runs on from there (Hydra's promise: a lost device costs its in-flight task; here
-        the steps since the copy, at most the step under way). ``left``: a device it was
-        moving from, lost with the shards it had there."""
-        gone = self._homes.lost([*model.homes, *left])
-        taken, before = model.saved[0] if model.saved else None, None
-        if model.copying is not None:  # on its way: the loss may have cut it short
-            taken, before = model.copying.step, taken
-        bound = most_replayed(model.cadence.interval, taken, before)
-        reason, model.lost, model.copying = model.lost, None, None
-        live = self._homes.live()
-        copy: tuple[int, dict[int, Any] | None] | None = model.saved
-        if copy is None and model.done == model.placed:  # nothing trained since placement
-            copy = (model.step, model.origin)
-        if copy is None or not live:
-            why = "no copy was kept (keep_copies is off)" if live else "no device is left"
-            model.leaving = True
-            self._drop(pool, model)  # its shards on the devices left
-            # Ended after the checkpoints it has under way: its report then names them all,
-            # and the control plane resumes it from the latest.
-            self._writer.then(model.run.end, RunStatus.LOST, f"{reason}; {why}", tuple(gone))
-            return
-        step, blocks = copy
-        try:
-            await_all(pool, rehome(model, self._homes, pool, blocks), self._timeout)
-        except HostLost as exc:  # another device went meanwhile: its models roll back too
-            model.lost = str(exc)
-            self._lose(pool, self._homes.host_of(exc.device_id), str(exc))
-            return
-        replayed = model.step - step
-        model.restart(step)
-        model.recovered(self._devices, gone, reason or "", step, replayed, bound)

@@ -42,7 +42,6 @@ from shoal.workers.device_memory import Overhead, measure_overhead
 from shoal.workers.device_speed import measure_gflops
 from shoal.workers.pipeline.stage import Stage
 from shoal.workers.pipeline.stage_types import StageSetup, StageStateError, torch_device
-from shoal.workers.pipeline.stage_worker import one_line
 from shoal.workers.sharp.pinned import PinnedState
 from shoal.workers.sharp.saved import MovableSaves
 from shoal.workers.snapshot import StagePlan
@@ -97,11 +96,6 @@ class Handover:
     inputs: dict[int, Wire]
     loss: bool
     stash: tuple[int, list[Wire | None]] | None
-
-
-PAIRED_METHODS = frozenset({"forward", "backward", "give"})
-"""The methods whose value is a pair: what goes on to another call (``HostPool.outputs``:
-a task's ``Outputs``, a ``Handover``) and what the executor reads (``HostPool.result``)."""
 
 
 class ShardHost:
@@ -168,12 +162,18 @@ class ShardHost:
         self._built[key] = (setup, blocks, planned)
         return max(stage.nbytes(), planned)
 
-    def load(self, key: ShardKey, state: Mapping[int, Any]) -> int:
-        """Back to ``state`` (a copy kept elsewhere, as tensors or as ``copy`` gave it), as
-        if shard ``key`` had just been added with it: kept micro-batches and gradients are
-        dropped (a rollback)."""
-        setup, blocks, planned = self._built[key]
-        self.drop(key)
+    def reload(
+        self,
+        key: ShardKey,
+        setup: StageSetup,
+        blocks: tuple[int, int],
+        planned: int,
+        state: Mapping[int, Any] | None = None,
+    ) -> int:
+        """As ``add``, whether or not this host holds shard ``key`` now (a rollback: it may
+        have been handed here, or never have arrived): what it kept for it is dropped."""
+        if key in self._shards:
+            self.drop(key)
         return self.add(key, setup, blocks, planned, state)
 
     def copy(self, key: ShardKey) -> tuple[dict[int, Any], float, float]:
@@ -262,7 +262,7 @@ class ShardHost:
 
     def measure_speed(self) -> float:
         """The device's GFLOP/s (``workers.device_speed``)."""
-        return measure_gflops(self._target)
+        return measure_gflops(self._target, self.device.emulate_slowdown)
 
     def pid(self) -> int:
         """The worker's process id (for operators, and tests that kill it)."""
@@ -460,39 +460,3 @@ def _send(tensor: torch.Tensor | None) -> Wire | None:
 
 def _parameters(stage: Stage) -> list[torch.Tensor]:
     return [p for block in stage.blocks for p in block.module.parameters()]
-
-
-SHARD_METHODS = frozenset(
-    {"add", "load", "copy", "drop", "give", "take", "held", "overhead", "measure_speed",
-     "forward", "backward", "pid"}
-)  # fmt: skip
-"""The ``ShardHost`` methods the executor may call."""
-
-
-class ShardFailed(RuntimeError):
-    """A shard host's method raised: which device, which call, and the error in one line."""
-
-    def __init__(self, device_id: str, method: str, reason: str) -> None:
-        super().__init__(f"device {device_id} failed in {method}: {reason}")
-        self.device_id = device_id
-        self.method = method
-        self.reason = reason
-
-    def __reduce__(self) -> tuple[type[ShardFailed], tuple[str, str, str]]:
-        return (ShardFailed, (self.device_id, self.method, self.reason))
-
-
-class ShardWorker:
-    """A ``ShardHost`` behind named calls with typed errors: the same object runs in-process
-    and as the ShardWorker Ray actor (``workers.launch``)."""
-
-    def __init__(self, device: Device, budget_bytes: int) -> None:
-        self.host = ShardHost(device, budget_bytes)
-
-    def call(self, method: str, *args: Any) -> Any:
-        if method not in SHARD_METHODS:
-            raise ShardFailed(self.host.device.id, method, f"no such method {method!r}")
-        try:
-            return getattr(self.host, method)(*args)
-        except Exception as exc:  # a boundary: every host error leaves as ShardFailed
-            raise ShardFailed(self.host.device.id, method, one_line(exc)) from exc

@@ -35,7 +35,7 @@ from ray.exceptions import (
 from shoal.scheduler.devices import Device
 from shoal.scheduler.types import DeviceId
 from shoal.workers import launch
-from shoal.workers.sharp.shard_host import PAIRED_METHODS, ShardFailed, ShardWorker
+from shoal.workers.sharp.shard_worker import PAIRED_METHODS, ShardFailed, ShardWorker
 
 
 class HostLost(RuntimeError):

@@ -1,0 +1,83 @@
+"""Models trading places in the SHARP executor (``trades``): a model on a slow device takes
+a faster one that falls empty, or trades places with a model there that has less work to
+go, between any two of its tasks, and every model still trains exactly as alone."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from shoal.scheduler.devices import Device
+from shoal.workers.sharp.runner import SharpTrainer
+from shoal.workers.sharp.shard_pool import LocalPool, PoolFactory, RayPool
+from shoal.workers.snapshot import JobSnapshot, RunStatus
+from tests.workers.sharp.test_sharp_runner import assert_alone, budget_for_shards, devices, model
+
+
+def trained(
+    snaps: list[JobSnapshot], make_pool: PoolFactory, node: str
+) -> tuple[list[Device], dict[str, set[str]], dict[str, list[str]]]:
+    """``snaps`` trained, trading places, on a device and one three times slower (by
+    measured speeds: the slowness is acted out, never read), each exactly as alone: the
+    devices, where each model was placed and its moves' messages."""
+    fast, slow = devices(node)
+    pool = [fast, replace(slow, emulate_slowdown=3.0)]
+    budgets = {d.id: budget_for_shards(snaps[0], 3) for d in pool}
+    trainer = SharpTrainer(snaps, pool, make_pool, budgets=budgets, trades=True)
+    statuses = trainer.run()
+    errors = {s.job_id: trainer.report(s.job_id, 0).error for s in snaps}
+    assert statuses == {s.job_id: RunStatus.SUCCEEDED for s in snaps}, errors
+    placed, moves = {}, {}
+    for snap in snaps:
+        report = trainer.report(snap.job_id, 0)
+        (placement,) = [e for e in report.events if e.kind == "placement"]
+        placed[snap.job_id] = {row["device_id"] for row in placement.data["stages"]}
+        moves[snap.job_id] = [e.message for e in report.events if e.kind == "relayout"]
+        assert [m.step for m in report.metrics] == list(range(1, snap.steps + 1))
+        assert_alone(snap, [m.loss for m in report.metrics])
+    return pool, placed, moves
+
+
+@pytest.mark.unit
+def test_a_model_with_more_to_go_trades_places_with_one_on_a_faster_device(
+    tmp_path: Path,
+) -> None:
+    """Placed heaviest first, an empty device first: b on the fast device, c on the slow
+    one, and a, short, beside b (the fast device shared still gives it more). c has far
+    more to go than a: they trade places before their first tasks."""
+    snaps = [
+        model(tmp_path, "a", steps=2),
+        model(tmp_path, "b", seed=9, steps=8),
+        model(tmp_path, "c", seed=5, steps=8),
+    ]
+    pool, placed, moves = trained(snaps, LocalPool, "n0000000a")
+    assert placed == {"a": {pool[0].id}, "b": {pool[0].id}, "c": {pool[1].id}}
+    before = "before forward 0 of step 0"
+    assert moves["a"] == [f"SHARP: moved from {pool[0].id} to {pool[1].id} {before}:"
+                          " traded places with c"]  # fmt: skip
+    assert moves["c"] == [f"SHARP: moved from {pool[1].id} to {pool[0].id} {before}:"
+                          " a faster device for it, traded with a"]  # fmt: skip
+    assert moves["b"] == []
+
+
+@pytest.mark.integration
+def test_a_model_on_a_slow_ray_shard_worker_takes_a_faster_one_mid_run_exactly(
+    ray_address: str, tmp_path: Path
+) -> None:
+    """b, the heavier, placed on the fast device, runs three times faster than c on the
+    slow one (actors run at once: in-process workers take turns); c takes the fast device
+    mid-run, from b (a trade) or once b has ended, each shard handed from one ShardWorker
+    actor to the other through Ray with its micro-batches' inputs (c's forwards run again
+    there: its ``recompute`` is off) and the outputs kept for its next task."""
+    import ray
+
+    snaps = [
+        model(tmp_path, "b", seed=9, steps=8, recompute=False),
+        model(tmp_path, "c", seed=5, steps=6, recompute=False),
+    ]
+    node = ray.get_runtime_context().get_node_id()
+    pool, placed, moves = trained(snaps, RayPool, node)
+    assert placed == {"b": {pool[0].id}, "c": {pool[1].id}}
+    assert any(f"to {pool[0].id} before" in m and "a faster device" in m for m in moves["c"])

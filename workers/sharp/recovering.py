@@ -1,0 +1,114 @@
+"""What a lost device costs the SHARP executor's models (``workers.sharp.runner``): every
+model with a shard there rolls back to its last copy (the steps since, at most the step
+under way), its shards on lost devices re-homed on the live ones; one whose move or
+hand-over a loss cut short rolls back the same way, wherever its shards got to."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from shoal.scheduler.copies import most_replayed
+from shoal.scheduler.devices import Device
+from shoal.workers.sharp.checkpointing import CheckpointThread
+from shoal.workers.sharp.homes import Homes
+from shoal.workers.sharp.models import ModelRun
+from shoal.workers.sharp.placing import rehome
+from shoal.workers.sharp.shard_pool import Call, HostLost, HostPool, InputLost, await_all
+from shoal.workers.sharp.shard_worker import ShardFailed
+from shoal.workers.sharp.trading import Trading
+from shoal.workers.snapshot import RunStatus
+
+
+class Recovering:
+    """The loss-handling half of the executor; ``SharpTrainer`` is one."""
+
+    _devices: list[Device]
+    _homes: Homes
+    _models: dict[str, ModelRun]
+    _trading: Trading
+    _writer: CheckpointThread
+    _timeout: float
+
+    def _busy_models(self) -> set[str]:
+        raise NotImplementedError
+
+    def _drop(self, pool: HostPool, model: ModelRun) -> None:
+        raise NotImplementedError
+
+    def _lost_meanwhile(self, pool: HostPool, model: ModelRun, exc: HostLost) -> None:
+        """A device was lost while ``model``'s state was gathered or moved at a step
+        boundary: every model with shards there rolls back, and so does ``model`` (a move
+        may be half done) unless ``_lose`` passed it by (its last step was trained)."""
+        model.lost, host = str(exc), self._homes.host_of(exc.device_id)
+        self._lose(pool, host, str(exc))
+        if model.lost is not None:
+            self._roll_back(pool, model, [host])
+
+    def _handed(self, pool: HostPool, model: ModelRun, call: Call) -> None:
+        """A call handing one of ``model``'s shards to another device ended: a device lost
+        meanwhile (the one it left, or the one it goes to) rolls it back, as a failure
+        fails it, once its other calls have ended."""
+        left: list[int] = []
+        try:
+            pool.result(call)
+        except ShardFailed as exc:
+            if model.lost is None:
+                model.end(RunStatus.FAILED, str(exc))
+        except HostLost as exc:
+            model.lost = model.lost or str(exc)
+            left.append(self._homes.host_of(exc.device_id))
+            self._lose(pool, left[0], str(exc))
+        except InputLost as exc:  # what the device it left was to give
+            model.lost = model.lost or str(exc)
+        if model.lost is not None and model.snap.job_id not in self._busy_models():
+            self._roll_back(pool, model, left)
+
+    def _lose(self, pool: HostPool, host: int, reason: str) -> None:
+        """Device ``host`` is gone with the shards it held: every model with one there rolls
+        back to its last copy (now, or once its task in flight elsewhere is done); only the
+        work since that step boundary is lost."""
+        self._homes.lose(host)
+        busy = self._busy_models()
+        for model in list(self._models.values()):
+            if not model.active or host not in model.homes:
+                continue  # ended, or trained all its steps (its shards are dropped)
+            model.lost = reason
+            if model.snap.job_id not in busy:
+                self._roll_back(pool, model)
+
+    def _roll_back(self, pool: HostPool, model: ModelRun, left: Sequence[int] = ()) -> None:
+        """Re-form ``model`` from its last copy: the shards of lost devices move to the
+        least loaded live ones, every shard reloads its state of that step, and the model
+        runs on from there (Hydra's promise: a lost device costs its in-flight task; here
+        the steps since the copy, at most the step under way). ``left``: a device it was
+        moving from, lost with the shards it had there."""
+        self._trading.call_off(model, self._models)
+        gone = self._homes.lost([*model.homes, *left])
+        taken, before = model.saved[0] if model.saved else None, None
+        if model.copying is not None:  # on its way: the loss may have cut it short
+            taken, before = model.copying.step, taken
+        bound = most_replayed(model.cadence.interval, taken, before)
+        reason, model.lost, model.copying = model.lost, None, None
+        live = self._homes.live()
+        copy: tuple[int, dict[int, Any] | None] | None = model.saved
+        if copy is None and model.done == model.placed:  # nothing trained since placement
+            copy = (model.step, model.origin)
+        if copy is None or not live:
+            why = "no copy was kept (keep_copies is off)" if live else "no device is left"
+            model.leaving = True
+            self._drop(pool, model)  # its shards on the devices left
+            # Ended after the checkpoints it has under way: its report then names them all,
+            # and the control plane resumes it from the latest.
+            self._writer.then(model.run.end, RunStatus.LOST, f"{reason}; {why}", tuple(gone))
+            return
+        step, blocks = copy
+        try:
+            await_all(pool, rehome(model, self._homes, pool, blocks), self._timeout)
+        except HostLost as exc:  # another device went meanwhile: its models roll back too
+            model.lost = str(exc)
+            self._lose(pool, self._homes.host_of(exc.device_id), str(exc))
+            return
+        replayed = model.step - step
+        model.restart(step)
+        model.recovered(self._devices, gone, reason or "", step, replayed, bound)

@@ -1,0 +1,51 @@
+"""A ``ShardHost`` behind named calls with typed errors: what the SHARP executor's pool
+calls (``workers.sharp.shard_pool``), in-process or as the ShardWorker Ray actor
+(``workers.launch``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from shoal.scheduler.devices import Device
+from shoal.workers.pipeline.stage_worker import one_line
+from shoal.workers.sharp.shard_host import ShardHost
+
+PAIRED_METHODS = frozenset({"forward", "backward", "give"})
+"""The methods whose value is a pair: what goes on to another call (``HostPool.outputs``:
+a task's ``Outputs``, a ``Handover``) and what the executor reads (``HostPool.result``)."""
+
+
+SHARD_METHODS = frozenset(
+    {"add", "reload", "copy", "drop", "give", "take", "held", "overhead", "measure_speed",
+     "forward", "backward", "pid"}
+)  # fmt: skip
+"""The ``ShardHost`` methods the executor may call."""
+
+
+class ShardFailed(RuntimeError):
+    """A shard host's method raised: which device, which call, and the error in one line."""
+
+    def __init__(self, device_id: str, method: str, reason: str) -> None:
+        super().__init__(f"device {device_id} failed in {method}: {reason}")
+        self.device_id = device_id
+        self.method = method
+        self.reason = reason
+
+    def __reduce__(self) -> tuple[type[ShardFailed], tuple[str, str, str]]:
+        return (ShardFailed, (self.device_id, self.method, self.reason))
+
+
+class ShardWorker:
+    """A ``ShardHost`` behind named calls with typed errors: the same object runs in-process
+    and as the ShardWorker Ray actor (``workers.launch``)."""
+
+    def __init__(self, device: Device, budget_bytes: int) -> None:
+        self.host = ShardHost(device, budget_bytes)
+
+    def call(self, method: str, *args: Any) -> Any:
+        if method not in SHARD_METHODS:
+            raise ShardFailed(self.host.device.id, method, f"no such method {method!r}")
+        try:
+            return getattr(self.host, method)(*args)
+        except Exception as exc:  # a boundary: every host error leaves as ShardFailed
+            raise ShardFailed(self.host.device.id, method, one_line(exc)) from exc

@@ -1,0 +1,149 @@
+"""Trades of places in the SHARP executor (``workers.sharp.runner``), by the rules the
+simulator trades by (``scheduler.simtrades``).
+
+Before a model queues its next task it may go to a faster device holding no model, or
+trade places with the model there that has the least work to go
+(``scheduler.sharp_homes.trade_target``; a device's speed is its measured one, shared by
+the models living there). A trade is made in two halves: the model coming queues no task
+from then on; the model leaving queues tasks where it is until handing the device over
+loses less work than one more task would (``hand_over_now``), and then each goes where the
+other lived. A loss, an end or a stop of either calls the trade off.
+
+A model goes by handing each of its shards over (``ShardHost.give`` to ``take``), queued
+behind its tasks on the device it leaves and ahead of its next on the one it goes to: the
+outputs kept for that task go along, and the forwards whose backward is still to come run
+again there from their inputs, so no device waits for this loop and the math is the same.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+from shoal.scheduler.sharp_homes import hand_over_now, trade_target
+from shoal.workers.pipeline.stage_types import StageSetup
+from shoal.workers.sharp.homes import Homes
+from shoal.workers.sharp.models import ModelRun, Task, Trade
+from shoal.workers.sharp.shard_host import Stashed
+from shoal.workers.sharp.shard_pool import Call, HostPool
+
+
+class Trading:
+    """The executor's trades, and the hand-over calls under way."""
+
+    def __init__(self, homes: Homes) -> None:
+        self._homes = homes
+        self.calls: dict[Call, ModelRun] = {}
+        """Hand-over calls under way (``give``, ``take``), by the model they move."""
+        self.made = 0
+        """Models moved by a trade (to an empty device, or each of a pair)."""
+
+    def consider(
+        self,
+        pool: HostPool,
+        models: Mapping[str, ModelRun],
+        in_flight: Iterable[Task],
+        now: float,
+    ) -> None:
+        """Before a dispatch: each model that may queue its next task on its device hands
+        it over when a trade sends it off, or goes to a faster one where that pays."""
+        queued = sorted(in_flight, key=lambda t: t.number)
+        for model in list(models.values()):
+            at = model.submitted
+            if not model.runnable or at >= model.plan.tasks:
+                continue
+            if not model.can_submit(model.homes[model.plan.shard_at(at).index]):
+                continue
+            if model.trade is None:
+                self._maybe_trade(pool, model, models)
+            else:  # it is the one leaving: the one coming queues nothing
+                self._maybe_hand_over(pool, model, models[model.trade.partner], queued, now)
+
+    def _maybe_trade(self, pool: HostPool, model: ModelRun, models: Mapping[str, ModelRun]) -> None:
+        living = self._homes.living(models.values())
+        home = model.homes[0]
+        if model not in living.get(home, ()):
+            return  # a loss left its shards apart: it trades once it lives whole again
+        rate = self._homes.rate(home, len(living[home]))
+        left = model.plan.remaining_s(model.done)
+        target = trade_target(left, rate, self._homes.faster(home, living))
+        if target is None:
+            return
+        there = target.place
+        if not living[there]:
+            self._hand_over(pool, model, there, "a faster device for it")
+            return
+        other = min(living[there], key=lambda m: (m.plan.remaining_s(m.done), m.snap.job_id))
+        if other.trade is None:
+            model.trade = Trade(there, other.snap.job_id, coming=True)
+            other.trade = Trade(home, model.snap.job_id, coming=False)
+            self._homes.promise(there, True)
+
+    def _maybe_hand_over(
+        self, pool: HostPool, model: ModelRun, taker: ModelRun, queued: list[Task], now: float
+    ) -> None:
+        """``model``, which a trade sends off its device, hands it over now or after one
+        more task there, whichever loses less work (``hand_over_now``), the forwards it
+        would run again at the other device counted."""
+        assert model.trade is not None
+        here, there, plan, at = model.homes[0], model.trade.there, model.plan, model.submitted
+        next_s = plan.task_s(at) * model.ratio
+        ready, busy = _ends_in(taker, queued, now), _ends_in(model, queued, now)
+        redo = (plan.open_forward_s(at) * model.ratio, plan.open_forward_s(at + 1) * model.ratio)
+        speeds = self._homes.speed(here), self._homes.speed(there)
+        if hand_over_now(ready, busy, next_s, *speeds, redo):
+            model.trade = taker.trade = None
+            self._homes.promise(here, False)
+            mine = model.snap.job_id
+            self._hand_over(pool, model, there, f"traded places with {taker.snap.job_id}")
+            self._hand_over(pool, taker, here, f"a faster device for it, traded with {mine}")
+
+    def call_off(self, model: ModelRun, models: Mapping[str, ModelRun]) -> None:
+        """The trade ``model`` takes part in, if any, is off (it rolls back or ends)."""
+        trade = model.trade
+        if trade is None:
+            return
+        partner = models[trade.partner]
+        self._homes.promise(trade.there if trade.coming else model.homes[0], False)
+        model.trade = partner.trade = None
+
+    def busy(self) -> set[str]:
+        """The models with hand-over calls under way."""
+        return {m.snap.job_id for m in self.calls.values()}
+
+    def _hand_over(self, pool: HostPool, model: ModelRun, there: int, why: str) -> None:
+        """Queue the calls that move ``model``'s shards to ``there`` (``why``, for its
+        event); it lives there from now on and its next task is queued there (behind
+        them)."""
+        here, snap, plan = model.homes[0], model.snap, model.plan
+        at = model.submitted
+        owner = plan.shard_at(at).index if isinstance(model.carry, Stashed) else None
+        setup = StageSetup.of(snap, model.data.meta)
+        for shard in plan.shards:
+            key = (snap.job_id, shard.index)
+            stashed = model.carry.position if shard.index == owner else None
+            give = pool.submit(here, "give", key, stashed)
+            targets = model.targets if shard.index == len(plan.shards) - 1 else None
+            args = (setup, shard.blocks, shard.bytes, pool.outputs(give), targets, model.scale)
+            take = pool.submit(there, "take", key, *args)
+            self.calls[give] = self.calls[take] = model
+        self._homes.move(model, there)
+        model.last_host = there
+        self.made += 1
+        task = plan.task(at)
+        when = f"before {task.op.value} {task.shard} of step {{step}}: {why}"
+        model.moved(self._homes.devices, here, task.step, when)
+
+
+def _ends_in(model: ModelRun, queued: list[Task], now: float) -> float:
+    """Seconds until the last of ``model``'s queued tasks ends, as the executor can tell:
+    the tasks queued before it on its device, each its reference seconds times its model's
+    measured ratio, the first counted from when it was queued."""
+    mine = [t for t in queued if t.model is model]
+    if not mine:
+        return 0.0
+    ahead = [t for t in queued if t.host == mine[-1].host and t.number <= mine[-1].number]
+    ends = 0.0
+    for i, task in enumerate(ahead):
+        took = task.model.plan.task_s(task.position) * task.model.ratio
+        ends += max(0.0, took - (now - task.at)) if i == 0 else took
+    return ends
