@@ -102,6 +102,9 @@ class ModelRun:
 
     trade: Trade | None = None
     """The trade of places it takes part in, until the hand-over or a call-off."""
+    left: set[int] = field(default_factory=set)
+    """Devices it was handed over from in the step under way: one lost before giving
+    its shards is one it lost."""
 
     def __post_init__(self) -> None:
         self.cadence = CopyCadence(self.snap.copy_budget)

@@ -45,24 +45,22 @@ class Recovering:
         if model.lost is not None:
             self._roll_back(pool, model, [host])
 
-    def _handed(self, pool: HostPool, model: ModelRun, call: Call) -> None:
-        """A call handing one of ``model``'s shards to another device ended: a device lost
-        meanwhile (the one it left, or the one it goes to) rolls it back, as a failure
-        fails it, once its other calls have ended."""
-        left: list[int] = []
+    def _handed(self, pool: HostPool, call: Call) -> None:
+        """A call handing a shard over to another device ended: a device lost meanwhile
+        (the one the model leaves, or the one it goes to) rolls the model back, as a
+        failure fails it, once its other calls have ended."""
+        model = self._trading.calls.pop(call)
         try:
             pool.result(call)
         except ShardFailed as exc:
             if model.lost is None:
                 model.end(RunStatus.FAILED, str(exc))
-        except HostLost as exc:
+        except (HostLost, InputLost) as exc:  # InputLost: what the device it left was to give
             model.lost = model.lost or str(exc)
-            left.append(self._homes.host_of(exc.device_id))
-            self._lose(pool, left[0], str(exc))
-        except InputLost as exc:  # what the device it left was to give
-            model.lost = model.lost or str(exc)
+            if isinstance(exc, HostLost):
+                self._lose(pool, self._homes.host_of(exc.device_id), str(exc))
         if model.lost is not None and model.snap.job_id not in self._busy_models():
-            self._roll_back(pool, model, left)
+            self._roll_back(pool, model)
 
     def _lose(self, pool: HostPool, host: int, reason: str) -> None:
         """Device ``host`` is gone with the shards it held: every model with one there rolls
@@ -84,7 +82,8 @@ class Recovering:
         the steps since the copy, at most the step under way). ``left``: a device it was
         moving from, lost with the shards it had there."""
         self._trading.call_off(model, self._models)
-        gone = self._homes.lost([*model.homes, *left])
+        gone = self._homes.lost([*model.homes, *left, *model.left])
+        model.left.clear()
         taken, before = model.saved[0] if model.saved else None, None
         if model.copying is not None:  # on its way: the loss may have cut it short
             taken, before = model.copying.step, taken

@@ -184,7 +184,7 @@ class SharpTrainer(Recovering):
                 for call in copies:
                     self._copied(pool, self._copy_calls.pop(call), call)
                 for call in [c for c in done if c in self._trading.calls]:
-                    self._handed(pool, self._trading.calls.pop(call), call)
+                    self._handed(pool, call)
                 tasks = [c for c in done if c in self._in_flight]
                 tasks.sort(key=lambda c: self._in_flight[c].number)
                 for call in tasks:
@@ -321,7 +321,9 @@ class SharpTrainer(Recovering):
         except ShardFailed as exc:
             if model.lost is None:  # else a consequence of the loss it rolls back from
                 model.end(RunStatus.FAILED, str(exc))
-        except HostLost as exc:
+        except HostLost as exc:  # on a device it lives on, or has just handed over
+            if model.active:
+                model.lost = model.lost or str(exc)
             self._lose(pool, task.host, str(exc))
         except InputLost as exc:  # its input was on a device lost meanwhile
             model.lost = model.lost or str(exc)
@@ -350,6 +352,7 @@ class SharpTrainer(Recovering):
         while the executor dispatches on (``_copied``); a loss replays the steps since the
         last whole copy. A checkpoint's gather is waited for, and is the copy too."""
         snap = model.snap
+        model.left.clear()
         elapsed = self._clock() - model.step_started
         every = snap.checkpoint_every
         leave = self._inbox.suspending(snap.job_id) and step < snap.steps

@@ -127,6 +127,7 @@ class Trading:
             take = pool.submit(there, "take", key, *args)
             self.calls[give] = self.calls[take] = model
         self._homes.move(model, there)
+        model.left.add(here)
         model.last_host = there
         self.made += 1
         task = plan.task(at)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import pytest
 
@@ -16,12 +17,19 @@ from shoal.workers.snapshot import JobSnapshot, RunStatus
 from tests.workers.sharp.test_sharp_runner import assert_alone, budget_for_shards, devices, model
 
 
-def trained(
-    snaps: list[JobSnapshot], make_pool: PoolFactory, node: str
-) -> tuple[list[Device], dict[str, set[str]], dict[str, list[str]]]:
+class Trained(NamedTuple):
+    pool: list[Device]
+    placed: dict[str, set[str]]
+    """Where each model was placed."""
+    moves: dict[str, list[str]]
+    """Each model's moves, as its events say them."""
+    lost: dict[str, list[list[str]]]
+    """The devices each model lost, loss by loss."""
+
+
+def trained(snaps: list[JobSnapshot], make_pool: PoolFactory, node: str) -> Trained:
     """``snaps`` trained, trading places, on a device and one three times slower (by
-    measured speeds: the slowness is acted out, never read), each exactly as alone: the
-    devices, where each model was placed and its moves' messages."""
+    measured speeds: the slowness is acted out, never read), each exactly as alone."""
     fast, slow = devices(node)
     pool = [fast, replace(slow, emulate_slowdown=3.0)]
     budgets = {d.id: budget_for_shards(snaps[0], 3) for d in pool}
@@ -29,15 +37,16 @@ def trained(
     statuses = trainer.run()
     errors = {s.job_id: trainer.report(s.job_id, 0).error for s in snaps}
     assert statuses == {s.job_id: RunStatus.SUCCEEDED for s in snaps}, errors
-    placed, moves = {}, {}
+    placed, moves, lost = {}, {}, {}
     for snap in snaps:
         report = trainer.report(snap.job_id, 0)
         (placement,) = [e for e in report.events if e.kind == "placement"]
         placed[snap.job_id] = {row["device_id"] for row in placement.data["stages"]}
         moves[snap.job_id] = [e.message for e in report.events if e.kind == "relayout"]
+        lost[snap.job_id] = [e.data["devices"] for e in report.events if e.kind == "device_lost"]
         assert [m.step for m in report.metrics] == list(range(1, snap.steps + 1))
         assert_alone(snap, [m.loss for m in report.metrics])
-    return pool, placed, moves
+    return Trained(pool, placed, moves, lost)
 
 
 @pytest.mark.unit
@@ -52,7 +61,7 @@ def test_a_model_with_more_to_go_trades_places_with_one_on_a_faster_device(
         model(tmp_path, "b", seed=9, steps=8),
         model(tmp_path, "c", seed=5, steps=8),
     ]
-    pool, placed, moves = trained(snaps, LocalPool, "n0000000a")
+    pool, placed, moves, _ = trained(snaps, LocalPool, "n0000000a")
     assert placed == {"a": {pool[0].id}, "b": {pool[0].id}, "c": {pool[1].id}}
     before = "before forward 0 of step 0"
     assert moves["a"] == [f"SHARP: moved from {pool[0].id} to {pool[1].id} {before}:"
@@ -78,6 +87,43 @@ def test_a_model_on_a_slow_ray_shard_worker_takes_a_faster_one_mid_run_exactly(
         model(tmp_path, "c", seed=5, steps=6, recompute=False),
     ]
     node = ray.get_runtime_context().get_node_id()
-    pool, placed, moves = trained(snaps, RayPool, node)
+    pool, placed, moves, _ = trained(snaps, RayPool, node)
     assert placed == {"b": {pool[0].id}, "c": {pool[1].id}}
     assert any(f"to {pool[0].id} before" in m and "a faster device" in m for m in moves["c"])
+
+
+class HandOverLosingPool(LocalPool):
+    """A LocalPool whose device 0 is lost as it is asked to hand a shard over: that call
+    and every later one there fail (the shards it was to give never reach device 1)."""
+
+    def __init__(self, devices: Any, budgets: Any) -> None:
+        super().__init__(devices, budgets)
+        self.gone = False
+
+    def submit(self, host: int, method: str, *args: Any) -> Any:
+        from concurrent.futures import Future
+
+        from shoal.workers.sharp.shard_pool import HostLost, _Local
+
+        self.gone = self.gone or (host == 0 and method == "give")
+        if host != 0 or not self.gone:
+            return super().submit(host, method, *args)
+        gone: Future[Any] = Future()
+        gone.set_exception(HostLost(self.devices[0].id, "its node was preempted"))
+        return _Local(host, method, gone)
+
+
+@pytest.mark.unit
+def test_a_device_lost_as_models_trade_places_rolls_them_back_exactly(tmp_path: Path) -> None:
+    """The fast device is lost as a and c trade places: a's shards never leave it, c's
+    never arrive, b's are lost with it. Each rolls back to its copy on the slow device
+    left and trains on exactly as alone; the lost device is named."""
+    snaps = [
+        model(tmp_path, "a", steps=2, keep_copies=True),
+        model(tmp_path, "b", seed=9, steps=8, keep_copies=True),
+        model(tmp_path, "c", seed=5, steps=8, keep_copies=True),
+    ]
+    pool, placed, moves, lost = trained(snaps, HandOverLosingPool, "n0000000a")
+    assert placed == {"a": {pool[0].id}, "b": {pool[0].id}, "c": {pool[1].id}}
+    assert [len(moves[m]) for m in "abc"] == [1, 0, 1]  # the trade, cut short
+    assert lost == {m: [[pool[0].id]] for m in "abc"}
