@@ -27,7 +27,8 @@ class Moves(StrEnum):
     """Before any of its tasks, to a faster device holding no model, or trading places
     with the model there with the least work to go (``trade_target``, handed over when
     that loses least: ``hand_over_now``), models placed one a device while any is free
-    (``home_shards``' spread). The executor does not trade yet."""
+    (``home_shards``' spread): what the executor does with ``trades`` on
+    (``workers.sharp.trading``)."""
 
 
 class Recovery(StrEnum):

@@ -29,19 +29,26 @@ NO_PREFETCH = "sharp-lrtf-no-prefetch"
 """Sharded-LRTF with every shard copied in only when its task starts."""
 
 TRADING = "sharp-lrtf-trading"
-"""Sharded-LRTF on an engine the executor is not yet: models trade places with one on a
-faster device before any task, and a lost device costs only the tasks in flight."""
+"""Sharded-LRTF on the executor with ``trades`` on: models trade places with one on a
+faster device before any task (each hand-over running the open forwards again)."""
 
-_TRADING = Engine(moves=Moves.TRADES, recovery=Recovery.TASK)
+TASK_LOSSES = "sharp-lrtf-trading-task-losses"
+"""The same on an engine the executor is not yet: a lost device costs only the tasks in
+flight (and the forwards whose graphs it held), not the step."""
+
+_TRADING = Engine(moves=Moves.TRADES)
+_TASK_LOSSES = Engine(moves=Moves.TRADES, recovery=Recovery.TASK)
 
 
 def simulate_setting(setting: Setting) -> dict[str, Any]:
-    """Every strategy on ``setting`` (and Sharded-LRTF without prefetch, and trading): each
-    one's makespan, the lower bound, their ratio and the mean device utilization."""
+    """Every strategy on ``setting`` (and Sharded-LRTF without prefetch, trading, and
+    trading with task losses): each one's makespan, the lower bound, their ratio and the
+    mean device utilization."""
     rows: dict[str, dict[str, float]] = {}
     runs = [(s.value, s, True, ENGINE) for s in Strategy] + [
         (NO_PREFETCH, Strategy.LRTF, False, ENGINE),
         (TRADING, Strategy.LRTF, True, _TRADING),
+        (TASK_LOSSES, Strategy.LRTF, True, _TASK_LOSSES),
     ]
     for name, strategy, prefetch, engine in runs:
         result = simulate(
@@ -113,6 +120,7 @@ def run_simulated(s: SharpSettings, progress: Progress = lambda _: None) -> dict
         "sim_lrtf_over_lower_bound": worst_ratio(settings, Strategy.LRTF.value),
         "sim_fifo_over_lower_bound": worst_ratio(settings, Strategy.FIFO.value),
         "sim_trading_over_lower_bound": worst_ratio(settings, TRADING),
+        "sim_task_losses_over_lower_bound": worst_ratio(settings, TASK_LOSSES),
         "sim_1024_devices_seconds": seconds,
         "sim_settings": settings,
         "sim_scale": {
