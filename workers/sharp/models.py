@@ -257,11 +257,12 @@ class ModelRun:
     ) -> Call:
         """Load ``shard`` into ``host``'s memory with its blocks' states from ``blocks``
         (None or empty: built from the model's seed); ``again``: whatever ``host`` holds of
-        it now is dropped first (``ShardHost.reload``)."""
+        it now is dropped first."""
         setup = StageSetup.of(self.snap, self.data.meta)
         key = (self.snap.job_id, shard.index)
-        args = (key, setup, shard.blocks, shard.bytes, part(shard, blocks))
-        return pool.submit(host, "reload" if again else "add", *args)
+        return pool.submit(
+            host, "add", key, setup, shard.blocks, shard.bytes, part(shard, blocks), again
+        )
 
     def placement(self, devices: Sequence[Device]) -> RunnerEvent:
         """The event that says where its shards are."""

@@ -142,13 +142,17 @@ class ShardHost:
         blocks: tuple[int, int],
         planned: int,
         state: Mapping[int, Any] | None = None,
+        again: bool = False,
     ) -> int:
         """Hold shard ``key`` (blocks ``[start, stop)`` of the model ``setup`` builds) in host
         memory, from ``state`` (block states by index) or freshly initialised. On the device
         it takes what ``scheduler.sharp`` planned it to need there (``planned``: its state,
         gradients, the activations its tasks keep, autocast's copies, a backward's
         temporaries), not its state alone: the shards kept resident leave its tasks that
-        room. The bytes it takes there."""
+        room. The bytes it takes there. ``again``: whatever this host holds of it is dropped
+        first (a rollback: it may have been handed here, or never have arrived)."""
+        if again and key in self._shards:
+            self.drop(key)
         if key in self._shards:
             raise StageStateError(f"shard {key} is already held on {self.device.id}")
         # Built in host memory; promoted onto the device when a task needs it.
@@ -161,20 +165,6 @@ class ShardHost:
         self._pinned[key] = PinnedState(stage.blocks)
         self._built[key] = (setup, blocks, planned)
         return max(stage.nbytes(), planned)
-
-    def reload(
-        self,
-        key: ShardKey,
-        setup: StageSetup,
-        blocks: tuple[int, int],
-        planned: int,
-        state: Mapping[int, Any] | None = None,
-    ) -> int:
-        """As ``add``, whether or not this host holds shard ``key`` now (a rollback: it may
-        have been handed here, or never have arrived): what it kept for it is dropped."""
-        if key in self._shards:
-            self.drop(key)
-        return self.add(key, setup, blocks, planned, state)
 
     def copy(self, key: ShardKey) -> tuple[dict[int, Any], float, float]:
         """Shard ``key``'s block states (parameters and optimizer) in wire form (what Ray

@@ -16,7 +16,7 @@ a task's ``Outputs``, a ``Handover``) and what the executor reads (``HostPool.re
 
 
 SHARD_METHODS = frozenset(
-    {"add", "reload", "copy", "drop", "give", "take", "held", "overhead", "measure_speed",
+    {"add", "copy", "drop", "give", "take", "held", "overhead", "measure_speed",
      "forward", "backward", "pid"}
 )  # fmt: skip
 """The ``ShardHost`` methods the executor may call."""
