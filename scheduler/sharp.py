@@ -227,12 +227,15 @@ class ModelPlan:
     """A model's SHARP work: ``steps`` times forward shards 0..k-1 then backward k-1..0.
 
     A task is named by its *position* in that chain (0 .. ``tasks`` - 1); ``order`` is the
-    submission order FIFO reads."""
+    submission order FIFO reads. With ``recompute`` each shard's backward runs its forward
+    again from the shard's input (``shard_model``'s cut), so a shard moves between its
+    forward and its backward at no cost in compute."""
 
     model: ModelId
     shards: tuple[Shard, ...]
     steps: int
     order: int = 0
+    recompute: bool = False
     _suffix: tuple[float, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -281,7 +284,10 @@ class ModelPlan:
     def open_forward_s(self, position: int) -> float:
         """Reference seconds of the forwards whose backward is still to come once the
         first ``position`` tasks are done: what moving the model to another device then
-        runs again there (a shard's forward graph stays in its process)."""
+        runs again there (a shard's forward graph stays in its process), none with
+        ``recompute`` (the backward runs them again anyway)."""
+        if self.recompute:
+            return 0.0
         k = len(self.shards)
         r = position % (2 * k)
         return sum(s.forward_s for s in self.shards[: r if r < k else 2 * k - r])

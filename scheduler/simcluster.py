@@ -164,7 +164,8 @@ def _model(
     layers = rng.randint(24, 48)
     params = memory / layers / 16  # parameters, gradients, two Adam moments: 16 B each
     costs = transformer_costs(layers, params, MICRO_BATCH_SIZE)
-    return ModelPlan(name, shard_model(costs, budget, MICRO_BATCH_SIZE), steps, order)
+    shards = shard_model(costs, budget, MICRO_BATCH_SIZE, recompute=True)
+    return ModelPlan(name, shards, steps, order, recompute=True)
 
 
 def hydra_setting(*, steps: int = 6, seed: int = 0) -> Setting:

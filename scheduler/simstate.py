@@ -136,9 +136,11 @@ class SimModel:
         """Whether the task at ``position``, on ``device``, is a backward whose shard's
         forward ran elsewhere (a trade moved it in between, or its device was lost): the
         forward runs again on ``device`` first, from the micro-batches' inputs, as the
-        executor hands a shard over (an autograd graph cannot leave its process)."""
+        executor hands a shard over (an autograd graph cannot leave its process); never
+        with ``recompute``, whose backward runs the forward again anyway."""
         k = len(self.plan.shards)
-        return position % (2 * k) >= k and self.held[self.plan.shard_at(position).index] != device
+        moved = self.held[self.plan.shard_at(position).index] != device
+        return not self.plan.recompute and position % (2 * k) >= k and moved
 
 
 def stuck(devices: Iterable[SimQueue], models: Iterable[SimModel]) -> str:

@@ -7,7 +7,8 @@ queues tasks where it is until handing the device over loses less work than one 
 task would (``hand_over_now``), and then each lives where the other did. A loss of either
 before that calls the trade off; a model leaving that ends hands over at once. A shard
 moved between its forward and its backward runs its forward again where it goes, from the
-micro-batches' inputs, as the executor hands shards over (``SimModel.forward_again``).
+micro-batches' inputs, as the executor hands shards over (``SimModel.forward_again``),
+unless its backward recomputes the forward anyway (``ModelPlan.recompute``).
 """
 
 from __future__ import annotations

@@ -30,7 +30,8 @@ NO_PREFETCH = "sharp-lrtf-no-prefetch"
 
 TRADING = "sharp-lrtf-trading"
 """Sharded-LRTF on the executor with ``trades`` on: models trade places with one on a
-faster device before any task (each hand-over running the open forwards again)."""
+faster device before any task (a model that keeps its graphs runs its open forwards
+again where it goes; these settings' models recompute them anyway)."""
 
 TASK_LOSSES = "sharp-lrtf-trading-task-losses"
 """The same on an engine the executor is not yet: a lost device costs only the tasks in

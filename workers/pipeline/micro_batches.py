@@ -16,6 +16,9 @@ from torch import Tensor
 
 from shoal.workers.pipeline.stage_types import StageStateError
 
+RngStates = tuple[Tensor, Tensor | None]
+"""The CPU and (on a GPU) CUDA generator states a forward ran under."""
+
 
 @dataclass
 class Replay:
@@ -84,6 +87,27 @@ class InFlight:
         self._kept[mb] = Kept(inp, replay, is_loss)
         return out
 
+    def hold(
+        self,
+        mb: int,
+        inp: Tensor,
+        run: Callable[[Tensor], Tensor],
+        ran: RngStates,
+        *,
+        is_loss: bool,
+        input_grad: bool,
+    ) -> None:
+        """Keep micro-batch ``mb``'s input as if ``run(inp)`` had run here under the RNG
+        states ``ran`` (it ran in another process: a SHARP shard handed over), computing
+        nothing: with rematerialization its backward recomputes the forward anyway."""
+        if not self._recompute:
+            raise StageStateError(f"stage {self.stage} keeps graphs: a forward must run here")
+        if mb in self._kept:
+            raise StageStateError(f"stage {self.stage} already holds micro-batch {mb}")
+        if input_grad:
+            inp.requires_grad_()
+        self._kept[mb] = Kept(inp, Replay(run, self._device, *ran), is_loss)
+
     def take(self, mb: int, *, upstream: bool) -> Kept:
         """Micro-batch ``mb``'s keepings, for its backward (``upstream``: the output's
         gradient came with it; only a loss goes without)."""
@@ -96,10 +120,18 @@ class InFlight:
             )
         return kept
 
-    def inputs(self) -> dict[int, tuple[Tensor, bool]]:
-        """Each micro-batch in flight's input (detached) and whether it ends in the loss:
-        what runs its forward again in another process (a SHARP shard handed over)."""
-        return {mb: (k.input.detach(), k.is_loss) for mb, k in sorted(self._kept.items())}
+    def inputs(self) -> dict[int, tuple[Tensor, bool, RngStates | None]]:
+        """Each micro-batch in flight's input (detached), whether it ends in the loss and,
+        with rematerialization, the RNG states its forward ran under: what another process
+        needs to run its backward (a SHARP shard handed over)."""
+        return {
+            mb: (
+                k.input.detach(),
+                k.is_loss,
+                None if isinstance(k.output, Tensor) else (k.output.cpu_rng, k.output.cuda_rng),
+            )
+            for mb, k in sorted(self._kept.items())
+        }
 
     def require_none(self, before: str) -> None:
         """Refuse ``before`` (what would come next) while micro-batches are in flight."""

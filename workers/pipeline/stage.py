@@ -1,30 +1,21 @@
 """One pipeline stage: a contiguous range of blocks on one device, run one micro-batch at a time.
 
-A ``Stage`` is plain Python: ``workers.pipeline.group`` runs it in-process (``LocalGroup``) or
-as the StageWorker Ray actor (``RayGroup``), unchanged. Per micro-batch it keeps what its
-backward needs (``workers.pipeline.micro_batches``): the input and the output (the autograd
-graph), or, with rematerialization (activation checkpointing, as in GPipe), only the input,
-recomputing the forward under autograd in ``backward``. Gradients accumulate over the
-micro-batches of a mini-batch and ``apply_step`` applies them once, so the math equals one
-process training the whole model.
-With gradient-norm clipping, ``grad_norms`` and ``apply_step``'s coefficient are this
-stage's part of the cross-stage reduction (``workers.pipeline.clipping``). With mixed precision,
-the forward and the loss, recomputed ones included, run under the job's autocast
-(``workers.precision``).
+A ``Stage`` is plain Python, run in-process (``LocalGroup``) or as the StageWorker Ray actor
+(``RayGroup``) unchanged. Per micro-batch it keeps what its backward needs
+(``workers.pipeline.micro_batches``): the autograd graph, or with rematerialization (as in
+GPipe) only the input, the forward recomputed in ``backward``. Gradients accumulate over a
+mini-batch's micro-batches and ``apply_step`` applies them once: one process's math. With
+gradient-norm clipping, ``grad_norms`` and ``apply_step``'s coefficient are this stage's part
+of the cross-stage reduction (``workers.pipeline.clipping``); with mixed precision every
+forward runs under the job's autocast (``workers.precision``). Every compute call is timed;
+a device's ``emulate_slowdown`` f > 1 makes it sleep (f - 1) x its time, counted as compute
+(a straggler shows only in measured times); wire conversions are timed as transfer.
 
-Timing: every compute call is measured; a device's ``emulate_slowdown`` factor f > 1 makes
-the call sleep (f - 1) x its measured time, counted as compute, so a straggler is visible
-only through measured times, as a real slow device would be. Turning activations and
-gradients into and out of their wire form is timed apart, as transfer.
-
-Blocks move between stages at step boundaries (elastic repartitioning): ``export`` hands
-out the state of some held blocks, ``adopt`` takes a new block range, keeping what it
-holds and building the rest from exported states.
-
-In-memory copies (``workers.pipeline.recovery``): ``snapshot`` starts copying the blocks beside
-training (``workers.pipeline.copier``) and returns at once; ``shipment`` and ``hold`` run beside the
-training calls too (the worker's ``COPIES`` calls, ``workers.pipeline.stage_worker``): the first
-hands the finished copy out for the worker's buddy, the second keeps a neighbour's.
+Blocks move between stages at step boundaries: ``export`` hands out held blocks' states,
+``adopt`` takes a new block range. In-memory copies (``workers.pipeline.recovery``):
+``snapshot`` starts copying the blocks beside training (``workers.pipeline.copier``);
+``shipment`` hands the finished copy to the worker's buddy and ``hold`` keeps a neighbour's,
+both beside the training calls (``COPIES``, ``workers.pipeline.stage_worker``).
 """
 
 from __future__ import annotations
@@ -46,7 +37,7 @@ from shoal.workers.host_memory import retain_freed_memory
 from shoal.workers.pipeline.batch_rows import Draws, Rows
 from shoal.workers.pipeline.clipping import grad_norms, scale_grads
 from shoal.workers.pipeline.copier import Copier, Held
-from shoal.workers.pipeline.micro_batches import InFlight
+from shoal.workers.pipeline.micro_batches import InFlight, RngStates
 from shoal.workers.pipeline.pieces import whole_states
 from shoal.workers.pipeline.replicas import Replicas
 from shoal.workers.pipeline.stage_blocks import build_stage_blocks, stage_devices
@@ -101,7 +92,6 @@ class Stage:
         self._loss = loss_fn(setup.meta.task)
         self._amp_dtype = autocast_dtype(setup.precision)
         self.in_flight = InFlight(plan.index, self.device, setup.recompute)
-        """The micro-batches run forward and not yet backward (a SHARP shard hands theirs over)."""
         self._replicas = Replicas(self.device, setup.shard, self._timer.span)
         self._links = Links(self.device)
         self._draws = Draws(setup)
@@ -131,15 +121,27 @@ class Stage:
             x = block.module(x)
         return x
 
-    def _keep(
-        self, mb: int, inp: Tensor, head: Callable[[Tensor], Tensor], is_loss: bool
-    ) -> Tensor:
-        def run(y: Tensor) -> Tensor:
-            # Under the job's autocast, a recomputed forward too.
-            with autocast(self._amp_dtype, self.device):
-                return head(self._run(y))
+    def _head(self, target: Tensor | None, scale: float) -> Callable[[Tensor], Tensor]:
+        """Its blocks, then the scaled loss if given, under the job's autocast."""
 
-        return self.in_flight.forward(mb, inp, run, is_loss=is_loss, input_grad=not self.first)
+        def run(y: Tensor) -> Tensor:
+            with autocast(self._amp_dtype, self.device):
+                y = self._run(y)
+                return y if target is None else self._loss(y, target) * scale
+
+        return run
+
+    def _keep(self, mb: int, inp: Tensor, target: Tensor | None, scale: float) -> Tensor:
+        run, loss = self._head(target, scale), target is not None
+        return self.in_flight.forward(mb, inp, run, is_loss=loss, input_grad=not self.first)
+
+    def hold_tensor(
+        self, mb: int, inp: Tensor, target: Tensor | None, scale: float, ran: RngStates
+    ) -> None:
+        """Keep micro-batch ``mb``'s input for its backward, which recomputes the forward,
+        the forward having run in another process under ``ran`` (a SHARP hand-over)."""
+        run, loss = self._head(target, scale), target is not None
+        self.in_flight.hold(mb, inp, run, ran, is_loss=loss, input_grad=not self.first)
 
     def forward(self, mb: int, x: Wire) -> Wire:
         """Run micro-batch ``mb`` through the stage; the output goes to the next stage."""
@@ -163,13 +165,13 @@ class Stage:
     def forward_tensor(self, mb: int, inp: Tensor) -> Tensor:
         """``forward`` on the device: the output tensor, for the next stage."""
         with self._compute():
-            return self._keep(mb, inp, lambda y: y, is_loss=False)
+            return self._keep(mb, inp, None, 1.0)
 
     def loss_tensor(self, mb: int, inp: Tensor, target: Tensor, scale: float) -> Tensor:
         """``forward_loss`` on the device: the scaled loss, detached, still on the device
         (read it once per step: reading it synchronizes a GPU)."""
         with self._compute():
-            loss = self._keep(mb, inp, lambda y: self._loss(y, target) * scale, is_loss=True)
+            loss = self._keep(mb, inp, target, scale)
         return loss.detach()
 
     def backward_tensor(self, mb: int, upstream: Tensor | None) -> Tensor | None:
@@ -480,11 +482,6 @@ class Stage:
         """Bytes of the blocks' parameters and optimizer state, this replica's shares of it
         while sharded (memory accounting)."""
         return self._replicas.held_bytes(self.blocks)
-
-    def kept_bytes(self) -> int:
-        """Bytes of the inputs and outputs kept for the backwards of micro-batches in
-        flight (memory accounting)."""
-        return self.in_flight.nbytes()
 
     def pid(self) -> int:
         """The worker's process id (shown in the placement event, for operators)."""

@@ -29,7 +29,7 @@ def arrive(snap: JobSnapshot, budget: int, order: int, homes: Homes) -> ModelRun
         recompute=snap.recompute,
         precision=snap.precision,
     )
-    plan = ModelPlan(snap.job_id, shards, snap.steps, order)
+    plan = ModelPlan(snap.job_id, shards, snap.steps, order, snap.recompute)
     data = make_data(snap.data, snap.seed, snap.allowed_factories)
     if not homes.live():
         model = ModelRun(snap, plan, data, [0] * len(shards))

@@ -32,7 +32,7 @@ import os
 import time
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -86,16 +86,18 @@ Inputs = Sequence[Wire | None] | Stashed
 class Handover:
     """A shard on its way to another host between two of its model's tasks (a trade of
     places, ``give`` to ``take``): its blocks' states; the inputs of the micro-batches it
-    ran forward and not yet backward, and whether they end in the loss (an autograd graph
-    cannot leave its process: their forward runs again where it goes, from the same
-    parameters and inputs, so the backward there is the one it would have run here); and
-    the outputs its host kept for the model's next task (by that task's position), when
-    that task is this shard's."""
+    ran forward and not yet backward, whether they end in the loss and, with
+    rematerialization, the RNG states each forward ran under (its backward recomputes the
+    forward where it goes; without, an autograd graph cannot leave its process, so the
+    forward runs again there from the same parameters and input: the same graph); and the
+    outputs its host kept for the model's next task (by that task's position), when that
+    task is this shard's."""
 
     state: dict[int, Any]
     inputs: dict[int, Wire]
     loss: bool
     stash: tuple[int, list[Wire | None]] | None
+    replays: dict[int, tuple[Wire, Wire | None]] = field(default_factory=dict)
 
 
 class ShardHost:
@@ -194,12 +196,13 @@ class ShardHost:
         self._settle()
         kept = stage.in_flight.inputs()
         outputs = self._stash.pop((key[0], stashed), []) if stashed is not None else []
-        sent = [x for x, _ in kept.values()] + [t for t in outputs if t is not None]
+        sent = [x for x, _, _ in kept.values()] + [t for t in outputs if t is not None]
         handover = Handover(
             send_tree(stage.state()),
-            {mb: send(x) for mb, (x, _) in kept.items()},
-            any(loss for _, loss in kept.values()),
+            {mb: send(x) for mb, (x, _, _) in kept.items()},
+            any(loss for _, loss, _ in kept.values()),
             None if stashed is None else (stashed, [_send(t) for t in outputs]),
+            {mb: (send(r[0]), _send(r[1])) for mb, (_, _, r) in kept.items() if r is not None},
         )
         self._forget(key)
         return handover, stage.nbytes() + sum(t.numel() * t.element_size() for t in sent)
@@ -214,22 +217,31 @@ class ShardHost:
         targets: Sequence[Wire] | None = None,
         scale: float = 1.0,
     ) -> int:
-        """Hold shard ``key`` as another host handed it over (``give``): its states
-        loaded, each micro-batch in flight run forward again here (``targets`` and
-        ``scale``: the loss's, the model's last shard's), and the outputs kept for its
-        model's next task kept here. The bytes it takes on the device, as ``add``."""
+        """Hold shard ``key`` as another host handed it over (``give``): its states loaded,
+        each micro-batch in flight kept for its backward (``targets`` and ``scale``: the
+        loss's, the model's last shard's), its forward run again here unless the backward
+        recomputes it, and the outputs kept for its model's next task kept here. The bytes
+        it takes on the device, as ``add``."""
         if handover.loss and targets is None:
             raise StageStateError(f"shard {key} is handed over mid-loss without its targets")
         size = self.add(key, setup, blocks, planned, handover.state)
-        if handover.inputs:
-            stage, _ = self._begin(key, None)
-            with self._saves[key].hooks():
-                for mb, wire in sorted(handover.inputs.items()):
-                    x = receive(wire, stage.device)
-                    if targets is not None and handover.loss:
-                        stage.loss_tensor(mb, x, receive(targets[mb], stage.device), scale)
-                    else:
-                        stage.forward_tensor(mb, x)
+        stage, host = self._shards[key], self._host
+        if handover.inputs and not handover.replays:
+            self._begin(key, None)  # their forwards run again here, on the device
+        with self._saves[key].hooks():
+            for mb, wire in sorted(handover.inputs.items()):
+                x = receive(wire, self._target)
+                y = receive(targets[mb], self._target) if targets and handover.loss else None
+                if mb in handover.replays:
+                    cpu, cuda = handover.replays[mb]
+                    ran = (receive(cpu, host), None if cuda is None else receive(cuda, host))
+                    stage.hold_tensor(mb, x, y, scale, ran)
+                elif y is None:
+                    stage.forward_tensor(mb, x)
+                else:
+                    stage.loss_tensor(mb, x, y, scale)
+        if handover.replays:  # the inputs stay on the device, as a demoted shard's do
+            self._residue[key] = stage.in_flight.nbytes()
         if handover.stash is not None:
             position, outputs = handover.stash
             self._stash[(key[0], position)] = [
@@ -408,7 +420,7 @@ class ShardHost:
     def _demote(self, key: ShardKey) -> None:
         if self._resident.pop(key, None) is not None:
             self._move(key, self._host)
-            kept = self._shards[key].kept_bytes()
+            kept = self._shards[key].in_flight.nbytes()
             if kept:
                 self._residue[key] = kept
 

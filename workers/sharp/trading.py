@@ -34,8 +34,6 @@ class Trading:
         self._homes = homes
         self.calls: dict[Call, ModelRun] = {}
         """Hand-over calls under way (``give``, ``take``), by the model they move."""
-        self.made = 0
-        """Models moved by a trade (to an empty device, or each of a pair)."""
 
     def consider(
         self,
@@ -59,6 +57,8 @@ class Trading:
                 self._maybe_hand_over(pool, model, models[model.trade.partner], queued, now)
 
     def _maybe_trade(self, pool: HostPool, model: ModelRun, models: Mapping[str, ModelRun]) -> None:
+        """``model`` goes to the faster device ``trade_target`` names, at once if no model
+        lives there, else in a trade with the one there with the least work to go."""
         living = self._homes.living(models.values())
         home = model.homes[0]
         if model not in living.get(home, ()):
@@ -129,7 +129,6 @@ class Trading:
         self._homes.move(model, there)
         model.left.add(here)
         model.last_host = there
-        self.made += 1
         task = plan.task(at)
         when = f"before {task.op.value} {task.shard} of step {{step}}: {why}"
         model.moved(self._homes.devices, here, task.step, when)

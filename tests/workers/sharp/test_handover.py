@@ -48,6 +48,9 @@ def train(
                 assert sent > 0
                 loss = targets if i == k - 1 else None
                 there.take(("a", i), setup, blocks, 0, handover, loss, scale)
+                # Its forwards ran again on the device, unless its backward recomputes them.
+                ran = bool(handover.inputs) and not recompute
+                assert (("a", i) in there.held()["resident"]) == ran, (position, i)
             assert here.held()["shards"] == [] and here.held()["stash_bytes"] == 0
             here = there
         key = ("a", task.shard)
@@ -78,7 +81,9 @@ def test_a_model_handed_over_before_any_of_its_tasks_trains_on_exactly(
 ) -> None:
     """Before every task of a step (forward or backward, shards with their graphs waiting
     for a backward, outputs kept for the next task), and at the step boundary: the losses
-    and final states are bitwise those of the model trained on one host."""
+    and final states are bitwise those of the model trained on one host. A shard's open
+    forwards run again where it goes, or with recompute only their inputs go (with the
+    RNG states they ran under): its backward recomputes them anyway."""
     losses, states = train(tmp_path, recompute, None)
     for position in range(1, 2 * len(SHARDS) + 1):
         moved_losses, moved = train(tmp_path, recompute, position)
