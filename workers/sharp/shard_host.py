@@ -195,7 +195,11 @@ class ShardHost:
         stage = self._stage(key)
         self._settle()
         kept = stage.in_flight.inputs()
-        outputs = self._stash.pop((key[0], stashed), []) if stashed is not None else []
+        outputs = self._stash.pop((key[0], stashed), None) if stashed is not None else []
+        if outputs is None:
+            raise StageStateError(
+                f"no outputs are kept on {self.device.id} for task {stashed} of model {key[0]}"
+            )
         sent = [x for x, _, _ in kept.values()] + [t for t in outputs if t is not None]
         handover = Handover(
             send_tree(stage.state()),

@@ -107,3 +107,15 @@ def test_a_last_shard_handed_over_between_its_loss_and_its_backward_needs_the_ta
     host = ShardHost(devices()[1], 2**40)
     with pytest.raises(StageStateError, match="mid-loss without its targets"):
         host.take(("a", 2), setup, (4, 6), 0, handover)
+
+
+@pytest.mark.unit
+def test_a_hand_over_of_outputs_the_host_does_not_keep_is_refused(tmp_path: Path) -> None:
+    """Named outputs that are not there are an error, not an empty input for the task."""
+    snap = model(tmp_path, "a")
+    setup = StageSetup.of(snap, make_data(snap.data, snap.seed).meta)
+    host = ShardHost(devices()[0], 2**40)
+    host.add(("a", 1), setup, (2, 4), 0)
+    with pytest.raises(StageStateError, match=r"no outputs are kept .* for task 1 of model a"):
+        host.give(("a", 1), 1)
+    assert host.held()["shards"] == [("a", 1)]  # still held: nothing half-done
