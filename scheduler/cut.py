@@ -161,7 +161,22 @@ _Probe = Callable[[float], tuple[Stops | None, float]]
 limit below which it still fails (0 when unknown)."""
 
 
-def _greedy(model: Model, slots: Sequence[Slot], flights: Sequence[int]) -> _Probe:
+_Flights = Sequence[tuple[int, int]]
+"""Per slot, the micro-batches in flight its stage is cut for: as the first slot used, and
+after a used one (``_flights``)."""
+
+
+def _flights(model: Model, slots: int, cap: int) -> list[tuple[int, int]]:
+    """What stage ``k`` of a cut over ``slots`` holds in flight at most, with ``cap``
+    micro-batches: as the first stage of the at most ``slots - k`` left (1F1B keeps one more
+    on the first), or after a used slot as stage ``k``. Unused slots only take stages away
+    from a pipeline, so they never keep more in flight than that."""
+    return [
+        (model.in_flight(slots - k, 0, cap), model.in_flight(slots, k, cap)) for k in range(slots)
+    ]
+
+
+def _greedy(model: Model, slots: Sequence[Slot], flights: _Flights) -> _Probe:
     """Each slot takes the most blocks it can: optimal when a later start never needs more
     time or memory, because then covering more blocks early never hurts. On failure, the
     smallest limit at which some slot could take one more block (the next event)."""
@@ -173,7 +188,8 @@ def _greedy(model: Model, slots: Sequence[Slot], flights: Sequence[int]) -> _Pro
         start, stops, event = 0, [], math.inf
         for k, speed in enumerate(speeds):
             if start < n:
-                room = model.memory_stop(start, memories[k], flights[k])
+                first, later = flights[k]
+                room = model.memory_stop(start, memories[k], later if start else first)
                 reach = bisect_right(time, time[start] + limit * speed * (1 + 1e-12)) - 1
                 if reach < room:
                     event = min(event, (time[reach + 1] - time[start]) / speed)
@@ -187,7 +203,7 @@ def _greedy(model: Model, slots: Sequence[Slot], flights: Sequence[int]) -> _Pro
 
 
 def _sweep(
-    model: Model, slots: Sequence[Slot], flights: Sequence[int], limit: float, skip: bool
+    model: Model, slots: Sequence[Slot], flights: _Flights, limit: float, skip: bool
 ) -> Stops | None:
     """Exact feasibility by dynamic programme over the cut positions reachable after each
     slot (``skip``: a slot may stay unused). O(slots x blocks x log blocks)."""
@@ -195,14 +211,14 @@ def _sweep(
     reach = [False] * (n + 1)
     reach[0] = True
     parents: list[list[int]] = []
-    for slot, flight in zip(slots, flights, strict=True):
+    for slot, (first, later) in zip(slots, flights, strict=True):
         new = list(reach) if skip else [False] * (n + 1)
         parent = list(range(n + 1)) if skip else [-1] * (n + 1)
         furthest, origin = -1, -1
         for stop in range(1, n + 1):
             start = stop - 1
             if reach[start]:
-                end = model.max_stop(start, slot, flight, limit)
+                end = model.max_stop(start, slot, later if start else first, limit)
                 if end > furthest:
                     furthest, origin = end, start
             if furthest >= stop and not new[stop]:
@@ -242,8 +258,8 @@ def cut(
     p = len(slots)
     if exact_count and p > model.n:
         return None
-    flights = [model.in_flight(p, k, cap) for k in range(p)]
-    monotone = model.monotone(max(flights)) or not exact
+    flights = _flights(model, p, cap)
+    monotone = model.monotone(max(map(max, flights))) or not exact
 
     def probe_sweep(limit: float) -> tuple[Stops | None, float]:
         return _sweep(model, slots, flights, limit, skip=not exact_count), 0.0

@@ -4,8 +4,9 @@ A stage holds its blocks' parameters, their gradients (1x the parameters, accumu
 the micro-batches of a mini-batch), the optimizer state (SGD 0x, 1x with momentum; Adam and
 AdamW 2x: the two moment estimates), and the activations of the micro-batches in flight:
 GPipe keeps all ``m`` until the first backward, 1F1B (PipeDream-Flush) at most ``p - s`` on
-stage ``s``. With rematerialization (GPipe's activation checkpointing) a stage keeps only its
-input per micro-batch in flight, plus one micro-batch's activations while it recomputes.
+stage ``s``, one more on the first of two or more (``schedules.peak_in_flight``). With
+rematerialization (GPipe's activation checkpointing) a stage keeps only its input per
+micro-batch in flight, plus one micro-batch's activations while it recomputes.
 
 Two more terms are what the device holds beyond those, measured on a GPU
 (docs/architecture.md, "Memory"):

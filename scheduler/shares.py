@@ -57,13 +57,19 @@ def share(times: Sequence[float], limits: Sequence[int], total: int, stages: int
     return shares
 
 
+_UNLIMITED = 2**62
+"""A share limit no mini-batch reaches."""
+
+
 def flight_limit(model: Model, blocks: BlockRange, memory: int, stages: int, stage: int) -> int:
-    """The most micro-batches one replica may take before this stage outgrows ``memory``."""
+    """The most micro-batches one replica may take before this stage outgrows ``memory``;
+    unlimited where the most the schedule ever keeps in flight on it fits
+    (``peak_in_flight``: 1F1B's p - s, one more on the first of two or more stages)."""
     base = model.memory(*blocks, flight=0)
     per = model.memory(*blocks, flight=1) - base
-    if model.workload.schedule == "1f1b" and base + per * (stages - stage) <= memory:
-        return 2**62  # 1F1B never keeps more than p - s in flight
-    return 2**62 if per == 0 else max(0, (memory - base) // per)
+    if base + per * model.in_flight(stages, stage, _UNLIMITED) <= memory:
+        return _UNLIMITED
+    return 0 if per == 0 else max(0, (memory - base) // per)
 
 
 def workload_shares(

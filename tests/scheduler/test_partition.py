@@ -426,6 +426,42 @@ def test_a_fit_only_an_unusual_device_order_allows_is_found_before_refusing() ->
     assert [s.device_ids for s in plan.stages] == [("d2",), ("d0",), ("d1",)]
 
 
+def test_a_replica_never_takes_more_micro_batches_than_its_first_1f1b_stage_holds() -> None:
+    """1F1B's first stage of two keeps p - s + 1 = 3 micro-batches in flight: (0, 2) on
+    the 20-byte devices fits 2 of them (16 kept for a backward, 2 per input kept under
+    recompute), so neither replica may take 3 of the 4 micro-batches."""
+    acts = [0, 0, 4, 4, 4]
+    costs = [BlockCost(i, 0.0, 4 if i == 3 else 0, 0, acts[i], 1 if i == 0 else 0)
+             for i in range(5)]  # fmt: skip
+    memories = [20, 10, 20, 48, 10, 48]
+    devices = [DeviceCapacity(f"d{i}", 0.5 if m == 20 else 1.0, m) for i, m in enumerate(memories)]
+    w = Workload(micro_batches=4, micro_batch_size=2, schedule="1f1b", recompute=True)
+    plan = plan_partition(costs, devices, w, replicas=2)
+    check_plan(plan, costs, devices, w)
+    assert plan.micro_batches == (2, 2)
+
+
+def test_a_cut_that_leaves_its_first_device_unused_counts_the_first_stage_in_flight() -> None:
+    """The heuristic's slowest-first order d0, d2, d1 leaves d0 (10 bytes) unused, which
+    makes d2 the first of two 1F1B stages: 3 micro-batches in flight, not the 2 of a second
+    stage, so blocks (0, 2) (22 bytes then) do not fit it and the job runs on d2 alone."""
+    costs = [
+        BlockCost(0, 0.0, 0, 0, 0, 1),
+        BlockCost(1, 0.0, 0, 0, 4, 0),
+        BlockCost(2, 1.0, 0, 0, 0, 0),
+    ]
+    devices = [DeviceCapacity("d0", 0.5, 10), DeviceCapacity("d1", 1.0, 10),
+               DeviceCapacity("d2", 0.5, 20)]  # fmt: skip
+    w = Workload(micro_batches=3, micro_batch_size=2, schedule="1f1b", recompute=True)
+    saved, partition._EXACT_WORK = partition._EXACT_WORK, 0
+    try:
+        plan = plan_partition(costs, devices, w, replicas=1)
+    finally:
+        partition._EXACT_WORK = saved
+    check_plan(plan, costs, devices, w)
+    assert [(s.device_ids, s.blocks) for s in plan.stages] == [(("d2",), (0, 3))]
+
+
 def test_sharded_replicas_are_planned_where_only_their_share_of_the_state_fits() -> None:
     """Two blocks of Adam state larger than their parameters: two whole replicas do not fit
     these devices, two sharded ones (half the optimizer state each) do."""
