@@ -17,6 +17,9 @@ import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
+DEFAULT_BUDGET = 0.05
+"""``elastic.copy_budget``'s default: copies may cost 5% of the training time."""
+
 LONGEST_INTERVAL = 100
 """The most steps between two copies, however costly a copy: past this, a loss would replay
 more than a checkpoint interval of a typical job, and the copy would serve little."""

@@ -23,12 +23,16 @@ What it models is what the executor does, with the same decisions (``scheduler.s
   starts when the task reaches the device, behind the task before it (double buffering),
   so only what it takes beyond that is exposed. Then it computes for its reference seconds
   over the device's speed (times the model's ``truth``).
-- *Spot outages.* The device's tasks are lost; each model with a shard there rolls back to
-  the start of its step (the executor's in-memory copies; ``Recovery.TASK``: to its last
-  task done), its tasks queued elsewhere
-  dropped and those running elsewhere wasted, its shards on the lost device re-homed on
-  the live ones (``home_shards``); it runs on once the executor has seen its tasks in
-  flight end. A device that comes back is empty until a model moves there.
+- *Copies* are taken as often as the engine's budget allows (``scheduler.copies``, from
+  the model's copy and step seconds where it is placed): in a step that ends with one,
+  each shard's backward copies its state off the device at its host bandwidth, delaying
+  the device's next task.
+- *Spot outages.* The device's tasks are lost; each model with a shard there goes on from
+  its last task done where its copies are taken at every step (``Recovery.TASK``), else
+  rolls back to its last copy; its tasks queued elsewhere are dropped and those running
+  elsewhere wasted, its shards on the lost device re-homed on the live ones
+  (``home_shards``); it runs on once the executor has seen its tasks in flight end. A
+  device that comes back is empty until a model moves there.
 
 Per event the work is a few heap operations and, per submission, one ``assign`` over the
 models waiting at one device.
@@ -65,6 +69,7 @@ from shoal.scheduler.simstate import (
     SimModel,
     SimQueue,
     SimTask,
+    copy_every,
     stuck,
 )
 from shoal.scheduler.simtrades import Trading
@@ -99,7 +104,8 @@ class _Sharp(Trading):
         self.homes = Residency({name: d.idle for name, d in self.devices.items()})
         for plan in sorted(plans, key=lambda p: (-p.work_s, p.order, p.model)):  # as admitted
             homes = self._home(plan, range(len(plan.shards)))
-            model = SimModel(plan, homes, list(homes))
+            every = copy_every(plan, self.devices[homes[0]].idle, engine)
+            model = SimModel(plan, homes, list(homes), copy_every=every)
             self.models[plan.model] = model
             self._settle(model)
         self.waiting: dict[DeviceId, set[ModelId]] = {d: set() for d in self.devices}
@@ -281,6 +287,8 @@ class _Sharp(Trading):
             if self.prefetch:  # copied in since it reached the device
                 copy = max(0.0, job.arrive_s + copy - now)
         device.last = (job.model, shard.index)
+        if model.copies_after(job.position) and not self.engine.overlapped:  # after its step
+            copy += transfer_s(shard.state_bytes, device.idle)
         job.start_s, job.copy_s = now, copy
         job.compute_s = self._task_s(model, job.position, device)
         if model.forward_again(job.position, device.sim.id):
@@ -323,8 +331,8 @@ class _Sharp(Trading):
                     self._hand_over(model)
                     self._file(taker, now)
                 self._unsettle(model)
-            elif model.done % (2 * len(plan.shards)) == 0:
-                model.step_runs = []  # a whole step: what a loss rolls back to
+            elif model.copied():
+                model.step_runs = []  # what a loss rolls back to
             else:
                 after = model.homes[plan.shard_at(model.done).index]
                 there = 0.0 if after == device.sim.id else self.engine.latency_s
@@ -431,9 +439,9 @@ class _Sharp(Trading):
                 self._roll_back(model, now)
 
     def _roll_back(self, model: SimModel, now: float) -> None:
-        """Back to the start of its step (``Recovery.STEP``; with ``Recovery.TASK`` to its
-        last task done): its queued tasks dropped, those running elsewhere wasted, its
-        shards on lost devices re-homed; it runs on once the executor has seen them end."""
+        """Back to its last task done or its last copy (``SimModel.rewind``): its queued
+        tasks dropped, those running elsewhere wasted, its shards on lost devices re-homed;
+        it runs on once the executor has seen them end."""
         plan = model.plan
         self._call_off(model, now)
         self._unsettle(model)
@@ -449,15 +457,8 @@ class _Sharp(Trading):
                 device.queue = kept
                 self.stirred.add(device.sim.id)
         self._rehome(model)
+        self.work_left += model.rewind(self.tally, self.engine.recovery is Recovery.TASK)
         start = model.done
-        if self.engine.recovery is Recovery.STEP:
-            for number, device_id, compute_s, copy_s in model.step_runs:
-                self.tally.undo(number, device_id, compute_s, copy_s)
-            k = 2 * len(plan.shards)
-            start = model.done // k * k
-            self.work_left += sum(plan.task_s(p) for p in range(start, model.done))
-            model.step_runs = []
-        model.done = model.submitted = model.seen = start
         model.paused_until = busy_until + self.engine.latency_s
         model.input_at = {start: model.paused_until}  # the batch, or the copied output
         self._settle(model)

@@ -9,10 +9,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from shoal.scheduler.copies import DEFAULT_BUDGET, copy_interval
 from shoal.scheduler.memory import format_bytes
-from shoal.scheduler.sharp import IdleDevice, ModelId, ModelPlan
+from shoal.scheduler.sharp import IdleDevice, ModelId, ModelPlan, transfer_s
 from shoal.scheduler.simcluster import SimDevice
-from shoal.scheduler.simresult import SimulationError
+from shoal.scheduler.simresult import SimulationError, Tally
 from shoal.scheduler.types import DeviceId
 
 
@@ -35,12 +36,15 @@ class Recovery(StrEnum):
     """What a lost device costs the models with shards or tasks on it."""
 
     STEP = "step"
-    """The step under way: they roll back to its start, their copy (what the executor
-    does)."""
+    """They roll back to their last copy: the step under way's start, or further where
+    copies are taken less often than every step (what the executor does without
+    ``task_copies``)."""
     TASK = "task"
     """The tasks in flight: each task's outputs and each shard's state once its backward
     has stepped it are copied off the device as they are made, so only unfinished tasks
-    run again (Hydra's promise). The executor does not copy that often yet."""
+    run again (Hydra's promise): what the executor does for a model whose copies are
+    taken at every step (``workers.sharp.ledger``); one copied less often rolls back to
+    its last copy."""
 
 
 @dataclass(frozen=True)
@@ -52,7 +56,16 @@ class Engine:
     depth: int = 2
     latency_s: float = 0.0
     moves: Moves = Moves.AT_STEPS
-    recovery: Recovery = Recovery.STEP
+    recovery: Recovery = Recovery.TASK
+    copy_budget: float = DEFAULT_BUDGET
+    """Each model's copies' share of its training time (``elastic.copy_budget``): how
+    often they are taken (``scheduler.copies``), each shard's backward copying its state
+    off the device (at its host link's bandwidth, before the device's next task) in a step
+    that ends with one."""
+    overlapped: bool = False
+    """Copies cost the devices nothing, taken beside their compute (a side stream's copy
+    to pinned memory, sent on from there): so they are taken at every step. The executor
+    does not take them so yet."""
 
     def __post_init__(self) -> None:
         if self.depth < 1 or not self.latency_s >= 0:
@@ -62,7 +75,8 @@ class Engine:
 
 
 ENGINE = Engine()
-"""The executor as it runs by default: two tasks queued per device, moves, no latency."""
+"""The executor as it runs by default: two tasks queued per device, moves at step
+boundaries, losses costing the tasks in flight where copies fit at every step, no latency."""
 
 
 @dataclass
@@ -129,8 +143,34 @@ class SimModel:
     leaving: tuple[DeviceId, ModelId] | None = None
     """Where it goes once it hands its device over, and the model that takes it."""
     step_runs: list[tuple[int, DeviceId, float, float]] = field(default_factory=list)
-    """The tally's numbers of the step under way's tasks (with device, compute, copy):
+    """The tally's numbers of the tasks since its last copy (with device, compute, copy):
     undone by a roll back."""
+    copy_every: int = 1
+    """Steps between its copies (``scheduler.copies.copy_interval``)."""
+
+    def copies_after(self, position: int) -> bool:
+        """Whether the task at ``position`` is a backward of a step its copy ends."""
+        k, step = len(self.plan.shards), self.plan.task(position).step
+        return position % (2 * k) >= k and (step + 1) % self.copy_every == 0
+
+    def rewind(self, tally: Tally, task_by_task: bool) -> float:
+        """After a loss: it goes on from its last task done where its tasks copy the step
+        off as they go (``task_by_task``, at a copy every step), else from its last copy,
+        the tasks since undone in ``tally``. The reference seconds of work to do again."""
+        span = 2 * len(self.plan.shards) * self.copy_every
+        start = self.done if task_by_task and self.copy_every == 1 else self.done // span * span
+        redo = 0.0
+        if start < self.done:
+            for number, device_id, compute_s, copy_s in self.step_runs:
+                tally.undo(number, device_id, compute_s, copy_s)
+            redo = sum(self.plan.task_s(p) for p in range(start, self.done))
+            self.step_runs = []
+        self.done = self.submitted = self.seen = start
+        return redo
+
+    def copied(self) -> bool:
+        """Its tasks done end a step its copy ends."""
+        return self.done % (2 * len(self.plan.shards) * self.copy_every) == 0
 
     def forward_again(self, position: int, device: DeviceId) -> bool:
         """Whether the task at ``position``, on ``device``, is a backward whose shard's
@@ -141,6 +181,15 @@ class SimModel:
         k = len(self.plan.shards)
         moved = self.held[self.plan.shard_at(position).index] != device
         return not self.plan.recompute and position % (2 * k) >= k and moved
+
+
+def copy_every(plan: ModelPlan, device: IdleDevice, engine: Engine) -> int:
+    """How often ``plan``'s copies are taken on ``device`` by ``engine``: every shard's
+    state copied off at the device's host bandwidth, against its step's device seconds,
+    within the engine's budget (at every step where they are ``overlapped``)."""
+    copy_s = sum(transfer_s(s.state_bytes, device) for s in plan.shards)
+    budget = 1.0 if engine.overlapped else engine.copy_budget
+    return copy_interval(copy_s, plan.work_s / plan.steps / device.speed, budget)
 
 
 def stuck(devices: Iterable[SimQueue], models: Iterable[SimModel]) -> str:

@@ -23,6 +23,7 @@ from pydantic import (
     model_validator,
 )
 
+from shoal.scheduler.copies import DEFAULT_BUDGET
 from shoal.scheduler.memory import submission_refusal
 from shoal.scheduler.profile import BlockCost
 from shoal.scheduler.tensor import per_device
@@ -167,7 +168,7 @@ class ElasticSpec(StrictModel):
         " restart",
     )
     copy_budget: float = Field(
-        0.05,
+        DEFAULT_BUDGET,
         gt=0.0,
         le=1.0,
         description="the most of the training time the in-memory copies may cost: the steps"

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from shoal.scheduler.copies import DEFAULT_BUDGET
 from shoal.scheduler.devices import Device
 from shoal.scheduler.elastic import ElasticConfig
 from shoal.scheduler.profile import BlockCost
@@ -161,7 +162,7 @@ class JobSnapshot:
     keep_copies: bool = False
     """Keep every worker's state of the last steps in host memory on another node, so that
     a lost device is recovered in the runner (``workers.pipeline.recovery``)."""
-    copy_budget: float = 0.05
+    copy_budget: float = DEFAULT_BUDGET
     """The most of the training time those copies may cost (``scheduler.copies``)."""
     min_devices: int = 1
     """The fewest devices the job may run on (a recovery with fewer gives the job back)."""

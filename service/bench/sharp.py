@@ -56,13 +56,14 @@ from shoal.workers.pipeline.stage_types import torch_device
 from shoal.workers.pipeline.worker_group import GroupFactory
 from shoal.workers.profiler import trace_costs
 from shoal.workers.sharp.runner import SharpTrainer
-from shoal.workers.sharp.shard_host import TaskResult
 from shoal.workers.sharp.shard_pool import Call, HostPool, PoolFactory, RayPool
+from shoal.workers.sharp.shard_types import TaskResult
 from shoal.workers.snapshot import (
     DataRef,
     JobSnapshot,
     ModelRef,
     OptimizerConf,
+    RunnerEvent,
     RunStatus,
     stage_plans,
 )
@@ -212,7 +213,15 @@ def train_sharp(
         "losses": [[m.loss for m in r.metrics] for r in reports],
         "promoted_bytes": trainer.promoted_bytes,
         "shards_per_model": [len(e.data["stages"]) for e in placements],
+        "copy_intervals": [_copy_interval(r.events) for r in reports],
     }
+
+
+def _copy_interval(events: Sequence[RunnerEvent]) -> int:
+    """The steps between a model's copies as its last ``copies`` event said (1: none said,
+    so copies at every step, its tasks taking them)."""
+    said = [e.data["interval"] for e in events if e.kind == "copies"]
+    return int(said[-1]) if said else 1
 
 
 def train_one_after_another(
@@ -340,6 +349,7 @@ def measure(
         "promoted_bytes": sharp["promoted_bytes"],
         "no_prefetch_promoted_bytes": lazy["promoted_bytes"],
         "shards_per_model": sharp["shards_per_model"],
+        "sharp_copy_intervals": sharp["copy_intervals"],
         "model_held_bytes": held,
         "model_bytes": whole.total,
         "budget_bytes": budget,

@@ -107,17 +107,20 @@ def test_on_a_device_lrtf_runs_the_model_with_the_most_left_first() -> None:
 
 
 def test_hydra_setting_is_near_the_lower_bound_once_models_move() -> None:
-    """The executor's homes (a model's shards on one device, models placed heaviest first)
-    and its moves at step boundaries: measured 1.041; without moves 1.233 (devices fall
+    """The executor's homes (a model's shards on one device, models placed heaviest first),
+    its moves at step boundaries and its copies (each 8% of a step on these devices' 12 GB/s
+    links: taken every 2 steps within 5%): measured 1.106; without moves more (devices fall
     idle as the models placed on them end while others still hold two); trading places
-    instead, 1.010."""
+    instead, 1.049; and with copies that cost the devices nothing (not built), 1.010."""
     setting = hydra_setting()
     results = {r.strategy: r for r in compare(setting)}
-    assert 1.0 <= results["sharp-lrtf"].ratio <= 1.05
+    assert 1.0 <= results["sharp-lrtf"].ratio <= 1.12
     pinned = simulate(setting.cluster, setting.plans, engine=Engine(moves=Moves.NONE))
     assert pinned.makespan_s > results["sharp-lrtf"].makespan_s
     trading = simulate(setting.cluster, setting.plans, engine=Engine(moves=Moves.TRADES))
-    assert 1.0 <= trading.ratio <= 1.02 and trading.trades > 0
+    assert 1.0 <= trading.ratio <= 1.06 and trading.trades > 0
+    free = Engine(moves=Moves.TRADES, overlapped=True)
+    assert 1.0 <= simulate(setting.cluster, setting.plans, engine=free).ratio <= 1.02
     assert min(r.ratio for r in results.values()) >= 1.0
     assert results["sharp-lrtf"].makespan_s < results["task-parallel"].makespan_s
     assert results["task-parallel"].makespan_s < results["model-parallel"].makespan_s
@@ -203,14 +206,21 @@ def test_compare_runs_each_strategy_in_order() -> None:
 # ---------------------------------------------------------------------------- spot losses
 
 
+STEP_COPIES = Engine(recovery=Recovery.STEP, overlapped=True)
+"""Copies at every step that cost nothing, each loss rolling back to the step's start."""
+
+
 def test_a_spot_loss_costs_the_step_under_way() -> None:
     """As the executor's in-memory copies allow: the model rolls back to its step's start
     on the device left (its first copy-in again), the tasks of that step done before lost."""
     plan = chain("m", forward=10.0, backward=20.0, state=10**9)  # 1 s copies at 1 GB/s
-    base = simulate(cluster(2, gbps=1.0, spot=True), [plan], record=True)
+    base = simulate(cluster(2, gbps=1.0, spot=True), [plan], record=True, engine=STEP_COPIES)
     assert base.records[1].start_s < 15.0 < base.records[1].end_s  # F1 runs at 15 s
     lost = simulate(
-        cluster(2, gbps=1.0, spot=True, outages=(Outage("k-0000", 15.0),)), [plan], record=True
+        cluster(2, gbps=1.0, spot=True, outages=(Outage("k-0000", 15.0),)),
+        [plan],
+        record=True,
+        engine=STEP_COPIES,
     )
     assert (lost.lost_tasks, lost.tasks) == (2, plan.tasks)
     assert sorted(r.position for r in lost.records if not r.completed) == [0, 1]
@@ -226,7 +236,7 @@ def test_with_task_recovery_a_spot_loss_costs_the_tasks_in_flight_and_the_open_f
     F1 at 15 s it saves nothing: F0's forward runs again before B0, as a step's roll back
     would run it before F1."""
     plan = chain("m", forward=10.0, backward=20.0, state=10**9)
-    engine = Engine(recovery=Recovery.TASK)
+    engine = Engine(recovery=Recovery.TASK, overlapped=True)
     world = cluster(2, gbps=1.0, spot=True, outages=(Outage("k-0000", 50.0),))
     lost = simulate(world, [plan], engine=engine, record=True)
     assert (lost.lost_tasks, lost.tasks) == (1, plan.tasks)
@@ -240,14 +250,36 @@ def test_with_task_recovery_a_spot_loss_costs_the_tasks_in_flight_and_the_open_f
     check_schedule(world, [plan], lost)
     early = cluster(2, gbps=1.0, spot=True, outages=(Outage("k-0000", 15.0),))
     task = simulate(early, [plan], engine=engine)
-    step = simulate(early, [plan])
+    step = simulate(early, [plan], engine=STEP_COPIES)
     assert task.makespan_s == pytest.approx(step.makespan_s) == pytest.approx(15 + 1 + 60)
+
+
+def test_copies_cost_the_state_copied_off_after_each_backward_as_often_as_the_budget_allows() -> (
+    None
+):
+    """Each backward of a step that ends with a copy copies its shard's state off the
+    device (1 s at 1 GB/s) before the device's next task: 2 s a step of 60 s, 3.3%, so at
+    every step within 5%; within 1%, every 4 steps (the interval ``scheduler.copies``
+    gives). A loss then rolls back to the last copy even where tasks copy the step off:
+    they do so only for models copied at every step."""
+    plan = chain("m", forward=10.0, backward=20.0, state=10**9, steps=4)
+    world = cluster(1, gbps=1.0)
+    free = simulate(world, [plan], prefetch=False, engine=Engine(overlapped=True)).makespan_s
+    every = simulate(world, [plan], prefetch=False).makespan_s
+    rare = simulate(world, [plan], prefetch=False, engine=Engine(copy_budget=0.01)).makespan_s
+    assert (every - free, rare - free) == (pytest.approx(8.0), pytest.approx(2.0))
+    spot = cluster(2, gbps=1.0, spot=True, outages=(Outage("k-0000", 200.0),))
+    task = simulate(spot, [plan], prefetch=False, record=True)
+    assert task.lost_tasks == 1  # step 4's F0 (at 193-203 s): the tasks before were copied
+    rare_task = simulate(spot, [plan], prefetch=False, engine=Engine(copy_budget=0.01))
+    assert rare_task.lost_tasks == 4 * 3 + 2  # F1 (197-208 s), and every task since the start
+    check_schedule(spot, [plan], task)
 
 
 def test_a_device_may_come_back() -> None:
     plan = chain("m", forward=10.0, backward=20.0)
     outage = Outage("k-0000", 15.0, back_s=30.0)
-    result = simulate(cluster(1, spot=True, outages=(outage,)), [plan])
+    result = simulate(cluster(1, spot=True, outages=(outage,)), [plan], engine=STEP_COPIES)
     assert result.lost_tasks == 2 and result.makespan_s == pytest.approx(30.0 + plan.work_s)
 
 
@@ -431,19 +463,22 @@ def test_every_baseline_schedule_keeps_the_invariants(
 
 
 @pytest.mark.slow
-def test_the_spot_cluster_ends_near_the_bound_when_models_trade_and_losses_cost_tasks() -> None:
-    """Issue 20's goal (<= 1.1 the lower bound) for the engine that trades places and
-    copies each task's outputs off its device (the models recompute their forwards, so a
-    hand-over costs no compute). The executor trades (``trades``) but loses the step under
-    way to a loss: 1.14. What it does by default (moves at step boundaries) is far from
-    both: losses and the slow devices' models are what the bound does not wait for."""
+def test_the_spot_cluster_ends_near_the_bound_only_with_overlapped_copies() -> None:
+    """Issue 20's goal (<= 1.1 the lower bound) needs an engine that trades places, copies
+    each task's outputs and state off its device as it goes (a loss costs the tasks in
+    flight) and takes those copies beside the compute, so at every step: 1.071. The same
+    losing the step under way: 1.137. The executor as built copies synchronously: on these
+    devices a model's copy costs 5-12% of its step, so the fast devices' models copy every
+    2-3 steps of their 4 and a loss replays those: 1.262 trading, 1.337 moving at steps."""
     setting = spot_setting()
-    trading = simulate(setting.cluster, setting.plans, engine=Engine(moves=Moves.TRADES))
-    engine = Engine(moves=Moves.TRADES, recovery=Recovery.TASK)
-    task_losses = simulate(setting.cluster, setting.plans, engine=engine)
-    today = simulate(setting.cluster, setting.plans)
-    ratios = (task_losses.ratio, trading.ratio, today.ratio)
-    assert task_losses.ratio <= 1.1 < trading.ratio <= 1.15 < 1.25 <= today.ratio, ratios
+
+    def ratio(engine: Engine) -> float:
+        return simulate(setting.cluster, setting.plans, engine=engine).ratio
+
+    task = ratio(Engine(moves=Moves.TRADES, overlapped=True))
+    step = ratio(Engine(moves=Moves.TRADES, overlapped=True, recovery=Recovery.STEP))
+    built = (ratio(Engine(moves=Moves.TRADES)), ratio(Engine()))
+    assert task <= 1.1 < step <= 1.15 < 1.2 <= min(built), (task, step, built)
 
 
 @pytest.mark.slow

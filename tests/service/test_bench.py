@@ -351,7 +351,7 @@ def test_same_losses_names_the_first_model_and_step_that_differ() -> None:
 def test_simulated_half_runs_every_strategy_and_takes_the_worst_setting() -> None:
     from shoal.scheduler.simulate import Strategy
     from shoal.service.bench.report import SHARP_PHASES, SharpSettings
-    from shoal.service.bench.simulation import NO_PREFETCH, TASK_LOSSES, TRADING, run_simulated
+    from shoal.service.bench.simulation import NO_PREFETCH, OVERLAPPED, TRADING, run_simulated
 
     s = SharpSettings(spot_devices=8, spot_models=3, scale_devices=8, scale_models=3)
     phases: list[str] = []
@@ -360,19 +360,21 @@ def test_simulated_half_runs_every_strategy_and_takes_the_worst_setting() -> Non
     hydra, spot = result["sim_settings"]
     assert (hydra["devices"], hydra["models"]) == (8, 12)
     assert (spot["devices"], spot["models"]) == (8, 3)
-    engines = {NO_PREFETCH, TRADING, TASK_LOSSES}
+    engines = {NO_PREFETCH, TRADING, OVERLAPPED}
     assert set(hydra["results"]) == {*(x.value for x in Strategy), *engines}
     for row in (hydra, spot):
         for strategy in row["results"].values():
             assert strategy["ratio"] >= 1.0 - 1e-9  # no schedule beats the lower bound
     lrtf = [row["results"]["sharp-lrtf"]["ratio"] for row in (hydra, spot)]
     assert result["sim_lrtf_over_lower_bound"] == max(lrtf)
-    for key, name in [("trading", TRADING), ("task_losses", TASK_LOSSES)]:
+    for key, name in [("trading", TRADING), ("overlapped_copies", OVERLAPPED)]:
         worst = max(row["results"][name]["ratio"] for row in (hydra, spot))
         assert result[f"sim_{key}_over_lower_bound"] == worst
     # Shoal's executor on Hydra's setting: each model's shards on one device, models moving
-    # at step boundaries where that ends two devices' work sooner (measured 1.041).
-    assert hydra["results"]["sharp-lrtf"]["ratio"] <= 1.1
+    # at step boundaries where that ends two devices' work sooner, its copies costing it
+    # (measured 1.106); trading, 1.049.
+    assert hydra["results"]["sharp-lrtf"]["ratio"] <= 1.12
+    assert hydra["results"][TRADING]["ratio"] <= 1.06
     assert result["sim_1024_devices_seconds"] > 0 and result["sim_scale"]["models"] == 3
 
 
@@ -390,6 +392,8 @@ def test_sharp_bench_in_process_trains_every_variant_to_the_same_losses(tmp_path
     result = measure(s, devices, tmp_path, LocalPool, LocalGroup)
     assert result["model_bytes"] > result["budget_bytes"]  # no model fits one device
     assert len(result["shards_per_model"]) == 2 and min(result["shards_per_model"]) >= 2
+    intervals = result["sharp_copy_intervals"]  # the trials keep copies, as a sweep's do
+    assert len(intervals) == 2 and min(intervals) >= 1
     for key in ("sharp_seconds", "sequential_seconds", "no_prefetch_seconds"):
         assert result[key] > 0
     assert result["promoted_bytes"] > 0 and len(result["final_losses"]) == 2

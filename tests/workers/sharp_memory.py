@@ -17,7 +17,8 @@ from shoal.scheduler.memory import in_flight, stage_memory
 from shoal.scheduler.sharp import Shard, shard_model
 from shoal.workers.pipeline.stage_types import StageSetup
 from shoal.workers.profiler import trace_costs
-from shoal.workers.sharp.shard_host import ShardHost, ShardKey
+from shoal.workers.sharp.shard_host import ShardHost
+from shoal.workers.sharp.shard_types import ShardKey
 from shoal.workers.snapshot import DataRef, ModelRef, OptimizerConf
 from shoal.workers.wire import Wire, send
 from shoal.workers.zoo.data import make_data

@@ -3,7 +3,8 @@
 Without rematerialization, its input and its output (the autograd graph between them);
 with it (activation checkpointing, as in GPipe), only its input and how to redo the
 forward: the function and the random-number state it ran under, so the recomputed forward
-is the same, dropout included.
+is the same, dropout included. Either way the RNG states are kept, so another process can
+take the micro-batch on exactly (a SHARP shard handed over, or rebuilt after a loss).
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ class Kept:
     input: Tensor
     output: Tensor | Replay
     is_loss: bool
+    ran: RngStates
+    """The RNG states its forward ran under."""
 
     def graph(self) -> Tensor:
         """The output under autograd: kept, or recomputed from the input."""
@@ -75,16 +78,15 @@ class InFlight:
             raise StageStateError(f"stage {self.stage} already holds micro-batch {mb}")
         if input_grad:
             inp.requires_grad_()
+        cuda = self._device.type == "cuda"
+        ran = (torch.get_rng_state(), torch.cuda.get_rng_state(self._device) if cuda else None)
         if not self._recompute:
             out = run(inp)
-            self._kept[mb] = Kept(inp, out, is_loss)
+            self._kept[mb] = Kept(inp, out, is_loss, ran)
             return out
-        cuda = self._device.type == "cuda"
-        cuda_rng = torch.cuda.get_rng_state(self._device) if cuda else None
-        replay = Replay(run, self._device, torch.get_rng_state(), cuda_rng)
         with torch.no_grad():
             out = run(inp)
-        self._kept[mb] = Kept(inp, replay, is_loss)
+        self._kept[mb] = Kept(inp, Replay(run, self._device, *ran), is_loss, ran)
         return out
 
     def hold(
@@ -97,16 +99,16 @@ class InFlight:
         is_loss: bool,
         input_grad: bool,
     ) -> None:
-        """Keep micro-batch ``mb``'s input as if ``run(inp)`` had run here under the RNG
-        states ``ran`` (it ran in another process: a SHARP shard handed over), computing
-        nothing: with rematerialization its backward recomputes the forward anyway."""
-        if not self._recompute:
-            raise StageStateError(f"stage {self.stage} keeps graphs: a forward must run here")
+        """Keep micro-batch ``mb`` as if ``run(inp)`` had run here under the RNG states
+        ``ran`` (it ran in another process: a SHARP shard handed over or rebuilt). With
+        rematerialization that computes nothing (its backward recomputes the forward
+        anyway); without, the forward runs again under ``ran``: the same graph."""
         if mb in self._kept:
             raise StageStateError(f"stage {self.stage} already holds micro-batch {mb}")
         if input_grad:
             inp.requires_grad_()
-        self._kept[mb] = Kept(inp, Replay(run, self._device, *ran), is_loss)
+        replay = Replay(run, self._device, *ran)
+        self._kept[mb] = Kept(inp, replay if self._recompute else replay.run(inp), is_loss, ran)
 
     def take(self, mb: int, *, upstream: bool) -> Kept:
         """Micro-batch ``mb``'s keepings, for its backward (``upstream``: the output's
@@ -120,18 +122,20 @@ class InFlight:
             )
         return kept
 
-    def inputs(self) -> dict[int, tuple[Tensor, bool, RngStates | None]]:
-        """Each micro-batch in flight's input (detached), whether it ends in the loss and,
-        with rematerialization, the RNG states its forward ran under: what another process
-        needs to run its backward (a SHARP shard handed over)."""
-        return {
-            mb: (
-                k.input.detach(),
-                k.is_loss,
-                None if isinstance(k.output, Tensor) else (k.output.cpu_rng, k.output.cuda_rng),
-            )
-            for mb, k in sorted(self._kept.items())
-        }
+    def inputs(self) -> dict[int, tuple[Tensor, bool, RngStates]]:
+        """Each micro-batch in flight's input (detached), whether it ends in the loss and
+        the RNG states its forward ran under: what another process needs to run its
+        backward (a SHARP shard handed over)."""
+        return {mb: (k.input.detach(), k.is_loss, k.ran) for mb, k in sorted(self._kept.items())}
+
+    def rng_states(self) -> dict[int, RngStates]:
+        """The RNG states each micro-batch in flight's forward ran under."""
+        return {mb: k.ran for mb, k in sorted(self._kept.items())}
+
+    @property
+    def keeps_graphs(self) -> bool:
+        """Its micro-batches keep their autograd graphs (no rematerialization)."""
+        return not self._recompute
 
     def require_none(self, before: str) -> None:
         """Refuse ``before`` (what would come next) while micro-batches are in flight."""

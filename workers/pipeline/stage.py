@@ -138,10 +138,12 @@ class Stage:
     def hold_tensor(
         self, mb: int, inp: Tensor, target: Tensor | None, scale: float, ran: RngStates
     ) -> None:
-        """Keep micro-batch ``mb``'s input for its backward, which recomputes the forward,
-        the forward having run in another process under ``ran`` (a SHARP hand-over)."""
+        """Keep micro-batch ``mb`` for its backward, its forward having run in another
+        process under ``ran`` (a SHARP shard handed over or rebuilt): with recomputation
+        only its input, else its graph, the forward run again here under ``ran``."""
         run, loss = self._head(target, scale), target is not None
-        self.in_flight.hold(mb, inp, run, ran, is_loss=loss, input_grad=not self.first)
+        with self._compute():
+            self.in_flight.hold(mb, inp, run, ran, is_loss=loss, input_grad=not self.first)
 
     def forward(self, mb: int, x: Wire) -> Wire:
         """Run micro-batch ``mb`` through the stage; the output goes to the next stage."""

@@ -15,8 +15,9 @@ from shoal.scheduler.sharp import ModelPlan, Op, Shard, ShardTask
 from shoal.workers.pipeline.recovery import copies_event
 from shoal.workers.pipeline.stage_types import StageSetup
 from shoal.workers.run_log import RunLog
-from shoal.workers.sharp.shard_host import ShardKey, Stashed
+from shoal.workers.sharp.ledger import Ledger
 from shoal.workers.sharp.shard_pool import Call, HostPool, await_all
+from shoal.workers.sharp.shard_types import ShardKey, Stashed
 from shoal.workers.snapshot import JobSnapshot, RunnerEvent, RunStatus, StepMetrics
 from shoal.workers.wire import Wire, send
 from shoal.workers.zoo.data import DataSource
@@ -89,6 +90,11 @@ class ModelRun:
     """The device seconds of the step under way's tasks: the copies' yardstick."""
     cadence: CopyCadence = field(init=False)
     """How often the copy is taken (``scheduler.copies``, at the model's budget)."""
+    task_copies: bool = False
+    """With copies due at every step, its tasks copy the step off the devices as they go
+    (``workers.sharp.ledger``): a lost device costs the tasks in flight, not the step."""
+    ledger: Ledger | None = None
+    """What the step under way's tasks copied off (``task_copies``), until its end."""
     lost: str | None = None
     """Why the model must roll back (a device holding a shard was lost), until it does."""
     placed: int = 0
@@ -141,7 +147,7 @@ class ModelRun:
     def restart(self, step: int) -> None:
         """Train on from the end of ``step`` (placed from a checkpoint, or rolled back)."""
         self.done = self.submitted = step * 2 * len(self.plan.shards)
-        self.carry, self.losses = None, []
+        self.carry, self.losses, self.ledger = None, [], None
 
     def submit(
         self,
@@ -157,6 +163,9 @@ class ModelRun:
         inputs from. A step's first task draws the step's batch (``clock``: its start)."""
         key = (self.snap.job_id, task.shard)
         plan, position = self.plan, self.submitted
+        if task.op is Op.FORWARD and task.shard == 0:
+            self._draw_batch(task.step, clock())
+        record = self.ledger is not None
         last = task.shard == len(plan.shards) - 1
         # A forward's activations go to the next shard's forward, a backward's gradients
         # to the shard before's backward; the last forward and the first backward, one
@@ -165,16 +174,14 @@ class ModelRun:
         after = plan.shard_at(position + 1).index if passes else None
         keep = position + 1 if after is not None and self.homes[after] == host else None
         if task.op is Op.FORWARD:
-            if task.shard == 0:
-                self._draw_batch(task.step, clock())
             if last:
                 args: tuple[Any, ...] = (self.carry, self.targets, self.scale, prefetch, keep)
             else:
                 args = (self.carry, None, 1.0, prefetch, keep)
-            call = pool.submit(host, "forward", key, *args)
+            call = pool.submit(host, "forward", key, *args, record)
         else:
             grads = [None] * self.snap.micro_batches if last else self.carry
-            call = pool.submit(host, "backward", key, grads, prefetch, keep)
+            call = pool.submit(host, "backward", key, grads, prefetch, keep, record)
         if keep is not None:
             self.carry = Stashed(keep)
         else:
@@ -189,6 +196,8 @@ class ModelRun:
         rows = snap.batch_size // snap.micro_batches
         self.carry = [send(inputs[j * rows : (j + 1) * rows]) for j in range(snap.micro_batches)]
         self.targets = [send(targets[j * rows : (j + 1) * rows]) for j in range(snap.micro_batches)]
+        every_step = snap.keep_copies and self.cadence.interval == 1
+        self.ledger = Ledger(step, list(self.carry)) if self.task_copies and every_step else None
         self.losses = []
         self.step_started = now
         self.step_compute_s = 0.0
@@ -221,10 +230,16 @@ class ModelRun:
         # Its taking, and its way here: on a node whose cores train too, both cost them.
         copying.seconds += seconds + max(0.0, time.time() - finished)
         if not copying.calls:
-            self.saved, self.copying = (copying.step, copying.blocks), None
-            self.cadence.observe_copy(copying.seconds)
-            if self.cadence.plan():
-                self.record(copies_event(self.cadence, self.step))
+            self.copying = None
+            self.keep_copy(copying.step, copying.blocks, copying.seconds)
+
+    def keep_copy(self, step: int, blocks: dict[int, Any], seconds: float) -> None:
+        """``blocks`` are every block's states after ``step`` steps, a copy that took
+        ``seconds``: the model's copy now, and a measure of the copies' cost."""
+        self.saved = (step, blocks)
+        self.cadence.observe_copy(seconds)
+        if self.cadence.plan():
+            self.record(copies_event(self.cadence, self.step))
 
     def saved_at(self, step: int) -> dict[int, Any] | None:
         """Its copy in this process (``saved``), if that is of ``step``."""
@@ -263,6 +278,17 @@ class ModelRun:
         return pool.submit(
             host, "add", key, setup, shard.blocks, shard.bytes, part(shard, blocks), again
         )
+
+    def take(
+        self, pool: HostPool, host: int, shard: Shard, handover: Any, *, again: bool = False
+    ) -> Call:
+        """Have ``host`` hold ``shard`` as ``handover`` (a ``Handover``, or a handle to one
+        another host gives) has it (``again`` as in ``add``)."""
+        setup = StageSetup.of(self.snap, self.data.meta)
+        key, last = (self.snap.job_id, shard.index), shard.index == len(self.plan.shards) - 1
+        targets = self.targets if last else None
+        args = (setup, shard.blocks, shard.bytes, handover, targets, self.scale, again)
+        return pool.submit(host, "take", key, *args)
 
     def placement(self, devices: Sequence[Device]) -> RunnerEvent:
         """The event that says where its shards are."""
@@ -304,16 +330,28 @@ class ModelRun:
         step: int,
         replayed: int,
         bound: int,
+        *,
+        redone: int | None = None,
     ) -> None:
         """Record that it lost the devices ``gone`` (``reason``) and rolled back to ``step``,
-        replaying ``replayed`` steps (at most ``bound`` by its copies' interval)."""
+        replaying ``replayed`` steps (at most ``bound`` by its copies' interval); or, with
+        ``redone``, that it picked up at its next task of the step under way from what its
+        tasks copied off (``workers.sharp.ledger``), ``redone`` tasks in flight running
+        again."""
         lost = ", ".join(gone)
+        if redone is None:
+            whence = f"restoring step {step} from the copy in host memory"
+        else:
+            task = self.plan.task(self.done)
+            whence = (
+                f"picking up at {task.op.value} {task.shard} of step {step + 1} from the"
+                f" copies its tasks made ({redone} tasks in flight run again)"
+            )
         self.record(
             RunnerEvent(
                 "device_lost",
                 self.step,
-                f"lost {lost} ({reason}); restoring step {step} from the copy in host memory"
-                f" ({replayed} steps replayed)",
+                f"lost {lost} ({reason}); {whence} ({replayed} steps replayed)",
                 {
                     "devices": list(gone),
                     "step": self.step,
@@ -321,6 +359,7 @@ class ModelRun:
                     "steps_replayed": replayed,
                     "copy_interval": self.cadence.interval,
                     "most_replayed": bound,
+                    **({} if redone is None else {"tasks_redone": redone}),
                 },
             )
         )

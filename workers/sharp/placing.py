@@ -1,7 +1,7 @@
 """Where a model's shards live in the SHARP executor: on its arrival, cut into shards for
 the smallest device, given homes and restored from its latest checkpoint; moved whole
 to another device; after a loss, the shards of lost devices given new homes and every
-shard put back to one step."""
+shard put back to one step, or to the model's last task done."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from shoal.scheduler.sharp import ModelPlan, shard_model
 from shoal.workers.checkpoint_events import resumed_event
 from shoal.workers.checkpoints import CheckpointStore
 from shoal.workers.sharp.homes import Homes
+from shoal.workers.sharp.ledger import Ledger
 from shoal.workers.sharp.models import Blocks, ModelRun
 from shoal.workers.sharp.shard_pool import Call, HostPool
 from shoal.workers.snapshot import JobSnapshot, RunStatus
@@ -55,16 +56,34 @@ def rehome(model: ModelRun, homes: Homes, pool: HostPool, blocks: Blocks | None)
     (``Homes.place``), and every shard goes back to its states in ``blocks`` (a step's, or
     None: built from the seed again, as when it was placed), whatever its device holds of
     it (a hand-over to it may have been cut short). The calls that do it."""
-    shards = model.plan.shards
-    orphans = [s for s in shards if not homes.alive(model.homes[s.index])]
-    places = homes.place(orphans, model.snap.steps)
-    moved = {s.index: host for s, host in zip(orphans, places, strict=True)}
-    calls = []
-    for shard in shards:
-        if not homes.alive(model.homes[shard.index]):
-            model.homes[shard.index] = moved[shard.index]
-        calls.append(model.add(pool, model.homes[shard.index], shard, blocks, again=True))
-    return calls
+    _place_orphans(model, homes)
+    return [model.add(pool, model.homes[s.index], s, blocks, again=True) for s in model.plan.shards]
+
+
+def pick_up(
+    model: ModelRun, homes: Homes, pool: HostPool, ledger: Ledger, start: Blocks
+) -> list[Call]:
+    """After a loss mid-step: as ``rehome``, but every shard goes back to where the model's
+    tasks done have left it (``Ledger.handover``, from ``start``: the step's first
+    states), so it picks up at its next task. The calls that do it."""
+    _place_orphans(model, homes)
+    return [
+        model.take(
+            pool,
+            model.homes[s.index],
+            s,
+            ledger.handover(model.plan, model.done, s, start),
+            again=True,
+        )
+        for s in model.plan.shards
+    ]
+
+
+def _place_orphans(model: ModelRun, homes: Homes) -> None:
+    """``model``'s shards on lost devices get homes on the least loaded live ones."""
+    orphans = [s for s in model.plan.shards if not homes.alive(model.homes[s.index])]
+    for shard, host in zip(orphans, homes.place(orphans, model.snap.steps), strict=True):
+        model.homes[shard.index] = host
 
 
 def move(model: ModelRun, homes: Homes, pool: HostPool, there: int, blocks: Blocks) -> list[Call]:

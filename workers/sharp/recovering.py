@@ -1,7 +1,9 @@
 """What a lost device costs the SHARP executor's models (``workers.sharp.runner``): every
-model with a shard there rolls back to its last copy (the steps since, at most the step
-under way), its shards on lost devices re-homed on the live ones; one whose move or
-hand-over a loss cut short rolls back the same way, wherever its shards got to."""
+model with a shard there picks up at its next task where its tasks copy the step off the
+devices as they go (``workers.sharp.ledger``: the tasks in flight run again), else rolls
+back to its last copy (the steps since, at most the step under way); its shards on lost
+devices re-homed on the live ones either way. One whose move or hand-over a loss cut short
+does the same, wherever its shards got to."""
 
 from __future__ import annotations
 
@@ -12,8 +14,9 @@ from shoal.scheduler.copies import most_replayed
 from shoal.scheduler.devices import Device
 from shoal.workers.sharp.checkpointing import CheckpointThread
 from shoal.workers.sharp.homes import Homes
-from shoal.workers.sharp.models import ModelRun
-from shoal.workers.sharp.placing import rehome
+from shoal.workers.sharp.ledger import Ledger
+from shoal.workers.sharp.models import Blocks, ModelRun
+from shoal.workers.sharp.placing import pick_up, rehome
 from shoal.workers.sharp.shard_pool import Call, HostLost, HostPool, InputLost, await_all
 from shoal.workers.sharp.shard_worker import ShardFailed
 from shoal.workers.sharp.trading import Trading
@@ -76,20 +79,24 @@ class Recovering:
                 self._roll_back(pool, model)
 
     def _roll_back(self, pool: HostPool, model: ModelRun, left: Sequence[int] = ()) -> None:
-        """Re-form ``model`` from its last copy: the shards of lost devices move to the
-        least loaded live ones, every shard reloads its state of that step, and the model
-        runs on from there (Hydra's promise: a lost device costs its in-flight task; here
-        the steps since the copy, at most the step under way). ``left``: a device it was
-        moving from, lost with the shards it had there."""
+        """Re-form ``model`` after a loss: the shards of lost devices move to the least
+        loaded live ones, and every shard goes back to where the model's tasks done left it
+        when they copied the step off as they went (``_pick_up``: Hydra's promise, a lost
+        device costs the tasks in flight), else to its state of the last copy, the model
+        running on from there (the steps since, at most the copies' interval). ``left``:
+        a device it was moving from, lost with the shards it had there."""
         self._trading.call_off(model, self._models)
         gone = self._homes.lost([*model.homes, *left, *model.left])
         model.left.clear()
+        ledger, saved, live = model.ledger, model.saved, self._homes.live()
+        if ledger and saved and live and ledger.covers(model.plan, model.done, saved):
+            self._pick_up(pool, model, ledger, saved[1], gone)  # mid-step, copied task by task
+            return
         taken, before = model.saved[0] if model.saved else None, None
         if model.copying is not None:  # on its way: the loss may have cut it short
             taken, before = model.copying.step, taken
         bound = most_replayed(model.cadence.interval, taken, before)
         reason, model.lost, model.copying = model.lost, None, None
-        live = self._homes.live()
         copy: tuple[int, dict[int, Any] | None] | None = model.saved
         if copy is None and model.done == model.placed:  # nothing trained since placement
             copy = (model.step, model.origin)
@@ -111,3 +118,21 @@ class Recovering:
         replayed = model.step - step
         model.restart(step)
         model.recovered(self._devices, gone, reason or "", step, replayed, bound)
+
+    def _pick_up(
+        self, pool: HostPool, model: ModelRun, ledger: Ledger, start: Blocks, gone: list[str]
+    ) -> None:
+        """``model`` goes on from its last task done, each shard as the tasks done left it
+        (``placing.pick_up``, ``start``: the step's first states): only its tasks in flight
+        run again."""
+        reason, model.lost, model.copying = model.lost, None, None
+        try:
+            await_all(pool, pick_up(model, self._homes, pool, ledger, start), self._timeout)
+        except HostLost as exc:  # another device went meanwhile: its models roll back too
+            model.lost = str(exc)
+            self._lose(pool, self._homes.host_of(exc.device_id), str(exc))
+            return
+        redone, model.submitted = model.submitted - model.done, model.done
+        model.carry = ledger.carry(model.plan, model.done)
+        interval = model.cadence.interval
+        model.recovered(self._devices, gone, reason or "", model.step, 0, interval, redone=redone)

@@ -45,7 +45,6 @@ from shoal.workers.sharp.measuring import Measurements
 from shoal.workers.sharp.models import ModelRun, Task
 from shoal.workers.sharp.placing import arrive, move
 from shoal.workers.sharp.recovering import Recovering
-from shoal.workers.sharp.shard_host import ShardKey, TaskResult
 from shoal.workers.sharp.shard_pool import (
     Call,
     HostLost,
@@ -54,6 +53,7 @@ from shoal.workers.sharp.shard_pool import (
     PoolFactory,
     await_all,
 )
+from shoal.workers.sharp.shard_types import ShardKey, TaskResult
 from shoal.workers.sharp.shard_worker import ShardFailed
 from shoal.workers.sharp.trading import Trading
 from shoal.workers.snapshot import JobSnapshot, RunnerReport, RunStatus, StepMetrics
@@ -78,6 +78,7 @@ class SharpTrainer(Recovering):
         policy: Policy = Policy.LRTF,
         prefetch: bool = True,
         trades: bool = False,
+        task_copies: bool = True,
         keep_open: bool = False,
         task_timeout_s: float = DEFAULT_TASK_TIMEOUT_S,
         clock: Callable[[], float] = time.perf_counter,
@@ -99,6 +100,7 @@ class SharpTrainer(Recovering):
         self._dispatched = 0
         self._homes = Homes(self._devices, spread=trades)
         self._trades = trades
+        self._task_copies = task_copies
         self._trading = Trading(self._homes)
         self._measures = Measurements()
         self._in_flight: dict[Call, Task] = {}
@@ -257,6 +259,7 @@ class SharpTrainer(Recovering):
         into their devices' memory."""
         smallest = min(self._budgets[d.id] for d in self._devices)
         model = arrive(snap, smallest, len(self._models), self._homes)
+        model.task_copies = self._task_copies
         with self._lock:
             self._models[snap.job_id] = model
         if model.status is RunStatus.LOST:
@@ -342,15 +345,19 @@ class SharpTrainer(Recovering):
         model.step_compute_s += result.compute_s
         if result.losses:
             model.losses = result.losses
+        if result.record is not None and model.ledger is not None:
+            model.ledger.add(model.plan, model.done, result.record, time.time())
         model.done += 1
         if task.op is Op.BACKWARD and task.shard == 0:
             self._finish_step(pool, model, task.step + 1)
 
     def _finish_step(self, pool: HostPool, model: ModelRun, step: int) -> None:
         """Record ``step``, and take its copy (``keep_copies``) where one is due: as often
-        as its measured cost allows (``scheduler.copies``). The shards' hosts take the copy
-        while the executor dispatches on (``_copied``); a loss replays the steps since the
-        last whole copy. A checkpoint's gather is waited for, and is the copy too."""
+        as its measured cost allows (``scheduler.copies``). Its tasks took it as they went
+        when that is at every step (``workers.sharp.ledger``); else the shards' hosts take
+        it while the executor dispatches on (``_copied``), and a loss replays the steps
+        since the last whole copy. A checkpoint's gather is waited for, and is the copy
+        too."""
         snap = model.snap
         model.left.clear()
         elapsed = self._clock() - model.step_started
@@ -362,8 +369,14 @@ class SharpTrainer(Recovering):
             and model.copying is None
             and model.cadence.steps_to_next(model.saved[0] if model.saved else None, step) == 0
         )
+        ledger, model.ledger = model.ledger, None
+        taken = None if ledger is None else ledger.copy(model.plan)
+        if snap.keep_copies:
+            model.cadence.observe_step(model.step_compute_s)
         blocks: dict[int, Any] = {}
-        if due:
+        if taken is not None:  # its tasks took the copy: the checkpoint's states too
+            blocks, model.copying = (taken if due else {}), None
+        elif due:
             try:
                 blocks = model.gather(pool, self._timeout)
             except HostLost as exc:  # a shard's device went between the step and the gather
@@ -373,8 +386,6 @@ class SharpTrainer(Recovering):
                 model.saved, model.copying = (step, blocks), None
         elif copy_due:
             self._copy_calls.update(dict.fromkeys(model.start_copy(pool, step), model))
-        if snap.keep_copies:
-            model.cadence.observe_step(model.step_compute_s)
         model.record(
             StepMetrics(
                 step=step,
@@ -384,6 +395,8 @@ class SharpTrainer(Recovering):
                 stages=(),
             ),
         )
+        if taken is not None and ledger is not None:
+            model.keep_copy(step, taken, ledger.seconds)
         if leave:
             model.leaving = True
             self._inbox.suspended(snap.job_id)

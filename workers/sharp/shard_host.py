@@ -32,7 +32,7 @@ import os
 import time
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -44,60 +44,22 @@ from shoal.workers.pipeline.stage import Stage
 from shoal.workers.pipeline.stage_types import StageSetup, StageStateError, torch_device
 from shoal.workers.sharp.pinned import PinnedState
 from shoal.workers.sharp.saved import MovableSaves
+from shoal.workers.sharp.shard_types import (
+    Handover,
+    Inputs,
+    Outputs,
+    Record,
+    Replays,
+    ShardKey,
+    Stashed,
+    TaskResult,
+)
 from shoal.workers.snapshot import StagePlan
 from shoal.workers.wire import Wire, receive, receive_tree, send, send_tree
-
-ShardKey = tuple[str, int]
-"""(model id, shard index)."""
 
 
 class BudgetError(RuntimeError):
     """A shard cannot fit the device's budget even alone (a planning bug, never user input)."""
-
-
-@dataclass(frozen=True)
-class TaskResult:
-    """What a shard task tells the executor: the losses of a last shard's micro-batches,
-    the compute seconds it took and the bytes it promoted. Its outputs, the tensors of the
-    model's next task, go apart (``Outputs``): straight to the next task's host on Ray."""
-
-    losses: list[float]
-    compute_s: float
-    promoted_bytes: int
-
-
-Outputs = list[Wire | None]
-"""A shard task's tensors for the model's next task, one per micro-batch."""
-
-
-@dataclass(frozen=True)
-class Stashed:
-    """A task's inputs are the outputs of the model's task at ``position`` - 1, which ran on
-    this same host and left them in its stash (``keep``): on the device, never serialized."""
-
-    position: int
-
-
-Inputs = Sequence[Wire | None] | Stashed
-"""What a shard task computes from: tensors sent to it, or what the host's stash holds."""
-
-
-@dataclass(frozen=True)
-class Handover:
-    """A shard on its way to another host between two of its model's tasks (a trade of
-    places, ``give`` to ``take``): its blocks' states; the inputs of the micro-batches it
-    ran forward and not yet backward, whether they end in the loss and, with
-    rematerialization, the RNG states each forward ran under (its backward recomputes the
-    forward where it goes; without, an autograd graph cannot leave its process, so the
-    forward runs again there from the same parameters and input: the same graph); and the
-    outputs its host kept for the model's next task (by that task's position), when that
-    task is this shard's."""
-
-    state: dict[int, Any]
-    inputs: dict[int, Wire]
-    loss: bool
-    stash: tuple[int, list[Wire | None]] | None
-    replays: dict[int, tuple[Wire, Wire | None]] = field(default_factory=dict)
 
 
 class ShardHost:
@@ -206,7 +168,7 @@ class ShardHost:
             {mb: send(x) for mb, (x, _, _) in kept.items()},
             any(loss for _, loss, _ in kept.values()),
             None if stashed is None else (stashed, [_send(t) for t in outputs]),
-            {mb: (send(r[0]), _send(r[1])) for mb, (_, _, r) in kept.items() if r is not None},
+            _replays({mb: ran for mb, (_, _, ran) in kept.items()}),
         )
         self._forget(key)
         return handover, stage.nbytes() + sum(t.numel() * t.element_size() for t in sent)
@@ -220,31 +182,32 @@ class ShardHost:
         handover: Handover,
         targets: Sequence[Wire] | None = None,
         scale: float = 1.0,
+        again: bool = False,
     ) -> int:
-        """Hold shard ``key`` as another host handed it over (``give``): its states loaded,
-        each micro-batch in flight kept for its backward (``targets`` and ``scale``: the
-        loss's, the model's last shard's), its forward run again here unless the backward
-        recomputes it, and the outputs kept for its model's next task kept here. The bytes
-        it takes on the device, as ``add``."""
+        """Hold shard ``key`` as ``handover`` has it (another host's ``give``, or the
+        executor's rebuild after a loss): its states loaded, each micro-batch in flight
+        kept for its backward (``targets`` and ``scale``: the loss's, the model's last
+        shard's), its forward run again here under the RNG it first ran under unless the
+        backward recomputes it, and the outputs kept for its model's next task kept here.
+        The bytes it takes on the device, as ``add`` (``again`` as there)."""
         if handover.loss and targets is None:
             raise StageStateError(f"shard {key} is handed over mid-loss without its targets")
-        size = self.add(key, setup, blocks, planned, handover.state)
+        missing = sorted(set(handover.inputs) - set(handover.replays))
+        if missing:
+            raise StageStateError(f"shard {key} is handed over without the RNG of {missing}")
+        size = self.add(key, setup, blocks, planned, handover.state, again)
         stage, host = self._shards[key], self._host
-        if handover.inputs and not handover.replays:
+        graphs = stage.in_flight.keeps_graphs
+        if handover.inputs and graphs:
             self._begin(key, None)  # their forwards run again here, on the device
         with self._saves[key].hooks():
             for mb, wire in sorted(handover.inputs.items()):
                 x = receive(wire, self._target)
                 y = receive(targets[mb], self._target) if targets and handover.loss else None
-                if mb in handover.replays:
-                    cpu, cuda = handover.replays[mb]
-                    ran = (receive(cpu, host), None if cuda is None else receive(cuda, host))
-                    stage.hold_tensor(mb, x, y, scale, ran)
-                elif y is None:
-                    stage.forward_tensor(mb, x)
-                else:
-                    stage.loss_tensor(mb, x, y, scale)
-        if handover.replays:  # the inputs stay on the device, as a demoted shard's do
+                cpu, cuda = handover.replays[mb]
+                ran = (receive(cpu, host), None if cuda is None else receive(cuda, host))
+                stage.hold_tensor(mb, x, y, scale, ran)
+        if handover.inputs and not graphs:  # they stay on the device, as a demoted shard's do
             self._residue[key] = stage.in_flight.nbytes()
         if handover.stash is not None:
             position, outputs = handover.stash
@@ -296,24 +259,30 @@ class ShardHost:
         scale: float = 1.0,
         prefetch: ShardKey | None = None,
         keep: int | None = None,
+        record: bool = False,
     ) -> tuple[Outputs, TaskResult]:
         """Run every micro-batch through shard ``key``, keeping what its backward needs:
         the outputs are the next shard's inputs; on the model's last shard (``targets``
         given) there are none, and the losses, ``scale`` times the mean, are in the result.
         ``keep``: the position of the model's next task, which runs on this host too: the
-        outputs stay here for it (``Stashed``) instead of leaving."""
+        outputs stay here for it (``Stashed``) instead of leaving. ``record``: the result
+        carries copies of the outputs and the forwards' RNG states (``Record``)."""
         stage, promoted = self._begin(key, prefetch)
         xs = _every(self._take(key[0], inputs, stage), key)
         with self._saves[key].hooks():
             if targets is None:
                 outputs = [stage.forward_tensor(j, x) for j, x in enumerate(xs)]
                 handed = self._hand_on(key[0], outputs, keep, copy=True)
-                return handed, TaskResult([], stage.lap().compute_s, promoted)
+                compute_s = stage.lap().compute_s
+                kept = self._record(stage, outputs, None) if record else None
+                return handed, TaskResult([], compute_s, promoted, kept)
             ys = [receive(y, stage.device) for y in targets]
             pairs = zip(xs, ys, strict=True)
             losses = [stage.loss_tensor(j, x, y, scale) for j, (x, y) in enumerate(pairs)]
         values = torch.stack(losses).tolist()  # the task's one read of the device
-        return [], TaskResult([float(v) for v in values], stage.lap().compute_s, promoted)
+        compute_s = stage.lap().compute_s
+        kept = self._record(stage, [], None) if record else None
+        return [], TaskResult([float(v) for v in values], compute_s, promoted, kept)
 
     def backward(
         self,
@@ -321,17 +290,35 @@ class ShardHost:
         grads: Inputs,
         prefetch: ShardKey | None = None,
         keep: int | None = None,
+        record: bool = False,
     ) -> tuple[Outputs, TaskResult]:
         """Backpropagate every micro-batch through shard ``key`` from its output gradients
         (None on the last shard: from the losses), then apply the shard's step; the outputs
-        are the gradients of its inputs (kept here for the next task as in ``forward``)."""
+        are the gradients of its inputs (kept here for the next task as in ``forward``).
+        ``record``: the result carries copies of the outputs and the stepped shard's
+        states (``Record``)."""
         stage, promoted = self._begin(key, prefetch)
         upstream = self._take(key[0], grads, stage)
         outputs = [stage.backward_tensor(j, g) for j, g in enumerate(upstream)]
         clock = stage.apply_step()
-        return self._hand_on(key[0], outputs, keep, copy=False), TaskResult(
-            [], clock.compute_s, promoted
-        )
+        handed = self._hand_on(key[0], outputs, keep, copy=False)
+        kept = self._record(stage, outputs, stage.state()) if record else None
+        return handed, TaskResult([], clock.compute_s, promoted, kept)
+
+    def _record(
+        self,
+        stage: Stage,
+        outputs: Sequence[torch.Tensor | None],
+        state: dict[int, Any] | None,
+    ) -> Record:
+        """A task's ``Record``: copies of its outputs in wire form, the RNG states of the
+        micro-batches its shard holds in flight (a forward's), and ``state``'s blocks in
+        wire form."""
+        started = time.perf_counter()
+        sent = [None if t is None else send(t.detach().to("cpu", copy=True)) for t in outputs]
+        replays = _replays(stage.in_flight.rng_states()) if state is None else {}
+        states = None if state is None else send_tree(state)
+        return Record(sent, replays, states, time.perf_counter() - started, time.time())
 
     def _take(self, model: str, inputs: Inputs, stage: Stage) -> list[torch.Tensor | None]:
         """A task's input tensors on the device: from the stash, or received."""
@@ -462,6 +449,10 @@ def _every(tensors: Sequence[torch.Tensor | None], key: ShardKey) -> list[torch.
 
 def _send(tensor: torch.Tensor | None) -> Wire | None:
     return None if tensor is None else send(tensor)
+
+
+def _replays(states: Mapping[int, tuple[torch.Tensor, torch.Tensor | None]]) -> Replays:
+    return {mb: (send(cpu), _send(cuda)) for mb, (cpu, cuda) in states.items()}
 
 
 def _parameters(stage: Stage) -> list[torch.Tensor]:

@@ -11,8 +11,9 @@ other lived. A loss, an end or a stop of either calls the trade off.
 
 A model goes by handing each of its shards over (``ShardHost.give`` to ``take``), queued
 behind its tasks on the device it leaves and ahead of its next on the one it goes to: the
-outputs kept for that task go along, and the forwards whose backward is still to come run
-again there from their inputs, so no device waits for this loop and the math is the same.
+outputs kept for that task go along, and the forwards whose backward is still to come go
+as their inputs and RNG states (run again there when the shard keeps graphs), so no device
+waits for this loop and the math is the same.
 """
 
 from __future__ import annotations
@@ -20,11 +21,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 
 from shoal.scheduler.sharp_homes import hand_over_now, trade_target
-from shoal.workers.pipeline.stage_types import StageSetup
 from shoal.workers.sharp.homes import Homes
 from shoal.workers.sharp.models import ModelRun, Task, Trade
-from shoal.workers.sharp.shard_host import Stashed
 from shoal.workers.sharp.shard_pool import Call, HostPool
+from shoal.workers.sharp.shard_types import Stashed
 
 
 class Trading:
@@ -117,14 +117,10 @@ class Trading:
         here, snap, plan = model.homes[0], model.snap, model.plan
         at = model.submitted
         owner = plan.shard_at(at).index if isinstance(model.carry, Stashed) else None
-        setup = StageSetup.of(snap, model.data.meta)
         for shard in plan.shards:
-            key = (snap.job_id, shard.index)
             stashed = model.carry.position if shard.index == owner else None
-            give = pool.submit(here, "give", key, stashed)
-            targets = model.targets if shard.index == len(plan.shards) - 1 else None
-            args = (setup, shard.blocks, shard.bytes, pool.outputs(give), targets, model.scale)
-            take = pool.submit(there, "take", key, *args)
+            give = pool.submit(here, "give", (snap.job_id, shard.index), stashed)
+            take = model.take(pool, there, shard, pool.outputs(give))
             self.calls[give] = self.calls[take] = model
         self._homes.move(model, there)
         model.left.add(here)

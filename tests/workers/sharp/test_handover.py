@@ -11,7 +11,8 @@ import torch
 
 from shoal.scheduler.sharp import ModelPlan, Op, Shard
 from shoal.workers.pipeline.stage_types import StageSetup, StageStateError
-from shoal.workers.sharp.shard_host import Handover, Inputs, ShardHost, Stashed
+from shoal.workers.sharp.shard_host import ShardHost
+from shoal.workers.sharp.shard_types import Handover, Inputs, Stashed
 from shoal.workers.wire import Wire, receive_tree, send
 from shoal.workers.zoo.data import make_data
 from tests.workers.sharp.test_sharp_runner import devices, model
@@ -103,7 +104,7 @@ def test_a_last_shard_handed_over_between_its_loss_and_its_backward_needs_the_ta
     snap = model(tmp_path, "a")
     data = make_data(snap.data, snap.seed)
     setup = StageSetup.of(snap, data.meta)
-    handover = Handover({}, {0: send(torch.zeros(4, 16))}, True, None)
+    handover = Handover({}, {0: send(torch.zeros(4, 16))}, True, None, {})
     host = ShardHost(devices()[1], 2**40)
     with pytest.raises(StageStateError, match="mid-loss without its targets"):
         host.take(("a", 2), setup, (4, 6), 0, handover)

@@ -1,0 +1,97 @@
+"""A device lost mid-step costs the SHARP executor's models the tasks in flight, not the
+step: with copies at every step their tasks copy the step off the devices as they go
+(``workers.sharp.ledger``), and the models pick up at their next task, exactly."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from shoal.scheduler.sharp import ModelPlan, Shard
+from shoal.workers.sharp.ledger import Ledger
+from shoal.workers.sharp.shard_types import Record
+from shoal.workers.snapshot import RunStatus
+from tests.workers.sharp.test_sharp_runner import (
+    LosingPool,
+    assert_alone,
+    budget_for_shards,
+    devices,
+    model,
+    train,
+)
+
+PLAN = ModelPlan("a", tuple(Shard(i, (2 * i, 2 * i + 2), 1.0, 2.0, 1, 1) for i in range(3)), 2)
+"""Three shards of two blocks; a step is tasks F0 F1 F2 B2 B1 B0 (positions 6-11 in step 1)."""
+
+
+def record(position: int) -> Record:
+    """A task's record whose every part names the task (its outputs, RNG, states)."""
+    task = PLAN.task(position)
+    state = {b: f"state {b} @{position}" for b in range(*PLAN.shards[task.shard].blocks)}
+    backward = task.op.value == "backward"
+    replays: Any = {} if backward else {0: (f"rng @{position}", None)}
+    outputs: Any = [f"out @{position}"]
+    return Record(outputs, replays, state if backward else None, 0.5, 100.0 + position)
+
+
+@pytest.mark.unit
+def test_the_ledger_rebuilds_each_shard_as_the_tasks_done_left_it() -> None:
+    start = {b: f"state {b} @start" for b in range(6)}
+    ledger = Ledger(1, ["batch"])  # type: ignore[list-item]
+    for position in range(6, 11):  # every task of step 1 but the last (B0)
+        ledger.add(PLAN, position, record(position), 100.0 + position)
+    # Picking up before B1 (position 10): B2 stepped shard 2; shards 0 and 1 still hold
+    # their forwards, whose inputs are the batch and F0's outputs.
+    assert ledger.covers(PLAN, 10, (1, start)) and not ledger.covers(PLAN, 10, (0, start))
+    assert not ledger.covers(PLAN, 12, (1, start))  # the step's end: a step boundary
+    zero, one, two = (ledger.handover(PLAN, 10, s, start) for s in PLAN.shards)
+    assert zero.state == {0: "state 0 @start", 1: "state 1 @start"}
+    assert zero.inputs == {0: "batch"} and zero.replays == {0: ("rng @6", None)}
+    assert one.inputs == {0: "out @6"} and not one.loss
+    assert two.state == {4: "state 4 @9", 5: "state 5 @9"} and two.inputs == {}
+    assert ledger.carry(PLAN, 10) == ["out @9"]  # B2's gradients
+    # Before B2 (position 9) the last shard holds its loss's forward and takes no input.
+    assert ledger.handover(PLAN, 9, PLAN.shards[2], start).loss
+    assert ledger.carry(PLAN, 9) is None
+    assert ledger.copy(PLAN) is None  # B0's states are still to come
+    ledger.add(PLAN, 11, record(11), 111.25)  # a quarter of a second on its way
+    assert ledger.copy(PLAN) == {b: f"state {b} @{11 - b // 2}" for b in range(6)}
+    assert ledger.seconds == 3.25
+    with pytest.raises(ValueError, match="not 1"):
+        ledger.add(PLAN, 12, record(12), 112.0)
+
+
+class MidStepLosingPool(LosingPool):
+    lose_at = 30  # a few steps in, mid-step
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("recompute", [True, False])
+def test_a_device_lost_mid_step_costs_only_the_tasks_in_flight_and_the_math_stays_exact(
+    tmp_path: Path, recompute: bool
+) -> None:
+    """Device 0 is lost mid-step: each model with shards there picks up at its next task
+    on the device left (no step replayed, no step recorded twice), its shards rebuilt from
+    the copies its tasks made (their forwards' inputs and RNG; run again where they keep
+    graphs), and trains exactly as alone."""
+    snaps = [
+        model(tmp_path, "a", steps=6, keep_copies=True, copy_budget=1.0, recompute=recompute),
+        model(tmp_path, "b", seed=9, steps=6, keep_copies=True, copy_budget=1.0),
+    ]
+    trainer = train(snaps, MidStepLosingPool, budget_for_shards(snaps[0], 3))
+    dead = devices()[0].id
+    picked = []
+    for snap in snaps:
+        report = trainer.report(snap.job_id, 0)
+        assert report.status is RunStatus.SUCCEEDED, report.error
+        for lost in [e for e in report.events if e.kind == "device_lost"]:
+            assert lost.data["devices"] == [dead] and lost.data["steps_replayed"] == 0, lost
+            assert lost.data["resume_step"] == lost.data["step"], lost
+            assert "picking up at" in lost.message and lost.data["tasks_redone"] >= 0, lost
+            picked.append(lost)
+        assert [m.step for m in report.metrics] == list(range(1, 7))  # none replayed
+        assert_alone(snap, [m.loss for m in report.metrics])
+    assert picked, "device 0 was never lost mid-step"
+    assert any(0 < e.step < 6 for e in picked), [e.data for e in picked]

@@ -1,0 +1,99 @@
+"""A model's step kept task by task off its devices, so a lost device costs the SHARP
+executor only the tasks in flight (Hydra's promise) instead of the step under way.
+
+While a model's copies are taken at every step (``scheduler.copies``: they fit its budget),
+each of its tasks copies off its device what the step so far depends on (``Record``): a
+forward's outputs and the RNG states its micro-batches ran under, a backward's output
+gradients and its shard's states after the step. With the copy of the step's start
+(``ModelRun.saved``), that is every shard as the tasks done have left it: those whose
+backward ran as it stepped them, the others as the step found them, each holding the
+micro-batches it ran forward and not yet backward (their inputs, the outputs of the
+forward before, and RNG states: ``Handover``). A model then picks up at its next task on
+whichever devices are left, and its math is the same. At the step's end every shard's
+states are in: they are the step's copy, and no other copy is taken.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from shoal.scheduler.sharp import ModelPlan, Op, Shard
+from shoal.workers.sharp.shard_types import Handover, Outputs, Record, Replays
+from shoal.workers.wire import Wire
+
+
+@dataclass
+class Ledger:
+    """What the tasks of one step of a model have copied off its devices so far."""
+
+    step: int
+    batch: list[Wire | None]
+    """The step's micro-batches: its first forward's inputs."""
+    outputs: dict[int, Outputs] = field(default_factory=dict)
+    """Each task's outputs for the task after it, by chain position."""
+    replays: dict[int, Replays] = field(default_factory=dict)
+    """The RNG states of each shard's forwards, by shard index."""
+    states: dict[int, dict[int, Any]] = field(default_factory=dict)
+    """Each shard's block states once its backward stepped it, by shard index."""
+    seconds: float = 0.0
+    """What the copies cost: the seconds taking them held the devices and their way to
+    the executor took (as a copy's, ``ModelRun.took_part``)."""
+
+    def add(self, plan: ModelPlan, position: int, record: Record, arrived: float) -> None:
+        """The task at ``position`` ended with ``record``, here at wall time ``arrived``."""
+        task = plan.task(position)
+        if task.step != self.step:
+            raise ValueError(f"task {position} is of step {task.step}, not {self.step}")
+        self.outputs[position] = record.outputs
+        if task.op is Op.FORWARD:
+            self.replays[task.shard] = record.replays
+        elif record.state is not None:
+            self.states[task.shard] = record.state
+        # Its taking, and its way here: on a node whose cores train too, both cost them.
+        self.seconds += record.seconds + max(0.0, arrived - record.finished)
+
+    def copy(self, plan: ModelPlan) -> dict[int, Any] | None:
+        """Every block's states after the step, once every shard's backward is in."""
+        if len(self.states) < len(plan.shards):
+            return None
+        return {i: s for states in self.states.values() for i, s in states.items()}
+
+    def covers(self, plan: ModelPlan, done: int, saved: tuple[int, Any] | None) -> bool:
+        """The model can pick up at task ``done`` of this step from here, with ``saved``
+        (its last copy) of the step's start: every task before it is recorded."""
+        first = self.step * 2 * len(plan.shards)
+        return (
+            saved is not None
+            and saved[0] == self.step
+            and first < done < first + 2 * len(plan.shards)
+            and all(p in self.outputs for p in range(first, done))
+        )
+
+    def handover(
+        self, plan: ModelPlan, done: int, shard: Shard, start: Mapping[int, Any]
+    ) -> Handover:
+        """``shard`` as the model's first ``done`` tasks left it (``start``: every block's
+        states at the step's start), with the inputs and RNG states of the micro-batches it
+        holds between its forward and its backward."""
+        n, first = len(plan.shards), self.step * 2 * len(plan.shards)
+        at = done - first
+        forward, backward = shard.index, 2 * n - 1 - shard.index
+        if backward < at:
+            state = self.states[shard.index]
+        else:
+            state = {i: start[i] for i in range(*shard.blocks)}
+        if not forward < at <= backward:
+            return Handover(state, {}, False, None, {})
+        xs = self.batch if shard.index == 0 else self.outputs[first + forward - 1]
+        inputs = {mb: x for mb, x in enumerate(xs) if x is not None}
+        return Handover(state, inputs, shard.index == n - 1, None, self.replays[shard.index])
+
+    def carry(self, plan: ModelPlan, done: int) -> Outputs | None:
+        """The inputs of the model's task at ``done``: the outputs of the one before (none
+        for the last shard's backward, which starts from the losses)."""
+        before = plan.task(done - 1)
+        if before.op is Op.FORWARD and before.shard == len(plan.shards) - 1:
+            return None
+        return self.outputs[done - 1]
