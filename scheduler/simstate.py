@@ -37,14 +37,14 @@ class Recovery(StrEnum):
 
     STEP = "step"
     """They roll back to their last copy: the step under way's start, or further where
-    copies are taken less often than every step (what the executor does without
-    ``task_copies``)."""
+    copies are taken less often than every step (what the executor does by default,
+    without ``task_copies``)."""
     TASK = "task"
     """The tasks in flight: each task's outputs and each shard's state once its backward
     has stepped it are copied off the device as they are made, so only unfinished tasks
-    run again (Hydra's promise): what the executor does for a model whose copies are
-    taken at every step (``workers.sharp.ledger``); one copied less often rolls back to
-    its last copy."""
+    run again (Hydra's promise): what the executor does with ``task_copies`` for a model
+    whose copies are taken at every step (``workers.sharp.ledger``); one copied less
+    often rolls back to its last copy."""
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ class Engine:
     depth: int = 2
     latency_s: float = 0.0
     moves: Moves = Moves.AT_STEPS
-    recovery: Recovery = Recovery.TASK
+    recovery: Recovery = Recovery.STEP
     copy_budget: float = DEFAULT_BUDGET
     """Each model's copies' share of its training time (``elastic.copy_budget``): how
     often they are taken (``scheduler.copies``), each shard's backward copying its state
@@ -76,7 +76,8 @@ class Engine:
 
 ENGINE = Engine()
 """The executor as it runs by default: two tasks queued per device, moves at step
-boundaries, losses costing the tasks in flight where copies fit at every step, no latency."""
+boundaries, copies within the default budget, a loss rolling back to the last copy, no
+latency."""
 
 
 @dataclass

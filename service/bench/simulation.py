@@ -21,7 +21,7 @@ from shoal.scheduler.simcluster import (
     mixed_setting,
     spot_setting,
 )
-from shoal.scheduler.simstate import ENGINE, Engine, Moves
+from shoal.scheduler.simstate import ENGINE, Engine, Moves, Recovery
 from shoal.scheduler.simulate import Strategy, simulate
 from shoal.service.bench.report import SHARP_PHASES, Progress, SharpSettings
 
@@ -38,7 +38,7 @@ OVERLAPPED = "sharp-lrtf-trading-overlapped-copies"
 costing the devices nothing, so at every step, and a loss costing the tasks in flight."""
 
 _TRADING = Engine(moves=Moves.TRADES)
-_OVERLAPPED = Engine(moves=Moves.TRADES, overlapped=True)
+_OVERLAPPED = Engine(moves=Moves.TRADES, overlapped=True, recovery=Recovery.TASK)
 
 
 def simulate_setting(setting: Setting) -> dict[str, Any]:

@@ -269,9 +269,11 @@ def test_copies_cost_the_state_copied_off_after_each_backward_as_often_as_the_bu
     rare = simulate(world, [plan], prefetch=False, engine=Engine(copy_budget=0.01)).makespan_s
     assert (every - free, rare - free) == (pytest.approx(8.0), pytest.approx(2.0))
     spot = cluster(2, gbps=1.0, spot=True, outages=(Outage("k-0000", 200.0),))
-    task = simulate(spot, [plan], prefetch=False, record=True)
+    task_by_task = Engine(recovery=Recovery.TASK)
+    task = simulate(spot, [plan], prefetch=False, engine=task_by_task, record=True)
     assert task.lost_tasks == 1  # step 4's F0 (at 193-203 s): the tasks before were copied
-    rare_task = simulate(spot, [plan], prefetch=False, engine=Engine(copy_budget=0.01))
+    rarely = Engine(recovery=Recovery.TASK, copy_budget=0.01)
+    rare_task = simulate(spot, [plan], prefetch=False, engine=rarely)
     assert rare_task.lost_tasks == 4 * 3 + 2  # F1 (197-208 s), and every task since the start
     check_schedule(spot, [plan], task)
 
@@ -475,8 +477,8 @@ def test_the_spot_cluster_ends_near_the_bound_only_with_overlapped_copies() -> N
     def ratio(engine: Engine) -> float:
         return simulate(setting.cluster, setting.plans, engine=engine).ratio
 
-    task = ratio(Engine(moves=Moves.TRADES, overlapped=True))
-    step = ratio(Engine(moves=Moves.TRADES, overlapped=True, recovery=Recovery.STEP))
+    task = ratio(Engine(moves=Moves.TRADES, overlapped=True, recovery=Recovery.TASK))
+    step = ratio(Engine(moves=Moves.TRADES, overlapped=True))
     built = (ratio(Engine(moves=Moves.TRADES)), ratio(Engine()))
     assert task <= 1.1 < step <= 1.15 < 1.2 <= min(built), (task, step, built)
 

@@ -78,7 +78,7 @@ class SharpTrainer(Recovering):
         policy: Policy = Policy.LRTF,
         prefetch: bool = True,
         trades: bool = False,
-        task_copies: bool = True,
+        task_copies: bool = False,
         keep_open: bool = False,
         task_timeout_s: float = DEFAULT_TASK_TIMEOUT_S,
         clock: Callable[[], float] = time.perf_counter,

@@ -80,7 +80,7 @@ def test_a_device_lost_mid_step_costs_only_the_tasks_in_flight_and_the_math_stay
         model(tmp_path, "a", steps=6, keep_copies=True, copy_budget=1.0, recompute=recompute),
         model(tmp_path, "b", seed=9, steps=6, keep_copies=True, copy_budget=1.0),
     ]
-    trainer = train(snaps, MidStepLosingPool, budget_for_shards(snaps[0], 3))
+    trainer = train(snaps, MidStepLosingPool, budget_for_shards(snaps[0], 3), task_copies=True)
     dead = devices()[0].id
     picked = []
     for snap in snaps:

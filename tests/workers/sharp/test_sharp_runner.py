@@ -745,9 +745,9 @@ def test_a_device_lost_while_a_step_is_copied_rolls_back_to_the_copy_before(
     back to the copy of step 1 and replays step 2, with the same loss. Lost in the last
     step's checkpoint (a gather the executor waits for, before the step is reported): the
     step is redone, none replayed. (Copies may cost the whole step here: one at every
-    boundary, taken by the hosts at the step's end: its tasks take none.)"""
+    boundary.)"""
     snap = model(tmp_path, "a", steps=4, keep_copies=True, copy_budget=1.0)
-    trainer = train([snap], pool, budget_for_shards(snap, 3), task_copies=False)
+    trainer = train([snap], pool, budget_for_shards(snap, 3))
     report = trainer.report("a", 0)
     assert report.status is RunStatus.SUCCEEDED, report.error
     (lost,) = [e for e in report.events if e.kind == "device_lost"]
@@ -891,7 +891,8 @@ def test_a_killed_ray_shard_worker_is_survived_exactly(ray_address: str, tmp_pat
     snaps = [model(tmp_path, "a", steps=40, keep_copies=True, copy_budget=1.0)]
     pool_devices = devices(node)
     budget = budget_for_shards(snaps[0], 3)
-    trainer = SharpTrainer(snaps, pool_devices, make, budgets={d.id: budget for d in pool_devices})
+    budgets = {d.id: budget for d in pool_devices}
+    trainer = SharpTrainer(snaps, pool_devices, make, budgets=budgets, task_copies=True)
     thread = threading.Thread(target=trainer.run)
     thread.start()
     while trainer.report("a", 0).step < 3:
