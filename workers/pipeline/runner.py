@@ -298,6 +298,10 @@ class Trainer:
         """A worker was lost during step ``step + 1``: re-form the job from the survivors'
         in-memory copies (``workers.pipeline.recovery``); the layout and the step to run next."""
         copies.drop()
+        # A call handed out ahead ran (or failed) on the survivors before they answer the
+        # survey (calls run in order): the rollback undoes it, and the run goes on from the
+        # restore step.
+        self._ahead = None
         started = time.perf_counter()
         last = self._run.last_metrics()
         # A survivor busy with a long micro-batch still answers within a few step times;

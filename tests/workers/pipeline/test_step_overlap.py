@@ -4,6 +4,8 @@ last, where the boundaries between them need nothing of it; the math is unchange
 from __future__ import annotations
 
 import math
+import os
+import signal
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -232,3 +234,60 @@ def test_a_calls_time_is_shared_among_its_steps_as_their_slowest_workers_measure
     # A call handed out while the last was still running is timed from the last one's end.
     later, _ = finish_step(snap, group, flight, timeout=1.0, clock=lambda: 17.0, since=13.0)
     assert sum(m.step_time_s for m in later) == pytest.approx(4.0)
+
+
+class KillAtCall(Spy):
+    """A Spy whose worker at ``victim`` is killed (SIGKILL, as a lost node's process ends)
+    once worker 0 was handed its ``after``-th step call."""
+
+    def __init__(self, victim: int, after: int, *args: Any) -> None:
+        self.victim, self.after, self.calls = victim, after, 0
+        super().__init__(*args)
+        self.pids = self.get([self.submit(w, "pid") for w in range(len(self._plans))], 60)
+
+    def submit(self, stage: int, method: str, *args: Any) -> Handle:
+        handle = super().submit(stage, method, *args)
+        if method in STEP_CALLS and stage == 0:
+            self.calls += 1
+            if self.calls == self.after:
+                os.kill(self.pids[self.victim], signal.SIGKILL)
+        return handle
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("after", [2, 3, 4])
+def test_a_worker_lost_while_the_next_call_is_handed_out_early_is_recovered_exactly(
+    ray_address: str, tmp_path: Path, after: int
+) -> None:
+    """A 2-stage pipeline whose runner has cores to spare hands out each step call before
+    collecting the last; the second worker is killed as the ``after``-th is handed out. The
+    call handed out ahead dies with the step before it: the survivor rolls back, and the run
+    goes on from the restore step (not from the call ahead) and ends as one process's."""
+    import ray
+
+    node = str(ray.get_runtime_context().get_node_id())
+    stages = [(0, 2), (2, 4)]
+    snap = job(
+        tmp_path / "ray",
+        [],
+        stages=plans(stages, node),
+        steps=8,
+        optimizer=SGD,
+        keep_copies=True,
+        copy_budget=1.0,
+    )
+    groups: list[KillAtCall] = []
+
+    def make(*args: Any) -> KillAtCall:
+        groups.append(KillAtCall(1, after, *args))
+        return groups[-1]
+
+    trainer = Trainer(snap, make, cores=8)
+    assert trainer.run() is RunStatus.SUCCEEDED, trainer.report(0).error
+    assert groups[0].collected[0] == (2, 1), groups[0].collected  # a call was ahead
+    lost = [e.data for e in trainer.report(0).events if e.kind == "device_lost"]
+    assert len(lost) == 1, lost
+    assert lost[0]["steps_replayed"] <= lost[0]["most_replayed"], lost[0]
+    local = replace(snap, checkpoint_root=str(tmp_path / "local"), stages=plans(stages))
+    assert Trainer(local, LocalGroup).run() is RunStatus.SUCCEEDED
+    assert_bitwise_equal(final_states(snap), final_states(local))
