@@ -23,11 +23,12 @@ from shoal.workers.sharp.shard_worker import ShardWorker
 from shoal.workers.snapshot import StagePlan
 
 COPIES_GROUP = "copies"
-"""The StageWorker's concurrency group for ``workers.pipeline.stage_worker.COPIES`` calls."""
+"""The workers' concurrency group for the calls beside their training calls:
+``workers.pipeline.stage_worker.COPIES``, ``workers.sharp.shard_worker.BESIDE``."""
 # Ray's typing of remote classes is partial; the actor classes are used untyped.
 _remote: Any = ray.remote
 _StageWorkerActor: Any = _remote(concurrency_groups={COPIES_GROUP: 1})(StageWorker)
-_ShardWorkerActor: Any = ray.remote(ShardWorker)
+_ShardWorkerActor: Any = _remote(concurrency_groups={COPIES_GROUP: 1})(ShardWorker)
 
 
 def node_alive(node_id: str) -> bool:

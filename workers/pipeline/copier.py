@@ -7,7 +7,8 @@ is the first thing to change the block's parameters and optimizer state: so the 
 exactly the boundary's state. What the forward pass changes itself (a module's buffers,
 such as batch-norm statistics) is copied before ``start`` returns; it is small.
 
-- On a CUDA device the copy runs on a side stream into pinned host memory, one event per
+- Blocks on a CUDA device (where they are as the copy starts: a SHARP shard moves between
+  the GPU and host memory) are copied on a side stream into pinned host memory, one event per
   block; ``guard`` makes the compute stream wait for the block's event, so the host never
   waits for it. Pinning host memory takes longer than a step (hundreds of megabytes:
   ~0.1 s), so a copy that needs more than is pinned pins what all the copies alive at once
@@ -15,10 +16,11 @@ such as batch-norm statistics) is copied before ``start`` returns; it is small.
   allocator, which the copies after reuse: double-buffered, never pinned afresh. That is
   the first copy, and the first after the state grew: a job's first copy, at step 0, is
   taken before its optimizer has any state (Adam's moments appear with the first step).
-- On a CPU device a background thread makes the copy; ``guard`` waits for the block's part
-  of it. That thread's CPU time is the device's own time (a CPU device is its cores), and
-  so is that of the thread that ships and holds copies (``count_thread``): it is reported
-  (``take_busy``) and booked as the copies' cost.
+- Blocks on the CPU (a CPU device's, or a SHARP shard demoted to host memory) are copied
+  by a background thread; ``guard`` waits for the block's part of it. That thread's CPU
+  time is the device's own time (a CPU device is its cores), and so is that of the thread
+  that ships and holds copies (``count_thread``): it is reported (``take_busy``) and booked
+  as the copies' cost.
 
 The last ``generations`` copies are kept; ``result`` waits for one to complete.
 """
@@ -104,8 +106,6 @@ class Copier:
     """The copies of one worker's blocks on ``device``: the last ``generations`` kept."""
 
     def __init__(self, device: torch.device, generations: int = 2) -> None:
-        self._device = device
-        self._cuda = device.type == "cuda"
         self._kept: deque[_Copy] = deque(maxlen=generations)
         self._changed = threading.Condition()
         self._started = 0
@@ -118,7 +118,9 @@ class Copier:
         """The thread that starts copies (and trains): its time is booked as it goes."""
         self._unguarded: dict[int, _BlockCopy] = {}
         """Each block's latest copy its next change has not been ordered after yet."""
-        self._stream: Any = _CUDA.Stream(device) if self._cuda else None
+        self._stream: Any = _CUDA.Stream(device) if device.type == "cuda" else None
+        """The side stream copies of blocks on a GPU run on (made at the first such copy
+        where the blocks moved there after the copier was made: a SHARP shard's)."""
         self._ready: Counter[int] = Counter()
         """One copy's host tensors by the allocator's size class, that pinned memory was
         made ready for, for every copy alive at once (CUDA; ``_pin``)."""
@@ -128,8 +130,7 @@ class Copier:
         """Make ready the host memory a copy of ``blocks`` needs (CUDA: pin what is not
         pinned yet; a one-off, not each copy's cost, so it is kept out of the time a copy
         is measured to take). ``start`` does it too where it was not done."""
-        if self._cuda:
-            self._pin([b.live_state() for b in blocks])
+        self._pin([b.live_state() for b in blocks])  # nothing to pin for blocks on a CPU
 
     @property
     def copying(self) -> bool:
@@ -154,9 +155,12 @@ class Copier:
     def _begin(self, copy: _Copy, blocks: Sequence[Copyable]) -> None:
         live = [(b.index, _forward_changes_copied(b)) for b in blocks]
         copy.pieces.update((index, piece_of(state)) for index, state in live)
-        if self._cuda:
+        gpu = next((t.device for _, s in live for t in tensors_in(s) if t.is_cuda), None)
+        if gpu is not None:
             self._pin([state for _, state in live])
-            self._stream.wait_stream(torch.cuda.current_stream(self._device))
+            if self._stream is None:
+                self._stream = _CUDA.Stream(gpu)
+            self._stream.wait_stream(torch.cuda.current_stream(gpu))
             with torch.cuda.stream(self._stream):
                 for index, state in live:
                     host = map_tensors(state, self._to_pinned)
@@ -223,6 +227,14 @@ class Copier:
         if copy is None:
             raise CopyDropped(f"copy {number} was dropped: the worker moved on")
         return copy.step, {index: block.result() for index, block in copy.blocks.items()}
+
+    def release(self, number: int) -> None:
+        """Drop the copies up to ``number`` (delivered elsewhere: the host need not keep
+        them); the copies a block's next change is ordered after stay so."""
+        with self._changed:
+            kept = [c for c in self._kept if c.number > number]
+            self._kept.clear()
+            self._kept.extend(kept)
 
     def clear(self) -> None:
         """Drop every copy (once complete): they are of a state that no longer runs."""

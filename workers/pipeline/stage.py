@@ -414,11 +414,9 @@ class Stage:
     # ------------------------------------------------- in-memory copies (lost devices)
 
     def snapshot(self, step: int, number: int) -> None:
-        """Start copy ``number`` (rising with each copy the runner asks for) of the blocks'
-        state after ``step`` steps (the last two are kept); it is made while the next step
-        runs (``workers.pipeline.copier``). A sharded replica copies its shares of them.
-        Host memory it needs first (pinned, once for a set of blocks) is not timed as the
-        copy: the copies' cadence plans with what every copy costs."""
+        """Start copy ``number`` (rising with each copy) of the blocks' state after ``step``
+        steps (the last two are kept), made while the next step runs (``copier``); a sharded
+        replica copies its shares. Host memory it needs first (pinned, once) is not timed."""
         if self._failed_step:  # a copy handed out ahead, after a step that then failed
             self._own.skip(number)
             raise StageStateError(
@@ -429,6 +427,10 @@ class Stage:
         self._own.reserve(copied)
         self._timer.copying()
         self._own.start(step, number, copied)
+
+    @property
+    def copier(self) -> Copier:
+        return self._own
 
     def shipment(self, number: int, timeout: float) -> dict[int, Any]:
         """Copy ``number`` in wire form, for the worker's buddy to ``hold``, once it is

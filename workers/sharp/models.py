@@ -86,6 +86,8 @@ class ModelRun:
     model rolls back to when a device holding one of its shards is lost."""
     copying: Copying | None = None
     """The copy under way: its shards' hosts take it while the executor dispatches on."""
+    copies_started: int = 0
+    """Copies its hosts were asked for (each ``ShardHost.copy`` names one)."""
     step_compute_s: float = 0.0
     """The device seconds of the step under way's tasks: the copies' yardstick."""
     cadence: CopyCadence = field(init=False)
@@ -245,25 +247,34 @@ class ModelRun:
         """Its copy in this process (``saved``), if that is of ``step``."""
         return self.saved[1] if self.saved is not None and self.saved[0] == step else None
 
-    def start_copy(self, pool: HostPool, step: int) -> set[Call]:
+    def start_copy(self, pool: HostPool, step: int, timeout: float) -> set[Call]:
         """Have its shards' hosts copy it as it is after ``step`` steps (each host takes
-        its part after the task it runs, before any later task of the model there): the
-        calls, which it waits for (``copying``) while the executor dispatches on."""
-        calls = set(self.copy_calls(pool))
+        its part after the task it runs, before any later task of the model there, and
+        makes it beside the tasks after): the calls that hand the parts over, which it
+        waits for (``copying``) while the executor dispatches on."""
+        calls = set(self.copy_calls(pool, step, timeout))
         self.copying = Copying(step, calls)
         return calls
 
-    def copy_calls(self, pool: HostPool) -> list[Call]:
-        """Have its shards' hosts copy them as they are after the tasks queued there so far
-        (each answers with its blocks' states in wire form)."""
-        job_id, shards = self.snap.job_id, self.plan.shards
-        return [pool.submit(self.homes[s.index], "copy", (job_id, s.index)) for s in shards]
+    def copy_calls(self, pool: HostPool, step: int, timeout: float) -> list[Call]:
+        """Have its shards' hosts start copying them as they are after the tasks queued
+        there so far (``step`` steps; ``ShardHost.copy``) and hand the copies over
+        (``ShardHost.copied``, beside the tasks; waiting up to ``timeout`` seconds for its
+        copy to start): the latter calls, each answering with its blocks' states in wire
+        form."""
+        self.copies_started += 1
+        calls: list[Call] = []
+        for shard in self.plan.shards:
+            key, host = (self.snap.job_id, shard.index), self.homes[shard.index]
+            pool.submit(host, "copy", key, step, self.copies_started)
+            calls.append(pool.submit(host, "copied", key, self.copies_started, timeout))
+        return calls
 
     def gather(self, pool: HostPool, timeout: float) -> dict[int, Any]:
         """Every block's state in wire form (what Ray moves and unpickles fastest), from
         its shards (each host answers after its task)."""
         blocks: dict[int, Any] = {}
-        for states, _, _ in await_all(pool, self.copy_calls(pool), timeout):
+        for states, _, _ in await_all(pool, self.copy_calls(pool, self.step, timeout), timeout):
             blocks.update(states)
         return blocks
 

@@ -385,7 +385,9 @@ class SharpTrainer(Recovering):
             if snap.keep_copies:
                 model.saved, model.copying = (step, blocks), None
         elif copy_due:
-            self._copy_calls.update(dict.fromkeys(model.start_copy(pool, step), model))
+            self._copy_calls.update(
+                dict.fromkeys(model.start_copy(pool, step, self._timeout), model)
+            )
         model.record(
             StepMetrics(
                 step=step,

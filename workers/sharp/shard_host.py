@@ -42,6 +42,8 @@ from shoal.workers.device_memory import Overhead, measure_overhead
 from shoal.workers.device_speed import measure_gflops
 from shoal.workers.pipeline.stage import Stage
 from shoal.workers.pipeline.stage_types import StageSetup, StageStateError, torch_device
+from shoal.workers.pipeline.timing import StepClock
+from shoal.workers.sharp.host_copies import HostCopies
 from shoal.workers.sharp.pinned import PinnedState
 from shoal.workers.sharp.saved import MovableSaves
 from shoal.workers.sharp.shard_types import (
@@ -91,6 +93,7 @@ class ShardHost:
         """Demoted shards between a forward and its backward: the bytes of the micro-batches'
         inputs and outputs they keep, which stay on the device (autograd's other saved
         tensors move with the shard)."""
+        self._copies = HostCopies()
         self._side = (
             torch.cuda.Stream(self._target)  # type: ignore[no-untyped-call]
             if self._target.type == "cuda"
@@ -130,16 +133,35 @@ class ShardHost:
         self._built[key] = (setup, blocks, planned)
         return max(stage.nbytes(), planned)
 
-    def copy(self, key: ShardKey) -> tuple[dict[int, Any], float, float]:
-        """Shard ``key``'s block states (parameters and optimizer) in wire form (what Ray
-        moves fastest; the executor keeps them so, ``add`` and ``load`` take them back, its
-        checkpoints read them back as tensors), the seconds taking them held
-        this device, and the wall clock then (the executor counts the time they take to
-        reach it too: Ray storing and moving them)."""
-        started = time.perf_counter()
-        self._settle()
-        states: dict[int, Any] = send_tree(self._stage(key).state())
-        return states, time.perf_counter() - started, time.time()
+    def copy(self, key: ShardKey, step: int, number: int) -> None:
+        """Start copy ``number`` (rising with each of the shard's copies) of shard ``key``'s
+        block states (parameters and optimizer) as they are after the tasks before this call,
+        ``step`` steps; it returns at once, and the copy is made beside the tasks after it
+        (``workers.pipeline.copier``: only the shard's next optimizer step waits for it).
+        ``copied`` hands it over."""
+        try:
+            stage = self._stage(key)
+        except StageStateError as exc:
+            self._copies.failed((key, number), exc)
+            raise
+        if key not in self._resident:
+            self._settle()  # it may be on its way to host memory: there first
+        self._copies.start((key, number), stage, step)
+
+    def copied(
+        self, key: ShardKey, number: int, timeout: float
+    ) -> tuple[dict[int, Any], float, float]:
+        """Copy ``number`` of shard ``key`` (``copy``), once made, in wire form (what Ray moves
+        fastest; the executor keeps it so, ``add`` and ``load`` take it back, its checkpoints
+        read it back as tensors); the seconds it cost this device (starting it, and on a CPU
+        device the copying threads' time: a CPU device is its cores); and the wall clock
+        then (the executor counts its way there too). A call beside the tasks: it may come
+        before its ``copy``, and waits up to ``timeout`` seconds for it to start."""
+        stage, seconds = self._copies.wait((key, number), timeout)
+        states: dict[int, Any] = stage.shipment(number, timeout)
+        stage.copier.release(number)  # delivered: the host keeps no copy of its own
+        busy = self._copies.busy(key, stage, threads=self._side is None)
+        return states, seconds + busy, time.time()
 
     def drop(self, key: ShardKey) -> None:
         """Forget shard ``key`` (it moved to another host, or its model ended, or rolls
@@ -273,14 +295,14 @@ class ShardHost:
             if targets is None:
                 outputs = [stage.forward_tensor(j, x) for j, x in enumerate(xs)]
                 handed = self._hand_on(key[0], outputs, keep, copy=True)
-                compute_s = stage.lap().compute_s
+                compute_s = self._compute_s(key, stage.lap())
                 kept = self._record(stage, outputs, None) if record else None
                 return handed, TaskResult([], compute_s, promoted, kept)
             ys = [receive(y, stage.device) for y in targets]
             pairs = zip(xs, ys, strict=True)
             losses = [stage.loss_tensor(j, x, y, scale) for j, (x, y) in enumerate(pairs)]
         values = torch.stack(losses).tolist()  # the task's one read of the device
-        compute_s = stage.lap().compute_s
+        compute_s = self._compute_s(key, stage.lap())
         kept = self._record(stage, [], None) if record else None
         return [], TaskResult([float(v) for v in values], compute_s, promoted, kept)
 
@@ -300,10 +322,16 @@ class ShardHost:
         stage, promoted = self._begin(key, prefetch)
         upstream = self._take(key[0], grads, stage)
         outputs = [stage.backward_tensor(j, g) for j, g in enumerate(upstream)]
-        clock = stage.apply_step()
+        compute_s = self._compute_s(key, stage.apply_step())
         handed = self._hand_on(key[0], outputs, keep, copy=False)
         kept = self._record(stage, outputs, stage.state()) if record else None
-        return handed, TaskResult([], clock.compute_s, promoted, kept)
+        return handed, TaskResult([], compute_s, promoted, kept)
+
+    def _compute_s(self, key: ShardKey, clock: StepClock) -> float:
+        """A task's compute seconds from its ``clock``; what that holds of the shard's copies
+        (waiting for one, or a CPU device's copying thread) is booked as theirs."""
+        self._copies.book(key, clock.copy_s)
+        return clock.compute_s
 
     def _record(
         self,
@@ -410,6 +438,8 @@ class ShardHost:
 
     def _demote(self, key: ShardKey) -> None:
         if self._resident.pop(key, None) is not None:
+            if self._side is not None:  # its copy reads the device memory the move frees
+                self._shards[key].copier.settle()
             self._move(key, self._host)
             kept = self._shards[key].in_flight.nbytes()
             if kept:

@@ -35,7 +35,7 @@ from ray.exceptions import (
 from shoal.scheduler.devices import Device
 from shoal.scheduler.types import DeviceId
 from shoal.workers import launch
-from shoal.workers.sharp.shard_worker import PAIRED_METHODS, ShardFailed, ShardWorker
+from shoal.workers.sharp.shard_worker import BESIDE, PAIRED_METHODS, ShardFailed, ShardWorker
 
 
 class HostLost(RuntimeError):
@@ -118,18 +118,23 @@ class _Later:
 
 
 class LocalPool:
-    """Every device's worker in this process, each on a thread of its own. The threads take
-    turns computing: they share torch's global RNG (blocks are initialised under a seed,
-    recomputation replays the RNG state), which two at once would interleave."""
+    """Every device's worker in this process, each on a thread of its own (and one for its
+    calls ``BESIDE`` the tasks). The task threads take turns computing: they share torch's
+    global RNG (blocks are initialised under a seed, recomputation replays the RNG state),
+    which two at once would interleave."""
 
     def __init__(self, devices: Sequence[Device], budgets: Mapping[DeviceId, int]) -> None:
         self.devices = list(devices)
         self._workers = [ShardWorker(d, budgets[d.id]) for d in devices]
         self._threads = [ThreadPoolExecutor(1, f"shard-{d.id}") for d in devices]
+        self._beside = [ThreadPoolExecutor(1, f"shard-{d.id}-copies") for d in devices]
         self._turn = threading.Lock()
 
     def submit(self, host: int, method: str, *args: Any) -> Call:
-        future = self._threads[host].submit(self._call, host, method, *args)
+        if method in BESIDE:
+            future = self._beside[host].submit(self._workers[host].call, method, *args)
+        else:
+            future = self._threads[host].submit(self._call, host, method, *args)
         return _Local(host, method, future)
 
     def _call(self, host: int, method: str, *args: Any) -> Any:
@@ -159,7 +164,7 @@ class LocalPool:
         return _Later(_own(call, _Local).future)
 
     def shutdown(self) -> None:
-        for thread in self._threads:
+        for thread in [*self._threads, *self._beside]:
             thread.shutdown(wait=True, cancel_futures=True)
 
 
@@ -179,10 +184,12 @@ class RayPool:
         ]
 
     def submit(self, host: int, method: str, *args: Any) -> Call:
-        actor = self._actors[host]
+        call: Any = self._actors[host].call
+        if method in BESIDE:
+            call = call.options(concurrency_group=launch.COPIES_GROUP)
         if method not in PAIRED_METHODS:
-            return _Remote(host, method, actor.call.remote(method, *args))
-        refs: Any = actor.call.options(num_returns=2).remote(method, *args)
+            return _Remote(host, method, call.remote(method, *args))
+        refs: Any = call.options(num_returns=2).remote(method, *args)
         return _Remote(host, method, refs[1], refs[0])
 
     def wait(self, calls: Sequence[Call], timeout: float) -> list[Call]:

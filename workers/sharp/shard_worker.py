@@ -16,10 +16,15 @@ a task's ``Outputs``, a ``Handover``) and what the executor reads (``HostPool.re
 
 
 SHARD_METHODS = frozenset(
-    {"add", "copy", "drop", "give", "take", "held", "overhead", "measure_speed",
+    {"add", "copy", "copied", "drop", "give", "take", "held", "overhead", "measure_speed",
      "forward", "backward", "pid"}
 )  # fmt: skip
 """The ``ShardHost`` methods the executor may call."""
+
+BESIDE = frozenset({"copied"})
+"""The methods a worker runs beside its tasks (Ray: in the ``copies`` concurrency group, a
+thread of its own; ``LocalPool``: a second thread per worker), so that handing over a copy
+never queues ahead of a task. Everything else runs one call at a time, in submission order."""
 
 
 class ShardFailed(RuntimeError):

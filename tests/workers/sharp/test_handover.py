@@ -71,7 +71,8 @@ def train(
         carry = Stashed(keep) if keep is not None else []
     states: dict[int, Any] = {}
     for i in range(k):
-        states.update(receive_tree(here.copy(("a", i))[0], torch.device("cpu")))
+        here.copy(("a", i), snap.steps, 1)
+        states.update(receive_tree(here.copied(("a", i), 1, 10.0)[0], torch.device("cpu")))
     return losses, states
 
 

@@ -652,7 +652,7 @@ class PlacementLosingPool(LosingPool):
 
 
 class LateLosingPool(LosingPool):
-    lose_at = 40  # a few steps in, after a checkpoint
+    lose_at = 52  # a few steps in, after a checkpoint
 
 
 @pytest.mark.unit
