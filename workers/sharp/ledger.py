@@ -4,24 +4,28 @@ executor only the tasks in flight (Hydra's promise) instead of the step under wa
 While a model's copies are taken at every step (``scheduler.copies``: they fit its budget),
 each of its tasks copies off its device what the step so far depends on (``Record``): a
 forward's outputs and the RNG states its micro-batches ran under, a backward's output
-gradients and its shard's states after the step. With the copy of the step's start
+gradients; and its shard's states after the step, copied beside the tasks after it
+(``ShardHost.copied``), arrive apart. With the copy of the step's start
 (``ModelRun.saved``), that is every shard as the tasks done have left it: those whose
 backward ran as it stepped them, the others as the step found them, each holding the
 micro-batches it ran forward and not yet backward (their inputs, the outputs of the
 forward before, and RNG states: ``Handover``). A model then picks up at its next task on
 whichever devices are left, and its math is the same. At the step's end every shard's
-states are in: they are the step's copy, and no other copy is taken.
+states are in, or on their way: they are the step's copy, and no other copy is taken.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from shoal.scheduler.sharp import ModelPlan, Op, Shard
 from shoal.workers.sharp.shard_types import Handover, Outputs, Record, Replays
 from shoal.workers.wire import Wire
+
+if TYPE_CHECKING:
+    from shoal.workers.sharp.shard_pool import Call
 
 
 @dataclass
@@ -40,6 +44,8 @@ class Ledger:
     seconds: float = 0.0
     """What the copies cost: the seconds taking them held the devices and their way to
     the executor took (as a copy's, ``ModelRun.took_part``)."""
+    waiting: dict[Call, int] = field(default_factory=dict)
+    """The calls that bring a stepped shard's states (``ShardHost.copied``), and the shard."""
 
     def add(self, plan: ModelPlan, position: int, record: Record, arrived: float) -> None:
         """The task at ``position`` ended with ``record``, here at wall time ``arrived``."""
@@ -49,26 +55,49 @@ class Ledger:
         self.outputs[position] = record.outputs
         if task.op is Op.FORWARD:
             self.replays[task.shard] = record.replays
-        elif record.state is not None:
-            self.states[task.shard] = record.state
+        self._cost(record.seconds, record.finished, arrived)
+
+    def expect(self, call: Call, shard: int) -> None:
+        """``call`` brings ``shard``'s states as its backward's step leaves them."""
+        self.waiting[call] = shard
+
+    def arrived(
+        self, call: Call, states: dict[int, Any], seconds: float, finished: float, now: float
+    ) -> bool:
+        """``call`` answered with ``states``, taken in ``seconds`` and sent at wall time
+        ``finished``; whether it was one this ledger waits for."""
+        shard = self.waiting.pop(call, None)
+        if shard is None:
+            return False
+        self.states[shard] = states
+        self._cost(seconds, finished, now)
+        return True
+
+    def _cost(self, seconds: float, finished: float, arrived: float) -> None:
         # Its taking, and its way here: on a node whose cores train too, both cost them.
-        self.seconds += record.seconds + max(0.0, arrived - record.finished)
+        self.seconds += seconds + max(0.0, arrived - finished)
+
+    def blocks(self) -> dict[int, Any]:
+        """Every block's states the stepped shards' copies have brought so far."""
+        return {i: s for states in self.states.values() for i, s in states.items()}
 
     def copy(self, plan: ModelPlan) -> dict[int, Any] | None:
         """Every block's states after the step, once every shard's backward is in."""
-        if len(self.states) < len(plan.shards):
-            return None
-        return {i: s for states in self.states.values() for i, s in states.items()}
+        return self.blocks() if len(self.states) == len(plan.shards) else None
 
     def covers(self, plan: ModelPlan, done: int, saved: tuple[int, Any] | None) -> bool:
         """The model can pick up at task ``done`` of this step from here, with ``saved``
-        (its last copy) of the step's start: every task before it is recorded."""
-        first = self.step * 2 * len(plan.shards)
+        (its last copy) of the step's start: every task before it is recorded, and the
+        states of the shards it stepped are in."""
+        n = len(plan.shards)
+        first = self.step * 2 * n
+        stepped = range(max(0, 2 * n - (done - first)), n)  # their backwards are done
         return (
             saved is not None
             and saved[0] == self.step
-            and first < done < first + 2 * len(plan.shards)
+            and first < done < first + 2 * n
             and all(p in self.outputs for p in range(first, done))
+            and all(shard in self.states for shard in stepped)
         )
 
     def handover(

@@ -159,15 +159,19 @@ class ModelRun:
         prefetch: ShardKey | None,
         number: int,
         clock: Callable[[], float],
-    ) -> Call:
+        timeout: float,
+    ) -> tuple[Call, Call | None]:
         """Queue ``task`` (its next, at ``submitted``) on ``host`` as dispatch ``number``
         with the shard to ``prefetch`` after it, and note where the task after it takes its
-        inputs from. A step's first task draws the step's batch (``clock``: its start)."""
+        inputs from. A step's first task draws the step's batch (``clock``: its start).
+        The task's call, and where its tasks are recorded (``ledger``), a backward's call
+        that brings its stepped shard's copy (waiting up to ``timeout`` seconds for the
+        backward to start it)."""
         key = (self.snap.job_id, task.shard)
         plan, position = self.plan, self.submitted
         if task.op is Op.FORWARD and task.shard == 0:
             self._draw_batch(task.step, clock())
-        record = self.ledger is not None
+        record, copied = self.ledger is not None, None
         last = task.shard == len(plan.shards) - 1
         # A forward's activations go to the next shard's forward, a backward's gradients
         # to the shard before's backward; the last forward and the first backward, one
@@ -183,14 +187,21 @@ class ModelRun:
             call = pool.submit(host, "forward", key, *args, record)
         else:
             grads = [None] * self.snap.micro_batches if last else self.carry
-            call = pool.submit(host, "backward", key, grads, prefetch, keep, record)
+            copy = None
+            if self.ledger is not None:
+                self.copies_started += 1
+                copy = (task.step + 1, self.copies_started)
+            call = pool.submit(host, "backward", key, grads, prefetch, keep, copy)
+            if self.ledger is not None and copy is not None:
+                copied = pool.submit(host, "copied", key, copy[1], timeout)
+                self.ledger.expect(copied, task.shard)
         if keep is not None:
             self.carry = Stashed(keep)
         else:
             self.carry = pool.outputs(call) if passes else None
         self.submitted += 1
         self.last_host, self.last_run = host, number
-        return call
+        return call, copied
 
     def _draw_batch(self, step: int, now: float) -> None:
         snap = self.snap

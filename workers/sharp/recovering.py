@@ -7,6 +7,7 @@ does the same, wherever its shards got to."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -89,6 +90,8 @@ class Recovering:
         gone = self._homes.lost([*model.homes, *left, *model.left])
         model.left.clear()
         ledger, saved, live = model.ledger, model.saved, self._homes.live()
+        if ledger is not None:
+            self._states_in(pool, ledger)
         if ledger and saved and live and ledger.covers(model.plan, model.done, saved):
             self._pick_up(pool, model, ledger, saved[1], gone)  # mid-step, copied task by task
             return
@@ -119,6 +122,17 @@ class Recovering:
         model.restart(step)
         model.recovered(self._devices, gone, reason or "", step, replayed, bound)
 
+    def _states_in(self, pool: HostPool, ledger: Ledger) -> None:
+        """The stepped shards' states still on their way from live devices, in: their
+        copies were started as their backwards ended (none of the model's tasks is in
+        flight now); only those a lost device was making are lost."""
+        for call in [c for c in ledger.waiting if self._homes.alive(c.host)]:
+            try:
+                ((states, seconds, finished),) = await_all(pool, [call], self._timeout)
+            except (HostLost, ShardFailed):
+                continue  # lost too, or failed: the model rolls back to its last copy
+            ledger.arrived(call, states, seconds, finished, time.time())
+
     def _pick_up(
         self, pool: HostPool, model: ModelRun, ledger: Ledger, start: Blocks, gone: list[str]
     ) -> None:
@@ -126,6 +140,7 @@ class Recovering:
         (``placing.pick_up``, ``start``: the step's first states): only its tasks in flight
         run again."""
         reason, model.lost, model.copying = model.lost, None, None
+        ledger.waiting.clear()  # its tasks in flight run again, and copy their shards anew
         try:
             await_all(pool, pick_up(model, self._homes, pool, ledger, start), self._timeout)
         except HostLost as exc:  # another device went meanwhile: its models roll back too

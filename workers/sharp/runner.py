@@ -42,7 +42,7 @@ from shoal.workers.sharp.checkpointing import CheckpointThread
 from shoal.workers.sharp.homes import Homes
 from shoal.workers.sharp.inbox import Inbox
 from shoal.workers.sharp.measuring import Measurements
-from shoal.workers.sharp.models import ModelRun, Task
+from shoal.workers.sharp.models import Copying, ModelRun, Task
 from shoal.workers.sharp.placing import arrive, move
 from shoal.workers.sharp.recovering import Recovering
 from shoal.workers.sharp.shard_pool import (
@@ -289,8 +289,12 @@ class SharpTrainer(Recovering):
                     continue
                 model, task, prefetch = picked
                 position = model.submitted
-                call = model.submit(pool, host, task, prefetch, self._dispatched, self._clock)
+                call, copied = model.submit(
+                    pool, host, task, prefetch, self._dispatched, self._clock, self._timeout
+                )
                 self._in_flight[call] = Task(model, host, position, self._dispatched, self._clock())
+                if copied is not None:
+                    self._copy_calls[copied] = model
                 self._dispatched += 1
                 queued[host] += 1
 
@@ -376,6 +380,8 @@ class SharpTrainer(Recovering):
         blocks: dict[int, Any] = {}
         if taken is not None:  # its tasks took the copy: the checkpoint's states too
             blocks, model.copying = (taken if due else {}), None
+        elif ledger is not None and ledger.waiting and not due:  # its last parts are coming
+            model.copying = Copying(step, set(ledger.waiting), ledger.blocks(), ledger.seconds)
         elif due:
             try:
                 blocks = model.gather(pool, self._timeout)
@@ -430,19 +436,23 @@ class SharpTrainer(Recovering):
         model.moved(self._devices, home, step)
 
     def _copied(self, pool: HostPool, model: ModelRun, call: Call) -> None:
-        """A host's part of ``model``'s copy is in; once every part is, the copy replaces
-        the model's last one, and what it took is the copies' measured cost."""
-        copying = model.copying
-        if copying is None or call not in copying.calls:
+        """A host's part of ``model``'s copy is in (a stepped shard's, for the step's
+        ``ledger``, or for the copy under way); once every part is, the copy replaces the
+        model's last one, and what it took is the copies' measured cost."""
+        copying, ledger = model.copying, model.ledger
+        ours = ledger is not None and call in ledger.waiting
+        if not ours and (copying is None or call not in copying.calls):
             return  # dropped meanwhile: the model rolled back, checkpointed or ended
         try:
             states, seconds, finished = pool.result(call)
         except ShardFailed as exc:
-            model.copying = None
+            model.copying = model.ledger = None
             model.end(RunStatus.FAILED, str(exc))
             return
         except HostLost as exc:
             model.copying = None
             self._lose(pool, self._homes.host_of(exc.device_id), str(exc))
+            return
+        if ledger is not None and ledger.arrived(call, states, seconds, finished, time.time()):
             return
         model.took_part(call, states, seconds, finished)

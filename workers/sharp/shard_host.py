@@ -296,14 +296,14 @@ class ShardHost:
                 outputs = [stage.forward_tensor(j, x) for j, x in enumerate(xs)]
                 handed = self._hand_on(key[0], outputs, keep, copy=True)
                 compute_s = self._compute_s(key, stage.lap())
-                kept = self._record(stage, outputs, None) if record else None
+                kept = self._record(stage, outputs, forward=True) if record else None
                 return handed, TaskResult([], compute_s, promoted, kept)
             ys = [receive(y, stage.device) for y in targets]
             pairs = zip(xs, ys, strict=True)
             losses = [stage.loss_tensor(j, x, y, scale) for j, (x, y) in enumerate(pairs)]
         values = torch.stack(losses).tolist()  # the task's one read of the device
         compute_s = self._compute_s(key, stage.lap())
-        kept = self._record(stage, [], None) if record else None
+        kept = self._record(stage, [], forward=True) if record else None
         return [], TaskResult([float(v) for v in values], compute_s, promoted, kept)
 
     def backward(
@@ -312,19 +312,23 @@ class ShardHost:
         grads: Inputs,
         prefetch: ShardKey | None = None,
         keep: int | None = None,
-        record: bool = False,
+        record: tuple[int, int] | None = None,
     ) -> tuple[Outputs, TaskResult]:
         """Backpropagate every micro-batch through shard ``key`` from its output gradients
         (None on the last shard: from the losses), then apply the shard's step; the outputs
         are the gradients of its inputs (kept here for the next task as in ``forward``).
-        ``record``: the result carries copies of the outputs and the stepped shard's
-        states (``Record``)."""
+        ``record``, ``(step, number)``: the result carries copies of the outputs
+        (``Record``), and copy ``number`` of the shard as the step leaves it, after ``step``
+        steps, is started (as ``copy`` does: ``copied`` hands it over)."""
         stage, promoted = self._begin(key, prefetch)
         upstream = self._take(key[0], grads, stage)
         outputs = [stage.backward_tensor(j, g) for j, g in enumerate(upstream)]
         compute_s = self._compute_s(key, stage.apply_step())
         handed = self._hand_on(key[0], outputs, keep, copy=False)
-        kept = self._record(stage, outputs, stage.state()) if record else None
+        kept = None
+        if record is not None:
+            kept = self._record(stage, outputs, forward=False)
+            self._copies.start((key, record[1]), stage, record[0])
         return handed, TaskResult([], compute_s, promoted, kept)
 
     def _compute_s(self, key: ShardKey, clock: StepClock) -> float:
@@ -334,19 +338,14 @@ class ShardHost:
         return clock.compute_s
 
     def _record(
-        self,
-        stage: Stage,
-        outputs: Sequence[torch.Tensor | None],
-        state: dict[int, Any] | None,
+        self, stage: Stage, outputs: Sequence[torch.Tensor | None], *, forward: bool
     ) -> Record:
-        """A task's ``Record``: copies of its outputs in wire form, the RNG states of the
-        micro-batches its shard holds in flight (a forward's), and ``state``'s blocks in
-        wire form."""
+        """A task's ``Record``: copies of its outputs in wire form, and a ``forward``'s the
+        RNG states of the micro-batches its shard holds in flight."""
         started = time.perf_counter()
         sent = [None if t is None else send(t.detach().to("cpu", copy=True)) for t in outputs]
-        replays = _replays(stage.in_flight.rng_states()) if state is None else {}
-        states = None if state is None else send_tree(state)
-        return Record(sent, replays, states, time.perf_counter() - started, time.time())
+        replays = _replays(stage.in_flight.rng_states()) if forward else {}
+        return Record(sent, replays, time.perf_counter() - started, time.time())
 
     def _take(self, model: str, inputs: Inputs, stage: Stage) -> list[torch.Tensor | None]:
         """A task's input tensors on the device: from the stash, or received."""

@@ -23,13 +23,13 @@ Replays = dict[int, tuple[Wire, Wire | None]]
 @dataclass(frozen=True)
 class Record:
     """What a task copied off its device as it ran (``record``: the model's steps recover
-    task by task, ``workers.sharp.ledger``): its outputs for the model's next task, the
-    RNG states of the micro-batches it ran forward, and after a backward the shard's block
-    states as its step left them; and the seconds taking them held the device."""
+    task by task, ``workers.sharp.ledger``): its outputs for the model's next task, and the
+    RNG states of the micro-batches it ran forward; and the seconds taking them held the
+    device. A backward's shard states as its step left them come apart, once copied beside
+    the tasks after it (``ShardHost.copied``)."""
 
     outputs: Outputs
     replays: Replays
-    state: dict[int, Any] | None
     seconds: float
     finished: float
     """The wall clock when they were taken (their way to the executor costs too)."""

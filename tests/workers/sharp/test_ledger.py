@@ -27,13 +27,25 @@ PLAN = ModelPlan("a", tuple(Shard(i, (2 * i, 2 * i + 2), 1.0, 2.0, 1, 1) for i i
 
 
 def record(position: int) -> Record:
-    """A task's record whose every part names the task (its outputs, RNG, states)."""
+    """A task's record whose every part names the task (its outputs, RNG)."""
     task = PLAN.task(position)
-    state = {b: f"state {b} @{position}" for b in range(*PLAN.shards[task.shard].blocks)}
-    backward = task.op.value == "backward"
-    replays: Any = {} if backward else {0: (f"rng @{position}", None)}
+    replays: Any = {} if task.op.value == "backward" else {0: (f"rng @{position}", None)}
     outputs: Any = [f"out @{position}"]
-    return Record(outputs, replays, state if backward else None, 0.5, 100.0 + position)
+    return Record(outputs, replays, 0.5, 100.0 + position)
+
+
+def run(ledger: Ledger, position: int, arrived: float, *, states: bool = True) -> None:
+    """The task at ``position`` ended (a record taken in 0.5 s), here at ``arrived``; a
+    backward's stepped states, named after it, come apart (``states``: they have come)."""
+    ledger.add(PLAN, position, record(position), arrived)
+    task = PLAN.task(position)
+    if task.op.value == "backward":
+        blocks = range(*PLAN.shards[task.shard].blocks)
+        call: Any = f"copied @{position}"
+        ledger.expect(call, task.shard)
+        if states:
+            copied = {b: f"state {b} @{position}" for b in blocks}
+            assert ledger.arrived(call, copied, 0.5, 100.0 + position, arrived)
 
 
 @pytest.mark.unit
@@ -41,7 +53,7 @@ def test_the_ledger_rebuilds_each_shard_as_the_tasks_done_left_it() -> None:
     start = {b: f"state {b} @start" for b in range(6)}
     ledger = Ledger(1, ["batch"])  # type: ignore[list-item]
     for position in range(6, 11):  # every task of step 1 but the last (B0)
-        ledger.add(PLAN, position, record(position), 100.0 + position)
+        run(ledger, position, 100.0 + position)
     # Picking up before B1 (position 10): B2 stepped shard 2; shards 0 and 1 still hold
     # their forwards, whose inputs are the batch and F0's outputs.
     assert ledger.covers(PLAN, 10, (1, start)) and not ledger.covers(PLAN, 10, (0, start))
@@ -56,15 +68,29 @@ def test_the_ledger_rebuilds_each_shard_as_the_tasks_done_left_it() -> None:
     assert ledger.handover(PLAN, 9, PLAN.shards[2], start).loss
     assert ledger.carry(PLAN, 9) is None
     assert ledger.copy(PLAN) is None  # B0's states are still to come
-    ledger.add(PLAN, 11, record(11), 111.25)  # a quarter of a second on its way
+    assert not ledger.arrived("copied @99", {}, 0.5, 0.0, 0.0)  # not one it waits for
+    run(ledger, 11, 111.25)  # a quarter of a second on its way, states and record each
     assert ledger.copy(PLAN) == {b: f"state {b} @{11 - b // 2}" for b in range(6)}
-    assert ledger.seconds == 3.25
+    assert ledger.seconds == 3 * 1.0 + 3 * 0.5 + 2 * 0.25 and not ledger.waiting
     with pytest.raises(ValueError, match="not 1"):
         ledger.add(PLAN, 12, record(12), 112.0)
 
 
+@pytest.mark.unit
+def test_a_ledger_whose_stepped_states_are_still_on_their_way_cannot_be_picked_up_from() -> None:
+    start = {b: f"state {b} @start" for b in range(6)}
+    ledger = Ledger(1, ["batch"])  # type: ignore[list-item]
+    for position in range(6, 10):  # up to B2, whose states have not come
+        run(ledger, position, 100.0 + position, states=position != 9)
+    assert ledger.covers(PLAN, 9, (1, start))  # before B2: nothing stepped yet
+    assert not ledger.covers(PLAN, 10, (1, start))  # B2 stepped shard 2: its states are out
+    assert list(ledger.waiting.values()) == [2]
+    ledger.arrived("copied @9", {4: "s4", 5: "s5"}, 0.5, 109.0, 109.0)  # type: ignore[arg-type]
+    assert ledger.covers(PLAN, 10, (1, start))
+
+
 class MidStepLosingPool(LosingPool):
-    lose_at = 30  # a few steps in, mid-step
+    lose_at = 46  # a few steps in, mid-step
 
 
 @pytest.mark.unit
