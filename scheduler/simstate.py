@@ -59,13 +59,14 @@ class Engine:
     recovery: Recovery = Recovery.STEP
     copy_budget: float = DEFAULT_BUDGET
     """Each model's copies' share of its training time (``elastic.copy_budget``): how
-    often they are taken (``scheduler.copies``), each shard's backward copying its state
-    off the device (at its host link's bandwidth, before the device's next task) in a step
-    that ends with one."""
-    overlapped: bool = False
-    """Copies cost the devices nothing, taken beside their compute (a side stream's copy
-    to pinned memory, sent on from there): so they are taken at every step. The executor
-    does not take them so yet."""
+    often they are taken (``scheduler.copies``) where they are not ``overlapped``."""
+    overlapped: bool = True
+    """Copies cost the devices nothing, so they are taken at every step: the executor's
+    hosts make them beside the compute (``ShardHost.copy``; a task-copied backward's too),
+    on a GPU on a side stream into pinned host memory, and the simulated devices are GPUs.
+    False: each shard's backward in a step that ends with a copy copies its state off the
+    device at its host link's bandwidth before the device's next task, as a CPU device's
+    copying thread takes its cores."""
 
     def __post_init__(self) -> None:
         if self.depth < 1 or not self.latency_s >= 0:
@@ -76,8 +77,8 @@ class Engine:
 
 ENGINE = Engine()
 """The executor as it runs by default: two tasks queued per device, moves at step
-boundaries, copies within the default budget, a loss rolling back to the last copy, no
-latency."""
+boundaries, copies beside the compute at every step, a loss rolling back to the last copy,
+no latency."""
 
 
 @dataclass

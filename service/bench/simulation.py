@@ -33,23 +33,23 @@ TRADING = "sharp-lrtf-trading"
 faster device before any task (a model that keeps its graphs runs its open forwards
 again where it goes; these settings' models recompute them anyway)."""
 
-OVERLAPPED = "sharp-lrtf-trading-overlapped-copies"
-"""The same on an engine the executor is not yet: its copies taken beside the compute,
-costing the devices nothing, so at every step, and a loss costing the tasks in flight."""
+TASK_COPIES = "sharp-lrtf-trading-task-copies"
+"""The same with ``task_copies`` on: each task's outputs and stepped state copied off the
+devices as it goes (beside the compute), so a loss costs the tasks in flight."""
 
 _TRADING = Engine(moves=Moves.TRADES)
-_OVERLAPPED = Engine(moves=Moves.TRADES, overlapped=True, recovery=Recovery.TASK)
+_TASK_COPIES = Engine(moves=Moves.TRADES, recovery=Recovery.TASK)
 
 
 def simulate_setting(setting: Setting) -> dict[str, Any]:
     """Every strategy on ``setting`` (and Sharded-LRTF without prefetch, trading, and
-    trading with overlapped copies): each one's makespan, the lower bound, their ratio and the
+    trading with task copies): each one's makespan, the lower bound, their ratio and the
     mean device utilization."""
     rows: dict[str, dict[str, float]] = {}
     runs = [(s.value, s, True, ENGINE) for s in Strategy] + [
         (NO_PREFETCH, Strategy.LRTF, False, ENGINE),
         (TRADING, Strategy.LRTF, True, _TRADING),
-        (OVERLAPPED, Strategy.LRTF, True, _OVERLAPPED),
+        (TASK_COPIES, Strategy.LRTF, True, _TASK_COPIES),
     ]
     for name, strategy, prefetch, engine in runs:
         result = simulate(
@@ -84,12 +84,13 @@ def simulate_local(
     real run's measured task seconds, when the bench has them) on ``devices`` devices with
     the executor's measured ``latency_s``, their shards copied in at ``bandwidth_gbps``
     (a GPU's measured host-to-device rate; None: copies cost nothing, as on CPU devices that
-    share host memory): what the engine would reach with the machine's cores to itself."""
+    share host memory, and whose copying threads take their cores: copies on their path):
+    what the engine would reach with the machine's cores to itself."""
     free = bandwidth_gbps is None
     kind = DeviceKind("local-cpu" if free else "local-gpu", 1.0, budget, bandwidth_gbps or 1e6)
     cluster = Cluster(((kind, devices),))
     plans = [ModelPlan(f"model-{i}", tuple(shards), steps, i) for i in range(models)]
-    engine = Engine(latency_s=latency_s)
+    engine = Engine(latency_s=latency_s, overlapped=not free)
     sharp = simulate(cluster, plans, Strategy.LRTF, engine=engine)
     plain = simulate(cluster, plans, Strategy.MODEL_PARALLEL)
     return {
@@ -121,7 +122,7 @@ def run_simulated(s: SharpSettings, progress: Progress = lambda _: None) -> dict
         "sim_lrtf_over_lower_bound": worst_ratio(settings, Strategy.LRTF.value),
         "sim_fifo_over_lower_bound": worst_ratio(settings, Strategy.FIFO.value),
         "sim_trading_over_lower_bound": worst_ratio(settings, TRADING),
-        "sim_overlapped_copies_over_lower_bound": worst_ratio(settings, OVERLAPPED),
+        "sim_task_copies_over_lower_bound": worst_ratio(settings, TASK_COPIES),
         "sim_1024_devices_seconds": seconds,
         "sim_settings": settings,
         "sim_scale": {
