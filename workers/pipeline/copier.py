@@ -244,6 +244,12 @@ class Copier:
         with self._changed:
             self._kept.clear()
 
+    def close(self) -> None:
+        """No more copies (the blocks are forgotten): the copying thread ends once the
+        copies under way are made."""
+        if self._thread is not None:
+            self._thread.shutdown(wait=False)
+
     def count_thread(self) -> None:
         """Count the calling thread's CPU time as the copies' from now on (the thread that
         ships and holds them), unless it is the thread that trains (an in-process group)."""

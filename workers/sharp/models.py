@@ -41,6 +41,8 @@ class Copying:
     blocks: dict[int, Any] = field(default_factory=dict)
     seconds: float = 0.0
     """What it cost: the seconds the hosts spent taking it and its parts took to arrive."""
+    started: bool = False
+    """Every part was started (a step's task copies'): its calls only hand them over."""
 
 
 @dataclass

@@ -89,9 +89,8 @@ class Recovering:
         self._trading.call_off(model, self._models)
         gone = self._homes.lost([*model.homes, *left, *model.left])
         model.left.clear()
+        self._states_in(pool, model)
         ledger, saved, live = model.ledger, model.saved, self._homes.live()
-        if ledger is not None:
-            self._states_in(pool, ledger)
         if ledger and saved and live and ledger.covers(model.plan, model.done, saved):
             self._pick_up(pool, model, ledger, saved[1], gone)  # mid-step, copied task by task
             return
@@ -122,16 +121,23 @@ class Recovering:
         model.restart(step)
         model.recovered(self._devices, gone, reason or "", step, replayed, bound)
 
-    def _states_in(self, pool: HostPool, ledger: Ledger) -> None:
-        """The stepped shards' states still on their way from live devices, in: their
-        copies were started as their backwards ended (none of the model's tasks is in
-        flight now); only those a lost device was making are lost."""
-        for call in [c for c in ledger.waiting if self._homes.alive(c.host)]:
+    def _states_in(self, pool: HostPool, model: ModelRun) -> None:
+        """The stepped shards' states still on their way, in (the step's ledger's, and the
+        step before's where its end found them on their way): their copies were started as
+        their backwards ended (none of the model's tasks is in flight now), so a live
+        device's come, and a lost device's if they had left it (the calls to a worker
+        known dead fail at once)."""
+        ledger, copying = model.ledger, model.copying
+        waiting = list(ledger.waiting) if ledger is not None else []
+        if copying is not None and copying.started:
+            waiting += list(copying.calls)
+        for call in waiting:
             try:
                 ((states, seconds, finished),) = await_all(pool, [call], self._timeout)
             except (HostLost, ShardFailed):
-                continue  # lost too, or failed: the model rolls back to its last copy
-            ledger.arrived(call, states, seconds, finished, time.time())
+                continue  # lost, or failed: the model rolls back to its last copy
+            if ledger is None or not ledger.arrived(call, states, seconds, finished, time.time()):
+                model.took_part(call, states, seconds, finished)
 
     def _pick_up(
         self, pool: HostPool, model: ModelRun, ledger: Ledger, start: Blocks, gone: list[str]

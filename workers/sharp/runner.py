@@ -381,7 +381,8 @@ class SharpTrainer(Recovering):
         if taken is not None:  # its tasks took the copy: the checkpoint's states too
             blocks, model.copying = (taken if due else {}), None
         elif ledger is not None and ledger.waiting and not due:  # its last parts are coming
-            model.copying = Copying(step, set(ledger.waiting), ledger.blocks(), ledger.seconds)
+            waiting = set(ledger.waiting)
+            model.copying = Copying(step, waiting, ledger.blocks(), ledger.seconds, started=True)
         elif due:
             try:
                 blocks = model.gather(pool, self._timeout)

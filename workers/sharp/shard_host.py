@@ -154,14 +154,18 @@ class ShardHost:
         """Copy ``number`` of shard ``key`` (``copy``), once made, in wire form (what Ray moves
         fastest; the executor keeps it so, ``add`` and ``load`` take it back, its checkpoints
         read it back as tensors); the seconds it cost this device (starting it, and on a CPU
-        device the copying threads' time: a CPU device is its cores); and the wall clock
-        then (the executor counts its way there too). A call beside the tasks: it may come
-        before its ``copy``, and waits up to ``timeout`` seconds for it to start."""
+        device the CPU time of the threads copying it and handing it over: a CPU device is
+        its cores); and the wall clock then (the executor counts its way there too). A
+        call beside the tasks: it may come before its ``copy``, and waits up to ``timeout``
+        seconds for it to start."""
         stage, seconds = self._copies.wait((key, number), timeout)
-        states: dict[int, Any] = stage.shipment(number, timeout)
+        handing = time.thread_time()  # this thread's own: it serves every shard's copies
+        _, states = stage.copier.wait_for(number, timeout)
+        wire: dict[int, Any] = send_tree(states)
         stage.copier.release(number)  # delivered: the host keeps no copy of its own
+        handing = time.thread_time() - handing
         busy = self._copies.busy(key, stage, threads=self._side is None)
-        return states, seconds + busy, time.time()
+        return wire, seconds + busy + (handing if self._side is None else 0.0), time.time()
 
     def drop(self, key: ShardKey) -> None:
         """Forget shard ``key`` (it moved to another host, or its model ended, or rolls
@@ -241,6 +245,7 @@ class ShardHost:
     def _forget(self, key: ShardKey) -> None:
         self._demote(key)
         self._settle()
+        self._shards[key].copier.close()
         self._residue.pop(key, None)
         del self._shards[key]
         del self._saves[key]

@@ -581,6 +581,8 @@ class LosingPool(LocalPool):
 
     lose_at = 12
     inputs_there = False
+    counted: frozenset[str] | None = None
+    """The methods whose calls count towards ``lose_at`` (None: every one)."""
 
     def __init__(self, devices: Any, budgets: Any) -> None:
         super().__init__(devices, budgets)
@@ -594,7 +596,7 @@ class LosingPool(LocalPool):
 
         failure: Exception | None = None
         if host == 0:
-            self.calls += 1
+            self.calls += self.counted is None or method in self.counted
             if self.calls >= self.lose_at:
                 failure = HostLost(self.devices[0].id, "its node was preempted")
         elif (
