@@ -136,9 +136,9 @@ class ShardHost:
     def copy(self, key: ShardKey, step: int, number: int) -> None:
         """Start copy ``number`` (rising with each of the shard's copies) of shard ``key``'s
         block states (parameters and optimizer) as they are after the tasks before this call,
-        ``step`` steps; it returns at once, and the copy is made beside the tasks after it
-        (``workers.pipeline.copier``: only the shard's next optimizer step waits for it).
-        ``copied`` hands it over."""
+        ``step`` steps; on a GPU it returns at once, the copy made beside the tasks after it
+        (``workers.pipeline.copier``: only the shard's next optimizer step waits for it),
+        on a CPU device once it is made. ``copied`` hands it over."""
         try:
             stage = self._stage(key)
         except StageStateError as exc:
@@ -146,7 +146,7 @@ class ShardHost:
             raise
         if key not in self._resident:
             self._settle()  # it may be on its way to host memory: there first
-        self._copies.start((key, number), stage, step)
+        self._start_copy((key, number), stage, step)
 
     def copied(
         self, key: ShardKey, number: int, timeout: float
@@ -333,8 +333,15 @@ class ShardHost:
         kept = None
         if record is not None:
             kept = self._record(stage, outputs, forward=False)
-            self._copies.start((key, record[1]), stage, record[0])
+            self._start_copy((key, record[1]), stage, record[0])
         return handed, TaskResult([], compute_s, promoted, kept)
+
+    def _start_copy(self, copy: tuple[ShardKey, int], stage: Stage, step: int) -> None:
+        """Start ``copy`` of ``stage`` after ``step`` steps; on a CPU device make it now: its
+        cores are the device, which a thread beside would take from the tasks after."""
+        self._copies.start(copy, stage, step)
+        if self._side is None:
+            stage.copier.settle()
 
     def _compute_s(self, key: ShardKey, clock: StepClock) -> float:
         """A task's compute seconds from its ``clock``; what that holds of the shard's copies

@@ -185,7 +185,7 @@ class RayPool:
 
     def submit(self, host: int, method: str, *args: Any) -> Call:
         call: Any = self._actors[host].call
-        if method in BESIDE:
+        if method in BESIDE and self.devices[host].gpu:  # ``launch.start_shard_worker``
             call = call.options(concurrency_group=launch.COPIES_GROUP)
         if method not in PAIRED_METHODS:
             return _Remote(host, method, call.remote(method, *args))

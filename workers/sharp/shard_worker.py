@@ -22,9 +22,10 @@ SHARD_METHODS = frozenset(
 """The ``ShardHost`` methods the executor may call."""
 
 BESIDE = frozenset({"copied"})
-"""The methods a worker runs beside its tasks (Ray: in the ``copies`` concurrency group, a
-thread of its own; ``LocalPool``: a second thread per worker), so that handing over a copy
-never queues ahead of a task. Everything else runs one call at a time, in submission order."""
+"""The methods a worker runs beside its tasks (Ray, on a GPU: in the ``copies`` concurrency
+group, a thread of its own; ``LocalPool``: a second thread per worker), so that handing
+over a copy never queues ahead of a task. Everything else runs one call at a time, in
+submission order (on a CPU device's Ray worker, these too: its copies are made in order)."""
 
 
 class ShardFailed(RuntimeError):
