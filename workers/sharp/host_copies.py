@@ -1,12 +1,13 @@
 """The copies a ``ShardHost`` makes of its shards, from the task queue's ``copy``, which
 starts one, to the ``copied`` call beside the tasks, which hands it over.
 
-A shard is a ``workers.pipeline.stage.Stage``; its ``Copier`` makes the copy while the
-device runs the tasks after ``copy`` (a background thread on a CPU device; only the shard's
-next optimizer step waits for it). ``copied`` may come first: it waits for its ``copy`` to
-start, or raises the error that start raised. What the copies cost the device is counted
-here: starting them, the waits for them their tasks' clocks found (``book``), and on a CPU
-device the copying threads' CPU time (which a task's clock may have drained first).
+A shard is a ``workers.pipeline.stage.Stage``; its ``Copier`` makes the copy: on a GPU on a
+side stream while the device runs the tasks after ``copy`` (only the shard's next optimizer
+step waits for it), on a CPU device within ``copy`` (``ShardHost._start_copy``). ``copied``
+may come first: it waits for its ``copy`` to start, or raises the error that start raised.
+What the copies cost the device is counted here: starting them, the waits for them their
+tasks' clocks found (``book``), and on a CPU device the copying threads' CPU time (which a
+task's clock may have drained first).
 """
 
 from __future__ import annotations
