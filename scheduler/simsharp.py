@@ -4,12 +4,12 @@ What it models is what the executor does, with the same decisions (``scheduler.s
 
 - *Homes.* Each model's shards live on a device from the start (``home_shards``, the
   executor's own placement, models heaviest first: the host memory of the device's
-  worker, which runs every task of the shard). Once the executor has seen a model's step
-  end, the model may move whole to another device where that ends both devices' work
-  sooner (``move_target``), its state copied over at the device's bandwidth first. Or
-  (``Moves.TRADES``) models trade places before any task (``scheduler.simtrades``): each
-  shard's state follows when its task runs there, copied in as any task's shard is (the
-  network taken to be as fast as the device's host link).
+  worker, which runs every task of the shard). Models trade places before any task
+  (``Moves.TRADES``, the default: ``scheduler.simtrades``), each shard's state following
+  when its task runs there, copied in as any task's shard is (the network as fast as the
+  host link). Or (``Moves.AT_STEPS``) once the executor has seen a model's step end, it
+  may move whole to another device where that ends both devices' work sooner
+  (``move_target``), its state copied over at the device's bandwidth first.
 - *Queues.* The executor keeps each live device ``depth`` tasks deep, choosing with
   ``assign`` among the models whose next task's shard lives there. It acts ``latency_s``
   after a task ends (the result's way to it) and a task it submits reaches the device

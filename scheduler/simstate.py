@@ -23,12 +23,12 @@ class Moves(StrEnum):
     NONE = "none"
     AT_STEPS = "at-steps"
     """At a step boundary, whole, to the device where that ends both devices' work sooner
-    (``move_target``): what the executor does."""
+    (``move_target``): what the executor does with ``trades`` off."""
     TRADES = "trades"
     """Before any of its tasks, to a faster device holding no model, or trading places
     with the model there with the least work to go (``trade_target``, handed over when
     that loses least: ``hand_over_now``), models placed one a device while any is free
-    (``home_shards``' spread): what the executor does with ``trades`` on
+    (``home_shards``' spread): what the executor does by default
     (``workers.sharp.trading``)."""
 
 
@@ -37,14 +37,14 @@ class Recovery(StrEnum):
 
     STEP = "step"
     """They roll back to their last copy: the step under way's start, or further where
-    copies are taken less often than every step (what the executor does by default,
-    without ``task_copies``)."""
+    copies are taken less often than every step (what the executor does with
+    ``task_copies`` off)."""
     TASK = "task"
     """The tasks in flight: each task's outputs and each shard's state once its backward
     has stepped it are copied off the device as they are made, so only unfinished tasks
-    run again (Hydra's promise): what the executor does with ``task_copies`` for a model
-    whose copies are taken at every step (``workers.sharp.ledger``); one copied less
-    often rolls back to its last copy."""
+    run again (Hydra's promise): what the executor does by default for a model whose
+    copies are taken at every step (``workers.sharp.ledger``); one copied less often
+    rolls back to its last copy."""
 
 
 @dataclass(frozen=True)
@@ -55,8 +55,8 @@ class Engine:
 
     depth: int = 2
     latency_s: float = 0.0
-    moves: Moves = Moves.AT_STEPS
-    recovery: Recovery = Recovery.STEP
+    moves: Moves = Moves.TRADES
+    recovery: Recovery = Recovery.TASK
     copy_budget: float = DEFAULT_BUDGET
     """Each model's copies' share of its training time (``elastic.copy_budget``): how
     often they are taken (``scheduler.copies``) where they are not ``overlapped``."""
@@ -76,9 +76,9 @@ class Engine:
 
 
 ENGINE = Engine()
-"""The executor as it runs by default: two tasks queued per device, moves at step
-boundaries, copies beside the compute at every step, a loss rolling back to the last copy,
-no latency."""
+"""The executor as it runs by default: two tasks queued per device, models trading places
+before a task, copies beside the compute at every step made task by task (a loss costs the
+tasks in flight), no latency."""
 
 
 @dataclass

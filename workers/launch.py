@@ -34,8 +34,13 @@ _ShardWorkerBesideActor: Any = _remote(concurrency_groups={COPIES_GROUP: 1})(Sha
 
 def node_alive(node_id: str) -> bool:
     """Whether Ray's cluster table has node ``node_id`` alive."""
+    return node_id in alive_nodes()
+
+
+def alive_nodes() -> set[str]:
+    """The nodes Ray's cluster table has alive."""
     nodes = ray.nodes()  # type: ignore[no-untyped-call]
-    return any(n.get("Alive") and n["NodeID"] == node_id for n in nodes)
+    return {n["NodeID"] for n in nodes if n.get("Alive")}
 
 
 def start_stage_worker(plan: StagePlan, setup: StageSetup) -> ActorHandle[Any]:

@@ -28,28 +28,24 @@ from shoal.service.bench.report import SHARP_PHASES, Progress, SharpSettings
 NO_PREFETCH = "sharp-lrtf-no-prefetch"
 """Sharded-LRTF with every shard copied in only when its task starts."""
 
-TRADING = "sharp-lrtf-trading"
-"""Sharded-LRTF on the executor with ``trades`` on: models trade places with one on a
-faster device before any task (a model that keeps its graphs runs its open forwards
-again where it goes; these settings' models recompute them anyway)."""
+AT_STEPS = "sharp-lrtf-at-steps"
+"""Sharded-LRTF on the executor with ``trades`` and ``task_copies`` off: models placed as
+alike move at step boundaries, and a loss rolls back to the last copy (by default models
+trade places with one on a faster device before any task, and each task's outputs and
+stepped state are copied off the devices as it goes, so a loss costs the tasks in
+flight)."""
 
-TASK_COPIES = "sharp-lrtf-trading-task-copies"
-"""The same with ``task_copies`` on: each task's outputs and stepped state copied off the
-devices as it goes (beside the compute), so a loss costs the tasks in flight."""
-
-_TRADING = Engine(moves=Moves.TRADES)
-_TASK_COPIES = Engine(moves=Moves.TRADES, recovery=Recovery.TASK)
+_AT_STEPS = Engine(moves=Moves.AT_STEPS, recovery=Recovery.STEP)
 
 
 def simulate_setting(setting: Setting) -> dict[str, Any]:
-    """Every strategy on ``setting`` (and Sharded-LRTF without prefetch, trading, and
-    trading with task copies): each one's makespan, the lower bound, their ratio and the
-    mean device utilization."""
+    """Every strategy on ``setting`` (and Sharded-LRTF without prefetch, and without trades
+    and task copies): each one's makespan, the lower bound, their ratio and the mean
+    device utilization."""
     rows: dict[str, dict[str, float]] = {}
     runs = [(s.value, s, True, ENGINE) for s in Strategy] + [
         (NO_PREFETCH, Strategy.LRTF, False, ENGINE),
-        (TRADING, Strategy.LRTF, True, _TRADING),
-        (TASK_COPIES, Strategy.LRTF, True, _TASK_COPIES),
+        (AT_STEPS, Strategy.LRTF, True, _AT_STEPS),
     ]
     for name, strategy, prefetch, engine in runs:
         result = simulate(
@@ -121,8 +117,7 @@ def run_simulated(s: SharpSettings, progress: Progress = lambda _: None) -> dict
     return {
         "sim_lrtf_over_lower_bound": worst_ratio(settings, Strategy.LRTF.value),
         "sim_fifo_over_lower_bound": worst_ratio(settings, Strategy.FIFO.value),
-        "sim_trading_over_lower_bound": worst_ratio(settings, TRADING),
-        "sim_task_copies_over_lower_bound": worst_ratio(settings, TASK_COPIES),
+        "sim_at_steps_over_lower_bound": worst_ratio(settings, AT_STEPS),
         "sim_1024_devices_seconds": seconds,
         "sim_settings": settings,
         "sim_scale": {

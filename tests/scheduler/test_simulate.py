@@ -126,7 +126,13 @@ def test_hydra_setting_is_near_the_lower_bound_once_models_move() -> None:
     assert results["task-parallel"].makespan_s < results["model-parallel"].makespan_s
 
 
+AT_STEPS = Engine(moves=Moves.AT_STEPS, recovery=Recovery.STEP)
+"""The executor with ``trades`` and ``task_copies`` off: models placed as alike move at step
+boundaries, a loss rolls back to the last copy."""
+
+
 def test_a_model_lives_where_its_work_ends_soonest_for_the_devices_speed() -> None:
+    """Placed as alike, moving at step boundaries (``AT_STEPS``)."""
     mixed = Cluster(
         (
             (DeviceKind("fast", 8.0, 16 * GiB, math.inf), 1),
@@ -134,7 +140,7 @@ def test_a_model_lives_where_its_work_ends_soonest_for_the_devices_speed() -> No
         )
     )
     plans = [chain(m, shards=2, steps=4, order=i) for i, m in enumerate("abc")]  # 24 s each
-    result = simulate(mixed, plans, Strategy.LRTF, record=True)
+    result = simulate(mixed, plans, Strategy.LRTF, record=True, engine=AT_STEPS)
     assert {r.device for r in result.records} == {"fast-0000"}  # 72 / 8 < 24 (the slow one)
     assert result.makespan_s == pytest.approx(72 / 8)
 
@@ -153,13 +159,13 @@ def test_models_that_trade_places_share_the_fast_device_as_the_bound_assumes() -
         )
     )
     plans = [chain(m, shards=8, steps=4, order=i) for i, m in enumerate("ab")]  # 96 s each
-    at_steps = simulate(mixed, plans)
-    trading = simulate(mixed, plans, engine=Engine(moves=Moves.TRADES), record=True)
+    at_steps = simulate(mixed, plans, engine=AT_STEPS)
+    trading = simulate(mixed, plans, record=True)  # the executor's default
     assert at_steps.makespan_s == pytest.approx(64.0) and at_steps.trades == 0
     assert trading.lower_bound_s == pytest.approx(48.0)  # 192 s of work at 4 per second
     assert trading.trades > 0 and trading.ratio <= 1.1
     again = [chain(m, shards=8, steps=4, order=i, recompute=True) for i, m in enumerate("ab")]
-    free = simulate(mixed, again, engine=Engine(moves=Moves.TRADES))
+    free = simulate(mixed, again)
     assert free.trades > 0 and free.makespan_s < trading.makespan_s and free.ratio <= 1.05
     for model in "ab":
         assert {r.device for r in trading.records if r.model == model} == {
@@ -486,10 +492,10 @@ def test_the_spot_cluster_ends_near_the_bound_with_trades_and_task_copies_beside
     def ratio(engine: Engine) -> float:
         return simulate(setting.cluster, setting.plans, engine=engine).ratio
 
-    task = ratio(Engine(moves=Moves.TRADES, recovery=Recovery.TASK))
-    step = ratio(Engine(moves=Moves.TRADES))
-    at_steps = ratio(Engine())
-    on_path = ratio(Engine(moves=Moves.TRADES, recovery=Recovery.TASK, overlapped=False))
+    task = ratio(Engine())  # the executor's default
+    step = ratio(Engine(recovery=Recovery.STEP))
+    at_steps = ratio(AT_STEPS)
+    on_path = ratio(Engine(overlapped=False))
     assert task <= 1.1 < step <= 1.16 < 1.2 <= min(at_steps, on_path), (
         task,
         step,

@@ -351,7 +351,7 @@ def test_same_losses_names_the_first_model_and_step_that_differ() -> None:
 def test_simulated_half_runs_every_strategy_and_takes_the_worst_setting() -> None:
     from shoal.scheduler.simulate import Strategy
     from shoal.service.bench.report import SHARP_PHASES, SharpSettings
-    from shoal.service.bench.simulation import NO_PREFETCH, TASK_COPIES, TRADING, run_simulated
+    from shoal.service.bench.simulation import AT_STEPS, NO_PREFETCH, run_simulated
 
     s = SharpSettings(spot_devices=8, spot_models=3, scale_devices=8, scale_models=3)
     phases: list[str] = []
@@ -360,21 +360,20 @@ def test_simulated_half_runs_every_strategy_and_takes_the_worst_setting() -> Non
     hydra, spot = result["sim_settings"]
     assert (hydra["devices"], hydra["models"]) == (8, 12)
     assert (spot["devices"], spot["models"]) == (8, 3)
-    engines = {NO_PREFETCH, TRADING, TASK_COPIES}
+    engines = {NO_PREFETCH, AT_STEPS}
     assert set(hydra["results"]) == {*(x.value for x in Strategy), *engines}
     for row in (hydra, spot):
         for strategy in row["results"].values():
             assert strategy["ratio"] >= 1.0 - 1e-9  # no schedule beats the lower bound
     lrtf = [row["results"]["sharp-lrtf"]["ratio"] for row in (hydra, spot)]
     assert result["sim_lrtf_over_lower_bound"] == max(lrtf)
-    for key, name in [("trading", TRADING), ("task_copies", TASK_COPIES)]:
-        worst = max(row["results"][name]["ratio"] for row in (hydra, spot))
-        assert result[f"sim_{key}_over_lower_bound"] == worst
-    # Shoal's executor on Hydra's setting: each model's shards on one device, models moving
-    # at step boundaries where that ends two devices' work sooner, its copies beside the
-    # compute (measured 1.041); trading, 1.010.
-    assert hydra["results"]["sharp-lrtf"]["ratio"] <= 1.06
-    assert hydra["results"][TRADING]["ratio"] <= 1.02
+    worst = max(row["results"][AT_STEPS]["ratio"] for row in (hydra, spot))
+    assert result["sim_at_steps_over_lower_bound"] == worst
+    # Shoal's executor on Hydra's setting: each model's shards on one device, models
+    # trading places before a task, its copies beside the compute (measured 1.010); moving
+    # at step boundaries where that ends two devices' work sooner instead, 1.041.
+    assert hydra["results"]["sharp-lrtf"]["ratio"] <= 1.02
+    assert hydra["results"][AT_STEPS]["ratio"] <= 1.06
     assert result["sim_1024_devices_seconds"] > 0 and result["sim_scale"]["models"] == 3
 
 

@@ -429,6 +429,7 @@ def test_a_sweep_that_lost_a_device_goes_on_and_moves_back_onto_as_many_as_it_as
     assert sweep.state == "SUCCEEDED" and [trial_state(t) for t in trials] == ["SUCCEEDED"] * 3
     first = node_devices(session_factory, node)
     moved = 0
+    last_placed: set[str] = set()  # where the executor on the other node placed each trial
     for trial in trials:
         assert_exact(session_factory, spec, trial)
         states, history = trial_history(session_factory, trial.job_id)
@@ -440,5 +441,8 @@ def test_a_sweep_that_lost_a_device_goes_on_and_moves_back_onto_as_many_as_it_as
             assert states[-4:] == ["RUNNING", "QUEUED", "RUNNING", "SUCCEEDED"]
             (resumed,) = [e for e in history if e.kind == "resumed"]
             assert resumed.data["steps_replayed"] == 0
-        assert len(trial.job.devices) == 2 and not set(trial.job.devices) & first
+        assert trial.job.devices and not set(trial.job.devices) & first
+        placed = [e for e in history if e.kind == "placement"][-1]
+        last_placed |= {row["device_id"] for row in placed.data["stages"]}
     assert moved == 2
+    assert len(last_placed) == 2 and not last_placed & first, last_placed

@@ -70,6 +70,11 @@ class Inbox:
 
     # ------------------------------------------------------------------ the loop's side
 
+    def arriving(self) -> bool:
+        """Whether models were added since ``arrivals`` last took them."""
+        with self._lock:
+            return bool(self._incoming)
+
     def arrivals(self) -> list[JobSnapshot]:
         """The models added since the last call, taken."""
         with self._lock:

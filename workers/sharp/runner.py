@@ -7,9 +7,13 @@ prefetched next shard), all its shards live in the host memory of one device
 two tasks queued, each the next task of one of the models living there, chosen by the
 policy (Sharded-LRTF by default: ``scheduler.sharp.assign``), prefetching the shard it will
 likely run after. A model's step is the chain forward 0..k-1, backward k-1..0, so the
-parallelism is across models; a task's outputs stay on the device for the next one. At a
-step boundary a model may move whole to another device (``move_target``); with ``trades``,
-before any task, to a faster one, trading places (``workers.sharp.trading``).
+parallelism is across models; a task's outputs stay on the device for the next one.
+Models are placed by their devices' measured speeds, and before any task a model may go to
+a faster device, trading places with the model there (``workers.sharp.trading``); with
+``trades`` off they are placed as alike and move whole at step boundaries
+(``move_target``). With copies at every step, each task copies what it made off its
+device as it goes (``task_copies``, ``workers.sharp.ledger``): a lost device costs the
+tasks in flight.
 
 Each model trains exactly as it would alone: the same micro-batches, gradients accumulated
 in the same order, each shard stepping once its backward is done (``workers.sharp.shard_host``).
@@ -77,8 +81,8 @@ class SharpTrainer(Recovering):
         budgets: Mapping[DeviceId, int],
         policy: Policy = Policy.LRTF,
         prefetch: bool = True,
-        trades: bool = False,
-        task_copies: bool = False,
+        trades: bool = True,
+        task_copies: bool = True,
         keep_open: bool = False,
         task_timeout_s: float = DEFAULT_TASK_TIMEOUT_S,
         clock: Callable[[], float] = time.perf_counter,
@@ -168,7 +172,9 @@ class SharpTrainer(Recovering):
             self._inbox.end("the SHARP executor had stopped (closed)")
             pool.shutdown()
             self._writer.close()  # the checkpoints under way are written
-        return {job_id: m.status for job_id, m in self._models.items()}
+        statuses = {job_id: m.status for job_id, m in self._models.items()}
+        # Added, never placed: the executor failed first (``report`` says why).
+        return statuses | {s.job_id: RunStatus.FAILED for s in self._inbox.arrivals()}
 
     def _loop(self, pool: HostPool) -> None:
         while True:
@@ -195,6 +201,12 @@ class SharpTrainer(Recovering):
                 return  # every model has ended and no more come
 
     def _admit(self, pool: HostPool) -> None:
+        if self._trades and self._inbox.arriving():  # placed by speed: measured first
+            try:  # (else placed as alike: a move at a step boundary levels them)
+                live = self._homes.live()
+                self._homes.measured(self._measures.measure(pool, live, self._timeout))
+            except HostLost as exc:  # placed on the devices left
+                self._lose(pool, self._homes.host_of(exc.device_id), str(exc))
         arriving = self._inbox.arrivals()
         if arriving:
             # Heaviest first, each to the device where it ends soonest (``home_shards``):
@@ -202,12 +214,6 @@ class SharpTrainer(Recovering):
             placing = sorted(
                 arriving, key=lambda s: -s.steps * sum(c.fwd_bwd_s for c in s.block_costs)
             )
-            if self._trades:  # placed by speed; else as alike (a move at a step levels them)
-                try:
-                    live = self._homes.live()
-                    self._homes.measured(self._measures.measure(pool, live, self._timeout))
-                except HostLost as exc:  # placed on the devices left
-                    self._lose(pool, self._homes.host_of(exc.device_id), str(exc))
             adds = [c for snap in placing for c in self._place(pool, snap)]
             try:
                 await_all(pool, adds, self._timeout)
@@ -439,16 +445,16 @@ class SharpTrainer(Recovering):
     def _copied(self, pool: HostPool, model: ModelRun, call: Call) -> None:
         """A host's part of ``model``'s copy is in (a stepped shard's, for the step's
         ``ledger``, or for the copy under way); once every part is, the copy replaces the
-        model's last one, and what it took is the copies' measured cost."""
+        model's last one, and what it took is the copies' measured cost. A part not made
+        drops the copy: a loss rolls back to the one before."""
         copying, ledger = model.copying, model.ledger
         ours = ledger is not None and call in ledger.waiting
         if not ours and (copying is None or call not in copying.calls):
             return  # dropped meanwhile: the model rolled back, checkpointed or ended
         try:
             states, seconds, finished = pool.result(call)
-        except ShardFailed as exc:
-            model.copying = model.ledger = None
-            model.end(RunStatus.FAILED, str(exc))
+        except ShardFailed:  # not made (on a CPU device: its task did not run, and says why)
+            model.copying = model.ledger = None  # a loss rolls back to the copy before
             return
         except HostLost as exc:
             model.copying = None

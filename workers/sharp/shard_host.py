@@ -155,10 +155,10 @@ class ShardHost:
         fastest; the executor keeps it so, ``add`` and ``load`` take it back, its checkpoints
         read it back as tensors); the seconds it cost this device (starting it, and on a CPU
         device the CPU time of the threads copying it and handing it over: a CPU device is
-        its cores); and the wall clock then (the executor counts its way there too). A
-        call beside the tasks: it may come before its ``copy``, and waits up to ``timeout``
-        seconds for it to start."""
-        stage, seconds = self._copies.wait((key, number), timeout)
+        its cores); and the wall clock then (the executor counts its way there too). On a
+        GPU a call beside the tasks, it waits up to ``timeout`` s for its ``copy`` to start;
+        on a CPU device it follows it in the task queue, and fails at once if it did not."""
+        stage, seconds = self._copies.wait((key, number), 0.0 if self._side is None else timeout)
         handing = time.thread_time()  # this thread's own: it serves every shard's copies
         _, states = stage.copier.wait_for(number, timeout)
         wire: dict[int, Any] = send_tree(states)

@@ -16,6 +16,7 @@ through the executor, and the next task waits for them on its worker's queue.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
@@ -30,6 +31,7 @@ from ray.exceptions import (
     ObjectLostError,
     RayActorError,
     RayTaskError,
+    TaskCancelledError,
 )
 
 from shoal.scheduler.devices import Device
@@ -59,6 +61,20 @@ class InputLost(RuntimeError):
 
 class PoolTimeout(TimeoutError):
     """No call finished in time."""
+
+
+NODE_CHECK_S = 10.0
+"""How long ``RayPool.wait`` waits with no call ending before it asks Ray whether the nodes
+of the devices it waits for, or whose outputs other calls take, are alive. After a node's
+SIGKILL, Ray 2.60 was seen to leave calls pending for good: calls of the lost device's
+worker (no error came), and a call waiting on a surviving worker's queue for its input,
+the lost device's outputs (its raylet pulling them from the dead node), which blocks that
+worker's later calls. A device whose node has been found gone for this long is lost: its
+unfinished calls end ``HostLost``, and the calls waiting for its outputs are cancelled
+(``InputLost``), so the surviving worker's later calls run. (By then Ray has failed the
+calls whose input was never made: cancelling those, still in the submitting process, was
+seen to leave a gap in the worker's call order, which ends every call queued there 30 s
+later.)"""
 
 
 @dataclass(frozen=True, eq=False)
@@ -118,10 +134,10 @@ class _Later:
 
 
 class LocalPool:
-    """Every device's worker in this process, each on a thread of its own (and one for its
-    calls ``BESIDE`` the tasks). The task threads take turns computing: they share torch's
-    global RNG (blocks are initialised under a seed, recomputation replays the RNG state),
-    which two at once would interleave."""
+    """Every device's worker in this process, each on a thread of its own (and, on a GPU,
+    one for its calls ``BESIDE`` the tasks, as ``RayPool``'s). The task threads take turns
+    computing: they share torch's global RNG (blocks are initialised under a seed,
+    recomputation replays the RNG state), which two at once would interleave."""
 
     def __init__(self, devices: Sequence[Device], budgets: Mapping[DeviceId, int]) -> None:
         self.devices = list(devices)
@@ -131,7 +147,7 @@ class LocalPool:
         self._turn = threading.Lock()
 
     def submit(self, host: int, method: str, *args: Any) -> Call:
-        if method in BESIDE:
+        if method in BESIDE and self.devices[host].gpu:
             future = self._beside[host].submit(self._workers[host].call, method, *args)
         else:
             future = self._threads[host].submit(self._call, host, method, *args)
@@ -182,31 +198,76 @@ class RayPool:
         self._actors: list[ActorHandle[Any]] = [
             launch.start_shard_worker(d, budgets[d.id]) for d in devices
         ]
+        self._made_by: dict[Any, int] = {}
+        """Outputs handed out as another call's input (``outputs``), by the host making them."""
+        self._takers: dict[Any, int] = {}
+        """Calls taking another host's outputs, by that host, until their result is read."""
+        self._gone_since: dict[int, float] = {}
+        """Hosts whose node Ray has found gone, since when (``NODE_CHECK_S``)."""
+        self._gone: set[int] = set()
+        """Hosts found gone for ``NODE_CHECK_S``: their unfinished calls end ``HostLost``."""
 
     def submit(self, host: int, method: str, *args: Any) -> Call:
         call: Any = self._actors[host].call
         if method in BESIDE and self.devices[host].gpu:  # ``launch.start_shard_worker``
             call = call.options(concurrency_group=launch.COPIES_GROUP)
         if method not in PAIRED_METHODS:
-            return _Remote(host, method, call.remote(method, *args))
-        refs: Any = call.options(num_returns=2).remote(method, *args)
-        return _Remote(host, method, refs[1], refs[0])
+            remote = _Remote(host, method, call.remote(method, *args))
+        else:
+            refs: Any = call.options(num_returns=2).remote(method, *args)
+            remote = _Remote(host, method, refs[1], refs[0])
+        for arg in args:  # a task's input: the outputs of the model's task before it
+            maker = self._made_by.pop(arg, host) if isinstance(arg, ray.ObjectRef) else host
+            if maker != host:
+                self._takers[remote.ref] = maker
+        return remote
 
     def wait(self, calls: Sequence[Call], timeout: float) -> list[Call]:
         by_ref = {_own(c, _Remote).ref: c for c in calls}
-        # Done once here: a large result (a copy, a gathered state) is fetched from its
-        # worker's node meanwhile, so the loop blocks instead of spinning until it is.
-        done, _ = ray.wait(list(by_ref), num_returns=1, timeout=timeout)
+        end = time.monotonic() + timeout
+        while True:
+            # Once a round: a large result (a copy, a gathered state) is fetched from its
+            # worker's node meanwhile, so the loop blocks instead of spinning until it is.
+            left = max(0.0, end - time.monotonic())
+            done, _ = ray.wait(list(by_ref), num_returns=1, timeout=min(left, NODE_CHECK_S))
+            if done or not calls or left <= NODE_CHECK_S:
+                break
+            self._check_nodes({c.host for c in calls})
+            done = [r for r, c in by_ref.items() if c.host in self._gone]
+            if done:
+                break
         if not done and calls:
             raise PoolTimeout(f"no shard task finished within {timeout:g} s")
         ready, _ = ray.wait(list(by_ref), num_returns=len(by_ref), timeout=0)
-        return [by_ref[r] for r in ready]
+        return [by_ref[r] for r in {*ready, *done}]
+
+    def _check_nodes(self, waited: set[int]) -> None:
+        """Hosts whose node was found gone at least ``NODE_CHECK_S`` ago, among ``waited``
+        and those whose outputs calls take, are ``_gone``; the calls waiting for their
+        outputs are cancelled (one its worker has not started ends ``InputLost``)."""
+        now, alive = time.monotonic(), launch.alive_nodes()
+        for host in (waited | set(self._takers.values())) - self._gone:
+            if self.devices[host].node_id in alive:
+                continue
+            if now - self._gone_since.setdefault(host, now) < NODE_CHECK_S:
+                continue
+            self._gone.add(host)
+            for ref in [r for r, maker in self._takers.items() if maker == host]:
+                del self._takers[ref]
+                ray.cancel(ref)
 
     def result(self, call: Call) -> Any:
         remote = _own(call, _Remote)
+        self._takers.pop(remote.ref, None)
         device = self.devices[remote.host].id
         try:
             return ray.get(remote.ref, timeout=0)
+        except GetTimeoutError:  # unfinished: its node is gone (``_check_nodes``)
+            if remote.host not in self._gone:
+                raise
+            raise HostLost(device, "its node is gone") from None
+        except TaskCancelledError:  # waiting for a lost device's outputs (``_check_nodes``)
+            raise InputLost(device) from None
         except RayTaskError as exc:
             if isinstance(exc.cause, ShardFailed):
                 raise exc.cause from None
@@ -223,7 +284,9 @@ class RayPool:
             raise HostLost(device, "its node is gone or cannot host it") from None
 
     def outputs(self, call: Call) -> Any:
-        return _own(call, _Remote).outputs
+        remote = _own(call, _Remote)
+        self._made_by[remote.outputs] = remote.host
+        return remote.outputs
 
     def _actor_error(self, call: _Remote, exc: RayActorError) -> HostLost | InputLost:
         """The call's worker died, or the one whose task was to make its input did."""

@@ -17,7 +17,6 @@ from tests.workers.sharp.test_sharp_runner import (
     LosingPool,
     assert_alone,
     budget_for_shards,
-    devices,
     model,
     train,
 )
@@ -90,7 +89,7 @@ def test_a_ledger_whose_stepped_states_are_still_on_their_way_cannot_be_picked_u
 
 
 class MidStepLosingPool(LosingPool):
-    lose_at = 15  # a task of step 1 on device 0, mid-step with 4 shards (8 tasks a step) or 5
+    lose_at = 15  # a task of step 1 there, mid-step with 4 shards (8 tasks a step) or 5
     counted = frozenset({"forward", "backward"})
 
 
@@ -99,16 +98,16 @@ class MidStepLosingPool(LosingPool):
 def test_a_device_lost_mid_step_costs_only_the_tasks_in_flight_and_the_math_stays_exact(
     tmp_path: Path, recompute: bool
 ) -> None:
-    """Device 0 is lost mid-step: each model with shards there picks up at its next task
-    on the device left (no step replayed, no step recorded twice), its shards rebuilt from
-    the copies its tasks made (their forwards' inputs and RNG; run again where they keep
-    graphs), and trains exactly as alone."""
+    """The first model's device is lost mid-step: each model with shards there picks up at
+    its next task on the device left (no step replayed, no step recorded twice), its shards
+    rebuilt from the copies its tasks made (their forwards' inputs and RNG; run again where
+    they keep graphs), and trains exactly as alone."""
     snaps = [
         model(tmp_path, "a", steps=6, keep_copies=True, copy_budget=1.0, recompute=recompute),
         model(tmp_path, "b", seed=9, steps=6, keep_copies=True, copy_budget=1.0),
     ]
     trainer = train(snaps, MidStepLosingPool, budget_for_shards(snaps[0], 3), task_copies=True)
-    dead = devices()[0].id
+    (dead,) = trainer.lost_devices()
     picked = []
     for snap in snaps:
         report = trainer.report(snap.job_id, 0)
@@ -120,5 +119,5 @@ def test_a_device_lost_mid_step_costs_only_the_tasks_in_flight_and_the_math_stay
             picked.append(lost)
         assert [m.step for m in report.metrics] == list(range(1, 7))  # none replayed
         assert_alone(snap, [m.loss for m in report.metrics])
-    assert picked, "device 0 was never lost mid-step"
+    assert picked, "the device was never lost mid-step"
     assert any(0 < e.step < 6 for e in picked), [e.data for e in picked]

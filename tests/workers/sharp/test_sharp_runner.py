@@ -433,13 +433,15 @@ def test_a_suspended_model_checkpoints_its_step_and_resumes_elsewhere_replaying_
 
 
 def moves_to_the_idle_device(tmp_path: Path, make_pool: PoolFactory, node: str) -> None:
-    """a and c live on the first device, b on the other; b is cancelled before it trains:
-    at its first step boundary one of a and c moves whole to the device left idle (its
-    state loaded there, nothing replayed), and both still train exactly as alone."""
+    """Without trades (models placed as alike, moving at step boundaries): a and c live on
+    the first device, b on the other; b is cancelled before it trains: at its first step
+    boundary one of a and c moves whole to the device left idle (its state loaded there,
+    nothing replayed), and both still train exactly as alone."""
     snaps = [model(tmp_path, name, seed=i, steps=4) for i, name in enumerate("abc")]
     pool = devices(node)
     budget = budget_for_shards(snaps[0], 3)
-    trainer = SharpTrainer(snaps, pool, make_pool, budgets={d.id: budget for d in pool})
+    budgets = {d.id: budget for d in pool}
+    trainer = SharpTrainer(snaps, pool, make_pool, budgets=budgets, trades=False)
     trainer.cancel("b")
     statuses = trainer.run()
     assert statuses == {
@@ -510,14 +512,15 @@ def test_a_device_lost_as_a_model_moves_rolls_it_back_exactly(
 ) -> None:
     """The device a model moves to, or the one it leaves, is lost halfway through the move
     (some of its shards dropped at home, none or some added there): it rolls back from its
-    copy to the device left, and every model still trains exactly as alone."""
+    copy to the device left, and every model still trains exactly as alone. (Moves at step
+    boundaries, without trades: ``test_trading`` loses devices as models trade.)"""
     snaps = [
         model(tmp_path, name, seed=i, steps=4, keep_copies=True, copy_budget=1.0)
         for i, name in enumerate("abc")
     ]
     pool = devices()
-    budget = budget_for_shards(snaps[0], 3)
-    trainer = SharpTrainer(snaps, pool, make_pool, budgets={d.id: budget for d in pool})
+    budgets = {d.id: budget_for_shards(snaps[0], 3) for d in pool}
+    trainer = SharpTrainer(snaps, pool, make_pool, budgets=budgets, trades=False)
     trainer.cancel("b")
     statuses = trainer.run()
     errors = {s.job_id: trainer.report(s.job_id, 0).error for s in snaps}
@@ -574,10 +577,21 @@ def test_a_checkpoint_that_cannot_be_written_fails_its_model_only(
     assert_alone(fine, [m.loss for m in trainer.report("b", 0).metrics])
 
 
+def placed_first(pool: LocalPool, host: int, method: str) -> int | None:
+    """The device the first model placed has a shard on (trades place by measured speed),
+    once a shard is placed: the one the losing pools lose."""
+    target: int | None = getattr(pool, "target", None)
+    if target is None and method == "add":
+        target = host
+    pool.target = target  # type: ignore[attr-defined]
+    return target
+
+
 class LosingPool(LocalPool):
-    """A LocalPool whose device 0 (where the first model placed lives) is lost at its
-    ``lose_at``-th call: it and every later one fail. With ``inputs_there``, the next shard
-    task on device 1 fails too, as if its input had been made on device 0."""
+    """A LocalPool whose device where the first model placed lives is lost at its
+    ``lose_at``-th call from then on: it and every later one fail. With ``inputs_there``,
+    the next shard task on another device fails too, as if its input had been made on
+    the lost one."""
 
     lose_at = 12
     inputs_there = False
@@ -595,10 +609,11 @@ class LosingPool(LocalPool):
         from shoal.workers.sharp.shard_pool import HostLost, InputLost, _Local
 
         failure: Exception | None = None
-        if host == 0:
+        target = placed_first(self, host, method)
+        if host == target:
             self.calls += self.counted is None or method in self.counted
             if self.calls >= self.lose_at:
-                failure = HostLost(self.devices[0].id, "its node was preempted")
+                failure = HostLost(self.devices[host].id, "its node was preempted")
         elif (
             self.inputs_there
             and self.calls >= self.lose_at
@@ -606,7 +621,7 @@ class LosingPool(LocalPool):
             and method in ("forward", "backward")
         ):
             self.inputs_lost += 1
-            failure = InputLost(self.devices[1].id)
+            failure = InputLost(self.devices[host].id)
         if failure is None:
             return super().submit(host, method, *args)
         gone: Future[Any] = Future()
@@ -615,9 +630,10 @@ class LosingPool(LocalPool):
 
 
 class CopyLosingPool(LocalPool):
-    """A LocalPool whose device 0 is lost as it is asked for a shard's state the
-    ``copy_at``-th time (the first copy is taken when the model is placed, the k-th after
-    step k - 1; the last step's is its checkpoint's): as the copy after a step is taken."""
+    """A LocalPool whose device where the model placed lives is lost as it is asked for a
+    shard's state the ``copy_at``-th time (the first copy is taken when the model is placed,
+    the k-th after step k - 1; the last step's is its checkpoint's): as the copy after a
+    step is taken."""
 
     copy_at = 3
 
@@ -631,13 +647,14 @@ class CopyLosingPool(LocalPool):
 
         from shoal.workers.sharp.shard_pool import HostLost, _Local
 
-        if host == 0 and method == "copy" and not self.gone:
+        target = placed_first(self, host, method)
+        if host == target and method == "copy" and not self.gone:
             self.copies[args[0]] = self.copies.get(args[0], 0) + 1
             self.gone = min(self.copies.values()) >= self.copy_at
-        if host != 0 or not self.gone:
+        if host != target or not self.gone:
             return super().submit(host, method, *args)
         gone: Future[Any] = Future()
-        gone.set_exception(HostLost(self.devices[0].id, "its node was preempted"))
+        gone.set_exception(HostLost(self.devices[host].id, "its node was preempted"))
         return _Local(host, method, gone)
 
 
@@ -651,10 +668,37 @@ class InputLosingPool(LosingPool):
 
 class PlacementLosingPool(LosingPool):
     lose_at = 1  # while the models' shards are being placed
+    counted = frozenset({"add"})
 
 
 class LateLosingPool(LosingPool):
     lose_at = 52  # a few steps in, after a checkpoint
+
+
+class TaskLosingPool(LocalPool):
+    """A LocalPool that loses the device given the ``lose_at``-th shard task, wherever the
+    model's shards live and trade: that call and every later one there fail."""
+
+    lose_at = 36  # a task of step 5, for a model of 4 shards (8 tasks a step)
+
+    def __init__(self, devices: Any, budgets: Any) -> None:
+        super().__init__(devices, budgets)
+        self.tasks = 0
+        self.gone: int | None = None
+
+    def submit(self, host: int, method: str, *args: Any) -> Any:
+        from concurrent.futures import Future
+
+        from shoal.workers.sharp.shard_pool import HostLost, _Local
+
+        self.tasks += method in ("forward", "backward")
+        if self.gone is None and self.tasks >= self.lose_at:
+            self.gone = host
+        if host != self.gone:
+            return super().submit(host, method, *args)
+        gone: Future[Any] = Future()
+        gone.set_exception(HostLost(self.devices[host].id, "its node was preempted"))
+        return _Local(host, method, gone)
 
 
 @pytest.mark.unit
@@ -671,7 +715,7 @@ def test_a_lost_device_costs_only_the_step_under_way_and_the_math_stays_exact(
         model(tmp_path, "b", seed=9, steps=6, keep_copies=True, copy_budget=1.0),
     ]
     trainer = train(snaps, LosingPool, budget_for_shards(snaps[0], 3))
-    dead = devices()[0].id
+    (dead,) = trainer.lost_devices()
     hit = 0
     for snap in snaps:
         report = trainer.report(snap.job_id, 0)
@@ -689,22 +733,27 @@ def test_a_lost_device_costs_only_the_step_under_way_and_the_math_stays_exact(
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize("task_copies", [False, True])
 def test_copies_over_their_budget_are_taken_less_often_and_a_loss_replays_the_steps_since(
-    tmp_path: Path,
+    tmp_path: Path, task_copies: bool
 ) -> None:
     """Any copy is over a budget of 1e-9 of the training time: after the first measured
     one (step 1's) the next is the longest interval away, so a device lost later rolls the
     model back to step 1 and replays the steps since, which are recorded again with the
-    same losses: the math stays that of the model alone."""
+    same losses: the math stays that of the model alone. With task copies, the tasks stop
+    copying too (step 1's copy is measured once its states are in, which may be after
+    step 2 began copying: step 2's may be kept too)."""
     snap = model(tmp_path, "a", steps=6, keep_copies=True, copy_budget=1e-9)
-    trainer = train([snap], LateLosingPool, budget_for_shards(snap, 3))
+    trainer = train([snap], TaskLosingPool, budget_for_shards(snap, 3), task_copies=task_copies)
     report = trainer.report("a", 0)
     assert report.status is RunStatus.SUCCEEDED, report.error
     (cadence,) = [e for e in report.events if e.kind == "copies"]
-    assert (cadence.step, cadence.data["interval"]) == (1, LONGEST_INTERVAL), cadence
+    assert cadence.step in ((1, 2) if task_copies else (1,)), cadence
+    assert cadence.data["interval"] == LONGEST_INTERVAL, cadence
     (lost,) = [e for e in report.events if e.kind == "device_lost"]
-    assert lost.data["resume_step"] == 1 and lost.data["steps_replayed"] == lost.data["step"] - 1
-    assert lost.data["steps_replayed"] >= 2  # steps 2 and on were not copied
+    resumed = lost.data["resume_step"]
+    assert resumed <= (2 if task_copies else 1), lost
+    assert lost.data["steps_replayed"] == lost.data["step"] - resumed >= 2  # none copied since
     latest = {m.step: m.loss for m in report.metrics}  # a replayed step's record replaces it
     assert sorted(latest) == list(range(1, 7))
     assert_alone(snap, [latest[s] for s in range(1, 7)])
@@ -747,14 +796,14 @@ def test_a_device_lost_while_a_step_is_copied_rolls_back_to_the_copy_before(
     back to the copy of step 1 and replays step 2, with the same loss. Lost in the last
     step's checkpoint (a gather the executor waits for, before the step is reported): the
     step is redone, none replayed. (Copies may cost the whole step here: one at every
-    boundary.)"""
+    boundary; taken at the boundaries, not by the tasks: ``test_ledger`` has those.)"""
     snap = model(tmp_path, "a", steps=4, keep_copies=True, copy_budget=1.0)
-    trainer = train([snap], pool, budget_for_shards(snap, 3))
+    trainer = train([snap], pool, budget_for_shards(snap, 3), task_copies=False)
     report = trainer.report("a", 0)
     assert report.status is RunStatus.SUCCEEDED, report.error
     (lost,) = [e for e in report.events if e.kind == "device_lost"]
     assert lost.data == {
-        "devices": [devices()[0].id],
+        "devices": trainer.lost_devices(),
         "step": step,
         "resume_step": resumed,
         "steps_replayed": step - resumed,
@@ -794,7 +843,7 @@ def test_without_copies_a_lost_device_ends_its_models_as_lost_and_a_new_run_resu
     trainer, thread = open_trainer(snap, pool, LateLosingPool)
     lost = ended(trainer, thread, "a")
     assert lost.status is RunStatus.LOST and "keep_copies is off" in (lost.error or "")
-    assert lost.lost_devices == (pool[0].id,) and trainer.lost_devices() == [pool[0].id]
+    assert len(lost.lost_devices) == 1 and list(lost.lost_devices) == trainer.lost_devices()
     trainer.add(replace(snap, attempt=2))
     trainer.close()
     thread.join(120)
@@ -900,13 +949,16 @@ def test_a_killed_ray_shard_worker_is_survived_exactly(ray_address: str, tmp_pat
     while trainer.report("a", 0).step < 3:
         thread.join(0.05)
     pool = pools[0]
-    (pid,) = [pool.result(c) for c in pool.wait([pool.submit(0, "pid")], 60)]
+    moves = [e for e in trainer.report("a", 0).events if e.kind in ("placement", "relayout")]
+    rows = moves[-1].data["stages" if moves[-1].kind == "placement" else "to"]
+    home = [d.id for d in pool_devices].index(rows[0]["device_id"])  # where it lives now
+    (pid,) = [pool.result(c) for c in pool.wait([pool.submit(home, "pid")], 60)]
     os.kill(pid, signal.SIGKILL)
     thread.join(300)
     report = trainer.report("a", 0)
     assert report.status is RunStatus.SUCCEEDED, report.error
     (lost,) = [e for e in report.events if e.kind == "device_lost"]
-    assert lost.data["devices"] == [pool_devices[0].id]
+    assert lost.data["devices"] == [pool_devices[home].id]
     # Copied at every step, task by task: the model picks up at its next task (or, lost
     # at a step boundary, at the step's copy), replaying no step.
     assert lost.data["steps_replayed"] == 0, lost.data

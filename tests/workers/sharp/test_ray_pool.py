@@ -1,0 +1,50 @@
+"""Once Ray has found a device's node gone for ``shard_pool.NODE_CHECK_S``, a RayPool call
+of that device's worker that never ended ends ``HostLost``, and a call waiting on another
+worker's queue for that device's outputs ends ``InputLost``, so that worker's later calls
+run."""
+
+from __future__ import annotations
+
+import pytest
+
+from shoal.workers import launch
+from shoal.workers.sharp import shard_pool
+from shoal.workers.sharp.shard_pool import HostLost, InputLost, PoolTimeout, RayPool, await_all
+from tests.workers.sharp.test_sharp_runner import devices
+
+KEY = ("a", 0)
+
+
+@pytest.mark.integration
+def test_the_calls_of_a_gone_node_and_those_waiting_for_its_outputs_end(
+    ray_address: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import ray
+
+    node = ray.get_runtime_context().get_node_id()
+    pool_devices = devices(node)
+    pool = RayPool(pool_devices, {d.id: 2**30 for d in pool_devices})
+    try:
+        # Device 0 is busy for a minute (handing over a copy never started), so the outputs
+        # of the forward queued behind it do not come: device 1's task taking them waits
+        # on its worker's queue, and that worker's next call behind it.
+        blocker = pool.submit(0, "copied", KEY, 1, 60.0)
+        made = pool.submit(0, "forward", KEY, [])
+        taker = pool.submit(1, "forward", KEY, pool.outputs(made))
+        ping = pool.submit(1, "pid")
+        with pytest.raises(PoolTimeout):  # the node is alive: they wait
+            pool.wait([blocker, taker, ping], 3.0)
+        monkeypatch.setattr(shard_pool, "NODE_CHECK_S", 0.5)
+        gone = {node}  # Ray lists the node dead (both devices' here: the pool asks for 0's)
+        monkeypatch.setattr(launch, "alive_nodes", lambda: {node} - gone)
+        assert pool.wait([blocker], 30.0) == [blocker]
+        with pytest.raises(HostLost, match="its node is gone"):
+            pool.result(blocker)
+        gone.clear()
+        assert pool.wait([taker], 30.0) == [taker]
+        with pytest.raises(InputLost):
+            pool.result(taker)
+        (pid,) = await_all(pool, [ping], 30.0)
+        assert isinstance(pid, int)
+    finally:
+        pool.shutdown()
