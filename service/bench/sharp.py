@@ -56,7 +56,7 @@ from shoal.workers.pipeline.stage_types import torch_device
 from shoal.workers.pipeline.worker_group import GroupFactory
 from shoal.workers.profiler import trace_costs
 from shoal.workers.sharp.runner import SharpTrainer
-from shoal.workers.sharp.shard_pool import Call, HostPool, PoolFactory, RayPool
+from shoal.workers.sharp.shard_pool import Call, HostPool, PoolFactory, RayPool, await_all
 from shoal.workers.sharp.shard_types import TaskResult
 from shoal.workers.snapshot import (
     DataRef,
@@ -124,11 +124,16 @@ def snapshots(
     ]
 
 
+ROUND_TRIPS = 5
+"""Calls per device whose round trip ``_Watched`` times once training is done."""
+
+
 class _Watched:
     """A host pool that notes when the first shard task went out, each device's compute
-    seconds, each task's compute seconds by (op, shard) and the round trips of the calls
-    the executor waits on outright (``overhead``): what calibrates the simulator's run of
-    the same work (``bench.simulation.simulate_local``)."""
+    seconds, each task's compute seconds by (op, shard), and once training is done the
+    round trip of a call to each idle worker (``ROUND_TRIPS`` each; the executor's first
+    calls also wait for the workers to start): what calibrates the simulator's run of the
+    same work (``bench.simulation.simulate_local``)."""
 
     def __init__(self, inner: HostPool) -> None:
         self.inner = inner
@@ -141,14 +146,14 @@ class _Watched:
         self.compute_s = [0.0] * len(inner.devices)
         self.task_s: dict[tuple[str, int], list[float]] = {}
         self.round_trips: list[float] = []
-        self._calls: dict[Call, tuple[str, int, float]] = {}
+        self._calls: dict[Call, tuple[str, int]] = {}
 
     def submit(self, host: int, method: str, *args: Any) -> Call:
         if self.first_task is None and method in ("forward", "backward"):
             self.first_task = time.perf_counter()
         call = self.inner.submit(host, method, *args)
         shard = args[0][1] if method in ("forward", "backward") else -1
-        self._calls[call] = (method, shard, time.perf_counter())
+        self._calls[call] = (method, shard)
         return call
 
     def wait(self, calls: Sequence[Call], timeout: float) -> list[Call]:
@@ -156,19 +161,22 @@ class _Watched:
 
     def result(self, call: Call) -> Any:
         value = self.inner.result(call)
-        method, shard, sent = self._calls.pop(call, ("", -1, 0.0))
+        method, shard = self._calls.pop(call, ("", -1))
         if isinstance(value, TaskResult):
             self.last_task = time.perf_counter()
             self.compute_s[call.host] += value.compute_s
             self.task_s.setdefault((method, shard), []).append(value.compute_s)
-        elif method == "overhead":
-            self.round_trips.append(time.perf_counter() - sent)
         return value
 
     def outputs(self, call: Call) -> Any:
         return self.inner.outputs(call)
 
     def shutdown(self) -> None:
+        for host in range(len(self.devices)):
+            for _ in range(ROUND_TRIPS):
+                sent = time.perf_counter()
+                await_all(self.inner, [self.inner.submit(host, "pid")], 60.0)
+                self.round_trips.append(time.perf_counter() - sent)
         self.inner.shutdown()
 
 
