@@ -5,7 +5,10 @@ run."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
+import ray
 
 from shoal.workers import launch
 from shoal.workers.sharp import shard_pool
@@ -15,20 +18,26 @@ from tests.workers.sharp.test_sharp_runner import devices
 KEY = ("a", 0)
 
 
+@ray.remote(num_cpus=0)
+def _late(seconds: float) -> list[object]:
+    """A task's inputs, ``seconds`` late."""
+    time.sleep(seconds)
+    return []
+
+
 @pytest.mark.integration
 def test_the_calls_of_a_gone_node_and_those_waiting_for_its_outputs_end(
     ray_address: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import ray
-
     node = ray.get_runtime_context().get_node_id()
     pool_devices = devices(node)
     pool = RayPool(pool_devices, {d.id: 2**30 for d in pool_devices})
+    inputs = _late.remote(60.0)
     try:
-        # Device 0 is busy for a minute (handing over a copy never started), so the outputs
-        # of the forward queued behind it do not come: device 1's task taking them waits
-        # on its worker's queue, and that worker's next call behind it.
-        blocker = pool.submit(0, "copied", KEY, 1, 60.0)
+        # Device 0's first task waits a minute for its inputs, so the outputs of the forward
+        # queued behind it do not come: device 1's task taking them waits on its worker's
+        # queue, and that worker's next call behind it.
+        blocker = pool.submit(0, "forward", KEY, inputs)
         made = pool.submit(0, "forward", KEY, [])
         taker = pool.submit(1, "forward", KEY, pool.outputs(made))
         ping = pool.submit(1, "pid")
@@ -48,3 +57,4 @@ def test_the_calls_of_a_gone_node_and_those_waiting_for_its_outputs_end(
         assert isinstance(pid, int)
     finally:
         pool.shutdown()
+        ray.cancel(inputs, force=True)
