@@ -28,6 +28,12 @@ if TYPE_CHECKING:
     from shoal.workers.sharp.shard_pool import Call
 
 
+def part(shard: Shard, blocks: Mapping[int, Any] | None) -> dict[int, Any] | None:
+    """``shard``'s blocks' states out of ``blocks`` (by block index); None when there are
+    none."""
+    return {i: blocks[i] for i in range(*shard.blocks)} if blocks else None
+
+
 @dataclass
 class Ledger:
     """What the tasks of one step of a model have copied off its devices so far."""
@@ -109,10 +115,7 @@ class Ledger:
         n, first = len(plan.shards), self.step * 2 * len(plan.shards)
         at = done - first
         forward, backward = shard.index, 2 * n - 1 - shard.index
-        if backward < at:
-            state = self.states[shard.index]
-        else:
-            state = {i: start[i] for i in range(*shard.blocks)}
+        state = self.states[shard.index] if backward < at else (part(shard, start) or {})
         if not forward < at <= backward:
             return Handover(state, {}, False, None, {})
         xs = self.batch if shard.index == 0 else self.outputs[first + forward - 1]

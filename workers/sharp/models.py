@@ -15,7 +15,7 @@ from shoal.scheduler.sharp import ModelPlan, Op, Shard, ShardTask
 from shoal.workers.pipeline.recovery import copies_event
 from shoal.workers.pipeline.stage_types import StageSetup
 from shoal.workers.run_log import RunLog
-from shoal.workers.sharp.ledger import Ledger
+from shoal.workers.sharp.ledger import Ledger, part
 from shoal.workers.sharp.shard_pool import Call, HostPool, await_all
 from shoal.workers.sharp.shard_types import ShardKey, Stashed
 from shoal.workers.snapshot import JobSnapshot, RunnerEvent, RunStatus, StepMetrics
@@ -24,11 +24,6 @@ from shoal.workers.zoo.data import DataSource
 
 Blocks = Mapping[int, Any]
 """Block states by block index (in wire form), as gathered, copied or checkpointed."""
-
-
-def part(shard: Shard, blocks: Blocks | None) -> dict[int, Any] | None:
-    """``shard``'s blocks' states out of ``blocks``; None when there are none."""
-    return {i: blocks[i] for i in range(*shard.blocks)} if blocks else None
 
 
 @dataclass

@@ -143,11 +143,15 @@ class LocalPool:
         self.devices = list(devices)
         self._workers = [ShardWorker(d, budgets[d.id]) for d in devices]
         self._threads = [ThreadPoolExecutor(1, f"shard-{d.id}") for d in devices]
-        self._beside = [ThreadPoolExecutor(1, f"shard-{d.id}-copies") for d in devices]
+        self._beside = {
+            host: ThreadPoolExecutor(1, f"shard-{d.id}-copies")
+            for host, d in enumerate(devices)
+            if d.gpu
+        }
         self._turn = threading.Lock()
 
     def submit(self, host: int, method: str, *args: Any) -> Call:
-        if method in BESIDE and self.devices[host].gpu:
+        if method in BESIDE and host in self._beside:
             future = self._beside[host].submit(self._workers[host].call, method, *args)
         else:
             future = self._threads[host].submit(self._call, host, method, *args)
@@ -180,7 +184,7 @@ class LocalPool:
         return _Later(_own(call, _Local).future)
 
     def shutdown(self) -> None:
-        for thread in [*self._threads, *self._beside]:
+        for thread in [*self._threads, *self._beside.values()]:
             thread.shutdown(wait=True, cancel_futures=True)
 
 
