@@ -251,6 +251,30 @@ class ModelRun:
         if self.cadence.plan():
             self.record(copies_event(self.cadence, self.step))
 
+    def drop_copy(self, device_id: str, why: str, *, task_copied: bool) -> None:
+        """The copy ``device_id`` was to make a part of was not made (the one the step's
+        tasks take, ``task_copied``, or the one the hosts take after a step): the model
+        trains on, and a loss rolls it back to the copy before, as the event says."""
+        if task_copied:
+            self.ledger = None
+        else:
+            self.copying = None
+        kept = self.saved[0] if self.saved is not None else None
+        then = (
+            f"rolls it back to its copy after step {kept}"
+            if kept is not None
+            else "ends it lost (no copy is kept yet)"
+        )
+        self.record(
+            RunnerEvent(
+                "copy_dropped",
+                self.step,
+                f"a copy of this model's state was not made on {device_id} ({why}); until"
+                f" the next copy is in, a lost device {then}",
+                {"device_id": device_id, "kept_step": kept},
+            )
+        )
+
     def saved_at(self, step: int) -> dict[int, Any] | None:
         """Its copy in this process (``saved``), if that is of ``step``."""
         return self.saved[1] if self.saved is not None and self.saved[0] == step else None

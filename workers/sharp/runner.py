@@ -446,15 +446,15 @@ class SharpTrainer(Recovering):
         """A host's part of ``model``'s copy is in (a stepped shard's, for the step's
         ``ledger``, or for the copy under way); once every part is, the copy replaces the
         model's last one, and what it took is the copies' measured cost. A part not made
-        drops the copy: a loss rolls back to the one before."""
+        drops that copy (``ModelRun.drop_copy``): a loss rolls back to the one before."""
         copying, ledger = model.copying, model.ledger
         ours = ledger is not None and call in ledger.waiting
         if not ours and (copying is None or call not in copying.calls):
             return  # dropped meanwhile: the model rolled back, checkpointed or ended
         try:
             states, seconds, finished = pool.result(call)
-        except ShardFailed:  # not made (on a CPU device: its task did not run, and says why)
-            model.copying = model.ledger = None  # a loss rolls back to the copy before
+        except ShardFailed as exc:  # not made (on a CPU device: its task did not run)
+            model.drop_copy(exc.device_id, exc.reason, task_copied=ours)
             return
         except HostLost as exc:
             model.copying = None

@@ -1,0 +1,66 @@
+"""A copy a host could not make (on a CPU device, when the task that was to start it did not
+run) is dropped: the model trains on, exactly, and says which copy a loss now rolls back to."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from shoal.workers.sharp.shard_pool import LocalPool, _Local
+from shoal.workers.sharp.shard_worker import ShardFailed
+from shoal.workers.snapshot import RunStatus
+from tests.workers.sharp.test_sharp_runner import assert_alone, budget_for_shards, model, train
+
+
+class CopyFailingPool(LocalPool):
+    """A LocalPool whose ``fail_at``-th ``copied`` call fails as a CPU device's does when
+    the copy it was to hand over never started: the host hands it over all the same (its
+    state stays as the executor's next calls expect), the executor is told it failed."""
+
+    fail_at = 8
+    """Of a model in 3 shards: its copy as placed is calls 1-3, its tasks copy step 1 off
+    in 4-6; call 8 is step 2's second part."""
+
+    def __init__(self, devices: Any, budgets: Any) -> None:
+        super().__init__(devices, budgets)
+        self.copied = 0
+        self.failed: str | None = None
+
+    def submit(self, host: int, method: str, *args: Any) -> Any:
+        call = super().submit(host, method, *args)
+        self.copied += method == "copied"
+        if method != "copied" or self.copied != self.fail_at:
+            return call
+        self.failed = self.devices[host].id
+        error = ShardFailed(self.failed, "copied", "TimeoutError: the copy did not start")
+        failed: Future[Any] = Future()
+        call.future.add_done_callback(lambda _: failed.set_exception(error))
+        return _Local(host, method, failed)
+
+
+@pytest.mark.unit
+def test_a_copy_not_made_is_dropped_and_the_model_trains_on_exactly(tmp_path: Path) -> None:
+    pools: list[CopyFailingPool] = []
+
+    def failing(devs: Any, budgets: Any) -> CopyFailingPool:
+        pools.append(CopyFailingPool(devs, budgets))
+        return pools[-1]
+
+    snap = model(tmp_path, "a", steps=4, keep_copies=True, copy_budget=1.0)
+    trainer = train([snap], failing, budget_for_shards(snap, 3))
+    report = trainer.report("a", 0)
+    assert report.status is RunStatus.SUCCEEDED, report.error
+    (pool,) = pools
+    assert pool.copied > pool.fail_at  # copies went on after the dropped one
+    dropped = [e for e in report.events if e.kind == "copy_dropped"]
+    (event,) = dropped
+    # Step 1's copy, complete, may still be on its way as step 2's part fails: it stands.
+    assert event.step == 1 and event.data["device_id"] == pool.failed, event
+    assert event.data["kept_step"] in (0, 1), event
+    assert f"rolls it back to its copy after step {event.data['kept_step']}" in event.message
+    (model_run,) = trainer._models.values()
+    assert model_run.saved is not None and model_run.saved[0] >= 3, model_run.saved
+    assert_alone(snap, [m.loss for m in report.metrics])
