@@ -16,11 +16,15 @@ from shoal.workers.snapshot import JobSnapshot, RunStatus
 from shoal.workers.zoo.data import make_data
 
 
-def arrive(snap: JobSnapshot, budget: int, order: int, homes: Homes) -> ModelRun:
+def arrive(
+    snap: JobSnapshot, budget: int, order: int, homes: Homes, *, task_copies: bool
+) -> ModelRun:
     """``snap`` as a model of the executor: cut into shards that fit half of ``budget`` (the
     smallest device's), living where ``homes`` places them (heaviest models placed first
     by the caller), at the step of its latest checkpoint, whose block states become its
-    ``origin``; LOST when no device is left (the control plane places it again)."""
+    ``origin``, its tasks copying its steps off as they go where ``task_copies`` (and its
+    copies are due at every step); LOST when no device is left (the control plane places
+    it again)."""
     costs = sorted(snap.block_costs, key=lambda c: c.index)
     shards = shard_model(
         costs,
@@ -37,7 +41,7 @@ def arrive(snap: JobSnapshot, budget: int, order: int, homes: Homes) -> ModelRun
         why = "every device of this executor was lost; no device is left"
         model.run.end(RunStatus.LOST, why, tuple(homes.lost(model.homes)))
         return model
-    model = ModelRun(snap, plan, data, homes.place(shards, snap.steps))
+    model = ModelRun(snap, plan, data, homes.place(shards, snap.steps), task_copies=task_copies)
     restorable = CheckpointStore(snap.checkpoint_root).restorable(snap.job_id)
     latest = restorable.info
     model.origin = restorable.blocks or None

@@ -264,8 +264,9 @@ class SharpTrainer(Recovering):
         """Make ``snap`` a model here (``placing.arrive``); the calls that load its shards
         into their devices' memory."""
         smallest = min(self._budgets[d.id] for d in self._devices)
-        model = arrive(snap, smallest, len(self._models), self._homes)
-        model.task_copies = self._task_copies
+        model = arrive(
+            snap, smallest, len(self._models), self._homes, task_copies=self._task_copies
+        )
         with self._lock:
             self._models[snap.job_id] = model
         if model.status is RunStatus.LOST:
