@@ -9,10 +9,20 @@ from typing import Any
 
 import pytest
 
+from shoal.workers.sharp.homes import Homes
+from shoal.workers.sharp.ledger import Ledger
+from shoal.workers.sharp.models import Copying
+from shoal.workers.sharp.placing import arrive
 from shoal.workers.sharp.shard_pool import LocalPool, _Local
 from shoal.workers.sharp.shard_worker import ShardFailed
 from shoal.workers.snapshot import RunStatus
-from tests.workers.sharp.test_sharp_runner import assert_alone, budget_for_shards, model, train
+from tests.workers.sharp.test_sharp_runner import (
+    assert_alone,
+    budget_for_shards,
+    devices,
+    model,
+    train,
+)
 
 
 class CopyFailingPool(LocalPool):
@@ -64,3 +74,18 @@ def test_a_copy_not_made_is_dropped_and_the_model_trains_on_exactly(tmp_path: Pa
     (model_run,) = trainer._models.values()
     assert model_run.saved is not None and model_run.saved[0] >= 3, model_run.saved
     assert_alone(snap, [m.loss for m in report.metrics])
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("task_copied", [True, False])
+def test_only_the_copy_not_made_is_dropped(tmp_path: Path, task_copied: bool) -> None:
+    """A step's task copy failing leaves the previous step's copy on its way, and the other
+    way round: each is dropped alone."""
+    snap = model(tmp_path, "a", steps=4, keep_copies=True)
+    run = arrive(snap, budget_for_shards(snap, 3), 0, Homes(devices()), task_copies=True)
+    run.saved = (1, {})
+    run.ledger, run.copying = Ledger(2, []), Copying(2, set())
+    run.drop_copy("dev", "the copy did not start", task_copied=task_copied)
+    assert (run.ledger is None, run.copying is None) == (task_copied, not task_copied)
+    (event,) = [e for e in run.run.report(0).events if e.kind == "copy_dropped"]
+    assert event.data == {"device_id": "dev", "kept_step": 1}
