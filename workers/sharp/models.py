@@ -38,6 +38,9 @@ class Copying:
     """What it cost: the seconds the hosts spent taking it and its parts took to arrive."""
     started: bool = False
     """Every part was started (a step's task copies'): its calls only hand them over."""
+    checkpoint: bool = False
+    """It is the model's last checkpoint (of its last ``step``): written once every part is
+    in, and the model ends (``SharpTrainer._copied``)."""
 
 
 @dataclass
@@ -228,20 +231,24 @@ class ModelRun:
 
     def took_part(
         self, call: Call, states: dict[int, Any], seconds: float, finished: float
-    ) -> None:
+    ) -> Copying | None:
         """A host's part of the copy under way is in (``states``, taken in ``seconds``,
         sent at wall time ``finished``); once every part is, the copy replaces the last
-        one, and what it took is the copies' measured cost."""
+        one (``keep_copies``), what it took is the copies' measured cost, and it is
+        returned whole."""
         copying = self.copying
         if copying is None or call not in copying.calls:
-            return  # dropped meanwhile: the model rolled back, checkpointed or ended
+            return None  # dropped meanwhile: the model rolled back, checkpointed or ended
         copying.calls.discard(call)
         copying.blocks.update(states)
         # Its taking, and its way here: on a node whose cores train too, both cost them.
         copying.seconds += seconds + max(0.0, time.time() - finished)
-        if not copying.calls:
-            self.copying = None
+        if copying.calls:
+            return None
+        self.copying = None
+        if self.snap.keep_copies:
             self.keep_copy(copying.step, copying.blocks, copying.seconds)
+        return copying
 
     def keep_copy(self, step: int, blocks: dict[int, Any], seconds: float) -> None:
         """``blocks`` are every block's states after ``step`` steps, a copy that took
@@ -279,13 +286,16 @@ class ModelRun:
         """Its copy in this process (``saved``), if that is of ``step``."""
         return self.saved[1] if self.saved is not None and self.saved[0] == step else None
 
-    def start_copy(self, pool: HostPool, step: int, timeout: float) -> set[Call]:
+    def start_copy(
+        self, pool: HostPool, step: int, timeout: float, *, checkpoint: bool = False
+    ) -> set[Call]:
         """Have its shards' hosts copy it as it is after ``step`` steps (each host takes
         its part after the task it runs, before any later task of the model there, and
         makes it beside the tasks after): the calls that hand the parts over, which it
-        waits for (``copying``) while the executor dispatches on."""
+        waits for (``copying``) while the executor dispatches on; with ``checkpoint``, it is
+        the model's last checkpoint too."""
         calls = set(self.copy_calls(pool, step, timeout))
-        self.copying = Copying(step, calls)
+        self.copying = Copying(step, calls, checkpoint=checkpoint)
         return calls
 
     def copy_calls(self, pool: HostPool, step: int, timeout: float) -> list[Call]:

@@ -367,8 +367,9 @@ class SharpTrainer(Recovering):
         as its measured cost allows (``scheduler.copies``). Its tasks took it as they went
         when that is at every step (``workers.sharp.ledger``); else the shards' hosts take
         it while the executor dispatches on (``_copied``), and a loss replays the steps
-        since the last whole copy. A checkpoint's gather is waited for, and is the copy
-        too."""
+        since the last whole copy. A checkpoint is the copy too: the last step's is taken
+        as a copy is (written once in, ``_copied``: the other models' tasks go on), any
+        other's gather is waited for."""
         snap = model.snap
         model.left.clear()
         elapsed = self._clock() - model.step_started
@@ -385,12 +386,17 @@ class SharpTrainer(Recovering):
         if snap.keep_copies:
             model.cadence.observe_step(model.step_compute_s)
         blocks: dict[int, Any] = {}
+        later = False  # its checkpoint is written once its hosts' copy is in (``_copied``)
         if taken is not None:  # its tasks took the copy: the checkpoint's states too
             blocks, model.copying = (taken if due else {}), None
         elif ledger is not None and ledger.waiting and not due:  # its last parts are coming
             waiting = set(ledger.waiting)
             model.copying = Copying(step, waiting, ledger.blocks(), ledger.seconds, started=True)
-        elif due:
+        elif step == snap.steps:  # the last: taken beside the tasks, as a copy is
+            calls = model.start_copy(pool, step, self._timeout, checkpoint=True)
+            self._copy_calls.update(dict.fromkeys(calls, model))
+            later = True
+        elif due:  # gathered now: the model leaves, or trains on from it
             try:
                 blocks = model.gather(pool, self._timeout)
             except HostLost as exc:  # a shard's device went between the step and the gather
@@ -416,6 +422,8 @@ class SharpTrainer(Recovering):
         if leave:
             model.leaving = True
             self._inbox.suspended(snap.job_id)
+        if later:
+            return
         if due:
             self._writer.write(model, step, blocks, self._devices, leave)
         if step == snap.steps or leave:
@@ -452,15 +460,34 @@ class SharpTrainer(Recovering):
         ours = ledger is not None and call in ledger.waiting
         if not ours and (copying is None or call not in copying.calls):
             return  # dropped meanwhile: the model rolled back, checkpointed or ended
+        checkpoint = not ours and copying is not None and copying.checkpoint
         try:
             states, seconds, finished = pool.result(call)
         except ShardFailed as exc:  # not made (on a CPU device: its task did not run)
-            model.drop_copy(exc.device_id, exc.reason, task_copied=ours)
+            if checkpoint and copying is not None:
+                self._not_checkpointed(pool, model, copying.step, exc)
+            else:
+                model.drop_copy(exc.device_id, exc.reason, task_copied=ours)
             return
         except HostLost as exc:
             model.copying = None
-            self._lose(pool, self._homes.host_of(exc.device_id), str(exc))
+            if checkpoint:  # its last step's: it rolls back and trains to its end again
+                self._lost_meanwhile(pool, model, exc)
+            else:
+                self._lose(pool, self._homes.host_of(exc.device_id), str(exc))
             return
         if ledger is not None and ledger.arrived(call, states, seconds, finished, time.time()):
             return
-        model.took_part(call, states, seconds, finished)
+        whole = model.took_part(call, states, seconds, finished)
+        if whole is not None and whole.checkpoint:
+            self._writer.write(model, whole.step, whole.blocks, self._devices)
+            self._drop(pool, model)  # it ends once its last checkpoint is written
+
+    def _not_checkpointed(
+        self, pool: HostPool, model: ModelRun, step: int, exc: ShardFailed
+    ) -> None:
+        """A part of ``model``'s last checkpoint (of ``step``) was not made: the model
+        fails, as when its checkpoint cannot be written."""
+        model.copying = None
+        model.end(RunStatus.FAILED, f"its checkpoint of step {step} could not be taken: {exc}")
+        self._drop(pool, model)

@@ -13,6 +13,7 @@ from shoal.workers.sharp.homes import Homes
 from shoal.workers.sharp.ledger import Ledger
 from shoal.workers.sharp.models import Copying
 from shoal.workers.sharp.placing import arrive
+from shoal.workers.sharp.runner import SharpTrainer
 from shoal.workers.sharp.shard_pool import LocalPool, _Local
 from shoal.workers.sharp.shard_worker import ShardFailed
 from shoal.workers.snapshot import RunStatus
@@ -89,3 +90,47 @@ def test_only_the_copy_not_made_is_dropped(tmp_path: Path, task_copied: bool) ->
     assert (run.ledger is None, run.copying is None) == (task_copied, not task_copied)
     (event,) = [e for e in run.run.report(0).events if e.kind == "copy_dropped"]
     assert event.data == {"device_id": "dev", "kept_step": 1}
+
+
+class LastCopyFailingPool(LocalPool):
+    """A LocalPool whose hosts fail to hand over the copy of the first model's last step
+    (its last checkpoint), as a CPU device's do when the copy never started."""
+
+    last_step = 4
+
+    def __init__(self, devices: Any, budgets: Any) -> None:
+        super().__init__(devices, budgets)
+        self.last: set[tuple[Any, int]] = set()
+
+    def submit(self, host: int, method: str, *args: Any) -> Any:
+        if method == "copy" and args[0][0] == "a" and args[1] == self.last_step:
+            self.last.add((args[0], args[2]))
+        if method != "copied" or (args[0], args[1]) not in self.last:
+            return super().submit(host, method, *args)
+        failed: Future[Any] = Future()
+        device = self.devices[host].id
+        failed.set_exception(ShardFailed(device, "copied", "TimeoutError: did not start"))
+        return _Local(host, method, failed)
+
+
+@pytest.mark.unit
+def test_a_last_checkpoint_not_made_fails_its_model_only(tmp_path: Path) -> None:
+    """The last step's checkpoint is taken as a copy is, beside the other models' tasks: a
+    part of it not made fails its model, as a checkpoint not written does."""
+    # No copies kept: its last checkpoint is its only copy (none of its tasks take one).
+    broken = model(tmp_path, "a", steps=LastCopyFailingPool.last_step, keep_copies=False)
+    fine = model(tmp_path, "b", seed=9, steps=6)
+    pool = devices()
+    budget = budget_for_shards(fine, 3)
+    trainer = SharpTrainer(
+        [broken, fine],
+        pool,
+        LastCopyFailingPool,
+        budgets=dict.fromkeys([d.id for d in pool], budget),
+    )
+    assert trainer.run() == {"a": RunStatus.FAILED, "b": RunStatus.SUCCEEDED}
+    failed = trainer.report("a", 0)
+    assert "its checkpoint of step 4 could not be taken" in (failed.error or ""), failed.error
+    assert [m.step for m in failed.metrics] == [1, 2, 3, 4]
+    assert not [e for e in failed.events if e.kind == "checkpoint"]
+    assert_alone(fine, [m.loss for m in trainer.report("b", 0).metrics])

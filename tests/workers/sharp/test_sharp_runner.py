@@ -787,16 +787,17 @@ def test_a_lost_input_or_a_device_lost_while_placing_is_survived_exactly(
 
 @pytest.mark.unit
 @pytest.mark.parametrize(
-    ("pool", "step", "resumed"), [(CopyLosingPool, 2, 1), (LastCopyLosingPool, 3, 3)]
+    ("pool", "step", "resumed"), [(CopyLosingPool, 2, 1), (LastCopyLosingPool, 4, 3)]
 )
 def test_a_device_lost_while_a_step_is_copied_rolls_back_to_the_copy_before(
     tmp_path: Path, pool: type[CopyLosingPool], step: int, resumed: int
 ) -> None:
     """A device lost while the hosts copy step 2 (the dispatch went on): the model rolls
     back to the copy of step 1 and replays step 2, with the same loss. Lost in the last
-    step's checkpoint (a gather the executor waits for, before the step is reported): the
-    step is redone, none replayed. (Copies may cost the whole step here: one at every
-    boundary; taken at the boundaries, not by the tasks: ``test_ledger`` has those.)"""
+    step's checkpoint (taken as a copy is, the step reported first): it rolls back to the
+    copy of step 3, replays step 4 and ends with that checkpoint. (Copies may cost the
+    whole step here: one at every boundary; taken at the boundaries, not by the tasks:
+    ``test_ledger`` has those.)"""
     snap = model(tmp_path, "a", steps=4, keep_copies=True, copy_budget=1.0)
     trainer = train([snap], pool, budget_for_shards(snap, 3), task_copies=False)
     report = trainer.report("a", 0)
