@@ -111,6 +111,8 @@ class SharpTrainer(Recovering):
         """Shard tasks under way, up to ``QUEUE_DEPTH`` per device."""
         self._copy_calls: dict[Call, ModelRun] = {}
         """Copy calls under way (``ModelRun.copying``), by the model they copy."""
+        self._drop_calls: set[Call] = set()
+        """Calls dropping an ended model's shards, under way (``_drop``)."""
         for snap in models:
             self.add(snap)
         self.promoted_bytes = 0
@@ -182,7 +184,7 @@ class SharpTrainer(Recovering):
             self._admit(pool)
             self._reap(pool)
             self._dispatch(pool)
-            waiting = [*self._in_flight, *self._copy_calls, *self._trading.calls]
+            waiting = [*self._in_flight, *self._copy_calls, *self._trading.calls, *self._drop_calls]
             if waiting:
                 done = pool.wait(waiting, self._timeout)
                 # Copies first: a host took its part before its next task of the model, so
@@ -193,6 +195,8 @@ class SharpTrainer(Recovering):
                     self._copied(pool, self._copy_calls.pop(call), call)
                 for call in [c for c in done if c in self._trading.calls]:
                     self._handed(pool, call)
+                for call in [c for c in done if c in self._drop_calls]:
+                    self._dropped(pool, call)
                 tasks = [c for c in done if c in self._in_flight]
                 tasks.sort(key=lambda c: self._in_flight[c].number)
                 for call in tasks:
@@ -249,16 +253,17 @@ class SharpTrainer(Recovering):
         model.copying = None
         self._trading.call_off(model, self._models)
         job_id = model.snap.job_id
-        calls = [
-            pool.submit(host, "drop", (job_id, s.index))
-            for s, host in zip(model.plan.shards, model.homes, strict=True)
-            if self._homes.alive(host)
-        ]
+        for shard, host in zip(model.plan.shards, model.homes, strict=True):
+            if self._homes.alive(host):  # after the tasks queued there: dispatch goes on
+                self._drop_calls.add(pool.submit(host, "drop", (job_id, shard.index)))
+        self._homes.release(model)
+
+    def _dropped(self, pool: HostPool, call: Call) -> None:
+        self._drop_calls.discard(call)
         try:
-            await_all(pool, calls, self._timeout)
+            pool.result(call)
         except HostLost as exc:  # its shards there are gone anyway; the others' roll back
             self._lose(pool, self._homes.host_of(exc.device_id), str(exc))
-        self._homes.release(model)
 
     def _place(self, pool: HostPool, snap: JobSnapshot) -> list[Call]:
         """Make ``snap`` a model here (``placing.arrive``); the calls that load its shards

@@ -27,21 +27,27 @@ from tests.workers.sharp.test_sharp_runner import (
 
 
 class CopyFailingPool(LocalPool):
-    """A LocalPool whose ``fail_at``-th ``copied`` call fails as a CPU device's does when
-    the copy it was to hand over never started: the host hands it over all the same (its
-    state stays as the executor's next calls expect), the executor is told it failed."""
-
-    fail_at = 8
-    """Of a model in 3 shards: its copy as placed is calls 1-3, its tasks copy step 1 off
-    in 4-6; call 8 is step 2's second part."""
+    """A LocalPool whose ``copied`` call for the second part of step 2's copy fails as a
+    CPU device's does when the copy it was to hand over never started: the host hands it
+    over all the same (its state stays as the executor's next calls expect), the executor
+    is told it failed."""
 
     def __init__(self, devices: Any, budgets: Any) -> None:
         super().__init__(devices, budgets)
+        self.shards = 0
         self.copied = 0
         self.failed: str | None = None
 
+    @property
+    def fail_at(self) -> int:
+        """Of a model in n shards (the cut depends on the devices' measured overhead): its
+        copy as placed is calls 1..n, its tasks copy step 1 off in n+1..2n; 2n+2 is step
+        2's second part."""
+        return 2 * self.shards + 2
+
     def submit(self, host: int, method: str, *args: Any) -> Any:
         call = super().submit(host, method, *args)
+        self.shards += method == "add"
         self.copied += method == "copied"
         if method != "copied" or self.copied != self.fail_at:
             return call
