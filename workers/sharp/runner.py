@@ -465,18 +465,18 @@ class SharpTrainer(Recovering):
         ours = ledger is not None and call in ledger.waiting
         if not ours and (copying is None or call not in copying.calls):
             return  # dropped meanwhile: the model rolled back, checkpointed or ended
-        checkpoint = not ours and copying is not None and copying.checkpoint
+        last = copying if not ours and copying is not None and copying.checkpoint else None
         try:
             states, seconds, finished = pool.result(call)
         except ShardFailed as exc:  # not made (on a CPU device: its task did not run)
-            if checkpoint and copying is not None:
-                self._not_checkpointed(pool, model, copying.step, exc)
+            if last is not None:
+                self._not_checkpointed(pool, model, last.step, exc)
             else:
                 model.drop_copy(exc.device_id, exc.reason, task_copied=ours)
             return
         except HostLost as exc:
             model.copying = None
-            if checkpoint:  # its last step's: it rolls back and trains to its end again
+            if last is not None:  # it rolls back and trains to its end again
                 self._lost_meanwhile(pool, model, exc)
             else:
                 self._lose(pool, self._homes.host_of(exc.device_id), str(exc))
@@ -493,6 +493,5 @@ class SharpTrainer(Recovering):
     ) -> None:
         """A part of ``model``'s last checkpoint (of ``step``) was not made: the model
         fails, as when its checkpoint cannot be written."""
-        model.copying = None
         model.end(RunStatus.FAILED, f"its checkpoint of step {step} could not be taken: {exc}")
         self._drop(pool, model)
