@@ -1,7 +1,8 @@
 """Where SHARP models live and when they move: every shard of a model on the one device
 where its work ends soonest (``home_shards``), at a step boundary a move to the device
 where that ends two devices' work sooner (``move_target``), and before any task a trade of
-places with a model on a faster device that has less work to go (``trade_target``). The
+places with a model on a faster device that has less work to go (``trade_target``) where
+that pays for the moves (``trade_pays``). The
 executor (``workers.sharp``) and the simulator (``scheduler.simsharp``) place and move
 with these.
 """
@@ -173,6 +174,27 @@ def trade_target(
         if best is None or key < best[0]:
             best = (key, device)
     return None if best is None else best[1]
+
+
+def trade_pays(
+    left_s: float,
+    home_speed: float,
+    move_s: float,
+    target: Faster[Place],
+    other_move_s: float = 0.0,
+) -> bool:
+    """Whether a model with ``left_s`` reference seconds to go at ``home_speed`` gains by
+    going to ``target`` (``trade_target``'s choice), each move paid for: ``move_s`` its
+    own, ``other_move_s`` that of the model there with the least to go, which takes its
+    place (reference seconds: what holding the shards costs the device they go to). It
+    does when the later of the two models' ends comes sooner, or, the device holding no
+    model, its own end. Near a model's end a move costs more than the speed gains it."""
+    least = target.least_left_s
+    if least is None:
+        return left_s / target.speed + move_s < left_s / home_speed
+    stay = max(left_s / home_speed, least / target.speed)
+    traded = max(left_s / target.speed + move_s, least / home_speed + other_move_s)
+    return traded < stay
 
 
 def hand_over_now(

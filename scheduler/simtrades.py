@@ -13,8 +13,8 @@ unless its backward recomputes the forward anyway (``ModelPlan.recompute``).
 
 from __future__ import annotations
 
-from shoal.scheduler.sharp import ModelId
-from shoal.scheduler.sharp_homes import hand_over_now, trade_target
+from shoal.scheduler.sharp import ModelId, transfer_s
+from shoal.scheduler.sharp_homes import hand_over_now, trade_pays, trade_target
 from shoal.scheduler.simhomes import Residency
 from shoal.scheduler.simresult import Tally
 from shoal.scheduler.simstate import SimModel, SimQueue
@@ -41,7 +41,8 @@ class Trading:
     def _maybe_trade(self, model: SimModel, now: float) -> None:
         """Before its next task the model goes to a faster device that holds no model, or
         trades places with the model there that has the least work to go, when it has
-        enough more to go itself (``trade_target``). Each shard's state
+        enough more to go itself (``trade_target``) and that pays for copying each one's
+        state over (``trade_pays``). Each shard's state
         follows it when its task runs there (copied in as any task's shard is); the traded
         model's tasks already queued on the faster device run there first."""
         plan, home = model.plan, model.homes[0]
@@ -51,14 +52,17 @@ class Trading:
         target = trade_target(left, rate, self.homes.faster(rate, need))
         if target is None:
             return
+        cost = _state_s(model, self.devices[target.place])
         other = self.homes.least(target.place)
         if other is None:
-            self._relocate(model, target.place)
-            self.tally.trades += 1
+            if trade_pays(left, rate, cost, target):
+                self._relocate(model, target.place)
+                self.tally.trades += 1
             return
         displaced = self.models[other]
         fits = max(s.bytes for s in displaced.plan.shards) <= self.devices[home].idle.budget_bytes
-        if fits and displaced.leaving is None and displaced.joining is None:
+        pays = trade_pays(left, rate, cost, target, _state_s(displaced, self.devices[home]))
+        if fits and pays and displaced.leaving is None and displaced.joining is None:
             model.joining, displaced.leaving = (target.place, other), (home, plan.model)
             self.homes.promise(target.place, True)
             self._refresh(displaced, now)  # it may hand over at once
@@ -121,3 +125,8 @@ class Trading:
             if job.model == model.plan.model and job.position == model.submitted - 1:
                 return at
         return at
+
+
+def _state_s(model: SimModel, device: SimQueue) -> float:
+    """Seconds to copy ``model``'s whole state onto ``device`` over its host link."""
+    return transfer_s(sum(s.state_bytes for s in model.plan.shards), device.idle)

@@ -37,6 +37,7 @@ from shoal.scheduler.sharp_homes import (
     home_shards,
     move_target,
     moved_end_s,
+    trade_pays,
     trade_target,
 )
 
@@ -340,6 +341,20 @@ def test_a_model_trades_up_to_the_fastest_device_whose_model_has_enough_less_to_
     assert trade_target(100.0, 0.6, [h100, other, least]) == other
     assert trade_target(0.0, 0.6, [empty]) == empty  # an empty device takes any model
     assert trade_target(0.0, 0.6, [least]) is None
+
+
+def test_a_trade_is_made_only_where_it_pays_for_the_moves() -> None:
+    empty, busy = Faster("e", 1.0, None), Faster("b", 1.0, 2.0)
+    # Alone there: 10 s to go at half speed ends in 20 s, there in 10 s plus the move.
+    assert trade_pays(10.0, 0.5, 9.9, empty)
+    assert not trade_pays(10.0, 0.5, 10.0, empty)
+    assert not trade_pays(1.0, 0.5, 1.5, empty)  # near its end: the move costs more
+    # A trade: the later end now is this model's 20 s; traded, max(10 + move, 4 + other's).
+    assert trade_pays(10.0, 0.5, 1.0, busy, other_move_s=1.0)
+    assert not trade_pays(10.0, 0.5, 1.0, busy, other_move_s=16.0)  # the other's end: 20
+    assert not trade_pays(10.0, 0.5, 10.0, busy)
+    # Moves cost nothing: it pays while this model has more to go than the other.
+    assert trade_pays(2.9, 0.5, 0.0, busy) and not trade_pays(2.0, 0.5, 0.0, busy)
 
 
 def test_a_trade_hands_the_device_over_when_that_loses_least_work() -> None:

@@ -7,13 +7,18 @@ move models at step boundaries (``scheduler.sharp_homes.move_target``) and trade
 from __future__ import annotations
 
 import threading
+from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
+from statistics import median
 
 from shoal.scheduler.devices import Device
 from shoal.scheduler.sharp import Shard
 from shoal.scheduler.sharp_homes import Faster, Home, home_shards, move_target, speed_levels
 from shoal.scheduler.types import DeviceId
 from shoal.workers.sharp.models import ModelRun
+
+HELD_KEPT = 64
+"""How many of the last calls that held a shard give a move's measured cost."""
 
 
 def work_s(shard: Shard, steps: int) -> float:
@@ -33,6 +38,9 @@ class Homes:
         self._load = [0.0] * len(self.devices)
         self._speed = [1.0] * len(self.devices)
         self._promised: set[int] = set()
+        self._held: deque[float] = deque(maxlen=HELD_KEPT)
+        """What holding a shard cost a device per byte of it, as the last calls measured
+        (``held``): a move's cost."""
 
     def live(self) -> list[int]:
         return [h for h in range(len(self.devices)) if h not in self._dead]
@@ -80,6 +88,22 @@ class Homes:
             self._load[host] += work_s(shard, steps)
         return homes
 
+    def held(self, calls: Iterable[tuple[int, float]]) -> None:
+        """Calls that held shards on a device (``add``, ``take``), each its bytes and the
+        seconds it took there: a move's cost from now on, the median per byte of the last
+        ``HELD_KEPT`` (a worker's first call was seen to take 0.85 s where the next took
+        1-2 ms: its imports and first allocations)."""
+        self._held.extend(seconds / nbytes for nbytes, seconds in calls if nbytes > 0)
+
+    def move_s(self, model: ModelRun) -> float:
+        """What moving ``model`` would cost the device it goes to, in the reference seconds
+        its work is counted in (measured seconds over the model's measured ratio; nothing
+        before its tasks were timed: the two cannot be compared yet)."""
+        if not model.timed:
+            return 0.0
+        nbytes = sum(s.bytes for s in model.plan.shards)
+        return (median(self._held) if self._held else 0.0) * nbytes / model.ratio
+
     def release(self, model: ModelRun) -> None:
         """``model``'s shards are gone from their devices."""
         for shard, host in zip(model.plan.shards, model.homes, strict=True):
@@ -103,7 +127,8 @@ class Homes:
         if home not in left:
             return None  # its device is lost: it rolls back instead
         mine = model.plan.remaining_s(model.done)
-        others = {h: (work, self._speed[h], 0.0) for h, work in left.items() if h != home}
+        cost = self.move_s(model)
+        others = {h: (work, self._speed[h], cost) for h, work in left.items() if h != home}
         return move_target(mine, (left[home], self._speed[home]), others)
 
     # ------------------------------------------------------------------------- trades

@@ -71,6 +71,9 @@ class ModelRun:
     last_host: int = -1
     """The device of its last submitted task."""
     ratio: float = 1.0
+    """Its tasks' measured seconds over their reference seconds (``refine_ratio``)."""
+    timed: bool = False
+    """Whether ``ratio`` was measured: before, its work to go is not known in seconds."""
     last_run: int = -1
     carry: Any = None
     """The inputs of the model's next task to submit: a batch, a ``HostPool.outputs``

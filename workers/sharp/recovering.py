@@ -55,7 +55,7 @@ class Recovering:
         failure fails it, once its other calls have ended."""
         model = self._trading.calls.pop(call)
         try:
-            pool.result(call)
+            value = pool.result(call)
         except ShardFailed as exc:
             if model.lost is None:
                 model.end(RunStatus.FAILED, str(exc))
@@ -63,6 +63,9 @@ class Recovering:
             model.lost = model.lost or str(exc)
             if isinstance(exc, HostLost):
                 self._lose(pool, self._homes.host_of(exc.device_id), str(exc))
+        else:
+            if call.method == "take":
+                self._homes.held([value])
         if model.lost is not None and model.snap.job_id not in self._busy_models():
             self._roll_back(pool, model)
 

@@ -220,7 +220,7 @@ class SharpTrainer(Recovering):
             )
             adds = [c for snap in placing for c in self._place(pool, snap)]
             try:
-                await_all(pool, adds, self._timeout)
+                self._homes.held(await_all(pool, adds, self._timeout))
                 self._measures.measure(pool, self._homes.live(), self._timeout)
                 for snap in arriving:
                     self._measures.say(self._models[snap.job_id], self._devices)
@@ -358,6 +358,7 @@ class SharpTrainer(Recovering):
         self.promoted_bytes += result.promoted_bytes
         estimated = model.plan.task_s(model.done)
         model.ratio = refine_ratio(model.ratio, estimated, result.compute_s)
+        model.timed = True
         model.step_compute_s += result.compute_s
         if result.losses:
             model.losses = result.losses

@@ -4,6 +4,7 @@ calls (``workers.sharp.shard_pool``), in-process or as the ShardWorker Ray actor
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from shoal.scheduler.devices import Device
@@ -20,6 +21,11 @@ SHARD_METHODS = frozenset(
      "forward", "backward", "pid"}
 )  # fmt: skip
 """The ``ShardHost`` methods the executor may call."""
+
+TIMED = frozenset({"add", "take"})
+"""The methods whose value comes with the seconds the call took on the worker, as
+``(value, seconds)``: what holding a shard costs its device (a move's cost,
+``workers.sharp.homes.Homes.held``)."""
 
 BESIDE = frozenset({"copied"})
 """The methods a worker runs beside its tasks (Ray, on a GPU: in the ``copies`` concurrency
@@ -51,7 +57,9 @@ class ShardWorker:
     def call(self, method: str, *args: Any) -> Any:
         if method not in SHARD_METHODS:
             raise ShardFailed(self.host.device.id, method, f"no such method {method!r}")
+        started = time.perf_counter()
         try:
-            return getattr(self.host, method)(*args)
+            value = getattr(self.host, method)(*args)
         except Exception as exc:  # a boundary: every host error leaves as ShardFailed
             raise ShardFailed(self.host.device.id, method, one_line(exc)) from exc
+        return (value, time.perf_counter() - started) if method in TIMED else value

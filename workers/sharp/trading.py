@@ -4,10 +4,12 @@ simulator trades by (``scheduler.simtrades``).
 Before a model queues its next task it may go to a faster device holding no model, or
 trade places with the model there that has the least work to go
 (``scheduler.sharp_homes.trade_target``; a device's speed is its measured one, shared by
-the models living there). A trade is made in two halves: the model coming queues no task
-from then on; the model leaving queues tasks where it is until handing the device over
-loses less work than one more task would (``hand_over_now``), and then each goes where the
-other lived. A loss, an end or a stop of either calls the trade off.
+the models living there), where that pays for the moves (``trade_pays``: what holding a
+shard costs a device per byte, as measured, ``Homes.held``). A trade is made in two
+halves: the model coming queues no task from then on; the model leaving queues tasks
+where it is until handing the device over loses less work than one more task would
+(``hand_over_now``), and then each goes where the other lived. A loss, an end or a stop
+of either calls the trade off.
 
 A model goes by handing each of its shards over (``ShardHost.give`` to ``take``), queued
 behind its tasks on the device it leaves and ahead of its next on the one it goes to: the
@@ -20,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-from shoal.scheduler.sharp_homes import hand_over_now, trade_target
+from shoal.scheduler.sharp_homes import hand_over_now, trade_pays, trade_target
 from shoal.workers.sharp.homes import Homes
 from shoal.workers.sharp.models import ModelRun, Task, Trade
 from shoal.workers.sharp.shard_pool import Call, HostPool
@@ -68,12 +70,13 @@ class Trading:
         target = trade_target(left, rate, self._homes.faster(home, living))
         if target is None:
             return
-        there = target.place
+        there, cost = target.place, self._homes.move_s(model)
         if not living[there]:
-            self._hand_over(pool, model, there, "a faster device for it")
+            if trade_pays(left, rate, cost, target):
+                self._hand_over(pool, model, there, "a faster device for it")
             return
         other = min(living[there], key=lambda m: (m.plan.remaining_s(m.done), m.snap.job_id))
-        if other.trade is None:
+        if other.trade is None and trade_pays(left, rate, cost, target, self._homes.move_s(other)):
             model.trade = Trade(there, other.snap.job_id, coming=True)
             other.trade = Trade(home, model.snap.job_id, coming=False)
             self._homes.promise(there, True)

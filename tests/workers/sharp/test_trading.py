@@ -11,8 +11,11 @@ from typing import Any, NamedTuple
 import pytest
 
 from shoal.scheduler.devices import Device
+from shoal.workers.sharp.homes import Homes
+from shoal.workers.sharp.placing import arrive
 from shoal.workers.sharp.runner import SharpTrainer
-from shoal.workers.sharp.shard_pool import LocalPool, PoolFactory, RayPool
+from shoal.workers.sharp.shard_pool import Call, LocalPool, PoolFactory, RayPool
+from shoal.workers.sharp.trading import Trading
 from shoal.workers.snapshot import JobSnapshot, RunStatus
 from tests.workers.sharp.test_sharp_runner import assert_alone, budget_for_shards, devices, model
 
@@ -127,3 +130,43 @@ def test_a_device_lost_as_models_trade_places_rolls_them_back_exactly(tmp_path: 
     assert placed == {"a": {pool[0].id}, "b": {pool[0].id}, "c": {pool[1].id}}
     assert [len(moves[m]) for m in "abc"] == [1, 0, 1]  # the trade, cut short
     assert lost == {m: [[pool[0].id]] for m in "abc"}
+
+
+class Recording:
+    """A pool that records the calls submitted to it and runs none."""
+
+    def __init__(self, devices: list[Device]) -> None:
+        self.devices = devices
+        self.calls: list[Call] = []
+
+    def submit(self, host: int, method: str, *args: Any) -> Call:
+        self.calls.append(Call(host, method))
+        return self.calls[-1]
+
+    def outputs(self, call: Call) -> Call:
+        return call
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(("cost", "moves"), [(2.2, True), (2.5, False)])
+def test_a_model_takes_a_faster_empty_device_only_where_that_pays_for_the_move(
+    tmp_path: Path, cost: float, moves: bool
+) -> None:
+    """c, timed, lives on a device 0.3 times as fast as the empty one: its work to go W
+    ends there in W plus the move, at home in W / 0.3 = 3.33 W. Holding its shards there
+    costs ``cost`` W (as the devices' calls measured it): it goes at 2.2, stays at 2.5."""
+    snap = model(tmp_path, "c", seed=5, steps=6)
+    pool = devices("n0000000a")
+    homes = Homes(pool, spread=True)
+    homes.measured({0: 10.0, 1: 3.0})
+    run = arrive(snap, budget_for_shards(snap, 3), 0, homes, task_copies=False)
+    homes.move(run, 1)
+    run.timed = True
+    left, nbytes = run.plan.remaining_s(0), sum(s.bytes for s in run.plan.shards)
+    homes.held([(nbytes, cost * left)])
+    recording = Recording(pool)
+    Trading(homes).consider(recording, {"c": run}, [], 0.0)  # type: ignore[arg-type]
+    handed = [(c.host, c.method) for c in recording.calls]
+    shards = len(run.plan.shards)
+    assert handed == ([(1, "give"), (0, "take")] * shards if moves else []), handed
+    assert run.homes == [0 if moves else 1] * shards
