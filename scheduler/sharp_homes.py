@@ -176,24 +176,43 @@ def trade_target(
     return None if best is None else best[1]
 
 
+@dataclass(frozen=True)
+class Sharing:
+    """A device as ``trade_pays`` reads it: its speed and the work to go (reference
+    seconds) of each model living on it, but for the two that would trade places."""
+
+    speed: float
+    left_s: tuple[float, ...] = ()
+
+    def end_s(self, left_s: float) -> float:
+        """When a model with ``left_s`` to go would end living here beside these models,
+        the device's time shared evenly among those with work to go: each of them takes
+        as much of it as the model before the model ends, or its own work, the less."""
+        return (left_s + sum(min(w, left_s) for w in self.left_s)) / self.speed
+
+
 def trade_pays(
     left_s: float,
-    home_speed: float,
+    home: Sharing,
+    there: Sharing,
     move_s: float,
-    target: Faster[Place],
-    other_move_s: float = 0.0,
+    other: tuple[float, float] | None = None,
 ) -> bool:
-    """Whether a model with ``left_s`` reference seconds to go at ``home_speed`` gains by
-    going to ``target`` (``trade_target``'s choice), each move paid for: ``move_s`` its
-    own, ``other_move_s`` that of the model there with the least to go, which takes its
-    place (reference seconds: what holding the shards costs the device they go to). It
-    does when the later of the two models' ends comes sooner, or, the device holding no
-    model, its own end. Near a model's end a move costs more than the speed gains it."""
-    least = target.least_left_s
-    if least is None:
-        return left_s / target.speed + move_s < left_s / home_speed
-    stay = max(left_s / home_speed, least / target.speed)
-    traded = max(left_s / target.speed + move_s, least / home_speed + other_move_s)
+    """Whether a model with ``left_s`` reference seconds to go gains by going from
+    ``home`` to ``there`` (``trade_target``'s choice), its move costing ``move_s`` (what
+    holding its shards costs the device they go to), in a trade with ``other``'s model
+    there (its work to go and its move's cost), if any: when the later of the two models'
+    ends comes sooner, or, the device holding no model, its own end.
+
+    Counted as the devices share their time (``Sharing``), not as their speed over the
+    models living there: near its end a model on a shared device is about to have it to
+    itself, and a move gains what the model beside it still has to do, not half the
+    model's own work; near every model's end a move costs more than it gains."""
+    if other is None:
+        return there.end_s(left_s) + move_s < home.end_s(left_s)
+    least, other_move_s = other
+    stay = max(home.end_s(left_s), there.end_s(least))
+    traded = max(there.end_s(left_s) + move_s, home.end_s(least) + other_move_s)
     return traded < stay
 
 

@@ -14,7 +14,7 @@ unless its backward recomputes the forward anyway (``ModelPlan.recompute``).
 from __future__ import annotations
 
 from shoal.scheduler.sharp import ModelId, transfer_s
-from shoal.scheduler.sharp_homes import hand_over_now, trade_pays, trade_target
+from shoal.scheduler.sharp_homes import Sharing, hand_over_now, trade_pays, trade_target
 from shoal.scheduler.simhomes import Residency
 from shoal.scheduler.simresult import Tally
 from shoal.scheduler.simstate import SimModel, SimQueue
@@ -52,20 +52,28 @@ class Trading:
         target = trade_target(left, rate, self.homes.faster(rate, need))
         if target is None:
             return
-        cost = _state_s(model, self.devices[target.place])
-        other = self.homes.least(target.place)
+        there = target.place
+        cost = _state_s(model, self.devices[there])
+        other = self.homes.least(there)
         if other is None:
-            if trade_pays(left, rate, cost, target):
-                self._relocate(model, target.place)
+            if trade_pays(left, self._sharing(home, plan.model), self._sharing(there), cost):
+                self._relocate(model, there)
                 self.tally.trades += 1
             return
         displaced = self.models[other]
         fits = max(s.bytes for s in displaced.plan.shards) <= self.devices[home].idle.budget_bytes
-        pays = trade_pays(left, rate, cost, target, _state_s(displaced, self.devices[home]))
+        moves = (self.homes.left(other), _state_s(displaced, self.devices[home]))
+        home_s, there_s = self._sharing(home, plan.model), self._sharing(there, other)
+        pays = trade_pays(left, home_s, there_s, cost, moves)
         if fits and pays and displaced.leaving is None and displaced.joining is None:
             model.joining, displaced.leaving = (target.place, other), (home, plan.model)
             self.homes.promise(target.place, True)
             self._refresh(displaced, now)  # it may hand over at once
+
+    def _sharing(self, name: DeviceId, but: ModelId | None = None) -> Sharing:
+        """Device ``name`` as ``trade_pays`` reads it, without ``but``."""
+        left = tuple(self.homes.left(m) for m in self.homes.residents[name] if m != but)
+        return Sharing(self.devices[name].idle.speed, left)
 
     def _maybe_hand_over(self, model: SimModel, now: float) -> None:
         """A model a trade sends off its device hands it over now or after one more task

@@ -33,6 +33,7 @@ from shoal.scheduler.sharp import (
 from shoal.scheduler.sharp_homes import (
     Faster,
     Home,
+    Sharing,
     hand_over_now,
     home_shards,
     move_target,
@@ -343,18 +344,31 @@ def test_a_model_trades_up_to_the_fastest_device_whose_model_has_enough_less_to_
     assert trade_target(0.0, 0.6, [least]) is None
 
 
+def test_a_device_shared_ends_a_model_as_its_time_is_shared() -> None:
+    # 10 s to go beside models with 2 and 30 s: all three share the device for 6 s (2 each),
+    # then two share it until this one's 8 s left are done: 6 + 16 = 22 = 10 + 2 + 10.
+    assert Sharing(1.0, (2.0, 30.0)).end_s(10.0) == 22.0
+    assert Sharing(2.0, (2.0, 30.0)).end_s(10.0) == 11.0
+    assert Sharing(1.0).end_s(10.0) == 10.0
+
+
 def test_a_trade_is_made_only_where_it_pays_for_the_moves() -> None:
-    empty, busy = Faster("e", 1.0, None), Faster("b", 1.0, 2.0)
-    # Alone there: 10 s to go at half speed ends in 20 s, there in 10 s plus the move.
-    assert trade_pays(10.0, 0.5, 9.9, empty)
-    assert not trade_pays(10.0, 0.5, 10.0, empty)
-    assert not trade_pays(1.0, 0.5, 1.5, empty)  # near its end: the move costs more
-    # A trade: the later end now is this model's 20 s; traded, max(10 + move, 4 + other's).
-    assert trade_pays(10.0, 0.5, 1.0, busy, other_move_s=1.0)
-    assert not trade_pays(10.0, 0.5, 1.0, busy, other_move_s=16.0)  # the other's end: 20
-    assert not trade_pays(10.0, 0.5, 10.0, busy)
+    slow, fast = Sharing(0.5), Sharing(1.0)
+    # Alone on a half-speed device: 10 s to go ends in 20 s, on the empty one in 10 + move.
+    assert trade_pays(10.0, slow, fast, 9.9)
+    assert not trade_pays(10.0, slow, fast, 10.0)
+    assert not trade_pays(1.0, slow, fast, 1.5)  # near its end: the move costs more
+    # Beside a model with 0.5 s to go on a device as fast: moving gains only those 0.5 s.
+    assert trade_pays(10.0, Sharing(1.0, (0.5,)), fast, 0.4)
+    assert not trade_pays(10.0, Sharing(1.0, (0.5,)), fast, 0.6)
+    # A trade with a model with 2 s to go there: the later end now is this model's 20 s;
+    # traded, max(10 + move, 4 + the other's move).
+    assert trade_pays(10.0, slow, fast, 1.0, (2.0, 1.0))
+    assert not trade_pays(10.0, slow, fast, 1.0, (2.0, 16.0))  # the other's end: 20
+    assert not trade_pays(10.0, slow, fast, 10.0, (2.0, 0.0))
     # Moves cost nothing: it pays while this model has more to go than the other.
-    assert trade_pays(2.9, 0.5, 0.0, busy) and not trade_pays(2.0, 0.5, 0.0, busy)
+    assert trade_pays(2.9, slow, fast, 0.0, (2.0, 0.0))
+    assert not trade_pays(2.0, slow, fast, 0.0, (2.0, 0.0))
 
 
 def test_a_trade_hands_the_device_over_when_that_loses_least_work() -> None:

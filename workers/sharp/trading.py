@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-from shoal.scheduler.sharp_homes import hand_over_now, trade_pays, trade_target
+from shoal.scheduler.sharp_homes import Sharing, hand_over_now, trade_pays, trade_target
 from shoal.workers.sharp.homes import Homes
 from shoal.workers.sharp.models import ModelRun, Task, Trade
 from shoal.workers.sharp.shard_pool import Call, HostPool
@@ -72,14 +72,26 @@ class Trading:
             return
         there, cost = target.place, self._homes.move_s(model)
         if not living[there]:
-            if trade_pays(left, rate, cost, target):
+            if trade_pays(left, self._sharing(home, living, model), Sharing(target.speed), cost):
                 self._hand_over(pool, model, there, "a faster device for it")
             return
         other = min(living[there], key=lambda m: (m.plan.remaining_s(m.done), m.snap.job_id))
-        if other.trade is None and trade_pays(left, rate, cost, target, self._homes.move_s(other)):
+        pays = trade_pays(
+            left,
+            self._sharing(home, living, model),
+            self._sharing(there, living, other),
+            cost,
+            (other.plan.remaining_s(other.done), self._homes.move_s(other)),
+        )
+        if pays and other.trade is None:
             model.trade = Trade(there, other.snap.job_id, coming=True)
             other.trade = Trade(home, model.snap.job_id, coming=False)
             self._homes.promise(there, True)
+
+    def _sharing(self, host: int, living: Mapping[int, list[ModelRun]], but: ModelRun) -> Sharing:
+        """Device ``host`` as ``trade_pays`` reads it, without ``but``."""
+        left = tuple(m.plan.remaining_s(m.done) for m in living[host] if m is not but)
+        return Sharing(self._homes.speed(host), left)
 
     def _maybe_hand_over(
         self, pool: HostPool, model: ModelRun, taker: ModelRun, queued: list[Task], now: float
