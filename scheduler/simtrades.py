@@ -53,7 +53,7 @@ class Trading:
         if target is None:
             return
         there = target.place
-        cost = _state_s(model, self.devices[there])
+        cost = _move_s(model, self.devices[there])
         other = self.homes.least(there)
         if other is None:
             if trade_pays(left, self._sharing(home, plan.model), self._sharing(there), cost):
@@ -62,7 +62,7 @@ class Trading:
             return
         displaced = self.models[other]
         fits = max(s.bytes for s in displaced.plan.shards) <= self.devices[home].idle.budget_bytes
-        moves = (self.homes.left(other), _state_s(displaced, self.devices[home]))
+        moves = (self.homes.left(other), _move_s(displaced, self.devices[home]))
         home_s, there_s = self._sharing(home, plan.model), self._sharing(there, other)
         pays = trade_pays(left, home_s, there_s, cost, moves)
         if fits and pays and displaced.leaving is None and displaced.joining is None:
@@ -135,6 +135,9 @@ class Trading:
         return at
 
 
-def _state_s(model: SimModel, device: SimQueue) -> float:
-    """Seconds to copy ``model``'s whole state onto ``device`` over its host link."""
-    return transfer_s(sum(s.state_bytes for s in model.plan.shards), device.idle)
+def _move_s(model: SimModel, device: SimQueue) -> float:
+    """What moving ``model`` to ``device`` before its next task costs: its whole state
+    copied over the device's host link, and its forwards to run again there."""
+    plan = model.plan
+    state = sum(s.state_bytes for s in plan.shards)
+    return transfer_s(state, device.idle) + plan.open_forward_s(model.submitted)

@@ -331,8 +331,9 @@ class ModelRun:
         it now is dropped first."""
         setup = StageSetup.of(self.snap, self.data.meta)
         key = (self.snap.job_id, shard.index)
+        state = part(shard, blocks)
         return pool.submit(
-            host, "add", key, setup, shard.blocks, shard.bytes, part(shard, blocks), again
+            host, "add", key, setup, shard.blocks, shard.bytes, state, again, time.time()
         )
 
     def take(
@@ -343,7 +344,7 @@ class ModelRun:
         setup = StageSetup.of(self.snap, self.data.meta)
         key, last = (self.snap.job_id, shard.index), shard.index == len(self.plan.shards) - 1
         targets = self.targets if last else None
-        args = (setup, shard.blocks, shard.bytes, handover, targets, self.scale, again)
+        args = (setup, shard.blocks, shard.bytes, handover, targets, self.scale, again, time.time())
         return pool.submit(host, "take", key, *args)
 
     def placement(self, devices: Sequence[Device]) -> RunnerEvent:

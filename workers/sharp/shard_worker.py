@@ -23,9 +23,12 @@ SHARD_METHODS = frozenset(
 """The ``ShardHost`` methods the executor may call."""
 
 TIMED = frozenset({"add", "take"})
-"""The methods whose value comes with the seconds the call took on the worker, as
-``(value, seconds)``: what holding a shard costs its device (a move's cost,
-``workers.sharp.homes.Homes.held``)."""
+"""The methods sent with the wall clock at their sending as their last argument, whose
+value comes with the seconds they cost the worker, as ``(value, seconds)``: from when the
+call was sent, or when the worker's call before it ended if later, to its end. Those
+seconds hold the wait for the call's inputs (a hand-over's bytes coming from another
+worker) where the worker had nothing else to do: what holding a shard costs its device,
+a move's cost (``workers.sharp.homes.Homes.held``)."""
 
 BESIDE = frozenset({"copied"})
 """The methods a worker runs beside its tasks (Ray, on a GPU: in the ``copies`` concurrency
@@ -53,13 +56,21 @@ class ShardWorker:
 
     def __init__(self, device: Device, budget_bytes: int) -> None:
         self.host = ShardHost(device, budget_bytes)
+        self._ended = 0.0
+        """When the last call in the worker's order (not one beside it) ended, wall clock."""
 
     def call(self, method: str, *args: Any) -> Any:
         if method not in SHARD_METHODS:
             raise ShardFailed(self.host.device.id, method, f"no such method {method!r}")
-        started = time.perf_counter()
+        sent = 0.0
+        if method in TIMED:
+            args, sent = args[:-1], args[-1]
         try:
             value = getattr(self.host, method)(*args)
         except Exception as exc:  # a boundary: every host error leaves as ShardFailed
             raise ShardFailed(self.host.device.id, method, one_line(exc)) from exc
-        return (value, time.perf_counter() - started) if method in TIMED else value
+        finally:
+            ended, waited_from = time.time(), max(sent, self._ended)
+            if method not in BESIDE:
+                self._ended = ended
+        return (value, ended - waited_from) if method in TIMED else value

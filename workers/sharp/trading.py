@@ -70,7 +70,7 @@ class Trading:
         target = trade_target(left, rate, self._homes.faster(home, living))
         if target is None:
             return
-        there, cost = target.place, self._homes.move_s(model)
+        there, cost = target.place, self._move_s(model)
         if not living[there]:
             if trade_pays(left, self._sharing(home, living, model), Sharing(target.speed), cost):
                 self._hand_over(pool, model, there, "a faster device for it")
@@ -81,12 +81,17 @@ class Trading:
             self._sharing(home, living, model),
             self._sharing(there, living, other),
             cost,
-            (other.plan.remaining_s(other.done), self._homes.move_s(other)),
+            (other.plan.remaining_s(other.done), self._move_s(other)),
         )
         if pays and other.trade is None:
             model.trade = Trade(there, other.snap.job_id, coming=True)
             other.trade = Trade(home, model.snap.job_id, coming=False)
             self._homes.promise(there, True)
+
+    def _move_s(self, model: ModelRun) -> float:
+        """What moving ``model`` before its next task costs, in reference seconds: holding
+        its shards on the device it goes to, and its forwards to run again there."""
+        return self._homes.move_s(model) + model.plan.open_forward_s(model.submitted)
 
     def _sharing(self, host: int, living: Mapping[int, list[ModelRun]], but: ModelRun) -> Sharing:
         """Device ``host`` as ``trade_pays`` reads it, without ``but``."""

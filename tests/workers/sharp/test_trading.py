@@ -4,6 +4,7 @@ go, between any two of its tasks, and every model still trains exactly as alone.
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -170,3 +171,25 @@ def test_a_model_takes_a_faster_empty_device_only_where_that_pays_for_the_move(
     shards = len(run.plan.shards)
     assert handed == ([(1, "give"), (0, "take")] * shards if moves else []), handed
     assert run.homes == [0 if moves else 1] * shards
+
+
+@pytest.mark.unit
+def test_holding_a_shard_costs_its_device_from_its_sending_or_the_call_before_it(
+    tmp_path: Path,
+) -> None:
+    """``add`` and ``take`` come with the seconds they cost the worker: the wait for their
+    inputs where the worker was idle (here a second since the sending), or from the end of
+    the worker's call before, if that ended after the sending."""
+    from shoal.workers.pipeline.stage_types import StageSetup
+    from shoal.workers.sharp.shard_worker import ShardWorker
+    from shoal.workers.zoo.data import make_data
+
+    snap = model(tmp_path, "a")
+    setup = StageSetup.of(snap, make_data(snap.data, snap.seed).meta)
+    worker = ShardWorker(devices()[0], 2**40)
+    held, seconds = worker.call("add", ("a", 0), setup, (0, 1), 0, None, False, time.time() - 1)
+    assert held > 0 and 1.0 <= seconds < 60.0, seconds
+    sent = time.time() - 1
+    worker.call("drop", ("a", 0))  # it ends after the sending: the next call counts from it
+    _, seconds = worker.call("add", ("a", 0), setup, (0, 1), 0, None, False, sent)
+    assert seconds < 1.0, seconds
