@@ -95,6 +95,12 @@ class CopyCadence:
         return 0 if taken is None else max(0, taken + self.interval - step)
 
     @property
+    def decided(self) -> bool:
+        """Whether the interval is known: measured, or 1 whatever the copies cost (a budget
+        of the whole training time); else it is 1 as a guess."""
+        return self._decided or self.budget >= 1.0
+
+    @property
     def copy_s(self) -> float | None:
         return statistics.median(self._copies) if self._copies else None
 

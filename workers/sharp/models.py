@@ -212,7 +212,10 @@ class ModelRun:
         rows = snap.batch_size // snap.micro_batches
         self.carry = [send(inputs[j * rows : (j + 1) * rows]) for j in range(snap.micro_batches)]
         self.targets = [send(targets[j * rows : (j + 1) * rows]) for j in range(snap.micro_batches)]
-        every_step = snap.keep_copies and self.cadence.interval == 1
+        # Until a copy was measured its interval is a guess: no step's tasks take another
+        # while the first is still coming in (on a busy device, its cost is a step's share).
+        measured = self.cadence.decided or self.copying is None
+        every_step = snap.keep_copies and self.cadence.interval == 1 and measured
         self.ledger = Ledger(step, list(self.carry)) if self.task_copies and every_step else None
         self.losses = []
         self.step_started = now

@@ -4,6 +4,7 @@ run) is dropped: the model trains on, exactly, and says which copy a loss now ro
 from __future__ import annotations
 
 from concurrent.futures import Future
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -140,3 +141,27 @@ def test_a_last_checkpoint_not_made_fails_its_model_only(tmp_path: Path) -> None
     assert [m.step for m in failed.metrics] == [1, 2, 3, 4]
     assert not [e for e in failed.events if e.kind == "checkpoint"]
     assert_alone(fine, [m.loss for m in trainer.report("b", 0).metrics])
+
+
+@pytest.mark.unit
+def test_no_step_takes_a_copy_while_the_first_is_coming_and_its_interval_a_guess(
+    tmp_path: Path,
+) -> None:
+    """The interval is 1 until a copy was measured: while step 1's copy is still coming
+    in, step 2's tasks take none (at most the interval the measure gives); once it is in,
+    or with a budget that copies every step anyway, they do."""
+    snap = model(tmp_path, "a", steps=4, keep_copies=True)
+    run = arrive(snap, budget_for_shards(snap, 3), 0, Homes(devices()), task_copies=True)
+    run.copying = Copying(1, set())
+    run._draw_batch(2, 0.0)
+    assert run.ledger is None
+    run.copying = None
+    run._draw_batch(2, 0.0)
+    assert run.ledger is not None
+    every = arrive(
+        replace(snap, copy_budget=1.0), budget_for_shards(snap, 3), 0, Homes(devices()),
+        task_copies=True,
+    )  # fmt: skip
+    every.copying = Copying(1, set())
+    every._draw_batch(2, 0.0)
+    assert every.ledger is not None
