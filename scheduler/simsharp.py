@@ -425,17 +425,17 @@ class _Sharp(Trading):
             return
         device.alive = False
         self.homes.set_alive(device.sim.id, False)
-        job = device.running
+        job, name = device.running, device.sim.id
+        # Models with a task there roll back too: one that moved away may have left one.
+        tasked = {j.model for j in [*device.queue, *([job] if job else [])]}
         if job is not None:
             bytes_ = self.models[job.model].plan.shard_at(job.position).bytes
-            record = TaskRecord(
-                device.sim.id, job.model, job.position, job.start_s, now, False, bytes_
-            )
+            record = TaskRecord(name, job.model, job.position, job.start_s, now, False, bytes_)
             self.tally.ran(record, 0.0, 0.0)
         device.running, device.queue, device.in_flight, device.last = None, deque(), 0, None
-        name = device.sim.id
         for model in self.models.values():
-            if (name in model.homes or name in model.held) and model.done < model.plan.tasks:
+            there = name in model.homes or name in model.held or model.plan.model in tasked
+            if there and model.done < model.plan.tasks:
                 self._roll_back(model, now)
 
     def _roll_back(self, model: SimModel, now: float) -> None:
