@@ -207,15 +207,10 @@ def trade_pays(
     Counted as the devices share their time (``Sharing``), not as their speed over the
     models living there: near its end a model on a shared device is about to have it to
     itself, and a move gains what the model beside it still has to do, not half the
-    model's own work; near every model's end a move costs more than it gains. Never with
-    a model that has less to go than its own move costs: it ends where it is sooner than
-    it could leave, and the device falls empty (the trading model stops queueing tasks
-    while it waits for the other to hand over, which one that ends never does)."""
+    model's own work; near every model's end a move costs more than it gains."""
     if other is None:
         return there.end_s(left_s) + move_s < home.end_s(left_s)
     least, other_move_s = other
-    if least < other_move_s:
-        return False
     stay = max(home.end_s(left_s), there.end_s(least))
     traded = max(there.end_s(left_s) + move_s, home.end_s(least) + other_move_s)
     return traded < stay

@@ -512,3 +512,25 @@ def test_a_thousand_models_on_a_thousand_devices() -> None:
     print(f"1,024 devices x 1,000 models: {time.perf_counter() - began:.1f} s wall")
     assert result.tasks == sum(p.tasks for p in setting.plans)
     assert 1.0 <= result.ratio < 3.0 and 0.0 < result.mean_utilization <= 1.0
+
+
+def test_a_device_lost_with_a_task_of_a_model_that_moved_away_rolls_that_model_back() -> None:
+    """A model that moved while a task of its was still queued on its old device (a trade
+    hands over behind the tasks queued there) rolls back when that device is lost, as the
+    executor's task there fails; it was left waiting for that task for good."""
+    from shoal.scheduler.sharp import Policy
+    from shoal.scheduler.simsharp import _Sharp
+    from shoal.scheduler.simstate import SimTask
+
+    sim = _Sharp(cluster(2), [chain("m", steps=2)], Policy.LRTF, True, {}, Engine(), False)
+    model = sim.models["m"]
+    old, new = sorted(sim.devices)
+    if model.homes[0] != old:
+        old, new = new, old
+    sim._relocate(model, new)
+    model.held = [new] * len(model.held)
+    sim.devices[old].queue.append(SimTask(0, "m", 0, model.epoch, 0.0))
+    model.submitted = 1
+    sim._lose(sim.devices[old], 0.0)
+    assert (model.epoch, model.submitted, model.done) == (1, 0, 0), model
+    assert sim.run().tasks == model.plan.tasks
