@@ -2,9 +2,8 @@
 where its work ends soonest (``home_shards``), at a step boundary a move to the device
 where that ends two devices' work sooner (``move_target``), and before any task a trade of
 places with a model on a faster device that has less work to go (``trade_target``) where
-that pays for the moves (``trade_pays``). The
-executor (``workers.sharp``) and the simulator (``scheduler.simsharp``) place and move
-with these.
+that pays for the moves (``trade_pays``). The executor (``workers.sharp``) and the
+simulator (``scheduler.simsharp``) place and move with these.
 """
 
 from __future__ import annotations

@@ -41,10 +41,11 @@ class Trading:
     def _maybe_trade(self, model: SimModel, now: float) -> None:
         """Before its next task the model goes to a faster device that holds no model, or
         trades places with the model there that has the least work to go, when it has
-        enough more to go itself (``trade_target``) and that pays for copying each one's
-        state over (``trade_pays``). Each shard's state
-        follows it when its task runs there (copied in as any task's shard is); the traded
-        model's tasks already queued on the faster device run there first."""
+        enough more to go itself (``trade_target``) and that pays for the moves: each
+        one's state copied over, its forwards run again (``trade_pays``, ``_move_s``).
+        Each shard's state follows it when its task runs there (copied in as any task's
+        shard is); the traded model's tasks already queued on the faster device run there
+        first."""
         plan, home = model.plan, model.homes[0]
         need = max(s.bytes for s in plan.shards)
         rate = self.homes.rate(home)
