@@ -11,7 +11,7 @@ from torch import nn
 from shoal.workers.factories import FactoryError
 from shoal.workers.snapshot import DataRef, ModelRef
 from shoal.workers.zoo.data import make_data
-from shoal.workers.zoo.models import build_blocks, count_blocks
+from shoal.workers.zoo.models import build_blocks, count_blocks, states_loaded
 from shoal.workers.zoo.registry import MODELS, DataMeta, RegistryError, resolve_model
 
 pytestmark = pytest.mark.unit
@@ -185,3 +185,40 @@ def test_a_factory_must_be_allowed_and_return_blocks() -> None:
     bad = ModelRef(None, "tests.workers.test_factories:not_a_model", {})
     with pytest.raises(FactoryError, match="returned str; it must return a non-empty"):
         build_blocks(bad, DIGITS, 0, [0], FACTORY)
+
+
+@pytest.mark.parametrize(("name", "config", "meta"), CASES)
+def test_blocks_built_for_a_state_to_load_compute_as_the_blocks_it_came_from(
+    name: str, config: dict[str, Any], meta: DataMeta
+) -> None:
+    """Built for a state to load (``states_loaded``: no random initialisation), a block
+    holds on the CPU just what the state gives it: loaded, it computes as the block the
+    state came from, and the global RNG is as it was."""
+    ref = ModelRef(name, None, config)
+    first = all_blocks(ref, meta, seed=3)
+    rng = torch.random.get_rng_state()
+    with states_loaded():
+        empty = all_blocks(ref, meta, seed=3)
+    assert torch.equal(torch.random.get_rng_state(), rng)
+    for block, source in zip(empty, first, strict=True):
+        assert all(p.device.type == "cpu" for p in block.parameters())
+        block.load_state_dict(source.state_dict())
+        assert same_weights(block, source)
+    x = sample(meta)
+    assert torch.equal(run(empty, x), run(first, x))
+    assert same_weights(all_blocks(ref, meta, seed=3)[0], first[0])  # outside: as ever
+
+
+def test_blocks_built_for_a_state_to_load_skip_their_seeded_initialisation(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import shoal.workers.zoo.models as models
+
+    def seeded(seed: int) -> None:
+        raise AssertionError(f"initialised under seed {seed}")
+
+    monkeypatch.setattr(models, "_seeded", seeded)
+    with states_loaded():
+        assert len(all_blocks(ModelRef("mlp", None, {"hidden": 6, "layers": 3}), REGRESSION)) == 4
+    with pytest.raises(AssertionError, match="initialised under seed"):
+        all_blocks(ModelRef("mlp", None, {"hidden": 6, "layers": 3}), REGRESSION)

@@ -58,6 +58,7 @@ from shoal.workers.sharp.shard_types import (
 )
 from shoal.workers.snapshot import StagePlan
 from shoal.workers.wire import Wire, receive, receive_tree, send, send_tree
+from shoal.workers.zoo.models import states_loaded
 
 
 class BudgetError(RuntimeError):
@@ -122,9 +123,9 @@ class ShardHost:
             self.drop(key)
         if key in self._shards:
             raise StageStateError(f"shard {key} is already held on {self.device.id}")
-        # Built in host memory; promoted onto the device when a task needs it.
-        host = replace(self.device, index=0, gpu=False)
-        stage = Stage(StagePlan(key[1], blocks, host), setup)
+        host = replace(self.device, index=0, gpu=False)  # promoted when a task needs it
+        with states_loaded(state is not None):
+            stage = Stage(StagePlan(key[1], blocks, host), setup)
         if state is not None:
             stage.load(receive_tree(state, self._host))
         self._shards[key] = stage
@@ -178,8 +179,7 @@ class ShardHost:
     def give(self, key: ShardKey, stashed: int | None = None) -> tuple[Handover, int]:
         """Hand shard ``key`` over to another host (``Handover``) and forget it, with the
         outputs kept here for its model's task at position ``stashed`` (``Stashed``) if
-        given: the executor names them when that task is this shard's. With the bytes
-        it sends."""
+        given (the executor names them when that task is this shard's); and its bytes."""
         stage = self._stage(key)
         self._settle()
         kept = stage.in_flight.inputs()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 import torch
@@ -144,6 +145,22 @@ _SAME_AS: dict[str, Callable[[dict[str, Any], int], int]] = {
 # ------------------------------------------------------------------------------- building
 
 
+_LOADED: ContextVar[bool] = ContextVar("blocks_loaded", default=False)
+
+
+@contextmanager
+def states_loaded(loaded: bool = True) -> Iterator[None]:
+    """Blocks built inside (``build_blocks``) will have every state loaded before use: the
+    built-in ones skip their random initialisation (built on the meta device, then given
+    memory), which took half of a 3-block shard's hand-over. Factories' blocks are built
+    as ever (their modules may hold tensors no state restores)."""
+    token = _LOADED.set(loaded)
+    try:
+        yield
+    finally:
+        _LOADED.reset(token)
+
+
 @contextmanager
 def _seeded(seed: int) -> Iterator[None]:
     """Run the body under ``seed`` without disturbing the caller's RNG state."""
@@ -196,6 +213,10 @@ def build_blocks(
         build = _BLOCKS[ref.builtin]
         blocks = []
         for i in indices:
+            if _LOADED.get():
+                with torch.device("meta"):
+                    blocks.append(build(resolved.config, meta, i).to_empty(device="cpu"))
+                continue
             with _seeded(seed * _SEED_STRIDE + i):
                 blocks.append(build(resolved.config, meta, i))
         return blocks
