@@ -71,18 +71,14 @@ class Trading:
         if target is None:
             return
         there, cost = target.place, self._move_s(model)
+        staying = self._sharing(home, living, model)
         if not living[there]:
-            if trade_pays(left, self._sharing(home, living, model), Sharing(target.speed), cost):
+            if trade_pays(left, staying, self._sharing(there, living, model), cost):
                 self._hand_over(pool, model, there, "a faster device for it")
             return
         other = min(living[there], key=lambda m: (m.plan.remaining_s(m.done), m.snap.job_id))
-        pays = trade_pays(
-            left,
-            self._sharing(home, living, model),
-            self._sharing(there, living, other),
-            cost,
-            (other.plan.remaining_s(other.done), self._move_s(other)),
-        )
+        leaving = (other.plan.remaining_s(other.done), self._move_s(other))
+        pays = trade_pays(left, staying, self._sharing(there, living, other), cost, leaving)
         if pays and other.trade is None:
             model.trade = Trade(there, other.snap.job_id, coming=True)
             other.trade = Trade(home, model.snap.job_id, coming=False)
