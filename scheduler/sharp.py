@@ -272,6 +272,16 @@ class ModelPlan:
         op = Op.FORWARD if r < k else Op.BACKWARD
         return ShardTask(self.model, self.shard_at(position).index, op, step)
 
+    def run_at(self, position: int, homes: Sequence[int]) -> int:
+        """How many tasks from ``position`` on run one after another on the device of its
+        shard (``homes``: each shard's device), within its step: each after the first
+        takes its inputs from the one before, there."""
+        end = min(self.tasks, (position // (2 * len(self.shards)) + 1) * 2 * len(self.shards))
+        host, length = homes[self.shard_at(position).index], 1
+        while position + length < end and homes[self.shard_at(position + length).index] == host:
+            length += 1
+        return length
+
     def task_s(self, position: int) -> float:
         """Reference seconds of the task at ``position``."""
         shard = self.shard_at(position)
@@ -418,6 +428,42 @@ def assign(
     others = [p for p in fitting if p is not best]
     nxt = lookahead(policy, device, best, plans, others, stamp=sequence)
     return Assignment(device.device, plans[best.model].task(best.done), nxt)
+
+
+def assign_run(
+    policy: Policy,
+    device: IdleDevice,
+    runnable: Sequence[Progress],
+    plans: Mapping[ModelId, ModelPlan],
+    homes: Mapping[ModelId, Sequence[int]],
+    host: int,
+    *,
+    sequence: int = 0,
+) -> list[Assignment] | None:
+    """``assign``'s task for ``device`` (pool position ``host``; ``homes``: where each
+    model's shards live) and the tasks of its model that run after it there
+    (``ModelPlan.run_at``), each with the task to prefetch behind it where that runs there:
+    the next of the run, and after its last the likeliest then (``lookahead``)."""
+    first = assign(policy, device, runnable, plans, sequence=sequence)
+    if first is None:
+        return None
+    model = first.task.model
+    plan, at = plans[model], next(p.done for p in runnable if p.model == model)
+    length = plan.run_at(at, homes[model])
+    after = first.prefetch
+    if length > 1:
+        current = next(p for p in runnable if p.model == model)
+        last = progress(plan, at + length - 1, ratio=current.ratio, last_run=current.last_run)
+        others = [p for p in runnable if p.model != model]
+        stamp = sequence + length - 1
+        after = lookahead(policy, device, last, plans, others, stamp=stamp)
+    if after is not None and homes[after.model][after.shard] != host:
+        after = None
+    tasks = [plan.task(at + i) for i in range(length)]
+    return [
+        Assignment(device.device, task, tasks[i + 1] if i + 1 < length else after)
+        for i, task in enumerate(tasks)
+    ]
 
 
 def lookahead(

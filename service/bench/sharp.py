@@ -58,6 +58,7 @@ from shoal.workers.profiler import trace_costs
 from shoal.workers.sharp.runner import SharpTrainer
 from shoal.workers.sharp.shard_pool import Call, HostPool, PoolFactory, RayPool, await_all
 from shoal.workers.sharp.shard_types import TaskResult
+from shoal.workers.sharp.shard_worker import TASKS
 from shoal.workers.snapshot import (
     DataRef,
     JobSnapshot,
@@ -149,12 +150,24 @@ class _Watched:
         self._calls: dict[Call, tuple[str, int]] = {}
 
     def submit(self, host: int, method: str, *args: Any) -> Call:
-        if self.first_task is None and method in ("forward", "backward"):
-            self.first_task = time.perf_counter()
+        self._starting(method)
         call = self.inner.submit(host, method, *args)
-        shard = args[0][1] if method in ("forward", "backward") else -1
-        self._calls[call] = (method, shard)
+        self._note(call, args)
         return call
+
+    def submit_run(self, host: int, tasks: Sequence[tuple[str, tuple[Any, ...]]]) -> list[Call]:
+        self._starting(tasks[0][0])
+        calls = self.inner.submit_run(host, tasks)
+        for call, (_, args) in zip(calls, tasks, strict=True):
+            self._note(call, args)
+        return calls
+
+    def _starting(self, method: str) -> None:
+        if self.first_task is None and method in TASKS:
+            self.first_task = time.perf_counter()
+
+    def _note(self, call: Call, args: tuple[Any, ...]) -> None:
+        self._calls[call] = (call.method, args[0][1] if call.method in TASKS else -1)
 
     def wait(self, calls: Sequence[Call], timeout: float) -> list[Call]:
         return self.inner.wait(calls, timeout)

@@ -11,7 +11,7 @@ from typing import Any
 
 from shoal.scheduler.copies import CopyCadence
 from shoal.scheduler.devices import Device
-from shoal.scheduler.sharp import ModelPlan, Op, Shard, ShardTask
+from shoal.scheduler.sharp import Assignment, ModelPlan, Op, Shard, ShardTask
 from shoal.workers.pipeline.recovery import copies_event
 from shoal.workers.pipeline.stage_types import StageSetup
 from shoal.workers.run_log import RunLog
@@ -24,6 +24,9 @@ from shoal.workers.zoo.data import DataSource
 
 Blocks = Mapping[int, Any]
 """Block states by block index (in wire form), as gathered, copied or checkpointed."""
+
+_LEAVING = object()
+"""A task's outputs leave its device: its call's outputs, once it is submitted."""
 
 
 @dataclass
@@ -158,23 +161,54 @@ class ModelRun:
         self,
         pool: HostPool,
         host: int,
-        task: ShardTask,
-        prefetch: ShardKey | None,
-        number: int,
+        tasks: Sequence[Assignment],
         clock: Callable[[], float],
         timeout: float,
-    ) -> tuple[Call, Call | None]:
-        """Queue ``task`` (its next, at ``submitted``) on ``host`` as dispatch ``number``
-        with the shard to ``prefetch`` after it, and note where the task after it takes its
-        inputs from. A step's first task draws the step's batch (``clock``: its start).
-        The task's call, and where its tasks are recorded (``ledger``), a backward's call
-        that brings its stepped shard's copy (waiting up to ``timeout`` seconds for the
-        backward to start it)."""
+    ) -> tuple[list[Call], list[Call]]:
+        """Queue ``tasks`` (its next, from ``submitted`` on, each with the task whose shard
+        to prefetch after it) on ``host`` one after another, as one call of its worker where
+        the pool can (``HostPool.submit_run``), and note where the task after them takes
+        its inputs from. A step's first task draws the step's batch (``clock``: its
+        start). Where its tasks are recorded (``ledger``) only the first is queued: each
+        task's record and copy must come back as it ends, not with the run's last (a device
+        lost mid-run would take those of the tasks it had done with it). The calls of the
+        tasks queued, and where recorded, the calls after them that bring the stepped
+        shards' copies (waiting up to ``timeout`` seconds for the backward to start it)."""
+        runs: list[tuple[str, tuple[Any, ...]]] = []
+        copies: list[tuple[ShardKey, int]] = []
+        for task, after in ((a.task, a.prefetch) for a in tasks):
+            if task.op is Op.FORWARD and task.shard == 0:
+                self._draw_batch(task.step, clock())
+            prefetch = None if after is None else (after.model, after.shard)
+            runs.append(self._task_call(host, task, prefetch, copies))
+            self.submitted += 1
+            if self.ledger is not None:
+                break
+        calls = pool.submit_run(host, runs)
+        copied = [pool.submit(host, "copied", key, number, timeout) for key, number in copies]
+        for call, (key, _) in zip(copied, copies, strict=True):
+            assert self.ledger is not None  # the tasks that take copies have one
+            self.ledger.expect(call, key[1])
+        if self.carry is _LEAVING:  # only a run's last task's may: the others' next is here
+            self.carry = pool.outputs(calls[-1])
+        self.last_host = host
+        return calls, copied
+
+    def _task_call(
+        self,
+        host: int,
+        task: ShardTask,
+        prefetch: ShardKey | None,
+        copies: list[tuple[ShardKey, int]],
+    ) -> tuple[str, tuple[Any, ...]]:
+        """The call of ``task``, the next to submit (``submitted``), on ``host``: its
+        method and arguments; the copy it starts, where it takes one, goes into
+        ``copies``. Its outputs are the ``carry`` of the task after it: ``Stashed`` where
+        that runs on ``host`` too, else a mark that they leave (the call's outputs, once
+        submitted), or None where it takes none."""
         key = (self.snap.job_id, task.shard)
         plan, position = self.plan, self.submitted
-        if task.op is Op.FORWARD and task.shard == 0:
-            self._draw_batch(task.step, clock())
-        record, copied = self.ledger is not None, None
+        record = self.ledger is not None
         last = task.shard == len(plan.shards) - 1
         # A forward's activations go to the next shard's forward, a backward's gradients
         # to the shard before's backward; the last forward and the first backward, one
@@ -182,29 +216,19 @@ class ModelRun:
         passes = (task.shard > 0) if task.op is Op.BACKWARD else not last
         after = plan.shard_at(position + 1).index if passes else None
         keep = position + 1 if after is not None and self.homes[after] == host else None
+        inputs = self.carry
+        self.carry = Stashed(keep) if keep is not None else (_LEAVING if passes else None)
         if task.op is Op.FORWARD:
             if last:
-                args: tuple[Any, ...] = (self.carry, self.targets, self.scale, prefetch, keep)
-            else:
-                args = (self.carry, None, 1.0, prefetch, keep)
-            call = pool.submit(host, "forward", key, *args, record)
-        else:
-            grads = [None] * self.snap.micro_batches if last else self.carry
-            copy = None
-            if self.ledger is not None:
-                self.copies_started += 1
-                copy = (task.step + 1, self.copies_started)
-            call = pool.submit(host, "backward", key, grads, prefetch, keep, copy)
-            if self.ledger is not None and copy is not None:
-                copied = pool.submit(host, "copied", key, copy[1], timeout)
-                self.ledger.expect(copied, task.shard)
-        if keep is not None:
-            self.carry = Stashed(keep)
-        else:
-            self.carry = pool.outputs(call) if passes else None
-        self.submitted += 1
-        self.last_host, self.last_run = host, number
-        return call, copied
+                return "forward", (key, inputs, self.targets, self.scale, prefetch, keep, record)
+            return "forward", (key, inputs, None, 1.0, prefetch, keep, record)
+        grads = [None] * self.snap.micro_batches if last else inputs
+        copy = None
+        if self.ledger is not None:
+            self.copies_started += 1
+            copy = (task.step + 1, self.copies_started)
+            copies.append((key, self.copies_started))
+        return "backward", (key, grads, prefetch, keep, copy)
 
     def _draw_batch(self, step: int, now: float) -> None:
         snap = self.snap
@@ -458,3 +482,5 @@ class Task:
     number: int
     at: float = 0.0
     """When it was queued (the runner's clock)."""
+    run: int = -1
+    """The dispatch number of the first task of the call it runs in (``ModelRun.submit``)."""

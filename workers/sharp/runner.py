@@ -28,15 +28,16 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 from shoal.scheduler.devices import Device
 from shoal.scheduler.sharp import (
+    Assignment,
     IdleDevice,
     Op,
     Policy,
-    ShardTask,
-    assign,
+    assign_run,
     progress,
     refine_ratio,
 )
@@ -57,7 +58,7 @@ from shoal.workers.sharp.shard_pool import (
     PoolFactory,
     await_all,
 )
-from shoal.workers.sharp.shard_types import ShardKey, TaskResult
+from shoal.workers.sharp.shard_types import TaskResult
 from shoal.workers.sharp.shard_worker import ShardFailed
 from shoal.workers.sharp.trading import Trading
 from shoal.workers.snapshot import JobSnapshot, RunnerReport, RunStatus, StepMetrics
@@ -65,8 +66,8 @@ from shoal.workers.snapshot import JobSnapshot, RunnerReport, RunStatus, StepMet
 DEFAULT_TASK_TIMEOUT_S = 600.0
 
 QUEUE_DEPTH = 2
-"""Tasks queued on a device at once: the one it runs and the next, so it never waits for
-this loop (a round trip through Ray and the policy) between two tasks."""
+"""Calls queued on a device at once, each a run of a model's tasks: the one it runs and the
+next, so it never waits for this loop (a round trip through Ray and the policy) between."""
 
 
 class SharpTrainer(Recovering):
@@ -282,16 +283,18 @@ class SharpTrainer(Recovering):
     # ----------------------------------------------------------------------- dispatch
 
     def _dispatch(self, pool: HostPool) -> None:
-        """Keep every device's queue ``QUEUE_DEPTH`` tasks deep, each a task of a model
-        whose next shard it holds and whose input will be there in time: the device starts
-        its next task as soon as it ends one, with no round trip through this loop between
-        them, and the task's inputs come from the task before it in its model's chain
+        """Keep every device's queue ``QUEUE_DEPTH`` calls deep, each a run of a model's
+        next tasks whose shards it holds (``ModelPlan.run_at``: to its step's end or its
+        next shard elsewhere) and whose input will be there in time: the device starts its
+        next call as soon as it ends one, with no round trip through this loop between
+        them, and a task's inputs come from the task before it in its model's chain
         without passing through here (kept on the device when that ran there too, else
-        straight from that device). Models trade places first, when they do."""
+        straight from that device). A run is one call of the worker: Ray's per-call cost
+        (~2 ms on a busy 2-core machine) is paid once a run. Models trade places first."""
         if self._trades:
             self._trading.consider(pool, self._models, self._in_flight.values(), self._clock())
-        queued = Counter(t.host for t in self._in_flight.values())
-        for depth in range(1, QUEUE_DEPTH + 1):  # a task for every device before a second
+        queued = Counter(host for host, _ in {(t.host, t.run) for t in self._in_flight.values()})
+        for depth in range(1, QUEUE_DEPTH + 1):  # a call for every device before a second
             for host, device in enumerate(self._devices):
                 if queued[host] >= depth or not self._homes.alive(host):
                     continue
@@ -299,35 +302,34 @@ class SharpTrainer(Recovering):
                 picked = self._pick(host, IdleDevice(device.id, 1.0, budget))
                 if picked is None:
                     continue
-                model, task, prefetch = picked
-                position = model.submitted
-                call, copied = model.submit(
-                    pool, host, task, prefetch, self._dispatched, self._clock, self._timeout
-                )
-                self._in_flight[call] = Task(model, host, position, self._dispatched, self._clock())
-                if copied is not None:
-                    self._copy_calls[copied] = model
-                self._dispatched += 1
+                model, tasks = picked
+                position, first = model.submitted, self._dispatched
+                calls, copied = model.submit(pool, host, tasks, self._clock, self._timeout)
+                now = self._clock()
+                for i, call in enumerate(calls):
+                    self._in_flight[call] = Task(model, host, position + i, first + i, now, first)
+                self._copy_calls.update(dict.fromkeys(copied, model))
+                self._dispatched += len(calls)
+                model.last_run = self._dispatched - 1
                 queued[host] += 1
 
-    def _pick(
-        self, host: int, device: IdleDevice
-    ) -> tuple[ModelRun, ShardTask, ShardKey | None] | None:
-        """The policy's next task for ``host`` among the models that may queue one there
-        (``ModelRun.can_submit``), with the shard to prefetch behind it (one of its own)."""
+    def _pick(self, host: int, device: IdleDevice) -> tuple[ModelRun, list[Assignment]] | None:
+        """The policy's next run of tasks for ``host`` (``assign_run``) among the models that
+        may queue one there (``ModelRun.can_submit``)."""
         here = [m for m in self._models.values() if m.can_submit(host)]
         if not here:
             return None
         plans = {m.snap.job_id: m.plan for m in self._models.values()}
+        homes = {m.snap.job_id: m.homes for m in self._models.values()}
         runnable = [progress(m.plan, m.submitted, ratio=m.ratio, last_run=m.last_run) for m in here]
-        picked = assign(self._policy, device, runnable, plans, sequence=self._dispatched)
-        if picked is None:
+        run = assign_run(
+            self._policy, device, runnable, plans, homes, host, sequence=self._dispatched
+        )
+        if run is None:
             return None
-        nxt = picked.prefetch if self._prefetch else None
-        key = None
-        if nxt is not None and self._models[nxt.model].homes[nxt.shard] == host:
-            key = (nxt.model, nxt.shard)
-        return self._models[picked.task.model], picked.task, key
+        if not self._prefetch:
+            run = [replace(a, prefetch=None) for a in run]
+        return self._models[run[0].task.model], run
 
     # --------------------------------------------------------------------- completion
 

@@ -90,6 +90,12 @@ class HostPool(Protocol):
 
     def submit(self, host: int, method: str, *args: Any) -> Call: ...
 
+    def submit_run(self, host: int, tasks: Sequence[tuple[str, tuple[Any, ...]]]) -> list[Call]:
+        """Shard tasks (``(method, args)``) to run on ``host`` one after another, as one
+        call of its worker where that saves the pool a call's overhead per task (Ray's:
+        ``ShardWorker.run``): a call per task, in order."""
+        ...
+
     def wait(self, calls: Sequence[Call], timeout: float) -> list[Call]:
         """The calls of ``calls`` that have finished, once at least one has."""
         ...
@@ -157,6 +163,9 @@ class LocalPool:
             future = self._threads[host].submit(self._call, host, method, *args)
         return _Local(host, method, future)
 
+    def submit_run(self, host: int, tasks: Sequence[tuple[str, tuple[Any, ...]]]) -> list[Call]:
+        return [self.submit(host, method, *args) for method, args in tasks]  # no per-call cost
+
     def _call(self, host: int, method: str, *args: Any) -> Any:
         # Inputs first, outside the turn: the task that makes them may be waiting for it.
         values = [self._resolve(host, a) if isinstance(a, _Later) else a for a in args]
@@ -220,11 +229,28 @@ class RayPool:
         else:
             refs: Any = call.options(num_returns=2).remote(method, *args)
             remote = _Remote(host, method, refs[1], refs[0])
-        for arg in args:  # a task's input: the outputs of the model's task before it
+        self._note_inputs(host, args, remote)
+        return remote
+
+    def submit_run(self, host: int, tasks: Sequence[tuple[str, tuple[Any, ...]]]) -> list[Call]:
+        if len(tasks) == 1:
+            ((method, args),) = tasks
+            return [self.submit(host, method, *args)]
+        arity = [(method, len(args)) for method, args in tasks]
+        flat = [arg for _, args in tasks for arg in args]  # top level: Ray resolves refs there
+        run: Any = self._actors[host].run
+        refs: Any = run.options(num_returns=2 * len(tasks)).remote(arity, *flat)
+        calls = [_Remote(host, m, refs[2 * i + 1], refs[2 * i]) for i, (m, _) in enumerate(arity)]
+        self._note_inputs(host, flat, calls[0])  # cancelling one call cancels the run
+        return list(calls)
+
+    def _note_inputs(self, host: int, args: Sequence[Any], remote: _Remote) -> None:
+        """Where ``remote`` takes the outputs of another host's task (the model's task before
+        it), that host is one it waits for (``_check_nodes``)."""
+        for arg in args:
             maker = self._made_by.pop(arg, host) if isinstance(arg, ray.ObjectRef) else host
             if maker != host:
                 self._takers[remote.ref] = maker
-        return remote
 
     def wait(self, calls: Sequence[Call], timeout: float) -> list[Call]:
         by_ref = {_own(c, _Remote).ref: c for c in calls}
@@ -265,7 +291,7 @@ class RayPool:
         self._takers.pop(remote.ref, None)
         device = self.devices[remote.host].id
         try:
-            return ray.get(remote.ref, timeout=0)
+            value = ray.get(remote.ref, timeout=0)
         except GetTimeoutError:  # unfinished: its node is gone (``_check_nodes``)
             if remote.host not in self._gone:
                 raise
@@ -286,6 +312,9 @@ class RayPool:
             raise self._actor_error(remote, exc) from None
         except ActorUnschedulableError:
             raise HostLost(device, "its node is gone or cannot host it") from None
+        if isinstance(value, ShardFailed):  # a task of a run (``ShardWorker.run``) raised
+            raise value
+        return value
 
     def outputs(self, call: Call) -> Any:
         remote = _own(call, _Remote)

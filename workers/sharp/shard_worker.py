@@ -5,6 +5,7 @@ calls (``workers.sharp.shard_pool``), in-process or as the ShardWorker Ray actor
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from shoal.scheduler.devices import Device
@@ -14,6 +15,9 @@ from shoal.workers.sharp.shard_host import ShardHost
 PAIRED_METHODS = frozenset({"forward", "backward", "give"})
 """The methods whose value is a pair: what goes on to another call (``HostPool.outputs``:
 a task's ``Outputs``, a ``Handover``) and what the executor reads (``HostPool.result``)."""
+
+TASKS = frozenset({"forward", "backward"})
+"""The shard tasks: the methods a ``run`` strings together."""
 
 
 SHARD_METHODS = frozenset(
@@ -74,3 +78,24 @@ class ShardWorker:
             if method not in BESIDE:
                 self._ended = ended
         return (value, ended - waited_from) if method in TIMED else value
+
+    def run(self, arity: Sequence[tuple[str, int]], *args: Any) -> tuple[Any, ...]:
+        """Shard tasks one after another in one call, ``arity`` naming each task's method and
+        how many of ``args`` are its own: every task's pair (outputs, result) in one flat
+        tuple. A task that raises ends the run: its result and those of the tasks after it
+        (which would need its outputs) are its ``ShardFailed``, returned, not raised, so
+        that the tasks before it keep theirs."""
+        values: list[Any] = []
+        failed: ShardFailed | None = None
+        for method, count in arity:
+            mine, args = args[:count], args[count:]
+            if method not in TASKS:
+                failed = failed or ShardFailed(self.host.device.id, method, "not a shard task")
+            if failed is None:
+                try:
+                    values.extend(self.call(method, *mine))
+                    continue
+                except ShardFailed as exc:
+                    failed = exc
+            values.extend((None, failed))
+        return tuple(values)

@@ -139,34 +139,38 @@ def test_prefetch_moves_the_same_bytes_earlier_and_a_resumed_model_goes_on_exact
 
 
 class QueueWatchingPool(LocalPool):
-    """A LocalPool that notes, at each shard task it is given, how many tasks its device
-    had not finished yet, and which tasks took their inputs from the device's stash."""
+    """A LocalPool that notes, at each run of shard tasks it is given, how many runs its
+    device had not finished yet and how long it is, and which tasks took their inputs from
+    the device's stash."""
 
     def __init__(self, devices: Any, budgets: Any) -> None:
         super().__init__(devices, budgets)
         self.depths: list[int] = []
+        self.lengths: list[int] = []
         self.stashed = 0
         self.kept = 0
-        self._tasks: list[Any] = []
+        self._runs: list[list[Any]] = []
 
-    def submit(self, host: int, method: str, *args: Any) -> Any:
+    def submit_run(self, host: int, tasks: Any) -> list[Any]:
         from shoal.workers.sharp.shard_types import Stashed
 
-        if method in ("forward", "backward"):
-            waiting = [c for c in self._tasks if c.host == host and not c.future.done()]
-            self.depths.append(len(waiting) + 1)
-            self.stashed += isinstance(args[1], Stashed)
-            self.kept += args[-2] is not None  # (..., keep, record)
-        call = super().submit(host, method, *args)
-        if method in ("forward", "backward"):
-            self._tasks.append(call)
-        return call
+        unfinished = [r for r in self._runs if r[0].host == host and not r[-1].future.done()]
+        self.depths.append(len(unfinished) + 1)
+        self.lengths.append(len(tasks))
+        self.stashed += sum(isinstance(args[1], Stashed) for _, args in tasks)
+        self.kept += sum(args[-2] is not None for _, args in tasks)  # (..., keep, record)
+        self._runs.append(super().submit_run(host, tasks))
+        return self._runs[-1]
 
 
 @pytest.mark.unit
-def test_each_device_has_its_next_task_queued_behind_the_one_it_runs(tmp_path: Path) -> None:
-    """A device is given its next task while it runs one (never more than the two), so it
-    goes on without waiting for the executor; the math stays that of each model alone."""
+def test_each_device_has_its_next_run_of_tasks_queued_behind_the_one_it_runs(
+    tmp_path: Path,
+) -> None:
+    """A device is given its next call while it runs one (never more than the two), so it
+    goes on without waiting for the executor; a call is a run of a model's tasks whose
+    shards live there, up to its step's end (one call's cost, not one per task); the math
+    stays that of each model alone."""
     snaps = [model(tmp_path, "a", steps=3), model(tmp_path, "b", seed=9, steps=3)]
     pools: list[QueueWatchingPool] = []
 
@@ -174,9 +178,21 @@ def test_each_device_has_its_next_task_queued_behind_the_one_it_runs(tmp_path: P
         pools.append(QueueWatchingPool(devs, budgets))
         return pools[-1]
 
-    trainer = train(snaps, watched, budget_for_shards(snaps[0], 3))
+    (device, _) = devices()  # both models live there: each one's run queues behind the other's
+    budget = budget_for_shards(snaps[0], 3)
+    trainer = SharpTrainer(snaps, [device], watched, budgets={device.id: budget})
+    assert trainer.run() == {s.job_id: RunStatus.SUCCEEDED for s in snaps}
     (pool,) = pools
     assert max(pool.depths) == 2, pool.depths
+    shards = [
+        len(e.data["stages"])
+        for s in snaps
+        for e in trainer.report(s.job_id, 0).events
+        if e.kind == "placement"
+    ]
+    # A model's shards all live on the device: a run is a step.
+    assert sorted(set(pool.lengths)) == sorted({2 * k for k in shards}), (pool.lengths, shards)
+    assert len(pool.lengths) == 3 * len(snaps)  # one call per step and model
     for snap in snaps:
         assert_alone(snap, [m.loss for m in trainer.report(snap.job_id, 0).metrics])
 
