@@ -11,11 +11,11 @@ What it models is what the executor does, with the same decisions (``scheduler.s
   may move whole to another device where that ends both devices' work sooner
   (``move_target``), its state copied over at the device's bandwidth first.
 - *Queues.* Each live device is kept ``depth`` tasks deep (the executor's ``depth``
-  calls, each a run of a model's tasks there, queue deeper and pay a call's latency once
-  a run: this is its worst case), choosing with ``assign`` among the models whose next
-  task's shard lives there. The executor acts ``latency_s`` after a task ends and a task
-  it submits reaches the device ``latency_s`` later. The first task of a step waits until
-  the executor has seen the step before end (its copy, checkpoint or suspension).
+  calls, each a run of a model's tasks there, queue more and pay the latency once a run),
+  choosing with ``assign`` among the models whose next task's shard lives there. The
+  executor acts ``latency_s`` after a task ends and a task it submits reaches the device
+  ``latency_s`` later. The first task of a step waits until the executor has seen the
+  step before end (its copy, checkpoint or suspension).
 - *A task* starts once its device has run the tasks queued before it and its input is
   there: at once when its producer ran on the same device (the worker's stash), else
   ``latency_s`` after the producer ended. Its shard's state is copied in at the device's

@@ -98,13 +98,14 @@ class Trading:
         self, pool: HostPool, model: ModelRun, taker: ModelRun, queued: list[Task], now: float
     ) -> None:
         """``model``, which a trade sends off its device, hands it over now or after one
-        more task there, whichever loses less work (``hand_over_now``), the forwards it
-        would run again at the other device counted."""
+        more run of tasks there (``ModelPlan.run_at``), whichever loses less work
+        (``hand_over_now``), the forwards it would run again at the other device counted."""
         assert model.trade is not None
         here, there, plan, at = model.homes[0], model.trade.there, model.plan, model.submitted
-        next_s = plan.task_s(at) * model.ratio
+        run = plan.run_at(at, model.homes)
+        next_s = sum(plan.task_s(at + i) for i in range(run)) * model.ratio
         ready, busy = _ends_in(taker, queued, now), _ends_in(model, queued, now)
-        redo = (plan.open_forward_s(at) * model.ratio, plan.open_forward_s(at + 1) * model.ratio)
+        redo = (plan.open_forward_s(at) * model.ratio, plan.open_forward_s(at + run) * model.ratio)
         speeds = self._homes.speed(here), self._homes.speed(there)
         if hand_over_now(ready, busy, next_s, *speeds, redo):
             model.trade = taker.trade = None
@@ -149,13 +150,13 @@ class Trading:
 def _ends_in(model: ModelRun, queued: list[Task], now: float) -> float:
     """Seconds until the last of ``model``'s queued tasks ends, as the executor can tell:
     the tasks queued before it on its device, each its reference seconds times its model's
-    measured ratio, the first counted from when it was queued."""
+    measured ratio, the first call's (a run of tasks, which end together) counted from
+    when it was queued."""
     mine = [t for t in queued if t.model is model]
     if not mine:
         return 0.0
     ahead = [t for t in queued if t.host == mine[-1].host and t.number <= mine[-1].number]
-    ends = 0.0
-    for i, task in enumerate(ahead):
-        took = task.model.plan.task_s(task.position) * task.model.ratio
-        ends += max(0.0, took - (now - task.at)) if i == 0 else took
-    return ends
+    first = [t for t in ahead if t.run == ahead[0].run]
+    took = sum(t.model.plan.task_s(t.position) * t.model.ratio for t in first)
+    ends = max(0.0, took - (now - ahead[0].at))
+    return ends + sum(t.model.plan.task_s(t.position) * t.model.ratio for t in ahead[len(first) :])

@@ -193,3 +193,22 @@ def test_holding_a_shard_costs_its_device_from_its_sending_or_the_call_before_it
     worker.call("drop", ("a", 0))  # it ends after the sending: the next call counts from it
     _, seconds = worker.call("add", ("a", 0), setup, (0, 1), 0, None, False, sent)
     assert seconds < 1.0, seconds
+
+
+@pytest.mark.unit
+def test_a_run_of_tasks_queued_ends_as_a_whole_counted_from_when_it_was_queued() -> None:
+    """A run's tasks end together (one call): a model's queued work ends when the runs up
+    to its own do, the first run's counted from when it was queued, whatever its tasks
+    did meanwhile."""
+    from types import SimpleNamespace
+
+    from shoal.scheduler.sharp import ModelPlan, Shard
+    from shoal.workers.sharp.models import Task
+    from shoal.workers.sharp.trading import _ends_in
+
+    shards = tuple(Shard(i, (i, i + 1), 1.0, 1.0, 1, 1) for i in range(2))
+    a, b = (SimpleNamespace(plan=ModelPlan(m, shards, steps=2), ratio=1.0) for m in "ab")
+    queued = [Task(a, 0, p, p, 0.0, 0) for p in range(3)]  # type: ignore[arg-type]
+    queued += [Task(b, 0, p, 3 + p, 0.0, 3) for p in range(2)]  # type: ignore[arg-type]
+    assert _ends_in(a, queued, 1.5) == pytest.approx(1.5)  # type: ignore[arg-type]
+    assert _ends_in(b, queued, 1.5) == pytest.approx(3.5)  # type: ignore[arg-type]
