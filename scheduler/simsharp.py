@@ -10,8 +10,8 @@ What it models is what the executor does, with the same decisions (``scheduler.s
   host link). Or (``Moves.AT_STEPS``) once the executor has seen a model's step end, it
   may move whole to another device where that ends both devices' work sooner
   (``move_target``), its state copied over at the device's bandwidth first.
-- *Queues.* Each live device is kept ``depth`` tasks deep (the executor's ``depth``
-  calls, each a run of a model's tasks there, queue more and pay the latency once a run),
+- *Queues.* Each live device is kept ``depth`` tasks deep (the executor's calls are runs
+  of a model's tasks, ``run_at``, but single tasks while they copy each step off, as here),
   choosing with ``assign`` among the models whose next task's shard lives there. The
   executor acts ``latency_s`` after a task ends and a task it submits reaches the device
   ``latency_s`` later. The first task of a step waits until the executor has seen the
