@@ -73,7 +73,8 @@ class _OneShard:
         self.worker = ShardWorker(devices()[0], 2**40)
         data = make_data(self.snap.data, self.snap.seed)
         setup = StageSetup.of(self.snap, data.meta)
-        self.worker.call("add", KEY, setup, (0, self.snap.num_blocks), 0, None, False, 0.0)
+        self.add = (KEY, setup, (0, self.snap.num_blocks), 0, None, False, 0.0)
+        self.worker.call("add", *self.add)
         rows = self.snap.batch_size // self.snap.micro_batches
         x, y = data.batch(0, self.snap.batch_size)
         cut = [slice(j * rows, (j + 1) * rows) for j in range(self.snap.micro_batches)]
@@ -121,15 +122,14 @@ def test_a_task_that_raises_fails_itself_and_those_after_it_in_its_run(tmp_path:
 
 @pytest.mark.integration
 def test_a_ray_run_s_tasks_end_as_calls_of_their_own(ray_address: str, tmp_path: Path) -> None:
-    """Through Ray: each task of a run is a call whose result and outputs read as a lone
+    """Through Ray: each task of a run is a call of its own, whose result reads as a lone
     call's; a failed task's result raises its ``ShardFailed``, the task before it stands."""
     node = ray.get_runtime_context().get_node_id()
     pool_devices = devices(node)
     pool = RayPool(pool_devices, {d.id: 2**40 for d in pool_devices})
     one = _OneShard(tmp_path)
     try:
-        (add,) = [pool.submit(0, "add", KEY, *_add_args(one))]
-        await_all(pool, [add], 60.0)
+        await_all(pool, [pool.submit(0, "add", *one.add)], 60.0)
         missing = ("backward", (("b", 0), *one.backward[1][1:]))
         forward, failed, after = pool.submit_run(0, [one.forward, missing, one.backward])
         (result,) = await_all(pool, [forward], 60.0)
@@ -140,9 +140,3 @@ def test_a_ray_run_s_tasks_end_as_calls_of_their_own(ray_address: str, tmp_path:
                 pool.result(call)
     finally:
         pool.shutdown()
-
-
-def _add_args(one: _OneShard) -> tuple[Any, ...]:
-    data = make_data(one.snap.data, one.snap.seed)
-    setup = StageSetup.of(one.snap, data.meta)
-    return (setup, (0, one.snap.num_blocks), 0, None, False, 0.0)
