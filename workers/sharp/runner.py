@@ -131,7 +131,7 @@ class SharpTrainer(Recovering):
         self._inbox.add(snap, training)
 
     def cancel(self, job_id: str) -> None:
-        """Stop training ``job_id`` once its task in flight is done (CANCELLED)."""
+        """Stop training ``job_id`` once its tasks in flight are done (CANCELLED)."""
         self._inbox.stop(job_id, RunStatus.CANCELLED, None)
 
     def suspend(self, job_id: str) -> None:
