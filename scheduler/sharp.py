@@ -448,11 +448,11 @@ def assign_run(
     if first is None:
         return None
     model = first.task.model
-    plan, at = plans[model], next(p.done for p in runnable if p.model == model)
+    current = next(p for p in runnable if p.model == model)
+    plan, at = plans[model], current.done
     length = plan.run_at(at, homes[model])
     after = first.prefetch
     if length > 1:
-        current = next(p for p in runnable if p.model == model)
         last = progress(plan, at + length - 1, ratio=current.ratio, last_run=current.last_run)
         others = [p for p in runnable if p.model != model]
         stamp = sequence + length - 1

@@ -169,21 +169,19 @@ class ModelRun:
         to prefetch after it) on ``host`` one after another, as one call of its worker where
         the pool can (``HostPool.submit_run``), and note where the task after them takes
         its inputs from. A step's first task draws the step's batch (``clock``: its
-        start). Where its tasks are recorded (``ledger``) only the first is queued: each
-        task's record and copy must come back as it ends, not with the run's last (a device
-        lost mid-run would take those of the tasks it had done with it). The calls of the
+        start). Only the first ``next_call`` of them are queued: where its tasks are recorded
+        each must come back as it ends, not with a run's last (a device lost mid-run would
+        take the records of the tasks it had done with it). The calls of the
         tasks queued, and where recorded, the calls after them that bring the stepped
         shards' copies (waiting up to ``timeout`` seconds for the backward to start it)."""
         runs: list[tuple[str, tuple[Any, ...]]] = []
         copies: list[tuple[ShardKey, int]] = []
-        for task, after in ((a.task, a.prefetch) for a in tasks):
+        for task, after in ((a.task, a.prefetch) for a in tasks[: self.next_call()]):
             if task.op is Op.FORWARD and task.shard == 0:
                 self._draw_batch(task.step, clock())
             prefetch = None if after is None else (after.model, after.shard)
             runs.append(self._task_call(host, task, prefetch, copies))
             self.submitted += 1
-            if self.ledger is not None:
-                break
         calls = pool.submit_run(host, runs)
         copied = [pool.submit(host, "copied", key, number, timeout) for key, number in copies]
         for call, (key, _) in zip(copied, copies, strict=True):
@@ -230,17 +228,31 @@ class ModelRun:
             copies.append((key, self.copies_started))
         return "backward", (key, grads, prefetch, keep, copy)
 
+    def next_call(self) -> int:
+        """How many tasks its next call holds: the run from its next task on its device
+        (``ModelPlan.run_at``), or that task alone where its step's tasks are recorded
+        (``ledger``), each task's record and copy having to come back as it ends."""
+        at = self.submitted
+        new_step = at % (2 * len(self.plan.shards)) == 0
+        recorded = self._records_step() if new_step else self.ledger is not None
+        return 1 if recorded else self.plan.run_at(at, self.homes)
+
+    def _records_step(self) -> bool:
+        """Whether the step it starts next has its tasks copy it off as they go: copies due
+        at every step (``task_copies``). Until a copy was measured its interval is a guess:
+        no step's tasks take another while the first is still coming in (on a busy device,
+        its cost is a step's share)."""
+        measured = self.cadence.decided or self.copying is None
+        every_step = self.snap.keep_copies and self.cadence.interval == 1 and measured
+        return self.task_copies and every_step
+
     def _draw_batch(self, step: int, now: float) -> None:
         snap = self.snap
         inputs, targets = self.data.batch(step, snap.batch_size)
         rows = snap.batch_size // snap.micro_batches
         self.carry = [send(inputs[j * rows : (j + 1) * rows]) for j in range(snap.micro_batches)]
         self.targets = [send(targets[j * rows : (j + 1) * rows]) for j in range(snap.micro_batches)]
-        # Until a copy was measured its interval is a guess: no step's tasks take another
-        # while the first is still coming in (on a busy device, its cost is a step's share).
-        measured = self.cadence.decided or self.copying is None
-        every_step = snap.keep_copies and self.cadence.interval == 1 and measured
-        self.ledger = Ledger(step, list(self.carry)) if self.task_copies and every_step else None
+        self.ledger = Ledger(step, list(self.carry)) if self._records_step() else None
         self.losses = []
         self.step_started = now
         self.step_compute_s = 0.0
@@ -480,7 +492,7 @@ class Task:
     host: int
     position: int
     number: int
+    run: int
+    """The dispatch number of the first task of the call it runs in (``ModelRun.submit``)."""
     at: float = 0.0
     """When it was queued (the runner's clock)."""
-    run: int = -1
-    """The dispatch number of the first task of the call it runs in (``ModelRun.submit``)."""

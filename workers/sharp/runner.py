@@ -307,7 +307,7 @@ class SharpTrainer(Recovering):
                 calls, copied = model.submit(pool, host, tasks, self._clock, self._timeout)
                 now = self._clock()
                 for i, call in enumerate(calls):
-                    self._in_flight[call] = Task(model, host, position + i, first + i, now, first)
+                    self._in_flight[call] = Task(model, host, position + i, first + i, first, now)
                 self._copy_calls.update(dict.fromkeys(copied, model))
                 self._dispatched += len(calls)
                 model.last_run = self._dispatched - 1

@@ -98,11 +98,12 @@ class Trading:
         self, pool: HostPool, model: ModelRun, taker: ModelRun, queued: list[Task], now: float
     ) -> None:
         """``model``, which a trade sends off its device, hands it over now or after one
-        more run of tasks there (``ModelPlan.run_at``), whichever loses less work
-        (``hand_over_now``), the forwards it would run again at the other device counted."""
+        more call there (``ModelRun.next_call``: a run of tasks, or one), whichever loses
+        less work (``hand_over_now``), the forwards it would run again at the other device
+        counted."""
         assert model.trade is not None
         here, there, plan, at = model.homes[0], model.trade.there, model.plan, model.submitted
-        run = plan.run_at(at, model.homes)
+        run = model.next_call()
         next_s = sum(plan.task_s(at + i) for i in range(run)) * model.ratio
         ready, busy = _ends_in(taker, queued, now), _ends_in(model, queued, now)
         redo = (plan.open_forward_s(at) * model.ratio, plan.open_forward_s(at + run) * model.ratio)

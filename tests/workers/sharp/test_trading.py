@@ -208,7 +208,7 @@ def test_a_run_of_tasks_queued_ends_as_a_whole_counted_from_when_it_was_queued()
 
     shards = tuple(Shard(i, (i, i + 1), 1.0, 1.0, 1, 1) for i in range(2))
     a, b = (SimpleNamespace(plan=ModelPlan(m, shards, steps=2), ratio=1.0) for m in "ab")
-    queued = [Task(a, 0, p, p, 0.0, 0) for p in range(3)]  # type: ignore[arg-type]
-    queued += [Task(b, 0, p, 3 + p, 0.0, 3) for p in range(2)]  # type: ignore[arg-type]
+    queued = [Task(a, 0, p, p, 0) for p in range(3)]  # type: ignore[arg-type]
+    queued += [Task(b, 0, p, 3 + p, 3) for p in range(2)]  # type: ignore[arg-type]
     assert _ends_in(a, queued, 1.5) == pytest.approx(1.5)  # type: ignore[arg-type]
     assert _ends_in(b, queued, 1.5) == pytest.approx(3.5)  # type: ignore[arg-type]
