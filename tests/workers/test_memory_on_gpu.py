@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gc
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -22,7 +23,10 @@ from shoal.scheduler.memory import format_bytes, in_flight, stage_memory
 from shoal.workers.pipeline.local_group import LocalGroup
 from shoal.workers.pipeline.runner import Trainer
 from shoal.workers.profiler import trace_costs
+from shoal.workers.sharp.shard_host import ShardHost
+from shoal.workers.sharp.shard_types import ShardKey
 from shoal.workers.snapshot import DataRef, ModelRef, OptimizerConf, RunStatus, StagePlan
+from shoal.workers.wire import receive_tree
 from tests.factories import job
 from tests.workers.memory_cases import CASES, MICRO_BATCHES
 from tests.workers.sharp_memory import alternate
@@ -157,26 +161,33 @@ def test_sharp_shards_through_pinned_host_memory_train_as_on_the_host() -> None:
     shards = on_gpu.held()["shards"]
     assert tasks > 2 * len(shards) and shards == on_cpu.held()["shards"]
     for key in shards:
-        got, want = on_gpu.copy(key)[0], on_cpu.copy(key)[0]
+        got, want = _state(on_gpu, key), _state(on_cpu, key)
+        assert sorted(got) == sorted(want), key
         for index, block in want.items():
             for part in ("module", "optimizer"):
-                flat_got = _arrays(got[index][part])
-                flat_want = _arrays(block[part])
-                assert len(flat_got) == len(flat_want), (key, index, part)
+                flat_got, flat_want = _tensors(got[index][part]), _tensors(block[part])
+                assert flat_want and len(flat_got) == len(flat_want), (key, index, part)
                 for a, b in zip(flat_got, flat_want, strict=True):
-                    assert torch.allclose(
-                        torch.as_tensor(a).float(), torch.as_tensor(b).float(), rtol=1e-4, atol=1e-5
-                    ), (key, index, part)
+                    assert torch.allclose(a.float(), b.float(), rtol=1e-4, atol=1e-5), (
+                        key,
+                        index,
+                        part,
+                    )
 
 
-def _arrays(value: object) -> list[object]:
-    """Every array in a wire-form state, in a fixed order."""
-    import numpy as np
+def _state(host: ShardHost, key: ShardKey) -> dict[int, Any]:
+    """Shard ``key``'s block states on ``host``, as host tensors (its first copy)."""
+    host.copy(key, 2, 1)
+    states, _, _ = host.copied(key, 1, 60.0)
+    return {i: receive_tree(s, torch.device("cpu")) for i, s in states.items()}
 
-    if isinstance(value, np.ndarray):
+
+def _tensors(value: object) -> list[torch.Tensor]:
+    """Every tensor in a block's state, in a fixed order."""
+    if isinstance(value, torch.Tensor):
         return [value]
     if isinstance(value, dict):
-        return [a for k in sorted(value, key=str) for a in _arrays(value[k])]
+        return [t for k in sorted(value, key=str) for t in _tensors(value[k])]
     if isinstance(value, list | tuple):
-        return [a for v in value for a in _arrays(v)]
+        return [t for v in value for t in _tensors(v)]
     return []

@@ -6,9 +6,9 @@ task before it. A copy from pageable memory is synchronous, so each shard keeps 
 optimizer state go back and forth with non-blocking copies on the host's side stream. The
 tensors are moved in place (``.data`` and the optimizer's state entries), so the module's
 parameter objects, and the optimizer over them, are the same after every move: nothing is
-rebuilt. The caller orders the streams: the compute stream waits for the side stream before
-a task, the side stream for the compute stream before a shard leaves, and the host waits
-for the side stream (``settle``) before it reads a shard it has sent back.
+rebuilt. The side stream waits for the compute stream before a shard comes or leaves (here);
+the caller has the compute stream wait for the side stream before a task, and the host for
+the side stream (``settle``) before it reads a shard it has sent back.
 """
 
 from __future__ import annotations
@@ -31,10 +31,14 @@ class PinnedState:
         self._buffers: list[torch.Tensor] = []
 
     def to_device(self, device: torch.device, stream: torch.cuda.Stream) -> None:
-        """Copy the state onto ``device`` on ``stream``, without waiting for it."""
+        """Copy the state onto ``device`` on ``stream``, without waiting for it, into device
+        memory of the current (compute) stream's pool (``compute_pool_targets``)."""
+        slots = list(self._slots())
+        targets = compute_pool_targets([read() for read, _ in slots], device, stream)
         with torch.cuda.stream(stream):
-            for read, write in self._slots():
-                write(read().to(device, non_blocking=True))
+            for (read, write), target in zip(slots, targets, strict=True):
+                target.copy_(read(), non_blocking=True)
+                write(target)
 
     def to_host(self, stream: torch.cuda.Stream) -> None:
         """Copy the state into its pinned buffers on ``stream``, after the work queued on
@@ -73,6 +77,24 @@ class PinnedState:
                     value = state[name]
                     if isinstance(value, torch.Tensor) and value.dim() > 0:
                         yield _entry_slot(state, name)
+
+
+def compute_pool_targets(
+    tensors: Sequence[torch.Tensor], device: torch.device, stream: torch.cuda.Stream
+) -> list[torch.Tensor]:
+    """Empty tensors like ``tensors`` on ``device``, for ``stream`` to copy into, taken from
+    the current (compute) stream's pool. PyTorch's caching allocator keeps a pool per stream
+    and gives a freed block again only to the stream it was made on: a shard's memory
+    taken on the side stream would stay there once the shard left, out of the tasks' reach
+    (their activations are made on the compute stream), and the device would hold both
+    pools' peaks where the host accounts for one. ``stream`` waits for the compute stream's
+    work queued so far (which may still use a block given here), and a block goes back to
+    the pool only once ``stream``'s work queued by then is done."""
+    targets = [torch.empty_like(t, device=device) for t in tensors]
+    stream.wait_stream(torch.cuda.current_stream(device))
+    for target in targets:
+        target.record_stream(stream)
+    return targets
 
 
 def _data_slot(tensor: torch.Tensor) -> Slot:

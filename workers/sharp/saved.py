@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from shoal.workers.sharp.pinned import compute_pool_targets
+
 
 @dataclass(frozen=True)
 class _ParamView:
@@ -71,24 +73,31 @@ class MovableSaves:
         """Bytes of saved activations still waiting for their backward."""
         return sum(b.tensor.numel() * b.tensor.element_size() for b in self._boxes)
 
-    def to(
-        self,
-        device: torch.device,
-        *,
-        pin: bool = False,
-        reader: torch.cuda.Stream | None = None,
-    ) -> None:
-        """Move the saved activations to ``device`` (page-locked on the host when ``pin``).
-        Onto a GPU, ``reader`` is the stream the backward will read them on, when it is not
-        the one copying them: their memory is reused only once that backward is done."""
-        for box in list(self._boxes):
-            moved = box.tensor.to(device, non_blocking=True)
-            if box.tensor.is_cuda and device.type == "cpu":
-                # Its device memory is reused only once the copy out of it is done.
-                box.tensor.record_stream(torch.cuda.current_stream(box.tensor.device))
-            if moved.is_cuda and reader is not None:
-                moved.record_stream(reader)
-            box.tensor = moved.pin_memory() if pin and device.type == "cpu" else moved
+    def to(self, device: torch.device, *, stream: torch.cuda.Stream | None = None) -> None:
+        """Move the saved activations to ``device``; on a GPU with ``stream``, its side stream
+        (the shard's blocks move on it too), asynchronously: onto the device into memory of
+        the compute stream's pool (``workers.sharp.pinned.compute_pool_targets``), or out
+        into page-locked host memory after the compute queued so far, their device memory
+        reused once the copy out of it is done."""
+        boxes = list(self._boxes)
+        if stream is None:
+            for box in boxes:
+                box.tensor = box.tensor.to(device)
+        elif device.type == "cuda":
+            targets = compute_pool_targets([b.tensor for b in boxes], device, stream)
+            with torch.cuda.stream(stream):
+                for box, target in zip(boxes, targets, strict=True):
+                    target.copy_(box.tensor, non_blocking=True)
+                    box.tensor = target
+        else:
+            stream.wait_stream(torch.cuda.current_stream(stream.device))
+            with torch.cuda.stream(stream):
+                for box in boxes:
+                    if box.tensor.is_cuda:
+                        # Non-blocking out of a GPU: PyTorch makes the host tensor page-locked.
+                        moved = box.tensor.to(device, non_blocking=True)
+                        box.tensor.record_stream(stream)
+                        box.tensor = moved
 
 
 def _unpack(packed: _ParamView | _Box) -> Tensor:

@@ -463,14 +463,10 @@ class ShardHost:
         if device == stage.device or side is None:
             return  # a CPU device: host and device memory are one, the budget is accounting
         if device.type == "cuda":
-            compute = torch.cuda.current_stream(device)
             self._pinned[key].to_device(device, side)
-            with torch.cuda.stream(side):
-                saves.to(device, reader=compute)
         else:
             self._pinned[key].to_host(side)  # after the compute that last wrote it
-            with torch.cuda.stream(side):
-                saves.to(device, pin=True)
+        saves.to(device, stream=side)
         stage.device = device
 
     def _settle(self) -> None:
