@@ -28,8 +28,7 @@ COPIES_GROUP = "copies"
 # Ray's typing of remote classes is partial; the actor classes are used untyped.
 _remote: Any = ray.remote
 _StageWorkerActor: Any = _remote(concurrency_groups={COPIES_GROUP: 1})(StageWorker)
-_ShardWorkerActor: Any = ray.remote(ShardWorker)
-_ShardWorkerBesideActor: Any = _remote(concurrency_groups={COPIES_GROUP: 1})(ShardWorker)
+_ShardWorkerActor: Any = _remote(concurrency_groups={COPIES_GROUP: 1})(ShardWorker)
 
 
 def node_alive(node_id: str) -> bool:
@@ -75,12 +74,14 @@ def _on_device(device: Device, count: int = 1) -> dict[str, Any]:
 
 
 def start_shard_worker(device: Device, budget_bytes: int) -> ActorHandle[Any]:
-    """A ShardWorker actor on ``device``, holding up to ``budget_bytes`` of shards there. On
-    a GPU a second thread hands copies over beside the tasks (``COPIES_GROUP``; the copies
-    are made on a side stream); a CPU device's copies are made within its task queue (its
-    cores are the device), handed over there too, and its calls run on the main thread."""
-    actor = _ShardWorkerBesideActor if device.gpu else _ShardWorkerActor
-    worker: ActorHandle[Any] = actor.options(**_on_device(device)).remote(device, budget_bytes)
+    """A ShardWorker actor on ``device``, holding up to ``budget_bytes`` of shards there;
+    its tasks run one at a time in submission order, and a second thread hands copies over
+    beside them (``COPIES_GROUP``): a copy is made within the task queue on a CPU device
+    (its cores are the device) and on a side stream on a GPU, and what Ray then does with
+    it (storing the states it returns) never holds up the next task."""
+    worker: ActorHandle[Any] = _ShardWorkerActor.options(**_on_device(device)).remote(
+        device, budget_bytes
+    )
     return worker
 
 

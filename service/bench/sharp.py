@@ -155,6 +155,9 @@ class _Watched:
         self._note(call, args)
         return call
 
+    def submit_after(self, host: int, after: Call, method: str, *args: Any) -> Call:
+        return self.inner.submit_after(host, after, method, *args)
+
     def submit_run(self, host: int, tasks: Sequence[tuple[str, tuple[Any, ...]]]) -> list[Call]:
         self._starting(tasks[0][0])
         calls = self.inner.submit_run(host, tasks)

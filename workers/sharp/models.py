@@ -172,8 +172,8 @@ class ModelRun:
         start). Only the first ``next_call`` of them are queued: where its tasks are recorded
         each must come back as it ends, not with a run's last (a device lost mid-run would
         take the records of the tasks it had done with it). The calls of the
-        tasks queued, and where recorded, the calls after them that bring the stepped
-        shards' copies (waiting up to ``timeout`` seconds for the backward to start it)."""
+        tasks queued, and where recorded, the calls beside that bring the stepped shards'
+        copies once their backwards end (waiting up to ``timeout`` s for a copy's making)."""
         runs: list[tuple[str, tuple[Any, ...]]] = []
         copies: list[tuple[ShardKey, int]] = []
         for task, after in ((a.task, a.prefetch) for a in tasks[: self.next_call()]):
@@ -183,7 +183,8 @@ class ModelRun:
             runs.append(self._task_call(host, task, prefetch, copies))
             self.submitted += 1
         calls = pool.submit_run(host, runs)
-        copied = [pool.submit(host, "copied", key, number, timeout) for key, number in copies]
+        # A call whose task takes a copy is that task alone (``next_call``): its backward.
+        copied = [pool.submit_after(host, calls[-1], "copied", *c, timeout) for c in copies]
         for call, (key, _) in zip(copied, copies, strict=True):
             assert self.ledger is not None  # the tasks that take copies have one
             self.ledger.expect(call, key[1])
@@ -343,15 +344,15 @@ class ModelRun:
     def copy_calls(self, pool: HostPool, step: int, timeout: float) -> list[Call]:
         """Have its shards' hosts start copying them as they are after the tasks queued
         there so far (``step`` steps; ``ShardHost.copy``) and hand the copies over
-        (``ShardHost.copied``, beside the tasks; waiting up to ``timeout`` seconds for its
-        copy to start): the latter calls, each answering with its blocks' states in wire
-        form."""
+        (``ShardHost.copied``, beside the tasks once ``copy`` has ended; waiting up to
+        ``timeout`` seconds for its copy to be made): the latter calls, each answering with
+        its blocks' states in wire form."""
         self.copies_started += 1
-        calls: list[Call] = []
+        number, calls = self.copies_started, list[Call]()
         for shard in self.plan.shards:
             key, host = (self.snap.job_id, shard.index), self.homes[shard.index]
-            pool.submit(host, "copy", key, step, self.copies_started)
-            calls.append(pool.submit(host, "copied", key, self.copies_started, timeout))
+            start = pool.submit(host, "copy", key, step, number)
+            calls.append(pool.submit_after(host, start, "copied", key, number, timeout))
         return calls
 
     def gather(self, pool: HostPool, timeout: float) -> dict[int, Any]:

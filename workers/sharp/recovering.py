@@ -137,8 +137,8 @@ class Recovering:
         for call in waiting:
             try:
                 ((states, seconds, finished),) = await_all(pool, [call], self._timeout)
-            except (HostLost, ShardFailed):
-                continue  # lost, or failed: the model rolls back to its last copy
+            except (HostLost, ShardFailed, InputLost):
+                continue  # lost, or not made: the model rolls back to its last copy
             if ledger is None or not ledger.arrived(call, states, seconds, finished, time.time()):
                 model.took_part(call, states, seconds, finished)
 

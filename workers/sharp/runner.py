@@ -471,7 +471,7 @@ class SharpTrainer(Recovering):
         last = copying if not ours and copying is not None and copying.checkpoint else None
         try:
             states, seconds, finished = pool.result(call)
-        except ShardFailed as exc:  # not made (on a CPU device: its task did not run)
+        except (ShardFailed, InputLost) as exc:  # not made: the call to start it failed
             if last is not None:
                 self._not_checkpointed(pool, model, last.step, exc)
             else:
@@ -492,7 +492,7 @@ class SharpTrainer(Recovering):
             self._drop(pool, model)  # it ends once its last checkpoint is written
 
     def _not_checkpointed(
-        self, pool: HostPool, model: ModelRun, step: int, exc: ShardFailed
+        self, pool: HostPool, model: ModelRun, step: int, exc: ShardFailed | InputLost
     ) -> None:
         """A part of ``model``'s last checkpoint (of ``step``) was not made: the model
         fails, as when its checkpoint cannot be written."""

@@ -140,11 +140,7 @@ class ShardHost:
         ``step`` steps; on a GPU it returns at once, the copy made beside the tasks after it
         (``workers.pipeline.copier``: only the shard's next optimizer step waits for it),
         on a CPU device once it is made. ``copied`` hands it over."""
-        try:
-            stage = self._stage(key)
-        except StageStateError as exc:
-            self._copies.failed((key, number), exc)
-            raise
+        stage = self._stage(key)
         if key not in self._resident:
             self._settle()  # it may be on its way to host memory: there first
         self._start_copy((key, number), stage, step)
@@ -156,10 +152,10 @@ class ShardHost:
         fastest; the executor keeps it so, ``add`` and ``load`` take it back, its checkpoints
         read it back as tensors); the seconds it cost this device (starting it, and on a CPU
         device the CPU time of the threads copying it and handing it over: a CPU device is
-        its cores); and the wall clock then (the executor counts its way there too). On a
-        GPU a call beside the tasks, it waits up to ``timeout`` s for its ``copy`` to start;
-        on a CPU device it follows it in the task queue, and fails at once if it did not."""
-        stage, seconds = self._copies.wait((key, number), 0.0 if self._side is None else timeout)
+        its cores); and the wall clock then (the executor counts its way there too). A call
+        beside the tasks, once the one that started the copy has ended; on a GPU it waits up
+        to ``timeout`` s for the copy to be made."""
+        stage, seconds = self._copies.take((key, number))
         handing = time.thread_time()  # this thread's own: it serves every shard's copies
         _, states = stage.copier.wait_for(number, timeout)
         wire: dict[int, Any] = send_tree(states)

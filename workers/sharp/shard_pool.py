@@ -37,7 +37,7 @@ from ray.exceptions import (
 from shoal.scheduler.devices import Device
 from shoal.scheduler.types import DeviceId
 from shoal.workers import launch
-from shoal.workers.sharp.shard_worker import BESIDE, PAIRED_METHODS, ShardFailed, ShardWorker
+from shoal.workers.sharp.shard_worker import PAIRED_METHODS, ShardFailed, ShardWorker
 
 
 class HostLost(RuntimeError):
@@ -57,6 +57,7 @@ class InputLost(RuntimeError):
             f"a task's input for device {device_id} was lost with the node that held it"
         )
         self.device_id = device_id
+        self.reason = "the input of the task before it was lost with the node that held it"
 
 
 class PoolTimeout(TimeoutError):
@@ -88,7 +89,16 @@ class Call:
 class HostPool(Protocol):
     devices: list[Device]
 
-    def submit(self, host: int, method: str, *args: Any) -> Call: ...
+    def submit(self, host: int, method: str, *args: Any) -> Call:
+        """``method`` on ``host``, after the calls submitted there before (its task queue)."""
+        ...
+
+    def submit_after(self, host: int, after: Call, method: str, *args: Any) -> Call:
+        """``method`` (one of ``BESIDE``) on ``host`` beside its task queue, once ``after``,
+        a call of that queue, has ended: a copy is handed over once the call that starts
+        it is done, without queuing ahead of the tasks after that. Where ``after`` failed
+        (or never ran) this does not run: its result is ``after``'s error."""
+        ...
 
     def submit_run(self, host: int, tasks: Sequence[tuple[str, tuple[Any, ...]]]) -> list[Call]:
         """Shard tasks (``(method, args)``) to run on ``host`` one after another, as one
@@ -140,8 +150,8 @@ class _Later:
 
 
 class LocalPool:
-    """Every device's worker in this process, each on a thread of its own (and, on a GPU,
-    one for its calls ``BESIDE`` the tasks, as ``RayPool``'s). The task threads take turns
+    """Every device's worker in this process, each on a thread of its own and one for its
+    calls ``BESIDE`` the tasks, as ``RayPool``'s. The task threads take turns
     computing: they share torch's global RNG (blocks are initialised under a seed,
     recomputation replays the RNG state), which two at once would interleave."""
 
@@ -149,18 +159,15 @@ class LocalPool:
         self.devices = list(devices)
         self._workers = [ShardWorker(d, budgets[d.id]) for d in devices]
         self._threads = [ThreadPoolExecutor(1, f"shard-{d.id}") for d in devices]
-        self._beside = {
-            host: ThreadPoolExecutor(1, f"shard-{d.id}-copies")
-            for host, d in enumerate(devices)
-            if d.gpu
-        }
+        self._beside = [ThreadPoolExecutor(1, f"shard-{d.id}-copies") for d in devices]
         self._turn = threading.Lock()
 
     def submit(self, host: int, method: str, *args: Any) -> Call:
-        if method in BESIDE and host in self._beside:
-            future = self._beside[host].submit(self._workers[host].call, method, *args)
-        else:
-            future = self._threads[host].submit(self._call, host, method, *args)
+        return _Local(host, method, self._threads[host].submit(self._call, host, method, *args))
+
+    def submit_after(self, host: int, after: Call, method: str, *args: Any) -> Call:
+        first = _own(after, _Local).future
+        future = self._beside[host].submit(self._call_after, first, host, method, *args)
         return _Local(host, method, future)
 
     def submit_run(self, host: int, tasks: Sequence[tuple[str, tuple[Any, ...]]]) -> list[Call]:
@@ -171,6 +178,12 @@ class LocalPool:
         values = [self._resolve(host, a) if isinstance(a, _Later) else a for a in args]
         with self._turn:
             return self._workers[host].call(method, *values)
+
+    def _call_after(self, first: Future[Any], host: int, method: str, *args: Any) -> Any:
+        error = first.exception()  # once it has ended
+        if error is not None:
+            raise error
+        return self._workers[host].call(method, *args)
 
     def _resolve(self, host: int, later: _Later) -> Any:
         try:
@@ -193,7 +206,7 @@ class LocalPool:
         return _Later(_own(call, _Local).future)
 
     def shutdown(self) -> None:
-        for thread in [*self._threads, *self._beside.values()]:
+        for thread in [*self._threads, *self._beside]:
             thread.shutdown(wait=True, cancel_futures=True)
 
 
@@ -222,8 +235,6 @@ class RayPool:
 
     def submit(self, host: int, method: str, *args: Any) -> Call:
         call: Any = self._actors[host].call
-        if method in BESIDE and self.devices[host].gpu:  # ``launch.start_shard_worker``
-            call = call.options(concurrency_group=launch.COPIES_GROUP)
         if method not in PAIRED_METHODS:
             remote = _Remote(host, method, call.remote(method, *args))
         else:
@@ -231,6 +242,11 @@ class RayPool:
             remote = _Remote(host, method, refs[1], refs[0])
         self._note_inputs(host, args, remote)
         return remote
+
+    def submit_after(self, host: int, after: Call, method: str, *args: Any) -> Call:
+        # Ray runs it once ``after``'s result is there, and fails it with ``after``'s error.
+        beside: Any = self._actors[host].call.options(concurrency_group=launch.COPIES_GROUP)
+        return _Remote(host, method, beside.remote(method, *args, after=_own(after, _Remote).ref))
 
     def submit_run(self, host: int, tasks: Sequence[tuple[str, tuple[Any, ...]]]) -> list[Call]:
         if len(tasks) == 1:
@@ -298,9 +314,11 @@ class RayPool:
             raise HostLost(device, "its node is gone") from None
         except TaskCancelledError:  # waiting for a lost device's outputs (``_check_nodes``)
             raise InputLost(device) from None
-        except RayTaskError as exc:
+        except RayTaskError as exc:  # its own error, or that of the call it was to follow
             if isinstance(exc.cause, ShardFailed):
                 raise exc.cause from None
+            if isinstance(exc.cause, TaskCancelledError):
+                raise InputLost(device) from None
             if isinstance(exc.cause, RayActorError):
                 raise self._actor_error(remote, exc.cause) from None
             if isinstance(exc.cause, ObjectLostError):

@@ -35,10 +35,10 @@ worker) where the worker had nothing else to do: what holding a shard costs its 
 a move's cost (``workers.sharp.homes.Homes.held``)."""
 
 BESIDE = frozenset({"copied"})
-"""The methods a worker runs beside its tasks (Ray, on a GPU: in the ``copies`` concurrency
-group, a thread of its own; ``LocalPool``: a second thread per worker), so that handing
-over a copy never queues ahead of a task. Everything else runs one call at a time, in
-submission order (on a CPU device's Ray worker, these too: its copies are made in order)."""
+"""The methods a worker runs beside its tasks (Ray: in the ``copies`` concurrency group, a
+thread of its own; ``LocalPool``: a second thread per worker), so that handing over a copy
+never queues ahead of a task. Everything else runs one call at a time, in submission order
+(the copies are made there, ``copy``, and a task's ``record``)."""
 
 
 class ShardFailed(RuntimeError):
@@ -63,7 +63,9 @@ class ShardWorker:
         self._ended = 0.0
         """When the last call in the worker's order (not one beside it) ended, wall clock."""
 
-    def call(self, method: str, *args: Any) -> Any:
+    def call(self, method: str, *args: Any, after: Any = None) -> Any:
+        """``method`` of the host; ``after``, unused, is the value of the call it was to
+        follow (``HostPool.submit_after``: Ray passes it once that call has ended)."""
         if method not in SHARD_METHODS:
             raise ShardFailed(self.host.device.id, method, f"no such method {method!r}")
         sent = 0.0

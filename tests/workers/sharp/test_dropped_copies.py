@@ -1,5 +1,5 @@
-"""A copy a host could not make (on a CPU device, when the task that was to start it did not
-run) is dropped: the model trains on, exactly, and says which copy a loss now rolls back to."""
+"""A copy a host could not make (the call that was to start it failed, or never ran) is
+dropped: the model trains on, exactly, and says which copy a loss now rolls back to."""
 
 from __future__ import annotations
 
@@ -29,9 +29,9 @@ from tests.workers.sharp.test_sharp_runner import (
 
 class CopyFailingPool(LocalPool):
     """A LocalPool whose ``copied`` call for the second part of step 2's copy fails as a
-    CPU device's does when the copy it was to hand over never started: the host hands it
-    over all the same (its state stays as the executor's next calls expect), the executor
-    is told it failed."""
+    host's does when the call that was to start the copy failed: the host hands it over
+    all the same (its state stays as the executor's next calls expect), the executor is
+    told it failed."""
 
     def __init__(self, devices: Any, budgets: Any) -> None:
         super().__init__(devices, budgets)
@@ -47,13 +47,16 @@ class CopyFailingPool(LocalPool):
         return 2 * self.shards + 2
 
     def submit(self, host: int, method: str, *args: Any) -> Any:
-        call = super().submit(host, method, *args)
         self.shards += method == "add"
+        return super().submit(host, method, *args)
+
+    def submit_after(self, host: int, after: Any, method: str, *args: Any) -> Any:
+        call = super().submit_after(host, after, method, *args)
         self.copied += method == "copied"
         if method != "copied" or self.copied != self.fail_at:
             return call
         self.failed = self.devices[host].id
-        error = ShardFailed(self.failed, "copied", "TimeoutError: the copy did not start")
+        error = ShardFailed(self.failed, "backward", "RuntimeError: it did not run")
         failed: Future[Any] = Future()
         call.future.add_done_callback(lambda _: failed.set_exception(error))
         return _Local(host, method, failed)
@@ -101,7 +104,7 @@ def test_only_the_copy_not_made_is_dropped(tmp_path: Path, task_copied: bool) ->
 
 class LastCopyFailingPool(LocalPool):
     """A LocalPool whose hosts fail to hand over the copy of the first model's last step
-    (its last checkpoint), as a CPU device's do when the copy never started."""
+    (its last checkpoint), as they do where the call to start the copy failed."""
 
     last_step = 4
 
@@ -112,11 +115,14 @@ class LastCopyFailingPool(LocalPool):
     def submit(self, host: int, method: str, *args: Any) -> Any:
         if method == "copy" and args[0][0] == "a" and args[1] == self.last_step:
             self.last.add((args[0], args[2]))
+        return super().submit(host, method, *args)
+
+    def submit_after(self, host: int, after: Any, method: str, *args: Any) -> Any:
         if method != "copied" or (args[0], args[1]) not in self.last:
-            return super().submit(host, method, *args)
+            return super().submit_after(host, after, method, *args)
         failed: Future[Any] = Future()
         device = self.devices[host].id
-        failed.set_exception(ShardFailed(device, "copied", "TimeoutError: did not start"))
+        failed.set_exception(ShardFailed(device, "copy", "RuntimeError: it did not run"))
         return _Local(host, method, failed)
 
 

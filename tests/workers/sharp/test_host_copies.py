@@ -13,6 +13,8 @@ import torch
 
 from shoal.workers.pipeline.stage_types import StageSetup, StageStateError
 from shoal.workers.sharp.shard_host import ShardHost
+from shoal.workers.sharp.shard_pool import LocalPool, await_all
+from shoal.workers.sharp.shard_worker import ShardFailed
 from shoal.workers.wire import receive_tree, send
 from shoal.workers.zoo.data import make_data
 from tests.workers.runs import assert_bitwise_equal
@@ -68,16 +70,16 @@ def test_a_copy_is_the_state_at_its_call_though_the_next_step_ran_before_it_was_
 
 
 @pytest.mark.unit
-def test_on_a_cpu_device_the_handing_over_follows_its_copy_and_a_copy_not_started_says_why(
+def test_a_hand_over_takes_the_copy_its_call_started_and_one_never_started_says_why(
     tmp_path: Path,
 ) -> None:
-    """On a CPU device ``copied`` follows its ``copy`` in the task queue, so a copy not
-    started by then never will be (the task to start it did not run): it says so at once,
-    not after its timeout, which would hold every later call of the queue."""
+    """``copied`` runs once the call that was to start its copy has ended (the pool's
+    ``submit_after``), so a copy not started by then never will be: it says so at once, not
+    after its timeout, which would hold every later hand-over of the host."""
     run = OneShard(tmp_path)
     run.step()
     asked = time.monotonic()
-    with pytest.raises(TimeoutError, match="did not start"):
+    with pytest.raises(LookupError, match=r"copy 1 of shard .* was not started"):
         run.host.copied(KEY, 1, 60.0)
     assert time.monotonic() - asked < 5.0
     run.host.copy(KEY, 1, 1)
@@ -85,5 +87,25 @@ def test_on_a_cpu_device_the_handing_over_follows_its_copy_and_a_copy_not_starte
     assert set(states) == set(range(run.snap.num_blocks))
     with pytest.raises(StageStateError, match="not held"):
         run.host.copy(("b", 0), 1, 2)
-    with pytest.raises(StageStateError, match="not held"):
+    with pytest.raises(LookupError, match="was not started"):
         run.host.copied(("b", 0), 2, 60.0)
+
+
+@pytest.mark.unit
+def test_a_hand_over_after_a_call_that_failed_ends_with_its_error_and_the_next_one_runs() -> None:
+    """``LocalPool.submit_after``: a hand-over after a call that failed does not run and
+    ends with that call's error at once (not after its 60 s timeout), and the host's next
+    hand-over beside the tasks runs."""
+    pool = LocalPool(devices(), dict.fromkeys([d.id for d in devices()], 2**30))
+    try:
+        failed = pool.submit(0, "copy", KEY, 1, 1)  # no shard is held: it fails
+        hand = pool.submit_after(0, failed, "copied", KEY, 1, 60.0)
+        with pytest.raises(ShardFailed) as first:
+            await_all(pool, [hand], 10.0)
+        assert first.value.method == "copy", first.value
+        after = pool.submit_after(0, pool.submit(0, "pid"), "copied", KEY, 2, 60.0)
+        with pytest.raises(ShardFailed) as second:  # it ran, and found no copy started
+            await_all(pool, [after], 10.0)
+        assert second.value.method == "copied" and "not started" in second.value.reason
+    finally:
+        pool.shutdown()

@@ -13,6 +13,7 @@ import ray
 from shoal.workers import launch
 from shoal.workers.sharp import shard_pool
 from shoal.workers.sharp.shard_pool import HostLost, InputLost, PoolTimeout, RayPool, await_all
+from shoal.workers.sharp.shard_worker import ShardFailed
 from tests.workers.sharp.test_sharp_runner import devices
 
 KEY = ("a", 0)
@@ -55,6 +56,42 @@ def test_the_calls_of_a_gone_node_and_those_waiting_for_its_outputs_end(
             pool.result(taker)
         (pid,) = await_all(pool, [ping], 30.0)
         assert isinstance(pid, int)
+    finally:
+        pool.shutdown()
+        ray.cancel(inputs, force=True)
+
+
+@pytest.mark.integration
+def test_a_hand_over_after_a_call_that_failed_or_never_ran_ends_as_that_call_did(
+    ray_address: str,
+) -> None:
+    """``RayPool.submit_after``: a hand-over beside the tasks runs once the call it follows
+    has ended; after one that failed it ends with that call's error, and after one that
+    never ran (cancelled, as a call waiting for a lost device's outputs is) ``InputLost``,
+    each at once, not after its 60 s timeout, and the worker's next hand-over runs."""
+    node = ray.get_runtime_context().get_node_id()
+    pool_devices = devices(node)
+    pool = RayPool(pool_devices, {d.id: 2**30 for d in pool_devices})
+    inputs = _late.remote(60.0)
+    try:
+        failed = pool.submit(0, "copy", KEY, 1, 1)  # no shard is held: it fails
+        blocker = pool.submit(1, "forward", KEY, inputs)  # its inputs come in a minute
+        never = pool.submit(1, "copy", KEY, 1, 2)  # queued behind it, then cancelled
+        ray.cancel(never.ref)  # type: ignore[attr-defined]
+        hands = [
+            pool.submit_after(0, failed, "copied", KEY, 1, 60.0),
+            pool.submit_after(1, never, "copied", KEY, 2, 60.0),
+        ]
+        with pytest.raises(ShardFailed) as first:
+            await_all(pool, hands[:1], 20.0)
+        assert first.value.method == "copy", first.value
+        with pytest.raises(InputLost):
+            await_all(pool, hands[1:], 20.0)
+        after = pool.submit_after(0, pool.submit(0, "pid"), "copied", KEY, 3, 60.0)
+        with pytest.raises(ShardFailed) as ran:  # it ran, and found no copy started
+            await_all(pool, [after], 20.0)
+        assert ran.value.method == "copied" and "not started" in ran.value.reason
+        assert blocker not in pool.wait([blocker, after], 0.1)
     finally:
         pool.shutdown()
         ray.cancel(inputs, force=True)
