@@ -57,7 +57,7 @@ class InputLost(RuntimeError):
             f"a task's input for device {device_id} was lost with the node that held it"
         )
         self.device_id = device_id
-        self.reason = "the input of the task before it was lost with the node that held it"
+        self.reason = "a task's input was lost with the node that held it"
 
 
 class PoolTimeout(TimeoutError):
