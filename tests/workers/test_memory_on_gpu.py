@@ -56,9 +56,9 @@ def workspace_bytes(device: torch.device) -> int:
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     a = torch.randn(256, 256, device=device, requires_grad=True)
-    (a @ a).sum().backward()
+    (a @ a).sum().backward()  # type: ignore[no-untyped-call]
     with torch.autocast("cuda", dtype=torch.bfloat16):
-        (a @ a).sum().backward()
+        (a @ a).sum().backward()  # type: ignore[no-untyped-call]
     del a
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()

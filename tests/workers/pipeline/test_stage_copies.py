@@ -3,14 +3,14 @@ optimizer's state, so no later copy pays for it (``Stage._update``, ``Copier.res
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import pytest
 import torch
 
 from shoal.scheduler.devices import Device
 from shoal.workers.pipeline.batch_rows import Rows
-from shoal.workers.pipeline.copier import Copier
+from shoal.workers.pipeline.copier import Copier, Copyable
 from shoal.workers.pipeline.stage import Stage
 from shoal.workers.pipeline.stage_types import StageSetup
 from shoal.workers.profiler import trace_costs
@@ -42,7 +42,7 @@ def test_the_step_that_makes_the_optimizers_state_reserves_for_it_only_when_copy
     reserved: list[int] = []
     real = Copier.reserve
 
-    def record(copier: Copier, blocks: list[object]) -> None:
+    def record(copier: Copier, blocks: Sequence[Copyable]) -> None:
         reserved.append(len(blocks))
         real(copier, blocks)
 
