@@ -673,6 +673,13 @@ class CopyLosingPool(LocalPool):
         gone.set_exception(HostLost(self.devices[host].id, "its node was preempted"))
         return _Local(host, method, gone)
 
+    def submit_after(self, host: int, after: Any, method: str, *args: Any) -> Any:
+        """A hand-over in the task queue, right after its copy, and lost with the device:
+        so each copy is in before the next step ends, and a copy is taken at every step
+        boundary (one still on its way when a step ends is not taken then), as this
+        pool's count of copies needs."""
+        return self.submit(host, method, *args)
+
 
 class LastCopyLosingPool(CopyLosingPool):
     copy_at = 5  # after the last of 4 steps
