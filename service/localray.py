@@ -50,6 +50,19 @@ given up on, and recovered, that much sooner. A 1 s timeout was measured too tig
 saturated 2-core machine (a busy raylet was declared dead while new workers started). Set
 the same variables on a real cluster's head to get the same."""
 
+WORKER_PRESTART = {
+    "RAY_enable_worker_prestart": "true",
+    "RAY_preload_python_modules": "shoal.workers.actors",
+}
+"""For a node that joins a running cluster: it starts one Python worker per CPU as it
+starts, with Shoal's actor code (torch with it) imported before it takes work, so the first
+workers placed there (a job growing onto the node) start without that import. In ``shoal
+bench elastic`` the new node's worker was built 2.3-3.0 s after the node was alive (6 runs),
+against 3.9-5.4 s without (4 runs; 2-core machine). Not set for the nodes a local cluster
+starts with: on one shared machine, prestarting on every node coincided with a lower
+Shoal / best in that bench (docs/benchmarks.md). ``shoal node`` sets it, and
+``deploy/k8s``'s ``settings.env`` for every Ray pod (each with cores of its own)."""
+
 RAY_ENV = "ray.env"
 """The file in ``SHOAL_HOME`` where `shoal up` leaves its local cluster's address and token."""
 
@@ -269,7 +282,7 @@ class LocalRay:
         """Start one more node (a new machine joining); returns once Ray sees it alive."""
         if not self._nodes:
             raise RuntimeError("the local Ray cluster is not started; call start() first")
-        self._launch(len(self._nodes), spec)
+        self._launch(len(self._nodes), spec, joining=True)
         self._wait_alive(time.monotonic() + self._start_timeout_s)
 
     def kill_node(self, index: int) -> None:
@@ -281,7 +294,7 @@ class LocalRay:
         self._nodes.pop(index)
         self._write_record()
 
-    def _launch(self, index: int, spec: VirtualNode) -> _Node:
+    def _launch(self, index: int, spec: VirtualNode, *, joining: bool = False) -> _Node:
         if index == 0:
             args = node_command(self._ray, spec, head_port=self._port)
         else:
@@ -295,7 +308,7 @@ class LocalRay:
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,
-            env=self._child_env(),
+            env={**self._child_env(), **(WORKER_PRESTART if joining else {})},
             start_new_session=True,
         )
         # No start time if it exited at once: a successor never takes its pid for it.

@@ -19,6 +19,7 @@ from shoal.service.devicespec import DeviceSpecError, parse_devices
 from shoal.service.localray import (
     HEALTH_CHECKS,
     RAY_ENV,
+    WORKER_PRESTART,
     LocalRay,
     LocalRayError,
     free_port,
@@ -236,7 +237,7 @@ def node(group: str, address: str | None, home: Path | None) -> None:
     ray = Path(sys.executable).parent / "ray"
     if address is not None:
         command = node_command(ray, nodes[0], address=address, shared_machine=False)
-        os.execve(command[0], command, {**os.environ, **HEALTH_CHECKS})
+        os.execve(command[0], command, {**os.environ, **HEALTH_CHECKS, **WORKER_PRESTART})
     path = settings.home / RAY_ENV
     if not path.exists():
         raise InputError(
@@ -245,4 +246,4 @@ def node(group: str, address: str | None, home: Path | None) -> None:
         )
     env = LocalRay.read_env(path)
     command = node_command(ray, nodes[0], address=env.pop("RAY_ADDRESS"))
-    os.execve(command[0], command, {**os.environ, **HEALTH_CHECKS, **env})
+    os.execve(command[0], command, {**os.environ, **HEALTH_CHECKS, **WORKER_PRESTART, **env})

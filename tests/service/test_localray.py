@@ -167,6 +167,26 @@ print(json.dumps([
 """
 
 
+# A task on the node of kind argv[2], defined here so that it is sent by value (it imports
+# nothing of Shoal itself): whether its worker had Shoal's actor code imported, and whether
+# that worker was started before the task was asked for.
+_PRESTART_SCRIPT = """
+import json, os, sys, time
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+ray.init(address=sys.argv[1], log_to_driver=False, logging_level="ERROR")
+node = next(n["NodeID"] for n in ray.nodes() if n["Labels"].get(sys.argv[3]) == sys.argv[2])
+def probe():
+    return "shoal.workers.actors" in sys.modules, os.stat(f"/proc/{os.getpid()}").st_ctime
+asked = time.time()
+task = ray.remote(probe).options(
+    num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)
+)
+preloaded, started = ray.get(task.remote(), timeout=60)
+print(json.dumps({"preloaded": preloaded, "started_before_asked": started < asked}))
+"""
+
+
 def _running_in_session(session: int) -> list[str]:
     listing = subprocess.run(
         ["ps", "-A", "-o", "sess=,stat=,args="], capture_output=True, text=True, check=True
@@ -226,6 +246,23 @@ def test_local_ray_starts_labelled_nodes_and_stops_them(tmp_path: Path) -> None:
             LABEL_SLOWDOWN: "3",
         }
         assert [path.name for path in local.log_paths] == ["ray-0-cpu-a.log", "ray-1-cpu-b.log"]
+        # A node that joins starts a worker ahead, Shoal's actor code imported: the first
+        # actor placed there (a job growing onto it) does not wait for that import. The
+        # nodes the cluster started with start their workers when asked.
+        local.add_node(parse_devices("1xcpu-c:256")[0])
+        pids = local.pids
+        assert [path.name for path in local.log_paths][-1] == "ray-2-cpu-c.log"
+        for kind, ahead in (("cpu-c", True), ("cpu-b", False)):
+            probed = subprocess.run(
+                [sys.executable, "-c", _PRESTART_SCRIPT, local.address, kind, LABEL_KIND],
+                capture_output=True,
+                text=True,
+                env={**os.environ, **env},
+                timeout=120,
+            )
+            assert probed.returncode == 0, probed.stderr[-2000:]
+            worker = json.loads(probed.stdout.strip().splitlines()[-1])
+            assert worker == {"preloaded": ahead, "started_before_asked": ahead}, (kind, worker)
     assert not env_path.exists() and not record_path.exists()
     # `ray start` leads a session of its own; nothing in it may outlive stop().
     assert [line for pid in pids for line in _running_in_session(pid)] == []
