@@ -53,6 +53,7 @@ from ray.exceptions import (
 )
 
 from shoal.workers import launch
+from shoal.workers.pipeline.awaited import Awaited
 from shoal.workers.pipeline.stage_types import StageSetup
 from shoal.workers.pipeline.stage_worker import COPIES, LinkFailed, StageFailed
 from shoal.workers.pipeline.worker_group import (
@@ -283,9 +284,11 @@ class RayGroup:
             launch.kill_worker(actor)
 
     def submit(self, stage: int, method: str, *args: Any) -> Handle:
-        refs = [a.ref if isinstance(a, _Ref) else a for a in args]
+        beside = method in COPIES
+        # A call beside training waits for another call's result itself (``awaited``).
+        refs = [(Awaited(a.ref) if beside else a.ref) if isinstance(a, _Ref) else a for a in args]
         call: Any = self._actors[stage].call
-        if method in COPIES:
+        if beside:
             call = call.options(concurrency_group=launch.COPIES_GROUP)
         return _Ref(stage, method, call.remote(method, *refs))
 

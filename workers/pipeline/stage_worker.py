@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from shoal.workers.pipeline.awaited import Awaited, Moot
 from shoal.workers.pipeline.stage import Stage
 from shoal.workers.pipeline.stage_types import StageSetup
 from shoal.workers.pipeline.transport import LinkError
@@ -95,6 +96,9 @@ class StageWorker:
 
     def __init__(self, plan: StagePlan, setup: StageSetup) -> None:
         self.plan = plan
+        self._surveys = 0
+        """``saved_steps`` calls so far: each asks after a loss, and moots the copies this
+        worker was still waiting for (``_opened``)."""
         self._stage: Stage | StageFailed
         try:
             self._stage = Stage(plan, setup)
@@ -116,9 +120,31 @@ class StageWorker:
         stage = self._stage
         if method not in STAGE_METHODS:
             raise StageFailed(stage.index, method, f"no such stage method {method!r}")
+        if method == "saved_steps":
+            self._surveys += 1
+        # Outside the boundary below: an awaited call's error leaves as that call raised it.
+        args = tuple(self._opened(method, a) for a in args)
         try:
             return getattr(stage, method)(*args)
         except LinkError as exc:
             raise LinkFailed(stage.index, method, one_line(exc), exc.peer) from exc
         except Exception as exc:  # a boundary: every stage error leaves as StageFailed
             raise StageFailed(stage.index, method, one_line(exc)) from exc
+
+    def _opened(self, method: str, arg: Any) -> Any:
+        """``arg``, or the result it awaits (``Awaited``: a copy on its way to a ``hold``),
+        given up once the worker is surveyed after a loss: the survey has answered without
+        it, the recovery takes fresh copies, and those queue behind this call."""
+        if not isinstance(arg, Awaited):
+            return arg
+        surveys = self._surveys
+
+        def moot() -> str | None:
+            if self._surveys == surveys:
+                return None
+            return "gave up waiting for the copy: a loss was surveyed meanwhile"
+
+        try:
+            return arg.result(moot)
+        except Moot as exc:
+            raise StageFailed(self.plan.index, method, str(exc)) from None

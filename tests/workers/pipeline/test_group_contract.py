@@ -236,6 +236,37 @@ def test_a_copy_goes_to_the_buddy_beside_training_as_the_snapshot_state(
             group.get([stuck], 60)
 
 
+@pytest.mark.integration
+def test_a_hold_still_waiting_when_a_loss_is_surveyed_gives_up_and_frees_the_copies_behind_it(
+    ray_address: str, setup: StageSetup
+) -> None:
+    """A buddy's hold waits, on the thread beside training, for a copy that does not come
+    (as one cut off when its shipper's node is lost mid-transfer). Once the worker is
+    surveyed after a loss, the hold gives up, and the copy queued behind it (a recovery's
+    fresh one) is held at once, not after the first one's wait."""
+    import ray
+
+    node = str(ray.get_runtime_context().get_node_id())
+    group = RayGroup(plans([(0, 1), (1, 2), (2, 4)], node), setup)
+    try:
+        never = group.submit(0, "shipment", 1, 60.0)  # copy 1 of stage 0 is never started
+        stale = group.submit(1, "hold", "cpu-0", 0, never)
+        time.sleep(2.0)  # the hold is waiting: calls beside training start at once
+        group.get([group.submit(1, "saved_steps")], 60)
+        group.submit(2, "snapshot", 0, 1)
+        fresh = group.submit(1, "hold", "cpu-2", 0, group.submit(2, "shipment", 1, 30.0))
+        started = time.monotonic()
+        with pytest.raises(StageFailed, match=r"stage 1 failed in hold: gave up .* surveyed"):
+            group.get([stale], 60)
+        group.get([fresh], 60)
+        waited = time.monotonic() - started
+        assert waited < 20.0, f"the fresh copy was held {waited:.1f} s later: after the stale"
+        (held,) = group.get([group.submit(1, "saved_steps")], 60)
+        assert list(held["copies"]) == ["cpu-2"], held
+    finally:
+        group.shutdown()
+
+
 def test_a_stage_whose_step_failed_takes_no_copy_until_its_blocks_are_restored(
     make_group: MakeGroup, setup: StageSetup
 ) -> None:

@@ -1,0 +1,47 @@
+"""A call's result handed to a call beside training as something it waits for itself, not
+as an argument Ray fetches before the call runs.
+
+A buddy's ``hold`` keeps a worker's ``shipment`` (its in-memory copy). Given as an argument,
+the shipment is fetched by Ray before ``hold`` runs, on the worker's one thread for copies,
+and nothing stops that wait: when the shipper's node is lost while its copy is on the way,
+the fetch lasts until Ray gives the object up, and every copy queued on that thread waits
+behind it, a recovery's fresh copies too, so the job's next boundary waits as well (7.5 s
+in a ``shoal bench elastic`` run; in a throwaway test, a 600 MB object whose node was
+killed mid-transfer was still being fetched 120 s later). As an ``Awaited`` the call polls
+for it, and gives up as soon as the receiving worker says the wait is moot.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import ray
+from ray.exceptions import RayTaskError
+
+POLL_S = 0.05
+"""How often a waiting call asks whether it should give up."""
+
+
+class Moot(RuntimeError):
+    """The awaited result is no longer wanted; the message says why."""
+
+
+class Awaited:
+    """Another call's result (its object ref), to wait for inside the receiving call."""
+
+    def __init__(self, ref: ray.ObjectRef[Any]) -> None:
+        self.ref = ref
+
+    def result(self, moot: Callable[[], str | None]) -> Any:
+        """The result, once it is in this node's object store; the error the call raised
+        (Ray's own, such as a lost actor or object, as Ray raised it); or ``Moot`` with
+        the reason ``moot`` gives, as soon as it gives one."""
+        while not ray.wait([self.ref], timeout=POLL_S, fetch_local=True)[0]:
+            reason = moot()
+            if reason is not None:
+                raise Moot(reason)
+        try:
+            return ray.get(self.ref)
+        except RayTaskError as exc:  # the call's own error, as if Ray had passed it on
+            raise (exc.cause if exc.cause is not None else exc) from None
