@@ -95,6 +95,9 @@ class Trainer:
         """The next step, handed out before the last one was collected."""
         self._ended = float("-inf")
         """When the last step was collected."""
+        self._timed: Layout | None = None
+        """The layout the last recorded step ran on: a step on another one does not say how
+        long this one's take, so a new layout's first step is handed out alone."""
 
     # ------------------------------------------------------------------ thread-safe API
 
@@ -222,6 +225,7 @@ class Trainer:
             if rebalancer is not None:
                 rebalancer.after_step(group, layout, metrics)
         self._run.record(last)
+        self._timed = flight.layout
         if copies is not None:
             for metrics in steps:
                 copies.observe(metrics)
@@ -394,7 +398,8 @@ class Trainer:
         ``unrecorded`` steps before them are still in flight."""
         relay = self._connect(group, layout, step)
         one_call = in_one_call(self.snapshot, relay=relay)
-        count = self._span(step, rebalancer, copies, unrecorded) if one_call else 1
+        fresh = layout != self._timed  # its first step goes alone (``_timed``)
+        count = self._span(step, rebalancer, copies, unrecorded) if one_call and not fresh else 1
         return start_step(
             self.snapshot,
             group,

@@ -29,6 +29,7 @@ from shoal.workers.pipeline.worker_group import Handle
 from shoal.workers.snapshot import JobSnapshot, RunStatus
 from shoal.workers.wire import Bits
 from tests.factories import SGD, job, plans
+from tests.workers.pipeline.test_rebalance import ForcedMoves
 from tests.workers.runs import assert_bitwise_equal, final_states
 
 STEP_CALLS = {"step", "steps"}
@@ -193,6 +194,29 @@ def test_a_call_ends_where_the_policy_is_asked(one_stage: JobSnapshot) -> None:
     # carried steps past an ask (the policy may move blocks there).
     assert asked == [(3, 3), (6, 6)]
     assert spies[0].collected == [(1, 1), (1, 2), (1, 3), (1, 2)]
+
+
+@pytest.mark.integration
+def test_a_new_layouts_first_step_is_handed_out_alone(one_stage: JobSnapshot) -> None:
+    """The last step's time says how long a call of several takes only on the layout it
+    ran on: after a move (here a forced re-cut at the first ask) the new layout's first
+    step goes alone, and the calls after it carry several steps again."""
+    stages = [(0, 1), (1, 4)]
+    node = one_stage.stages[0].device.node_id
+    snap = replace(
+        one_stage,
+        stages=plans([(0, 2), (2, 4)], node),
+        steps=9,
+        elastic=ElasticConfig(window_steps=3),
+    )
+    trainer, (spy,) = _spied(
+        snap, cores=1, policy=ForcedMoves({1: (stages, (snap.micro_batches,))})
+    )
+    moves = [e for e in trainer.report(0).events if e.kind == "repartition"]
+    assert [e.step for e in moves] == [3], moves
+    # Step 1 alone (no time yet), 2-3 up to the ask, the move; then step 4 alone on the new
+    # cut, 5-6 up to the next ask, 7-9 to the end.
+    assert spy.collected == [(1, 1), (1, 2), (1, 1), (1, 2), (1, 3)]
 
 
 class Canned:
