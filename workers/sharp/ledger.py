@@ -52,6 +52,9 @@ class Ledger:
     the executor took (as a copy's, ``ModelRun.took_part``)."""
     waiting: dict[Call, int] = field(default_factory=dict)
     """The calls that bring a stepped shard's states (``ShardHost.copied``), and the shard."""
+    reopened: bool = False
+    """Its step ended and was recorded, then ran again from a part of its copy a loss cut
+    short (``reopen``)."""
 
     def add(self, plan: ModelPlan, position: int, record: Record, arrived: float) -> None:
         """The task at ``position`` ended with ``record``, here at wall time ``arrived``."""
@@ -105,6 +108,25 @@ class Ledger:
             and all(p in self.outputs for p in range(first, done))
             and all(shard in self.states for shard in stepped)
         )
+
+    def reopen(
+        self,
+        plan: ModelPlan,
+        blocks: Mapping[int, Any],
+        missing: set[int],
+        saved: tuple[int, Any],
+    ) -> int | None:
+        """This step's tasks all ended, but the copies of the shards ``missing`` were lost
+        on their way (with their device): the task to pick up at again, the first backward
+        that stepped one of them, with ``saved`` the copy of the step's start; None where
+        it is not. The other shards' states are those in ``blocks`` (the parts that came)."""
+        n = len(plan.shards)
+        for shard in plan.shards:
+            if shard.index not in missing:
+                self.states.setdefault(shard.index, part(shard, blocks) or {})
+        at = (self.step + 1) * 2 * n - 1 - max(missing)
+        self.reopened = self.covers(plan, at, saved)
+        return at if self.reopened else None
 
     def handover(
         self, plan: ModelPlan, done: int, shard: Shard, start: Mapping[int, Any]

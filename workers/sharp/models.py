@@ -39,8 +39,9 @@ class Copying:
     blocks: dict[int, Any] = field(default_factory=dict)
     seconds: float = 0.0
     """What it cost: the seconds the hosts spent taking it and its parts took to arrive."""
-    started: bool = False
-    """Every part was started (a step's task copies'): its calls only hand them over."""
+    ledger: Ledger | None = None
+    """The step's ledger where its tasks took it: every part was started, its calls only
+    hand them over, and a loss before all are in picks up at the first part it lost."""
     checkpoint: bool = False
     """It is the model's last checkpoint (of its last ``step``): written once every part is
     in, and the model ends (``SharpTrainer._copied``)."""

@@ -97,6 +97,16 @@ class Recovering:
         if ledger and saved and live and ledger.covers(model.plan, model.done, saved):
             self._pick_up(pool, model, ledger, saved[1], gone)  # mid-step, copied task by task
             return
+        copying = model.copying
+        if copying is not None and copying.ledger is not None and saved and live:
+            # Its last step's copy lost a part on its way: that step's tasks from there.
+            closing = copying.ledger
+            missing = {closing.waiting[call] for call in copying.calls}
+            at = closing.reopen(model.plan, copying.blocks, missing, saved)
+            if at is not None:
+                model.done, model.ledger = at, closing
+                self._pick_up(pool, model, closing, saved[1], gone)
+                return
         taken, before = model.saved[0] if model.saved else None, None
         if model.copying is not None:  # on its way: the loss may have cut it short
             taken, before = model.copying.step, taken
@@ -132,7 +142,7 @@ class Recovering:
         known dead fail at once)."""
         ledger, copying = model.ledger, model.copying
         waiting = list(ledger.waiting) if ledger is not None else []
-        if copying is not None and copying.started:
+        if copying is not None and copying.ledger is not None:
             waiting += list(copying.calls)
         for call in waiting:
             try:
@@ -145,9 +155,10 @@ class Recovering:
     def _pick_up(
         self, pool: HostPool, model: ModelRun, ledger: Ledger, start: Blocks, gone: list[str]
     ) -> None:
-        """``model`` goes on from its last task done, each shard as the tasks done left it
-        (``placing.pick_up``, ``start``: the step's first states): only its tasks in flight
-        run again."""
+        """``model`` goes on from its task ``done`` of ``ledger``'s step, each shard as the
+        tasks before left it (``placing.pick_up``, ``start``: the step's first states): only
+        its tasks in flight run again (and, a step's copy lost on its way, that step's tasks
+        from the part lost on)."""
         reason, model.lost, model.copying = model.lost, None, None
         ledger.waiting.clear()  # its tasks in flight run again, and copy their shards anew
         try:
@@ -159,4 +170,4 @@ class Recovering:
         redone, model.submitted = model.submitted - model.done, model.done
         model.carry = ledger.carry(model.plan, model.done)
         interval = model.cadence.interval
-        model.recovered(self._devices, gone, reason or "", model.step, 0, interval, redone=redone)
+        model.recovered(self._devices, gone, reason or "", ledger.step, 0, interval, redone=redone)

@@ -391,15 +391,16 @@ class SharpTrainer(Recovering):
         )
         ledger, model.ledger = model.ledger, None
         taken = None if ledger is None else ledger.copy(model.plan)
-        if snap.keep_copies:
+        again = ledger is not None and ledger.reopened  # recorded before a loss cut its copy
+        if snap.keep_copies and not again:
             model.cadence.observe_step(model.step_compute_s)
         blocks: dict[int, Any] = {}
         later = False  # its checkpoint is written once its hosts' copy is in (``_copied``)
         if taken is not None:  # its tasks took the copy: the checkpoint's states too
             blocks, model.copying = (taken if due else {}), None
         elif ledger is not None and ledger.waiting and not due:  # its last parts are coming
-            waiting = set(ledger.waiting)
-            model.copying = Copying(step, waiting, ledger.blocks(), ledger.seconds, started=True)
+            parts = set(ledger.waiting)
+            model.copying = Copying(step, parts, ledger.blocks(), ledger.seconds, ledger=ledger)
         elif step == snap.steps:  # the last: taken beside the tasks, as a copy is
             calls = model.start_copy(pool, step, self._timeout, checkpoint=True)
             self._copy_calls.update(dict.fromkeys(calls, model))
@@ -413,18 +414,11 @@ class SharpTrainer(Recovering):
             if snap.keep_copies:
                 model.saved, model.copying = (step, blocks), None
         elif copy_due:
-            self._copy_calls.update(
-                dict.fromkeys(model.start_copy(pool, step, self._timeout), model)
-            )
-        model.record(
-            StepMetrics(
-                step=step,
-                loss=float(sum(model.losses)),
-                samples_per_s=snap.batch_size / elapsed if elapsed > 0 else 0.0,
-                step_time_s=elapsed,
-                stages=(),
-            ),
-        )
+            calls = model.start_copy(pool, step, self._timeout)
+            self._copy_calls.update(dict.fromkeys(calls, model))
+        if not again:
+            speed = snap.batch_size / elapsed if elapsed > 0 else 0.0
+            model.record(StepMetrics(step, float(sum(model.losses)), speed, elapsed, ()))
         if taken is not None and ledger is not None:
             model.keep_copy(step, taken, ledger.seconds)
         if leave:
@@ -478,11 +472,15 @@ class SharpTrainer(Recovering):
                 model.drop_copy(exc.device_id, exc.reason, task_copied=ours)
             return
         except HostLost as exc:
-            model.copying = None
             if last is not None:  # it rolls back and trains to its end again
+                model.copying = None
                 self._lost_meanwhile(pool, model, exc)
-            else:
-                self._lose(pool, self._homes.host_of(exc.device_id), str(exc))
+                return
+            self._lose(pool, self._homes.host_of(exc.device_id), str(exc))
+            # Rolled back now or later (from what came of the copy: ``_roll_back``), or not
+            # at all (its shards live elsewhere now): then this copy is never whole.
+            if model.lost is None and model.copying is copying:
+                model.copying = None
             return
         if ledger is not None and ledger.arrived(call, states, seconds, finished, time.time()):
             return

@@ -4,6 +4,7 @@ step: with copies at every step their tasks copy the step off the devices as the
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +12,7 @@ import pytest
 
 from shoal.scheduler.sharp import ModelPlan, Shard
 from shoal.workers.sharp.ledger import Ledger
+from shoal.workers.sharp.shard_pool import HostLost, LocalPool, _Local
 from shoal.workers.sharp.shard_types import Record
 from shoal.workers.snapshot import RunStatus
 from tests.workers.sharp.test_sharp_runner import (
@@ -125,3 +127,58 @@ def test_a_device_lost_mid_step_costs_only_the_tasks_in_flight_and_the_math_stay
         assert_alone(snap, [m.loss for m in report.metrics])
     assert picked, "the device was never lost mid-step"
     assert any(0 < e.step < 6 for e in picked), [e.data for e in picked]
+
+
+class CutCopyPool(LocalPool):
+    """A LocalPool whose device handing over shard 0's ``cut_at``-th copy (the last part
+    of a step's copy: its last backward's) is lost with it on its way, once the step has
+    ended and the next begun (its first forward is submitted): every later call there
+    fails too."""
+
+    cut_at = 3  # step 2's: the first is of the placement's copy
+
+    def __init__(self, devices: Any, budgets: Any) -> None:
+        super().__init__(devices, budgets)
+        self.handed = 0
+        self.cut: tuple[int, Future[Any]] | None = None
+        self.gone: int | None = None
+
+    def submit_after(self, host: int, after: Any, method: str, *args: Any) -> Any:
+        if method == "copied" and args[0][1] == 0 and self.gone is None:
+            self.handed += 1
+            if self.handed == self.cut_at:
+                self.cut = (host, Future())
+                return _Local(host, method, self.cut[1])
+        return self._lost(host, method) or super().submit_after(host, after, method, *args)
+
+    def submit(self, host: int, method: str, *args: Any) -> Any:
+        if self.cut is not None and self.gone is None and method == "forward":
+            self.gone, cut = self.cut
+            cut.set_exception(HostLost(self.devices[self.gone].id, "its node was preempted"))
+        return self._lost(host, method) or super().submit(host, method, *args)
+
+    def _lost(self, host: int, method: str) -> Any:
+        if host != self.gone:
+            return None
+        gone: Future[Any] = Future()
+        gone.set_exception(HostLost(self.devices[host].id, "its node was preempted"))
+        return _Local(host, method, gone)
+
+
+@pytest.mark.unit
+def test_a_device_lost_with_a_steps_last_copy_on_its_way_costs_that_steps_tail_not_the_step(
+    tmp_path: Path,
+) -> None:
+    """Step 2 has ended and been recorded, but the copy of its last backward's shard is
+    still on its way when its device is lost (step 3 has begun): the model picks up at
+    that backward of step 2 from the copy of step 1 and what step 2's tasks copied off,
+    replaying no step and recording step 2 once, and trains exactly as alone."""
+    snap = model(tmp_path, "a", steps=6, keep_copies=True, copy_budget=1.0)
+    trainer = train([snap], CutCopyPool, budget_for_shards(snap, 3), task_copies=True)
+    report = trainer.report("a", 0)
+    (lost,) = [e for e in report.events if e.kind == "device_lost"]
+    assert lost.data["step"] == 2 and lost.data["resume_step"] == 1, lost
+    assert lost.data["steps_replayed"] == 0 and lost.data["tasks_redone"] >= 1, lost
+    assert "picking up at backward 0 of step 2" in lost.message, lost.message
+    assert [m.step for m in report.metrics] == list(range(1, 7))  # step 3 recorded once
+    assert_alone(snap, [m.loss for m in report.metrics])

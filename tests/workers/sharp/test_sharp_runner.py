@@ -983,8 +983,9 @@ def test_a_killed_ray_shard_worker_is_survived_exactly(ray_address: str, tmp_pat
     assert report.status is RunStatus.SUCCEEDED, report.error
     (lost,) = [e for e in report.events if e.kind == "device_lost"]
     assert lost.data["devices"] == [pool_devices[home].id]
-    # Copied at every step, task by task: the model picks up at its next task (or, lost
-    # at a step boundary, at the step's copy), replaying no step.
+    # Copied at every step, task by task: the model picks up at its next task (lost at a
+    # step boundary: at the step's copy, or, a part of it still on its way and lost, at the
+    # backward that part is of), replaying no step.
     assert lost.data["steps_replayed"] == 0, lost.data
     assert [m.step for m in report.metrics] == list(range(1, 41))
     assert_alone(snaps[0], [m.loss for m in report.metrics])
