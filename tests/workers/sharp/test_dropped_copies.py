@@ -22,6 +22,7 @@ from tests.workers.sharp.test_sharp_runner import (
     assert_alone,
     budget_for_shards,
     devices,
+    failed_call,
     model,
     train,
 )
@@ -120,10 +121,8 @@ class LastCopyFailingPool(LocalPool):
     def submit_after(self, host: int, after: Any, method: str, *args: Any) -> Any:
         if method != "copied" or (args[0], args[1]) not in self.last:
             return super().submit_after(host, after, method, *args)
-        failed: Future[Any] = Future()
-        device = self.devices[host].id
-        failed.set_exception(ShardFailed(device, "copy", "RuntimeError: it did not run"))
-        return _Local(host, method, failed)
+        error = ShardFailed(self.devices[host].id, "copy", "RuntimeError: it did not run")
+        return failed_call(host, method, error)
 
 
 @pytest.mark.unit

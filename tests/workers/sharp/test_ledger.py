@@ -19,6 +19,7 @@ from tests.workers.sharp.test_sharp_runner import (
     LosingPool,
     assert_alone,
     budget_for_shards,
+    lost_call,
     model,
     train,
 )
@@ -149,20 +150,17 @@ class CutCopyPool(LocalPool):
             if self.handed == self.cut_at:
                 self.cut = (host, Future())
                 return _Local(host, method, self.cut[1])
-        return self._lost(host, method) or super().submit_after(host, after, method, *args)
+        if host == self.gone:
+            return lost_call(self, host, method)
+        return super().submit_after(host, after, method, *args)
 
     def submit(self, host: int, method: str, *args: Any) -> Any:
         if self.cut is not None and self.gone is None and method == "forward":
             self.gone, cut = self.cut
             cut.set_exception(HostLost(self.devices[self.gone].id, "its node was preempted"))
-        return self._lost(host, method) or super().submit(host, method, *args)
-
-    def _lost(self, host: int, method: str) -> Any:
-        if host != self.gone:
-            return None
-        gone: Future[Any] = Future()
-        gone.set_exception(HostLost(self.devices[host].id, "its node was preempted"))
-        return _Local(host, method, gone)
+        if host == self.gone:
+            return lost_call(self, host, method)
+        return super().submit(host, method, *args)
 
 
 @pytest.mark.unit

@@ -4,6 +4,7 @@ host memory, each model's losses and parameters those of its run alone."""
 from __future__ import annotations
 
 import threading
+from concurrent.futures import Future
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,14 @@ from shoal.workers.checkpoints import CheckpointStore
 from shoal.workers.profiler import trace_costs
 from shoal.workers.reference import train_reference
 from shoal.workers.sharp.runner import SharpTrainer
-from shoal.workers.sharp.shard_pool import LocalPool, PoolFactory, RayPool
+from shoal.workers.sharp.shard_pool import (
+    HostLost,
+    InputLost,
+    LocalPool,
+    PoolFactory,
+    RayPool,
+    _Local,
+)
 from shoal.workers.snapshot import (
     DataRef,
     JobSnapshot,
@@ -504,17 +512,11 @@ class MoveLosingPool(LocalPool):
         self.gone = False
 
     def submit(self, host: int, method: str, *args: Any) -> Any:
-        from concurrent.futures import Future
-
-        from shoal.workers.sharp.shard_pool import HostLost, _Local
-
         moving = method == ("add" if self.lose == 1 else "drop") and args[0][0] in "ac"
         self.gone = self.gone or (host == self.lose and moving)
         if host != self.lose or not self.gone:
             return super().submit(host, method, *args)
-        gone: Future[Any] = Future()
-        gone.set_exception(HostLost(self.devices[host].id, "its node was preempted"))
-        return _Local(host, method, gone)
+        return lost_call(self, host, method)
 
 
 class HomeLosingPool(MoveLosingPool):
@@ -603,6 +605,18 @@ def placed_first(pool: LocalPool, host: int, method: str) -> int | None:
     return target
 
 
+def failed_call(host: int, method: str, error: Exception) -> Any:
+    """A call to ``host`` that has failed with ``error``."""
+    failed: Future[Any] = Future()
+    failed.set_exception(error)
+    return _Local(host, method, failed)
+
+
+def lost_call(pool: LocalPool, host: int, method: str, why: str = "its node was preempted") -> Any:
+    """A call to ``host`` of ``pool`` that failed: its device was lost (``why``)."""
+    return failed_call(host, method, HostLost(pool.devices[host].id, why))
+
+
 class LosingPool(LocalPool):
     """A LocalPool whose device where the first model placed lives is lost at its
     ``lose_at``-th call from then on: it and every later one fail. With ``inputs_there``,
@@ -620,16 +634,11 @@ class LosingPool(LocalPool):
         self.inputs_lost = 0
 
     def submit(self, host: int, method: str, *args: Any) -> Any:
-        from concurrent.futures import Future
-
-        from shoal.workers.sharp.shard_pool import HostLost, InputLost, _Local
-
-        failure: Exception | None = None
         target = placed_first(self, host, method)
         if host == target:
             self.calls += self.counted is None or method in self.counted
             if self.calls >= self.lose_at:
-                failure = HostLost(self.devices[host].id, "its node was preempted")
+                return lost_call(self, host, method)
         elif (
             self.inputs_there
             and self.calls >= self.lose_at
@@ -637,12 +646,8 @@ class LosingPool(LocalPool):
             and method in ("forward", "backward")
         ):
             self.inputs_lost += 1
-            failure = InputLost(self.devices[host].id)
-        if failure is None:
-            return super().submit(host, method, *args)
-        gone: Future[Any] = Future()
-        gone.set_exception(failure)
-        return _Local(host, method, gone)
+            return failed_call(host, method, InputLost(self.devices[host].id))
+        return super().submit(host, method, *args)
 
 
 class CopyLosingPool(LocalPool):
@@ -659,19 +664,13 @@ class CopyLosingPool(LocalPool):
         self.gone = False
 
     def submit(self, host: int, method: str, *args: Any) -> Any:
-        from concurrent.futures import Future
-
-        from shoal.workers.sharp.shard_pool import HostLost, _Local
-
         target = placed_first(self, host, method)
         if host == target and method == "copy" and not self.gone:
             self.copies[args[0]] = self.copies.get(args[0], 0) + 1
             self.gone = min(self.copies.values()) >= self.copy_at
         if host != target or not self.gone:
             return super().submit(host, method, *args)
-        gone: Future[Any] = Future()
-        gone.set_exception(HostLost(self.devices[host].id, "its node was preempted"))
-        return _Local(host, method, gone)
+        return lost_call(self, host, method)
 
     def submit_after(self, host: int, after: Any, method: str, *args: Any) -> Any:
         """A hand-over in the task queue, right after its copy, and lost with the device:
@@ -710,18 +709,12 @@ class TaskLosingPool(LocalPool):
         self.gone: int | None = None
 
     def submit(self, host: int, method: str, *args: Any) -> Any:
-        from concurrent.futures import Future
-
-        from shoal.workers.sharp.shard_pool import HostLost, _Local
-
         self.tasks += method in ("forward", "backward")
         if self.gone is None and self.tasks >= self.lose_at:
             self.gone = host
         if host != self.gone:
             return super().submit(host, method, *args)
-        gone: Future[Any] = Future()
-        gone.set_exception(HostLost(self.devices[host].id, "its node was preempted"))
-        return _Local(host, method, gone)
+        return lost_call(self, host, method)
 
 
 @pytest.mark.unit
@@ -889,16 +882,10 @@ class EveryDeviceLosingPool(LocalPool):
         self.calls = 0
 
     def submit(self, host: int, method: str, *args: Any) -> Any:
-        from concurrent.futures import Future
-
-        from shoal.workers.sharp.shard_pool import HostLost, _Local
-
         self.calls += 1
         if self.calls < self.lose_at:
             return super().submit(host, method, *args)
-        gone: Future[Any] = Future()
-        gone.set_exception(HostLost(self.devices[host].id, "its node left"))
-        return _Local(host, method, gone)
+        return lost_call(self, host, method, "its node left")
 
 
 class LateEveryDeviceLosingPool(EveryDeviceLosingPool):

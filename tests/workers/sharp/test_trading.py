@@ -18,7 +18,13 @@ from shoal.workers.sharp.runner import SharpTrainer
 from shoal.workers.sharp.shard_pool import Call, LocalPool, PoolFactory, RayPool
 from shoal.workers.sharp.trading import Trading
 from shoal.workers.snapshot import JobSnapshot, RunStatus
-from tests.workers.sharp.test_sharp_runner import assert_alone, budget_for_shards, devices, model
+from tests.workers.sharp.test_sharp_runner import (
+    assert_alone,
+    budget_for_shards,
+    devices,
+    lost_call,
+    model,
+)
 
 
 class Trained(NamedTuple):
@@ -105,16 +111,10 @@ class HandOverLosingPool(LocalPool):
         self.gone = False
 
     def submit(self, host: int, method: str, *args: Any) -> Any:
-        from concurrent.futures import Future
-
-        from shoal.workers.sharp.shard_pool import HostLost, _Local
-
         self.gone = self.gone or (host == 0 and method == "give")
         if host != 0 or not self.gone:
             return super().submit(host, method, *args)
-        gone: Future[Any] = Future()
-        gone.set_exception(HostLost(self.devices[0].id, "its node was preempted"))
-        return _Local(host, method, gone)
+        return lost_call(self, host, method)
 
 
 @pytest.mark.unit
