@@ -1,8 +1,10 @@
 """The controller's contract, end to end on a real database (SQLite and PostgreSQL).
 
-Every test runs against both ``Cluster`` implementations: runners as threads on in-process
+Tests run against both ``Cluster`` implementations: runners as threads on in-process
 stages (``InProcessCluster``, seconds) and runners as detached Ray actors driving StageWorker
-actors on the session's local Ray (``RayCluster``).
+actors on the session's local Ray (``RayCluster``, tens of seconds). A test whose Ray half
+would only repeat a Ray path another test drives runs in-process alone (``IN_PROCESS``), and
+says which test drives it on Ray.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from tests.factories import job_spec
 pytestmark = pytest.mark.integration
 
 NODES = [NodeInfo("f" * 56, True, {DEVICE_RESOURCE: 2.0}, {LABEL_KIND: "cpu"})]
+FOUR_DEVICES = [NodeInfo("f" * 56, True, {DEVICE_RESOURCE: 4.0}, NODES[0].labels)]
 
 
 class TwoDeviceRay(RayCluster):
@@ -57,6 +60,10 @@ def cluster(request: pytest.FixtureRequest) -> Iterator[Cluster]:
         return
     address = request.getfixturevalue("ray_address")
     yield TwoDeviceRay(address, timeout_s=30)
+
+
+IN_PROCESS = pytest.mark.parametrize("cluster", ["inprocess"], indirect=True)
+"""The controller's decisions on the in-process cluster only (the docstring's reason)."""
 
 
 def make_controller(factory: SessionFactory, cluster: Cluster, tmp_path: Path) -> Controller:
@@ -183,6 +190,7 @@ def test_job_trains_to_success_with_metrics_events_and_checkpoints(
     assert holders == {None}  # devices released
 
 
+@IN_PROCESS  # on Ray: the dead runner's test ends by cancelling
 def test_cancel_of_a_running_job(
     session_factory: SessionFactory, cluster: Cluster, tmp_path: Path
 ) -> None:
@@ -233,6 +241,7 @@ def test_a_dead_runner_is_restarted_from_the_latest_checkpoint(
     assert set(range(resumed.data["step"] + 1, last + 1)) <= recorded
 
 
+@IN_PROCESS  # a runner stopped on Ray: the dead runner's test
 def test_a_runner_that_keeps_dying_fails_the_job_with_the_reason(
     session_factory: SessionFactory, cluster: Cluster, tmp_path: Path
 ) -> None:
@@ -248,6 +257,7 @@ def test_a_runner_that_keeps_dying_fails_the_job_with_the_reason(
     assert "times without the job passing step" in (job(session_factory, job_id).error or "")
 
 
+@IN_PROCESS  # resumed on Ray from a checkpoint: the dead runner's test
 def test_restart_resumes_from_the_latest_checkpoint(
     session_factory: SessionFactory, cluster: Cluster, tmp_path: Path
 ) -> None:
@@ -327,6 +337,7 @@ def test_a_users_quota_keeps_their_next_job_waiting_until_one_ends(
     reconcile_until(controller, lambda: job(session_factory, first).state == "SUCCEEDED")
 
 
+@IN_PROCESS  # on Ray: tests/integration/test_shoal_up.py's adoptions
 def test_a_new_controller_finds_running_jobs_instead_of_starting_them_again(
     session_factory: SessionFactory, cluster: Cluster, tmp_path: Path
 ) -> None:
@@ -357,19 +368,12 @@ def test_a_job_that_does_not_fit_waits_with_its_reason_said_once(
     assert job(session_factory, big).state == "QUEUED"
 
 
-@pytest.fixture(params=["inprocess", "ray"])
-def four_device_cluster(request: pytest.FixtureRequest) -> Iterator[Cluster]:
-    """The same two backends with four devices: the session Ray's, or four in-process ones."""
-    if request.param == "inprocess":
-        yield InProcessCluster([NodeInfo("f" * 56, True, {DEVICE_RESOURCE: 4.0}, NODES[0].labels)])
-        return
-    yield RayCluster(request.getfixturevalue("ray_address"), timeout_s=30)
-
-
+# On Ray: replicated pipelines in tests/workers/pipeline/test_runner.py, four stages through
+# the API in tests/integration/test_shoal_up.py.
 def test_a_two_stage_two_replica_job_trains_to_success(
-    session_factory: SessionFactory, four_device_cluster: Cluster, tmp_path: Path
+    session_factory: SessionFactory, tmp_path: Path
 ) -> None:
-    controller = make_controller(session_factory, four_device_cluster, tmp_path)
+    controller = make_controller(session_factory, InProcessCluster(FOUR_DEVICES), tmp_path)
     job_id = submit(
         session_factory,
         owner(session_factory),
@@ -534,9 +538,7 @@ class Resizable:
 @pytest.fixture(params=["inprocess", "ray"])
 def resizable(request: pytest.FixtureRequest) -> Iterator[Resizable]:
     if request.param == "inprocess":
-        inner: Cluster = InProcessCluster(
-            [NodeInfo("f" * 56, True, {DEVICE_RESOURCE: 4.0}, NODES[0].labels)]
-        )
+        inner: Cluster = InProcessCluster(FOUR_DEVICES)
     else:
         inner = RayCluster(request.getfixturevalue("ray_address"), timeout_s=30)
     yield Resizable(inner, 2)
@@ -655,6 +657,8 @@ def assert_exact_steps(factory: SessionFactory, job_id: str) -> None:
     assert list(losses) == pytest.approx(reference_losses(len(steps), 4), rel=1e-5, abs=1e-6)
 
 
+# On Ray: a node added mid-run, tests/integration/test_elastic.py.
+@pytest.mark.parametrize("resizable", ["inprocess"], indirect=True)
 def test_a_running_job_grows_onto_devices_that_appear(
     session_factory: SessionFactory, resizable: Resizable, tmp_path: Path
 ) -> None:
@@ -680,9 +684,7 @@ def test_a_job_does_not_grow_for_less_than_the_configured_gain(
 ) -> None:
     """Two more devices appear, but no layout on them is predicted 99% faster: the job
     finishes where it started."""
-    cluster = Resizable(
-        InProcessCluster([NodeInfo("f" * 56, True, {DEVICE_RESOURCE: 4.0}, NODES[0].labels)]), 2
-    )
+    cluster = Resizable(InProcessCluster(FOUR_DEVICES), 2)
     config = ControllerConfig(checkpoint_root=str(tmp_path / "ckpt"), growth_min_gain=0.99)
     controller = Controller(session_factory, cluster, config)  # type: ignore[arg-type]
     job_id = growing_job(session_factory, controller)
@@ -694,6 +696,8 @@ def test_a_job_does_not_grow_for_less_than_the_configured_gain(
     assert len(job(session_factory, job_id).devices) == 2
 
 
+# On Ray: the nodes Ray drains, tests/integration/test_elastic.py; the suspension below.
+@pytest.mark.parametrize("resizable", ["inprocess"], indirect=True)
 def test_a_drained_device_is_left_at_a_step_boundary_without_losing_a_step(
     session_factory: SessionFactory, resizable: Resizable, tmp_path: Path
 ) -> None:
@@ -956,12 +960,13 @@ def trained_losses(controller: Controller, factory: SessionFactory, job_id: str)
         )
 
 
-def test_a_job_of_sharded_replicas_trains_as_one_of_whole_replicas(
+@IN_PROCESS
+def test_sharded_replicas_asked_of_in_process_stages_train_whole_and_the_job_says_so(
     session_factory: SessionFactory, cluster: Cluster, tmp_path: Path
 ) -> None:
-    """``parallelism.shard`` through submission, the controller and the runner: on Ray the
-    replicas shard (ZeRO-3: the parameters too) and train as whole ones do; in-process they
-    stay whole, and the job says so. (ZeRO-2 goes the same way in ``shard: auto``'s test.)"""
+    """``parallelism.shard`` through submission, the controller and the runner: in-process
+    the replicas stay whole, and the job says so. (On Ray they shard: ``shard: auto``'s test
+    through the controller, and every mode in tests/workers/pipeline/test_sharding.py.)"""
     controller = make_controller(session_factory, cluster, tmp_path)
     who = owner(session_factory)
     losses = {}
@@ -977,12 +982,12 @@ def test_a_job_of_sharded_replicas_trains_as_one_of_whole_replicas(
         )
         losses[shard] = trained_losses(controller, session_factory, job_id)
         said = [e.data["sharded"] for e in events(session_factory, job_id) if e.kind == "shard"]
-        on_ray = not isinstance(cluster, InProcessCluster)
-        assert said == ([on_ray] if shard != "none" else []), said
+        assert said == ([False] if shard != "none" else []), said
     assert len(losses["full"]) == 20
     assert losses["full"] == pytest.approx(losses["none"], rel=1e-5, abs=1e-6)
 
 
+@IN_PROCESS  # on Ray: tests/workers/pipeline/test_tensor_stages.py
 def test_a_tensor_parallel_job_trains_as_one_on_one_device(
     session_factory: SessionFactory, cluster: Cluster, tmp_path: Path
 ) -> None:
