@@ -29,7 +29,6 @@ travel as one flat buffer per stage: one call per step instead of one per parame
 from __future__ import annotations
 
 import datetime
-import gc
 import socket
 from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
@@ -159,14 +158,12 @@ class GroupMember:
         return self._group
 
     def close(self) -> None:
-        """Leave the group at once: the peers' pending operations with this rank fail (gloo
-        closes its connections when the group is dropped, NCCL when aborted), so nobody
-        waits out a timeout on a rank that gave up."""
+        """Leave the group at once: the peers' pending operations with this rank fail (the
+        abort closes its connections), so nobody waits out a timeout on a rank that gave up.
+        (No garbage collection here: a full one costs seconds in a process holding much.)"""
         group, self._group, self._store = self._group, None, None
         if group is not None:
             group.abort()
-        del group
-        gc.collect()  # the group's destructor is what closes gloo's sockets
 
 
 class GlooCollective(GroupMember):
