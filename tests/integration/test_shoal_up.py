@@ -280,45 +280,6 @@ def test_four_stages_train_exactly_like_one_through_the_api(
     assert {t["device_id"] for t in times} == set(four["devices"])
 
 
-@pytest.mark.parametrize("database_url", ["postgresql"], indirect=True)
-def test_a_restarted_control_plane_adopts_the_running_job(
-    shoal_up: StartShoal, empty_database: str, runner_reaper: list[str], tmp_path: Path
-) -> None:
-    from shoal.workers.actors import find_runner
-
-    home = tmp_path / "home"
-    first = shoal_up(home, empty_database)
-    token = admin_token(first)
-    # Long enough to be training still while the second control plane starts (~10 s here).
-    steps = 300
-    spec = example_spec(name="mlp-digits-long", steps=steps, checkpoint={"every_steps": 100})
-    job_id = curl_submit(first, token, spec, tmp_path)["id"]
-    runner_reaper.append(job_id)
-    running = Api(first, token).wait_state(
-        job_id, lambda j: j["state"] == "RUNNING" and j["step"] > 0, "the job to train"
-    )
-
-    first.kill9()
-    assert running["step"] < steps, "the job ended before the control plane was killed"
-    assert find_runner(job_id) is not None, "the detached runner died with the control plane"
-
-    second = shoal_up(home, empty_database)
-    assert admin_token(second) == token  # the stored admin token is still valid
-    api = Api(second, token)
-    job = api.wait_state(job_id, lambda j: j["state"] == "SUCCEEDED", "the job to succeed")
-
-    assert job["attempt"] == 1 and job["step"] == steps and job["error"] is None
-    events = api.items(job_id, "events")
-    assert [e["kind"] for e in events].count("placement") == 1, "a second runner was started"
-    assert state_changes(events) == [
-        (None, "QUEUED"),
-        ("QUEUED", "RUNNING"),
-        ("RUNNING", "SUCCEEDED"),
-    ]
-    metrics = api.items(job_id, "metrics")
-    assert [m["step"] for m in metrics] == list(range(1, steps + 1))
-
-
 def local_ray_sessions(shoal: ShoalUp) -> set[int]:
     """The sessions of the ``ray start`` processes of the local cluster ``shoal`` runs (each
     node leads one; its raylet, GCS and workers run in it), found by the cluster's address."""
