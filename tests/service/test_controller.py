@@ -337,7 +337,7 @@ def test_a_users_quota_keeps_their_next_job_waiting_until_one_ends(
     reconcile_until(controller, lambda: job(session_factory, first).state == "SUCCEEDED")
 
 
-@IN_PROCESS  # on Ray: tests/integration/test_shoal_up.py's adoptions
+@IN_PROCESS  # on Ray: a restarted `shoal up`, in test_shoal_up.py and the chaos test
 def test_a_new_controller_finds_running_jobs_instead_of_starting_them_again(
     session_factory: SessionFactory, cluster: Cluster, tmp_path: Path
 ) -> None:
