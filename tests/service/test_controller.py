@@ -63,7 +63,8 @@ def cluster(request: pytest.FixtureRequest) -> Iterator[Cluster]:
 
 
 IN_PROCESS = pytest.mark.parametrize("cluster", ["inprocess"], indirect=True)
-"""The controller's decisions on the in-process cluster only (the docstring's reason)."""
+"""Run a test on the in-process cluster only: its Ray half would repeat a Ray test (named
+beside each use)."""
 
 
 def make_controller(factory: SessionFactory, cluster: Cluster, tmp_path: Path) -> Controller:
