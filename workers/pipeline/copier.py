@@ -12,8 +12,8 @@ such as batch-norm statistics) is copied before ``start`` returns; it is small.
   block; ``guard`` makes the compute stream wait for the block's event, so the host never
   waits for it. Pinning host memory takes longer than a step (hundreds of megabytes:
   ~0.1 s), so a copy that needs more than is pinned pins what all the copies alive at once
-  need (the kept ones and the one being made) and hands it to torch's caching host
-  allocator, which the copies after reuse: double-buffered, never pinned afresh. That is
+  need (the kept ones, the one being made among them) and hands it to torch's caching host
+  allocator, which the copies after reuse: never pinned afresh. That is
   the first copy, and the first after the state grew: a job's first copy, at step 0, is
   taken before its optimizer has any state (Adam's moments appear with the first step).
 - Blocks on the CPU (a CPU device's, or a SHARP shard demoted to host memory) are copied
@@ -22,7 +22,8 @@ such as batch-norm statistics) is copied before ``start`` returns; it is small.
   that ships and holds copies (``count_thread``): it is reported (``take_busy``) and booked
   as the copies' cost.
 
-The last ``generations`` copies are kept; ``result`` waits for one to complete.
+The last ``generations`` copies started are kept, the one being made among them (the
+oldest goes as a new one starts); ``result`` waits for one to complete.
 """
 
 from __future__ import annotations
@@ -103,9 +104,10 @@ class _Copy:
 
 
 class Copier:
-    """The copies of one worker's blocks on ``device``: the last ``generations`` kept."""
+    """The copies of one worker's blocks on ``device``: the last ``generations`` started
+    kept."""
 
-    def __init__(self, device: torch.device, generations: int = 2) -> None:
+    def __init__(self, device: torch.device, generations: int) -> None:
         self._kept: deque[_Copy] = deque(maxlen=generations)
         self._changed = threading.Condition()
         self._started = 0
@@ -142,6 +144,9 @@ class Copier:
         ``blocks`` as they are after ``step`` steps; returns at once."""
         self._training = threading.get_ident()
         copy = _Copy(step, number)
+        with self._changed:  # the oldest goes first: its host memory serves the new one
+            while len(self._kept) >= (self._kept.maxlen or 0):
+                self._kept.popleft()
         try:
             self._begin(copy, blocks)
             self._unguarded.update(copy.blocks)
@@ -215,7 +220,7 @@ class Copier:
         """Copy ``number``'s step and blocks' host states, once complete, waiting up to
         ``timeout`` seconds for it to start (a call from another thread may come before
         the ``start`` it follows). A copy started and no longer kept (dropped by ``clear``,
-        or a later one started twice since) raises ``CopyDropped`` at once."""
+        or the oldest kept as a later one started) raises ``CopyDropped`` at once."""
         deadline = time.monotonic() + timeout
         with self._changed:
             while self._started < number:
@@ -271,15 +276,16 @@ class Copier:
 
     def _pin(self, states: list[Any]) -> None:
         """Make torch's caching host allocator hold pinned blocks for every copy alive at
-        once of ``states`` (the kept ones and the one being made), when they need more than
-        it was made to hold: request at once what the kept copies do not already hold, and
-        free it into the allocator's cache, where the copies' ``torch.empty(pin_memory=True)``
-        find it. Counted by the allocator's size classes: the requests it serves from blocks
-        it had cached count too, so a copy after this never pins."""
+        once of ``states`` (the kept ones, the one being made among them), when they need
+        more than it was made to hold: request at once what the kept copies do not already
+        hold, and free it into the allocator's cache, where the copies'
+        ``torch.empty(pin_memory=True)`` find it. Counted by the allocator's size classes:
+        the requests it serves from blocks it had cached count too, so a copy after this
+        never pins."""
         needs = _size_classes(t for t in tensors_in(states) if t.device.type != "cpu")
         if needs <= self._ready:
             return
-        alive = (self._kept.maxlen or 0) + 1
+        alive = self._kept.maxlen or 0
         held = _size_classes(
             t
             for copy in self._kept

@@ -3,17 +3,18 @@ checkpoint read, at most the steps between two copies replayed.
 
 At a step boundary every few steps (as often as the copies' measured cost allows:
 ``scheduler.copies``) each worker keeps a snapshot of its blocks (parameters and optimizer
-state, in host memory; the last two) and sends it to its *buddy*, a worker on another node
-where there is one, which holds it (``Copies``). When a worker is lost mid-step:
+state, in host memory; its last three) and sends it to its *buddy*, a worker on another
+node where there is one, which holds it (its last two: ``Copies``). When a worker is lost
+mid-step:
 
 1. The others are asked what they hold (``saved_steps``); a worker that does not answer is
    lost too.
 2. The restore step is the latest step for which every survivor has its own snapshot and
    every block is in some survivor's snapshot or in a copy held for a lost worker (the
-   latest copy may not have arrived: then the one before; at most the interval between
-   copies is replayed). A replica of a sharded stage copies only its slice of each
-   block's parameters and optimizer state: a block is held when one slice of every rank
-   is (``scheduler.pieces``).
+   latest copies may not have arrived: then an earlier one, at the earliest the latest the
+   runner confirmed held, ``Copies.most_replayed``). A replica of a sharded stage copies
+   only its slice of each block's parameters and optimizer state: a block is held when one
+   slice of every rank is (``scheduler.pieces``).
 3. The blocks are re-cut over the surviving devices (``scheduler.layout``: the partitioner
    picks stages and replicas); survivors roll back to the restore step (a sharded replica
    given the other replicas' slices: its blocks are whole again, and the next step shards
@@ -22,6 +23,13 @@ where there is one, which holds it (``Copies``). When a worker is lost mid-step:
 
 The result is the same model state a single process would have after the restore step, so
 the run continues exactly.
+
+Why a worker keeps three copies of its own: a copy handed out ahead (with the next step
+call, before the last is collected) may run on a worker while its buddy's copy of the
+boundary before is still on its way to it; with two kept, both could then be younger than
+anything it holds for that buddy, and a loss there would find no restore step. The runner
+confirms each copy held before it hands out the one two boundaries later, so the oldest of
+three is held everywhere (``Copies.confirm``).
 """
 
 from __future__ import annotations
@@ -31,7 +39,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from shoal.scheduler.copies import CopyCadence, most_replayed
+from shoal.scheduler.copies import CopyCadence
 from shoal.scheduler.layout import plan_layout
 from shoal.scheduler.partition import PartitionError
 from shoal.scheduler.pieces import Piece, fetch_plan, whole_blocks
@@ -77,8 +85,9 @@ class Copies:
         self.cadence = CopyCadence(budget)
         self.taken: int | None = None
         """The step of the latest copy."""
-        self._before: int | None = None
-        """The step of the copy before it."""
+        self._floor: int | None = None
+        """The step of the latest copy confirmed held, or of the first copy of the workers
+        formed last until one is: the earliest a recovery restores."""
         self._number = 0
         """Copies asked for so far (each worker's ``snapshot`` and ``shipment`` name one)."""
         self._unmeasured: int | None = None
@@ -91,9 +100,12 @@ class Copies:
         """Steps after ``step`` until the next copy is due (0: now)."""
         return self.cadence.steps_to_next(self.taken, step)
 
-    def most_replayed(self) -> int:
-        """The most steps a worker lost now replays (``scheduler.copies.most_replayed``)."""
-        return most_replayed(self.cadence.interval, self.taken, self._before)
+    def most_replayed(self, step: int) -> int:
+        """The most steps a worker lost during step ``step + 1`` replays: back to the
+        latest copy confirmed held (later ones may still be on their way; every survivor
+        still keeps its own copy of it, ``workers.pipeline.stage``). With copies every k
+        steps, at most k: by a boundary, the copy k steps before it is confirmed."""
+        return step - (self._floor if self._floor is not None else step)
 
     def observe(self, metrics: StepMetrics) -> None:
         """Take a recorded step's time and the seconds its workers spent on the copy just
@@ -108,7 +120,9 @@ class Copies:
     ) -> None:
         """Take the copy of ``step`` now. ``fresh``: the workers or their links were just
         formed, and the next step's time would hold that too: it does not measure the copy."""
-        self._before, self.taken = self.taken, step
+        self.taken = step
+        if self._floor is None:
+            self._floor = step
         self._unmeasured = step if fresh else None
         self._number += 1
         holders = buddies(layout)
@@ -128,12 +142,17 @@ class Copies:
     def confirm(self, group: WorkerGroup, step: int, timeout: float) -> None:
         """Surface the errors of the copies of steps before ``step`` (one of ``step`` itself
         may have been asked for ahead of the steps up to it: it is confirmed later)."""
-        due = [h for at, handles in self._pending if at < step for h in handles]
+        due = [(at, handles) for at, handles in self._pending if at < step]
         self._pending = [(at, handles) for at, handles in self._pending if at >= step]
-        group.get(due, timeout)
+        group.get([h for _, handles in due for h in handles], timeout)
+        if due:
+            self._floor = max(at for at, _ in due)
 
     def drop(self) -> None:
+        """Forget the copies under way: the workers are formed again (a recovery); the
+        next ``refresh`` is the first of the new ones."""
         self._pending = []
+        self._floor = None
 
 
 def copies_event(cadence: CopyCadence, step: int) -> RunnerEvent:

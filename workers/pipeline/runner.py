@@ -301,6 +301,7 @@ class Trainer:
     ) -> tuple[Layout, int]:
         """A worker was lost during step ``step + 1``: re-form the job from the survivors'
         in-memory copies (``workers.pipeline.recovery``); the layout and the step to run next."""
+        most = copies.most_replayed(step)
         copies.drop()
         # A call handed out ahead ran (or failed) on the survivors before they answer the
         # survey (calls run in order): the rollback undoes it, and the run goes on from the
@@ -329,7 +330,7 @@ class Trainer:
                     "resume_step": found.restore_step,
                     "steps_replayed": replayed,
                     "copy_interval": copies.cadence.interval,
-                    "most_replayed": copies.most_replayed(),
+                    "most_replayed": most,
                 },
             )
         )

@@ -55,8 +55,9 @@ from shoal.workers.snapshot import StagePlan
 from shoal.workers.wire import Wire, receive, receive_tree, send, send_tree
 from shoal.workers.zoo.data import loss_fn
 
-_GENERATIONS = 2
-"""Steps of in-memory copies kept: the last one may be incomplete when a device is lost."""
+_OWN_COPIES, _HELD_COPIES = 3, 2
+"""In-memory copies kept: a worker's own, the one being made among them, and those it holds
+for each other worker (why: ``workers.pipeline.recovery``)."""
 
 
 class Stage:
@@ -95,8 +96,8 @@ class Stage:
         self._replicas = Replicas(self.device, setup.shard, self._timer.span)
         self._links = Links(self.device)
         self._draws = Draws(setup)
-        self._own = Copier(self.device, _GENERATIONS)
-        self._held = Held(_GENERATIONS)
+        self._own = Copier(self.device, _OWN_COPIES)
+        self._held = Held(_HELD_COPIES)
         self._failed_step = False
         """A step failed since the blocks were last loaded or rolled back: their state is
         no step's, and no copy of it is taken."""
@@ -415,8 +416,8 @@ class Stage:
 
     def snapshot(self, step: int, number: int) -> None:
         """Start copy ``number`` (rising with each copy) of the blocks' state after ``step``
-        steps (the last two are kept), made while the next step runs (``copier``); a sharded
-        replica copies its shares. Host memory it needs first (pinned, once) is not timed."""
+        steps, made while the next step runs (``copier``); a sharded replica copies its
+        shares. Host memory it needs first (pinned, once) is not timed."""
         if self._failed_step:  # a copy handed out ahead, after a step that then failed
             self._own.skip(number)
             raise StageStateError(
@@ -442,8 +443,7 @@ class Stage:
         return shipped
 
     def hold(self, owner: str, step: int, states: Mapping[int, Any]) -> None:
-        """Keep another worker's ``shipment`` (the last two steps of each owner), as it
-        came: in wire form, turned back into tensors only if used."""
+        """Keep another worker's ``shipment`` as it came: in wire form, read if used."""
         self._own.count_thread()
         self._held.keep(owner, step, dict(states))
 

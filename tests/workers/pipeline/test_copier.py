@@ -25,7 +25,7 @@ class LateCopier(Copier):
     meanwhile shows in the copy unless ``guard`` holds it back."""
 
     def __init__(self) -> None:
-        super().__init__(torch.device("cpu"))
+        super().__init__(torch.device("cpu"), 3)
         self.gate = threading.Event()
 
     def _copy(self, state: Any) -> Any:
@@ -108,24 +108,25 @@ def test_only_the_change_after_a_copy_waits_for_it() -> None:
     assert not copier.pending(0) and copier.pending(1)
 
 
-def test_the_last_two_copies_are_kept_and_a_rollback_restores_either_exactly() -> None:
-    chain, copier = blocks(), Copier(torch.device("cpu"))
+def test_the_last_copies_started_are_kept_and_a_rollback_restores_each_exactly() -> None:
+    chain, copier = blocks(), Copier(torch.device("cpu"), 3)
     states = {}
-    for step in range(3):
+    for step in range(4):
         copier.start(step, step + 1, chain)
         states[step] = {b.index: b.state() for b in chain}
         train_step(chain, copier, seed=step)
-    assert [s for s, _ in copier.steps()] == [1, 2]
+    assert [s for s, _ in copier.steps()] == [1, 2, 3]
     assert copier.result(0) is None
-    copied = copier.result(1)
-    assert copied is not None
-    for block in chain:
-        block.load(copied[block.index])
-        assert_states_equal(block.state(), states[1][block.index])
+    for step in (3, 1, 2):
+        copied = copier.result(step)
+        assert copied is not None
+        for block in chain:
+            block.load(copied[block.index])
+            assert_states_equal(block.state(), states[step][block.index])
 
 
 def test_a_shipment_waits_for_its_copy_to_start_and_gives_up_at_once_if_it_was_dropped() -> None:
-    chain, copier = blocks(), Copier(torch.device("cpu"))
+    chain, copier = blocks(), Copier(torch.device("cpu"), 3)
     got: list[Any] = []
     waiter = threading.Thread(target=lambda: got.append(copier.wait_for(1, timeout=30.0)))
     waiter.start()
@@ -167,7 +168,7 @@ def test_held_copies_keep_the_last_two_steps_of_each_owner_and_say_their_pieces(
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_a_cuda_copy_is_the_boundary_state_and_lands_in_pinned_memory() -> None:
-    chain, copier = blocks(), Copier(torch.device("cuda"))
+    chain, copier = blocks(), Copier(torch.device("cuda"), 3)
     for block in chain:
         block.to(torch.device("cuda"))
     train_step(chain, copier, 0, "cuda")
@@ -186,7 +187,7 @@ def test_a_cuda_copy_is_the_boundary_state_and_lands_in_pinned_memory() -> None:
 def test_cuda_copies_pin_host_memory_only_when_the_state_grows() -> None:
     """A job's first copy comes before its optimizer has state; the copy after Adam's
     moments appear pins for them, and every copy after that reuses pinned memory."""
-    chain, copier = blocks(), Copier(torch.device("cuda"))
+    chain, copier = blocks(), Copier(torch.device("cuda"), 3)
     for block in chain:
         block.to(torch.device("cuda"))
 
@@ -211,7 +212,7 @@ def burn(cpu_s: float) -> None:
 
 
 def test_the_threads_that_ship_and_hold_copies_count_as_their_cost_the_training_one_not() -> None:
-    chain, copier = blocks(), Copier(torch.device("cpu"))
+    chain, copier = blocks(), Copier(torch.device("cpu"), 3)
     copier.start(0, 1, chain)  # from the training thread
     copier.settle()
     copier.take_busy()

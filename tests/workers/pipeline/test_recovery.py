@@ -1,0 +1,92 @@
+"""A loss while copies are still on their way: the survivors restore the latest step that
+every one of them and every lost block's holder keeps, never older than the latest copy
+the runner confirmed held."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from shoal.workers.pipeline.local_group import LocalGroup, _Done
+from shoal.workers.pipeline.rebalance import Layout
+from shoal.workers.pipeline.recovery import Copies, recover
+from shoal.workers.pipeline.stage_types import StageSetup
+from shoal.workers.pipeline.worker_group import StageLost
+from shoal.workers.zoo.data import make_data
+from tests.factories import SGD, job
+from tests.workers.pipeline.test_copier import assert_states_equal
+
+pytestmark = pytest.mark.unit
+
+
+class InTransit(LocalGroup):
+    """A LocalGroup whose ``hold`` of worker ``late``'s copy of step ``step`` at worker
+    ``at`` never runs (the copy is still on its way), and whose worker ``lost`` answers
+    nothing once lost."""
+
+    def __init__(self, late: int, at: int, step: int, *args: Any) -> None:
+        self.lost: int | None = None
+        self.withheld: tuple[Any, ...] = ()
+        super().__init__(*args)
+        self.withheld = (at, "hold", (self._plans[late].device.id, step))
+
+    def submit(self, stage: int, method: str, *args: Any) -> Any:
+        if stage == self.lost:
+            plan = self._plans[stage]
+            return _Done(stage, method, error=StageLost(plan.index, plan.device.id, "node lost"))
+        if (stage, method, args[:2]) == self.withheld:
+            return _Done(stage, method)  # never confirmed: the runner has not got to it
+        return super().submit(stage, method, *args)
+
+    def train(self, seed: int) -> dict[int, Any]:
+        """Change every worker's blocks as a step would (once their copies are made); the
+        blocks' states after it."""
+        assert self._workers is not None
+        generator = torch.Generator().manual_seed(seed)
+        states: dict[int, Any] = {}
+        for worker in self._workers:
+            stage = worker.stage
+            stage.copier.settle()
+            with torch.no_grad():
+                for block in stage.blocks:
+                    for parameter in block.module.parameters():
+                        parameter.add_(torch.randn(parameter.shape, generator=generator))
+            states.update(stage.state())
+        return states
+
+
+def test_a_survivor_that_copied_ahead_of_its_buddys_copy_restores_the_copy_confirmed(
+    tmp_path: Path,
+) -> None:
+    """Worker 0 runs its copy of step 3 (handed out ahead) while worker 1's copy of step 2
+    is still on its way to it; worker 1 is then lost. Worker 0's own copies of steps 2 and
+    3 are younger than anything it holds for worker 1: the restore step is 1, the copy
+    the runner confirmed held, and the blocks come back exactly as they were after it."""
+    snap = job(tmp_path, [(0, 2), (2, 4)], optimizer=SGD, keep_copies=True, copy_budget=1.0)
+    layout = Layout(snap.stages, (snap.micro_batches,))
+    setup = StageSetup.of(snap, make_data(snap.data, 0).meta)
+    group = InTransit(1, 0, 2, snap.stages, setup)
+    copies = Copies(snap.copy_budget, 30.0)
+
+    group.train(seed=0)
+    after_1 = group.train(seed=1)
+    copies.refresh(group, layout, 1)  # held both ways
+    group.train(seed=2)
+    copies.refresh(group, layout, 2)  # worker 1's copy of it not at worker 0 yet
+    copies.confirm(group, 2, 30.0)  # the copies of step 1 are held
+    group.train(seed=3)
+    group.get([group.submit(0, "snapshot", 3, 3)], 30.0)  # the copy handed out ahead
+    group.lost = 1
+
+    assert copies.most_replayed(2) == 1  # lost during step 3: back to step 1 at most
+    found = recover(group, layout, snap, {}, 30.0)
+    assert found.restore_step == 1 and found.lost == (snap.stages[1].device.id,)
+    (plan,) = found.layout.plans
+    assert plan.blocks == (0, 4)
+    (restored,) = group.get([group.submit(0, "state")], 30.0)
+    assert restored.keys() == after_1.keys()
+    for index, state in after_1.items():
+        assert_states_equal(restored[index]["module"], state["module"])
