@@ -427,8 +427,7 @@ def test_every_fault_at_once_leaves_every_job_exact_and_every_submission_once(
             events = api.items(job["id"], "events")
             # A lost device costs at most the steps since the last checkpoint (both stages'
             # devices on one node: their in-memory copies went with it), or, recovered in
-            # place, at most the interval between in-memory copies (or between the last two
-            # copies when the interval had just shrunk).
+            # place, at most the steps since the latest copy the runner confirmed held.
             lost = [e for e in events if e["kind"] == "device_lost"]
             every = spec["checkpoint"]["every_steps"]
             most = [e["data"].get("most_replayed", every - 1) for e in lost]
