@@ -25,9 +25,12 @@ from shoal.workers.snapshot import StagePlan
 COPIES_GROUP = "copies"
 """The workers' concurrency group for the calls beside their training calls:
 ``workers.pipeline.stage_worker.COPIES``, ``workers.sharp.shard_worker.BESIDE``."""
+MOOT_GROUP = "moot"
+"""A stage worker's concurrency group for ``workers.pipeline.stage_worker.MOOT``, which
+must not wait behind a call of either other thread."""
 # Ray's typing of remote classes is partial; the actor classes are used untyped.
 _remote: Any = ray.remote
-_StageWorkerActor: Any = _remote(concurrency_groups={COPIES_GROUP: 1})(StageWorker)
+_StageWorkerActor: Any = _remote(concurrency_groups={COPIES_GROUP: 1, MOOT_GROUP: 1})(StageWorker)
 _ShardWorkerActor: Any = _remote(concurrency_groups={COPIES_GROUP: 1})(ShardWorker)
 
 
@@ -49,7 +52,8 @@ def start_stage_worker(plan: StagePlan, setup: StageSetup) -> ActorHandle[Any]:
     takes one ``shoal_device``. One thread for its training calls, never restarted and
     never retried, so Ray runs those calls from the runner in submission order (see
     ``workers.pipeline.group``) and a lost worker is reported, not silently replaced without its
-    state; a second thread runs the in-memory copies' calls beside them (``COPIES_GROUP``).
+    state; a second thread runs the in-memory copies' calls beside them (``COPIES_GROUP``),
+    a third the signal that a loss is surveyed (``MOOT_GROUP``).
     """
     options = _on_device(plan.device, len(plan.group))
     worker: ActorHandle[Any] = _StageWorkerActor.options(**options).remote(plan, setup)

@@ -1,13 +1,15 @@
-"""A call's result handed to a call beside training as something it waits for itself, not
-as an argument Ray fetches before the call runs.
+"""A call's result handed to another call as something it waits for itself, not as an
+argument Ray fetches before the call runs.
 
-A buddy's ``hold`` keeps a worker's ``shipment`` (its in-memory copy). Given as an argument,
-the shipment is fetched by Ray before ``hold`` runs, on the worker's one thread for copies,
-and nothing stops that wait: when the shipper's node is lost while its copy is on the way,
-the fetch lasts until Ray gives the object up, and every copy queued on that thread waits
-behind it, a recovery's fresh copies too, so the job's next boundary waits as well (7.5 s
-in a ``shoal bench elastic`` run; in a throwaway test, a 600 MB object whose node was
-killed mid-transfer was still being fetched 120 s later). As an ``Awaited`` the call polls
+A buddy's ``hold`` keeps a worker's ``shipment`` (its in-memory copy); a relayed step's
+``forward`` takes the stage before's activation; a ``rollback`` or ``adopt`` takes blocks
+other workers export. Given as an argument, the result is fetched by Ray before the call
+runs, and nothing stops that wait: when the node it comes from is lost while it is on the
+way, the fetch lasts until Ray gives the object up (7.5 s for a copy in a ``shoal bench
+elastic`` run; in a throwaway test, a 600 MB object whose node was killed mid-transfer was
+still being fetched 120 s later), and every call queued on that thread of the worker waits
+behind it: a recovery's fresh copies, or the survey that asks the worker what it holds, a
+worker that does not answer it being counted lost too. As an ``Awaited`` the call polls
 for it, and gives up as soon as the receiving worker says the wait is moot.
 """
 

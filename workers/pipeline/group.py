@@ -55,7 +55,7 @@ from ray.exceptions import (
 from shoal.workers import launch
 from shoal.workers.pipeline.awaited import Awaited
 from shoal.workers.pipeline.stage_types import StageSetup
-from shoal.workers.pipeline.stage_worker import COPIES, LinkFailed, StageFailed
+from shoal.workers.pipeline.stage_worker import COPIES, MOOT, LinkFailed, StageFailed
 from shoal.workers.pipeline.worker_group import (
     GroupTimeout,
     Handle,
@@ -284,12 +284,14 @@ class RayGroup:
             launch.kill_worker(actor)
 
     def submit(self, stage: int, method: str, *args: Any) -> Handle:
-        beside = method in COPIES
-        # A call beside training waits for another call's result itself (``awaited``).
-        refs = [(Awaited(a.ref) if beside else a.ref) if isinstance(a, _Ref) else a for a in args]
+        # A call waits for another call's result itself (``awaited``), not Ray before it
+        # runs: a wait that a loss makes moot then ends when the loss is surveyed.
+        refs = [Awaited(a.ref) if isinstance(a, _Ref) else a for a in args]
         call: Any = self._actors[stage].call
-        if beside:
+        if method in COPIES:
             call = call.options(concurrency_group=launch.COPIES_GROUP)
+        elif method == MOOT:
+            call = call.options(concurrency_group=launch.MOOT_GROUP)
         return _Ref(stage, method, call.remote(method, *refs))
 
     def all_reduce(self, workers: Sequence[int]) -> list[Handle]:

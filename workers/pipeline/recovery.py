@@ -45,7 +45,7 @@ from shoal.scheduler.partition import PartitionError
 from shoal.scheduler.pieces import Piece, fetch_plan, whole_blocks
 from shoal.scheduler.profile import uniform_costs
 from shoal.workers.pipeline.rebalance import Layout, settle
-from shoal.workers.pipeline.stage_worker import StageFailed
+from shoal.workers.pipeline.stage_worker import MOOT, StageFailed
 from shoal.workers.pipeline.worker_group import GroupTimeout, Handle, StageLost, WorkerGroup
 from shoal.workers.snapshot import JobSnapshot, RunnerEvent, StepMetrics, stage_plans
 
@@ -185,7 +185,11 @@ class Recovery:
 
 def survey(group: WorkerGroup, layout: Layout, timeout: float) -> dict[int, dict[str, Any]]:
     """What each worker answering within ``timeout`` holds (``saved_steps``), by position;
-    a live worker answers once the calls of the broken step have failed."""
+    a live worker answers once the calls of the broken step have failed. Told first that
+    the loss is surveyed (``MOOT``), a worker's calls still waiting for a result the loss
+    may have cut off (a lost worker's activation, or its copy) give up at once."""
+    for w in range(len(layout.plans)):
+        group.submit(w, MOOT)
     handles = {w: group.submit(w, "saved_steps") for w in range(len(layout.plans))}
     deadline = time.monotonic() + timeout
     answers: dict[int, dict[str, Any]] = {}

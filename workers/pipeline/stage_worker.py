@@ -58,6 +58,11 @@ COPIES = frozenset({"shipment", "hold"})
 group, a thread of its own), so that handing out and keeping in-memory copies never
 queues ahead of a step. Everything else runs one call at a time, in submission order."""
 
+MOOT = "moot"
+"""The call that tells a worker a loss is being surveyed (Ray: in a concurrency group of
+its own, so it never waits behind another call): every call still waiting for another
+call's result gives it up (``_opened``)."""
+
 
 class StageFailed(RuntimeError):
     """A stage method raised: which stage, which call, and the error in one line."""
@@ -96,9 +101,9 @@ class StageWorker:
 
     def __init__(self, plan: StagePlan, setup: StageSetup) -> None:
         self.plan = plan
-        self._surveys = 0
-        """``saved_steps`` calls so far: each asks after a loss, and moots the copies this
-        worker was still waiting for (``_opened``)."""
+        self._moots = 0
+        """``MOOT`` and ``saved_steps`` calls so far: each says a loss is surveyed, and
+        moots the results this worker's calls were still waiting for (``_opened``)."""
         self._stage: Stage | StageFailed
         try:
             self._stage = Stage(plan, setup)
@@ -118,10 +123,12 @@ class StageWorker:
         if isinstance(self._stage, StageFailed):
             raise self._stage
         stage = self._stage
+        if method in (MOOT, "saved_steps"):
+            self._moots += 1
+        if method == MOOT:
+            return None
         if method not in STAGE_METHODS:
             raise StageFailed(stage.index, method, f"no such stage method {method!r}")
-        if method == "saved_steps":
-            self._surveys += 1
         # Outside the boundary below: an awaited call's error leaves as that call raised it.
         args = tuple(self._opened(method, a) for a in args)
         try:
@@ -132,17 +139,18 @@ class StageWorker:
             raise StageFailed(stage.index, method, one_line(exc)) from exc
 
     def _opened(self, method: str, arg: Any) -> Any:
-        """``arg``, or the result it awaits (``Awaited``: a copy on its way to a ``hold``),
-        given up once the worker is surveyed after a loss: the survey has answered without
-        it, the recovery takes fresh copies, and those queue behind this call."""
+        """``arg``, or the result it awaits (``Awaited``: another call's, such as a copy on
+        its way to a ``hold`` or an activation relayed to a training call), given up once a
+        loss is surveyed: the survey answers without it, the recovery takes fresh copies and
+        rolls the step back, and their calls queue behind this one."""
         if not isinstance(arg, Awaited):
             return arg
-        surveys = self._surveys
+        moots = self._moots
 
         def moot() -> str | None:
-            if self._surveys == surveys:
+            if self._moots == moots:
                 return None
-            return "gave up waiting for the copy: a loss was surveyed meanwhile"
+            return "gave up waiting for another call's result: a loss was surveyed meanwhile"
 
         try:
             return arg.result(moot)

@@ -19,6 +19,8 @@ from shoal.workers.pipeline.batch_rows import Rows
 from shoal.workers.pipeline.clipping import clip_coefficient
 from shoal.workers.pipeline.group import NEW_NODE_S, RayGroup
 from shoal.workers.pipeline.local_group import LocalGroup
+from shoal.workers.pipeline.rebalance import Layout
+from shoal.workers.pipeline.recovery import survey
 from shoal.workers.pipeline.stage_types import StageSetup
 from shoal.workers.pipeline.stage_worker import StageFailed
 from shoal.workers.pipeline.worker_group import (
@@ -280,6 +282,34 @@ def test_a_hold_still_waiting_when_a_loss_is_surveyed_gives_up_and_frees_the_cop
         assert waited < 20.0, f"the fresh copy was held {waited:.1f} s later: after the stale"
         (held,) = group.get([group.submit(1, "saved_steps")], 60)
         assert list(held["copies"]) == ["cpu-2"], held
+    finally:
+        group.shutdown()
+
+
+@pytest.mark.integration
+def test_a_survey_answers_at_once_though_a_training_call_waits_for_a_result_that_never_comes(
+    ray_address: str, setup: StageSetup
+) -> None:
+    """A relayed forward waits for its input (as one cut off when the stage before's node
+    is lost mid-transfer), holding its worker's training thread. Told the loss is
+    surveyed, the forward gives up, and the worker answers the survey behind it: it is
+    not counted lost with the worker it waited for."""
+    import ray
+
+    node = str(ray.get_runtime_context().get_node_id())
+    stages = plans([(0, 2), (2, 4)], node)
+    group = RayGroup(stages, setup)
+    try:
+        never = group.submit(0, "shipment", 1, 60.0)  # copy 1 of stage 0 is never started
+        waiting = group.submit(1, "forward", 0, never)
+        time.sleep(1.0)  # the forward has begun waiting
+        started = time.monotonic()
+        answers = survey(group, Layout(tuple(stages), (2,)), timeout=30.0)
+        waited = time.monotonic() - started
+        assert sorted(answers) == [0, 1], f"answered: {sorted(answers)} in {waited:.1f} s"
+        assert waited < 20.0, f"the survey took {waited:.1f} s: after the forward's wait"
+        with pytest.raises(StageFailed, match=r"stage 1 failed in forward: gave up .* surveyed"):
+            group.get([waiting], 60)
     finally:
         group.shutdown()
 
