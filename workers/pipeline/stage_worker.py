@@ -102,8 +102,8 @@ class StageWorker:
     def __init__(self, plan: StagePlan, setup: StageSetup) -> None:
         self.plan = plan
         self._moots = 0
-        """``MOOT`` and ``saved_steps`` calls so far: each says a loss is surveyed, and
-        moots the results this worker's calls were still waiting for (``_opened``)."""
+        """``MOOT`` calls so far: each says a loss is surveyed, and moots the results this
+        worker's calls were still waiting for (``_opened``)."""
         self._stage: Stage | StageFailed
         try:
             self._stage = Stage(plan, setup)
@@ -123,9 +123,8 @@ class StageWorker:
         if isinstance(self._stage, StageFailed):
             raise self._stage
         stage = self._stage
-        if method in (MOOT, "saved_steps"):
-            self._moots += 1
         if method == MOOT:
+            self._moots += 1
             return None
         if method not in STAGE_METHODS:
             raise StageFailed(stage.index, method, f"no such stage method {method!r}")
