@@ -19,6 +19,12 @@ if TYPE_CHECKING:
 
     from shoal.service.controller import Controller
 
+BACKLOG = 2048
+"""Connections the API's socket queues before it accepts them (uvicorn's default)."""
+
+STARTUP_FAILURE = 3
+"""The exit status when the API does not start (uvicorn's)."""
+
 LOG_FIELDS = ("job_id", "sweep_id", "event", "device_id")
 """Fields a log call may add (``extra=``): JSON lines carry them as keys of their own."""
 
@@ -51,10 +57,11 @@ def configure_logging(settings: Settings, stream: IO[str] | None = None) -> None
     root.setLevel(logging.INFO)
 
 
-def serve(settings: Settings) -> None:
-    """Blocking: the API on ``settings.host:port`` with the controller running beside it, in
-    this process; with ``api_workers`` > 1 the API is served by that many processes of its
-    own (``api_app``) and only the controller runs here."""
+def serve(settings: Settings, sock: socket.socket | None = None) -> None:
+    """Blocking: the API on ``sock`` (``listen``: else bound to ``settings.host:port`` now)
+    with the controller running beside it, in this process; with ``api_workers`` > 1 the
+    API is served by that many processes of its own (``api_app``) and only the controller
+    runs here."""
     import uvicorn
 
     from shoal.api.app import create_app
@@ -88,17 +95,24 @@ def serve(settings: Settings) -> None:
         ),
     )
     # Live streams (GET /api/v1/stream) never end by themselves: a stop waits 5 s at most.
-    where: dict[str, Any] = {
-        "host": settings.host,
-        "port": settings.port,
+    options: dict[str, Any] = {
         "log_config": None,
         "timeout_graceful_shutdown": 5,
         # The app alone reads X-Forwarded-For, from SHOAL_TRUSTED_PROXIES only: uvicorn's
         # default would believe it from any local peer.
         "proxy_headers": False,
     }
+    sock = sock or listen(settings.host, settings.port)
     if settings.api_workers == 1:
-        uvicorn.run(create_app(settings, factory, controller), **where)
+        server = uvicorn.Server(
+            uvicorn.Config(create_app(settings, factory, controller), **options)
+        )
+        try:
+            server.run(sockets=[sock])
+        finally:
+            sock.close()
+        if not server.started:  # its log says why (the app's startup failed)
+            raise SystemExit(STARTUP_FAILURE)
         return
     stop = threading.Event()
     thread = threading.Thread(
@@ -106,11 +120,36 @@ def serve(settings: Settings) -> None:
     )
     thread.start()
     os.environ.update(settings.environment())  # what the API processes build their app from
+    # uvicorn's API processes bind the address themselves: it is free again a moment before.
+    sock.close()
     try:
-        uvicorn.run(f"{__name__}:api_app", factory=True, workers=settings.api_workers, **where)
+        uvicorn.run(
+            f"{__name__}:api_app",
+            factory=True,
+            workers=settings.api_workers,
+            host=settings.host,
+            port=settings.port,
+            **options,
+        )
     finally:
         stop.set()
         thread.join(timeout=30)
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A TCP socket listening on ``host:port`` (port 0: any free one), bound as uvicorn binds
+    its own. ``shoal up`` binds it before it starts anything: a port in use fails at once,
+    and one picked by 0 stays its own while Ray's processes, started next, take theirs;
+    clients that connect meanwhile wait in its backlog. ``OSError`` if it cannot."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(BACKLOG)
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 def _control(controller: Controller, stop: threading.Event) -> None:

@@ -6,6 +6,7 @@ import contextlib
 import ipaddress
 import os
 import signal
+import socket
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,14 +16,13 @@ import click
 from shoal.service.cli.options import F, InputError, make_settings
 from shoal.service.cli.render import make_console, print_banner
 from shoal.service.client import write_config
-from shoal.service.devicespec import DeviceSpecError, parse_devices
+from shoal.service.devicespec import DeviceSpecError, VirtualNode, parse_devices
 from shoal.service.localray import (
     HEALTH_CHECKS,
     RAY_ENV,
     WORKER_PRESTART,
     LocalRay,
     LocalRayError,
-    free_port,
     node_command,
 )
 from shoal.service.localray_record import RECORD
@@ -155,9 +155,7 @@ def up(
     home: Path | None,
 ) -> None:
     """Run Shoal here: database, local Ray cluster, API, dashboard and controller."""
-    from shoal.service.auth import AuthError, ensure_admin_token
-    from shoal.service.db.session import make_engine, make_session_factory
-    from shoal.service.server import serve
+    from shoal.service.server import listen
 
     settings = make_settings(
         ray_address=ray_address, devices=devices, host=host, port=port, home=home
@@ -167,8 +165,24 @@ def up(
         nodes = None if settings.ray_address else parse_devices(settings.devices)
     except (UnsafeSettings, DeviceSpecError) as exc:
         raise InputError(str(exc)) from None
-    if settings.port == 0:
-        settings = settings.model_copy(update={"port": free_port(settings.host)})
+    try:  # first: a port in use fails before anything starts; one picked by 0 stays ours
+        sock = listen(settings.host, settings.port)
+    except OSError as exc:
+        where = f"{settings.host}:{settings.port}"
+        raise InputError(
+            f"--port: the API cannot listen on {where} ({exc.strerror or exc}): give a free"
+            " port (SHOAL_PORT), or 0 for any"
+        ) from None
+    with sock:
+        _up(settings.model_copy(update={"port": sock.getsockname()[1]}), nodes, sock)
+
+
+def _up(settings: Settings, nodes: list[VirtualNode] | None, sock: socket.socket) -> None:
+    """``up`` once its options are checked and the API's socket is bound."""
+    from shoal.service.auth import AuthError, ensure_admin_token
+    from shoal.service.db.session import make_engine, make_session_factory
+    from shoal.service.server import serve
+
     with _database(settings) as db_url:
         engine = make_engine(db_url)
         try:
@@ -200,7 +214,7 @@ def up(
         url = _client_url(settings.host, settings.port)
         write_config(settings.home, url)
         print_banner(console, settings, url, admin_token, local)
-        serve(settings)
+        serve(settings, sock)
     except LocalRayError as exc:
         raise click.ClickException(str(exc)) from None
     except KeyboardInterrupt:

@@ -789,6 +789,7 @@ def test_unusable_database_is_one_clear_error(home: Path, tmp_path: Path) -> Non
         (["--devices", ""], "the device spec is empty"),
         (["--host", "0.0.0.0"], None),
         (["--port", "70000"], "invalid setting: port: Input should be less than or equal to 65535"),
+        (["--port", "{taken}"], "--port: the API cannot listen on 127.0.0.1:{taken} (Address"),
     ],
 )
 def test_up_refuses_bad_options_before_starting_anything(
@@ -797,7 +798,13 @@ def test_up_refuses_bad_options_before_starting_anything(
     if message is None:
         monkeypatch.setenv("SHOAL_AUTH", "false")
         message = "SHOAL_AUTH=false with SHOAL_HOST=0.0.0.0"
-    result = shoal("up", *args)
+    taken = socket.socket()  # a port another process listens on
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = str(taken.getsockname()[1])
+    with taken:
+        result = shoal("up", *[a.replace("{taken}", port) for a in args])
+    message = message.replace("{taken}", port)
     assert result.exit_code == 2
     assert message in result.stderr
     assert not home.exists()
@@ -811,7 +818,10 @@ def test_up_with_a_ray_address_prepares_home_and_serves(
 
     served: list[Settings] = []
 
-    def serve(settings: Settings) -> None:
+    def serve(settings: Settings, sock: socket.socket) -> None:
+        # The API's socket was bound before anything started, on the port the banner names.
+        assert sock.getsockname() == ("127.0.0.1", settings.port)
+        socket.create_connection(("127.0.0.1", settings.port), timeout=5).close()  # listening
         served.append(settings)
         raise KeyboardInterrupt  # Ctrl-C: `up` ends quietly
 
