@@ -60,6 +60,7 @@ from shoal.workers.sharp.shard_pool import (
 )
 from shoal.workers.sharp.shard_types import TaskResult
 from shoal.workers.sharp.shard_worker import ShardFailed
+from shoal.workers.sharp.stalls import wait_saying
 from shoal.workers.sharp.trading import Trading
 from shoal.workers.snapshot import JobSnapshot, RunnerReport, RunStatus, StepMetrics
 
@@ -185,14 +186,15 @@ class SharpTrainer(Recovering):
             self._admit(pool)
             self._reap(pool)
             self._dispatch(pool)
-            waiting = [*self._in_flight, *self._copy_calls, *self._trading.calls, *self._drop_calls]
+            waiting: dict[Call, ModelRun | None] = dict.fromkeys(self._drop_calls)
+            waiting |= {call: task.model for call, task in self._in_flight.items()}
+            waiting |= self._copy_calls | self._trading.calls
             if waiting:
-                done = pool.wait(waiting, self._timeout)
+                done = wait_saying(pool, waiting, self._timeout, self._devices)
                 # Copies first: a host took its part before its next task of the model, so
                 # a step's end then finds the copy before it whole. Tasks in dispatch order:
                 # a model's in its chain's.
-                copies = [c for c in done if c in self._copy_calls]
-                for call in copies:
+                for call in [c for c in done if c in self._copy_calls]:
                     self._copied(pool, self._copy_calls.pop(call), call)
                 for call in [c for c in done if c in self._trading.calls]:
                     self._handed(pool, call)

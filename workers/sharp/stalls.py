@@ -1,0 +1,64 @@
+"""The SHARP executor's wait for its devices' calls, said aloud when it lasts.
+
+A call can keep a model waiting for a long time: a device whose node went silent until Ray
+or the pool (``shard_pool.NODE_CHECK_S``) gives it up, an input on its way from a node
+killed mid-transfer, a worker busy with a large copy. While no call ends the executor
+dispatches nothing, and the sweep's page would show its trials as running with nothing
+said. Each ``STALL_S`` with no call ended, every model whose calls it waits for gets a
+``stalled`` event naming them (and the executor's log a line): what the trial waits for,
+where, and for how long.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+
+from shoal.scheduler.devices import Device
+from shoal.workers.sharp.models import ModelRun
+from shoal.workers.sharp.shard_pool import Call, HostPool, PoolTimeout
+from shoal.workers.snapshot import RunnerEvent
+
+STALL_S = 60.0
+"""How long the executor waits with no call ended before its models say so (again)."""
+
+log = logging.getLogger(__name__)
+
+
+def wait_saying(
+    pool: HostPool,
+    waiting: Mapping[Call, ModelRun | None],
+    timeout: float,
+    devices: Sequence[Device],
+) -> list[Call]:
+    """The calls of ``waiting`` (each with the model it is for, if any) that have ended
+    (``HostPool.wait``), once one has, within ``timeout`` s (``PoolTimeout`` else); each
+    ``STALL_S`` s before, the models waiting say so (``stalled``)."""
+    waited = 0.0
+    while True:
+        wait_s = min(STALL_S, timeout - waited)
+        try:
+            return pool.wait(list(waiting), wait_s)
+        except PoolTimeout:
+            waited += wait_s
+            if waited >= timeout:
+                raise PoolTimeout(f"no shard task finished within {timeout:g} s") from None
+        _say(waiting, waited, devices)
+
+
+def _say(waiting: Mapping[Call, ModelRun | None], waited: float, devices: Sequence[Device]) -> None:
+    """Each model of ``waiting`` says which of its calls have not ended in ``waited`` s."""
+    models = {m.snap.job_id: m for m in waiting.values() if m is not None}
+    calls: dict[str, dict[tuple[str, str], None]] = {job_id: {} for job_id in models}
+    for call, model in waiting.items():
+        if model is not None:
+            calls[model.snap.job_id][(call.method, devices[call.host].id)] = None
+    for job_id, named in calls.items():
+        model = models[job_id]
+        where = ", ".join(f"{method} on {device}" for method, device in named)
+        message = f"SHARP: no call has ended for {waited:.0f} s; waiting for {where}"
+        log.warning("%s: %s", model.snap.job_id, message, extra={"job_id": model.snap.job_id})
+        rows = [{"method": method, "device_id": device} for method, device in named]
+        model.record(
+            RunnerEvent("stalled", model.step, message, {"waited_s": waited, "calls": rows})
+        )
