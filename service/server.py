@@ -57,11 +57,11 @@ def configure_logging(settings: Settings, stream: IO[str] | None = None) -> None
     root.setLevel(logging.INFO)
 
 
-def serve(settings: Settings, sock: socket.socket | None = None) -> None:
-    """Blocking: the API on ``sock`` (``listen``: else bound to ``settings.host:port`` now)
-    with the controller running beside it, in this process; with ``api_workers`` > 1 the
-    API is served by that many processes of its own (``api_app``) and only the controller
-    runs here."""
+def serve(settings: Settings, sock: socket.socket) -> None:
+    """Blocking: the API on ``sock`` (``listen``: bound to ``settings.host:port``) with the
+    controller running beside it, in this process; with ``api_workers`` > 1 the API is
+    served by that many processes of its own (``api_app``) and only the controller runs
+    here."""
     import uvicorn
 
     from shoal.api.app import create_app
@@ -102,7 +102,6 @@ def serve(settings: Settings, sock: socket.socket | None = None) -> None:
         # default would believe it from any local peer.
         "proxy_headers": False,
     }
-    sock = sock or listen(settings.host, settings.port)
     if settings.api_workers == 1:
         server = uvicorn.Server(
             uvicorn.Config(create_app(settings, factory, controller), **options)
