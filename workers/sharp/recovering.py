@@ -18,8 +18,9 @@ from shoal.workers.sharp.homes import Homes
 from shoal.workers.sharp.ledger import Ledger
 from shoal.workers.sharp.models import Blocks, ModelRun
 from shoal.workers.sharp.placing import pick_up, rehome
-from shoal.workers.sharp.shard_pool import Call, HostLost, HostPool, InputLost, await_all
+from shoal.workers.sharp.shard_pool import Call, HostLost, HostPool, InputLost
 from shoal.workers.sharp.shard_worker import ShardFailed
+from shoal.workers.sharp.stalls import await_saying
 from shoal.workers.sharp.trading import Trading
 from shoal.workers.snapshot import RunStatus
 
@@ -125,7 +126,8 @@ class Recovering:
             return
         step, blocks = copy
         try:
-            await_all(pool, rehome(model, self._homes, pool, blocks), self._timeout)
+            calls = rehome(model, self._homes, pool, blocks)
+            await_saying(pool, calls, model, self._timeout, self._devices)
         except HostLost as exc:  # another device went meanwhile: its models roll back too
             model.lost = str(exc)
             self._lose(pool, self._homes.host_of(exc.device_id), str(exc))
@@ -146,7 +148,9 @@ class Recovering:
             waiting += list(copying.calls)
         for call in waiting:
             try:
-                ((states, seconds, finished),) = await_all(pool, [call], self._timeout)
+                ((states, seconds, finished),) = await_saying(
+                    pool, [call], model, self._timeout, self._devices
+                )
             except (HostLost, ShardFailed, InputLost):
                 continue  # lost, or not made: the model rolls back to its last copy
             if ledger is None or not ledger.arrived(call, states, seconds, finished, time.time()):
@@ -162,7 +166,8 @@ class Recovering:
         reason, model.lost, model.copying = model.lost, None, None
         ledger.waiting.clear()  # its tasks in flight run again, and copy their shards anew
         try:
-            await_all(pool, pick_up(model, self._homes, pool, ledger, start), self._timeout)
+            calls = pick_up(model, self._homes, pool, ledger, start)
+            await_saying(pool, calls, model, self._timeout, self._devices)
         except HostLost as exc:  # another device went meanwhile: its models roll back too
             model.lost = str(exc)
             self._lose(pool, self._homes.host_of(exc.device_id), str(exc))

@@ -126,12 +126,18 @@ PoolFactory = Callable[[Sequence[Device], Mapping[DeviceId, int]], "HostPool"]
 """How a SHARP runner gets its pool: devices and each one's budget in bytes."""
 
 
-def await_all(pool: HostPool, calls: Sequence[Call], timeout: float) -> list[Any]:
+Waiter = Callable[[Sequence[Call], float], list[Call]]
+"""A ``HostPool.wait``, or one that does more while it waits (``stalls.await_saying``)."""
+
+
+def await_all(
+    pool: HostPool, calls: Sequence[Call], timeout: float, wait: Waiter | None = None
+) -> list[Any]:
     """The values of ``calls``, in their order, once every one has finished (the first
-    error raised: ``HostPool.result``'s)."""
+    error raised: ``HostPool.result``'s), waited for by ``wait`` (``pool.wait``)."""
     pending, values = list(calls), {}
     while pending:
-        for call in pool.wait(pending, timeout):
+        for call in (wait or pool.wait)(pending, timeout):
             values[call] = pool.result(call)
             pending.remove(call)
     return [values[c] for c in calls]

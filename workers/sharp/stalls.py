@@ -6,17 +6,18 @@ killed mid-transfer, a worker busy with a large copy. While no call ends the exe
 dispatches nothing, and the sweep's page would show its trials as running with nothing
 said. Each ``STALL_S`` with no call ended, every model whose calls it waits for gets a
 ``stalled`` event naming them (and the executor's log a line): what the trial waits for,
-where, and for how long.
+where, and for how long; in its dispatch loop, and in a recovery's waits.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from shoal.scheduler.devices import Device
 from shoal.workers.sharp.models import ModelRun
-from shoal.workers.sharp.shard_pool import Call, HostPool, PoolTimeout
+from shoal.workers.sharp.shard_pool import Call, HostPool, PoolTimeout, await_all
 from shoal.workers.snapshot import RunnerEvent
 
 STALL_S = 60.0
@@ -44,6 +45,22 @@ def wait_saying(
             if waited >= timeout:
                 raise PoolTimeout(f"no shard task finished within {timeout:g} s") from None
         _say(waiting, waited, devices)
+
+
+def await_saying(
+    pool: HostPool,
+    calls: Sequence[Call],
+    model: ModelRun,
+    timeout: float,
+    devices: Sequence[Device],
+) -> list[Any]:
+    """``await_all`` of ``model``'s ``calls`` (a recovery's: re-homing its shards, taking
+    the states on their way), which ``model`` says it waits for as ``wait_saying`` does."""
+
+    def wait(pending: Sequence[Call], wait_s: float) -> list[Call]:
+        return wait_saying(pool, dict.fromkeys(pending, model), wait_s, devices)
+
+    return await_all(pool, calls, timeout, wait)
 
 
 def _say(waiting: Mapping[Call, ModelRun | None], waited: float, devices: Sequence[Device]) -> None:
