@@ -18,11 +18,12 @@ from typing import Any
 import httpx
 
 from shoal.service.bench.data import fill
+from shoal.service.bench.report import BenchError
 from shoal.service.db.session import make_engine, make_session_factory
 from shoal.service.settings import Settings
 
 
-class BrowserMissing(RuntimeError):
+class BrowserMissing(BenchError):
     """No chromium or no Playwright: the message says what to install."""
 
 

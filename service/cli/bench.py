@@ -8,7 +8,6 @@ a table.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import click
@@ -17,8 +16,9 @@ from shoal.service.cli.bench_output import (
     JSON_OPTION,
     Decorator,
     bench_device,
+    bench_settings,
     device_option,
-    phases,
+    run_bench,
 )
 from shoal.service.cli.bench_shard import shard
 from shoal.service.cli.bench_step import step
@@ -30,8 +30,6 @@ from shoal.service.cli.bench_tables import (
     sharp_tables,
     transport_table,
 )
-from shoal.service.cli.options import InputError
-from shoal.service.cli.render import make_console
 
 
 def _repeats(default: int, most: int = 50, what: str | None = None) -> Decorator:
@@ -100,25 +98,18 @@ def pipeline(
     from shoal.service.bench.pipeline import PIPELINE_PHASES, run_pipeline
     from shoal.service.bench.report import PipelineSettings, round_phases
 
-    try:
-        settings = PipelineSettings(
-            hidden=hidden,
-            layers=layers,
-            batch_size=batch_size,
-            micro_batches=micro_batches,
-            schedule=schedule,
-            steps=steps,
-            repeats=repeats,
-        )
-    except ValueError as exc:
-        raise InputError(str(exc)) from None
-    console = make_console()
-    with phases(console, len(round_phases(PIPELINE_PHASES, repeats)), as_json) as progress:
-        result = run_pipeline(settings, progress)
-    if as_json:
-        click.echo(json.dumps(result))
-        return
-    pipeline_table(console, result)
+    settings = bench_settings(
+        PipelineSettings,
+        hidden=hidden,
+        layers=layers,
+        batch_size=batch_size,
+        micro_batches=micro_batches,
+        schedule=schedule,
+        steps=steps,
+        repeats=repeats,
+    )
+    count = len(round_phases(PIPELINE_PHASES, repeats))
+    run_bench(count, as_json, lambda progress: run_pipeline(settings, progress), pipeline_table)
 
 
 @bench.command()
@@ -146,13 +137,12 @@ def transport(repeats: int, calls: int, sizes: tuple[int, ...], as_json: bool) -
     settings = TransportSettings(repeats=repeats, calls=calls)
     if sizes:
         settings = TransportSettings(sizes=tuple(sorted(set(sizes))), repeats=repeats, calls=calls)
-    console = make_console()
-    with phases(console, 2 * len(settings.sizes) + 2, as_json) as progress:
-        result = run_transport(settings, progress)
-    if as_json:
-        click.echo(json.dumps(result))
-        return
-    transport_table(console, result, settings.sizes, settings.inflight)
+    run_bench(
+        2 * len(settings.sizes) + 2,
+        as_json,
+        lambda progress: run_transport(settings, progress),
+        lambda console, result: transport_table(console, result, settings.sizes, settings.inflight),
+    )
 
 
 @bench.command()
@@ -177,22 +167,17 @@ def elastic(hidden: int, layers: int, slowdown: float, steps: int, as_json: bool
     """Rebalancing around a straggler, recovery from a killed node, growth onto a new one,
     on a local multi-node Ray cluster."""
     from shoal.service.bench.local import bench_elastic
-    from shoal.service.bench.report import ELASTIC_PHASES, BenchError, ElasticSettings
+    from shoal.service.bench.report import ELASTIC_PHASES, ElasticSettings
 
-    try:
-        settings = ElasticSettings(hidden=hidden, layers=layers, slowdown=slowdown, steps=steps)
-    except ValueError as exc:
-        raise InputError(str(exc)) from None
-    console = make_console()
-    with phases(console, len(ELASTIC_PHASES), as_json) as progress:
-        try:
-            result = bench_elastic(settings, progress)
-        except BenchError as exc:
-            raise click.ClickException(str(exc)) from None
-    if as_json:
-        click.echo(json.dumps(result))
-        return
-    elastic_table(console, result)
+    settings = bench_settings(
+        ElasticSettings, hidden=hidden, layers=layers, slowdown=slowdown, steps=steps
+    )
+    run_bench(
+        len(ELASTIC_PHASES),
+        as_json,
+        lambda progress: bench_elastic(settings, progress),
+        elastic_table,
+    )
 
 
 @bench.command()
@@ -239,31 +224,22 @@ def sharp(
     with a memory budget under one model, so shards alternate between the GPU and pinned
     host memory."""
     from shoal.service.bench.local import bench_sharp
-    from shoal.service.bench.report import SHARP_BATCH_SIZE, SHARP_PHASES, BenchError, SharpSettings
+    from shoal.service.bench.report import SHARP_BATCH_SIZE, SHARP_PHASES, SharpSettings
 
     chosen = bench_device(device)
-    try:
-        settings = SharpSettings(
-            device=chosen,
-            steps=steps,
-            models=models,
-            hidden=hidden,
-            layers=layers,
-            batch_size=batch_size or SHARP_BATCH_SIZE[chosen],
-            budget_fraction=budget_fraction,
-        )
-    except ValueError as exc:
-        raise InputError(str(exc)) from None
-    console = make_console()
-    with phases(console, len(SHARP_PHASES), as_json) as progress:
-        try:
-            result = bench_sharp(settings, progress)
-        except BenchError as exc:
-            raise click.ClickException(str(exc)) from None
-    if as_json:
-        click.echo(json.dumps(result))
-        return
-    sharp_tables(console, result)
+    settings = bench_settings(
+        SharpSettings,
+        device=chosen,
+        steps=steps,
+        models=models,
+        hidden=hidden,
+        layers=layers,
+        batch_size=batch_size or SHARP_BATCH_SIZE[chosen],
+        budget_fraction=budget_fraction,
+    )
+    run_bench(
+        len(SHARP_PHASES), as_json, lambda progress: bench_sharp(settings, progress), sharp_tables
+    )
 
 
 @bench.command()
@@ -280,18 +256,14 @@ def sharp(
 def dashboard(jobs: int, repeats: int, chromium: Path, as_json: bool) -> None:
     """The jobs page with JOBS jobs in chromium: navigation to every row shown, vs the list
     request alone."""
-    from shoal.service.bench.dashboard import BrowserMissing, run_dashboard_bench
+    from shoal.service.bench.dashboard import run_dashboard_bench
 
-    console = make_console()
-    with phases(console, 3, as_json) as progress:
-        try:
-            result = run_dashboard_bench(jobs, repeats, chromium, progress)
-        except BrowserMissing as exc:
-            raise click.ClickException(str(exc)) from None
-    if as_json:
-        click.echo(json.dumps(result))
-        return
-    dashboard_table(console, result, jobs, repeats)
+    run_bench(
+        3,
+        as_json,
+        lambda progress: run_dashboard_bench(jobs, repeats, chromium, progress),
+        lambda console, result: dashboard_table(console, result, jobs, repeats),
+    )
 
 
 @bench.command()
@@ -345,29 +317,19 @@ def api(
     """Load on the REST API on loopback: CLIENTS clients reading job status and lists for
     DURATION seconds, then SUBMISSIONS idempotent submissions each sent twice at once."""
     from shoal.service.bench.api import API_PHASES, ApiSettings, check, run_api_bench
-    from shoal.service.bench.report import BenchError
 
-    try:
-        settings = ApiSettings(
-            clients=clients,
-            duration_s=duration,
-            submissions=submissions,
-            jobs=jobs,
-            workers=workers,
-            database_url=database_url,
-        )
-    except ValueError as exc:
-        raise InputError(str(exc)) from None
-    console = make_console()
-    with phases(console, len(API_PHASES), as_json) as progress:
-        try:
-            result = run_api_bench(settings, progress)
-        except BenchError as exc:
-            raise click.ClickException(str(exc)) from None
-    if as_json:
-        click.echo(json.dumps(result))
-    else:
-        api_table(console, result)
+    settings = bench_settings(
+        ApiSettings,
+        clients=clients,
+        duration_s=duration,
+        submissions=submissions,
+        jobs=jobs,
+        workers=workers,
+        database_url=database_url,
+    )
+    result = run_bench(
+        len(API_PHASES), as_json, lambda progress: run_api_bench(settings, progress), api_table
+    )
     problems = check(result)
     if problems:
         raise click.ClickException("; ".join(problems))

@@ -3,9 +3,10 @@ numbers, and the caption saying where and when they were taken."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 import click
 from rich.console import Console
@@ -13,6 +14,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from shoal.service.bench.report import DEVICES
 from shoal.service.cli.options import InputError
+from shoal.service.cli.render import make_console
+
+Result = dict[str, Any]
+Settings = TypeVar("Settings")
 
 Decorator = Callable[[Callable[..., Any]], Callable[..., Any]]
 """What an option maker returns: ``click.option(...)`` for one command's defaults."""
@@ -69,6 +74,39 @@ def phases(console: Console, total: int, quiet: bool) -> Iterator[Any]:
 
         yield advance
         bar.update(task, completed=total)
+
+
+def bench_settings(make: Callable[..., Settings], **options: Any) -> Settings:
+    """A bench's settings from its options; one they refuse (``ValueError``, naming it) is
+    the CLI's input error."""
+    try:
+        return make(**options)
+    except ValueError as exc:
+        raise InputError(str(exc)) from None
+
+
+def run_bench(
+    count: int,
+    as_json: bool,
+    run: Callable[[Callable[[str], None]], Result],
+    table: Callable[[Console, Result], None],
+) -> Result:
+    """``run`` a bench under a progress bar of ``count`` phases and print its result: one
+    JSON object with --json, else ``table``. A bench that cannot run (``BenchError``, its
+    message saying why) is the CLI's error. The result."""
+    from shoal.service.bench.report import BenchError
+
+    console = make_console()
+    with phases(console, count, as_json) as progress:
+        try:
+            result = run(progress)
+        except BenchError as exc:
+            raise click.ClickException(str(exc)) from None
+    if as_json:
+        click.echo(json.dumps(result))
+    else:
+        table(console, result)
+    return result
 
 
 def fmt(value: float, digits: int = 1) -> str:

@@ -3,16 +3,13 @@ split over two devices against whole (tensor parallelism)."""
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import click
 from rich.console import Console
 from rich.table import Table
 
-from shoal.service.cli.bench_output import JSON_OPTION, caption, fmt, phases
-from shoal.service.cli.options import InputError
-from shoal.service.cli.render import make_console
+from shoal.service.cli.bench_output import JSON_OPTION, bench_settings, caption, fmt, run_bench
 
 
 @click.command()
@@ -47,31 +44,20 @@ def shard(
     """Replicas of one stage under parallelism.shard none, optimizer (ZeRO-1), gradients
     (ZeRO-2) and full (ZeRO-3), and one block split 2 ways against whole (parallelism.tensor):
     samples/s, and the state a device keeps, measured and predicted."""
-    from shoal.service.bench.report import BenchError
     from shoal.service.bench.shard import ShardSettings, run_shard
     from shoal.service.bench.shard import phases as shard_phases
 
-    try:
-        settings = ShardSettings(
-            hidden=hidden,
-            layers=layers,
-            batch_size=batch_size,
-            micro_batches=micro_batches,
-            replicas=tuple(sorted(set(replicas))) or (2, 4),
-            steps=steps,
-        )
-    except ValueError as exc:
-        raise InputError(str(exc)) from None
-    console = make_console()
-    with phases(console, len(shard_phases(settings)), as_json) as progress:
-        try:
-            result = run_shard(settings, progress)
-        except BenchError as exc:
-            raise click.ClickException(str(exc)) from None
-    if as_json:
-        click.echo(json.dumps(result))
-        return
-    shard_table(console, result)
+    settings = bench_settings(
+        ShardSettings,
+        hidden=hidden,
+        layers=layers,
+        batch_size=batch_size,
+        micro_batches=micro_batches,
+        replicas=tuple(sorted(set(replicas))) or (2, 4),
+        steps=steps,
+    )
+    count = len(shard_phases(settings))
+    run_bench(count, as_json, lambda progress: run_shard(settings, progress), shard_table)
 
 
 def shard_table(console: Console, result: dict[str, Any]) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import click
@@ -13,13 +12,12 @@ from shoal.service.bench.step_settings import DEFAULT_SIZE, SIZES, StepSettings
 from shoal.service.cli.bench_output import (
     JSON_OPTION,
     bench_device,
+    bench_settings,
     caption,
     device_option,
     fmt,
-    phases,
+    run_bench,
 )
-from shoal.service.cli.options import InputError
-from shoal.service.cli.render import make_console
 
 
 @click.command()
@@ -94,33 +92,23 @@ def step(
     mlp small  4 x 2048 hidden, 512 in, 16 out                     64 / 4  (13.7M)
     mlp large  8 x 4096 hidden, 1024 in, 16 out                    256 / 4 (121.7M)
     """
-    from shoal.service.bench.report import BenchError, round_phases
+    from shoal.service.bench.report import round_phases
     from shoal.service.bench.step import STEP_PHASES, run_step
 
     chosen = bench_device(device)
-    try:
-        settings = StepSettings(
-            device=chosen,
-            model=model,
-            size=size or DEFAULT_SIZE[chosen],
-            stages=stages,
-            steps=steps,
-            warmup=warmup,
-            repeats=repeats,
-            rounds=rounds,
-        )
-    except ValueError as exc:
-        raise InputError(str(exc)) from None
-    console = make_console()
-    with phases(console, len(round_phases(STEP_PHASES, rounds)), as_json) as progress:
-        try:
-            result = run_step(settings, progress)
-        except BenchError as exc:
-            raise click.ClickException(str(exc)) from None
-    if as_json:
-        click.echo(json.dumps(result))
-        return
-    _step_table(console, result)
+    settings = bench_settings(
+        StepSettings,
+        device=chosen,
+        model=model,
+        size=size or DEFAULT_SIZE[chosen],
+        stages=stages,
+        steps=steps,
+        warmup=warmup,
+        repeats=repeats,
+        rounds=rounds,
+    )
+    count = len(round_phases(STEP_PHASES, rounds))
+    run_bench(count, as_json, lambda progress: run_step(settings, progress), _step_table)
 
 
 def _step_table(console: Console, result: dict[str, Any]) -> None:
