@@ -18,12 +18,11 @@ actors) measure three things:
 
 from __future__ import annotations
 
-import os
 import statistics
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from itertools import combinations, permutations
 from pathlib import Path
 from typing import Any
@@ -44,6 +43,7 @@ from shoal.service.bench.report import (
     BenchError,
     ElasticSettings,
     Progress,
+    bench_job,
     machine,
     mlp_refs,
     stage_bounds,
@@ -94,27 +94,19 @@ def _snapshot(
     ranges: Sequence[BlockRange],
     **fields: Any,
 ) -> JobSnapshot:
-    model, data, optimizer = _refs(s)
-    base = JobSnapshot(
-        job_id=f"bench-elastic-{name}-{os.getpid()}",
-        attempt=1,
-        model=model,
-        data=data,
-        optimizer=optimizer,
-        batch_size=s.batch_size,
-        micro_batches=s.micro_batches,
-        steps=s.steps,
-        seed=s.seed,
-        schedule="1f1b",
-        recompute=False,
-        stages=stage_plans(devices, ranges),
-        num_blocks=s.num_blocks,
-        checkpoint_root=str(root / "checkpoints"),
-        checkpoint_every=0,
-        checkpoint_keep=1,
-        block_costs=_costs(s),
-    )
-    return replace(base, **fields)
+    """The bench's job ``name`` on ``devices`` cut at ``ranges``; ``fields`` replace any
+    of its snapshot's (the preemption's job trains until it is stopped)."""
+    job = {
+        "batch_size": s.batch_size,
+        "micro_batches": s.micro_batches,
+        "steps": s.steps,
+        "seed": s.seed,
+        "schedule": "1f1b",
+        "stages": stage_plans(devices, ranges),
+        "num_blocks": s.num_blocks,
+        "block_costs": _costs(s),
+    }
+    return bench_job(f"bench-elastic-{name}", _refs(s), root / "checkpoints", **(job | fields))
 
 
 def _run(snapshot: JobSnapshot) -> tuple[list[StepMetrics], list[RunnerEvent]]:

@@ -33,6 +33,7 @@ from shoal.service.bench.report import (
     PipelineRound,
     PipelineSettings,
     Progress,
+    bench_job,
     pipeline_result,
     round_phases,
     round_samples_per_s,
@@ -43,7 +44,6 @@ from shoal.workers.host_memory import retain_freed_memory
 from shoal.workers.pipeline.group import RayGroup
 from shoal.workers.pipeline.runner import Trainer
 from shoal.workers.snapshot import (
-    JobSnapshot,
     RunStatus,
     StagePlan,
     StepMetrics,
@@ -173,7 +173,6 @@ def side_by_side_step_times(s: PipelineSettings) -> list[list[float]]:
 
 def shoal_step_times(s: PipelineSettings, node_id: str, steps: int) -> list[StepMetrics]:
     """Each step's metrics from Shoal's engine: ``s.stages`` StageWorkers, one per device."""
-    model, data, opt = s.refs()
     devices = [
         Device(f"{node_id[:8]}-cpu-{i}", node_id, i, "cpu", 8192, gpu=False)
         for i in range(s.stages)
@@ -182,23 +181,17 @@ def shoal_step_times(s: PipelineSettings, node_id: str, steps: int) -> list[Step
         StagePlan(i, r, devices[i]) for i, r in enumerate(stage_bounds(s.num_blocks, s.stages))
     )
     with tempfile.TemporaryDirectory(prefix="shoal-bench-") as root:
-        snapshot = JobSnapshot(
-            job_id=f"bench-{os.getpid()}",
-            attempt=1,
-            model=model,
-            data=data,
-            optimizer=opt,
+        snapshot = bench_job(
+            "bench-pipeline",
+            s.refs(),
+            root,
             batch_size=s.batch_size,
             micro_batches=s.micro_batches,
             steps=steps,
             seed=s.seed,
             schedule=s.schedule,
-            recompute=False,
             stages=plans,
             num_blocks=s.num_blocks,
-            checkpoint_root=root,
-            checkpoint_every=0,
-            checkpoint_keep=1,
         )
         trainer = Trainer(snapshot, RayGroup)
         with threads(RUNNER_THREADS):

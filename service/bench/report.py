@@ -16,7 +16,7 @@ from datetime import UTC, datetime
 from importlib import metadata
 from typing import Any
 
-from shoal.workers.snapshot import DataRef, ModelRef, OptimizerConf
+from shoal.workers.snapshot import DataRef, JobSnapshot, ModelRef, OptimizerConf
 
 Progress = Callable[[str], None]
 """Told the name of each phase as it starts (the CLI's progress bar)."""
@@ -217,6 +217,31 @@ def mlp_refs(
     model = ModelRef("mlp", None, {"hidden": hidden, "layers": layers})
     data = DataRef("synthetic-regression", None, {"features": features, "outputs": outputs})
     return model, data, OptimizerConf("sgd", lr)
+
+
+def bench_job(
+    name: str,
+    refs: tuple[ModelRef, DataRef, OptimizerConf],
+    root: str | os.PathLike[str],
+    **fields: Any,
+) -> JobSnapshot:
+    """A job an engine bench trains: ``name`` (this process's own), the model, data and
+    optimizer ``refs``, a first attempt that writes no checkpoint (its root is ``root``),
+    without recomputation; ``fields`` are the rest of the snapshot (batch, steps, seed,
+    schedule, stages, ...)."""
+    model, data, optimizer = refs
+    return JobSnapshot(
+        job_id=f"{name}-{os.getpid()}",
+        attempt=1,
+        model=model,
+        data=data,
+        optimizer=optimizer,
+        recompute=False,
+        checkpoint_root=str(root),
+        checkpoint_every=0,
+        checkpoint_keep=1,
+        **fields,
+    )
 
 
 def machine() -> dict[str, Any]:

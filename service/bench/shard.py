@@ -14,7 +14,6 @@ state), measured the same way and predicted by ``scheduler.memory.copy_bytes``.
 
 from __future__ import annotations
 
-import os
 import statistics
 import tempfile
 import time
@@ -24,7 +23,7 @@ from typing import Any
 from shoal.scheduler.devices import Device
 from shoal.scheduler.memory import copy_bytes, replica_state_bytes
 from shoal.service.bench.pipeline import RUNNER_THREADS, ray_session, threads
-from shoal.service.bench.report import BenchError, Progress, machine
+from shoal.service.bench.report import BenchError, Progress, bench_job, machine
 from shoal.service.bench.tensor_block import WAYS, tensor_block
 from shoal.workers.blocks import Block, tensors_in
 from shoal.workers.pipeline.collective import GlooCollective
@@ -35,7 +34,6 @@ from shoal.workers.pipeline.sharding import SHARD_MODES, StageShards
 from shoal.workers.profiler import trace_costs
 from shoal.workers.snapshot import (
     DataRef,
-    JobSnapshot,
     ModelRef,
     OptimizerConf,
     RunStatus,
@@ -146,7 +144,6 @@ def samples_per_s(
 ) -> tuple[float, list[float]]:
     """Samples/s of ``replicas`` replicas of the whole model under ``mode`` (median of the
     engine's step times after the warm-up), and the run's losses."""
-    model, data, opt = s.refs()
     plans = tuple(
         StagePlan(
             0,
@@ -157,23 +154,17 @@ def samples_per_s(
         for r in range(replicas)
     )
     with tempfile.TemporaryDirectory(prefix="shoal-bench-shard-") as root:
-        snapshot = JobSnapshot(
-            job_id=f"bench-shard-{os.getpid()}-{replicas}-{mode}",
-            attempt=1,
-            model=model,
-            data=data,
-            optimizer=opt,
+        snapshot = bench_job(
+            f"bench-shard-{replicas}-{mode}",
+            s.refs(),
+            root,
             batch_size=s.batch_size,
             micro_batches=s.micro_batches,
             steps=s.steps,
             seed=s.seed,
             schedule="1f1b",
-            recompute=False,
             stages=plans,
             num_blocks=s.layers + 1,
-            checkpoint_root=root,
-            checkpoint_every=0,
-            checkpoint_keep=1,
             replicas=replicas,
             shard=mode,
         )

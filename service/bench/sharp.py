@@ -20,7 +20,6 @@ parameters: the bench runs them on Ray actors, the unit tests in-process.
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 from collections.abc import Mapping, Sequence
@@ -43,6 +42,7 @@ from shoal.service.bench.report import (
     BenchError,
     Progress,
     SharpSettings,
+    bench_job,
     mlp_refs,
     same_losses,
     sharp_result,
@@ -98,26 +98,19 @@ def snapshots(
 ) -> list[JobSnapshot]:
     """The models, as jobs of ``variant``; with ``devices``, two stages over them (the
     model-parallel baseline), else none (SHARP places shards itself)."""
-    model, data, optimizer = refs(s)
     stages = stage_plans(devices, stage_bounds(s.num_blocks, len(devices))) if devices else ()
     return [
-        JobSnapshot(
-            job_id=f"bench-sharp-{variant}-{i}-{os.getpid()}",
-            attempt=1,
-            model=model,
-            data=data,
-            optimizer=optimizer,
+        bench_job(
+            f"bench-sharp-{variant}-{i}",
+            refs(s),
+            root / variant,
             batch_size=s.batch_size,
             micro_batches=1,
             steps=s.steps,
             seed=s.seed + i,
             schedule="gpipe",
-            recompute=False,
             stages=stages,
             num_blocks=s.num_blocks,
-            checkpoint_root=str(root / variant),
-            checkpoint_every=0,
-            checkpoint_keep=1,
             block_costs=costs,
             keep_copies=True,  # as a sweep's trials by default (elastic.keep_copies)
         )

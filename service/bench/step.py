@@ -11,7 +11,6 @@ bench shows what the engine costs over plain PyTorch and what the copies cost on
 from __future__ import annotations
 
 import math
-import os
 import statistics
 import tempfile
 import threading
@@ -30,6 +29,7 @@ from shoal.service.bench.pipeline import RUNNER_THREADS, busy_fractions, ray_ses
 from shoal.service.bench.report import (
     BenchError,
     Progress,
+    bench_job,
     median_step_s,
     median_throughput,
     round_phases,
@@ -49,7 +49,6 @@ from shoal.workers.pipeline.runner import Trainer
 from shoal.workers.profiler import trace_costs
 from shoal.workers.snapshot import (
     DataRef,
-    JobSnapshot,
     ModelRef,
     OptimizerConf,
     RunnerEvent,
@@ -159,25 +158,18 @@ def shoal_step_times(
     """Each step's wall seconds between step boundaries, seen from outside the runner (so
     all it does between steps counts, copies included), and the engine's own metrics and
     events."""
-    model, data, opt = refs(s)
     with tempfile.TemporaryDirectory(prefix="shoal-bench-step-") as root:
-        snapshot = JobSnapshot(
-            job_id=f"bench-step-{os.getpid()}",
-            attempt=1,
-            model=model,
-            data=data,
-            optimizer=opt,
+        snapshot = bench_job(
+            "bench-step",
+            refs(s),
+            root,
             batch_size=s.shape.batch,
             micro_batches=s.shape.micro_batches,
             steps=s.timed_steps,
             seed=s.seed,
             schedule=s.schedule,
-            recompute=False,
             stages=plans,
             num_blocks=s.num_blocks,
-            checkpoint_root=root,
-            checkpoint_every=0,
-            checkpoint_keep=1,
             keep_copies=keep_copies,
         )
         trainer = Trainer(snapshot, RayGroup)
