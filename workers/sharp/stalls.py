@@ -65,13 +65,12 @@ def await_saying(
 
 def _say(waiting: Mapping[Call, ModelRun | None], waited: float, devices: Sequence[Device]) -> None:
     """Each model of ``waiting`` says which of its calls have not ended in ``waited`` s."""
-    models = {m.snap.job_id: m for m in waiting.values() if m is not None}
-    calls: dict[str, dict[tuple[str, str], None]] = {job_id: {} for job_id in models}
+    by_job: dict[str, tuple[ModelRun, dict[tuple[str, str], None]]] = {}
     for call, model in waiting.items():
         if model is not None:
-            calls[model.snap.job_id][(call.method, devices[call.host].id)] = None
-    for job_id, named in calls.items():
-        model = models[job_id]
+            _, named = by_job.setdefault(model.snap.job_id, (model, {}))
+            named[(call.method, devices[call.host].id)] = None
+    for model, named in by_job.values():
         where = ", ".join(f"{method} on {device}" for method, device in named)
         message = f"SHARP: no call has ended for {waited:.0f} s; waiting for {where}"
         log.warning("%s: %s", model.snap.job_id, message, extra={"job_id": model.snap.job_id})
