@@ -212,7 +212,9 @@ def train_sharp(
     statuses = trainer.run()
     ended, cpu = time.perf_counter(), time.process_time() - cpu
     failed = {
-        k: trainer.report(k, 0).error for k, v in statuses.items() if v != RunStatus.SUCCEEDED
+        snap.job_id: trainer.report(snap.job_id, 0).error
+        for snap in snaps
+        if statuses.get(snap.job_id) is not RunStatus.SUCCEEDED
     }
     if failed:
         raise BenchError(f"SHARP (prefetch {'on' if prefetch else 'off'}) failed: {failed}")

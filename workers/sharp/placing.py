@@ -5,13 +5,15 @@ shard put back to one step, or to the model's last task done."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from shoal.scheduler.sharp import ModelPlan, shard_model
 from shoal.workers.checkpoint_events import resumed_event
 from shoal.workers.checkpoints import CheckpointStore
 from shoal.workers.sharp.homes import Homes
 from shoal.workers.sharp.ledger import Ledger
 from shoal.workers.sharp.models import Blocks, ModelRun
-from shoal.workers.sharp.shard_pool import Call, HostPool
+from shoal.workers.sharp.shard_pool import Call, HostPool, await_all
 from shoal.workers.snapshot import JobSnapshot, RunStatus
 from shoal.workers.zoo.data import make_data
 
@@ -41,8 +43,9 @@ def arrive(
         why = "every device of this executor was lost; no device is left"
         model.run.end(RunStatus.LOST, why, tuple(homes.lost(model.homes)))
         return model
-    model = ModelRun(snap, plan, data, homes.place(shards, snap.steps), task_copies=task_copies)
     restorable = CheckpointStore(snap.checkpoint_root).restorable(snap.job_id)
+    # Its work is counted on its devices last: a model that cannot be made counts nowhere.
+    model = ModelRun(snap, plan, data, homes.place(shards, snap.steps), task_copies=task_copies)
     latest = restorable.info
     model.origin = restorable.blocks or None
     if latest is not None or restorable.skipped:
@@ -88,6 +91,30 @@ def _place_orphans(model: ModelRun, homes: Homes) -> None:
     orphans = [s for s in model.plan.shards if not homes.alive(model.homes[s.index])]
     for shard, host in zip(orphans, homes.place(orphans, model.snap.steps), strict=True):
         model.homes[shard.index] = host
+
+
+def move_if_sooner(
+    model: ModelRun,
+    homes: Homes,
+    models: Iterable[ModelRun],
+    pool: HostPool,
+    step: int,
+    blocks: Blocks | None,
+    timeout: float,
+) -> None:
+    """At a step boundary ``model`` moves whole to the live device where that ends the
+    two devices' work soonest, if sooner than staying (``Homes.target``): as models end,
+    some devices fall idle while others still hold several. Its state (the step's
+    gathered ``blocks``, else its copy of this step, else gathered now) is loaded there;
+    nothing is replayed. ``HostLost`` if a device is lost before it moved, or as it did
+    (``move``)."""
+    home, there = model.homes[0], homes.target(model, models)
+    if there is None:
+        return
+    if blocks is None:
+        blocks = model.saved_at(step) or model.gather(pool, timeout)
+    await_all(pool, move(model, homes, pool, there, blocks), timeout)
+    model.moved(homes.devices, home, step)
 
 
 def move(model: ModelRun, homes: Homes, pool: HostPool, there: int, blocks: Blocks) -> list[Call]:

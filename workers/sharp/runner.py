@@ -43,12 +43,13 @@ from shoal.scheduler.sharp import (
 )
 from shoal.scheduler.types import DeviceId
 from shoal.workers.pipeline.stage_worker import one_line
+from shoal.workers.run_log import RunLog
 from shoal.workers.sharp.checkpointing import CheckpointThread
 from shoal.workers.sharp.homes import Homes
 from shoal.workers.sharp.inbox import Inbox
 from shoal.workers.sharp.measuring import Measurements
 from shoal.workers.sharp.models import Copying, ModelRun, Task
-from shoal.workers.sharp.placing import arrive, move
+from shoal.workers.sharp.placing import arrive, move_if_sooner
 from shoal.workers.sharp.recovering import Recovering
 from shoal.workers.sharp.shard_pool import (
     Call,
@@ -101,6 +102,8 @@ class SharpTrainer(Recovering):
         self._lock = threading.Lock()
         self._models: dict[str, ModelRun] = {}
         """Every model it has trained or trains; ``_lock`` guards it against readers."""
+        self._refused: dict[str, RunLog] = {}
+        """Models it could not make (``_place``), FAILED with why; under ``_lock`` too."""
         self._inbox = Inbox(keep_open)
         self._writer = CheckpointThread(self._inbox.stop)
         self._dispatched = 0
@@ -152,8 +155,9 @@ class SharpTrainer(Recovering):
         """Model ``job_id``'s metrics and events after ``cursor``, like a job runner's."""
         with self._lock:
             model = self._models.get(job_id)
-        if model is not None:
-            return model.run.report(cursor)
+            log = model.run if model is not None else self._refused.get(job_id)
+        if log is not None:
+            return log.report(cursor)
         stopped = self._inbox.stopped
         if stopped is not None:  # added after the end: never runs
             return RunnerReport(RunStatus.FAILED, 0, 0, (), (), stopped)
@@ -176,7 +180,8 @@ class SharpTrainer(Recovering):
             self._inbox.end("the SHARP executor had stopped (closed)")
             pool.shutdown()
             self._writer.close()  # the checkpoints under way are written
-        statuses = {job_id: m.status for job_id, m in self._models.items()}
+        statuses = {job_id: log.status for job_id, log in self._refused.items()}
+        statuses |= {job_id: m.status for job_id, m in self._models.items()}
         # Added, never placed: the executor failed first (``report`` says why).
         return statuses | {s.job_id: RunStatus.FAILED for s in self._inbox.arrivals()}
 
@@ -222,6 +227,7 @@ class SharpTrainer(Recovering):
                 arriving, key=lambda s: -s.steps * sum(c.fwd_bwd_s for c in s.block_costs)
             )
             adds = [c for snap in placing for c in self._place(pool, snap)]
+            arriving = [snap for snap in arriving if snap.job_id in self._models]
             try:
                 self._homes.held(await_all(pool, adds, self._timeout))
                 self._measures.measure(pool, self._homes.live(), self._timeout)
@@ -270,13 +276,22 @@ class SharpTrainer(Recovering):
 
     def _place(self, pool: HostPool, snap: JobSnapshot) -> list[Call]:
         """Make ``snap`` a model here (``placing.arrive``); the calls that load its shards
-        into their devices' memory."""
+        into their devices' memory. One that cannot be made (cut into shards for these
+        devices, its data made, its checkpoint read) fails alone, saying why."""
         smallest = min(self._budgets[d.id] for d in self._devices)
-        model = arrive(
-            snap, smallest, len(self._models), self._homes, task_copies=self._task_copies
-        )
+        try:
+            model = arrive(
+                snap, smallest, len(self._models), self._homes, task_copies=self._task_copies
+            )
+        except Exception as exc:  # its own: the other models train on
+            why = f"the SHARP executor cannot train this model: {one_line(exc)}"
+            with self._lock:
+                self._models.pop(snap.job_id, None)  # an earlier run of it, ended
+                self._refused[snap.job_id] = RunLog(RunStatus.FAILED, why)
+            return []
         with self._lock:
             self._models[snap.job_id] = model
+            self._refused.pop(snap.job_id, None)
         if model.status is RunStatus.LOST:
             return []
         shards, homes = model.plan.shards, model.homes
@@ -433,27 +448,11 @@ class SharpTrainer(Recovering):
         if step == snap.steps or leave:
             self._drop(pool, model)  # it ends once its last checkpoint is written
         elif not self._trades:  # trading models move before any task instead
-            self._maybe_move(pool, model, step, blocks or None)
-
-    def _maybe_move(
-        self, pool: HostPool, model: ModelRun, step: int, blocks: dict[int, Any] | None
-    ) -> None:
-        """At a step boundary ``model`` moves whole to the live device where that ends the
-        two devices' work soonest, if sooner than staying (``scheduler.sharp_homes.move_target``):
-        as models end, some devices fall idle while others still hold several. Its state
-        (the step's gathered ``blocks``, else its copy of this step, else gathered now) is
-        loaded there; nothing is replayed."""
-        home, there = model.homes[0], self._homes.target(model, self._models.values())
-        if there is None:
-            return
-        try:
-            if blocks is None:
-                blocks = model.saved_at(step) or model.gather(pool, self._timeout)
-            await_all(pool, move(model, self._homes, pool, there, blocks), self._timeout)
-        except HostLost as exc:  # before it moved, or as it did (``placing.move``)
-            self._lost_meanwhile(pool, model, exc)
-            return
-        model.moved(self._devices, home, step)
+            try:
+                models, timeout = self._models.values(), self._timeout
+                move_if_sooner(model, self._homes, models, pool, step, blocks or None, timeout)
+            except HostLost as exc:
+                self._lost_meanwhile(pool, model, exc)
 
     def _copied(self, pool: HostPool, model: ModelRun, call: Call) -> None:
         """A host's part of ``model``'s copy is in (a stepped shard's, for the step's

@@ -1,0 +1,85 @@
+"""A model the SHARP executor cannot make (cut into shards for its devices, its data made,
+its checkpoint read) fails alone, saying why; the models beside it train on."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from shoal.workers.sharp.runner import SharpTrainer
+from shoal.workers.sharp.shard_pool import LocalPool
+from shoal.workers.snapshot import DataRef, ModelRef, RunnerReport, RunStatus
+from tests.workers.sharp.test_sharp_runner import assert_alone, budget_for_shards, devices, model
+
+WIDE = ModelRef("mlp", None, {"in_features": 16, "hidden": 1024, "layers": 2, "out_features": 4})
+"""A block of a million parameters: more than half of a device sized for the small MLP."""
+
+
+@pytest.mark.unit
+def test_a_model_too_wide_for_these_devices_fails_alone_and_the_others_train_exactly(
+    tmp_path: Path,
+) -> None:
+    """A sweep's trial whose widest block needs more than half of a device's budget cannot
+    be cut into shards here: it fails, naming the block and the budget, and the models
+    that arrived with it train as alone (before, the executor failed with every model)."""
+    snaps = [
+        model(tmp_path, "a"),
+        model(tmp_path, "wide", model=WIDE),
+        model(tmp_path, "c", seed=5, steps=3),
+    ]
+    pool = devices()
+    budget = budget_for_shards(snaps[0], 3)
+    trainer = SharpTrainer(snaps, pool, LocalPool, budgets={d.id: budget for d in pool})
+    statuses = trainer.run()
+    errors = {s.job_id: trainer.report(s.job_id, 0).error for s in snaps}
+    failed, succeeded = RunStatus.FAILED, RunStatus.SUCCEEDED
+    assert statuses == {"a": succeeded, "wide": failed, "c": succeeded}, errors
+    refused = trainer.report("wide", 0)
+    assert refused.status is failed and refused.metrics == ()
+    assert refused.error is not None
+    assert refused.error.startswith("the SHARP executor cannot train this model: ShardError:")
+    assert "block 0 needs" in refused.error and "devices with more memory" in refused.error
+    for snap in (snaps[0], snaps[2]):
+        assert_alone(snap, [m.loss for m in trainer.report(snap.job_id, 0).metrics])
+
+
+@pytest.mark.unit
+def test_a_model_ended_here_and_added_again_that_cannot_be_made_reports_its_new_failure(
+    tmp_path: Path,
+) -> None:
+    """A sweep's executor (open for more models): a model that ended here SUCCEEDED comes
+    again, now unable to be made (its data: a dataset its workers do not know); it reports
+    that failure, not its earlier run, and the model added after it trains."""
+    first = model(tmp_path, "a", steps=2)
+    pool = devices()
+    budgets = {d.id: budget_for_shards(first, 3) for d in pool}
+    trainer = SharpTrainer([first], pool, LocalPool, budgets=budgets, keep_open=True)
+    thread = threading.Thread(target=trainer.run)
+    thread.start()
+    try:
+        assert ended(trainer, "a").status is RunStatus.SUCCEEDED
+        trainer.add(replace(first, attempt=2, data=DataRef("no-such-data", None, {})))
+        trainer.add(model(tmp_path, "b", seed=9, steps=2))
+        assert ended(trainer, "b").status is RunStatus.SUCCEEDED
+    finally:
+        trainer.close()
+        thread.join(60)
+    assert not thread.is_alive()
+    again = trainer.report("a", 0)
+    assert again.status is RunStatus.FAILED and again.metrics == (), again
+    assert again.error is not None and "unknown dataset 'no-such-data'" in again.error
+
+
+def ended(trainer: SharpTrainer, job_id: str, within_s: float = 60.0) -> RunnerReport:
+    """``job_id``'s report once it has ended (its last report in the failure, if not)."""
+    deadline = time.monotonic() + within_s
+    report = trainer.report(job_id, 0)
+    while report.status is RunStatus.RUNNING and time.monotonic() < deadline:
+        time.sleep(0.02)
+        report = trainer.report(job_id, 0)
+    assert report.status is not RunStatus.RUNNING, f"{job_id} still running: {report}"
+    return report
