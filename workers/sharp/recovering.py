@@ -8,7 +8,7 @@ does the same, wherever its shards got to."""
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 from shoal.scheduler.copies import most_replayed
@@ -38,7 +38,7 @@ class Recovering:
     def _busy_models(self) -> set[str]:
         raise NotImplementedError
 
-    def _drop(self, pool: HostPool, model: ModelRun) -> None:
+    def _drop(self, pool: HostPool, model: ModelRun, held: Collection[int] | None = None) -> None:
         raise NotImplementedError
 
     def _lost_meanwhile(self, pool: HostPool, model: ModelRun, exc: HostLost) -> None:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -44,20 +44,19 @@ from shoal.scheduler.sharp import (
 from shoal.scheduler.types import DeviceId
 from shoal.workers.pipeline.stage_worker import one_line
 from shoal.workers.run_log import RunLog
+from shoal.workers.sharp.admitting import Admitting
 from shoal.workers.sharp.checkpointing import CheckpointThread
 from shoal.workers.sharp.homes import Homes
 from shoal.workers.sharp.inbox import Inbox
 from shoal.workers.sharp.measuring import Measurements
 from shoal.workers.sharp.models import Copying, ModelRun, Task
-from shoal.workers.sharp.placing import arrive, move_if_sooner
-from shoal.workers.sharp.recovering import Recovering
+from shoal.workers.sharp.placing import move_if_sooner
 from shoal.workers.sharp.shard_pool import (
     Call,
     HostLost,
     HostPool,
     InputLost,
     PoolFactory,
-    await_all,
 )
 from shoal.workers.sharp.shard_types import TaskResult
 from shoal.workers.sharp.shard_worker import ShardFailed
@@ -72,7 +71,7 @@ QUEUE_DEPTH = 2
 next, so it never waits for this loop (a round trip through Ray and the policy) between."""
 
 
-class SharpTrainer(Recovering):
+class SharpTrainer(Admitting):
     """Trains ``models`` together on ``devices``; ``report`` is thread-safe."""
 
     def __init__(
@@ -212,38 +211,6 @@ class SharpTrainer(Recovering):
             elif not self._inbox.wait_for_more():
                 return  # every model has ended and no more come
 
-    def _admit(self, pool: HostPool) -> None:
-        if self._trades and self._inbox.arriving():  # placed by speed: measured first
-            try:  # (else placed as alike: a move at a step boundary levels them)
-                live = self._homes.live()
-                self._homes.measured(self._measures.measure(pool, live, self._timeout))
-            except HostLost as exc:  # placed on the devices left
-                self._lose(pool, self._homes.host_of(exc.device_id), str(exc))
-        arriving = self._inbox.arrivals()
-        if arriving:
-            # Heaviest first, each to the device where it ends soonest (``home_shards``):
-            # longest-processing-time-first over the models that arrive together.
-            placing = sorted(
-                arriving, key=lambda s: -s.steps * sum(c.fwd_bwd_s for c in s.block_costs)
-            )
-            adds = [c for snap in placing for c in self._place(pool, snap)]
-            arriving = [snap for snap in arriving if snap.job_id in self._models]
-            try:
-                self._homes.held(await_all(pool, adds, self._timeout))
-                self._measures.measure(pool, self._homes.live(), self._timeout)
-                for snap in arriving:
-                    self._measures.say(self._models[snap.job_id], self._devices)
-            except HostLost as exc:  # its models (new ones too) are placed again
-                self._lose(pool, self._homes.host_of(exc.device_id), str(exc))
-            for snap in arriving:
-                model = self._models[snap.job_id]
-                if not (snap.keep_copies and model.active):
-                    continue
-                try:
-                    model.saved = (model.step, model.gather(pool, self._timeout))
-                except HostLost as exc:  # it trained nothing yet: no copy is needed
-                    self._lose(pool, self._homes.host_of(exc.device_id), str(exc))
-
     def _reap(self, pool: HostPool) -> None:
         """End the models to stop (cancelled, or a checkpoint failed) with no task in flight
         and free their shards."""
@@ -258,11 +225,15 @@ class SharpTrainer(Recovering):
     def _busy_models(self) -> set[str]:
         return {t.model.snap.job_id for t in self._in_flight.values()} | self._trading.busy()
 
-    def _drop(self, pool: HostPool, model: ModelRun) -> None:
+    def _drop(self, pool: HostPool, model: ModelRun, held: Collection[int] | None = None) -> None:
+        """Free ``model``'s shards on their devices (those of ``held`` only where given:
+        the others were never loaded)."""
         model.copying = None
         self._trading.call_off(model, self._models)
         job_id = model.snap.job_id
         for shard, host in zip(model.plan.shards, model.homes, strict=True):
+            if held is not None and shard.index not in held:
+                continue
             if self._homes.alive(host):  # after the tasks queued there: dispatch goes on
                 self._drop_calls.add(pool.submit(host, "drop", (job_id, shard.index)))
         self._homes.release(model)
@@ -273,29 +244,6 @@ class SharpTrainer(Recovering):
             pool.result(call)
         except HostLost as exc:  # its shards there are gone anyway; the others' roll back
             self._lose(pool, self._homes.host_of(exc.device_id), str(exc))
-
-    def _place(self, pool: HostPool, snap: JobSnapshot) -> list[Call]:
-        """Make ``snap`` a model here (``placing.arrive``); the calls that load its shards
-        into their devices' memory. One that cannot be made (cut into shards for these
-        devices, its data made, its checkpoint read) fails alone, saying why."""
-        smallest = min(self._budgets[d.id] for d in self._devices)
-        try:
-            model = arrive(
-                snap, smallest, len(self._models), self._homes, task_copies=self._task_copies
-            )
-        except Exception as exc:  # its own: the other models train on
-            why = f"the SHARP executor cannot train this model: {one_line(exc)}"
-            with self._lock:
-                self._models.pop(snap.job_id, None)  # an earlier run of it, ended
-                self._refused[snap.job_id] = RunLog(RunStatus.FAILED, why)
-            return []
-        with self._lock:
-            self._models[snap.job_id] = model
-            self._refused.pop(snap.job_id, None)
-        if model.status is RunStatus.LOST:
-            return []
-        shards, homes = model.plan.shards, model.homes
-        return [model.add(pool, h, s, model.origin) for s, h in zip(shards, homes, strict=True)]
 
     # ----------------------------------------------------------------------- dispatch
 

@@ -7,6 +7,7 @@ import threading
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -83,3 +84,37 @@ def ended(trainer: SharpTrainer, job_id: str, within_s: float = 60.0) -> RunnerR
         report = trainer.report(job_id, 0)
     assert report.status is not RunStatus.RUNNING, f"{job_id} still running: {report}"
     return report
+
+
+class BadShardPool(LocalPool):
+    """A LocalPool whose workers cannot build model ``bad``'s shards: its ``add`` fails on
+    the worker (as a factory of uploaded code raising for the trial's config would)."""
+
+    def submit(self, host: int, method: str, *args: Any) -> Any:
+        if method == "add" and args[0][0] == "bad":
+            return super().submit(host, "no-such-method", *args)
+        return super().submit(host, method, *args)
+
+
+@pytest.mark.unit
+def test_a_model_whose_shards_cannot_be_built_fails_alone_and_the_others_train_exactly(
+    tmp_path: Path,
+) -> None:
+    """A model arriving with others whose shards its workers cannot build fails with the
+    worker's error, its other shards dropped, and the models beside it train as alone."""
+    snaps = [
+        model(tmp_path, "a"),
+        model(tmp_path, "bad", seed=7),
+        model(tmp_path, "c", seed=5, steps=3),
+    ]
+    pool = devices()
+    budget = budget_for_shards(snaps[0], 3)
+    trainer = SharpTrainer(snaps, pool, BadShardPool, budgets={d.id: budget for d in pool})
+    statuses = trainer.run()
+    errors = {s.job_id: trainer.report(s.job_id, 0).error for s in snaps}
+    failed, succeeded = RunStatus.FAILED, RunStatus.SUCCEEDED
+    assert statuses == {"a": succeeded, "bad": failed, "c": succeeded}, errors
+    bad = trainer.report("bad", 0)
+    assert bad.metrics == () and "no such method 'no-such-method'" in (bad.error or ""), bad
+    for snap in (snaps[0], snaps[2]):
+        assert_alone(snap, [m.loss for m in trainer.report(snap.job_id, 0).metrics])
