@@ -12,12 +12,31 @@ from typing import Any
 import pytest
 
 from shoal.workers.sharp.runner import SharpTrainer
-from shoal.workers.sharp.shard_pool import LocalPool
-from shoal.workers.snapshot import DataRef, ModelRef, RunnerReport, RunStatus
+from shoal.workers.sharp.shard_pool import LocalPool, PoolFactory
+from shoal.workers.snapshot import DataRef, JobSnapshot, ModelRef, RunnerReport, RunStatus
 from tests.workers.sharp.test_sharp_runner import assert_alone, budget_for_shards, devices, model
 
 WIDE = ModelRef("mlp", None, {"in_features": 16, "hidden": 1024, "layers": 2, "out_features": 4})
 """A block of a million parameters: more than half of a device sized for the small MLP."""
+
+
+def fails_alone(odd: JobSnapshot, make_pool: PoolFactory) -> RunnerReport:
+    """``odd`` trained with two models beside it: it fails, having trained nothing, and
+    they train as alone. Its report."""
+    root = Path(odd.checkpoint_root)
+    snaps = [model(root, "a"), odd, model(root, "c", seed=5, steps=3)]
+    pool = devices()
+    budget = budget_for_shards(snaps[0], 3)
+    trainer = SharpTrainer(snaps, pool, make_pool, budgets={d.id: budget for d in pool})
+    statuses = trainer.run()
+    errors = {s.job_id: trainer.report(s.job_id, 0).error for s in snaps}
+    failed, succeeded = RunStatus.FAILED, RunStatus.SUCCEEDED
+    assert statuses == {"a": succeeded, odd.job_id: failed, "c": succeeded}, errors
+    for snap in (snaps[0], snaps[2]):
+        assert_alone(snap, [m.loss for m in trainer.report(snap.job_id, 0).metrics])
+    report = trainer.report(odd.job_id, 0)
+    assert report.metrics == () and report.error is not None, report
+    return report
 
 
 @pytest.mark.unit
@@ -27,25 +46,10 @@ def test_a_model_too_wide_for_these_devices_fails_alone_and_the_others_train_exa
     """A sweep's trial whose widest block needs more than half of a device's budget cannot
     be cut into shards here: it fails, naming the block and the budget, and the models
     that arrived with it train as alone (before, the executor failed with every model)."""
-    snaps = [
-        model(tmp_path, "a"),
-        model(tmp_path, "wide", model=WIDE),
-        model(tmp_path, "c", seed=5, steps=3),
-    ]
-    pool = devices()
-    budget = budget_for_shards(snaps[0], 3)
-    trainer = SharpTrainer(snaps, pool, LocalPool, budgets={d.id: budget for d in pool})
-    statuses = trainer.run()
-    errors = {s.job_id: trainer.report(s.job_id, 0).error for s in snaps}
-    failed, succeeded = RunStatus.FAILED, RunStatus.SUCCEEDED
-    assert statuses == {"a": succeeded, "wide": failed, "c": succeeded}, errors
-    refused = trainer.report("wide", 0)
-    assert refused.status is failed and refused.metrics == ()
+    refused = fails_alone(model(tmp_path, "wide", model=WIDE), LocalPool)
     assert refused.error is not None
     assert refused.error.startswith("the SHARP executor cannot train this model: ShardError:")
     assert "block 0 needs" in refused.error and "devices with more memory" in refused.error
-    for snap in (snaps[0], snaps[2]):
-        assert_alone(snap, [m.loss for m in trainer.report(snap.job_id, 0).metrics])
 
 
 @pytest.mark.unit
@@ -102,19 +106,5 @@ def test_a_model_whose_shards_cannot_be_built_fails_alone_and_the_others_train_e
 ) -> None:
     """A model arriving with others whose shards its workers cannot build fails with the
     worker's error, its other shards dropped, and the models beside it train as alone."""
-    snaps = [
-        model(tmp_path, "a"),
-        model(tmp_path, "bad", seed=7),
-        model(tmp_path, "c", seed=5, steps=3),
-    ]
-    pool = devices()
-    budget = budget_for_shards(snaps[0], 3)
-    trainer = SharpTrainer(snaps, pool, BadShardPool, budgets={d.id: budget for d in pool})
-    statuses = trainer.run()
-    errors = {s.job_id: trainer.report(s.job_id, 0).error for s in snaps}
-    failed, succeeded = RunStatus.FAILED, RunStatus.SUCCEEDED
-    assert statuses == {"a": succeeded, "bad": failed, "c": succeeded}, errors
-    bad = trainer.report("bad", 0)
-    assert bad.metrics == () and "no such method 'no-such-method'" in (bad.error or ""), bad
-    for snap in (snaps[0], snaps[2]):
-        assert_alone(snap, [m.loss for m in trainer.report(snap.job_id, 0).metrics])
+    bad = fails_alone(model(tmp_path, "bad", seed=7), BadShardPool)
+    assert "no such method 'no-such-method'" in (bad.error or ""), bad
