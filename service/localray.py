@@ -27,7 +27,8 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -75,11 +76,25 @@ class LocalRayError(RuntimeError):
 
 def free_port(host: str = _HOST) -> int:
     """A TCP port nothing listens on right now (another process may still take it)."""
+    (port,) = free_ports(1, host)
+    return port
+
+
+def free_ports(count: int, host: str = _HOST, taken: Collection[int] = ()) -> list[int]:
+    """``count`` distinct TCP ports nothing listens on right now, none of ``taken`` (ports
+    chosen but not listened on yet). Each is held until all are chosen: the kernel hands a
+    port just released out again, and one Ray node given the same port twice refuses to
+    start ("trying to use a port number ... used by other components")."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family) as sock:
-        sock.bind((host, 0))
-        port: int = sock.getsockname()[1]
-        return port
+    ports: list[int] = []
+    with ExitStack() as held:
+        while len(ports) < count:
+            sock = held.enter_context(socket.socket(family))
+            sock.bind((host, 0))
+            port: int = sock.getsockname()[1]
+            if port not in ports and port not in taken:
+                ports.append(port)
+    return ports
 
 
 def _accepts(port: int) -> bool:
@@ -453,10 +468,12 @@ def node_command(
     if spec.gpus is not None:
         args.append(f"--num-gpus={spec.gpus}")
     if shared_machine:
+        # The head's port is chosen but not listened on yet when its command is made.
+        agent, metrics = free_ports(2, taken=() if head_port is None else (head_port,))
         args += [
             f"--node-ip-address={_HOST}",
-            f"--dashboard-agent-listen-port={free_port()}",
-            f"--metrics-export-port={free_port()}",
+            f"--dashboard-agent-listen-port={agent}",
+            f"--metrics-export-port={metrics}",
         ]
     if head_port is not None:
         # One CPU beyond the devices, for the job runner actor and the control plane's work.

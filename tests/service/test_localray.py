@@ -24,6 +24,7 @@ from shoal.scheduler.devices import (
     NodeInfo,
     inventory,
 )
+from shoal.service import localray
 from shoal.service.devicespec import DeviceSpecError, VirtualNode, parse_devices
 from shoal.service.localray import LocalRay, LocalRayError, free_port, node_command
 from shoal.service.localray_record import RECORD, ClusterRecord, NodeRecord, ProcessId
@@ -132,6 +133,45 @@ def test_a_node_in_a_container_of_its_own_joins_with_its_devices_and_no_local_po
     assert not [a for a in alone if a.startswith(("--node-ip-address", "--dashboard-agent"))]
     assert "--node-ip-address=127.0.0.1" in shared and set(alone) < set(shared)
     assert not [a for a in shared if a.startswith("--num-gpus")]  # Ray finds the GPUs
+
+
+class _Handing:
+    """A socket the kernel hands ``PORTS`` to, one per bind, a port just released again."""
+
+    PORTS: list[int] = []
+
+    def __init__(self, _family: int) -> None:
+        self.port = 0
+
+    def __enter__(self) -> _Handing:
+        return self
+
+    def __exit__(self, *_: object) -> None: ...
+
+    def bind(self, _address: tuple[str, int]) -> None:
+        self.port = _Handing.PORTS.pop(0)
+
+    def getsockname(self) -> tuple[str, int]:
+        return ("127.0.0.1", self.port)
+
+
+@pytest.mark.unit
+def test_a_nodes_ports_never_repeat_each_other_or_the_heads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The kernel may hand out a port just released again: a node's own ports are never
+    the same, nor the head's port chosen before them (in one CI run the head's metrics
+    port was its GCS port, and `ray start` refused: "metrics_export is trying to use a
+    port number 51913 that is used by other components")."""
+    monkeypatch.setattr(localray.socket, "socket", _Handing)
+    _Handing.PORTS = [6100, 6100, 6101, 6101, 6100, 6102]
+    head = node_command(Path("ray"), VirtualNode(1, "cpu-a", 4096), head_port=6100)
+    ports = dict(a.split("=") for a in head if a.startswith("--") and "port=" in a)
+    assert ports == {
+        "--dashboard-agent-listen-port": "6101",
+        "--metrics-export-port": "6102",
+        "--port": "6100",
+    }
 
 
 @pytest.mark.unit
