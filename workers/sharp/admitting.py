@@ -22,8 +22,8 @@ from shoal.workers.sharp.shard_pool import Call, HostLost, HostPool
 from shoal.workers.sharp.shard_worker import ShardFailed
 from shoal.workers.snapshot import JobSnapshot, RunStatus
 
-Loads = dict[Call, tuple[ModelRun, int]]
-"""Calls loading shards (``ModelRun.add``), each with its model and shard index."""
+Loads = dict[Call, ModelRun]
+"""Calls loading shards (``ModelRun.add``), each with its model."""
 
 
 class Admitting(Recovering):
@@ -67,6 +67,8 @@ class Admitting(Recovering):
                 model.saved = (model.step, model.gather(pool, self._timeout))
             except HostLost as exc:  # it trained nothing yet: no copy is needed
                 self._lose(pool, self._homes.host_of(exc.device_id), str(exc))
+            except ShardFailed as exc:  # a host could not copy a shard of it
+                self._fail(pool, model, f"its first copy could not be taken: {exc}")
 
     def _arrived(self, arriving: list[JobSnapshot]) -> list[ModelRun]:
         """The models made of ``arriving`` and not failed since."""
@@ -95,31 +97,26 @@ class Admitting(Recovering):
             return {}
         shards, homes = model.plan.shards, model.homes
         return {
-            model.add(pool, h, s, model.origin): (model, s.index)
-            for s, h in zip(shards, homes, strict=True)
+            model.add(pool, h, s, model.origin): model for s, h in zip(shards, homes, strict=True)
         }
 
     def _load(self, pool: HostPool, loads: Loads) -> None:
         """Wait for ``loads``: what each took is a move's measure from now on
         (``Homes.held``). A model one of whose shards its worker could not build
         (``ShardFailed``: its factory raised, its checkpoint's states do not fit) fails
-        alone once every load has ended, the shards it loaded dropped. ``HostLost`` as
+        alone once every load has ended, its shards dropped. ``HostLost`` as
         soon as a device is found lost."""
         held: list[tuple[int, float]] = []
-        loaded: dict[str, set[int]] = {}
         failed: dict[str, tuple[ModelRun, ShardFailed]] = {}
         pending = list(loads)
         while pending:
             for call in pool.wait(pending, self._timeout):
                 pending.remove(call)
-                model, shard = loads[call]
                 try:
                     held.append(pool.result(call))
                 except ShardFailed as exc:
+                    model = loads[call]
                     failed.setdefault(model.snap.job_id, (model, exc))
-                else:
-                    loaded.setdefault(model.snap.job_id, set()).add(shard)
         self._homes.held(held)
-        for job_id, (model, error) in failed.items():
-            model.end(RunStatus.FAILED, f"its shards could not be loaded: {error}")
-            self._drop(pool, model, loaded.get(job_id, set()))
+        for model, error in failed.values():
+            self._fail(pool, model, f"its shards could not be loaded: {error}")

@@ -8,7 +8,7 @@ does the same, wherever its shards got to."""
 from __future__ import annotations
 
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from shoal.scheduler.copies import most_replayed
@@ -38,8 +38,13 @@ class Recovering:
     def _busy_models(self) -> set[str]:
         raise NotImplementedError
 
-    def _drop(self, pool: HostPool, model: ModelRun, held: Collection[int] | None = None) -> None:
+    def _drop(self, pool: HostPool, model: ModelRun) -> None:
         raise NotImplementedError
+
+    def _fail(self, pool: HostPool, model: ModelRun, why: str) -> None:
+        """``model`` fails alone (``why``): its shards are dropped, the others train on."""
+        model.end(RunStatus.FAILED, why)
+        self._drop(pool, model)
 
     def _lost_meanwhile(self, pool: HostPool, model: ModelRun, exc: HostLost) -> None:
         """A device was lost while ``model``'s state was gathered or moved at a step
@@ -132,6 +137,9 @@ class Recovering:
             model.lost = str(exc)
             self._lose(pool, self._homes.host_of(exc.device_id), str(exc))
             return
+        except ShardFailed as exc:  # a worker could not build a shard of it again
+            self._fail(pool, model, f"{reason}; it could not be re-formed: {exc}")
+            return
         replayed = model.step - step
         model.restart(step)
         model.recovered(self._devices, gone, reason or "", step, replayed, bound)
@@ -171,6 +179,9 @@ class Recovering:
         except HostLost as exc:  # another device went meanwhile: its models roll back too
             model.lost = str(exc)
             self._lose(pool, self._homes.host_of(exc.device_id), str(exc))
+            return
+        except ShardFailed as exc:  # a worker could not build a shard of it again
+            self._fail(pool, model, f"{reason}; it could not be re-formed: {exc}")
             return
         redone, model.submitted = model.submitted - model.done, model.done
         model.carry = ledger.carry(model.plan, model.done)

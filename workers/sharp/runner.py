@@ -27,7 +27,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -225,15 +225,12 @@ class SharpTrainer(Admitting):
     def _busy_models(self) -> set[str]:
         return {t.model.snap.job_id for t in self._in_flight.values()} | self._trading.busy()
 
-    def _drop(self, pool: HostPool, model: ModelRun, held: Collection[int] | None = None) -> None:
-        """Free ``model``'s shards on their devices (those of ``held`` only where given:
-        the others were never loaded)."""
+    def _drop(self, pool: HostPool, model: ModelRun) -> None:
+        """Free ``model``'s shards on their devices."""
         model.copying = None
         self._trading.call_off(model, self._models)
         job_id = model.snap.job_id
         for shard, host in zip(model.plan.shards, model.homes, strict=True):
-            if held is not None and shard.index not in held:
-                continue
             if self._homes.alive(host):  # after the tasks queued there: dispatch goes on
                 self._drop_calls.add(pool.submit(host, "drop", (job_id, shard.index)))
         self._homes.release(model)
@@ -376,6 +373,9 @@ class SharpTrainer(Admitting):
             except HostLost as exc:  # a shard's device went between the step and the gather
                 self._lost_meanwhile(pool, model, exc)
                 return
+            except ShardFailed as exc:  # a host could not copy a shard of it
+                self._not_checkpointed(pool, model, step, exc)
+                return
             if snap.keep_copies:
                 model.saved, model.copying = (step, blocks), None
         elif copy_due:
@@ -401,6 +401,8 @@ class SharpTrainer(Admitting):
                 move_if_sooner(model, self._homes, models, pool, step, blocks or None, timeout)
             except HostLost as exc:
                 self._lost_meanwhile(pool, model, exc)
+            except ShardFailed as exc:  # a host could not give or build a shard of it
+                self._fail(pool, model, f"it could not move at step {step}: {exc}")
 
     def _copied(self, pool: HostPool, model: ModelRun, call: Call) -> None:
         """A host's part of ``model``'s copy is in (a stepped shard's, for the step's
@@ -443,5 +445,4 @@ class SharpTrainer(Admitting):
     ) -> None:
         """A part of ``model``'s last checkpoint (of ``step``) was not made: the model
         fails, as when its checkpoint cannot be written."""
-        model.end(RunStatus.FAILED, f"its checkpoint of step {step} could not be taken: {exc}")
-        self._drop(pool, model)
+        self._fail(pool, model, f"its checkpoint of step {step} could not be taken: {exc}")

@@ -166,11 +166,13 @@ class ShardHost:
 
     def drop(self, key: ShardKey) -> None:
         """Forget shard ``key`` (it moved to another host, or its model ended, or rolls
-        back), and whatever this host keeps for its model's next tasks."""
-        self._stage(key)
+        back), and whatever this host keeps for its model's next tasks: then the host
+        holds nothing of it, whether it held the shard or not (a model that failed as its
+        shards were loaded drops them all)."""
         for kept in [k for k in self._stash if k[0] == key[0]]:
             del self._stash[kept]
-        self._forget(key)
+        if key in self._shards:
+            self._forget(key)
 
     def give(self, key: ShardKey, stashed: int | None = None) -> tuple[Handover, int]:
         """Hand shard ``key`` over to another host (``Handover``) and forget it, with the
