@@ -19,7 +19,6 @@ stops every process of it before starting anything: never two copies of one job.
 from __future__ import annotations
 
 import atexit
-import json
 import os
 import secrets
 import signal
@@ -27,17 +26,16 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Collection, Sequence
-from contextlib import ExitStack
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import IO
 
-from shoal.scheduler.devices import DEVICE_RESOURCE
 from shoal.service.devicespec import VirtualNode
 from shoal.service.localray_record import ClusterRecord, NodeRecord, ProcessId, RecordError
 from shoal.service.nodeprocs import kill_node, signal_group
+from shoal.service.raynode import LOOPBACK, free_port, node_command
 
 HEALTH_CHECKS = {
     "RAY_health_check_initial_delay_ms": "1000",
@@ -67,39 +65,14 @@ Shoal / best in that bench (docs/benchmarks.md). ``shoal node`` sets it, and
 RAY_ENV = "ray.env"
 """The file in ``SHOAL_HOME`` where `shoal up` leaves its local cluster's address and token."""
 
-_HOST = "127.0.0.1"
-
 
 class LocalRayError(RuntimeError):
     """The local Ray cluster did not start; the message points to the log to read."""
 
 
-def free_port(host: str = _HOST) -> int:
-    """A TCP port nothing listens on right now (another process may still take it)."""
-    (port,) = free_ports(1, host)
-    return port
-
-
-def free_ports(count: int, host: str = _HOST, taken: Collection[int] = ()) -> list[int]:
-    """``count`` distinct TCP ports nothing listens on right now, none of ``taken`` (ports
-    chosen but not listened on yet). Each is held until all are chosen: the kernel hands a
-    port just released out again, and one Ray node given the same port twice refuses to
-    start ("trying to use a port number ... used by other components")."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    ports: list[int] = []
-    with ExitStack() as held:
-        while len(ports) < count:
-            sock = held.enter_context(socket.socket(family))
-            sock.bind((host, 0))
-            port: int = sock.getsockname()[1]
-            if port not in ports and port not in taken:
-                ports.append(port)
-    return ports
-
-
 def _accepts(port: int) -> bool:
     try:
-        with socket.create_connection((_HOST, port), timeout=0.5):
+        with socket.create_connection((LOOPBACK, port), timeout=0.5):
             return True
     except OSError:
         return False
@@ -175,7 +148,7 @@ class LocalRay:
         """The head's GCS address, ``127.0.0.1:PORT``."""
         if self._port is None:
             raise RuntimeError("the local Ray cluster is not started; call start() first")
-        return f"{_HOST}:{self._port}"
+        return f"{LOOPBACK}:{self._port}"
 
     @property
     def client_env(self) -> dict[str, str]:
@@ -289,7 +262,7 @@ class LocalRay:
         if gone:
             return f"its node {gone[0]} is gone"
         host, _, port = record.address.rpartition(":")
-        if host != _HOST or not port.isdigit() or not _accepts(int(port)):
+        if host != LOOPBACK or not port.isdigit() or not _accepts(int(port)):
             return f"its head does not accept connections at {record.address}"
         return None
 
@@ -443,50 +416,6 @@ class LocalRay:
         traceback: TracebackType | None,
     ) -> None:
         self.stop()
-
-
-def node_command(
-    ray: Path,
-    spec: VirtualNode,
-    *,
-    address: str | None = None,
-    head_port: int | None = None,
-    shared_machine: bool = True,
-) -> list[str]:
-    """The ``ray start --block`` command of one node declaring ``spec``'s devices: the head
-    (``head_port``) or a node joining the cluster at ``address``. ``shared_machine``: the
-    node shares this machine (and its loopback address) with the cluster's other nodes, so
-    it takes ports of its own; a node on a machine (a container) of its own does not."""
-    args = [
-        str(ray),
-        "start",
-        "--block",
-        "--disable-usage-stats",
-        f"--resources={json.dumps({DEVICE_RESOURCE: spec.count})}",
-        "--labels=" + ",".join(f"{key}={value}" for key, value in spec.labels.items()),
-    ]
-    if spec.gpus is not None:
-        args.append(f"--num-gpus={spec.gpus}")
-    if shared_machine:
-        # The head's port is chosen but not listened on yet when its command is made.
-        agent, metrics = free_ports(2, taken=() if head_port is None else (head_port,))
-        args += [
-            f"--node-ip-address={_HOST}",
-            f"--dashboard-agent-listen-port={agent}",
-            f"--metrics-export-port={metrics}",
-        ]
-    if head_port is not None:
-        # One CPU beyond the devices, for the job runner actor and the control plane's work.
-        return [
-            *args,
-            "--head",
-            f"--port={head_port}",
-            f"--num-cpus={spec.count + 1}",
-            "--include-dashboard=false",
-        ]
-    if address is None:
-        raise ValueError("a node either is the head (head_port) or joins one (address)")
-    return [*args, f"--address={address}", f"--num-cpus={spec.count}"]
 
 
 def _read_record(path: Path) -> ClusterRecord | None:

@@ -47,7 +47,7 @@ from shoal.service.bench.report import BenchError, Progress, machine
 from shoal.service.db.models import Job
 from shoal.service.db.scratch import create_database, drop_database
 from shoal.service.db.session import make_engine
-from shoal.service.localray import free_port
+from shoal.service.raynode import free_port
 from shoal.service.settings import Settings
 
 API_KEYS = (

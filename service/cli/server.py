@@ -23,9 +23,9 @@ from shoal.service.localray import (
     WORKER_PRESTART,
     LocalRay,
     LocalRayError,
-    node_command,
 )
 from shoal.service.localray_record import RECORD
+from shoal.service.raynode import node_command
 from shoal.service.settings import Settings, UnsafeSettings
 
 

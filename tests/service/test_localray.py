@@ -24,11 +24,12 @@ from shoal.scheduler.devices import (
     NodeInfo,
     inventory,
 )
-from shoal.service import localray
+from shoal.service import raynode
 from shoal.service.devicespec import DeviceSpecError, VirtualNode, parse_devices
-from shoal.service.localray import LocalRay, LocalRayError, free_port, node_command
+from shoal.service.localray import LocalRay, LocalRayError
 from shoal.service.localray_record import RECORD, ClusterRecord, NodeRecord, ProcessId
 from shoal.service.nodeprocs import kill_session
+from shoal.service.raynode import free_port, node_command
 from shoal.service.settings import DEFAULT_DEVICES
 
 
@@ -163,7 +164,7 @@ def test_a_nodes_ports_never_repeat_each_other_or_the_heads(
     the same, nor the head's port chosen before them (in one CI run the head's metrics
     port was its GCS port, and `ray start` refused: "metrics_export is trying to use a
     port number 51913 that is used by other components")."""
-    monkeypatch.setattr(localray.socket, "socket", _Handing)
+    monkeypatch.setattr(raynode.socket, "socket", _Handing)
     _Handing.PORTS = [6100, 6100, 6101, 6101, 6100, 6102]
     head = node_command(Path("ray"), VirtualNode(1, "cpu-a", 4096), head_port=6100)
     ports = dict(a.split("=") for a in head if a.startswith("--") and "port=" in a)
