@@ -2,9 +2,13 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-# The CPU wheel of torch is installed before the project so that pip never pulls a CUDA build.
-# GPU users: install your CUDA torch into $(VENV) first (or set TORCH_SPEC to it).
+# torch is installed before the project, so the project's own `torch` requirement never pulls
+# a build of its own, and a torch already in $(VENV) is kept. TORCH_INDEX_URL chooses the index
+# it comes from (PyPI's Linux wheel is a CUDA build: https://download.pytorch.org/whl/cpu is
+# the CPU one, the Dockerfile's default); empty, pip's own indexes. GPU users: install your
+# CUDA torch into $(VENV) first, or set TORCH_INDEX_URL (and TORCH_SPEC) to it.
 TORCH_SPEC ?= torch==2.13.0
+TORCH_INDEX_URL ?=
 STAMP := $(VENV)/.shoal-installed
 
 .PHONY: run test lint typecheck unit screenshots clean
@@ -14,7 +18,8 @@ $(BIN)/python:
 	$(BIN)/pip install --quiet --upgrade pip
 
 $(STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install --quiet "$(TORCH_SPEC)"
+	$(BIN)/python -c "import torch" 2>/dev/null || \
+		$(BIN)/pip install --quiet $(if $(TORCH_INDEX_URL),--index-url "$(TORCH_INDEX_URL)") "$(TORCH_SPEC)"
 	$(BIN)/pip install --quiet -e ".[test]"
 	touch $(STAMP)
 

@@ -133,6 +133,37 @@ def test_the_image_runs_as_a_user_with_a_healthcheck_and_installs_as_the_readme_
     assert not {"api", "service", "scheduler", "workers", "deploy", "pyproject.toml"} & set(ignored)
 
 
+def make_install(tmp_path: Path, *settings: str) -> list[str]:
+    """The commands ``make`` runs to install a new venv at ``tmp_path`` (printed, not run)."""
+    venv = tmp_path / "venv"
+    out = subprocess.run(
+        ["make", "-n", f"VENV={venv}", *settings, f"{venv}/.shoal-installed"],
+        cwd=ROOT, capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    return out.replace("\\\n", " ").splitlines()
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="no make")
+def test_make_installs_torch_first_from_the_index_asked_and_keeps_one_already_there(
+    tmp_path: Path,
+) -> None:
+    """The README's set-up: torch installed only where the venv has none, from the index
+    asked for (pip's own by default), before the project, whose torch range the README says."""
+    default = make_install(tmp_path)
+    (torch,) = [c for c in default if '"torch==' in c]
+    assert re.search(r'python -c "import torch" 2>/dev/null \|\|\s+\S+/pip install', torch), torch
+    assert "--index-url" not in torch, torch
+    project = default.index(next(c for c in default if 'install --quiet -e ".[test]"' in c))
+    assert default.index(torch) < project, default
+    cpu = "https://download.pytorch.org/whl/cpu"
+    (torch,) = [c for c in make_install(tmp_path, f"TORCH_INDEX_URL={cpu}") if '"torch==' in c]
+    assert f'--index-url "{cpu}" "torch==2.13.0"' in torch, torch
+    pinned = re.findall(r'"torch>=(\d+\.\d+),<(\d+)\.(\d+)"', (ROOT / "pyproject.toml").read_text())
+    ((low, major, minor),) = pinned
+    readme = (ROOT / "README.md").read_text()
+    assert f"(torch {low} to {major}.{int(minor) - 1})" in readme, pinned
+
+
 def test_the_entrypoint_is_valid_shell_and_offers_the_modes_the_deployments_use() -> None:
     subprocess.run(["sh", "-n", str(ENTRYPOINT)], check=True)
     if shutil.which("shellcheck"):
