@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import stat
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import sqlalchemy as sa
 from pydantic import ValidationError
 
+from shoal.api.app import create_app
+from shoal.service import auth
 from shoal.service.auth import (
     AuthError,
     Principal,
@@ -33,6 +38,49 @@ def test_tokens_are_stored_hashed_and_authenticate(session_factory: SessionFacto
         assert stored == [hash_token(token)] and token not in stored
         principal = authenticate(session, token)
     assert principal is not None and principal.name == "alice" and not principal.is_admin
+
+
+def test_a_tokens_stored_hash_is_the_sha256_hex_digest_of_the_token(
+    session_factory: SessionFactory,
+) -> None:
+    token = create_token(session_factory, user="alice")
+    with session_factory() as session:
+        stored = session.scalars(sa.select(ApiToken.token_hash)).all()
+    assert stored == [hashlib.sha256(token.encode()).hexdigest()], (token, stored)
+
+
+def test_a_presented_token_is_compared_with_the_stored_hash_in_constant_time(
+    session_factory: SessionFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``authenticate`` decides by ``hmac.compare_digest`` of the stored hash and the
+    presented token's: the hash it finds is accepted only if that comparison says so."""
+    token = create_token(session_factory, user="alice")
+    digest = hashlib.sha256(token.encode()).hexdigest()
+    compared: list[tuple[object, object]] = []
+    verdict: list[bool] = []
+
+    def compare_digest(a: str, b: str) -> bool:
+        compared.append((a, b))
+        return verdict[-1] if verdict else hmac.compare_digest(a, b)
+
+    monkeypatch.setattr(auth, "hmac", SimpleNamespace(compare_digest=compare_digest))
+    with session_factory() as session:
+        principal = authenticate(session, token)
+        assert principal is not None and principal.name == "alice", principal
+        assert compared == [(digest, digest)], compared
+        verdict.append(False)  # the comparison, not the lookup alone, decides
+        assert authenticate(session, token) is None, compared
+
+
+def test_every_api_process_remembers_a_token_for_the_auth_cache_time_5_s_by_default(
+    session_factory: SessionFactory, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A revoked token is refused within ``SHOAL_AUTH_CACHE_S``: the time each API process's
+    app keeps whom a token belongs to, 5 s unless set."""
+    monkeypatch.delenv("SHOAL_AUTH_CACHE_S", raising=False)
+    settings = Settings(home=tmp_path, database_url="unused://")
+    app = create_app(settings, session_factory)
+    assert (settings.auth_cache_s, app.state.principals.ttl_s) == (5.0, 5.0), settings
 
 
 def test_wrong_and_revoked_tokens_fail(session_factory: SessionFactory) -> None:

@@ -134,6 +134,16 @@ def test_the_example_sweep_is_valid() -> None:
     }
 
 
+def test_a_sweep_that_names_no_executor_shares_two_devices_under_sharp() -> None:
+    """The README: by default a sweep's running trials share two devices under SHARP; so
+    too for the README's example sweep, which names neither."""
+    example = Path(__file__).resolve().parents[2] / "examples" / "sweep-digits.yaml"
+    for payload in (sweep_spec(), yaml.safe_load(example.read_text())):
+        assert "executor" not in payload and "devices" not in payload, payload
+        spec = validate_sweep_spec(payload, []).spec
+        assert (spec.executor, spec.devices) == ("sharp", 2), spec
+
+
 def test_the_sharp_executor_refuses_gradient_clipping_and_names_the_way_out() -> None:
     base = job_spec(optimizer={"name": "sgd", "lr": 0.1, "clip_grad_norm": 1.0})
     ((where, text),) = refusal(base=base)

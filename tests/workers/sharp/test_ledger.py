@@ -4,6 +4,7 @@ step: with copies at every step their tasks copy the step off the devices as the
 
 from __future__ import annotations
 
+from collections import Counter
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -100,6 +101,20 @@ class MidStepLosingPool(LosingPool):
     counted = frozenset({"forward", "backward"})
 
 
+class CountingMidStepPool(MidStepLosingPool):
+    """A MidStepLosingPool that counts each model's tasks (forward and backward calls)
+    submitted to it, on any device, those cut off by the loss too."""
+
+    def __init__(self, devices: Any, budgets: Any) -> None:
+        super().__init__(devices, budgets)
+        self.tasks: Counter[str] = Counter()
+
+    def submit(self, host: int, method: str, *args: Any) -> Any:
+        if method in ("forward", "backward"):
+            self.tasks[args[0][0]] += 1
+        return super().submit(host, method, *args)
+
+
 @pytest.mark.unit
 @pytest.mark.parametrize("recompute", [True, False])
 def test_a_device_lost_mid_step_costs_only_the_tasks_in_flight_and_the_math_stays_exact(
@@ -108,26 +123,43 @@ def test_a_device_lost_mid_step_costs_only_the_tasks_in_flight_and_the_math_stay
     """The first model's device is lost mid-step: each model with shards there picks up at
     its next task on the device left (no step replayed, no step recorded twice), its shards
     rebuilt from the copies its tasks made (their forwards' inputs and RNG; run again where
-    they keep graphs), and trains exactly as alone."""
+    they keep graphs), and trains exactly as alone. The loss costs the tasks in flight and
+    nothing else: fewer than a step's, at least the one it cut off, and each model's tasks
+    run, as the pool counts them, are its steps' and those it reported redone."""
     snaps = [
         model(tmp_path, "a", steps=6, keep_copies=True, copy_budget=1.0, recompute=recompute),
         model(tmp_path, "b", seed=9, steps=6, keep_copies=True, copy_budget=1.0),
     ]
-    trainer = train(snaps, MidStepLosingPool, budget_for_shards(snaps[0], 3), task_copies=True)
+    pools: list[CountingMidStepPool] = []
+
+    def counting(devices: Any, budgets: Any) -> CountingMidStepPool:
+        pools.append(CountingMidStepPool(devices, budgets))
+        return pools[-1]
+
+    trainer = train(snaps, counting, budget_for_shards(snaps[0], 3), task_copies=True)
     (dead,) = trainer.lost_devices()
+    ran = sum((pool.tasks for pool in pools), Counter[str]())
     picked = []
     for snap in snaps:
         report = trainer.report(snap.job_id, 0)
         assert report.status is RunStatus.SUCCEEDED, report.error
-        for lost in [e for e in report.events if e.kind == "device_lost"]:
+        (placed,) = [e for e in report.events if e.kind == "placement"]
+        per_step = 2 * len(placed.data["stages"])  # each shard's forward and backward
+        losses = [e for e in report.events if e.kind == "device_lost"]
+        for lost in losses:
             assert lost.data["devices"] == [dead] and lost.data["steps_replayed"] == 0, lost
             assert lost.data["resume_step"] == lost.data["step"], lost
-            assert "picking up at" in lost.message and lost.data["tasks_redone"] >= 0, lost
+            assert "picking up at" in lost.message, lost
+            assert 0 <= lost.data["tasks_redone"] < per_step, (per_step, lost)
             picked.append(lost)
+        redone = sum(e.data["tasks_redone"] for e in losses)
+        expected = snap.steps * per_step + redone
+        assert ran[snap.job_id] == expected, (snap.job_id, dict(ran), per_step, losses)
         assert [m.step for m in report.metrics] == list(range(1, 7))  # none replayed
         assert_alone(snap, [m.loss for m in report.metrics])
     assert picked, "the device was never lost mid-step"
     assert any(0 < e.step < 6 for e in picked), [e.data for e in picked]
+    assert sum(e.data["tasks_redone"] for e in picked) > 0, [e.data for e in picked]
 
 
 class CutCopyPool(LocalPool):

@@ -61,12 +61,28 @@ def test_a_model_too_wide_for_these_devices_fails_alone_and_the_others_train_exa
 
 
 @pytest.mark.unit
+def test_a_model_whose_data_cannot_be_made_fails_alone_and_the_others_train_exactly(
+    tmp_path: Path,
+) -> None:
+    """A model arriving with two others whose data cannot be made (a dataset its workers do
+    not know) fails, naming the dataset, having trained nothing; the models that arrived
+    with it train exactly as alone."""
+    nodata = replace(model(tmp_path, "nodata", seed=7), data=DataRef("no-such-data", None, {}))
+    refused = fails_alone(nodata, LocalPool)
+    assert refused.metrics == (), refused
+    assert refused.error is not None, refused
+    assert refused.error.startswith("the SHARP executor cannot train this model:"), refused
+    assert "unknown dataset 'no-such-data'" in refused.error, refused
+
+
+@pytest.mark.unit
 def test_a_model_ended_here_and_added_again_that_cannot_be_made_reports_its_new_failure(
     tmp_path: Path,
 ) -> None:
     """A sweep's executor (open for more models): a model that ended here SUCCEEDED comes
     again, now unable to be made (its data: a dataset its workers do not know); it reports
-    that failure, not its earlier run, and the model added after it trains."""
+    that failure, not its earlier run, and the model added after it trains exactly as
+    alone."""
     first = model(tmp_path, "a", steps=2)
     pool = devices()
     budgets = {d.id: budget_for_shards(first, 3) for d in pool}
@@ -76,12 +92,14 @@ def test_a_model_ended_here_and_added_again_that_cannot_be_made_reports_its_new_
     try:
         assert ended(trainer, "a").status is RunStatus.SUCCEEDED
         trainer.add(replace(first, attempt=2, data=DataRef("no-such-data", None, {})))
-        trainer.add(model(tmp_path, "b", seed=9, steps=2))
+        beside = model(tmp_path, "b", seed=9, steps=2)
+        trainer.add(beside)
         assert ended(trainer, "b").status is RunStatus.SUCCEEDED
     finally:
         trainer.close()
         thread.join(60)
     assert not thread.is_alive()
+    assert_alone(beside, [m.loss for m in trainer.report("b", 0).metrics])
     again = trainer.report("a", 0)
     assert again.status is RunStatus.FAILED and again.metrics == (), again
     assert again.error is not None and "unknown dataset 'no-such-data'" in again.error
