@@ -204,19 +204,20 @@ class LocalRay:
         self._token = secrets.token_hex(32)
         self._port = free_port()
         atexit.register(self.stop)
-        deadline = time.monotonic() + self._start_timeout_s
+        limit = self._start_timeout_s
+        deadline = time.monotonic() + limit
         try:
             head = self._launch(0, self._specs[0])
             while not _accepts(self._port):
-                self._check_running(deadline, "the Ray head to accept connections", head)
+                self._check_running(deadline, limit, "the Ray head to accept connections", head)
                 time.sleep(self._poll_interval_s)
             # One node at a time: nodes joining together pick the same socket names in the
             # session directory and one raylet dies ("bind: Address already in use").
             for index, spec in enumerate(self._specs[1:], start=1):
                 self._launch(index, spec)
-                self._wait_alive(deadline)
+                self._wait_alive(deadline, limit)
             if len(self._specs) == 1:
-                self._wait_alive(deadline)
+                self._wait_alive(deadline, limit)
         except BaseException:
             self.stop()
             raise
@@ -240,7 +241,9 @@ class LocalRay:
             atexit.register(self.stop)
             self._write_record()  # this process owns it now: no other `shoal up` takes it
             try:
-                self._wait_alive(time.monotonic() + self._adopt_timeout_s)
+                timeout = self._adopt_timeout_s
+                self._log_dir.mkdir(parents=True, exist_ok=True)  # the wait's probe logs there
+                self._wait_alive(time.monotonic() + timeout, timeout)
             except LocalRayError as exc:
                 reason = str(exc)
                 self.stop()
@@ -271,7 +274,7 @@ class LocalRay:
         if not self._nodes:
             raise RuntimeError("the local Ray cluster is not started; call start() first")
         self._launch(len(self._nodes), spec, joining=True)
-        self._wait_alive(time.monotonic() + self._start_timeout_s)
+        self._wait_alive(time.monotonic() + self._start_timeout_s, self._start_timeout_s)
 
     def kill_node(self, index: int) -> None:
         """SIGKILL node ``index`` (not the head) and every process it started: a node lost
@@ -315,7 +318,8 @@ class LocalRay:
         record = ClusterRecord(self.address, self._token, ProcessId.this_process(), tuple(nodes))
         record.write(self._record_path)
 
-    def _check_running(self, deadline: float, waiting_for: str, node: _Node) -> None:
+    def _check_running(self, deadline: float, limit: float, waiting_for: str, node: _Node) -> None:
+        """Raise if a node ended or ``deadline`` (``limit`` s after the wait began) passed."""
         for each in self._nodes:
             ended = each.ended()
             if ended is not None:
@@ -325,11 +329,10 @@ class LocalRay:
                 )
         if time.monotonic() > deadline:
             raise LocalRayError(
-                f"timed out after {self._start_timeout_s:g} s waiting for {waiting_for};"
-                f" see {node.log_path}"
+                f"timed out after {limit:g} s waiting for {waiting_for}; see {node.log_path}"
             )
 
-    def _wait_alive(self, deadline: float) -> None:
+    def _wait_alive(self, deadline: float, limit: float) -> None:
         waiting_for = f"{len(self._nodes)} Ray nodes to be alive"
         probe_log = self._log_dir / "ray-wait.log"
         remaining = f"{max(deadline - time.monotonic(), 0.0):.1f}"
@@ -343,7 +346,7 @@ class LocalRay:
             )
             try:
                 while probe.poll() is None:
-                    self._check_running(deadline + 5.0, waiting_for, self._nodes[-1])
+                    self._check_running(deadline + 5.0, limit, waiting_for, self._nodes[-1])
                     time.sleep(self._poll_interval_s)
             finally:
                 if probe.poll() is None:

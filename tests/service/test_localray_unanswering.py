@@ -60,7 +60,6 @@ def test_a_recorded_cluster_whose_head_does_not_answer_is_stopped_before_a_new_o
             silent.listen(16)
             record = replace(record, address=f"127.0.0.1:{silent.getsockname()[1]}")
             record.write(path)
-        (tmp_path / "logs").mkdir()  # as the `shoal up` that started it left it
         local = LocalRay(
             parse_devices("1xcpu:64"),
             tmp_path / "logs",
