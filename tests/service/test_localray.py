@@ -9,8 +9,6 @@ import signal
 import stat
 import subprocess
 import sys
-import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -28,9 +26,9 @@ from shoal.service import raynode
 from shoal.service.devicespec import DeviceSpecError, VirtualNode, parse_devices
 from shoal.service.localray import LocalRay, LocalRayError
 from shoal.service.localray_record import RECORD, ClusterRecord, NodeRecord, ProcessId
-from shoal.service.nodeprocs import kill_session
 from shoal.service.raynode import free_port, node_command
 from shoal.service.settings import DEFAULT_DEVICES
+from tests.service.stand_ins import running_in_session
 
 
 @pytest.mark.unit
@@ -228,17 +226,6 @@ print(json.dumps({"preloaded": preloaded, "started_before_asked": started < aske
 """
 
 
-def _running_in_session(session: int) -> list[str]:
-    listing = subprocess.run(
-        ["ps", "-A", "-o", "sess=,stat=,args="], capture_output=True, text=True, check=True
-    ).stdout
-    return [
-        line
-        for line in listing.splitlines()
-        if int(line.split()[0]) == session and not line.split()[1].startswith("Z")
-    ]
-
-
 @pytest.mark.integration
 @pytest.mark.slow
 def test_local_ray_starts_labelled_nodes_and_stops_them(tmp_path: Path) -> None:
@@ -306,7 +293,7 @@ def test_local_ray_starts_labelled_nodes_and_stops_them(tmp_path: Path) -> None:
             assert worker == {"preloaded": ahead, "started_before_asked": ahead}, (kind, worker)
     assert not env_path.exists() and not record_path.exists()
     # `ray start` leads a session of its own; nothing in it may outlive stop().
-    assert [line for pid in pids for line in _running_in_session(pid)] == []
+    assert [line for pid in pids for line in running_in_session(pid)] == []
     local.stop()  # idempotent
     with pytest.raises(RuntimeError, match="not started"):
         _ = local.address
@@ -338,30 +325,6 @@ def test_start_timeout_names_the_log_and_leaves_nothing_running(tmp_path: Path) 
 def test_a_node_group_reads_back_as_the_same_node(spec: str) -> None:
     nodes = parse_devices(spec)
     assert parse_devices(",".join(node.group for node in nodes)) == nodes
-
-
-# A stand-in for a node's `ray start`: it leads a session of its own, in which it starts a
-# process in a process group of its own (as a raylet starts its workers).
-_FAKE_NODE = """
-import subprocess, time
-subprocess.Popen(["sleep", "600"], process_group=0)
-time.sleep(600)
-"""
-
-
-@pytest.fixture
-def fake_node() -> Iterator[subprocess.Popen[bytes]]:
-    """A running stand-in for a node (two processes in its session); killed at the end."""
-    process = subprocess.Popen([sys.executable, "-c", _FAKE_NODE], start_new_session=True)
-    try:
-        deadline = time.monotonic() + 30
-        while len(_running_in_session(process.pid)) < 2:
-            assert time.monotonic() < deadline, "the stand-in node did not start its child"
-            time.sleep(0.05)
-        yield process
-    finally:
-        kill_session(process.pid, time.monotonic() + 10)
-        process.wait(timeout=10)
 
 
 def record_cluster(path: Path, nodes: dict[str, ProcessId]) -> ClusterRecord:
@@ -420,7 +383,7 @@ def test_a_recorded_cluster_is_stopped_session_and_all(
         f"stopped the local Ray cluster at {record.address} an earlier `shoal up` left"
     )
     assert fake_node.wait(timeout=10) == -signal.SIGKILL
-    assert _running_in_session(fake_node.pid) == [] and not path.exists()
+    assert running_in_session(fake_node.pid) == [] and not path.exists()
 
 
 @pytest.mark.unit
@@ -430,7 +393,7 @@ def test_a_pid_another_process_holds_now_is_never_signalled(
     path = tmp_path / RECORD
     record_cluster(path, {"1xcpu:8": ProcessId(fake_node.pid, "Thu Jan  1 00:00:00 1970")})
     assert LocalRay.stop_recorded(path) is not None
-    assert fake_node.poll() is None and len(_running_in_session(fake_node.pid)) == 2
+    assert fake_node.poll() is None and len(running_in_session(fake_node.pid)) == 2
     assert not path.exists()
 
 
@@ -467,8 +430,8 @@ def test_an_unusable_recorded_cluster_is_stopped_before_a_new_one_starts(
         f" {reason}"
     )
     if stale:
-        assert fake_node.poll() is None and len(_running_in_session(fake_node.pid)) == 2
+        assert fake_node.poll() is None and len(running_in_session(fake_node.pid)) == 2
     else:
         assert fake_node.wait(timeout=10) == -signal.SIGKILL
-        assert _running_in_session(fake_node.pid) == []
+        assert running_in_session(fake_node.pid) == []
     assert not path.exists()  # the new cluster's record went with it

@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import socket
 import subprocess
-import sys
-import time
-from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -17,31 +14,16 @@ import pytest
 from shoal.service.devicespec import parse_devices
 from shoal.service.localray import LocalRay, LocalRayError
 from shoal.service.localray_record import RECORD, ProcessId
-from shoal.service.nodeprocs import kill_session
-from tests.service.test_localray import _FAKE_NODE, _running_in_session, record_cluster
+from tests.service.stand_ins import running_in_session
+from tests.service.test_localray import record_cluster
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture
-def node() -> Iterator[subprocess.Popen[bytes]]:
-    """A running stand-in for a node's `ray start` (two processes in its session)."""
-    process = subprocess.Popen([sys.executable, "-c", _FAKE_NODE], start_new_session=True)
-    try:
-        deadline = time.monotonic() + 30
-        while len(_running_in_session(process.pid)) < 2:
-            assert time.monotonic() < deadline, "the stand-in node did not start its child"
-            time.sleep(0.05)
-        yield process
-    finally:
-        kill_session(process.pid, time.monotonic() + 10)
-        process.wait(timeout=10)
 
 
 @pytest.mark.parametrize("head", ["nothing-listens", "listens-silent"])
 def test_a_recorded_cluster_whose_head_does_not_answer_is_stopped_before_a_new_one_starts(
     head: str,
-    node: subprocess.Popen[bytes],
+    fake_node: subprocess.Popen[bytes],
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -51,7 +33,7 @@ def test_a_recorded_cluster_whose_head_does_not_answer_is_stopped_before_a_new_o
     before the new cluster's head is launched (that start is cut short here by its start
     timeout), and `start` says why it was not adopted."""
     path = tmp_path / RECORD
-    identity = ProcessId.of(node.pid)
+    identity = ProcessId.of(fake_node.pid)
     assert identity is not None
     record = record_cluster(path, {"1xcpu:64": identity})
     with socket.socket() as silent:
@@ -72,7 +54,7 @@ def test_a_recorded_cluster_whose_head_does_not_answer_is_stopped_before_a_new_o
         launch = LocalRay._launch
 
         def launching(self: LocalRay, index: int, *args: Any, **kwargs: Any) -> Any:
-            at_launch.append((node.poll(), _running_in_session(node.pid)))
+            at_launch.append((fake_node.poll(), running_in_session(fake_node.pid)))
             return launch(self, index, *args, **kwargs)
 
         monkeypatch.setattr(LocalRay, "_launch", launching)
@@ -88,5 +70,5 @@ def test_a_recorded_cluster_whose_head_does_not_answer_is_stopped_before_a_new_o
     # The new cluster's head was launched once, after the old node and its session were gone.
     assert len(at_launch) == 1, at_launch
     assert at_launch[0][0] is not None and at_launch[0][1] == [], at_launch
-    assert node.wait(timeout=10) < 0 and _running_in_session(node.pid) == []
+    assert fake_node.wait(timeout=10) < 0 and running_in_session(fake_node.pid) == []
     assert not path.exists()  # the new cluster's record went with it
