@@ -25,10 +25,10 @@ from shoal.scheduler.devices import (
 from shoal.service import raynode
 from shoal.service.devicespec import DeviceSpecError, VirtualNode, parse_devices
 from shoal.service.localray import LocalRay, LocalRayError
-from shoal.service.localray_record import RECORD, ClusterRecord, NodeRecord, ProcessId
-from shoal.service.raynode import free_port, node_command
+from shoal.service.localray_record import RECORD, ClusterRecord, ProcessId
+from shoal.service.raynode import node_command
 from shoal.service.settings import DEFAULT_DEVICES
-from tests.service.stand_ins import running_in_session
+from tests.service.stand_ins import record_cluster, running_in_session
 
 
 @pytest.mark.unit
@@ -325,22 +325,6 @@ def test_start_timeout_names_the_log_and_leaves_nothing_running(tmp_path: Path) 
 def test_a_node_group_reads_back_as_the_same_node(spec: str) -> None:
     nodes = parse_devices(spec)
     assert parse_devices(",".join(node.group for node in nodes)) == nodes
-
-
-def record_cluster(path: Path, nodes: dict[str, ProcessId]) -> ClusterRecord:
-    """A record of a cluster of ``nodes`` (group: process) whose `shoal up` is gone."""
-    gone_owner = ProcessId(os.getpid(), "a start time no process has")
-    record = ClusterRecord(
-        f"127.0.0.1:{free_port()}",
-        "t" * 64,
-        gone_owner,
-        tuple(
-            NodeRecord(group, process, str(path.parent / "x.log"))
-            for group, process in nodes.items()
-        ),
-    )
-    record.write(path)
-    return record
 
 
 @pytest.mark.unit

@@ -14,8 +14,7 @@ import pytest
 from shoal.service.devicespec import parse_devices
 from shoal.service.localray import LocalRay, LocalRayError
 from shoal.service.localray_record import RECORD, ProcessId
-from tests.service.stand_ins import running_in_session
-from tests.service.test_localray import record_cluster
+from tests.service.stand_ins import record_cluster, running_in_session
 
 pytestmark = pytest.mark.integration
 
