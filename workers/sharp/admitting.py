@@ -40,8 +40,7 @@ class Admitting(Recovering):
     def _admit(self, pool: HostPool) -> None:
         if self._trades and self._inbox.arriving():  # placed by speed: measured first
             try:  # (else placed as alike: a move at a step boundary levels them)
-                live = self._homes.live()
-                self._homes.measured(self._measures.measure(pool, live, self._timeout))
+                self._homes.measured(self._measure(pool))
             except HostLost as exc:  # placed on the devices left
                 self._lose(pool, self._homes.host_of(exc.device_id), str(exc))
         arriving = self._inbox.arrivals()
@@ -55,7 +54,7 @@ class Admitting(Recovering):
             loads |= self._place(pool, snap)
         try:
             self._load(pool, loads)
-            self._measures.measure(pool, self._homes.live(), self._timeout)
+            self._measure(pool)
             for model in self._arrived(arriving):
                 self._measures.say(model, self._devices)
         except HostLost as exc:  # its models (new ones too) are placed again
@@ -69,6 +68,13 @@ class Admitting(Recovering):
                 self._lose(pool, self._homes.host_of(exc.device_id), str(exc))
             except ShardFailed as exc:  # a host could not copy a shard of it
                 self._fail(pool, model, f"its first copy could not be taken: {exc}")
+
+    def _measure(self, pool: HostPool) -> dict[int, float]:
+        """The live devices measured (``Measurements.measure``), those set aside lost."""
+        speeds = self._measures.measure(pool, self._homes.live(), self._timeout)
+        for host, why in self._measures.set_aside().items():
+            self._lose(pool, host, why)
+        return speeds
 
     def _arrived(self, arriving: list[JobSnapshot]) -> list[ModelRun]:
         """The models made of ``arriving`` and not failed since."""

@@ -1,0 +1,61 @@
+"""A device whose worker answers but errs as it is measured (a failing GPU: its CUDA calls
+raise) is set aside by the SHARP executor, as a device gone is: the models train on the
+devices left, exactly as alone, and the first placed says which device and why (before,
+the executor failed with every model)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from shoal.workers.sharp.runner import SharpTrainer
+from shoal.workers.sharp.shard_pool import LocalPool
+from shoal.workers.sharp.shard_worker import ShardFailed
+from shoal.workers.snapshot import RunStatus
+from tests.workers.sharp.test_sharp_runner import (
+    assert_alone,
+    budget_for_shards,
+    devices,
+    failed_call,
+    model,
+)
+
+FAILING_HOST = 1
+
+
+class FailingDevicePool(LocalPool):
+    """A LocalPool whose second device's worker errs as it measures its device's speed."""
+
+    def submit(self, host: int, method: str, *args: Any) -> Any:
+        if host == FAILING_HOST and method == "measure_speed":
+            error = ShardFailed(self.devices[host].id, method, "CUDA error: unspecified launch")
+            return failed_call(host, method, error)
+        return super().submit(host, method, *args)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("trades", [True, False])
+def test_a_device_that_fails_as_it_is_measured_is_set_aside_and_the_models_train_exactly(
+    tmp_path: Path, trades: bool
+) -> None:
+    """Measured before placing (trades) or after (its shards then loaded there, placed
+    again): either way nothing trains on the failing device."""
+    snaps = [model(tmp_path, name, seed=i, steps=3) for i, name in enumerate("ab")]
+    pool = devices()
+    budgets = {d.id: budget_for_shards(snaps[0], 3) for d in pool}
+    trainer = SharpTrainer(snaps, pool, FailingDevicePool, budgets=budgets, trades=trades)
+    statuses = trainer.run()
+    reports = {s.job_id: trainer.report(s.job_id, 0) for s in snaps}
+    assert statuses == {"a": RunStatus.SUCCEEDED, "b": RunStatus.SUCCEEDED}, reports
+    for snap in snaps:
+        assert_alone(snap, [m.loss for m in reports[snap.job_id].metrics])
+    failing = pool[FAILING_HOST].id
+    said = [e for r in reports.values() for e in r.events if e.kind == "device_set_aside"]
+    assert len(said) == 1, [e.kind for r in reports.values() for e in r.events]
+    assert said[0].data["device_id"] == failing
+    assert f"device {failing} was set aside" in said[0].message
+    assert "measure_speed: CUDA error: unspecified launch" in said[0].message
+    speeds = [e for r in reports.values() for e in r.events if e.kind == "device_speed"]
+    assert [e.data["device_id"] for e in speeds] == [pool[0].id], speeds
