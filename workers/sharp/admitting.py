@@ -72,8 +72,9 @@ class Admitting(Recovering):
     def _measure(self, pool: HostPool) -> dict[int, float]:
         """The live devices measured (``Measurements.measure``), those set aside lost."""
         speeds = self._measures.measure(pool, self._homes.live(), self._timeout)
-        for host, why in self._measures.set_aside().items():
-            self._lose(pool, host, why)
+        for host, why in self._measures.failed.items():
+            if self._homes.alive(host):
+                self._lose(pool, host, why)
         return speeds
 
     def _arrived(self, arriving: list[JobSnapshot]) -> list[ModelRun]:

@@ -23,14 +23,13 @@ class Measurements:
     def __init__(self) -> None:
         self._measured: dict[int, tuple[Overhead, float]] = {}
         self._said: set[int] = set()
-        self._failed: dict[int, str] = {}
-        """Devices set aside, each with why."""
-        self._to_lose: dict[int, str] = {}
+        self.failed: dict[int, str] = {}
+        """Devices set aside, each with why: the executor loses them (``Recovering._lose``)."""
 
     def measure(self, pool: HostPool, hosts: Iterable[int], timeout: float) -> dict[int, float]:
         """Measure ``hosts`` not measured yet (a ``HostLost`` if one is gone); the GFLOP/s
-        of every device measured so far. One whose worker errs is set aside (``set_aside``)."""
-        for host in [h for h in hosts if h not in self._measured and h not in self._failed]:
+        of every device measured so far. One whose worker errs is set aside (``failed``)."""
+        for host in [h for h in hosts if h not in self._measured and h not in self.failed]:
             # One at a time: benchmarks side by side would measure contention. Apart: an
             # answer read only after the benchmark would time it as the round trip.
             try:
@@ -39,21 +38,15 @@ class Measurements:
             except ShardFailed as exc:
                 why = f"device {exc.device_id} was set aside: its worker failed to measure it"
                 why += f" ({exc.method}: {exc.reason})"
-                self._failed[host] = self._to_lose[host] = why
+                self.failed[host] = why
                 continue
             self._measured[host] = (overhead, gflops)
         return {host: gflops for host, (_, gflops) in self._measured.items()}
 
-    def set_aside(self) -> dict[int, str]:
-        """The devices set aside since the last call, each with why: the executor loses
-        them (``Recovering._lose``)."""
-        failed, self._to_lose = self._to_lose, {}
-        return failed
-
     def say(self, model: ModelRun, devices: Sequence[Device]) -> None:
         """``model`` says in events what the devices measured and not said yet hold for
         their workers (on a GPU) and how fast they compute."""
-        for host, why in sorted(self._failed.items()):
+        for host, why in sorted(self.failed.items()):
             if host not in self._said:
                 self._said.add(host)
                 device = devices[host]

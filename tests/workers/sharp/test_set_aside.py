@@ -5,11 +5,14 @@ the executor failed with every model)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from shoal.scheduler.devices import Device
+from shoal.scheduler.types import DeviceId
 from shoal.workers.sharp.runner import SharpTrainer
 from shoal.workers.sharp.shard_pool import LocalPool
 from shoal.workers.sharp.shard_worker import ShardFailed
@@ -26,10 +29,16 @@ FAILING_HOST = 1
 
 
 class FailingDevicePool(LocalPool):
-    """A LocalPool whose second device's worker errs as it measures its device's speed."""
+    """A LocalPool whose second device's worker errs as it measures its device's speed
+    (every other call there works); ``after`` is what was asked of it since."""
+
+    after: list[str] | None = None
 
     def submit(self, host: int, method: str, *args: Any) -> Any:
+        if host == FAILING_HOST and self.after is not None:
+            self.after.append(method)
         if host == FAILING_HOST and method == "measure_speed":
+            self.after = []
             error = ShardFailed(self.devices[host].id, method, "CUDA error: unspecified launch")
             return failed_call(host, method, error)
         return super().submit(host, method, *args)
@@ -45,7 +54,13 @@ def test_a_device_that_fails_as_it_is_measured_is_set_aside_and_the_models_train
     snaps = [model(tmp_path, name, seed=i, steps=3) for i, name in enumerate("ab")]
     pool = devices()
     budgets = {d.id: budget_for_shards(snaps[0], 3) for d in pool}
-    trainer = SharpTrainer(snaps, pool, FailingDevicePool, budgets=budgets, trades=trades)
+    made: list[FailingDevicePool] = []
+
+    def make_pool(devices: Sequence[Device], budgets: Mapping[DeviceId, int]) -> LocalPool:
+        made.append(FailingDevicePool(devices, budgets))
+        return made[-1]
+
+    trainer = SharpTrainer(snaps, pool, make_pool, budgets=budgets, trades=trades)
     statuses = trainer.run()
     reports = {s.job_id: trainer.report(s.job_id, 0) for s in snaps}
     assert statuses == {"a": RunStatus.SUCCEEDED, "b": RunStatus.SUCCEEDED}, reports
@@ -57,5 +72,6 @@ def test_a_device_that_fails_as_it_is_measured_is_set_aside_and_the_models_train
     assert said[0].data["device_id"] == failing
     assert f"device {failing} was set aside" in said[0].message
     assert "measure_speed: CUDA error: unspecified launch" in said[0].message
+    assert made[0].after == [], made[0].after  # nothing more ran there: no shard, no task
     speeds = [e for r in reports.values() for e in r.events if e.kind == "device_speed"]
     assert [e.data["device_id"] for e in speeds] == [pool[0].id], speeds
