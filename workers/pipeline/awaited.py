@@ -29,6 +29,12 @@ class Moot(RuntimeError):
     """The awaited result is no longer wanted; the message says why."""
 
 
+class Disconnected(RuntimeError):
+    """This process lost its connection to Ray while it waited (``OSError`` from Ray's own
+    calls, such as a broken pipe to its raylet): its node is going down, and the awaited
+    result can never arrive here."""
+
+
 class Awaited:
     """Another call's result (its object ref), to wait for inside the receiving call."""
 
@@ -38,12 +44,15 @@ class Awaited:
     def result(self, moot: Callable[[], str | None]) -> Any:
         """The result, once it is in this node's object store; the error the call raised
         (Ray's own, such as a lost actor or object, as Ray raised it); or ``Moot`` with
-        the reason ``moot`` gives, as soon as it gives one."""
-        while not ray.wait([self.ref], timeout=POLL_S, fetch_local=True)[0]:
-            reason = moot()
-            if reason is not None:
-                raise Moot(reason)
+        the reason ``moot`` gives, as soon as it gives one; ``Disconnected`` when Ray
+        itself cannot be reached from this process."""
         try:
+            while not ray.wait([self.ref], timeout=POLL_S, fetch_local=True)[0]:
+                reason = moot()
+                if reason is not None:
+                    raise Moot(reason)
             return ray.get(self.ref)
         except RayTaskError as exc:  # the call's own error, as if Ray had passed it on
             raise (exc.cause if exc.cause is not None else exc) from None
+        except OSError as exc:
+            raise Disconnected(f"its worker lost its connection to Ray ({exc})") from None

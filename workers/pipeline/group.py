@@ -322,7 +322,7 @@ class RayGroup:
         """The group's error for a failed call among ``waited``."""
         if isinstance(exc, RayTaskError):
             # A call fed by a failed or lost call fails with that call's error as its cause.
-            if isinstance(exc.cause, StageFailed):
+            if isinstance(exc.cause, (StageFailed, StageLost)):
                 return exc.cause
             if isinstance(exc.cause, RayActorError):
                 return self._lost(exc.cause, waited)

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from shoal.workers.pipeline.awaited import Awaited, Moot
+from shoal.workers.pipeline.awaited import Awaited, Disconnected, Moot
 from shoal.workers.pipeline.stage import Stage
 from shoal.workers.pipeline.stage_types import StageSetup
 from shoal.workers.pipeline.transport import LinkError
+from shoal.workers.pipeline.worker_group import StageLost
 from shoal.workers.snapshot import StagePlan
 
 STAGE_METHODS = frozenset(
@@ -155,3 +156,5 @@ class StageWorker:
             return arg.result(moot)
         except Moot as exc:
             raise StageFailed(self.plan.index, method, str(exc)) from None
+        except Disconnected as exc:
+            raise StageLost(self.plan.index, self.plan.device.id, str(exc)) from None

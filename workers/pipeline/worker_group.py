@@ -23,6 +23,10 @@ class StageLost(RuntimeError):
         self.device_id = device_id
         self.reason = reason
 
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        # Raised by a worker whose node is going down (``Awaited``): keep the typed fields.
+        return (StageLost, (self.stage, self.device_id, self.reason))
+
 
 class GroupTimeout(TimeoutError):
     """The stages did not answer in time."""

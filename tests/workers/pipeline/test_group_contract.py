@@ -509,6 +509,43 @@ def test_a_crashed_stage_worker_is_reported_lost(ray_address: str, setup: StageS
         group.shutdown()
 
 
+class _BrokenRay:
+    """Ray as a worker whose node is going down sees it: its raylet's pipe is broken."""
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        raise OSError(32, "Broken pipe")
+
+
+def _break_ray(_actor: Any) -> None:
+    from shoal.workers.pipeline import awaited
+
+    awaited.ray = _BrokenRay()  # type: ignore[assignment]
+
+
+@pytest.mark.integration
+def test_a_worker_that_loses_its_connection_to_ray_while_it_waits_is_reported_lost(
+    ray_address: str, setup: StageSetup
+) -> None:
+    """A relayed forward waits for the stage before's activation when its own node goes
+    down: Ray's wait raises ``OSError`` (broken pipe) in the worker. That stage is lost
+    (the job recovers), not failed with Ray's error as if it were the model's."""
+    import ray
+
+    node = ray.get_runtime_context().get_node_id()
+    group = RayGroup(plans([(0, 2), (2, 4)], node), setup)
+    try:
+        victim: Any = group._actors[1]
+        ray.get(victim.__ray_call__.remote(_break_ray), timeout=60)
+        x = send(make_data(DATA, SEED).batch(0, 4)[0])
+        fed = group.submit(1, "forward", 0, group.submit(0, "forward", 0, x))
+        with pytest.raises(StageLost) as e:
+            group.get([fed], 60)
+        assert (e.value.stage, e.value.device_id) == (1, f"{node[:8]}-cpu-1")
+        assert "lost its connection to Ray" in e.value.reason, e.value.reason
+    finally:
+        group.shutdown()
+
+
 def test_a_worker_refused_a_place_on_a_node_ray_lists_alive_is_started_again(
     ray_address: str, setup: StageSetup, monkeypatch: pytest.MonkeyPatch
 ) -> None:
