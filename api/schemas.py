@@ -193,6 +193,11 @@ class DeviceOut(BaseModel):
     )
     job_id: str | None
     draining: bool = False
+    drain_reason: str | None = Field(
+        default=None,
+        description="why it is draining: an admin drained it, its node had a preemption"
+        " notice, or a worker failed on it (set aside by a sweep's executor); None if not",
+    )
     memory_used_bytes: int | None = Field(
         default=None,
         description="what the stage placed on it is planned to hold at its peak (parameters,"
@@ -213,6 +218,7 @@ class DeviceOut(BaseModel):
             overhead_mb=row.overhead_mb,
             job_id=row.job_id,
             draining=row.draining,
+            drain_reason=row.drain_reason,
             memory_used_bytes=memory_used_bytes,
         )
 

@@ -94,14 +94,10 @@ def _error_message(response: httpx.Response) -> str:
     return message
 
 
-def _job(job_id: str, action: str = "") -> str:
+def _item(collection: str, item_id: str, action: str = "") -> str:
+    """The path of one job, sweep or device (``collection``), or of an action on it."""
     # Quoted whole: an id typed by a person must not reach another route ("x/../devices").
-    path = f"/jobs/{quote(job_id, safe='')}"
-    return f"{path}/{action}" if action else path
-
-
-def _sweep(sweep_id: str, action: str = "") -> str:
-    path = f"/sweeps/{quote(sweep_id, safe='')}"
+    path = f"/{collection}/{quote(item_id, safe='')}"
     return f"{path}/{action}" if action else path
 
 
@@ -256,29 +252,29 @@ class ShoalClient(Closing):
         return self._request("GET", "/jobs", params=params)
 
     def get_job(self, job_id: str) -> Json:
-        return self._request("GET", _job(job_id))
+        return self._request("GET", _item("jobs", job_id))
 
     def cancel_job(self, job_id: str) -> Json:
-        return self._request("POST", _job(job_id, "cancel"))
+        return self._request("POST", _item("jobs", job_id, "cancel"))
 
     def restart_job(self, job_id: str) -> Json:
-        return self._request("POST", _job(job_id, "restart"))
+        return self._request("POST", _item("jobs", job_id, "restart"))
 
     def metrics(self, job_id: str, since_step: int | None = None) -> Json:
         params = {} if since_step is None else {"since_step": since_step}
-        return self._request("GET", _job(job_id, "metrics"), params=params)
+        return self._request("GET", _item("jobs", job_id, "metrics"), params=params)
 
     def events(self, job_id: str, since_id: int = 0) -> Json:
-        return self._request("GET", _job(job_id, "events"), params={"since_id": since_id})
+        return self._request("GET", _item("jobs", job_id, "events"), params={"since_id": since_id})
 
     def checkpoints(self, job_id: str) -> Json:
-        return self._request("GET", _job(job_id, "checkpoints"))
+        return self._request("GET", _item("jobs", job_id, "checkpoints"))
 
     def export_model(self, job_id: str, dest: Path, step: int | None = None) -> int:
         """Write the job's model at its checkpoint of ``step`` (the latest when None) to
         ``dest`` as a safetensors file: whole or not at all (a temporary sibling renamed
         into place). The bytes written."""
-        path = _job(job_id, "model")
+        path = _item("jobs", job_id, "model")
         params = {} if step is None else {"step": step}
         waits = iter(RETRY_WAITS_S)
         with self._reaching("GET", path):
@@ -292,6 +288,12 @@ class ShoalClient(Closing):
 
     def devices(self) -> Json:
         return self._request("GET", "/devices")
+
+    def drain_device(self, device_id: str) -> Json:
+        return self._request("POST", _item("devices", device_id, "drain"))
+
+    def undrain_device(self, device_id: str) -> Json:
+        return self._request("DELETE", _item("devices", device_id, "drain"))
 
     def submit_sweep(
         self,
@@ -314,7 +316,7 @@ class ShoalClient(Closing):
         return self._request("GET", "/sweeps", params={"limit": limit, "offset": offset})
 
     def get_sweep(self, sweep_id: str) -> Json:
-        return self._request("GET", _sweep(sweep_id))
+        return self._request("GET", _item("sweeps", sweep_id))
 
     def cancel_sweep(self, sweep_id: str) -> Json:
-        return self._request("POST", _sweep(sweep_id, "cancel"))
+        return self._request("POST", _item("sweeps", sweep_id, "cancel"))

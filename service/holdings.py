@@ -18,6 +18,8 @@ from shoal.service.specs import JobSpec
 ACTIVE_JOBS = (JobState.RUNNING.value, JobState.RECOVERING.value)
 ACTIVE_SWEEPS = (JobState.QUEUED.value, JobState.RUNNING.value)
 DEFAULT_PRIORITY: int = JobSpec.model_fields["priority"].default
+DRAIN_REASON_CHARS = 500
+"""The most of a drain's reason kept (the column's width)."""
 
 
 def held_devices(session: Session, *, exclude: str | None = None) -> set[str]:
@@ -32,6 +34,19 @@ def held_devices(session: Session, *, exclude: str | None = None) -> set[str]:
 
 def draining_devices(session: Session) -> set[str]:
     return set(session.scalars(sa.select(DeviceRow.id).where(DeviceRow.draining)))
+
+
+def drain(row: DeviceRow, reason: str) -> None:
+    """Mark the device draining, saying why; one already draining keeps the reason that
+    began it."""
+    if not row.draining:
+        row.draining = True
+        row.drain_reason = reason[:DRAIN_REASON_CHARS]
+
+
+def undrain(row: DeviceRow) -> None:
+    row.draining = False
+    row.drain_reason = None
 
 
 def usage_by_owner(session: Session) -> dict[str, Usage]:

@@ -19,7 +19,7 @@ from shoal.scheduler.devices import (
 )
 from shoal.service.db.models import DeviceRow, Job
 from shoal.service.db.session import SessionFactory, transaction
-from shoal.service.holdings import ACTIVE_JOBS
+from shoal.service.holdings import ACTIVE_JOBS, drain, undrain
 
 log = logging.getLogger(__name__)
 
@@ -75,8 +75,8 @@ def sync_devices(
                     state="alive",
                 )
                 session.add(row)
-            elif row.state == "lost":  # back after being lost: a new node, not draining
-                _set_if_changed(row, draining=False)
+            elif row.state == "lost" and row.draining:  # back after being lost: a new node
+                undrain(row)
             _set_if_changed(row, state="alive", job_id=holders.get(device.id))
             if device.node_id in draining_nodes and not row.draining:
                 log.info(
@@ -84,6 +84,6 @@ def sync_devices(
                     device.id,
                     extra={"device_id": device.id},
                 )
-                row.draining = True
+                drain(row, "its node is draining (Ray's drain: a preemption notice or a stop)")
         for row in rows.values():  # known before, absent now
             _set_if_changed(row, state="lost", job_id=holders.get(row.id))

@@ -10,6 +10,7 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
 from shoal.service.db.models import Checkpoint, DeviceRow, Job, JobMetric
+from shoal.service.holdings import drain
 from shoal.service.jobs import add_event, transition
 from shoal.service.lifecycle import JobState
 from shoal.service.utilization import step_mfus
@@ -36,6 +37,11 @@ def persist_report(session: Session, job: Job, report: RunnerReport) -> None:
             row = session.get(DeviceRow, event.data["device_id"])
             if row is not None:
                 row.speed_gflops = float(event.data.get("gflops", 0.0))
+        elif event.kind == "device_set_aside" and "device_id" in event.data:
+            # A worker that fails on a device (a failing GPU) would fail the next job there too.
+            row = session.get(DeviceRow, event.data["device_id"])
+            if row is not None:
+                drain(row, event.message)
         elif event.kind == "device_memory" and "device_id" in event.data:
             row = session.get(DeviceRow, event.data["device_id"])
             if row is not None:

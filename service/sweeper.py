@@ -184,7 +184,8 @@ class Sweeper:
         lost = self._cluster.lost_pool_devices(sweep.id) if running else set()
         self._suspected(sweep.id, {by_id[i].node_id for i in lost if i in by_id})
         live = [i for i in sweep.devices if i in by_id and i not in lost]
-        going = [i for i in sweep.devices if i in draining_devices(session)]
+        # A device its executor lost is left already (one it set aside is draining too).
+        going = [i for i in live if i in draining_devices(session)]
         if going or not live:
             why = f"{going} are draining" if going else f"{sweep.devices} were all lost"
             self._leave(session, sweep, trials, f"its sweep's devices {why}")

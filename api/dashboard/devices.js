@@ -7,7 +7,9 @@ const REFRESH_MS = 15000; // devices are lost or come back without a job event
 
 function status(device) {
   if (device.state !== "alive") return h("span", { className: "badge lost" }, device.state.toUpperCase());
-  if (device.draining) return h("span", { className: "badge draining" }, "DRAINING");
+  if (device.draining) {
+    return h("span", { className: "badge draining", title: device.drain_reason || "" }, "DRAINING");
+  }
   return h("span", { className: "badge alive" }, "alive");
 }
 
@@ -34,7 +36,9 @@ function nodeTable(nodeId, devices) {
         "Speed", "Job"].map((c) => h("th", { scope: "col" }, c)))),
       h("tbody", {}, devices.map((d) => h("tr", {
         className: d.state !== "alive" ? "lost" : d.draining ? "draining" : "", "data-device": d.id },
-      h("td", {}, h("code", {}, d.id)), h("td", {}, d.kind), h("td", {}, status(d)),
+      h("td", {}, h("code", {}, d.id)), h("td", {}, d.kind),
+      h("td", {}, status(d), d.draining && d.drain_reason
+        ? h("div", { className: "sub" }, d.drain_reason) : ""),
       h("td", {}, d.spot ? "spot" : "–"), h("td", {}, memory(d)),
       h("td", { className: "num" }, d.speed_gflops ? `${fmt(d.speed_gflops, 3)} GFLOP/s` : "–"),
       h("td", {}, job(d)))))));

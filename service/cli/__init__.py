@@ -7,7 +7,8 @@ from typing import Any
 import click
 
 from shoal.service.cli.bench import bench
-from shoal.service.cli.jobs import cancel, devices, export, logs, restart, status, submit
+from shoal.service.cli.devices import devices, drain, undrain
+from shoal.service.cli.jobs import cancel, export, logs, restart, status, submit
 from shoal.service.cli.server import db, node, token, up
 from shoal.service.cli.sweeps import sweep, sweep_cancel, sweeps
 from shoal.service.client import ApiError
@@ -41,6 +42,8 @@ for _command in (
     restart,
     export,
     devices,
+    drain,
+    undrain,
     sweep,
     sweeps,
     sweep_cancel,

@@ -1,5 +1,4 @@
-"""The job commands (submit, status, logs, cancel, restart, export, devices): clients of the
-REST API."""
+"""The job commands (submit, status, logs, cancel, restart, export): clients of the REST API."""
 
 from __future__ import annotations
 
@@ -21,7 +20,6 @@ from shoal.service.cli.options import (
 )
 from shoal.service.cli.render import (
     Json,
-    devices_table,
     echo_json,
     format_loss,
     format_when,
@@ -247,16 +245,3 @@ def export(
         dest = output or Path(f"{job_id}-step-{step}.safetensors")
         size = client.export_model(job_id, dest, step)
     make_console().print(f"wrote {escape(str(dest))} ({size:,} bytes) from job {job_id}")
-
-
-@click.command()
-@json_option
-@client_options
-def devices(as_json: bool, url: str | None, token: str | None) -> None:
-    """List the devices of the cluster and what runs on them."""
-    with make_client(url, token) as client:
-        answer = client.devices()
-    if as_json:
-        echo_json(answer)
-        return
-    make_console().print(devices_table(answer))

@@ -231,7 +231,7 @@ def devices_table(answer: Json) -> Table:
             _memory(device),
             "yes" if device["gpu"] else "no",
             "yes" if device["spot"] else "no",
-            escape(device["state"]),
+            escape(device["state"] + (", draining" if device["draining"] else "")),
             "-" if speed is None else f"{speed:.1f}",
             device["job_id"] or "-",
         )

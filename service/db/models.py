@@ -167,8 +167,11 @@ class DeviceRow(Base):
     (``workers.device_memory``); stages are planned in the rest."""
     job_id: Mapped[str | None] = mapped_column(sa.String(32), default=None)
     draining: Mapped[bool] = mapped_column(default=False, server_default=sa.false())
-    """Jobs must leave it and none is placed on it (cleared when the device comes back
-    after being lost: a new node)."""
+    """Jobs must leave it and none is placed on it (cleared by an admin, or when the device
+    comes back after being lost: a new node)."""
+    drain_reason: Mapped[str | None] = mapped_column(sa.String(500), default=None)
+    """Why it is draining: an admin drained it, its node had a preemption notice, or a
+    worker failed on it (``holdings.DRAIN_REASON_CHARS`` at most)."""
     updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
 
 

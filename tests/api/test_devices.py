@@ -1,4 +1,4 @@
-"""``/api/v1/devices``: the pool, and draining a device (admins only)."""
+"""``/api/v1/devices``: the pool, and draining a device and ending a drain (admins only)."""
 
 from __future__ import annotations
 
@@ -33,9 +33,29 @@ def test_an_admin_drains_a_device_and_the_pool_shows_it(api: Api) -> None:
     assert api.client.get(DEVICES, headers=admin).json()["items"][0]["draining"] is False
     answer = api.client.post(f"{DEVICES}/n1-cpu-0/drain", headers=admin)
     assert answer.status_code == 200 and answer.json()["draining"] is True
+    assert answer.json()["drain_reason"] == "drained by root"
     again = api.client.post(f"{DEVICES}/n1-cpu-0/drain", headers=admin)
     assert again.status_code == 200  # idempotent
-    assert api.client.get(DEVICES, headers=admin).json()["items"][0]["draining"] is True
+    (listed,) = api.client.get(DEVICES, headers=admin).json()["items"]
+    assert (listed["draining"], listed["drain_reason"]) == (True, "drained by root")
+
+
+def test_an_admin_ends_a_drain_and_the_device_takes_jobs_again(api: Api) -> None:
+    add_device(api)
+    with api.factory() as session, session.begin():
+        row = session.get(DeviceRow, "n1-cpu-0")
+        assert row is not None
+        row.draining, row.drain_reason = True, "device n1-cpu-0 was set aside: CUDA error"
+    admin = api.token("root", admin=True)
+    answer = api.client.post(f"{DEVICES}/n1-cpu-0/drain", headers=admin)
+    assert answer.json()["drain_reason"] == "device n1-cpu-0 was set aside: CUDA error"
+    for _ in range(2):  # idempotent
+        ended = api.client.delete(f"{DEVICES}/n1-cpu-0/drain", headers=admin)
+        assert ended.status_code == 200, ended.text
+        assert (ended.json()["draining"], ended.json()["drain_reason"]) == (False, None)
+    with api.factory() as session:
+        row = session.get(DeviceRow, "n1-cpu-0")
+        assert row is not None and (row.draining, row.drain_reason) == (False, None)
 
 
 def test_draining_needs_an_admin_and_a_known_device(api: Api) -> None:
@@ -49,3 +69,17 @@ def test_draining_needs_an_admin_and_a_known_device(api: Api) -> None:
     with api.factory() as session:
         row = session.get(DeviceRow, "n1-cpu-0")
         assert row is not None and row.draining is False
+
+
+def test_ending_a_drain_needs_an_admin_and_a_known_device(api: Api) -> None:
+    add_device(api)
+    admin = api.token("root", admin=True)
+    api.client.post(f"{DEVICES}/n1-cpu-0/drain", headers=admin)
+    refused = api.client.delete(f"{DEVICES}/n1-cpu-0/drain", headers=api.token("alice"))
+    assert refused.status_code == 403 and "undraining" in refused.json()["detail"]
+    missing = api.client.delete(f"{DEVICES}/nope/drain", headers=admin)
+    assert missing.status_code == 404 and "GET /api/v1/devices" in missing.json()["detail"]
+    assert api.client.delete(f"{DEVICES}/n1-cpu-0/drain").status_code == 401
+    with api.factory() as session:
+        row = session.get(DeviceRow, "n1-cpu-0")
+        assert row is not None and row.draining is True

@@ -183,7 +183,7 @@ def see_devices(page: Any, shoal: Shoal, job_id: str) -> None:
     assert page.locator("section.node").count() == 2
     assert "on-demand" in page.locator("section.node").first.inner_text()
     row = page.locator(f'tr[data-device="{slow["id"]}"]').inner_text()
-    assert "DRAINING" in row and "spot" in row and "idle" in row
+    assert "DRAINING" in row and "drained by" in row and "spot" in row and "idle" in row
     holding = [d["id"] for d in get(shoal, "/devices")["items"] if d["job_id"] == job_id]
     assert len(holding) == 2
     for device in holding:

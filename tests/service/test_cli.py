@@ -47,6 +47,43 @@ class Stub:
     requests: list[tuple[str, str, dict[str, str]]] = field(default_factory=list)
     clock: int = 0
 
+    devices: dict[str, dict[str, Any]] = field(
+        default_factory=lambda: {
+            "n1-cpu-fast-0": {
+                "id": "n1-cpu-fast-0",
+                "node_id": "n1",
+                "kind": "cpu-fast",
+                "memory_mb": 2048,
+                "gpu": False,
+                "spot": False,
+                "state": "alive",
+                "speed_gflops": 12.5,
+                "overhead_mb": 612,
+                "job_id": "0" * 32,
+                "draining": False,
+                "drain_reason": None,
+            },
+            "n2-cpu-slow-0": {
+                "id": "n2-cpu-slow-0",
+                "node_id": "n2",
+                "kind": "cpu-slow",
+                "memory_mb": 1024,
+                "gpu": False,
+                "spot": True,
+                "state": "alive",
+                "speed_gflops": None,
+                "job_id": None,
+                "draining": True,
+                "drain_reason": "device n2-cpu-slow-0 was set aside: its worker failed",
+            },
+        }
+    )
+
+    def device(self, device_id: str) -> dict[str, Any]:
+        if device_id not in self.devices:
+            raise HTTPException(404, f"no device {device_id!r}; GET /api/v1/devices lists them")
+        return self.devices[device_id]
+
     def now(self) -> str:
         self.clock += 1
         return (EPOCH + timedelta(seconds=self.clock)).isoformat()
@@ -229,33 +266,19 @@ def _stub_app(stub: Stub) -> FastAPI:
 
     @app.get(f"{api}/devices", dependencies=auth)
     def devices() -> Any:
-        return {
-            "items": [
-                {
-                    "id": "n1-cpu-fast-0",
-                    "node_id": "n1",
-                    "kind": "cpu-fast",
-                    "memory_mb": 2048,
-                    "gpu": False,
-                    "spot": False,
-                    "state": "busy",
-                    "speed_gflops": 12.5,
-                    "overhead_mb": 612,
-                    "job_id": "0" * 32,
-                },
-                {
-                    "id": "n2-cpu-slow-0",
-                    "node_id": "n2",
-                    "kind": "cpu-slow",
-                    "memory_mb": 1024,
-                    "gpu": False,
-                    "spot": True,
-                    "state": "free",
-                    "speed_gflops": None,
-                    "job_id": None,
-                },
-            ]
-        }
+        return {"items": list(stub.devices.values())}
+
+    @app.post(f"{api}/devices/{{device_id}}/drain", dependencies=auth)
+    def drain(device_id: str) -> Any:
+        device = stub.device(device_id)
+        device.update(draining=True, drain_reason=device["drain_reason"] or "drained by admin")
+        return device
+
+    @app.delete(f"{api}/devices/{{device_id}}/drain", dependencies=auth)
+    def undrain(device_id: str) -> Any:
+        device = stub.device(device_id)
+        device.update(draining=False, drain_reason=None)
+        return device
 
     return app
 
@@ -714,10 +737,28 @@ def test_devices_table_and_json(api: str) -> None:
     assert result.exit_code == 0, result.output
     out = cells(result.stdout)
     assert re.search(
-        r"n1-cpu-fast-0\s+cpu-fast\s+2048 MB \(612 held\)\s+no\s+no\s+busy\s+12\.5\s+0{32}", out
+        r"n1-cpu-fast-0\s+cpu-fast\s+2048 MB \(612 held\)\s+no\s+no\s+alive\s+12\.5\s+0{32}",
+        out,
     )
-    assert re.search(r"n2-cpu-slow-0\s+cpu-slow\s+1024 MB\s+no\s+yes\s+free\s+-\s+-", out)
+    assert re.search(
+        r"n2-cpu-slow-0\s+cpu-slow\s+1024 MB\s+no\s+yes\s+alive, draining\s+-\s+-", out
+    )
     assert len(json.loads(shoal("devices", "--json").stdout)["items"]) == 2
+
+
+@pytest.mark.unit
+def test_drain_and_undrain_say_what_the_device_does_now(api: str, stub: Stub) -> None:
+    result = shoal("drain", "n1-cpu-fast-0")
+    assert result.exit_code == 0, result.output
+    assert result.stdout == "device n1-cpu-fast-0 is draining: drained by admin\n"
+    assert stub.requests[-1][:2] == ("POST", f"{api}/api/v1/devices/n1-cpu-fast-0/drain")
+    result = shoal("undrain", "n2-cpu-slow-0", "--json")
+    assert json.loads(result.stdout)["draining"] is False
+    assert stub.requests[-1][:2] == ("DELETE", f"{api}/api/v1/devices/n2-cpu-slow-0/drain")
+    assert shoal("undrain", "n2-cpu-slow-0").stdout == "device n2-cpu-slow-0 takes jobs\n"
+    missing = shoal("drain", "nope")
+    assert missing.exit_code == 1
+    assert missing.stderr == "Error: no device 'nope'; GET /api/v1/devices lists them\n"
 
 
 # ------------------------------------------------------------------------ server commands

@@ -36,6 +36,7 @@ from shoal.service.sweeps import list_trials, request_cancel, submit_sweep, tria
 from shoal.service.sweepspec import validate_sweep_spec
 from shoal.workers.reference import train_reference
 from shoal.workers.sharp.shard_pool import HostLost, LocalPool, _Local
+from shoal.workers.sharp.shard_worker import ShardFailed
 from shoal.workers.snapshot import DataRef, ModelRef, OptimizerConf
 from tests.factories import sweep_spec
 from tests.service.test_controller import NODES, make_controller, owner, reconcile_until
@@ -446,3 +447,50 @@ def test_a_sweep_that_lost_a_device_goes_on_and_moves_back_onto_as_many_as_it_as
         last_placed |= {row["device_id"] for row in placed.data["stages"]}
     assert moved == 2
     assert len(last_placed) == 2 and not last_placed & first, last_placed
+
+
+class FailingGpuPool(LocalPool):
+    """Shard workers in this process; the second device's errs as it is measured (a
+    failing GPU whose CUDA calls raise), as in ``tests/workers/sharp/test_set_aside.py``."""
+
+    def submit(self, host: int, method: str, *args: Any) -> Any:
+        if host != 1 or method != "measure_speed":
+            return super().submit(host, method, *args)
+        failed: Future[Any] = Future()
+        failed.set_exception(ShardFailed(self.devices[host].id, method, "CUDA error: launch"))
+        return _Local(host, method, failed)
+
+
+def test_a_device_a_sweep_set_aside_is_drained_saying_why_and_the_sweep_goes_on_without_it(
+    session_factory: SessionFactory, alice: Principal, tmp_path: Path
+) -> None:
+    """The sweep's executor sets aside a device its worker fails on: the control plane
+    drains it with the executor's reason, so nothing more is placed there until an admin
+    ends the drain, and the sweep trains on on its other device (not suspended to leave
+    a draining device it no longer holds), every trial exact."""
+    cluster = InProcessCluster(NODES, make_pool=FailingGpuPool)
+    controller = make_controller(session_factory, cluster, tmp_path)
+    sweep_id, spec = submit(
+        session_factory,
+        alice,
+        executor="sharp",
+        devices=2,
+        max_trials=2,
+        max_concurrent=2,
+        early_stopping={"rule": "none"},
+    )
+    reconcile_until(controller, lambda: ended(session_factory, sweep_id), timeout=240)
+
+    sweep, trials = sweep_of(session_factory, sweep_id)
+    assert sweep.state == "SUCCEEDED" and [trial_state(t) for t in trials] == ["SUCCEEDED"] * 2
+    for trial in trials:
+        assert_exact(session_factory, spec, trial)
+        states, _ = trial_history(session_factory, trial.job_id)
+        assert states[1:] == ["RUNNING", "SUCCEEDED"], states
+    with session_factory() as session:
+        rows = session.scalars(sa.select(DeviceRow).order_by(DeviceRow.id)).all()
+    drained = [(row.id, row.drain_reason) for row in rows if row.draining]
+    assert len(drained) == 1, drained
+    ((device_id, reason),) = drained
+    assert reason is not None and reason.startswith(f"device {device_id} was set aside"), reason
+    assert "measure_speed: CUDA error: launch" in reason
