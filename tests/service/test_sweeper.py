@@ -5,6 +5,7 @@ sweep leaves a draining or lost node with its trials."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import replace
@@ -447,6 +448,44 @@ def test_a_sweep_that_lost_a_device_goes_on_and_moves_back_onto_as_many_as_it_as
         last_placed |= {row["device_id"] for row in placed.data["stages"]}
     assert moved == 2
     assert len(last_placed) == 2 and not last_placed & first, last_placed
+
+
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+def test_a_sweep_goes_on_without_a_device_its_executor_lost_and_the_control_plane_drains(
+    session_factory: SessionFactory, alice: Principal, tmp_path: Path
+) -> None:
+    """A device the executor has already lost and the control plane then drains (as one
+    set aside: lost first, its event then drains it) is not one the sweep must leave:
+    before, the sweep left it anyway, suspending its trials, and here (one node, the other
+    device draining) waited for two free devices forever."""
+    dead: set[str] = set()
+    cluster = InProcessCluster(NODES, make_pool=lambda d, b: VanishingPool(d, b, dead))
+    controller = make_controller(session_factory, cluster, tmp_path)
+    sweep_id, spec = long_sweep(session_factory, alice)
+    start_moving(controller, session_factory, sweep_id, past=5)
+    gone = sweep_of(session_factory, sweep_id)[0].devices[1]
+    dead.add(gone)
+    deadline = time.monotonic() + 60
+    while gone not in cluster.lost_pool_devices(sweep_id):  # no tick meanwhile: not seen yet
+        assert time.monotonic() < deadline, f"the executor did not lose {gone}"
+        time.sleep(0.05)
+    with transaction(session_factory) as session:
+        row = session.get(DeviceRow, gone)
+        assert row is not None
+        row.draining, row.drain_reason = True, f"device {gone} was set aside"
+
+    def where() -> object:
+        sweep, trials = sweep_of(session_factory, sweep_id)
+        return sweep.state, sweep.devices, [(trial_state(t), t.job.step) for t in trials]
+
+    reconcile_until(controller, lambda: ended(session_factory, sweep_id), 120, where)
+
+    sweep, trials = sweep_of(session_factory, sweep_id)
+    assert sweep.state == "SUCCEEDED" and [trial_state(t) for t in trials] == ["SUCCEEDED"] * 3
+    for trial in trials:
+        assert_exact(session_factory, spec, trial)
+        states, _ = trial_history(session_factory, trial.job_id)
+        assert states.count("QUEUED") <= 1, states  # never suspended to be placed again
 
 
 class FailingGpuPool(LocalPool):
