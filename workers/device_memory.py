@@ -26,6 +26,7 @@ import torch
 
 from shoal.scheduler.devices import Device
 from shoal.scheduler.memory import format_bytes
+from shoal.workers.device_fault import own_use
 from shoal.workers.snapshot import RunnerEvent
 
 _SMI_TIMEOUT_S = 10.0
@@ -51,7 +52,8 @@ def measure_overhead(device: torch.device) -> Overhead:
     Call it before the worker allocates anything of its own."""
     if device.type != "cuda":
         return Overhead(0, "none")
-    _warm_up(device)
+    with own_use(device, "started on it"):
+        _warm_up(device)
     used = _process_bytes(os.getpid())
     if used is not None:
         return Overhead(used, "process")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from shoal.scheduler.devices import Device
+from shoal.workers.device_fault import own_use
 from shoal.workers.pipeline.timing import StepTimer
 from shoal.workers.snapshot import RunnerEvent
 
@@ -29,16 +30,17 @@ def measure_gflops(device: torch.device, slowdown: float = 1.0) -> float:
     cuda = device.type == "cuda"
     size = _CUDA_SPEED_SIZE if cuda else _SPEED_SIZE
     repeats = _CUDA_SPEED_REPEATS if cuda else _SPEED_REPEATS
-    # A constant matrix: drawing a random one would move the RNG that training uses.
-    a = torch.full((size, size), 1.0 / size, device=device)
-    torch.tanh(a @ a)  # warm-up: first-call allocation and kernel selection
-    timer = StepTimer(device, slowdown)
-    fastest_s = float("inf")
-    for _ in range(_SPEED_TRIALS):
-        with timer.span("compute"):
-            for _ in range(repeats):
-                a = torch.tanh(a @ a)
-        fastest_s = min(fastest_s, timer.lap().compute_s)
+    with own_use(device, "measured it"):
+        # A constant matrix: drawing a random one would move the RNG that training uses.
+        a = torch.full((size, size), 1.0 / size, device=device)
+        torch.tanh(a @ a)  # warm-up: first-call allocation and kernel selection
+        timer = StepTimer(device, slowdown)
+        fastest_s = float("inf")
+        for _ in range(_SPEED_TRIALS):
+            with timer.span("compute"):
+                for _ in range(repeats):
+                    a = torch.tanh(a @ a)
+            fastest_s = min(fastest_s, timer.lap().compute_s)
     return 2 * size**3 * repeats / fastest_s / 1e9
 
 

@@ -400,6 +400,53 @@ def test_a_two_stage_two_replica_job_trains_to_success(
     assert placement[0].message.startswith("2 stages x 2 replicas")
 
 
+def test_a_device_that_fails_as_it_is_measured_is_drained_and_the_job_trains_elsewhere(
+    session_factory: SessionFactory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first device a job's worker measures fails the benchmark (a failing GPU: no
+    model code ran): the job is placed again on other devices and trains to the end, and
+    the control plane drains that device, saying why, so nothing else lands there."""
+    from shoal.workers import device_speed
+
+    real, benchmarks = device_speed.StepTimer, []
+
+    def timer(device: object, slowdown: float) -> object:
+        benchmarks.append(slowdown)
+        if len(benchmarks) == 1:
+            raise RuntimeError("CUDA error: unspecified launch failure")
+        return real(device, slowdown)
+
+    monkeypatch.setattr(device_speed, "StepTimer", timer)
+    controller = make_controller(session_factory, InProcessCluster(FOUR_DEVICES), tmp_path)
+    job_id = submit(
+        session_factory,
+        owner(session_factory),
+        steps=6,
+        parallelism={"stages": 2, "replicas": 1},
+        resources={"min_devices": 2, "max_devices": 2},
+    )
+    reconcile_until(
+        controller,
+        lambda: job(session_factory, job_id).state == "SUCCEEDED",
+        timeout=120,
+        what=lambda: [(e.kind, e.message) for e in events(session_factory, job_id)],
+    )
+    history = events(session_factory, job_id)
+    (said,) = [e for e in history if e.kind == "device_set_aside"]
+    failed = said.data["device_id"]
+    with session_factory() as session:
+        drained = [
+            (d.id, d.drain_reason) for d in session.scalars(sa.select(DeviceRow)) if d.draining
+        ]
+    assert drained == [(failed, said.message)], drained
+    assert "its worker failed as it measured it (RuntimeError: CUDA error" in said.message
+    row = job(session_factory, job_id)
+    assert row.step == 6 and row.attempt == 2 and failed not in row.devices, row.devices
+    with session_factory() as session:
+        steps = session.scalars(sa.select(JobMetric.step).where(JobMetric.job_id == job_id))
+        assert sorted(steps) == list(range(1, 7))
+
+
 @pytest.mark.parametrize("keep_copies", [True, False])
 def test_a_lost_stage_worker_recovers_on_the_devices_left_and_stays_exact(
     session_factory: SessionFactory, ray_address: str, tmp_path: Path, keep_copies: bool

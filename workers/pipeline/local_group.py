@@ -66,7 +66,7 @@ class LocalGroup:
         values = [a.value if isinstance(a, _Done) else a for a in args]
         try:
             return _Done(stage, method, value=self._workers[stage].call(method, *values))
-        except StageFailed as exc:
+        except (StageFailed, StageLost) as exc:
             return _Done(stage, method, error=exc)
 
     def all_reduce(self, workers: Sequence[int]) -> list[Handle]:

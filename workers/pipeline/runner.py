@@ -47,7 +47,7 @@ from shoal.workers.pipeline.stage_types import StageSetup
 from shoal.workers.pipeline.stage_worker import StageFailed
 from shoal.workers.pipeline.step_driver import Flight, finish_step, in_one_call, start_step
 from shoal.workers.pipeline.transport import LINK_TIMEOUT_S
-from shoal.workers.pipeline.worker_group import GroupFactory, StageLost, WorkerGroup
+from shoal.workers.pipeline.worker_group import DeviceSetAside, GroupFactory, StageLost, WorkerGroup
 from shoal.workers.run_log import RunLog
 from shoal.workers.snapshot import (
     JobSnapshot,
@@ -174,6 +174,8 @@ class Trainer:
             return self._run.end(RunStatus.SUCCEEDED)
         except StageLost as exc:  # the message names the stage and device
             self._writer.close()  # a restart resumes from the checkpoints under way
+            if isinstance(exc, DeviceSetAside):
+                self._run.record(exc.event(self._run.step))
             return self._run.end(RunStatus.LOST, str(exc), (exc.device_id,))
         except StageFailed as exc:
             self._writer.close()
@@ -303,6 +305,8 @@ class Trainer:
         in-memory copies (``workers.pipeline.recovery``); the layout and the step to run next."""
         most = copies.most_replayed(step)
         copies.drop()
+        if isinstance(cause, DeviceSetAside):
+            self._run.record(cause.event(step))
         # A call handed out ahead ran (or failed) on the survivors before they answer the
         # survey (calls run in order): the rollback undoes it, and the run goes on from the
         # restore step.

@@ -3,18 +3,21 @@
 The same object runs in-process (``LocalGroup``) and as the StageWorker Ray actor
 (``workers.launch``), so both groups report a stage's own errors identically: a stage
 method's error leaves as ``StageFailed`` (``LinkFailed`` when a transfer with a
-neighbour failed), naming the stage, the call and the cause in one line.
+neighbour failed), naming the stage, the call and the cause in one line; a device that
+fails Shoal's own use of it (``workers.device_fault``) as ``DeviceSetAside``, a lost stage.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from shoal.workers.device_fault import DeviceFault
 from shoal.workers.pipeline.awaited import Awaited, Disconnected, Moot
 from shoal.workers.pipeline.stage import Stage
+from shoal.workers.pipeline.stage_blocks import stage_devices
 from shoal.workers.pipeline.stage_types import StageSetup
 from shoal.workers.pipeline.transport import LinkError
-from shoal.workers.pipeline.worker_group import StageLost
+from shoal.workers.pipeline.worker_group import DeviceSetAside, StageLost
 from shoal.workers.snapshot import StagePlan
 
 STAGE_METHODS = frozenset(
@@ -105,9 +108,11 @@ class StageWorker:
         self._moots = 0
         """``MOOT`` calls so far: each says a loss is surveyed, and moots the results this
         worker's calls were still waiting for (``_opened``)."""
-        self._stage: Stage | StageFailed
+        self._stage: Stage | StageFailed | StageLost
         try:
             self._stage = Stage(plan, setup)
+        except DeviceFault as exc:
+            self._stage = set_aside(plan, exc)
         except Exception as exc:  # anything the model or factory raises, reported as typed
             # Kept and raised by every call: a Ray actor whose constructor raises only says
             # that it died, and the group must say why.
@@ -116,12 +121,12 @@ class StageWorker:
     @property
     def stage(self) -> Stage:
         """The stage itself (in-process use); raises the build error if it failed to build."""
-        if isinstance(self._stage, StageFailed):
+        if not isinstance(self._stage, Stage):
             raise self._stage
         return self._stage
 
     def call(self, method: str, *args: Any) -> Any:
-        if isinstance(self._stage, StageFailed):
+        if not isinstance(self._stage, Stage):
             raise self._stage
         stage = self._stage
         if method == MOOT:
@@ -135,6 +140,8 @@ class StageWorker:
             return getattr(stage, method)(*args)
         except LinkError as exc:
             raise LinkFailed(stage.index, method, one_line(exc), exc.peer) from exc
+        except DeviceFault as exc:
+            raise set_aside(self.plan, exc) from exc
         except Exception as exc:  # a boundary: every stage error leaves as StageFailed
             raise StageFailed(stage.index, method, one_line(exc)) from exc
 
@@ -158,3 +165,14 @@ class StageWorker:
             raise StageFailed(self.plan.index, method, str(exc)) from None
         except Disconnected as exc:
             raise StageLost(self.plan.index, self.plan.device.id, str(exc)) from None
+
+
+def set_aside(plan: StagePlan, fault: DeviceFault) -> DeviceSetAside:
+    """The stage lost with the device of its group that failed, known by its torch name
+    (the stage's own where names do not tell them apart, as virtual CPU devices')."""
+    names = [str(d) for d in stage_devices(plan)]
+    one = names.count(fault.device) == 1
+    device = plan.group[names.index(fault.device)] if one else plan.device
+    return DeviceSetAside(
+        plan.index, device.id, f"its worker failed as it {fault.what} ({fault.reason})"
+    )

@@ -10,8 +10,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
+from shoal.workers.device_fault import set_aside_event
 from shoal.workers.pipeline.stage_types import StageSetup
-from shoal.workers.snapshot import StagePlan
+from shoal.workers.snapshot import RunnerEvent, StagePlan
 
 
 class StageLost(RuntimeError):
@@ -24,8 +25,16 @@ class StageLost(RuntimeError):
         self.reason = reason
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
-        # Raised by a worker whose node is going down (``Awaited``): keep the typed fields.
-        return (StageLost, (self.stage, self.device_id, self.reason))
+        # Raised by a worker (its node going down, its device failing): keep the fields.
+        return (type(self), (self.stage, self.device_id, self.reason))
+
+
+class DeviceSetAside(StageLost):
+    """A stage's device failed Shoal's own use of it (``workers.device_fault``): lost, and
+    set aside so that nothing is placed on it again until an admin ends its drain."""
+
+    def event(self, step: int) -> RunnerEvent:
+        return set_aside_event(self.device_id, self.reason, step)
 
 
 class GroupTimeout(TimeoutError):

@@ -9,12 +9,12 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from shoal.scheduler.devices import Device
+from shoal.workers.device_fault import set_aside_event
 from shoal.workers.device_memory import Overhead, device_memory_event
 from shoal.workers.device_speed import device_speed_event
 from shoal.workers.sharp.models import ModelRun
 from shoal.workers.sharp.shard_pool import HostPool, await_all
 from shoal.workers.sharp.shard_worker import ShardFailed
-from shoal.workers.snapshot import RunnerEvent
 
 
 class Measurements:
@@ -36,9 +36,7 @@ class Measurements:
                 (overhead,) = await_all(pool, [pool.submit(host, "overhead")], timeout)
                 (gflops,) = await_all(pool, [pool.submit(host, "measure_speed")], timeout)
             except ShardFailed as exc:
-                why = f"device {exc.device_id} was set aside: its worker failed to measure it"
-                why += f" ({exc.method}: {exc.reason})"
-                self.failed[host] = why
+                self.failed[host] = f"its worker failed to measure it ({exc.method}: {exc.reason})"
                 continue
             self._measured[host] = (overhead, gflops)
         return {host: gflops for host, (_, gflops) in self._measured.items()}
@@ -49,9 +47,7 @@ class Measurements:
         for host, why in sorted(self.failed.items()):
             if host not in self._said:
                 self._said.add(host)
-                device = devices[host]
-                data = {"device_id": device.id, "reason": why}
-                model.record(RunnerEvent("device_set_aside", model.step, why, data))
+                model.record(set_aside_event(devices[host].id, why, model.step))
         for host, (overhead, gflops) in sorted(self._measured.items()):
             if host in self._said:
                 continue

@@ -1,0 +1,46 @@
+"""A device that fails Shoal's own use of it: the warm-up a worker starting on it runs, or
+the benchmark that measures it. No model code runs in either, so the error is the device's
+(a failing GPU, whose CUDA calls raise), not a model's bug, and the device is set aside:
+the job or sweep goes on without it, and the control plane drains it, saying why.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from shoal.workers.snapshot import RunnerEvent
+
+
+class DeviceFault(RuntimeError):
+    """Shoal's own use of ``device`` (a torch device name, such as ``cuda:1``) raised."""
+
+    def __init__(self, device: str, what: str, reason: str) -> None:
+        super().__init__(f"{device} failed as its worker {what}: {reason}")
+        self.device = device
+        self.what = what
+        self.reason = reason
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return (DeviceFault, (self.device, self.what, self.reason))
+
+
+@contextmanager
+def own_use(device: torch.device, what: str) -> Iterator[None]:
+    """Any error raised inside, as the ``DeviceFault`` of ``device``; ``what`` says what
+    the worker did with it ("started on it", "measured it")."""
+    try:
+        yield
+    except Exception as exc:
+        text = " ".join(str(exc).split())
+        raise DeviceFault(str(device), what, f"{type(exc).__name__}: {text}") from exc
+
+
+def set_aside_event(device_id: str, why: str, step: int) -> RunnerEvent:
+    """The event that says device ``device_id`` was set aside and why; the control plane
+    drains the device with its message (``service.reports``)."""
+    message = f"device {device_id} was set aside: {why}"
+    return RunnerEvent("device_set_aside", step, message, {"device_id": device_id, "reason": why})
