@@ -406,15 +406,18 @@ def test_a_device_that_fails_as_it_is_measured_is_drained_and_the_job_trains_els
     """The first device a job's worker measures fails the benchmark (a failing GPU: no
     model code ran): the job is placed again on other devices and trains to the end, and
     the control plane drains that device, saying why, so nothing else lands there."""
+    import torch
+
     from shoal.workers import device_speed
+    from shoal.workers.pipeline.timing import StepTimer
 
-    real, benchmarks = device_speed.StepTimer, []
+    benchmarks: list[float] = []
 
-    def timer(device: object, slowdown: float) -> object:
+    def timer(device: torch.device, slowdown: float) -> StepTimer:
         benchmarks.append(slowdown)
         if len(benchmarks) == 1:
             raise RuntimeError("CUDA error: unspecified launch failure")
-        return real(device, slowdown)
+        return StepTimer(device, slowdown)
 
     monkeypatch.setattr(device_speed, "StepTimer", timer)
     controller = make_controller(session_factory, InProcessCluster(FOUR_DEVICES), tmp_path)

@@ -14,9 +14,11 @@ import torch
 
 from shoal.workers import device_speed
 from shoal.workers.device_fault import DeviceFault, own_use
+from shoal.workers.device_memory import measure_overhead
 from shoal.workers.pipeline import stage
 from shoal.workers.pipeline.local_group import LocalGroup
 from shoal.workers.pipeline.runner import Trainer
+from shoal.workers.pipeline.timing import StepTimer
 from shoal.workers.pipeline.worker_group import DeviceSetAside
 from shoal.workers.snapshot import RunStatus
 from tests.factories import job
@@ -53,7 +55,7 @@ def test_a_device_whose_benchmark_fails_is_set_aside_and_the_job_lost_there(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The second stage's device fails as it is measured (``shoal bench``'s matmul)."""
-    real = device_speed.StepTimer
+    real = StepTimer
     built: list[float] = []
 
     def timer(device: torch.device, slowdown: float) -> Any:
@@ -74,7 +76,7 @@ def test_a_device_a_worker_cannot_start_on_is_set_aside_and_the_job_lost_there(
 ) -> None:
     """The second stage's worker fails its device's warm-up (on a GPU, its first CUDA
     calls), before the model is built."""
-    real = stage.measure_overhead
+    real = measure_overhead
     started: list[torch.device] = []
 
     def overhead(device: torch.device) -> Any:

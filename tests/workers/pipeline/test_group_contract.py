@@ -24,6 +24,7 @@ from shoal.workers.pipeline.recovery import survey
 from shoal.workers.pipeline.stage_types import StageSetup
 from shoal.workers.pipeline.stage_worker import MOOT, StageFailed
 from shoal.workers.pipeline.worker_group import (
+    DeviceSetAside,
     GroupFactory,
     GroupTimeout,
     Handle,
@@ -519,7 +520,7 @@ class _BrokenRay:
 def _break_ray(_actor: Any) -> None:
     from shoal.workers.pipeline import awaited
 
-    awaited.ray = _BrokenRay()  # type: ignore[assignment]
+    awaited.ray = _BrokenRay()  # type: ignore[attr-defined,assignment]
 
 
 @pytest.mark.integration
@@ -542,6 +543,35 @@ def test_a_worker_that_loses_its_connection_to_ray_while_it_waits_is_reported_lo
             group.get([fed], 60)
         assert (e.value.stage, e.value.device_id) == (1, f"{node[:8]}-cpu-1")
         assert "lost its connection to Ray" in e.value.reason, e.value.reason
+    finally:
+        group.shutdown()
+
+
+def _break_benchmark(_actor: Any) -> None:
+    from shoal.workers import device_speed
+
+    def timer(*_: Any) -> Any:
+        raise RuntimeError("CUDA error: unspecified launch failure")
+
+    device_speed.StepTimer = timer  # type: ignore[attr-defined,assignment]
+
+
+@pytest.mark.integration
+def test_a_device_that_fails_its_benchmark_on_ray_is_set_aside_by_the_group(
+    ray_address: str, setup: StageSetup
+) -> None:
+    """Its worker's error crosses Ray as the stage lost with that device set aside."""
+    import ray
+
+    node = ray.get_runtime_context().get_node_id()
+    group = RayGroup(plans([(0, 2), (2, 4)], node), setup)
+    try:
+        victim: Any = group._actors[1]
+        ray.get(victim.__ray_call__.remote(_break_benchmark), timeout=60)
+        with pytest.raises(DeviceSetAside) as e:
+            group.get([group.submit(1, "measure_speed")], 60)
+        assert (e.value.stage, e.value.device_id) == (1, f"{node[:8]}-cpu-1")
+        assert "failed as it measured it (RuntimeError: CUDA error" in e.value.reason
     finally:
         group.shutdown()
 
