@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from shoal.workers.error_text import one_line
 from shoal.workers.snapshot import RunnerEvent
 
 
@@ -35,8 +36,7 @@ def own_use(device: torch.device, what: str) -> Iterator[None]:
     try:
         yield
     except Exception as exc:
-        text = " ".join(str(exc).split())
-        raise DeviceFault(str(device), what, f"{type(exc).__name__}: {text}") from exc
+        raise DeviceFault(str(device), what, one_line(exc)) from exc
 
 
 def set_aside_event(device_id: str, why: str, step: int) -> RunnerEvent:

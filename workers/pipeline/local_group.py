@@ -8,9 +8,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from shoal.workers.error_text import one_line
 from shoal.workers.pipeline.collective import sum_in_process
 from shoal.workers.pipeline.stage_types import StageSetup
-from shoal.workers.pipeline.stage_worker import StageFailed, StageWorker, one_line
+from shoal.workers.pipeline.stage_worker import StageFailed, StageWorker
 from shoal.workers.pipeline.worker_group import Handle, StageLost, own, wait_ready
 from shoal.workers.snapshot import StagePlan
 

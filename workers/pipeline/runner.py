@@ -31,6 +31,7 @@ from typing import Any
 from shoal.scheduler.overlap import leaves_a_core, steps_per_call
 from shoal.workers.checkpoint_events import write_checkpoint
 from shoal.workers.checkpoints import CheckpointStore
+from shoal.workers.error_text import one_line
 from shoal.workers.pipeline.checkpoint_writer import CheckpointWriter
 from shoal.workers.pipeline.job_start import PlanError, announce, check_plans, restore
 from shoal.workers.pipeline.rebalance import (
@@ -182,8 +183,7 @@ class Trainer:
             return self._run.end(RunStatus.FAILED, str(exc))
         except Exception as exc:  # the run's boundary: whatever broke, the job reports why
             self._writer.close()
-            text = " ".join(str(exc).split())
-            return self._run.end(RunStatus.FAILED, f"{type(exc).__name__}: {text}")
+            return self._run.end(RunStatus.FAILED, one_line(exc))
         finally:
             self._writer.close()
             if group is not None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from shoal.workers.device_fault import DeviceFault
+from shoal.workers.error_text import one_line
 from shoal.workers.pipeline.awaited import Awaited, Disconnected, Moot
 from shoal.workers.pipeline.stage import Stage
 from shoal.workers.pipeline.stage_blocks import stage_devices
@@ -93,11 +94,6 @@ class LinkFailed(StageFailed):
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         return (LinkFailed, (self.stage, self.method, self.reason, self.peer))
-
-
-def one_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split())
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 class StageWorker:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 
 from shoal.scheduler.types import DeviceId
-from shoal.workers.pipeline.stage_worker import one_line
+from shoal.workers.error_text import one_line
 from shoal.workers.run_log import RunLog
 from shoal.workers.sharp.inbox import Inbox
 from shoal.workers.sharp.measuring import Measurements

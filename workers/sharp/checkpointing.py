@@ -13,7 +13,7 @@ import torch
 from shoal.scheduler.devices import Device
 from shoal.workers.checkpoint_events import write_checkpoint
 from shoal.workers.checkpoints import CheckpointStore
-from shoal.workers.pipeline.stage_worker import one_line
+from shoal.workers.error_text import one_line
 from shoal.workers.sharp.models import ModelRun
 from shoal.workers.snapshot import RunnerEvent, RunStatus
 from shoal.workers.wire import receive_tree

@@ -42,7 +42,7 @@ from shoal.scheduler.sharp import (
     refine_ratio,
 )
 from shoal.scheduler.types import DeviceId
-from shoal.workers.pipeline.stage_worker import one_line
+from shoal.workers.error_text import one_line
 from shoal.workers.run_log import RunLog
 from shoal.workers.sharp.admitting import Admitting
 from shoal.workers.sharp.checkpointing import CheckpointThread

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from shoal.scheduler.devices import Device
-from shoal.workers.pipeline.stage_worker import one_line
+from shoal.workers.error_text import one_line
 from shoal.workers.sharp.shard_host import ShardHost
 
 PAIRED_METHODS = frozenset({"forward", "backward", "give"})
