@@ -28,6 +28,11 @@ class DeviceFault(RuntimeError):
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         return (DeviceFault, (self.device, self.what, self.reason))
 
+    @property
+    def why(self) -> str:
+        """Why the device is set aside, as its ``device_set_aside`` event says."""
+        return f"its worker failed as it {self.what} ({self.reason})"
+
 
 @contextmanager
 def own_use(device: torch.device, what: str) -> Iterator[None]:

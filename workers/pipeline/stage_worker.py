@@ -169,6 +169,4 @@ def set_aside(plan: StagePlan, fault: DeviceFault) -> DeviceSetAside:
     names = [str(d) for d in stage_devices(plan)]
     one = names.count(fault.device) == 1
     device = plan.group[names.index(fault.device)] if one else plan.device
-    return DeviceSetAside(
-        plan.index, device.id, f"its worker failed as it {fault.what} ({fault.reason})"
-    )
+    return DeviceSetAside(plan.index, device.id, fault.why)

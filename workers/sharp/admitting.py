@@ -1,10 +1,10 @@
-"""How models come into the SHARP executor (``workers.sharp.runner``): the devices' speeds
-measured first where models trade places, then the models that arrived together placed
-heaviest first, each made a model here (cut into shards for the smallest device, its data
-made and its checkpoint read: ``placing.arrive``) and its shards loaded into their
-devices' host memory, and a first copy taken of each that keeps copies. A model that
-cannot be made, or whose shards its workers cannot build, fails alone, saying why; the
-models beside it train on."""
+"""How models come into the SHARP executor (``workers.sharp.runner``): the devices
+measured first (one that fails it is set aside; where models trade places, the speeds
+place them), then the models that arrived together placed heaviest first, each made a
+model here (cut into shards for the smallest device, its data made and its checkpoint
+read: ``placing.arrive``) and its shards loaded into their devices' host memory, and a
+first copy taken of each that keeps copies. A model that cannot be made, or whose shards
+its workers cannot build, fails alone, saying why; the models beside it train on."""
 
 from __future__ import annotations
 
@@ -38,9 +38,11 @@ class Admitting(Recovering):
     _trades: bool
 
     def _admit(self, pool: HostPool) -> None:
-        if self._trades and self._inbox.arriving():  # placed by speed: measured first
-            try:  # (else placed as alike: a move at a step boundary levels them)
-                self._homes.measured(self._measure(pool))
+        if self._inbox.arriving():  # measured first: a device set aside takes no shard
+            try:
+                speeds = self._measure(pool)
+                if self._trades:  # placed by speed (else as alike: moves level them)
+                    self._homes.measured(speeds)
             except HostLost as exc:  # placed on the devices left
                 self._lose(pool, self._homes.host_of(exc.device_id), str(exc))
         arriving = self._inbox.arrivals()
@@ -54,7 +56,6 @@ class Admitting(Recovering):
             loads |= self._place(pool, snap)
         try:
             self._load(pool, loads)
-            self._measure(pool)
             for model in self._arrived(arriving):
                 self._measures.say(model, self._devices)
         except HostLost as exc:  # its models (new ones too) are placed again

@@ -14,7 +14,7 @@ from shoal.workers.device_memory import Overhead, device_memory_event
 from shoal.workers.device_speed import device_speed_event
 from shoal.workers.sharp.models import ModelRun
 from shoal.workers.sharp.shard_pool import HostPool, await_all
-from shoal.workers.sharp.shard_worker import ShardFailed
+from shoal.workers.sharp.shard_worker import DeviceFailed, ShardFailed
 
 
 class Measurements:
@@ -35,10 +35,12 @@ class Measurements:
             try:
                 (overhead,) = await_all(pool, [pool.submit(host, "overhead")], timeout)
                 (gflops,) = await_all(pool, [pool.submit(host, "measure_speed")], timeout)
-            except ShardFailed as exc:
-                self.failed[host] = f"its worker failed to measure it ({exc.method}: {exc.reason})"
-                continue
-            self._measured[host] = (overhead, gflops)
+            except ShardFailed as exc:  # DeviceFailed: as it started there, or measured it
+                failed = isinstance(exc, DeviceFailed)
+                why = f"its worker failed to measure it ({exc.method}: {exc.reason})"
+                self.failed[host] = exc.reason if failed else why
+            else:
+                self._measured[host] = (overhead, gflops)
         return {host: gflops for host, (_, gflops) in self._measured.items()}
 
     def say(self, model: ModelRun, devices: Sequence[Device]) -> None:

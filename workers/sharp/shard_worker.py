@@ -1,6 +1,8 @@
 """A ``ShardHost`` behind named calls with typed errors: what the SHARP executor's pool
 calls (``workers.sharp.shard_pool``), in-process or as the ShardWorker Ray actor
-(``workers.launch``)."""
+(``workers.launch``). A device that fails Shoal's own use of it (``workers.device_fault``:
+the warm-up as the worker starts there, the speed benchmark) answers with
+``DeviceFailed``, which the executor sets the device aside for (``workers.sharp.measuring``)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from shoal.scheduler.devices import Device
+from shoal.workers.device_fault import DeviceFault
 from shoal.workers.error_text import one_line
 from shoal.workers.sharp.shard_host import ShardHost
 
@@ -51,7 +54,12 @@ class ShardFailed(RuntimeError):
         self.reason = reason
 
     def __reduce__(self) -> tuple[type[ShardFailed], tuple[str, str, str]]:
-        return (ShardFailed, (self.device_id, self.method, self.reason))
+        return (type(self), (self.device_id, self.method, self.reason))
+
+
+class DeviceFailed(ShardFailed):
+    """The device itself failed Shoal's own use of it, no model code involved
+    (``DeviceFault``); ``reason`` says why it is set aside."""
 
 
 class ShardWorker:
@@ -59,22 +67,40 @@ class ShardWorker:
     and as the ShardWorker Ray actor (``workers.launch``)."""
 
     def __init__(self, device: Device, budget_bytes: int) -> None:
-        self.host = ShardHost(device, budget_bytes)
+        self._device_id = device.id
+        self._host: ShardHost | DeviceFault
+        try:
+            self._host = ShardHost(device, budget_bytes)
+        except DeviceFault as exc:
+            # Kept and raised by every call: a Ray actor whose constructor raises only says
+            # that it died (a device lost), and the executor must know to set it aside.
+            self._host = exc
         self._ended = 0.0
         """When the last call in the worker's order (not one beside it) ended, wall clock."""
+
+    @property
+    def host(self) -> ShardHost:
+        """The host itself (in-process use); raises the device's fault if it failed to start."""
+        if isinstance(self._host, DeviceFault):
+            raise self._host
+        return self._host
 
     def call(self, method: str, *args: Any, after: Any = None) -> Any:
         """``method`` of the host; ``after``, unused, is the value of the call it was to
         follow (``HostPool.submit_after``: Ray passes it once that call has ended)."""
+        if isinstance(self._host, DeviceFault):
+            raise DeviceFailed(self._device_id, method, self._host.why)
         if method not in SHARD_METHODS:
-            raise ShardFailed(self.host.device.id, method, f"no such method {method!r}")
+            raise ShardFailed(self._device_id, method, f"no such method {method!r}")
         sent = 0.0
         if method in TIMED:
             args, sent = args[:-1], args[-1]
         try:
-            value = getattr(self.host, method)(*args)
+            value = getattr(self._host, method)(*args)
+        except DeviceFault as exc:
+            raise DeviceFailed(self._device_id, method, exc.why) from exc
         except Exception as exc:  # a boundary: every host error leaves as ShardFailed
-            raise ShardFailed(self.host.device.id, method, one_line(exc)) from exc
+            raise ShardFailed(self._device_id, method, one_line(exc)) from exc
         finally:
             ended, waited_from = time.time(), max(sent, self._ended)
             if method not in BESIDE:
@@ -92,7 +118,7 @@ class ShardWorker:
         for method, count in arity:
             mine, args = args[:count], args[count:]
             if method not in TASKS:
-                failed = failed or ShardFailed(self.host.device.id, method, "not a shard task")
+                failed = failed or ShardFailed(self._device_id, method, "not a shard task")
             if failed is None:
                 try:
                     values.extend(self.call(method, *mine))

@@ -1,21 +1,26 @@
 """A device whose worker answers but errs as it is measured (a failing GPU: its CUDA calls
-raise) is set aside by the SHARP executor, as a device gone is: the models train on the
-devices left, exactly as alone, and the first placed says which device and why (before,
-the executor failed with every model)."""
+raise), or fails its warm-up as the worker starts there, is set aside by the SHARP
+executor, as a device gone is: the models train on the devices left, exactly as alone, and
+the first placed says which device and why (before, the executor failed with every model;
+a worker that could not start was a device lost, never drained)."""
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from shoal.scheduler.devices import Device
 from shoal.scheduler.types import DeviceId
+from shoal.workers.device_fault import own_use
+from shoal.workers.sharp import shard_host
 from shoal.workers.sharp.runner import SharpTrainer
 from shoal.workers.sharp.shard_pool import LocalPool
-from shoal.workers.sharp.shard_worker import ShardFailed
+from shoal.workers.sharp.shard_worker import DeviceFailed, ShardFailed
 from shoal.workers.snapshot import RunStatus
 from tests.workers.sharp.test_sharp_runner import (
     assert_alone,
@@ -49,8 +54,8 @@ class FailingDevicePool(LocalPool):
 def test_a_device_that_fails_as_it_is_measured_is_set_aside_and_the_models_train_exactly(
     tmp_path: Path, trades: bool
 ) -> None:
-    """Measured before placing (trades) or after (its shards then loaded there, placed
-    again): either way nothing trains on the failing device."""
+    """Measured before placing, whether models trade places or not: nothing is asked of
+    the failing device after it."""
     snaps = [model(tmp_path, name, seed=i, steps=3) for i, name in enumerate("ab")]
     pool = devices()
     budgets = {d.id: budget_for_shards(snaps[0], 3) for d in pool}
@@ -75,3 +80,67 @@ def test_a_device_that_fails_as_it_is_measured_is_set_aside_and_the_models_train
     assert made[0].after == [], made[0].after  # nothing more ran there: no shard, no task
     speeds = [e for r in reports.values() for e in r.events if e.kind == "device_speed"]
     assert [e.data["device_id"] for e in speeds] == [pool[0].id], speeds
+
+
+class RecordingPool(LocalPool):
+    """A LocalPool that records every call's host and method."""
+
+    def __init__(self, devices: Sequence[Device], budgets: Mapping[DeviceId, int]) -> None:
+        super().__init__(devices, budgets)
+        self.calls: list[tuple[int, str]] = []
+
+    def submit(self, host: int, method: str, *args: Any) -> Any:
+        self.calls.append((host, method))
+        return super().submit(host, method, *args)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("trades", [True, False])
+def test_a_device_a_worker_cannot_start_on_is_set_aside_and_the_models_train_exactly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, trades: bool
+) -> None:
+    """The second device's worker fails its warm-up (on a GPU, its first CUDA calls): the
+    worker answers every call with that fault, and the executor sets the device aside."""
+    real = shard_host.measure_overhead
+    started: list[torch.device] = []
+
+    def overhead(device: torch.device) -> Any:
+        started.append(device)
+        if len(started) == FAILING_HOST + 1:
+            with own_use(device, "started on it"):
+                raise RuntimeError("CUDA error: unspecified launch failure")
+        return real(device)
+
+    monkeypatch.setattr(shard_host, "measure_overhead", overhead)
+    snaps = [model(tmp_path, name, seed=i, steps=3) for i, name in enumerate("ab")]
+    pool = devices()
+    budgets = {d.id: budget_for_shards(snaps[0], 3) for d in pool}
+    made: list[RecordingPool] = []
+
+    def make_pool(devices: Sequence[Device], budgets: Mapping[DeviceId, int]) -> LocalPool:
+        made.append(RecordingPool(devices, budgets))
+        return made[-1]
+
+    trainer = SharpTrainer(snaps, pool, make_pool, budgets=budgets, trades=trades)
+    statuses = trainer.run()
+    reports = {s.job_id: trainer.report(s.job_id, 0) for s in snaps}
+    assert statuses == {"a": RunStatus.SUCCEEDED, "b": RunStatus.SUCCEEDED}, reports
+    for snap in snaps:
+        assert_alone(snap, [m.loss for m in reports[snap.job_id].metrics])
+    failing = pool[FAILING_HOST].id
+    said = [e for r in reports.values() for e in r.events if e.kind == "device_set_aside"]
+    assert [e.data["device_id"] for e in said] == [failing], said
+    assert said[0].message == (
+        f"device {failing} was set aside: its worker failed as it started on it"
+        " (RuntimeError: CUDA error: unspecified launch failure)"
+    )
+    asked = [method for host, method in made[0].calls if host == FAILING_HOST]
+    assert asked == ["overhead"], asked  # nothing more: no benchmark, no shard, no task
+
+
+@pytest.mark.unit
+def test_a_device_failure_crosses_processes_as_itself() -> None:
+    """A RayPool raises the cause of Ray's task error: it must still say the device failed."""
+    failed = pickle.loads(pickle.dumps(DeviceFailed("n1-gpu-0", "overhead", "why")))
+    assert type(failed) is DeviceFailed
+    assert (failed.device_id, failed.method, failed.reason) == ("n1-gpu-0", "overhead", "why")
