@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from shoal.scheduler.devices import Device
+from shoal.workers.device_fault import own_use
 from shoal.workers.device_memory import Overhead, measure_overhead
 from shoal.workers.device_speed import measure_gflops
 from shoal.workers.pipeline.stage import Stage
@@ -95,11 +96,10 @@ class ShardHost:
         inputs and outputs they keep, which stay on the device (autograd's other saved
         tensors move with the shard)."""
         self._copies = HostCopies()
-        self._side = (
-            torch.cuda.Stream(self._target)  # type: ignore[no-untyped-call]
-            if self._target.type == "cuda"
-            else None
-        )
+        self._side: torch.cuda.Stream | None = None
+        if self._target.type == "cuda":
+            with own_use(self._target, "started on it"):
+                self._side = torch.cuda.Stream(self._target)  # type: ignore[no-untyped-call]
 
     # ------------------------------------------------------------------ holding shards
 
