@@ -21,7 +21,7 @@ from shoal.workers.sharp import shard_host
 from shoal.workers.sharp.runner import SharpTrainer
 from shoal.workers.sharp.shard_pool import LocalPool
 from shoal.workers.sharp.shard_worker import DeviceFailed, ShardFailed
-from shoal.workers.snapshot import RunStatus
+from shoal.workers.snapshot import RunnerEvent, RunStatus
 from tests.workers.sharp.test_sharp_runner import (
     assert_alone,
     budget_for_shards,
@@ -31,22 +31,65 @@ from tests.workers.sharp.test_sharp_runner import (
 )
 
 FAILING_HOST = 1
+CUDA_ERROR = "CUDA error: unspecified launch failure"
 
 
-class FailingDevicePool(LocalPool):
-    """A LocalPool whose second device's worker errs as it measures its device's speed
-    (every other call there works); ``after`` is what was asked of it since."""
+class RecordingPool(LocalPool):
+    """A LocalPool that records each call's host and method."""
 
-    after: list[str] | None = None
+    def __init__(self, devices: Sequence[Device], budgets: Mapping[DeviceId, int]) -> None:
+        super().__init__(devices, budgets)
+        self.calls: list[tuple[int, str]] = []
 
     def submit(self, host: int, method: str, *args: Any) -> Any:
-        if host == FAILING_HOST and self.after is not None:
-            self.after.append(method)
+        self.calls.append((host, method))
+        return super().submit(host, method, *args)
+
+    def asked_of_the_failing_device(self) -> list[str]:
+        return [method for host, method in self.calls if host == FAILING_HOST]
+
+
+class FailingDevicePool(RecordingPool):
+    """A RecordingPool whose second device's worker errs as it measures its device's speed
+    (every other call there works)."""
+
+    def submit(self, host: int, method: str, *args: Any) -> Any:
         if host == FAILING_HOST and method == "measure_speed":
-            self.after = []
-            error = ShardFailed(self.devices[host].id, method, "CUDA error: unspecified launch")
+            self.calls.append((host, method))
+            error = ShardFailed(self.devices[host].id, method, CUDA_ERROR)
             return failed_call(host, method, error)
         return super().submit(host, method, *args)
+
+
+def train_beside_a_failing_device(
+    tmp_path: Path, pool_class: type[RecordingPool], trades: bool
+) -> tuple[RecordingPool, str, list[RunnerEvent]]:
+    """Two models trained by a SHARP executor on two devices, the second of which fails
+    (``pool_class``'s pool): both SUCCEEDED, each exactly as alone; the pool, the failing
+    device's id and the models' ``device_set_aside`` events."""
+    snaps = [model(tmp_path, name, seed=i, steps=3) for i, name in enumerate("ab")]
+    pool = devices()
+    budgets = {d.id: budget_for_shards(snaps[0], 3) for d in pool}
+    made: list[RecordingPool] = []
+
+    def make_pool(devices: Sequence[Device], budgets: Mapping[DeviceId, int]) -> LocalPool:
+        made.append(pool_class(devices, budgets))
+        return made[-1]
+
+    trainer = SharpTrainer(snaps, pool, make_pool, budgets=budgets, trades=trades)
+    statuses = trainer.run()
+    reports = {s.job_id: trainer.report(s.job_id, 0) for s in snaps}
+    assert statuses == {"a": RunStatus.SUCCEEDED, "b": RunStatus.SUCCEEDED}, reports
+    for snap in snaps:
+        assert_alone(snap, [m.loss for m in reports[snap.job_id].metrics])
+    speeds = [
+        e.data["device_id"] for r in reports.values() for e in r.events if e.kind == "device_speed"
+    ]
+    assert speeds == [pool[0].id], speeds  # none said of the failing device
+    said = [e for r in reports.values() for e in r.events if e.kind == "device_set_aside"]
+    failing = pool[FAILING_HOST].id
+    assert [e.data["device_id"] for e in said] == [failing], said
+    return made[0], failing, said
 
 
 @pytest.mark.unit
@@ -56,42 +99,13 @@ def test_a_device_that_fails_as_it_is_measured_is_set_aside_and_the_models_train
 ) -> None:
     """Measured before placing, whether models trade places or not: nothing is asked of
     the failing device after it."""
-    snaps = [model(tmp_path, name, seed=i, steps=3) for i, name in enumerate("ab")]
-    pool = devices()
-    budgets = {d.id: budget_for_shards(snaps[0], 3) for d in pool}
-    made: list[FailingDevicePool] = []
-
-    def make_pool(devices: Sequence[Device], budgets: Mapping[DeviceId, int]) -> LocalPool:
-        made.append(FailingDevicePool(devices, budgets))
-        return made[-1]
-
-    trainer = SharpTrainer(snaps, pool, make_pool, budgets=budgets, trades=trades)
-    statuses = trainer.run()
-    reports = {s.job_id: trainer.report(s.job_id, 0) for s in snaps}
-    assert statuses == {"a": RunStatus.SUCCEEDED, "b": RunStatus.SUCCEEDED}, reports
-    for snap in snaps:
-        assert_alone(snap, [m.loss for m in reports[snap.job_id].metrics])
-    failing = pool[FAILING_HOST].id
-    said = [e for r in reports.values() for e in r.events if e.kind == "device_set_aside"]
-    assert len(said) == 1, [e.kind for r in reports.values() for e in r.events]
-    assert said[0].data["device_id"] == failing
-    assert f"device {failing} was set aside" in said[0].message
-    assert "measure_speed: CUDA error: unspecified launch" in said[0].message
-    assert made[0].after == [], made[0].after  # nothing more ran there: no shard, no task
-    speeds = [e for r in reports.values() for e in r.events if e.kind == "device_speed"]
-    assert [e.data["device_id"] for e in speeds] == [pool[0].id], speeds
-
-
-class RecordingPool(LocalPool):
-    """A LocalPool that records every call's host and method."""
-
-    def __init__(self, devices: Sequence[Device], budgets: Mapping[DeviceId, int]) -> None:
-        super().__init__(devices, budgets)
-        self.calls: list[tuple[int, str]] = []
-
-    def submit(self, host: int, method: str, *args: Any) -> Any:
-        self.calls.append((host, method))
-        return super().submit(host, method, *args)
+    made, failing, said = train_beside_a_failing_device(tmp_path, FailingDevicePool, trades)
+    assert said[0].message == (
+        f"device {failing} was set aside: its worker failed to measure it"
+        f" (measure_speed: {CUDA_ERROR})"
+    )
+    asked = made.asked_of_the_failing_device()
+    assert asked == ["overhead", "measure_speed"], asked  # no shard, no task
 
 
 @pytest.mark.unit
@@ -108,33 +122,16 @@ def test_a_device_a_worker_cannot_start_on_is_set_aside_and_the_models_train_exa
         started.append(device)
         if len(started) == FAILING_HOST + 1:
             with own_use(device, "started on it"):
-                raise RuntimeError("CUDA error: unspecified launch failure")
+                raise RuntimeError(CUDA_ERROR)
         return real(device)
 
     monkeypatch.setattr(shard_host, "measure_overhead", overhead)
-    snaps = [model(tmp_path, name, seed=i, steps=3) for i, name in enumerate("ab")]
-    pool = devices()
-    budgets = {d.id: budget_for_shards(snaps[0], 3) for d in pool}
-    made: list[RecordingPool] = []
-
-    def make_pool(devices: Sequence[Device], budgets: Mapping[DeviceId, int]) -> LocalPool:
-        made.append(RecordingPool(devices, budgets))
-        return made[-1]
-
-    trainer = SharpTrainer(snaps, pool, make_pool, budgets=budgets, trades=trades)
-    statuses = trainer.run()
-    reports = {s.job_id: trainer.report(s.job_id, 0) for s in snaps}
-    assert statuses == {"a": RunStatus.SUCCEEDED, "b": RunStatus.SUCCEEDED}, reports
-    for snap in snaps:
-        assert_alone(snap, [m.loss for m in reports[snap.job_id].metrics])
-    failing = pool[FAILING_HOST].id
-    said = [e for r in reports.values() for e in r.events if e.kind == "device_set_aside"]
-    assert [e.data["device_id"] for e in said] == [failing], said
+    made, failing, said = train_beside_a_failing_device(tmp_path, RecordingPool, trades)
     assert said[0].message == (
         f"device {failing} was set aside: its worker failed as it started on it"
-        " (RuntimeError: CUDA error: unspecified launch failure)"
+        f" (RuntimeError: {CUDA_ERROR})"
     )
-    asked = [method for host, method in made[0].calls if host == FAILING_HOST]
+    asked = made.asked_of_the_failing_device()
     assert asked == ["overhead"], asked  # nothing more: no benchmark, no shard, no task
 
 
