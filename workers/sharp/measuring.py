@@ -35,10 +35,10 @@ class Measurements:
             try:
                 (overhead,) = await_all(pool, [pool.submit(host, "overhead")], timeout)
                 (gflops,) = await_all(pool, [pool.submit(host, "measure_speed")], timeout)
-            except ShardFailed as exc:  # DeviceFailed: as it started there, or measured it
-                failed = isinstance(exc, DeviceFailed)
-                why = f"its worker failed to measure it ({exc.method}: {exc.reason})"
-                self.failed[host] = exc.reason if failed else why
+            except DeviceFailed as exc:  # as its worker started there, or measured it
+                self.failed[host] = exc.reason
+            except ShardFailed as exc:
+                self.failed[host] = f"its worker failed to measure it ({exc.method}: {exc.reason})"
             else:
                 self._measured[host] = (overhead, gflops)
         return {host: gflops for host, (_, gflops) in self._measured.items()}

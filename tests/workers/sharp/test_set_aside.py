@@ -141,3 +141,29 @@ def test_a_device_failure_crosses_processes_as_itself() -> None:
     failed = pickle.loads(pickle.dumps(DeviceFailed("n1-gpu-0", "overhead", "why")))
     assert type(failed) is DeviceFailed
     assert (failed.device_id, failed.method, failed.reason) == ("n1-gpu-0", "overhead", "why")
+
+
+@pytest.mark.unit
+def test_a_benchmark_that_raises_on_the_device_is_the_devices_fault_in_the_event(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The benchmark itself raising in the worker (not a failed call, as above): the
+    worker answers ``DeviceFailed`` and the event says what the worker did."""
+    real = shard_host.measure_gflops
+    measured: list[torch.device] = []
+
+    def gflops(device: torch.device, slowdown: float) -> float:
+        measured.append(device)
+        if len(measured) == FAILING_HOST + 1:
+            with own_use(device, "measured it"):
+                raise RuntimeError(CUDA_ERROR)
+        return real(device, slowdown)
+
+    monkeypatch.setattr(shard_host, "measure_gflops", gflops)
+    made, failing, said = train_beside_a_failing_device(tmp_path, RecordingPool, trades=True)
+    assert said[0].message == (
+        f"device {failing} was set aside: its worker failed as it measured it"
+        f" (RuntimeError: {CUDA_ERROR})"
+    )
+    asked = made.asked_of_the_failing_device()
+    assert asked == ["overhead", "measure_speed"], asked

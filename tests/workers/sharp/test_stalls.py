@@ -45,8 +45,8 @@ class RehomeHeldPool(LosingPool):
     the model rolls back there, waits until ``release`` is set."""
 
     release = threading.Event()
-    lose_at = 10  # the second forward of step 1, before any task's copy: the shards roll
-    # back to their first copies, loaded on the device left (after 4 adds and 4 copies)
+    lose_at = 10  # the second forward of step 1, after 4 adds and the shards' first 4
+    # copies: the shards roll back to those copies, loaded on the device left
 
     def __init__(self, devices: Any, budgets: Any) -> None:
         super().__init__(devices, budgets)
