@@ -8,7 +8,7 @@ does the same, wherever its shards got to."""
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from shoal.scheduler.copies import most_replayed
@@ -130,19 +130,28 @@ class Recovering:
             self._writer.then(model.run.end, RunStatus.LOST, f"{reason}; {why}", tuple(gone))
             return
         step, blocks = copy
-        try:
-            calls = rehome(model, self._homes, pool, blocks)
-            await_saying(pool, calls, model, self._timeout, self._devices)
-        except HostLost as exc:  # another device went meanwhile: its models roll back too
-            model.lost = str(exc)
-            self._lose(pool, self._homes.host_of(exc.device_id), str(exc))
-            return
-        except ShardFailed as exc:  # a worker could not build a shard of it again
-            self._fail(pool, model, f"{reason}; it could not be re-formed: {exc}")
+        if not self._reform(pool, model, reason, lambda: rehome(model, self._homes, pool, blocks)):
             return
         replayed = model.step - step
         model.restart(step)
         model.recovered(self._devices, gone, reason or "", step, replayed, bound)
+
+    def _reform(
+        self, pool: HostPool, model: ModelRun, reason: str | None, calls: Callable[[], list[Call]]
+    ) -> bool:
+        """Make the ``calls`` that re-form ``model`` after a loss (``reason``) and wait for
+        them; False where they did not: another device went meanwhile (its models roll back
+        too), or a worker could not build a shard of it again (``model`` fails)."""
+        try:
+            await_saying(pool, calls(), model, self._timeout, self._devices)
+        except HostLost as exc:
+            model.lost = str(exc)
+            self._lose(pool, self._homes.host_of(exc.device_id), str(exc))
+            return False
+        except ShardFailed as exc:
+            self._fail(pool, model, f"{reason}; it could not be re-formed: {exc}")
+            return False
+        return True
 
     def _states_in(self, pool: HostPool, model: ModelRun) -> None:
         """The stepped shards' states still on their way, in (the step's ledger's, and the
@@ -173,15 +182,9 @@ class Recovering:
         from the part lost on)."""
         reason, model.lost, model.copying = model.lost, None, None
         ledger.waiting.clear()  # its tasks in flight run again, and copy their shards anew
-        try:
-            calls = pick_up(model, self._homes, pool, ledger, start)
-            await_saying(pool, calls, model, self._timeout, self._devices)
-        except HostLost as exc:  # another device went meanwhile: its models roll back too
-            model.lost = str(exc)
-            self._lose(pool, self._homes.host_of(exc.device_id), str(exc))
-            return
-        except ShardFailed as exc:  # a worker could not build a shard of it again
-            self._fail(pool, model, f"{reason}; it could not be re-formed: {exc}")
+        if not self._reform(
+            pool, model, reason, lambda: pick_up(model, self._homes, pool, ledger, start)
+        ):
             return
         redone, model.submitted = model.submitted - model.done, model.done
         model.carry = ledger.carry(model.plan, model.done)
