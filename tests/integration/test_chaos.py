@@ -27,6 +27,7 @@ import os
 import random
 import subprocess
 import threading
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -114,10 +115,12 @@ CHAOS_TIMEOUT_S = 240.0
 """The longest wait for any one thing (a job's progress, a fault's outcome, the end)."""
 PROGRESS_STEPS = 5
 """Steps every running job must train between faults: the service works again."""
-PIPELINE_STEPS = 5000
-"""The pipeline jobs' length: still training when the last fault has been ridden out (1,000
-steps ended before the fourth fault on a quiet machine, at 0.01-0.05 s a step; 1,100-1,500
-after it); they are cancelled then, so their length costs nothing."""
+PIPELINE_STEPS = 20_000
+"""The pipeline jobs' length: still training when the last fault has been ridden out (on the
+2-core machine they trained 1,600-3,200 steps by then, at 0.01-0.05 s a step); they are
+cancelled then, so their length costs nothing. Each step they trained is checked against a
+plain run in the test's process, so their model is small: ~8 ms a plain step there on the
+2-core machine (~20 ms at hidden 256)."""
 ACTIVE = ("RUNNING", "RECOVERING")
 RIDDEN = ("device_lost", "recovered", "relayout", "resize", "suspended", "resumed")
 """The job events that tell how a job rode out a fault (printed per job at the end)."""
@@ -127,7 +130,7 @@ def chaos_job(name: str, seed: int, steps: int) -> Json:
     return {
         **SPEC,
         "name": name,
-        "model": {"builtin": "mlp", "config": {"hidden": 256, "layers": 4}},
+        "model": {"builtin": "mlp", "config": {"hidden": 64, "layers": 4}},
         "batch_size": 256,
         "steps": steps,
         "seed": seed,
@@ -168,11 +171,15 @@ class Chaos:
         self.token = admin_token(self.shoal)
         self.api = Api(self.shoal, self.token)
         self.rng = random.Random(seed)
-        self.log: list[str] = []
+        self.began = time.monotonic()
+        self.log: list[str] = []  # what was done, each at its second of the run
         self.acknowledged: dict[str, str] = {}  # job id -> name, of every 2xx submission
         self._joined = 0
         with ShoalClient(self.shoal.url, self.token) as client:
             self.sweep_id = str(client.submit_sweep(CHAOS_SWEEP, idempotency_key="sweep")["id"])
+
+    def note(self, what: str) -> None:
+        self.log.append(f"{time.monotonic() - self.began:.0f}s: {what}")
 
     def under_way(self, names: Sequence[str]) -> list[str]:
         """Which of the jobs ``names`` and the sweep have not ended yet."""
@@ -235,6 +242,7 @@ class Chaos:
             )
 
         self.wait(moved, f"{', '.join(names)} to train {PROGRESS_STEPS} more steps")
+        self.note(f"{PROGRESS_STEPS} more steps")
 
     def target(self, names: Sequence[str]) -> tuple[str, str]:
         """A random device, not the head's, of a running job among ``names`` or of the
@@ -266,7 +274,7 @@ class Chaos:
     def kill_node(self, names: Sequence[str]) -> None:
         what, device_id = self.target(names)
         kind = self.device(device_id)["kind"]
-        self.log.append(f"SIGKILL node {kind} (holding devices of {what})")
+        self.note(f"SIGKILL node {kind} (holding devices of {what})")
         self.ray.kill_node(self.ray.kinds.index(kind))
         self.replace_node()
 
@@ -278,7 +286,7 @@ class Chaos:
         what, device_id = self.target(names)
         node_id = self.device(device_id)["node_id"]
         on_node = {d["id"]: d["kind"] for d in self.devices() if d["node_id"] == node_id}
-        self.log.append(f"drain node of {sorted(on_node)} (holding devices of {what})")
+        self.note(f"drain node of {sorted(on_node)} (holding devices of {what})")
         ray_cli(
             self.shoal,
             "drain-node",
@@ -299,7 +307,7 @@ class Chaos:
     def kill_control_plane(self, late: Json) -> None:
         """SIGKILL `shoal up` just after it acknowledged a submission; start it again."""
         self.submit(late, "before-the-kill")
-        self.log.append("SIGKILL the control plane")
+        self.note("SIGKILL the control plane")
         self.shoal.kill9()
         self.shoal = self.start()
         self.api.shoal = self.shoal
@@ -307,7 +315,7 @@ class Chaos:
     def restart_database(self, late: Json) -> None:
         """Restart PostgreSQL while a submission is under way: the client retries the 503s
         (its Idempotency-Key makes that safe) and must end acknowledged."""
-        self.log.append("restart PostgreSQL")
+        self.note("restart PostgreSQL")
         during = threading.Thread(target=self.submit, args=(late, "during-the-restart"))
         restarting = threading.Thread(target=restart_postgres)
         restarting.start()
@@ -331,7 +339,7 @@ class Chaos:
                 assert response.status_code in (200, 409), (
                     f"cancel {job['name']}: {response.status_code} {response.text}\n" + self.where()
                 )
-        self.log.append(f"cancel {', '.join(names)}")
+        self.note(f"cancel {', '.join(names)}")
         self.wait(
             lambda: all(
                 j["state"] in ("CANCELLED", "SUCCEEDED") for j in self.jobs() if j["name"] in names
@@ -410,6 +418,7 @@ def test_every_fault_at_once_leaves_every_job_exact_and_every_submission_once(
             )
 
         chaos.wait(ended, "every job and the sweep to succeed")
+        chaos.note("every job and the sweep ended")
         api = chaos.api
         sweep = api.get(f"/sweeps/{sweep_id}")
         trials = {t["job_id"]: t for t in sweep["trials"]}
@@ -442,5 +451,9 @@ def test_every_fault_at_once_leaves_every_job_exact_and_every_submission_once(
             assert kinds.count("placement") <= 1 + again, (job["name"], kinds)
             survived = {k: kinds.count(k) for k in RIDDEN if k in kinds}
             replayed = sum(e["data"]["steps_replayed"] for e in lost)
-            print(f"{job['name']}: {survived}, {replayed} steps replayed, exact")
+            print(
+                f"{job['name']}: {job['step']} steps, {survived}, {replayed} steps replayed,"
+                f" exact (checked by {time.monotonic() - chaos.began:.0f}s)"
+            )
+        chaos.note("every job checked")
         print(f"chaos seed {seed}: the faults {chaos.log}; what was under way at each: {under_way}")
