@@ -117,7 +117,7 @@ PROGRESS_STEPS = 5
 """Steps every running job must train between faults: the service works again."""
 PIPELINE_STEPS = 20_000
 """The pipeline jobs' length: still training when the last fault has been ridden out (on the
-2-core machine they trained 1,600-3,250 steps by then); they are cancelled then, so their
+2-core machine they trained 660-4,000 steps by then); they are cancelled then, so their
 length costs nothing. Each step they trained is checked against a plain run in the test's
 process, so their model is small: a plain step ~8 ms timed alone on that machine (~20 ms at
 hidden 256), ~12 ms inside the test."""
