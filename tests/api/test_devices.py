@@ -6,6 +6,7 @@ import pytest
 
 from shoal.service.db.models import DeviceRow
 from tests.api.conftest import Api
+from tests.factories import job_spec
 
 pytestmark = pytest.mark.integration
 
@@ -83,3 +84,22 @@ def test_ending_a_drain_needs_an_admin_and_a_known_device(api: Api) -> None:
     with api.factory() as session:
         row = session.get(DeviceRow, "n1-cpu-0")
         assert row is not None and row.draining is True
+
+
+def test_the_pool_names_a_users_own_job_and_hides_another_users(api: Api) -> None:
+    alice, bob, root = api.token("alice"), api.token("bob"), api.token("root", admin=True)
+    job_id = api.client.post("/api/v1/jobs", json=job_spec(), headers=alice).json()["id"]
+    add_device(api, "n1-cpu-0")
+    add_device(api, "n1-cpu-1")
+    with api.factory() as session, session.begin():
+        row = session.get(DeviceRow, "n1-cpu-0")
+        assert row is not None
+        row.job_id = job_id
+
+    def jobs_on_devices(headers: dict[str, str]) -> dict[str, str | None]:
+        items = api.client.get(DEVICES, headers=headers).json()["items"]
+        return {device["id"]: device["job_id"] for device in items}
+
+    assert jobs_on_devices(alice) == {"n1-cpu-0": job_id, "n1-cpu-1": None}
+    assert jobs_on_devices(root) == {"n1-cpu-0": job_id, "n1-cpu-1": None}
+    assert jobs_on_devices(bob) == {"n1-cpu-0": "(another user's job)", "n1-cpu-1": None}

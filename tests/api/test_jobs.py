@@ -99,6 +99,7 @@ def test_list_filters_by_state_and_paginates(api: Api) -> None:
     assert {j["id"] for j in queued["items"]}.isdisjoint(j["id"] for j in rest["items"])
     capped = api.client.get(JOBS, params={"limit": 10_000}, headers=alice).json()
     assert capped["limit"] == 100
+    assert [j["id"] for j in capped["items"]] == ids[::-1]  # newest first
     bad = api.client.get(JOBS, params={"state": "DONE"}, headers=alice)
     assert bad.status_code == 422 and bad.json()["errors"][0]["field"] == "state.0"
 

@@ -160,3 +160,19 @@ def test_a_revoked_tokens_stream_ends_within_the_auth_cache_time(
     finally:
         for watcher in watchers:
             watcher.close()
+
+
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)  # a timer, not the database
+def test_an_idle_stream_sends_a_keep_alive_comment_every_15_s(
+    server: str, session_factory: SessionFactory
+) -> None:
+    watcher = Watcher(server, create_token(session_factory, user="alice"))
+    opened = time.monotonic()
+    try:
+        while ": keep-alive" not in watcher.comments and time.monotonic() - opened < 25:
+            time.sleep(0.1)
+        waited = time.monotonic() - opened
+        assert watcher.comments == [": connected", ": keep-alive"], (waited, watcher.comments)
+        assert 14 <= waited <= 20, waited  # not sooner: proxies need one, clients no chatter
+    finally:
+        watcher.close()

@@ -23,12 +23,15 @@ def folder(tmp_path: Path) -> Path:
     (code / "notes.txt").write_text("not a module")
     (code / "__pycache__").mkdir()
     (code / "__pycache__" / "train_utils.cpython-311.pyc").write_bytes(b"\0")
+    for skipped in (".git", ".venv/lib"):  # left out of the zip, as the user guide says
+        (code / skipped).mkdir(parents=True)
+        (code / skipped / "config.py").write_text("LEFT_OUT = True\n")
     return code
 
 
-def zipped(entries: dict[str, bytes]) -> bytes:
+def zipped(entries: dict[str, bytes], compression: int = zipfile.ZIP_STORED) -> bytes:
     buffer = io.BytesIO()
-    with zipfile.ZipFile(buffer, "w") as archive:
+    with zipfile.ZipFile(buffer, "w", compression) as archive:
         for name, data in entries.items():
             archive.writestr(name, data)
     return buffer.getvalue()
@@ -110,3 +113,13 @@ def test_the_store_keeps_an_upload_once_by_its_digest(tmp_path: Path) -> None:
     with pytest.raises(ArchiveError):
         store.put(b"nope")
     assert len(list((tmp_path / "code-store").iterdir())) == 1
+
+
+def test_the_store_takes_an_upload_unpacking_to_4x_its_limit_and_no_more(tmp_path: Path) -> None:
+    store = CodeStore(tmp_path / "code-store", max_bytes=1000)
+    at_most = zipped({"model.py": b"#" * 4000}, zipfile.ZIP_DEFLATED)
+    over = zipped({"model.py": b"#" * 4001}, zipfile.ZIP_DEFLATED)
+    assert len(at_most) < 1000 and len(over) < 1000
+    assert store.put(at_most).contents.modules == ("model",)
+    with pytest.raises(ArchiveError, match="unpacks to 4001 bytes"):
+        store.put(over)

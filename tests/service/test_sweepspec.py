@@ -117,6 +117,14 @@ def test_space_keys_must_be_field_paths_other_than_the_name() -> None:
     assert where == "space" and "is not a field path of the base job" in text
 
 
+def test_the_space_cannot_search_the_code_all_trials_share() -> None:
+    digest = "sha256:" + "0" * 64
+    errors = refusal(space={"code": {"type": "categorical", "choices": [digest]}})
+    assert errors == [
+        ("space.code", "the sweep's code is one for all its trials; search other fields")
+    ]
+
+
 def test_a_trial_spec_is_the_base_with_the_values_set_and_its_own_name() -> None:
     base = job_spec()
     spec = trial_spec(base, {"optimizer.lr": 0.3, "model.config.hidden": 8}, "s-3")

@@ -66,6 +66,20 @@ def test_the_chain_maps_inputs_to_outputs_of_the_task(
     assert out.shape == expected
 
 
+@pytest.mark.parametrize(
+    ("name", "config", "meta", "blocks"),
+    [
+        ("mlp", {"hidden": 6, "layers": 3}, REGRESSION, 4),  # a block a hidden layer, the output
+        ("convnet", {"channels": [3, 4, 2], "kernel_size": 3}, DIGITS, 4),  # conv layers, head
+        ("gpt", {"d_model": 16, "n_layers": 3, "n_heads": 2}, LM, 5),  # embedding, layers, head
+    ],
+)
+def test_the_blocks_are_the_layers_the_reference_says(
+    name: str, config: dict[str, Any], meta: DataMeta, blocks: int
+) -> None:
+    assert len(all_blocks(ModelRef(name, None, config), meta)) == blocks
+
+
 @pytest.mark.parametrize(("name", "config", "meta"), CASES)
 def test_parameter_count_matches_the_registry(
     name: str, config: dict[str, Any], meta: DataMeta
