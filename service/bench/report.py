@@ -400,6 +400,8 @@ class SharpSettings:
     room in each half for a block's backward temporaries: below 1, no model fits one device;
     SHARP cuts it into shards of at most half the budget."""
     seed: int = 0
+    rounds: int = 1
+    """Times the real half's variants run, their order rotated a round (``bench.sharp``)."""
     spot_devices: int = 512
     spot_models: int = 300
     scale_devices: int = 1024
@@ -408,8 +410,8 @@ class SharpSettings:
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
             raise ValueError(f"device {self.device!r} is none of {', '.join(DEVICES)}")
-        if self.models < 1 or self.steps < 1 or self.batch_size < 1 or self.layers < 1:
-            raise ValueError("models, steps, batch_size and layers must be >= 1")
+        if min(self.models, self.steps, self.batch_size, self.layers, self.rounds) < 1:
+            raise ValueError("models, steps, batch_size, layers and rounds must be >= 1")
         if not 0.5 < self.budget_fraction < 1.0:
             raise ValueError(
                 f"budget_fraction ({self.budget_fraction}) must be between 0.5 (half a model"

@@ -14,15 +14,18 @@ train on the same two devices three ways, every one through Shoal's own engine:
 3. SHARP with prefetch off.
 
 Every variant trains the same models on the same batches to the same losses, bit for bit
-(``report.same_losses``), so their wall times compare like for like. The pools and groups are
-parameters: the bench runs them on Ray actors, the unit tests in-process.
+(``report.same_losses``), so their wall times compare like for like. With ``rounds`` the
+variants run that many times, their order rotated one place a round (a variant's time moved
+by up to ~8% between rounds of one process: docs/benchmarks.md), and the figures are those
+of the round whose SHARP training speedup is the median. The pools and groups are parameters: the
+bench runs them on Ray actors, the unit tests in-process.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -317,31 +320,45 @@ def measure(
         raise BenchError(f"{exc} (here: raise budget_fraction or add layers)") from None
     if len(shards) < 2:
         raise BenchError(f"one model fits half of a {budget}-byte device; lower budget_fraction")
+    variants: dict[str, Callable[[str], dict[str, Any]]] = {
+        SEQUENTIAL: lambda tag: train_one_after_another(
+            snapshots(s, root, f"sequential{tag}", costs, devices), make_group
+        ),
+        SHARP: lambda tag: train_sharp(
+            snapshots(s, root, f"sharp{tag}", costs), devices, budget, make_pool, prefetch=True
+        ),
+        NO_PREFETCH: lambda tag: train_sharp(
+            snapshots(s, root, f"no-prefetch{tag}", costs),
+            devices,
+            budget,
+            make_pool,
+            prefetch=False,
+        ),
+    }
+    rounds: list[dict[str, dict[str, Any]]] = []
     # Each variant's driver (a job's runner, the sweep's executor) with one torch thread, as
     # its Ray actor has in the service: idle OpenMP threads would spin on the devices' cores.
     with threads(RUNNER_THREADS):
-        progress(SHARP_PHASES[4])
-        plain = train_one_after_another(
-            snapshots(s, root, "sequential", costs, devices), make_group
-        )
-        progress(SHARP_PHASES[5])
-        sharp = train_sharp(
-            snapshots(s, root, "sharp", costs), devices, budget, make_pool, prefetch=True
-        )
-        progress(SHARP_PHASES[6])
-        lazy = train_sharp(
-            snapshots(s, root, "no-prefetch", costs), devices, budget, make_pool, prefetch=False
-        )
+        for number, order in enumerate(round_orders(s.rounds)):
+            ran: dict[str, dict[str, Any]] = {}
+            for name in order:
+                progress(sharp_phase(name, number, s.rounds))
+                ran[name] = variants[name](f"-{number + 1}" if number else "")
+            rounds.append(ran)
     # The rate shards come in at on a GPU (measured here, after the runs, in this process).
     gbps = host_to_device_gbps(target) if target.type == "cuda" else None
     same_losses(
         {
-            "one after another": plain["losses"],
-            "SHARP": sharp["losses"],
-            "SHARP without prefetch": lazy["losses"],
+            name if s.rounds == 1 else f"{name}, round {number + 1}": ran[name]["losses"]
+            for number, ran in enumerate(rounds)
+            for name in VARIANTS
         }
     )
+    chosen = median_round(rounds)
+    plain, sharp, lazy = (rounds[chosen][name] for name in VARIANTS)
     return {
+        "rounds": [_round_summary(ran) for ran in rounds],
+        "median_round": chosen + 1,
         "sharp_seconds": sharp["seconds"],
         "sequential_seconds": plain["seconds"],
         "no_prefetch_seconds": lazy["seconds"],
@@ -377,6 +394,47 @@ def measure(
         f" {s.features} in, {s.outputs} out), sgd, batch {s.batch_size}, {s.steps} steps",
         "device": device_name(target),
         "machine": machine_with(target),
+    }
+
+
+SEQUENTIAL, SHARP, NO_PREFETCH = "one after another", "SHARP", "SHARP without prefetch"
+VARIANTS = (SEQUENTIAL, SHARP, NO_PREFETCH)
+"""The real half's variants, in the order of its first round."""
+
+
+def round_orders(rounds: int) -> list[tuple[str, ...]]:
+    """Each round's order of the variants, rotated one place a round: over three rounds each
+    variant runs once first, once second and once last."""
+    return [VARIANTS[n % 3 :] + VARIANTS[: n % 3] for n in range(rounds)]
+
+
+def sharp_phase(variant: str, number: int, rounds: int) -> str:
+    """The progress bar's label of ``variant`` in round ``number`` (from 0) of ``rounds``."""
+    name = SHARP_PHASES[len(SHARP_PHASES) - len(VARIANTS) + VARIANTS.index(variant)]
+    return name if rounds == 1 else f"round {number + 1}/{rounds}: {name}"
+
+
+def median_round(rounds: Sequence[Mapping[str, Mapping[str, Any]]]) -> int:
+    """The index of the round whose SHARP training speedup (one after another's training
+    seconds over SHARP's) is the median; of two middle ones, the lower."""
+    speedups = [ran[SEQUENTIAL]["train_seconds"] / ran[SHARP]["train_seconds"] for ran in rounds]
+    ranked = sorted(range(len(rounds)), key=lambda n: speedups[n])
+    return ranked[(len(ranked) - 1) // 2]
+
+
+def _round_summary(ran: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+    """One round's figures; its variants in the order they ran (``ran``'s)."""
+    plain, sharp, lazy = (ran[name] for name in VARIANTS)
+    return {
+        "order": list(ran),
+        "sequential_seconds": plain["seconds"],
+        "sharp_seconds": sharp["seconds"],
+        "no_prefetch_seconds": lazy["seconds"],
+        "sequential_train_seconds": plain["train_seconds"],
+        "sharp_train_seconds": sharp["train_seconds"],
+        "no_prefetch_train_seconds": lazy["train_seconds"],
+        "train_speedup": plain["train_seconds"] / sharp["train_seconds"],
+        "sharp_device_busy": sharp["device_busy"],
     }
 
 

@@ -205,6 +205,14 @@ def elastic(hidden: int, layers: int, slowdown: float, steps: int, as_json: bool
     help="Each device's memory budget as a fraction of what one model holds through a step"
     " (its state and the batch's kept activations; 0.5-1).",
 )
+@click.option(
+    "--rounds",
+    default=1,
+    show_default=True,
+    type=click.IntRange(1, 9),
+    help="Times the real half's three variants run, their order rotated one place a round;"
+    " the figures are those of the round with the median SHARP training speedup.",
+)
 @device_option("the two devices of the real half")
 @JSON_OPTION
 def sharp(
@@ -215,6 +223,7 @@ def sharp(
     layers: int,
     batch_size: int | None,
     budget_fraction: float,
+    rounds: int,
     as_json: bool,
 ) -> None:
     """SHARP vs one model after another on 2 local devices; simulated SHARP orderings on
@@ -236,10 +245,10 @@ def sharp(
         layers=layers,
         batch_size=batch_size or SHARP_BATCH_SIZE[chosen],
         budget_fraction=budget_fraction,
+        rounds=rounds,
     )
-    run_bench(
-        len(SHARP_PHASES), as_json, lambda progress: bench_sharp(settings, progress), sharp_tables
-    )
+    phases = len(SHARP_PHASES) + 3 * (rounds - 1)  # the real half's three variants a round
+    run_bench(phases, as_json, lambda progress: bench_sharp(settings, progress), sharp_tables)
 
 
 @bench.command()

@@ -489,3 +489,57 @@ def test_bench_sharp_prints_a_table_or_json(monkeypatch: pytest.MonkeyPatch) -> 
     if not torch.cuda.is_available():
         result = CliRunner().invoke(cli, ["bench", "sharp", "--device", "cuda"])
         assert result.exit_code == 2 and "--device cuda: PyTorch sees no CUDA" in result.output
+
+
+@pytest.mark.unit
+def test_sharp_rounds_rotate_the_variants_so_each_runs_in_every_place() -> None:
+    from shoal.service.bench.sharp import VARIANTS, round_orders
+
+    assert round_orders(1) == [VARIANTS]
+    three = round_orders(3)
+    assert [sorted(order) for order in three] == [sorted(VARIANTS)] * 3
+    for place in range(3):
+        assert sorted(order[place] for order in three) == sorted(VARIANTS)
+    assert round_orders(4)[3] == VARIANTS
+
+
+@pytest.mark.unit
+def test_the_sharp_bench_reports_the_round_of_the_median_training_speedup() -> None:
+    from shoal.service.bench.sharp import NO_PREFETCH, SEQUENTIAL, SHARP, median_round
+
+    def ran(sequential: float, sharp: float) -> dict[str, dict[str, float]]:
+        return {
+            SEQUENTIAL: {"train_seconds": sequential},
+            SHARP: {"train_seconds": sharp},
+            NO_PREFETCH: {"train_seconds": sharp},
+        }
+
+    # Speedups 2.0, 1.5, 1.8: the median is the third round's, not the middle one's.
+    assert median_round([ran(20, 10), ran(15, 10), ran(18, 10)]) == 2
+    assert median_round([ran(20, 10), ran(15, 10)]) == 1  # of two, the lower
+    assert median_round([ran(20, 10)]) == 0
+
+
+@pytest.mark.unit
+def test_sharp_bench_rounds_in_process_report_each_round_and_the_median_ones_figures(
+    tmp_path: Path,
+) -> None:
+    from shoal.scheduler.devices import Device
+    from shoal.service.bench.report import SharpSettings
+    from shoal.service.bench.sharp import measure, round_orders
+    from shoal.workers.pipeline.local_group import LocalGroup
+    from shoal.workers.sharp.shard_pool import LocalPool
+
+    s = SharpSettings(
+        models=2, hidden=16, layers=6, features=8, outputs=2, batch_size=8, steps=2, rounds=3
+    )
+    devices = [Device(f"n0000000a-cpu-{i}", "n0000000a", i, "cpu", 2048, False) for i in range(2)]
+    seen: list[str] = []
+    result = measure(s, devices, tmp_path, LocalPool, LocalGroup, seen.append)
+    assert [r["order"] for r in result["rounds"]] == [list(o) for o in round_orders(3)]
+    assert seen[0] == "round 1/3: one after another, model parallel" and len(seen) == 9
+    chosen = result["rounds"][result["median_round"] - 1]
+    for key in ("sharp_seconds", "sequential_train_seconds", "no_prefetch_seconds"):
+        assert result[key] == chosen[key]
+    speedups = sorted(r["train_speedup"] for r in result["rounds"])
+    assert chosen["train_speedup"] == speedups[1]
