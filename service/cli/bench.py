@@ -18,6 +18,7 @@ from shoal.service.cli.bench_output import (
     bench_device,
     bench_settings,
     device_option,
+    rounds_option,
     run_bench,
 )
 from shoal.service.cli.bench_shard import shard
@@ -205,12 +206,9 @@ def elastic(hidden: int, layers: int, slowdown: float, steps: int, as_json: bool
     help="Each device's memory budget as a fraction of what one model holds through a step"
     " (its state and the batch's kept activations; 0.5-1).",
 )
-@click.option(
-    "--rounds",
-    default=1,
-    show_default=True,
-    type=click.IntRange(1, 9),
-    help="Times the real half's three variants run, their order rotated one place a round;"
+@rounds_option(
+    9,
+    "Times the real half's three variants run, their order rotated one place a round;"
     " the figures are those of the round with the median SHARP training speedup.",
 )
 @device_option("the two devices of the real half")

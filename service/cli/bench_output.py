@@ -37,6 +37,13 @@ def device_option(what: str) -> Decorator:
     )
 
 
+def rounds_option(most: int, what: str) -> Decorator:
+    """``--rounds``: how many times a bench's contenders run (default once)."""
+    return click.option(
+        "--rounds", default=1, show_default=True, type=click.IntRange(1, most), help=what
+    )
+
+
 def bench_device(requested: str | None) -> str:
     """The device to bench on: the one asked for, else CUDA when PyTorch sees it, else CPU."""
     import torch

@@ -16,6 +16,7 @@ from shoal.service.cli.bench_output import (
     caption,
     device_option,
     fmt,
+    rounds_option,
     run_bench,
 )
 
@@ -58,12 +59,9 @@ from shoal.service.cli.bench_output import (
     type=click.IntRange(1, 50),
     help="Timed windows of --steps steps per run; a run's figure is their median.",
 )
-@click.option(
-    "--rounds",
-    default=1,
-    show_default=True,
-    type=click.IntRange(1, 20),
-    help="Times the three contenders run in turn; each figure is the median over rounds"
+@rounds_option(
+    20,
+    "Times the three contenders run in turn; each figure is the median over rounds"
     " (a ratio taken within its round).",
 )
 @JSON_OPTION
