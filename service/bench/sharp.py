@@ -16,9 +16,9 @@ train on the same two devices three ways, every one through Shoal's own engine:
 Every variant trains the same models on the same batches to the same losses, bit for bit
 (``report.same_losses``), so their wall times compare like for like. With ``rounds`` the
 variants run that many times, their order rotated one place a round (a variant's time moved
-by up to ~8% between rounds of one process: docs/benchmarks.md), and the figures are those
-of the round whose SHARP training speedup is the median. The pools and groups are parameters: the
-bench runs them on Ray actors, the unit tests in-process.
+by up to ~10% between rounds of one process: docs/benchmarks.md), and the figures are those
+of the round whose SHARP training speedup is the median. The pools and groups are
+parameters: the bench runs them on Ray actors, the unit tests in-process.
 """
 
 from __future__ import annotations
@@ -405,7 +405,7 @@ VARIANTS = (SEQUENTIAL, SHARP, NO_PREFETCH)
 def round_orders(rounds: int) -> list[tuple[str, ...]]:
     """Each round's order of the variants, rotated one place a round: over three rounds each
     variant runs once first, once second and once last."""
-    return [VARIANTS[n % 3 :] + VARIANTS[: n % 3] for n in range(rounds)]
+    return [VARIANTS[n % len(VARIANTS) :] + VARIANTS[: n % len(VARIANTS)] for n in range(rounds)]
 
 
 def sharp_phase(variant: str, number: int, rounds: int) -> str:
