@@ -57,6 +57,7 @@ from shoal.workers.sharp.shard_types import (
     Stashed,
     TaskResult,
 )
+from shoal.workers.sharp.spares import Spares
 from shoal.workers.snapshot import StagePlan
 from shoal.workers.wire import Wire, receive, receive_tree, send, send_tree
 from shoal.workers.zoo.models import states_loaded
@@ -96,6 +97,7 @@ class ShardHost:
         inputs and outputs they keep, which stay on the device (autograd's other saved
         tensors move with the shard)."""
         self._copies = HostCopies()
+        self._spares = Spares()  # on a GPU: a demoted shard's memory for the next promoted
         self._side: torch.cuda.Stream | None = None
         if self._target.type == "cuda":
             with own_use(self._target, "started on it"):
@@ -130,7 +132,7 @@ class ShardHost:
             stage.load(receive_tree(state, self._host))
         self._shards[key] = stage
         self._saves[key] = MovableSaves(lambda: _parameters(stage))
-        self._pinned[key] = PinnedState(stage.blocks)
+        self._pinned[key] = PinnedState(stage.blocks, self._spares)
         self._built[key] = (setup, blocks, planned)
         return max(stage.nbytes(), planned)
 
@@ -242,6 +244,7 @@ class ShardHost:
 
     def _forget(self, key: ShardKey) -> None:
         self._demote(key)
+        self._spares.release()
         self._settle()
         self._shards[key].copier.close()
         self._residue.pop(key, None)
@@ -411,6 +414,7 @@ class ShardHost:
             torch.cuda.current_stream(self._target).wait_stream(self._side)
         if prefetch is not None and prefetch in self._shards and prefetch != key:
             promoted += self._promote(prefetch, keep=(key,), optional=True)
+        self._spares.release()  # what demoted shards left and neither took: freed once out
         return self._shards[key], promoted
 
     def _promote(self, key: ShardKey, keep: Sequence[ShardKey], *, optional: bool) -> int:
