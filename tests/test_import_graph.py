@@ -21,6 +21,9 @@ FLOORS = ("scheduler", "workers", "service", "api", "shoal")
 """Lowest first."""
 COMPOSING = ("service.server", "service.cli", "service.bench")
 """Modules (and packages) that assemble the whole process and so may import ``api``."""
+RAY_CALLERS = ("workers", "service.cluster", "service.bench")
+"""The modules that may call Ray: the engines, the controller's adapter, and the benches
+(each starts a Ray of its own and measures the engines on it, as a user's script would)."""
 
 
 @dataclass(frozen=True)
@@ -123,8 +126,9 @@ def floor(module: str) -> int:
     return FLOORS.index(module.split(".")[0])
 
 
-def composing(module: str) -> bool:
-    return any(module == c or module.startswith(c + ".") for c in COMPOSING)
+def under(module: str, names: tuple[str, ...]) -> bool:
+    """Whether ``module`` is one of ``names`` or inside one of those packages."""
+    return any(module == n or module.startswith(n + ".") for n in names)
 
 
 def upward(graph: list[Edge]) -> list[Edge]:
@@ -133,7 +137,7 @@ def upward(graph: list[Edge]) -> list[Edge]:
         e
         for e in graph
         if floor(e.target) > floor(e.source)
-        and not (composing(e.source) and e.target.split(".")[0] == "api")
+        and not (under(e.source, COMPOSING) and e.target.split(".")[0] == "api")
     ]
 
 
@@ -170,6 +174,18 @@ def test_nothing_in_workers_imports_the_actor_module(graph: list[Edge]) -> None:
     a circle through the engine it starts."""
     bad = [e for e in graph if e.target == "workers.actors" and e.source.startswith("workers")]
     assert not bad, "\n".join(str(e) for e in bad)
+
+
+@pytest.mark.unit
+def test_only_the_engines_the_controllers_adapter_and_the_benches_import_ray() -> None:
+    """Decisions stay pure and the control plane reaches the cluster through one adapter."""
+    bad = [
+        f"{module} imports {name} ({path.relative_to(ROOT)}:{line})"
+        for module, path in modules().items()
+        for name, line in imports(path)
+        if name.split(".")[0] == "ray" and not under(module, RAY_CALLERS)
+    ]
+    assert not bad, f"Ray imported outside {RAY_CALLERS}:\n" + "\n".join(bad)
 
 
 @pytest.mark.unit

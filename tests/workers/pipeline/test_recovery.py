@@ -1,25 +1,85 @@
-"""A loss while copies are still on their way: the survivors restore the latest step that
-every one of them and every lost block's holder keeps, never older than the latest copy
-the runner confirmed held."""
+"""A worker lost at any step, in any layout, costs no exactness and replays no more than the
+copies allow; and a loss while copies are still on their way: the survivors restore the
+latest step that every one of them and every lost block's holder keeps, never older than
+the latest copy the runner confirmed held."""
 
 from __future__ import annotations
 
+import tempfile
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from shoal.workers.pipeline.local_group import LocalGroup, _Done
 from shoal.workers.pipeline.rebalance import Layout
 from shoal.workers.pipeline.recovery import Copies, recover
+from shoal.workers.pipeline.runner import Trainer
 from shoal.workers.pipeline.stage_types import StageSetup
 from shoal.workers.pipeline.worker_group import StageLost
+from shoal.workers.snapshot import RunStatus
 from shoal.workers.zoo.data import make_data
-from tests.factories import SGD, job
+from tests.factories import SGD, dp_plans, job
 from tests.workers.pipeline.test_copier import assert_states_equal
+from tests.workers.pipeline.test_rebalance import LoseDevice, cut_of, split_of
+from tests.workers.runs import assert_matches_reference, metrics
 
 pytestmark = pytest.mark.unit
+
+
+@st.composite
+def losses(draw: st.DrawFn) -> dict[str, Any]:
+    """2-4 workers (1-2 replicas of 1-4 stages), one of them lost once a random number of
+    steps were applied, copies taken at every boundary or as their budget allows."""
+    replicas = draw(st.integers(1, 2))
+    stages = draw(st.integers(2, 4) if replicas == 1 else st.integers(1, 2))
+    micro_batches = draw(st.sampled_from([2, 4]))
+    steps = draw(st.integers(3, 5))
+    return {
+        "snapshot": {
+            "stages": dp_plans(draw(cut_of(stages)), replicas),
+            "replicas": replicas,
+            "replica_micro_batches": draw(split_of(micro_batches, replicas)),
+            "micro_batches": micro_batches,
+            "steps": steps,
+            "schedule": draw(st.sampled_from(["gpipe", "1f1b"])),
+            "recompute": draw(st.booleans()),
+            "optimizer": replace(SGD, clip_grad_norm=draw(st.sampled_from([None, 0.05]))),
+            "keep_copies": True,
+            "copy_budget": draw(st.sampled_from([1.0, 0.05])),
+        },
+        "lose": draw(st.integers(0, stages * replicas - 1)),
+        "after": draw(st.integers(0, steps - 1)),
+    }
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(losses())
+def test_a_worker_lost_at_any_step_in_any_layout_leaves_the_math_unchanged(
+    config: dict[str, Any],
+) -> None:
+    """Against the single-process reference (``tests/workers/runs.py``): the run recovers in
+    place from the copies, replays at most what its ``device_lost`` event allowed and says it
+    replayed, and every step's metrics (a replayed step's rerun) are the reference's."""
+    with tempfile.TemporaryDirectory() as root:
+        snap = job(root, [], **config["snapshot"])
+        dead = snap.stages[config["lose"]].device.id
+        after = config["after"]
+        trainer = Trainer(snap, lambda plans, setup: LoseDevice(dead, after, plans, setup))
+        assert trainer.run() is RunStatus.SUCCEEDED, trainer.report(0).error
+        events = trainer.report(0).events
+        (lost,) = [e.data for e in events if e.kind == "device_lost"]
+        assert lost["devices"] == [dead], lost
+        assert lost["steps_replayed"] <= lost["most_replayed"], lost
+        steps = metrics(trainer)
+        kept = {m.step: m for m in steps}  # as the service stores them: a rerun replaces
+        assert sorted(kept) == list(range(1, snap.steps + 1)), [m.step for m in steps]
+        assert len(steps) - len(kept) == lost["steps_replayed"], ([m.step for m in steps], lost)
+        assert_matches_reference(snap, list(kept.values()))
 
 
 class InTransit(LocalGroup):
