@@ -182,6 +182,50 @@ class Recovery:
     restore_step: int
     lost: tuple[str, ...]
 
+    def events(
+        self,
+        before: Layout,
+        step: int,
+        lost: Sequence[str],
+        reason: str,
+        most: int,
+        copies: Copies,
+        seconds: float,
+    ) -> tuple[RunnerEvent, RunnerEvent]:
+        """The ``device_lost`` and ``recovered`` events of a loss of ``lost`` (``reason``)
+        once ``step`` was trained, ``most`` steps the most it could replay, re-formed from
+        ``before`` in ``seconds``."""
+        devices = sorted(set(lost))
+        replayed = step - self.restore_step
+        return (
+            RunnerEvent(
+                "device_lost",
+                step,
+                f"lost {', '.join(devices)} ({reason}) during step {step + 1}; restoring"
+                f" step {self.restore_step} from in-memory copies ({replayed} steps replayed)",
+                {
+                    "devices": devices,
+                    "step": step,
+                    "resume_step": self.restore_step,
+                    "steps_replayed": replayed,
+                    "copy_interval": copies.cadence.interval,
+                    "most_replayed": most,
+                },
+            ),
+            RunnerEvent(
+                "recovered",
+                self.restore_step,
+                f"{before.describe()} -> {self.layout.describe()} in {seconds:.2f} s",
+                {
+                    "from": before.rows(),
+                    "to": self.layout.rows(),
+                    "micro_batches": list(self.layout.split),
+                    "seconds": seconds,
+                    "steps_replayed": replayed,
+                },
+            ),
+        )
+
 
 def survey(group: WorkerGroup, layout: Layout, timeout: float) -> dict[int, dict[str, Any]]:
     """What each worker answering within ``timeout`` holds (``saved_steps``), by position;

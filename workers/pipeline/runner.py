@@ -168,7 +168,7 @@ class Trainer:
                 except StageLost as exc:
                     if copies is None:
                         raise
-                    layout, step = self._recover(group, layout, exc, step, copies)
+                    layout, step = self._recover(group, layout, exc, self._run.step, copies)
                     if rebalancer is not None:
                         rebalancer.restart()
             self._writer.flush()  # SUCCEEDED once the last checkpoint is complete
@@ -301,8 +301,10 @@ class Trainer:
     def _recover(
         self, group: WorkerGroup, layout: Layout, cause: StageLost, step: int, copies: Copies
     ) -> tuple[Layout, int]:
-        """A worker was lost during step ``step + 1``: re-form the job from the survivors'
-        in-memory copies (``workers.pipeline.recovery``); the layout and the step to run next."""
+        """A worker was lost once ``step`` was trained (the last recorded: the loss may come
+        in the next step or in its boundary's work, a relayout's say): re-form the job from
+        the survivors' in-memory copies (``workers.pipeline.recovery``); the layout and the
+        step to run next, where the run stands again."""
         most = copies.most_replayed(step)
         copies.drop()
         if isinstance(cause, DeviceSetAside):
@@ -320,39 +322,11 @@ class Trainer:
             group, layout, self.snapshot, self._gflops, self._timeout, ping_timeout=ping
         )
         seconds = time.perf_counter() - started
-        lost = sorted({cause.device_id, *found.lost})
-        replayed = step - found.restore_step
-        self._run.record(
-            RunnerEvent(
-                "device_lost",
-                step,
-                f"lost {', '.join(lost)} ({cause.reason}) during step {step + 1}; restoring"
-                f" step {found.restore_step} from in-memory copies ({replayed} steps replayed)",
-                {
-                    "devices": lost,
-                    "step": step,
-                    "resume_step": found.restore_step,
-                    "steps_replayed": replayed,
-                    "copy_interval": copies.cadence.interval,
-                    "most_replayed": most,
-                },
-            )
-        )
-        self._run.record(
-            RunnerEvent(
-                "recovered",
-                found.restore_step,
-                f"{layout.describe()} -> {found.layout.describe()} in {seconds:.2f} s",
-                {
-                    "from": layout.rows(),
-                    "to": found.layout.rows(),
-                    "micro_batches": list(found.layout.split),
-                    "seconds": seconds,
-                    "steps_replayed": replayed,
-                },
-            )
-        )
+        lost = (cause.device_id, *found.lost)
+        for event in found.events(layout, step, lost, cause.reason, most, copies, seconds):
+            self._run.record(event)
         copies.refresh(group, found.layout, found.restore_step, fresh=True)
+        self._run.resumed_at(found.restore_step)
         return found.layout, found.restore_step
 
     def _move(self, group: WorkerGroup, old: Layout, new: Layout, step: int) -> Layout:

@@ -538,3 +538,42 @@ def test_the_policy_is_asked_once_per_window_and_the_runner_knows_when() -> None
     assert announced == [False, False, True, False, False, True, False]
     assert until == [3, 2, 1, 3, 2, 1, 3]
     assert until_in_flight == [2, 1, 3, 2, 1, 3, 2]
+
+
+@pytest.mark.integration
+def test_a_relayout_whose_new_worker_cannot_start_reports_its_device_lost(
+    ray_address: str, tmp_path: Path
+) -> None:
+    """A relayout onto a device whose worker cannot start (its node is gone: Ray refuses to
+    place the worker) is reported as that device's loss once the step before it was
+    trained, and the job trains on, exactly, on the devices it had."""
+    import ray
+
+    node = ray.get_runtime_context().get_node_id()
+    snap = job(
+        tmp_path,
+        [],
+        stages=dp_plans([(0, 2), (2, 4)], 1, node),
+        steps=3,
+        micro_batches=4,
+        optimizer=SGD,
+        keep_copies=True,
+        copy_budget=1.0,
+    )
+    *wanted, last = dp_plans([(0, 1), (1, 4)], 2, node)
+    gone = replace(last, device=replace(last.device, id="gone-cpu-3", node_id="ab" * 28))
+    trainer = Trainer(snap, Patient)
+    trainer.relayout((*wanted, gone), (2, 2))
+    assert trainer.run() is RunStatus.SUCCEEDED, trainer.report(0).error
+    report = trainer.report(0)
+    events = [(e.kind, e.data) for e in report.events]
+    (lost,) = [data for kind, data in events if kind == "device_lost"]
+    assert lost["devices"] == ["gone-cpu-3"], events
+    assert not [kind for kind, _ in events if kind == "relayout"], events
+    # Step 1 was trained before the move failed, and is trained again: the event says so.
+    steps = [m.step for m in report.metrics]
+    assert lost["step"] == 1 and steps.count(1) == 2, (steps, lost)
+    assert lost["steps_replayed"] == len(steps) - len(set(steps)) <= lost["most_replayed"], lost
+    (back,) = [data for kind, data in events if kind == "recovered"]
+    assert {row["device_id"] for row in back["to"]} <= {p.device.id for p in snap.stages}
+    assert_matches_reference(snap, list({m.step: m for m in report.metrics}.values()))
