@@ -86,19 +86,27 @@ def elastic_runs(draw: st.DrawFn) -> dict[str, Any]:
     steps = draw(st.integers(2, 4))
     at = draw(st.sets(st.integers(1, steps - 1), min_size=1))
     moves = {k: (draw(cut_of(stages)), draw(split_of(micro_batches, replicas))) for k in sorted(at)}
+    fields = layout_fields(draw, replicas, stages, micro_batches, steps)
     return {
-        "snapshot": {
-            "stages": dp_plans(draw(cut_of(stages)), replicas),
-            "replicas": replicas,
-            "replica_micro_batches": draw(split_of(micro_batches, replicas)),
-            "micro_batches": micro_batches,
-            "steps": steps,
-            "schedule": draw(st.sampled_from(["gpipe", "1f1b"])),
-            "recompute": draw(st.booleans()),
-            "optimizer": replace(SGD, clip_grad_norm=draw(st.sampled_from([None, 0.05]))),
-            "checkpoint_every": draw(st.sampled_from([0, 1])),
-        },
+        "snapshot": {**fields, "checkpoint_every": draw(st.sampled_from([0, 1]))},
         "moves": moves,
+    }
+
+
+def layout_fields(
+    draw: st.DrawFn, replicas: int, stages: int, micro_batches: int, steps: int
+) -> dict[str, Any]:
+    """A job's fields for ``replicas`` of ``stages`` stages cut at random, its micro-batches
+    split among the replicas at random, a random schedule, recompute and clipping."""
+    return {
+        "stages": dp_plans(draw(cut_of(stages)), replicas),
+        "replicas": replicas,
+        "replica_micro_batches": draw(split_of(micro_batches, replicas)),
+        "micro_batches": micro_batches,
+        "steps": steps,
+        "schedule": draw(st.sampled_from(["gpipe", "1f1b"])),
+        "recompute": draw(st.booleans()),
+        "optimizer": replace(SGD, clip_grad_norm=draw(st.sampled_from([None, 0.05]))),
     }
 
 
@@ -324,6 +332,12 @@ def test_ray_stages_move_blocks_and_train_exactly(ray_address: str, tmp_path: Pa
     assert_matches_reference(snap, metrics(trainer))
 
 
+def two_stages_here(root: Path, node: str, **fields: Any) -> JobSnapshot:
+    """A 3-step job of 2 stages on ``node``'s devices, 4 micro-batches, SGD."""
+    stages = dp_plans([(0, 2), (2, 4)], 1, node)
+    return job(root, [], stages=stages, steps=3, micro_batches=4, optimizer=SGD, **fields)
+
+
 class Patient(RayGroup):
     """A RayGroup whose ``prepare`` waits until the workers are built: the relayout is
     carried out at the first boundary, however fast the job's steps."""
@@ -343,14 +357,7 @@ def test_ray_job_grows_onto_new_workers_and_replicas(ray_address: str, tmp_path:
     import ray
 
     node = ray.get_runtime_context().get_node_id()
-    snap = job(
-        tmp_path,
-        [],
-        stages=dp_plans([(0, 2), (2, 4)], 1, node),
-        steps=3,
-        micro_batches=4,
-        optimizer=SGD,
-    )
+    snap = two_stages_here(tmp_path, node)
     trainer = Trainer(snap, Patient)
     trainer.relayout(dp_plans([(0, 1), (1, 4)], 2, node), (2, 2))
     assert trainer.run() is RunStatus.SUCCEEDED, trainer.report(0).error
@@ -550,16 +557,7 @@ def test_a_relayout_whose_new_worker_cannot_start_reports_its_device_lost(
     import ray
 
     node = ray.get_runtime_context().get_node_id()
-    snap = job(
-        tmp_path,
-        [],
-        stages=dp_plans([(0, 2), (2, 4)], 1, node),
-        steps=3,
-        micro_batches=4,
-        optimizer=SGD,
-        keep_copies=True,
-        copy_budget=1.0,
-    )
+    snap = two_stages_here(tmp_path, node, keep_copies=True, copy_budget=1.0)
     *wanted, last = dp_plans([(0, 1), (1, 4)], 2, node)
     gone = replace(last, device=replace(last.device, id="gone-cpu-3", node_id="ab" * 28))
     trainer = Trainer(snap, Patient)

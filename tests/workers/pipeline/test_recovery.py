@@ -6,7 +6,6 @@ the latest copy the runner confirmed held."""
 from __future__ import annotations
 
 import tempfile
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -23,9 +22,9 @@ from shoal.workers.pipeline.stage_types import StageSetup
 from shoal.workers.pipeline.worker_group import StageLost
 from shoal.workers.snapshot import RunStatus
 from shoal.workers.zoo.data import make_data
-from tests.factories import SGD, dp_plans, job
+from tests.factories import SGD, job
 from tests.workers.pipeline.test_copier import assert_states_equal
-from tests.workers.pipeline.test_rebalance import LoseDevice, cut_of, split_of
+from tests.workers.pipeline.test_rebalance import LoseDevice, layout_fields
 from tests.workers.runs import assert_matches_reference, metrics
 
 pytestmark = pytest.mark.unit
@@ -39,16 +38,10 @@ def losses(draw: st.DrawFn) -> dict[str, Any]:
     stages = draw(st.integers(2, 4) if replicas == 1 else st.integers(1, 2))
     micro_batches = draw(st.sampled_from([2, 4]))
     steps = draw(st.integers(3, 5))
+    fields = layout_fields(draw, replicas, stages, micro_batches, steps)
     return {
         "snapshot": {
-            "stages": dp_plans(draw(cut_of(stages)), replicas),
-            "replicas": replicas,
-            "replica_micro_batches": draw(split_of(micro_batches, replicas)),
-            "micro_batches": micro_batches,
-            "steps": steps,
-            "schedule": draw(st.sampled_from(["gpipe", "1f1b"])),
-            "recompute": draw(st.booleans()),
-            "optimizer": replace(SGD, clip_grad_norm=draw(st.sampled_from([None, 0.05]))),
+            **fields,
             "keep_copies": True,
             "copy_budget": draw(st.sampled_from([1.0, 0.05])),
         },
