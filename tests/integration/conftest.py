@@ -256,6 +256,33 @@ def ray_cli(shoal: ShoalUp, *args: str) -> str:
     return done.stdout
 
 
+RUNNER_NODE = """
+import sys, ray
+from shoal.workers.actors import HEAD_RESOURCE, find_runner
+ray.init(log_to_driver=False, logging_level="ERROR")
+runner = find_runner(sys.argv[1])
+where = runner.__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id())
+heads = [n["NodeID"] for n in ray.nodes() if n["Alive"] and HEAD_RESOURCE in n["Resources"]]
+print(ray.get(where, timeout=60), *heads)
+"""
+
+
+def runner_and_head_nodes(shoal: ShoalUp, job_id: str) -> tuple[str, str]:
+    """The node a job's runner actor lives on and the cluster's head node, asked of Ray by
+    a driver of its own."""
+    done = subprocess.run(
+        [sys.executable, "-c", RUNNER_NODE, job_id],
+        capture_output=True,
+        text=True,
+        env=ray_env(shoal),
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, f"asking Ray for the runner's node: {done.stdout}{done.stderr}"
+    runner, head = done.stdout.split()
+    return runner, head
+
+
 @contextlib.contextmanager
 def joined_node(shoal: ShoalUp, group: str, log_path: Path) -> Iterator[subprocess.Popen[bytes]]:
     """``shoal node GROUP``: a node declaring the device group ``group`` joins ``shoal``'s

@@ -21,7 +21,14 @@ import pytest
 
 from shoal.workers.reference import train_reference
 from shoal.workers.snapshot import DataRef, ModelRef, OptimizerConf
-from tests.integration.conftest import ShoalUp, joined_node, ray_cli, ray_env, wait_until
+from tests.integration.conftest import (
+    ShoalUp,
+    joined_node,
+    ray_cli,
+    ray_env,
+    runner_and_head_nodes,
+    wait_until,
+)
 from tests.integration.test_shoal_up import Api, admin_token, curl_submit
 
 pytestmark = pytest.mark.integration
@@ -164,6 +171,8 @@ def test_a_node_killed_mid_run_is_recovered_in_place_and_the_losses_stay_exact(
     }
     job_id = curl_submit(shoal, token, spec, tmp_path)["id"]
     api.wait_state(job_id, lambda j: j["step"] >= 10, "ten steps")
+    runner, head = runner_and_head_nodes(shoal, job_id)
+    assert runner == head, "the runner is not on the head node, which stays"
     stop_node(shoal, "cpu-b", graceful=False)
     job = api.wait_state(job_id, lambda j: j["state"] == "SUCCEEDED", "the job to succeed")
 
