@@ -242,18 +242,19 @@ def ray_env(shoal: ShoalUp) -> dict[str, str]:
     return {**os.environ, **HEALTH_CHECKS, **LocalRay.read_env(shoal.home / RAY_ENV)}
 
 
+def on_cluster(shoal: ShoalUp, command: list[str], what: str, timeout: float = 60.0) -> str:
+    """Run ``command`` (``what`` it does, for a failure's message) with the environment
+    that reaches ``shoal``'s cluster; its stdout."""
+    done = subprocess.run(
+        command, capture_output=True, text=True, env=ray_env(shoal), timeout=timeout, check=False
+    )
+    assert done.returncode == 0, f"{what}: {done.stdout}{done.stderr}"
+    return done.stdout
+
+
 def ray_cli(shoal: ShoalUp, *args: str) -> str:
     """Run Ray's own ``ray`` command against ``shoal``'s cluster; its stdout."""
-    done = subprocess.run(
-        [str(SHOAL.parent / "ray"), *args],
-        capture_output=True,
-        text=True,
-        env=ray_env(shoal),
-        timeout=60,
-        check=False,
-    )
-    assert done.returncode == 0, f"ray {' '.join(args)}: {done.stdout}{done.stderr}"
-    return done.stdout
+    return on_cluster(shoal, [str(SHOAL.parent / "ray"), *args], f"ray {' '.join(args)}")
 
 
 RUNNER_NODE = """
@@ -270,16 +271,8 @@ print(ray.get(where, timeout=60), *heads)
 def runner_and_head_nodes(shoal: ShoalUp, job_id: str) -> tuple[str, str]:
     """The node a job's runner actor lives on and the cluster's head node, asked of Ray by
     a driver of its own."""
-    done = subprocess.run(
-        [sys.executable, "-c", RUNNER_NODE, job_id],
-        capture_output=True,
-        text=True,
-        env=ray_env(shoal),
-        timeout=120,
-        check=False,
-    )
-    assert done.returncode == 0, f"asking Ray for the runner's node: {done.stdout}{done.stderr}"
-    runner, head = done.stdout.split()
+    command = [sys.executable, "-c", RUNNER_NODE, job_id]
+    runner, head = on_cluster(shoal, command, "asking Ray for the runner's node", 120.0).split()
     return runner, head
 
 
