@@ -301,10 +301,10 @@ class Trainer:
     def _recover(
         self, group: WorkerGroup, layout: Layout, cause: StageLost, step: int, copies: Copies
     ) -> tuple[Layout, int]:
-        """A worker was lost once ``step`` was trained (the last recorded: the loss may come
-        in the next step or in its boundary's work, a relayout's say): re-form the job from
-        the survivors' in-memory copies (``workers.pipeline.recovery``); the layout and the
-        step to run next, where the run stands again."""
+        """A worker was lost once ``step``, the last step recorded, was trained (during the
+        next step, or in the work at the boundary after ``step``: a relayout's move, say):
+        re-form the job from the survivors' in-memory copies (``workers.pipeline.recovery``);
+        the layout and the step to run next, where the run stands again."""
         most = copies.most_replayed(step)
         copies.drop()
         if isinstance(cause, DeviceSetAside):
