@@ -7,7 +7,7 @@ the training time; the interval is the smallest k that keeps this within the job
 (``elastic.copy_budget``), at most ``LONGEST_INTERVAL``. A lost device replays at most k
 steps: the steps since the last copy, or, while that copy is still on its way to the
 buddy, the steps since the one before (``most_replayed``: more than k when the interval
-has just shrunk).
+has just shrunk, or while a copy takes longer than the steps after it).
 """
 
 from __future__ import annotations
@@ -43,14 +43,15 @@ def copy_interval(
     return max(1, min(longest, math.ceil(copy_s / (budget * step_s) - 1e-9)))
 
 
-def most_replayed(interval: int, taken: int | None, before: int | None) -> int:
-    """The most steps a lost device replays with copies every ``interval`` steps, the latest
-    taken after ``taken`` steps and the one before after ``before``: the interval, or, while
-    the latest may still be on its way, the steps since the one before (more than the
-    interval just after the interval shrank). Where no copy was taken before, the interval."""
-    if taken is None or before is None:
+def most_replayed(interval: int, step: int, before: int | None) -> int:
+    """The most steps a device lost after ``step`` steps (recorded) replays with copies
+    every ``interval`` steps: the interval, or, while the latest copy may still be on its
+    way, the steps since the one before, taken after ``before`` steps (more than the
+    interval just after the interval shrank, or while a copy takes longer than the steps
+    after it). ``before`` None: no copy is on its way, or none was taken before it."""
+    if before is None:
         return interval
-    return max(interval, taken - before)
+    return max(interval, step - before)
 
 
 @dataclass

@@ -113,10 +113,9 @@ class Recovering:
                 model.done, model.ledger = at, closing
                 self._pick_up(pool, model, closing, saved[1], gone)
                 return
-        taken, before = model.saved[0] if model.saved else None, None
-        if model.copying is not None:  # on its way: the loss may have cut it short
-            taken, before = model.copying.step, taken
-        bound = most_replayed(model.cadence.interval, taken, before)
+        # A copy on its way: the loss may have cut it short, back to the one before.
+        before = model.saved[0] if model.saved and model.copying is not None else None
+        bound = most_replayed(model.cadence.interval, model.step, before)
         reason, model.lost, model.copying = model.lost, None, None
         copy: tuple[int, dict[int, Any] | None] | None = model.saved
         if copy is None and model.done == model.placed:  # nothing trained since placement

@@ -354,8 +354,11 @@ class SharpTrainer(Admitting):
         ledger, model.ledger = model.ledger, None
         taken = None if ledger is None else ledger.copy(model.plan)
         again = ledger is not None and ledger.reopened  # recorded before a loss cut its copy
-        if snap.keep_copies and not again:
-            model.cadence.observe_step(model.step_compute_s)
+        if not again:  # recorded before its copy or gather: a loss there replays it
+            if snap.keep_copies:
+                model.cadence.observe_step(model.step_compute_s)
+            speed = snap.batch_size / elapsed if elapsed > 0 else 0.0
+            model.record(StepMetrics(step, float(sum(model.losses)), speed, elapsed, ()))
         blocks: dict[int, Any] = {}
         later = False  # its checkpoint is written once its hosts' copy is in (``_copied``)
         if taken is not None:  # its tasks took the copy: the checkpoint's states too
@@ -381,9 +384,6 @@ class SharpTrainer(Admitting):
         elif copy_due:
             calls = model.start_copy(pool, step, self._timeout)
             self._copy_calls.update(dict.fromkeys(calls, model))
-        if not again:
-            speed = snap.batch_size / elapsed if elapsed > 0 else 0.0
-            model.record(StepMetrics(step, float(sum(model.losses)), speed, elapsed, ()))
         if taken is not None and ledger is not None:
             model.keep_copy(step, taken, ledger.seconds)
         if leave:

@@ -804,18 +804,20 @@ def test_a_lost_input_or_a_device_lost_while_placing_is_survived_exactly(
 
 @pytest.mark.unit
 @pytest.mark.parametrize(
-    ("pool", "step", "resumed"), [(CopyLosingPool, 2, 1), (LastCopyLosingPool, 4, 3)]
+    ("pool", "every", "step", "resumed"),
+    [(CopyLosingPool, 0, 2, 1), (LastCopyLosingPool, 0, 4, 3), (CopyLosingPool, 2, 2, 1)],
 )
 def test_a_device_lost_while_a_step_is_copied_rolls_back_to_the_copy_before(
-    tmp_path: Path, pool: type[CopyLosingPool], step: int, resumed: int
+    tmp_path: Path, pool: type[CopyLosingPool], every: int, step: int, resumed: int
 ) -> None:
-    """A device lost while the hosts copy step 2 (the dispatch went on): the model rolls
-    back to the copy of step 1 and replays step 2, with the same loss. Lost in the last
+    """A device lost while the hosts copy step 2 (the dispatch went on), or gather it for
+    its checkpoint (``every`` 2: the dispatch waits): the model rolls back to the copy of
+    step 1 and replays step 2, with the same loss, the event counting it. Lost in the last
     step's checkpoint (taken as a copy is, the step reported first): it rolls back to the
     copy of step 3, replays step 4 and ends with that checkpoint. (Copies may cost the
     whole step here: one at every boundary; taken at the boundaries, not by the tasks:
     ``test_ledger`` has those.)"""
-    snap = model(tmp_path, "a", steps=4, keep_copies=True, copy_budget=1.0)
+    snap = model(tmp_path, "a", steps=4, keep_copies=True, copy_budget=1.0, checkpoint_every=every)
     trainer = train([snap], pool, budget_for_shards(snap, 3), task_copies=False)
     report = trainer.report("a", 0)
     assert report.status is RunStatus.SUCCEEDED, report.error
@@ -829,6 +831,60 @@ def test_a_device_lost_while_a_step_is_copied_rolls_back_to_the_copy_before(
         "most_replayed": 1,
     }
     assert [m.step for m in report.metrics] == [*range(1, step + 1), *range(resumed + 1, 5)]
+    latest = {m.step: m.loss for m in report.metrics}
+    assert_alone(snap, [latest[s] for s in range(1, 5)])
+
+
+class LaggingCopyPool(LocalPool):
+    """A LocalPool whose device where the model placed lives holds its part of the copy
+    after step 1 back until step 3's first task is queued, and is lost then with it: step
+    2 ended while that copy was on its way (so its own was not taken)."""
+
+    def __init__(self, devices: Any, budgets: Any) -> None:
+        super().__init__(devices, budgets)
+        self.held: list[Future[Any]] = []
+        self.steps_begun = 0
+        self.gone = False
+
+    def submit(self, host: int, method: str, *args: Any) -> Any:
+        target = placed_first(self, host, method)
+        if method == "forward" and args[0][1] == 0:
+            self.steps_begun += 1
+            if self.steps_begun == 3 and target is not None:
+                self.gone = True
+                for held in self.held:
+                    held.set_exception(HostLost(self.devices[target].id, "preempted"))
+        if self.gone and host == target:
+            return lost_call(self, host, method)
+        return super().submit(host, method, *args)
+
+    def submit_after(self, host: int, after: Any, method: str, *args: Any) -> Any:
+        if host == placed_first(self, host, method) and method == "copied" and args[1] == 2:
+            self.held.append(Future())  # copy 2 of a shard there: the one after step 1
+            return _Local(host, method, self.held[-1])
+        return super().submit_after(host, after, method, *args)
+
+
+@pytest.mark.unit
+def test_a_copy_on_its_way_past_the_next_step_bounds_a_loss_by_the_steps_since_the_one_before(
+    tmp_path: Path,
+) -> None:
+    """The copy after step 1 is still on its way when step 2 ends (copies every step): a
+    device lost then, with its part of that copy, rolls the model back to the copy made at
+    placement, and the event's bound says so (2 steps, past the interval of 1)."""
+    snap = model(tmp_path, "a", steps=4, keep_copies=True, copy_budget=1.0)
+    trainer = train([snap], LaggingCopyPool, budget_for_shards(snap, 3), task_copies=False)
+    report = trainer.report("a", 0)
+    (lost,) = [e for e in report.events if e.kind == "device_lost"]
+    assert lost.data == {
+        "devices": trainer.lost_devices(),
+        "step": 2,
+        "resume_step": 0,
+        "steps_replayed": 2,
+        "copy_interval": 1,
+        "most_replayed": 2,
+    }
+    assert [m.step for m in report.metrics] == [1, 2, 1, 2, 3, 4]
     latest = {m.step: m.loss for m in report.metrics}
     assert_alone(snap, [latest[s] for s in range(1, 5)])
 
