@@ -68,6 +68,9 @@ from shoal.workers.snapshot import StagePlan
 CANNOT_HOST = "its node is gone or cannot host it"
 """Why a stage is lost when Ray cannot place its worker or lost an object with its node."""
 
+LATE_CHECK_S = 2.0
+"""How long a regroup whose workers timed out gives each new one to say it is built."""
+
 NEW_NODE_S = 10.0
 """How long a worker Ray refuses a place on its node is started again (``RayGroup``)."""
 
@@ -209,20 +212,34 @@ class RayGroup:
                 del self._prepared[device_id]
 
     def regroup(self, plans: Sequence[StagePlan], keep: Mapping[int, int]) -> None:
-        old = self._actors
+        old, parked, was = self._actors, list(self._parked), self._plans
         self._parked += [a for i, a in enumerate(old) if i not in set(keep.values())]
         self._plans = list(plans)
         started = {w: p for w, p in enumerate(plans) if w not in keep}
         try:
             self._start_ready(started, {w: old[i] for w, i in keep.items()})
-        except GroupTimeout:
-            raise GroupTimeout(
-                f"new stage workers did not start within {self._start_timeout_s:g} s on"
-                f" devices {[plans[w].device.id for w in started]}"
-            ) from None
+        except (GroupTimeout, StageLost) as exc:
+            # The group is as it was (the new workers stopped), so that a recovery asks the
+            # workers it had; a new worker not started in time is its device's loss.
+            formed = self._actors is not old  # else no new worker was started
+            late = self._late(started) if formed and isinstance(exc, GroupTimeout) else []
+            for w in started if formed else ():
+                launch.kill_worker(self._actors[w])
+            self._actors, self._parked, self._plans = old, parked, was
+            if late:
+                plan = plans[late[0]]
+                reason = f"its worker did not start within {self._start_timeout_s:g} s"
+                raise StageLost(plan.index, plan.device.id, reason) from None
+            raise
         finally:
             self._drop_prepared()  # workers prepared for other plans free their devices
         self._form_collectives(self._start_timeout_s)
+
+    def _late(self, started: Mapping[int, StagePlan]) -> list[int]:
+        """The ``started`` workers (by position) not built yet: each answers at once if it is."""
+        calls = {w: own(self.submit(w, "nbytes"), _Ref).ref for w in started}
+        ready, _ = ray.wait(list(calls.values()), num_returns=len(calls), timeout=LATE_CHECK_S)
+        return [w for w, ref in calls.items() if ref not in ready]
 
     def connect(self) -> str | None:
         pairs = _neighbours(self._plans)

@@ -86,7 +86,10 @@ class WorkerGroup(Protocol):
         """Become the group of ``plans``: position ``new`` is the old worker ``keep[new]``
         where given, a new worker (blocks freshly built, to be loaded) otherwise: one
         ``prepare``d for its plan, or started now. Old workers not kept stay alive, answering
-        what was submitted to them, until ``retire``."""
+        what was submitted to them, until ``retire``. Where the workers are not all built,
+        the group stays as it was (the new ones stopped) and raises ``StageLost`` for a new
+        one that could not start or was not built in time (its device's loss), else what
+        stopped them (a kept worker lost, ``GroupTimeout``)."""
         ...
 
     def retire(self) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from itertools import pairwise
 from pathlib import Path
@@ -547,26 +547,65 @@ def test_the_policy_is_asked_once_per_window_and_the_runner_knows_when() -> None
     assert until_in_flight == [2, 1, 3, 2, 1, 3, 2]
 
 
+class Hasty(Patient):
+    """A Patient group whose new workers must start within 3 s (its first ones, 300 s)."""
+
+    def __init__(self, plans: Sequence[StagePlan], setup: Any) -> None:
+        super().__init__(plans, setup)
+        self._start_timeout_s = 3.0
+
+
+class Holder:
+    """An actor that only holds the resources it was given."""
+
+
+@pytest.fixture
+def three_devices_free(ray_address: str) -> Iterator[None]:
+    """Every virtual device of the shared Ray but three held by an actor of the test's own:
+    a fourth stage worker waits for one."""
+    import ray
+
+    from shoal.scheduler.devices import DEVICE_RESOURCE
+
+    total = ray.cluster_resources()[DEVICE_RESOURCE]
+    deadline = time.monotonic() + 60  # the workers of the tests before may still be ending
+    while ray.available_resources().get(DEVICE_RESOURCE, 0.0) < total:
+        assert time.monotonic() < deadline, f"devices still taken: {ray.available_resources()}"
+        time.sleep(0.2)
+    held = total - 3
+    holder = ray.remote(Holder).options(num_cpus=0, resources={DEVICE_RESOURCE: held}).remote()
+    ray.get(holder.__ray_ready__.remote(), timeout=60)
+    yield
+    ray.kill(holder)
+
+
 @pytest.mark.integration
+@pytest.mark.parametrize("late", [False, True], ids=["refused", "late"])
 def test_a_relayout_whose_new_worker_cannot_start_reports_its_device_lost(
-    ray_address: str, tmp_path: Path
+    ray_address: str, request: pytest.FixtureRequest, tmp_path: Path, late: bool
 ) -> None:
     """A relayout onto a device whose worker cannot start (its node is gone: Ray refuses to
-    place the worker) is reported as that device's loss once the step before it was
-    trained, and the job trains on, exactly, on the devices it had."""
+    place the worker; or it is not granted its device within the start timeout, every
+    other device of the node taken) is reported as that device's loss once the step before
+    it was trained, and the job trains on, exactly, on the devices it had."""
     import ray
 
     node = ray.get_runtime_context().get_node_id()
     snap = two_stages_here(tmp_path, node, keep_copies=True, copy_budget=1.0)
     *wanted, last = dp_plans([(0, 1), (1, 4)], 2, node)
-    gone = replace(last, device=replace(last.device, id="gone-cpu-3", node_id="ab" * 28))
-    trainer = Trainer(snap, Patient)
-    trainer.relayout((*wanted, gone), (2, 2))
+    if late:
+        request.getfixturevalue("three_devices_free")
+    else:
+        last = replace(last, device=replace(last.device, id="gone-cpu-3", node_id="ab" * 28))
+    trainer = Trainer(snap, Hasty if late else Patient)
+    trainer.relayout((*wanted, last), (2, 2))
     assert trainer.run() is RunStatus.SUCCEEDED, trainer.report(0).error
     report = trainer.report(0)
     events = [(e.kind, e.data) for e in report.events]
     (lost,) = [data for kind, data in events if kind == "device_lost"]
-    assert lost["devices"] == ["gone-cpu-3"], events
+    assert lost["devices"] == [last.device.id], events
+    (message,) = [e.message for e in report.events if e.kind == "device_lost"]
+    assert ("did not start within 3 s" if late else "cannot host it") in message, message
     assert not [kind for kind, _ in events if kind == "relayout"], events
     # Step 1 was trained before the move failed, and is trained again: the event says so.
     steps = [m.step for m in report.metrics]
