@@ -160,13 +160,18 @@ class RayGroup:
         until every worker is built. A worker refused a place on its node is started again
         for up to ``NEW_NODE_S`` while its node is alive: a node that has just joined is in
         Ray's cluster table, where devices are found, a moment before every node's
-        scheduler knows it."""
-        deadline = time.monotonic() + NEW_NODE_S
+        scheduler knows it. The wait is what is left of the start timeout of the youngest
+        new worker (one ``prepare``d long ago has had most of it: a move does not stall the
+        job a whole timeout again for it), ``LATE_CHECK_S`` at least."""
+        now = time.monotonic()
+        deadline = now + NEW_NODE_S
         started = {w: self._take_prepared(p) for w, p in plans.items()}
-        self._actors = [kept[w] if w in kept else started[w] for w in range(len(self._plans))]
+        self._actors = [kept[w] if w in kept else started[w][0] for w in range(len(self._plans))]
+        youngest = max((since for _, since in started.values()), default=now)
+        wait = max(LATE_CHECK_S, self._start_timeout_s - (now - youngest))
         while True:
             try:
-                wait_ready(self, self._plans, self._start_timeout_s)
+                wait_ready(self, self._plans, wait)
                 return
             except StageLost as exc:
                 refused = [w for w, p in plans.items() if p.device.id == exc.device_id]
@@ -181,15 +186,16 @@ class RayGroup:
             for w in refused:
                 launch.kill_worker(self._actors[w])
                 self._actors[w] = launch.start_stage_worker(plans[w], self._setup)
+            wait = max(wait, self._start_timeout_s)  # started again now
 
-    def _take_prepared(self, plan: StagePlan) -> ActorHandle[Any]:
-        """The worker ``prepare`` started for ``plan``, else one started now."""
+    def _take_prepared(self, plan: StagePlan) -> tuple[ActorHandle[Any], float]:
+        """The worker ``prepare`` started for ``plan``, else one started now; and when."""
         prepared = self._prepared.pop(plan.device.id, None)
         if prepared is not None and prepared.plan == plan:
-            return prepared.actor
+            return prepared.actor, prepared.since
         if prepared is not None:
             launch.kill_worker(prepared.actor)
-        return launch.start_stage_worker(plan, self._setup)
+        return launch.start_stage_worker(plan, self._setup), time.monotonic()
 
     def prepare(self, plans: Sequence[StagePlan]) -> bool:
         have = {p.device.id for p in self._plans}

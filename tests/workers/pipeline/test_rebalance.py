@@ -26,6 +26,7 @@ from shoal.scheduler.elastic import (
 )
 from shoal.scheduler.profile import uniform_costs
 from shoal.scheduler.types import BlockRange
+from shoal.workers.pipeline import group as group_module
 from shoal.workers.pipeline.group import RayGroup
 from shoal.workers.pipeline.local_group import LocalGroup
 from shoal.workers.pipeline.rebalance import Layout, Rebalancer, snapshot_policy
@@ -582,7 +583,11 @@ def three_devices_free(ray_address: str) -> Iterator[None]:
 @pytest.mark.integration
 @pytest.mark.parametrize("late", [False, True], ids=["refused", "late"])
 def test_a_relayout_whose_new_worker_cannot_start_reports_its_device_lost(
-    ray_address: str, request: pytest.FixtureRequest, tmp_path: Path, late: bool
+    ray_address: str,
+    request: pytest.FixtureRequest,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    late: bool,
 ) -> None:
     """A relayout onto a device whose worker cannot start (its node is gone: Ray refuses to
     place the worker; or it is not granted its device within the start timeout, every
@@ -593,8 +598,15 @@ def test_a_relayout_whose_new_worker_cannot_start_reports_its_device_lost(
     node = ray.get_runtime_context().get_node_id()
     snap = two_stages_here(tmp_path, node, keep_copies=True, copy_budget=1.0)
     *wanted, last = dp_plans([(0, 1), (1, 4)], 2, node)
+    waits: list[float] = []  # how long each start of workers waited for them to be built
     if late:
         request.getfixturevalue("three_devices_free")
+        waited = group_module.wait_ready
+        monkeypatch.setattr(
+            group_module,
+            "wait_ready",
+            lambda group, plans, timeout: waits.append(timeout) or waited(group, plans, timeout),
+        )
     else:
         last = replace(last, device=replace(last.device, id="gone-cpu-3", node_id="ab" * 28))
     trainer = Trainer(snap, Hasty if late else Patient)
@@ -606,6 +618,10 @@ def test_a_relayout_whose_new_worker_cannot_start_reports_its_device_lost(
     assert lost["devices"] == [last.device.id], events
     (message,) = [e.message for e in report.events if e.kind == "device_lost"]
     assert ("did not start within 3 s" if late else "cannot host it") in message, message
+    # The move (the second wait: the first is the job's start, the last its recovery's)
+    # waited only what was left of the start timeout of the worker prepared for it (none:
+    # a moment), not the whole timeout again.
+    assert not late or waits[1] == group_module.LATE_CHECK_S < 3, waits
     assert not [kind for kind, _ in events if kind == "relayout"], events
     # Step 1 was trained before the move failed, and is trained again: the event says so.
     steps = [m.step for m in report.metrics]
