@@ -7,7 +7,8 @@ the training time; the interval is the smallest k that keeps this within the job
 (``elastic.copy_budget``), at most ``LONGEST_INTERVAL``. A lost device replays at most k
 steps: the steps since the last copy, or, while that copy is still on its way to the
 buddy, the steps since the one before (``most_replayed``: more than k when the interval
-has just shrunk, or while a copy takes longer than the steps after it).
+has just shrunk, while a copy takes longer than the steps after it, or after a copy was
+not made).
 """
 
 from __future__ import annotations
@@ -43,15 +44,15 @@ def copy_interval(
     return max(1, min(longest, math.ceil(copy_s / (budget * step_s) - 1e-9)))
 
 
-def most_replayed(interval: int, step: int, before: int | None) -> int:
+def most_replayed(interval: int, step: int, kept: int | None) -> int:
     """The most steps a device lost after ``step`` steps (recorded) replays with copies
-    every ``interval`` steps: the interval, or, while the latest copy may still be on its
-    way, the steps since the one before, taken after ``before`` steps (more than the
-    interval just after the interval shrank, or while a copy takes longer than the steps
-    after it). ``before`` None: no copy is on its way, or none was taken before it."""
-    if before is None:
+    every ``interval`` steps, the latest copy confirmed whole taken after ``kept`` steps:
+    the interval, or the steps since that copy where more (a later one on its way, which the
+    loss may cut short; one not made; the interval just shrunk). ``kept`` None: none is
+    kept yet (a job placed anew replays nothing; else it resumes from its checkpoint)."""
+    if kept is None:
         return interval
-    return max(interval, step - before)
+    return max(interval, step - kept)
 
 
 @dataclass

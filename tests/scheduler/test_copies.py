@@ -64,17 +64,17 @@ def test_a_copy_is_due_an_interval_after_the_last() -> None:
     assert [cadence.steps_to_next(4, s) for s in (4, 5, 6, 7, 9)] == [3, 2, 1, 0, 0]
 
 
-def test_a_loss_replays_at_most_the_interval_or_the_steps_since_the_copy_before() -> None:
-    assert most_replayed(4, step=9, before=None) == 4  # no copy on its way, or the first
-    assert most_replayed(4, step=13, before=8) == 5  # the copy of 12 on its way, one step on
-    assert most_replayed(4, step=12, before=8) == 4
+def test_a_loss_replays_at_most_the_interval_or_the_steps_since_the_copy_kept() -> None:
+    assert most_replayed(4, step=9, kept=None) == 4  # none kept yet
+    assert most_replayed(4, step=10, kept=8) == 4
+    assert most_replayed(4, step=13, kept=8) == 5  # the copy of 12 on its way, one step on
     # The interval shrank to 2 at the copy of step 20, taken 10 steps after the one before:
     # lost while that copy is on its way, the job goes back to step 10.
-    assert most_replayed(2, step=20, before=10) == 10
-    # A copy of step 1 still on its way after step 3: lost then, back to step 0.
-    assert most_replayed(1, step=3, before=0) == 3
+    assert most_replayed(2, step=20, kept=10) == 10
+    # The copies after steps 1 and 2 were not made: lost after step 3, back to step 0.
+    assert most_replayed(1, step=3, kept=0) == 3
     # A recovery copies the step it went back to, before the last copy's step.
-    assert most_replayed(2, step=5, before=9) == 2
+    assert most_replayed(2, step=5, kept=9) == 2
 
 
 @pytest.mark.unit

@@ -113,9 +113,10 @@ class Recovering:
                 model.done, model.ledger = at, closing
                 self._pick_up(pool, model, closing, saved[1], gone)
                 return
-        # A copy on its way: the loss may have cut it short, back to the one before.
-        before = model.saved[0] if model.saved and model.copying is not None else None
-        bound = most_replayed(model.cadence.interval, model.step, before)
+        # Back to the copy kept: a later one on its way may have been cut short by the
+        # loss, or a later one dropped (``ModelRun.drop_copy``).
+        kept = model.saved[0] if model.saved else None
+        bound = most_replayed(model.cadence.interval, model.step, kept)
         reason, model.lost, model.copying = model.lost, None, None
         copy: tuple[int, dict[int, Any] | None] | None = model.saved
         if copy is None and model.done == model.placed:  # nothing trained since placement

@@ -19,11 +19,13 @@ from shoal.workers.sharp.shard_pool import LocalPool, _Local
 from shoal.workers.sharp.shard_worker import ShardFailed
 from shoal.workers.snapshot import RunStatus
 from tests.workers.sharp.test_sharp_runner import (
+    StepThreeLosingPool,
     assert_alone,
     budget_for_shards,
     devices,
     failed_call,
     model,
+    placed_first,
     train,
 )
 
@@ -146,6 +148,42 @@ def test_a_last_checkpoint_not_made_fails_its_model_only(tmp_path: Path) -> None
     assert [m.step for m in failed.metrics] == [1, 2, 3, 4]
     assert not [e for e in failed.events if e.kind == "checkpoint"]
     assert_alone(fine, [m.loss for m in trainer.report("b", 0).metrics])
+
+
+class DroppingCopyPool(StepThreeLosingPool):
+    """A StepThreeLosingPool whose device fails to make its parts of the copies after steps
+    1 and 2 (both dropped) before it is lost."""
+
+    def submit_after(self, host: int, after: Any, method: str, *args: Any) -> Any:
+        if host == placed_first(self, host, method) and method == "copied" and args[1] in (2, 3):
+            error = ShardFailed(self.devices[host].id, "copy", "RuntimeError: it did not run")
+            return failed_call(host, method, error)
+        return super().submit_after(host, after, method, *args)
+
+
+@pytest.mark.unit
+def test_a_loss_after_dropped_copies_replays_the_steps_since_the_copy_kept_as_its_event_says(
+    tmp_path: Path,
+) -> None:
+    """The copies after steps 1 and 2 were not made (copies every step): a device lost in
+    step 3 rolls the model back to the copy made at placement, 2 steps, and its event's
+    bound says 2, past the interval of 1; the math stays that of the model alone."""
+    snap = model(tmp_path, "a", steps=4, keep_copies=True, copy_budget=1.0)
+    trainer = train([snap], DroppingCopyPool, budget_for_shards(snap, 3), task_copies=False)
+    report = trainer.report("a", 0)
+    dropped = [e.data["kept_step"] for e in report.events if e.kind == "copy_dropped"]
+    assert dropped == [0, 0], report.events
+    (lost,) = [e for e in report.events if e.kind == "device_lost"]
+    assert lost.data == {
+        "devices": trainer.lost_devices(),
+        "step": 2,
+        "resume_step": 0,
+        "steps_replayed": 2,
+        "copy_interval": 1,
+        "most_replayed": 2,
+    }
+    latest = {m.step: m.loss for m in report.metrics}
+    assert_alone(snap, [latest[s] for s in range(1, 5)])
 
 
 @pytest.mark.unit

@@ -835,10 +835,9 @@ def test_a_device_lost_while_a_step_is_copied_rolls_back_to_the_copy_before(
     assert_alone(snap, [latest[s] for s in range(1, 5)])
 
 
-class LaggingCopyPool(LocalPool):
-    """A LocalPool whose device where the model placed lives holds its part of the copy
-    after step 1 back until step 3's first task is queued, and is lost then with it: step
-    2 ended while that copy was on its way (so its own was not taken)."""
+class StepThreeLosingPool(LocalPool):
+    """A LocalPool whose device where the model placed lives is lost as step 3's first
+    task is queued, with the calls there still ``held`` back."""
 
     def __init__(self, devices: Any, budgets: Any) -> None:
         super().__init__(devices, budgets)
@@ -857,6 +856,12 @@ class LaggingCopyPool(LocalPool):
         if self.gone and host == target:
             return lost_call(self, host, method)
         return super().submit(host, method, *args)
+
+
+class LaggingCopyPool(StepThreeLosingPool):
+    """A StepThreeLosingPool whose device holds its part of the copy after step 1 back
+    until it is lost: step 2 ended while that copy was on its way (so its own was not
+    taken)."""
 
     def submit_after(self, host: int, after: Any, method: str, *args: Any) -> Any:
         if host == placed_first(self, host, method) and method == "copied" and args[1] == 2:
