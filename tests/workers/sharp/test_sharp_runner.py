@@ -173,14 +173,20 @@ class QueueWatchingPool(LocalPool):
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize("copied", [False, True], ids=["plain", "task-copied"])
 def test_each_device_has_its_next_run_of_tasks_queued_behind_the_one_it_runs(
-    tmp_path: Path,
+    tmp_path: Path, copied: bool
 ) -> None:
     """A device is given its next call while it runs one (never more than the two), so it
     goes on without waiting for the executor; a call is a run of a model's tasks whose
-    shards live there, up to its step's end (one call's cost, not one per task); the math
-    stays that of each model alone."""
-    snaps = [model(tmp_path, "a", steps=3), model(tmp_path, "b", seed=9, steps=3)]
+    shards live there, up to its step's end (one call's cost, not one per task), but a
+    call per task where the tasks copy the step off (copies every step: each task's record
+    must come back as it ends); the math stays that of each model alone."""
+    copies = {"keep_copies": True, "copy_budget": 1.0} if copied else {}
+    snaps = [
+        model(tmp_path, "a", steps=3, **copies),
+        model(tmp_path, "b", seed=9, steps=3, **copies),
+    ]
     pools: list[QueueWatchingPool] = []
 
     def watched(devs: Any, budgets: Any) -> QueueWatchingPool:
@@ -199,9 +205,15 @@ def test_each_device_has_its_next_run_of_tasks_queued_behind_the_one_it_runs(
         for e in trainer.report(s.job_id, 0).events
         if e.kind == "placement"
     ]
-    # A model's shards all live on the device: a run is a step.
-    assert sorted(set(pool.lengths)) == sorted({2 * k for k in shards}), (pool.lengths, shards)
-    assert len(pool.lengths) == 3 * len(snaps)  # one call per step and model
+    if copied:
+        assert set(pool.lengths) == {1}, pool.lengths
+        assert len(pool.lengths) == 3 * sum(2 * k for k in shards)  # one per task
+    else:  # a model's shards all live on the device: a run is a step
+        assert sorted(set(pool.lengths)) == sorted({2 * k for k in shards}), (
+            pool.lengths,
+            shards,
+        )
+        assert len(pool.lengths) == 3 * len(snaps)  # one call per step and model
     for snap in snaps:
         assert_alone(snap, [m.loss for m in trainer.report(snap.job_id, 0).metrics])
 
