@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -18,6 +19,7 @@ from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session
 
 from shoal.scheduler.devices import DEVICE_RESOURCE, Device, NodeInfo
+from shoal.service import sweeper as sweeper_module
 from shoal.service.auth import Principal
 from shoal.service.cluster import InProcessCluster
 from shoal.service.controller import Controller
@@ -34,7 +36,7 @@ from shoal.service.db.models import (
 from shoal.service.db.session import SessionFactory, transaction
 from shoal.service.jobs import restart_job
 from shoal.service.sweeps import list_trials, request_cancel, submit_sweep, trial_state
-from shoal.service.sweepspec import validate_sweep_spec
+from shoal.service.sweepspec import SweepSpec, validate_sweep_spec
 from shoal.workers.reference import train_reference
 from shoal.workers.sharp.shard_pool import HostLost, LocalPool, _Local
 from shoal.workers.sharp.shard_worker import ShardFailed
@@ -533,3 +535,38 @@ def test_a_device_a_sweep_set_aside_is_drained_saying_why_and_the_sweep_goes_on_
     ((device_id, reason),) = drained
     assert reason is not None and reason.startswith(f"device {device_id} was set aside"), reason
     assert "measure_speed: CUDA error: launch" in reason
+
+
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+def test_a_sweep_avoids_the_node_of_devices_it_lost_for_suspect_s_then_places_there_again(
+    session_factory: SessionFactory,
+    alice: Principal,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """For ``SUSPECT_S`` after a loss on a node (Ray lists a SIGKILLed node until its health
+    checks fail) the sweep's placements leave that node's devices out: with one device
+    elsewhere the sweep of two waits; after it, the node's devices are placeable again."""
+    controller = make_controller(session_factory, TwoNodes(), tmp_path)
+    sweep_id, _ = long_sweep(session_factory, alice)
+    suspect, other = "a" * 56, "b" * 56
+    devices = [Device(f"a-cpu-{i}", suspect, i, "cpu", 2048, False) for i in range(2)]
+    devices.append(Device("b-cpu-0", other, 0, "cpu", 2048, False))
+    now = [1000.0]
+    monkeypatch.setattr(sweeper_module, "time", SimpleNamespace(monotonic=lambda: now[0]))
+    sweeper = controller._sweeper
+    sweeper._suspected(sweep_id, {suspect})
+
+    def placed() -> list[Device] | None:
+        with session_factory() as session:
+            sweep = session.get(Sweep, sweep_id)
+            assert sweep is not None
+            spec = SweepSpec.model_validate(sweep.spec)
+            return sweeper._placement(session, sweep, spec, devices)
+
+    now[0] += sweeper_module.SUSPECT_S - 1
+    assert placed() is None
+    now[0] += 2
+    chosen = placed()
+    assert chosen is not None and len(chosen) == 2
+    assert {d.node_id for d in chosen} >= {suspect}, chosen
