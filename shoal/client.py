@@ -3,6 +3,7 @@ REST client the CLI uses (``service.client.ShoalClient``: its errors, its retrie
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -31,6 +32,8 @@ class Client(Closing):
             settings = Settings()
         except ValueError as exc:  # a SHOAL_* variable that does not parse
             raise ValueError(f"invalid SHOAL_* setting: {exc}") from None
+        url = url if url is not None else os.environ.get("SHOAL_URL") or None
+        token = token if token is not None else os.environ.get("SHOAL_TOKEN") or None
         config = resolve_config(url, token, settings)
         self.rest = ShoalClient(config.url, config.token)
         """The REST client underneath: one method per endpoint, answers as JSON objects."""

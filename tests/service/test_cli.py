@@ -18,6 +18,7 @@ from click.testing import CliRunner, Result
 from fastapi import Depends, FastAPI, Header, HTTPException, Query, Request
 from fastapi.responses import JSONResponse
 
+from shoal import Client
 from shoal.service.cli import cli
 from shoal.service.cli.specfile import load_spec
 from shoal.service.client import ApiError, ClientConfig, ShoalClient, resolve_config, write_config
@@ -619,6 +620,35 @@ def test_token_and_url_come_from_shoal_home_when_not_given(
 
 
 @pytest.mark.unit
+def test_python_client_without_arguments_uses_what_shoal_up_wrote_in_shoal_home(
+    api_url: str, home: Path, stub: Stub
+) -> None:
+    """README: `shoal.Client()` needs no arguments: with no SHOAL_URL/SHOAL_TOKEN set it
+    goes where `shoal up` serves (client.json) as its admin (admin.token)."""
+    write_config(home, api_url)
+    (home / "admin.token").write_text(TOKEN + "\n")
+    with Client() as client:
+        assert [d["id"] for d in client.devices()] == list(stub.devices)
+    method, url, headers = stub.requests[-1]
+    assert (method, url) == ("GET", f"{api_url}/api/v1/devices")
+    assert headers["authorization"] == f"Bearer {TOKEN}"
+
+
+@pytest.mark.unit
+def test_python_client_without_arguments_takes_shoal_url_and_shoal_token_first(
+    api_url: str, home: Path, stub: Stub, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As the CLI: SHOAL_URL and SHOAL_TOKEN before what `shoal up` wrote in SHOAL_HOME."""
+    write_config(home, "http://127.0.0.1:9")
+    (home / "admin.token").write_text("shoal_not_this_one\n")
+    monkeypatch.setenv("SHOAL_URL", api_url)
+    monkeypatch.setenv("SHOAL_TOKEN", TOKEN)
+    with Client() as client:
+        assert [d["id"] for d in client.devices()] == list(stub.devices)
+    assert stub.requests[-1][2]["authorization"] == f"Bearer {TOKEN}"
+
+
+@pytest.mark.unit
 def test_status_lists_jobs_and_filters_by_state(api: str, stub: Stub) -> None:
     stub.add_job("alpha")
     stub.move(stub.add_job("beta"), "FAILED")
@@ -634,6 +664,17 @@ def test_status_lists_jobs_and_filters_by_state(api: str, stub: Stub) -> None:
     assert stub.requests[-1][1].endswith("/jobs?state=FAILED&state=CANCELLED&limit=5&offset=0")
     page = json.loads(shoal("status", "--json").stdout)
     assert [job["name"] for job in page["items"]] == ["alpha", "beta"]
+
+
+@pytest.mark.unit
+def test_status_without_a_limit_lists_the_latest_50_jobs(api: str, stub: Stub) -> None:
+    """README: plain `shoal status` lists your latest 50 jobs (`--limit` for another count)."""
+    for n in range(51):
+        stub.add_job(f"job-{n}")
+    result = shoal("status")
+    assert result.exit_code == 0, result.output
+    assert stub.requests[-1][1].endswith("/jobs?limit=50&offset=0")
+    assert "50 of 51 jobs" in cells(result.stdout)
 
 
 @pytest.mark.unit
@@ -849,6 +890,38 @@ def test_up_refuses_bad_options_before_starting_anything(
     assert result.exit_code == 2
     assert message in result.stderr
     assert not home.exists()
+
+
+@pytest.mark.unit
+def test_up_serves_on_port_8000_with_its_state_in_dot_shoal_by_default(
+    home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """README: `shoal up` serves http://127.0.0.1:8000 and SHOAL_HOME defaults to ~/.shoal."""
+    from shoal.service import server
+    from shoal.service.cli import server as commands
+
+    monkeypatch.delenv("SHOAL_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    bound: list[tuple[str, int]] = []
+    started: list[Settings] = []
+
+    def listen(host: str, port: int) -> socket.socket:
+        bound.append((host, port))
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        return sock
+
+    def up(settings: Settings, nodes: object, sock: socket.socket) -> None:
+        started.append(settings)
+
+    monkeypatch.setattr(server, "listen", listen)
+    monkeypatch.setattr(commands, "_up", up)
+    result = shoal("up")
+    assert result.exit_code == 0, result.output
+    assert bound == [("127.0.0.1", 8000)]
+    (settings,) = started
+    assert settings.home == tmp_path / ".shoal"
+    assert settings.admin_token_path == tmp_path / ".shoal" / "admin.token"
 
 
 @pytest.mark.integration

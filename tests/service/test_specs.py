@@ -212,6 +212,27 @@ def test_sharded_replicas_are_accepted_with_or_without_in_memory_copies(
     assert validate_job_spec(full, []).spec.parallelism.shard == "full"
 
 
+@pytest.mark.parametrize("elastic", [None, {}], ids=["no-section", "empty-section"])
+def test_in_memory_copies_are_on_by_default_within_five_percent_of_the_training_time(
+    elastic: dict[str, Any] | None, tmp_path: Path
+) -> None:
+    """README: ``elastic.keep_copies`` is on by default and ``elastic.copy_budget`` is 5% of
+    the training time, in the accepted spec and in the snapshot its runner is given."""
+    spec = job_spec() if elastic is None else job_spec(elastic=elastic)
+    accepted = validate_job_spec(spec, [])
+    assert (accepted.spec.elastic.keep_copies, accepted.spec.elastic.copy_budget) == (True, 0.05)
+    stored = accepted.spec.model_dump(mode="json")
+    row = Job(id="j1", name="j", spec=stored, num_blocks=accepted.num_blocks, attempt=1)
+    snap = build_snapshot(
+        row,
+        [device()],
+        [(0, accepted.num_blocks)],
+        checkpoint_root=str(tmp_path),
+        allowed_factories=[],
+    )
+    assert (snap.keep_copies, snap.copy_budget) == (True, 0.05)
+
+
 def test_a_snapshot_carries_the_layouts_shard_and_auto_unplaced_is_whole(tmp_path: Path) -> None:
     spec = job_spec(parallelism={"shard": "auto"}, elastic={"keep_copies": False})
     row = Job(id="j1", name="j", spec=spec, num_blocks=3, attempt=1)
