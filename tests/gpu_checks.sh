@@ -5,13 +5,15 @@
 #
 #   bash tests/gpu_checks.sh memory step    # results under $OUT (or /tmp/gpu-checks)
 #   bash tests/gpu_checks.sh sharp          # a call of its own: it takes up to 450 s
+#   bash tests/gpu_checks.sh tests          # the other tests marked gpu, up to 240 s
 #
 # Each check has its own time limit and its own files, so one that fails or runs long
 # leaves the others' results: machine.txt (GPU, driver, torch, CUDA, each check's exit
 # status), memory.txt (the memory tests marked gpu: predicted peaks against torch's),
 # step.json (`shoal bench step`: the plain loop, Shoal without and with in-memory copies,
 # their overhead and interval) and sharp.json (`shoal bench sharp`: the SHARP executor
-# beside its peers, copies on).
+# beside its peers, copies on) and tests.txt (the other tests marked gpu: the copies on a
+# side stream, pinned memory, a worker's measured overhead, one stage's step on the GPU).
 set -u
 cd "$(dirname "$0")/.."
 . .gpu/setup.sh
@@ -37,8 +39,12 @@ for check in "$@"; do
     sharp)
       timeout 450 shoal bench sharp --device cuda --json --steps 4 \
         > "$out/sharp.json" 2> "$out/sharp.err" ;;
+    tests)
+      timeout 240 python3 -m pytest -q -o addopts= -m gpu tests/workers/pipeline/test_copier.py \
+        tests/workers/pipeline/test_stage_copies.py tests/workers/test_device_memory.py \
+        tests/workers/pipeline/test_peer_to_peer.py > "$out/tests.txt" 2>&1 ;;
     *)
-      echo "unknown check $check: use memory, step or sharp" >&2
+      echo "unknown check $check: use memory, step, sharp or tests" >&2
       exit 2 ;;
   esac
   echo "$check rc $?" >> "$out/machine.txt"

@@ -205,6 +205,49 @@ def test_cuda_copies_pin_host_memory_only_when_the_state_grows() -> None:
     assert pinned_allocations() == settled
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_cuda_copy_runs_beside_the_compute_stream() -> None:
+    """A copy of ~0.8 GB (four 4096x4096 blocks with Adam's moments) runs on the side
+    stream: work queued on the compute stream after it started is done within the first
+    half of the copy's time (on the compute stream it would end with the copy), and the
+    copy is the state it started from."""
+    gpu = torch.device("cuda")
+    torch.manual_seed(0)
+    chain = [Block(i, nn.Linear(4096, 4096), ADAM) for i in range(4)]
+    copier = Copier(gpu, 2)
+    for block in chain:
+        block.to(gpu)
+
+    def step() -> None:
+        x = torch.randn(64, 4096, device=gpu)
+        for block in chain:
+            x = block.module(x)
+        x.pow(2).mean().backward()  # type: ignore[no-untyped-call]
+        for block in chain:
+            copier.guard(block.index)
+            block.step()
+
+    step()
+    copier.start(1, 1, chain)  # pins the host memory the next copies reuse
+    copier.settle()
+    step()
+    boundary = {b.index: b.state() for b in chain}
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    copier.start(2, 2, chain)
+    torch.ones(1, device=gpu).add_(1)
+    torch.cuda.current_stream(gpu).synchronize()
+    computed = time.perf_counter()
+    copier.settle()
+    copied = time.perf_counter()
+    assert computed - started < (copied - started) / 2, (computed - started, copied - started)
+    result = copier.result(2)
+    assert result is not None
+    for block in chain:
+        assert_states_equal(result[block.index], boundary[block.index])
+
+
 def burn(cpu_s: float) -> None:
     start = time.thread_time()
     while time.thread_time() - start < cpu_s:
