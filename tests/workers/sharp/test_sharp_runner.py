@@ -882,15 +882,13 @@ class LaggingCopyPool(StepThreeLosingPool):
         return super().submit_after(host, after, method, *args)
 
 
-@pytest.mark.unit
-def test_a_copy_on_its_way_past_the_next_step_bounds_a_loss_by_the_steps_since_the_one_before(
-    tmp_path: Path,
-) -> None:
-    """The copy after step 1 is still on its way when step 2 ends (copies every step): a
-    device lost then, with its part of that copy, rolls the model back to the copy made at
-    placement, and the event's bound says so (2 steps, past the interval of 1)."""
-    snap = model(tmp_path, "a", steps=4, keep_copies=True, copy_budget=1.0)
-    trainer = train([snap], LaggingCopyPool, budget_for_shards(snap, 3), task_copies=False)
+def back_to_placement(root: Path, make_pool: PoolFactory) -> RunnerReport:
+    """Model "a" (4 steps, a copy every step taken by its hosts) trained on ``make_pool``'s
+    pool, which loses its device as step 3 begins with no copy kept since placement: it
+    rolls back to the copy made at placement, 2 steps replayed, as its event says (past the
+    interval of 1), and trains exactly as alone. Its report."""
+    snap = model(root, "a", steps=4, keep_copies=True, copy_budget=1.0)
+    trainer = train([snap], make_pool, budget_for_shards(snap, 3), task_copies=False)
     report = trainer.report("a", 0)
     (lost,) = [e for e in report.events if e.kind == "device_lost"]
     assert lost.data == {
@@ -901,9 +899,20 @@ def test_a_copy_on_its_way_past_the_next_step_bounds_a_loss_by_the_steps_since_t
         "copy_interval": 1,
         "most_replayed": 2,
     }
-    assert [m.step for m in report.metrics] == [1, 2, 1, 2, 3, 4]
     latest = {m.step: m.loss for m in report.metrics}
     assert_alone(snap, [latest[s] for s in range(1, 5)])
+    return report
+
+
+@pytest.mark.unit
+def test_a_copy_on_its_way_past_the_next_step_bounds_a_loss_by_the_steps_since_the_one_before(
+    tmp_path: Path,
+) -> None:
+    """The copy after step 1 is still on its way when step 2 ends (copies every step): a
+    device lost then, with its part of that copy, rolls the model back to the copy made at
+    placement, and the event's bound says so."""
+    report = back_to_placement(tmp_path, LaggingCopyPool)
+    assert [m.step for m in report.metrics] == [1, 2, 1, 2, 3, 4]
 
 
 def open_trainer(
