@@ -16,6 +16,7 @@ from shoal.workers.snapshot import JobSnapshot, RunnerReport, StagePlan
 from shoal.workers.uploaded_code import JobCode
 
 if TYPE_CHECKING:
+    from shoal.workers.pipeline.worker_group import GroupFactory
     from shoal.workers.sharp.shard_pool import PoolFactory
 
 
@@ -231,13 +232,21 @@ class InProcessCluster:
     controller's contract tests run against it and against ``RayCluster`` alike.
     """
 
-    def __init__(self, nodes: Sequence[NodeInfo], make_pool: PoolFactory | None = None) -> None:
+    def __init__(
+        self,
+        nodes: Sequence[NodeInfo],
+        make_pool: PoolFactory | None = None,
+        make_group: GroupFactory | None = None,
+    ) -> None:
         from shoal.workers.pipeline.job_runner import JobRunner
+        from shoal.workers.pipeline.local_group import LocalGroup
         from shoal.workers.sharp.shard_pool import LocalPool
 
         self._nodes = list(nodes)
         self._make_pool: PoolFactory = make_pool or LocalPool
         """The sweeps' executors' device workers: threads of this process."""
+        self._make_group: GroupFactory = make_group or LocalGroup
+        """The jobs' stage workers: in this process."""
         self._runners: dict[JobId, JobRunner] = {}
         self._pools: dict[str, Any] = {}
         self._lock = threading.Lock()
@@ -247,12 +256,11 @@ class InProcessCluster:
 
     def start_runner(self, snapshot: JobSnapshot) -> None:
         from shoal.workers.pipeline.job_runner import JobRunner
-        from shoal.workers.pipeline.local_group import LocalGroup
 
         with self._lock:
             if snapshot.job_id in self._runners:
                 return  # like a named actor: never two runners for one job
-            self._runners[snapshot.job_id] = JobRunner(snapshot, LocalGroup)  # trains on
+            self._runners[snapshot.job_id] = JobRunner(snapshot, self._make_group)  # trains on
 
     def _runner(self, job_id: JobId) -> Any:
         with self._lock:

@@ -169,7 +169,7 @@ class Controller:
                 return
             persist_report(session, job, report)
             follow_recovery(session, job, report)
-        if any(e.kind == "relayout" for e in report.events):
+        if any(e.kind in ("relayout", "relayout_failed") for e in report.events):
             self._resizer.done(job_id)
         if report.status is RunStatus.LOST:
             reason = report.error or f"lost devices {list(report.lost_devices)}"

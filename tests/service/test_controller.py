@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -35,6 +35,9 @@ from shoal.service.jobs import request_cancel, restart_job, submit_job, transiti
 from shoal.service.lifecycle import JobState
 from shoal.service.specs import validate_job_spec
 from shoal.workers.checkpoints import CheckpointStore
+from shoal.workers.pipeline.local_group import LocalGroup
+from shoal.workers.pipeline.worker_group import StageLost
+from shoal.workers.snapshot import StagePlan
 from tests.factories import job_spec
 
 pytestmark = pytest.mark.integration
@@ -1131,3 +1134,41 @@ def test_shard_auto_shards_the_replicas_where_whole_ones_fit_no_layout(
     assert placed and "replicas sharded (gradients)" in placed[0], placed
     (shard,) = [e.data for e in said if e.kind == "shard"]
     assert (shard["shard"], shard["sharded"]) == ("gradients", backend == "ray")
+
+
+class RefusingFirstMove(LocalGroup):
+    """A LocalGroup whose first move onto devices it does not have fails as a worker that
+    does not start in time does (``RayGroup.regroup``): the group stays as it was."""
+
+    refusals = 1
+    """The moves onto new devices still to refuse (the test's one job's)."""
+
+    def regroup(self, plans: Sequence[StagePlan], keep: Mapping[int, int]) -> None:
+        new = [p for w, p in enumerate(plans) if w not in keep]
+        if new and RefusingFirstMove.refusals > 0:
+            RefusingFirstMove.refusals -= 1
+            reason = "its worker did not start within 300 s"
+            raise StageLost(new[0].index, new[0].device.id, reason)
+        super().regroup(plans, keep)
+
+
+def test_a_job_whose_move_failed_is_moved_again(
+    session_factory: SessionFactory, tmp_path: Path
+) -> None:
+    """A growth whose new worker does not start is that device's loss, recovered in place
+    from the copies; the move is over (``relayout_failed``): the controller asks again and
+    the job grows, every step once and exact."""
+    RefusingFirstMove.refusals = 1
+    cluster = Resizable(InProcessCluster(FOUR_DEVICES, make_group=RefusingFirstMove), 2)
+    controller = make_controller(session_factory, cluster, tmp_path)  # type: ignore[arg-type]
+    job_id = growing_job(session_factory, controller, steps=UNENDING)
+    cluster.devices = 4
+    history = cancel_after(session_factory, controller, job_id, "relayout")
+    kinds = [e.kind for e in history if e.kind in ("resize", "relayout_failed", "relayout")]
+    assert kinds == ["resize", "relayout_failed", "resize", "relayout"], kinds
+    (failed,) = [e for e in history if e.kind == "relayout_failed"]
+    assert "did not start within 300 s" in failed.message, failed.message
+    (lost,) = [e for e in history if e.kind == "device_lost"]
+    assert lost.data["devices"] == [failed.data["device_id"]], (lost.data, failed.data)
+    assert job(session_factory, job_id).attempt == 1
+    assert_exact_steps(session_factory, job_id)

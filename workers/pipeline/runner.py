@@ -342,7 +342,18 @@ class Trainer:
         where = {p.device.id: w for w, p in enumerate(old.plans)}
         keep = {w: where[p.device.id] for w, p in enumerate(checked.plans) if p.device.id in where}
         started = time.perf_counter()
-        move_blocks(group, old, checked, self._timeout, keep)
+        try:
+            move_blocks(group, old, checked, self._timeout, keep)
+        except StageLost as exc:  # the job recovers where it was: this move is over
+            self._run.record(
+                RunnerEvent(
+                    "relayout_failed",
+                    step,
+                    f"{old.describe()} -> {checked.describe()} did not happen: {exc}",
+                    {"to": checked.rows(), "device_id": exc.device_id, "reason": exc.reason},
+                )
+            )
+            raise
         seconds = time.perf_counter() - started
         before = {p.device.id for p in old.plans}
         after = {p.device.id for p in checked.plans}

@@ -623,6 +623,8 @@ def test_a_relayout_whose_new_worker_cannot_start_reports_its_device_lost(
     # a moment), not the whole timeout again.
     assert not late or waits[1] == group_module.LATE_CHECK_S < 3, waits
     assert not [kind for kind, _ in events if kind == "relayout"], events
+    (failed,) = [data for kind, data in events if kind == "relayout_failed"]
+    assert failed["device_id"] == last.device.id, failed
     # Step 1 was trained before the move failed, and is trained again: the event says so.
     steps = [m.step for m in report.metrics]
     assert lost["step"] == 1 and steps.count(1) == 2, (steps, lost)
