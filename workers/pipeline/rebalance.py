@@ -93,6 +93,16 @@ class Layout:
     def describe(self) -> str:
         return ", ".join(f"{p.blocks[0]}-{p.blocks[1] - 1}@{p.device.id}" for p in self.plans)
 
+    def not_moved(self, step: int, why: str, device_id: str | None = None) -> RunnerEvent:
+        """The ``relayout_failed`` event of a move to this layout that did not happen
+        (``why``; ``device_id``: the device whose worker could not start): the controller's
+        move is over, and it may ask again."""
+        data: dict[str, Any] = {"to": self.rows(), "reason": why}
+        if device_id is not None:
+            data["device_id"] = device_id
+        message = f"the move to {self.describe()} did not happen: {why}"
+        return RunnerEvent("relayout_failed", step, message, data)
+
 
 def snapshot_policy(snapshot: JobSnapshot) -> Policy | None:
     """The job's elastic policy: ``scheduler.elastic.decide`` on the job's block costs and

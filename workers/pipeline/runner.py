@@ -307,6 +307,10 @@ class Trainer:
         the layout and the step to run next, where the run stands again."""
         most = copies.most_replayed(step)
         copies.drop()
+        with self._lock:  # asked for the layout before the loss: the controller may ask anew
+            dropped, self._relayout = self._relayout, None
+        if dropped is not None:
+            self._run.record(Layout(*dropped).not_moved(step, f"the job lost {cause.device_id}"))
         if isinstance(cause, DeviceSetAside):
             self._run.record(cause.event(step))
         # A call handed out ahead ran (or failed) on the survivors before they answer the
@@ -345,14 +349,7 @@ class Trainer:
         try:
             move_blocks(group, old, checked, self._timeout, keep)
         except StageLost as exc:  # the job recovers where it was: this move is over
-            self._run.record(
-                RunnerEvent(
-                    "relayout_failed",
-                    step,
-                    f"{old.describe()} -> {checked.describe()} did not happen: {exc}",
-                    {"to": checked.rows(), "device_id": exc.device_id, "reason": exc.reason},
-                )
-            )
+            self._run.record(checked.not_moved(step, str(exc), exc.device_id))
             raise
         seconds = time.perf_counter() - started
         before = {p.device.id for p in old.plans}

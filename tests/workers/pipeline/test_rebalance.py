@@ -486,6 +486,39 @@ def test_a_move_copies_the_new_layout_at_once_and_a_later_loss_recovers_from_it(
 
 
 @pytest.mark.unit
+def test_a_move_asked_for_before_a_loss_is_dropped_and_said_so(tmp_path: Path) -> None:
+    """A move onto the devices of the first and last stage, asked for in step 3, as the
+    middle one's worker dies in that step: the job recovers from the copies and does not
+    move (the controller's view of its devices follows the recovery): a ``relayout_failed``
+    event says the move is over, so the controller may ask again."""
+    stages = dp_plans([(0, 1), (1, 2), (2, 4)], 1)
+    move = (replace(stages[0], blocks=(0, 2)), replace(stages[2], index=1, blocks=(2, 4)))
+    snap = job(
+        tmp_path,
+        [],
+        stages=stages,
+        micro_batches=4,
+        steps=5,
+        optimizer=SGD,
+        keep_copies=True,
+        copy_budget=1.0,
+    )
+    dead = stages[1].device.id
+    holder: list[Trainer] = []
+    holder.append(Trainer(snap, lambda p, s: MoveThenLose(holder, move, dead, 2, p, s)))
+    trainer = holder[0]
+    assert trainer.run() is RunStatus.SUCCEEDED, trainer.report(0).error
+    events = trainer.report(0).events
+    kinds = [e.kind for e in events if e.kind in ("relayout_failed", "device_lost", "relayout")]
+    assert kinds == ["relayout_failed", "device_lost"], kinds
+    (dropped,) = [e for e in events if e.kind == "relayout_failed"]
+    assert dropped.data["reason"] == f"the job lost {dead}", dropped.data
+    assert [row["device_id"] for row in dropped.data["to"]] == [p.device.id for p in move]
+    latest = {m.step: m for m in metrics(trainer)}
+    assert_matches_reference(snap, [latest[s] for s in range(1, 6)])
+
+
+@pytest.mark.unit
 def test_without_copies_a_lost_worker_ends_the_run_as_lost(tmp_path: Path) -> None:
     stages = plans([(0, 2), (2, 4)])
     snap = job(tmp_path, [], stages=stages, steps=4, keep_copies=False)
