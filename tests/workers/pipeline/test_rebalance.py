@@ -369,6 +369,22 @@ def test_ray_job_grows_onto_new_workers_and_replicas(ray_address: str, tmp_path:
     assert_matches_reference(snap, report.metrics)
 
 
+def copied_each_step(root: Path, stages: Sequence[StagePlan], **fields: Any) -> JobSnapshot:
+    """A 5-step job on ``stages``, 4 micro-batches, SGD, a copy at every boundary (copies
+    may cost the whole step)."""
+    return job(
+        root,
+        [],
+        stages=tuple(stages),
+        micro_batches=4,
+        steps=5,
+        optimizer=SGD,
+        keep_copies=True,
+        copy_budget=1.0,
+        **fields,
+    )
+
+
 class LoseDevice(LocalGroup):
     """A LocalGroup whose worker on ``device`` dies once ``after`` steps were applied (every
     call to it fails as StageLost from then on, as a lost node's would)."""
@@ -401,17 +417,7 @@ def test_a_lost_worker_is_recovered_in_place_from_memory_copies(
     devices left, and the run ends exactly like one process, no step replayed (copies may
     cost the whole step here, so one is taken at every boundary)."""
     stages = dp_plans(ranges, replicas)
-    snap = job(
-        tmp_path,
-        [],
-        stages=stages,
-        replicas=replicas,
-        micro_batches=4,
-        steps=5,
-        optimizer=SGD,
-        keep_copies=True,
-        copy_budget=1.0,
-    )
+    snap = copied_each_step(tmp_path, stages, replicas=replicas)
     dead = stages[lose].device.id
     trainer = Trainer(snap, lambda plans, setup: LoseDevice(dead, 2, plans, setup))
     assert trainer.run() is RunStatus.SUCCEEDED, trainer.report(0).error
@@ -493,16 +499,7 @@ def test_a_move_asked_for_before_a_loss_is_dropped_and_said_so(tmp_path: Path) -
     event says the move is over, so the controller may ask again."""
     stages = dp_plans([(0, 1), (1, 2), (2, 4)], 1)
     move = (replace(stages[0], blocks=(0, 2)), replace(stages[2], index=1, blocks=(2, 4)))
-    snap = job(
-        tmp_path,
-        [],
-        stages=stages,
-        micro_batches=4,
-        steps=5,
-        optimizer=SGD,
-        keep_copies=True,
-        copy_budget=1.0,
-    )
+    snap = copied_each_step(tmp_path, stages)
     dead = stages[1].device.id
     holder: list[Trainer] = []
     holder.append(Trainer(snap, lambda p, s: MoveThenLose(holder, move, dead, 2, p, s)))
