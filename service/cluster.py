@@ -41,8 +41,15 @@ class Cluster(Protocol):
         """Ask the job's runner to checkpoint at its next step boundary and stop there."""
         ...
 
-    def relayout(self, job_id: JobId, plans: Sequence[StagePlan], split: Sequence[int]) -> None:
-        """Ask the job's runner to move to ``plans`` at its next step boundary."""
+    def relayout(
+        self,
+        job_id: JobId,
+        plans: Sequence[StagePlan],
+        split: Sequence[int],
+        since: Sequence[str],
+    ) -> None:
+        """Ask the job's runner to move to ``plans`` at its next step boundary, planned
+        while the job was on the devices ``since`` (on others by then, it drops the move)."""
         ...
 
     def stop_runner(self, job_id: JobId) -> None: ...
@@ -148,8 +155,14 @@ class RayCluster:
     def suspend(self, job_id: JobId) -> None:
         self._call(job_id, "suspend")
 
-    def relayout(self, job_id: JobId, plans: Sequence[StagePlan], split: Sequence[int]) -> None:
-        self._call(job_id, "relayout", tuple(plans), tuple(split))
+    def relayout(
+        self,
+        job_id: JobId,
+        plans: Sequence[StagePlan],
+        split: Sequence[int],
+        since: Sequence[str],
+    ) -> None:
+        self._call(job_id, "relayout", tuple(plans), tuple(split), tuple(since))
 
     def stop_runner(self, job_id: JobId) -> None:
         from shoal.workers.actors import kill_runner
@@ -279,8 +292,14 @@ class InProcessCluster:
     def suspend(self, job_id: JobId) -> None:
         self._runner(job_id).suspend()
 
-    def relayout(self, job_id: JobId, plans: Sequence[StagePlan], split: Sequence[int]) -> None:
-        self._runner(job_id).relayout(plans, split)
+    def relayout(
+        self,
+        job_id: JobId,
+        plans: Sequence[StagePlan],
+        split: Sequence[int],
+        since: Sequence[str],
+    ) -> None:
+        self._runner(job_id).relayout(plans, split, since)
 
     def start_pool(
         self, sweep_id: str, devices: Sequence[Device], policy: str, code: JobCode | None

@@ -127,6 +127,7 @@ class Resizer:
                 job.id,
                 stage_plans(layout.devices, layout.ranges, layout.tensor),
                 layout.plan.micro_batches,
+                list(job.devices),
             )
         except (RunnerGone, ClusterUnavailable) as exc:
             log.warning("relayout of %s not delivered: %s", job.id, exc, extra={"job_id": job.id})

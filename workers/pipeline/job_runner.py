@@ -10,7 +10,7 @@ runner takes to start would take the call along, and leave a runner that never t
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from shoal.workers.pipeline.group import RayGroup
 from shoal.workers.pipeline.rebalance import snapshot_policy
@@ -53,5 +53,7 @@ class JobRunner:
     def suspend(self) -> None:
         self._trainer.suspend()
 
-    def relayout(self, plans: Sequence[StagePlan], split: Sequence[int]) -> None:
-        self._trainer.relayout(plans, split)
+    def relayout(
+        self, plans: Sequence[StagePlan], split: Sequence[int], since: Collection[str]
+    ) -> None:
+        self._trainer.relayout(plans, split, since)

@@ -29,6 +29,7 @@ from shoal.workers.snapshot import (
     StagePlan,
     StepMetrics,
     partition_rows,
+    row_devices,
 )
 
 Policy = Callable[["Layout", Sequence[Sequence[StageSample]]], Decision]
@@ -102,6 +103,20 @@ class Layout:
             data["device_id"] = device_id
         message = f"the move to {self.describe()} did not happen: {why}"
         return RunnerEvent("relayout_failed", step, message, data)
+
+
+@dataclass(frozen=True)
+class MoveRequest:
+    """A relayout asked of the runner: to ``layout``, planned while the job was on the
+    devices ``since`` (None: whatever it is on)."""
+
+    layout: Layout
+    since: frozenset[str] | None = None
+
+    def stale(self, now: Layout) -> bool:
+        """Whether the job is on other devices than it was planned from (it recovered from
+        a loss meanwhile): the move is dropped then, and the controller asks again."""
+        return self.since is not None and self.since != frozenset(row_devices(now.rows()))
 
 
 def snapshot_policy(snapshot: JobSnapshot) -> Policy | None:

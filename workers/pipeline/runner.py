@@ -25,7 +25,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 from shoal.scheduler.overlap import leaves_a_core, steps_per_call
@@ -36,6 +36,7 @@ from shoal.workers.pipeline.checkpoint_writer import CheckpointWriter
 from shoal.workers.pipeline.job_start import PlanError, announce, check_plans, restore
 from shoal.workers.pipeline.rebalance import (
     Layout,
+    MoveRequest,
     Policy,
     Rebalancer,
     move_blocks,
@@ -87,7 +88,7 @@ class Trainer:
         self._cancelled = threading.Event()
         self._suspending = threading.Event()
         self._run = RunLog()
-        self._relayout: tuple[tuple[StagePlan, ...], tuple[int, ...]] | None = None
+        self._relayout: MoveRequest | None = None
         self._gflops: dict[str, float] = {}
         self._writer = CheckpointWriter(self._run.record)
         self._relay_reason: str | None = ""  # none said yet: "" is never a reason
@@ -110,13 +111,22 @@ class Trainer:
         """Checkpoint at the next step boundary and stop there (``RunStatus.SUSPENDED``)."""
         self._suspending.set()
 
-    def relayout(self, plans: Sequence[StagePlan], split: Sequence[int]) -> None:
+    def relayout(
+        self,
+        plans: Sequence[StagePlan],
+        split: Sequence[int],
+        since: Collection[str] | None = None,
+    ) -> None:
         """Move to ``plans`` (replica-major, on any devices, any number of stages and
         replicas) with ``split`` micro-batches per replica at the first step boundary once
         the workers it adds are started (the job trains on meanwhile); a later request
-        replaces one not yet carried out."""
+        replaces one not yet carried out. ``since``: the devices the job was on when the
+        move was planned; one on others by then (a recovery) drops it, saying so."""
+        request = MoveRequest(
+            Layout(tuple(plans), tuple(split)), None if since is None else frozenset(since)
+        )
         with self._lock:
-            self._relayout = (tuple(plans), tuple(split))
+            self._relayout = request
 
     @property
     def status(self) -> RunStatus:
@@ -242,8 +252,10 @@ class Trainer:
         if quiet:  # a relayout requested meanwhile waits for the next boundary
             return layout, done
         request = self._take_relayout(group)
-        if request is not None:
-            layout = self._move(group, layout, Layout(*request), done)
+        if request is not None and request.stale(layout):
+            self._run.record(request.layout.not_moved(done, "the job is on other devices now"))
+        elif request is not None:
+            layout = self._move(group, layout, request.layout, done)
             if rebalancer is not None:
                 rebalancer.restart()
         # Blocks that moved dropped their workers' copies: copy the new layout at once.
@@ -259,15 +271,13 @@ class Trainer:
         layout (a worker takes seconds to start)."""
         with self._lock:
             request = self._relayout
-        return request is not None and group.prepare(request[0])
+        return request is not None and group.prepare(request.layout.plans)
 
-    def _take_relayout(
-        self, group: WorkerGroup
-    ) -> tuple[tuple[StagePlan, ...], tuple[int, ...]] | None:
+    def _take_relayout(self, group: WorkerGroup) -> MoveRequest | None:
         """The requested relayout, taken, if it is ready (``_relayout_ready``)."""
         with self._lock:
             request = self._relayout
-        if request is None or not group.prepare(request[0]):
+        if request is None or not group.prepare(request.layout.plans):
             return None
         with self._lock:
             if self._relayout != request:  # replaced meanwhile: prepared at the next boundary
@@ -310,7 +320,7 @@ class Trainer:
         with self._lock:  # asked for the layout before the loss: the controller may ask anew
             dropped, self._relayout = self._relayout, None
         if dropped is not None:
-            self._run.record(Layout(*dropped).not_moved(step, f"the job lost {cause.device_id}"))
+            self._run.record(dropped.layout.not_moved(step, f"the job lost {cause.device_id}"))
         if isinstance(cause, DeviceSetAside):
             self._run.record(cause.event(step))
         # A call handed out ahead ran (or failed) on the survivors before they answer the

@@ -516,6 +516,29 @@ def test_a_move_asked_for_before_a_loss_is_dropped_and_said_so(tmp_path: Path) -
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize("planned_here", [True, False], ids=["planned-here", "stale"])
+def test_a_move_planned_while_the_job_was_on_other_devices_is_dropped(
+    tmp_path: Path, planned_here: bool
+) -> None:
+    """A move says which devices it was planned from (the controller's view of the job):
+    a job on others by then (it recovered from a loss meanwhile) drops it, saying so, and
+    trains on where it is; planned from where it is, it moves."""
+    stages = dp_plans([(0, 2), (2, 4)], 1)
+    snap = job(tmp_path, [], stages=stages, steps=3, micro_batches=4, optimizer=SGD)
+    trainer = Trainer(snap, LocalGroup)
+    since = [p.device.id for p in stages] if planned_here else [stages[0].device.id, "gone-0"]
+    trainer.relayout((replace(stages[0], blocks=(0, 4)),), (4,), since)
+    assert trainer.run() is RunStatus.SUCCEEDED, trainer.report(0).error
+    events = trainer.report(0).events
+    kinds = [e.kind for e in events if e.kind in ("relayout_failed", "relayout")]
+    assert kinds == (["relayout"] if planned_here else ["relayout_failed"]), kinds
+    if not planned_here:
+        (dropped,) = [e for e in events if e.kind == "relayout_failed"]
+        assert dropped.data["reason"] == "the job is on other devices now", dropped.data
+    assert_matches_reference(snap, metrics(trainer))
+
+
+@pytest.mark.unit
 def test_without_copies_a_lost_worker_ends_the_run_as_lost(tmp_path: Path) -> None:
     stages = plans([(0, 2), (2, 4)])
     snap = job(tmp_path, [], stages=stages, steps=4, keep_copies=False)
