@@ -42,11 +42,7 @@ class Cluster(Protocol):
         ...
 
     def relayout(
-        self,
-        job_id: JobId,
-        plans: Sequence[StagePlan],
-        split: Sequence[int],
-        since: Sequence[str],
+        self, job_id: JobId, plans: Sequence[StagePlan], split: Sequence[int], since: Sequence[str]
     ) -> None:
         """Ask the job's runner to move to ``plans`` at its next step boundary, planned
         while the job was on the devices ``since`` (on others by then, it drops the move)."""
@@ -156,11 +152,7 @@ class RayCluster:
         self._call(job_id, "suspend")
 
     def relayout(
-        self,
-        job_id: JobId,
-        plans: Sequence[StagePlan],
-        split: Sequence[int],
-        since: Sequence[str],
+        self, job_id: JobId, plans: Sequence[StagePlan], split: Sequence[int], since: Sequence[str]
     ) -> None:
         self._call(job_id, "relayout", tuple(plans), tuple(split), tuple(since))
 
@@ -293,11 +285,7 @@ class InProcessCluster:
         self._runner(job_id).suspend()
 
     def relayout(
-        self,
-        job_id: JobId,
-        plans: Sequence[StagePlan],
-        split: Sequence[int],
-        since: Sequence[str],
+        self, job_id: JobId, plans: Sequence[StagePlan], split: Sequence[int], since: Sequence[str]
     ) -> None:
         self._runner(job_id).relayout(plans, split, since)
 
