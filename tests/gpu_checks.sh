@@ -31,7 +31,7 @@ mkdir -p "$out"
 for check in "$@"; do
   case "$check" in
     memory)
-      timeout 150 python3 -m pytest -q -o addopts= -m gpu tests/workers/test_memory_on_gpu.py \
+      timeout 150 python3 -m pytest -q -s -o addopts= -m gpu tests/workers/test_memory_on_gpu.py \
         > "$out/memory.txt" 2>&1 ;;
     step)
       timeout 300 shoal bench step --device cuda --json --steps 20 --repeats 3 --rounds 3 \
