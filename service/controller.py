@@ -48,6 +48,7 @@ from shoal.service.jobs import JobConflict, add_event, transition
 from shoal.service.lifecycle import JobState
 from shoal.service.reports import follow_recovery, persist_report
 from shoal.service.resizer import Resizer
+from shoal.service.setbacks import MAX_RESTARTS, Setbacks
 from shoal.service.silence import Silences
 from shoal.service.snapshots import block_costs, build_snapshot, job_request
 from shoal.service.specs import JobSpec
@@ -63,7 +64,6 @@ _FINAL_STATE = {
     RunStatus.CANCELLED: JobState.CANCELLED,
 }
 _ACTIVE = ACTIVE_JOBS
-MAX_RUNNER_RESTARTS = 3
 
 
 @dataclass(frozen=True)
@@ -91,8 +91,7 @@ class Controller:
         self._config = config
         self._waiting_reason: dict[str, str] = {}
         self._resizer = Resizer(factory, cluster, self._layout, config.growth_min_gain)
-        self._runner_deaths: dict[str, tuple[int, int]] = {}
-        """Per job: the step of its runner's last death, and how many in a row there."""
+        self._setbacks = Setbacks()
         self._silences = Silences(config.runner_silence_s)
         self._sweeper = Sweeper(
             factory,
@@ -134,10 +133,8 @@ class Controller:
         with isolated("placement"):
             self._place_queued(devices)
         with isolated("resizing"):
-            self._resizer.resize_running(devices, self._fail)
+            self._resizer.resize_running(devices, self._setbacks.unready(), self._fail)
         self.last_tick = time.monotonic()
-
-    # ------------------------------------------------------------------ inventory
 
     # ------------------------------------------------------------------ running jobs
 
@@ -153,14 +150,14 @@ class Controller:
             else:
                 report = self._cluster.poll_trial(pool, job_id, cursor)
         except RunnerGone as exc:
-            self._runner_lost(job_id, str(exc), devices)
+            self._restart(job_id, str(exc), (), devices)
             return
         except ClusterUnavailable as exc:
             log.warning("%s", exc)
             # A sweep's trials are their executor's to answer for: not counted here.
             silent = self._silences.unanswered(job_id) if pool is None else None
             if silent is not None:
-                self._runner_lost(job_id, f"{exc}: no answer for {silent:.0f} s", devices)
+                self._restart(job_id, f"{exc}: no answer for {silent:.0f} s", (), devices)
             return
         self._silences.answered(job_id)
         with transaction(self._factory) as session:
@@ -171,9 +168,11 @@ class Controller:
             follow_recovery(session, job, report)
         if any(e.kind in ("relayout", "relayout_failed") for e in report.events):
             self._resizer.done(job_id)
+        not_started = self._setbacks.not_started(report.events)
         if report.status is RunStatus.LOST:
             reason = report.error or f"lost devices {list(report.lost_devices)}"
-            self._recover(job_id, reason, report.lost_devices, devices)
+            recover = self._restart if not_started else self._recover  # bounded, or not
+            recover(job_id, reason, report.lost_devices, devices)
         elif report.status is RunStatus.SUSPENDED:
             self._requeue(job_id, report.step)
         elif report.status.is_final:
@@ -192,6 +191,7 @@ class Controller:
 
     def _finish(self, job_id: str, target: JobState, message: str, *, error: str | None) -> None:
         self._resizer.done(job_id)
+        self._setbacks.forget(job_id)
         with transaction(self._factory) as session:
             job = session.get(Job, job_id)
             if job is not None and job.state in _ACTIVE:
@@ -235,21 +235,22 @@ class Controller:
 
     # ------------------------------------------------------------------ lost devices
 
-    def _runner_lost(self, job_id: str, reason: str, devices: Sequence[Device]) -> None:
-        """The runner died (its process, its node, or a kill): the job starts again from its
-        latest checkpoint like after a lost device, none excluded. A runner that dies
-        ``MAX_RUNNER_RESTARTS`` times in a row without the job passing a step fails it."""
+    def _restart(
+        self, job_id: str, reason: str, lost_devices: Sequence[str], devices: Sequence[Device]
+    ) -> None:
+        """The job's runner died (its process, its node, or a kill) or a worker of it did
+        not start: it is placed again (``_recover``; a dead runner's devices are not lost),
+        unless that happened ``MAX_RESTARTS`` times in a row already without the job
+        passing a step (``service.setbacks``): then it fails, saying why."""
         with self._factory() as session:
             job = session.get(Job, job_id)
             step = job.step if job is not None else 0
-        last, count = self._runner_deaths.get(job_id, (-1, 0))
-        count = count + 1 if step <= last else 1
-        self._runner_deaths[job_id] = (step, count)
-        if count > MAX_RUNNER_RESTARTS:
-            message = f"{reason}; it died {count} times without the job passing step {step}"
+        count = self._setbacks.restarts(job_id, step)
+        if count > MAX_RESTARTS:
+            message = f"{reason}; {count} times without the job passing step {step}"
             self._finish(job_id, JobState.FAILED, message, error=message)
             return
-        self._recover(job_id, reason, (), devices)
+        self._recover(job_id, reason, lost_devices, devices)
 
     def _recover(
         self, job_id: str, reason: str, lost_devices: Sequence[str], devices: Sequence[Device]
@@ -291,6 +292,7 @@ class Controller:
                 return
             request = job_request(job)
             held = held_devices(session, exclude=job_id) | draining_devices(session)
+            held |= self._setbacks.unready()
         self._cluster.stop_runner(job_id)
         free = [d for d in devices if d.id not in held and d.id not in lost]
         placements, waiting = place([request], free)
@@ -316,7 +318,7 @@ class Controller:
                     .order_by(Job.created_at, Job.id)
                 )
             )
-            busy = held_devices(session) | draining_devices(session)
+            busy = held_devices(session) | draining_devices(session) | self._setbacks.unready()
             faults: list[tuple[str, str]] = []
             requests = _requests(queued, faults)
             usage = usage_by_owner(session)

@@ -10,7 +10,7 @@ nothing else moves it. The controller says when that ends (``done``).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Sequence, Set
 from functools import partial
 
 import sqlalchemy as sa
@@ -66,11 +66,13 @@ class Resizer:
     def suspending(self, job_id: str) -> bool:
         return self._under_way.get(job_id) == SUSPENDING
 
-    def resize_running(self, devices: Sequence[Device], fail: Callable[[str, str], None]) -> None:
-        """Move running jobs off draining devices and grow them onto free ones, oldest
-        first; the runner carries the move out at its next step boundary (``relayout``),
-        and its ``relayout`` event commits the new devices. A fault in one job's move
-        ends that job (``fail``), not the others'."""
+    def resize_running(
+        self, devices: Sequence[Device], unready: Set[str], fail: Callable[[str, str], None]
+    ) -> None:
+        """Move running jobs off draining devices and grow them onto free ones (not the
+        ``unready``: ``service.setbacks``), oldest first; the runner carries the move out at
+        its next step boundary (``relayout``), and its ``relayout`` event commits the new
+        devices. A fault in one job's move ends that job (``fail``), not the others'."""
         with self._factory() as session:
             running = list(
                 session.scalars(
@@ -82,7 +84,7 @@ class Resizer:
             draining = draining_devices(session)
             held = held_devices(session)
         by_id = {d.id: d for d in devices}
-        free = [d for d in devices if d.id not in held and d.id not in draining]
+        free = [d for d in devices if d.id not in held | draining | unready]
         for job in running:
             current = [by_id[i] for i in job.devices if i in by_id]
             if job.id in self._under_way or job.cancel_requested or len(current) < len(job.devices):

@@ -35,6 +35,7 @@ from shoal.service.jobs import request_cancel, restart_job, submit_job, transiti
 from shoal.service.lifecycle import JobState
 from shoal.service.specs import validate_job_spec
 from shoal.workers.checkpoints import CheckpointStore
+from shoal.workers.pipeline.group import CANNOT_HOST
 from shoal.workers.pipeline.local_group import LocalGroup
 from shoal.workers.pipeline.worker_group import StageLost
 from shoal.workers.snapshot import StagePlan
@@ -1137,8 +1138,9 @@ def test_shard_auto_shards_the_replicas_where_whole_ones_fit_no_layout(
 
 
 class RefusingFirstMove(LocalGroup):
-    """A LocalGroup whose first move onto devices it does not have fails as a worker that
-    does not start in time does (``RayGroup.regroup``): the group stays as it was."""
+    """A LocalGroup whose first move onto devices it does not have fails as one onto a
+    device Ray cannot place a worker on does (``RayGroup.regroup``, ``CANNOT_HOST``): the
+    group stays as it was."""
 
     refusals = 1
     """The moves onto new devices still to refuse (the test's one job's)."""
@@ -1147,8 +1149,7 @@ class RefusingFirstMove(LocalGroup):
         new = [p for w, p in enumerate(plans) if w not in keep]
         if new and RefusingFirstMove.refusals > 0:
             RefusingFirstMove.refusals -= 1
-            reason = "its worker did not start within 300 s"
-            raise StageLost(new[0].index, new[0].device.id, reason)
+            raise StageLost(new[0].index, new[0].device.id, CANNOT_HOST)
         super().regroup(plans, keep)
 
 
@@ -1167,7 +1168,7 @@ def test_a_job_whose_move_failed_is_moved_again(
     kinds = [e.kind for e in history if e.kind in ("resize", "relayout_failed", "relayout")]
     assert kinds == ["resize", "relayout_failed", "resize", "relayout"], kinds
     (failed,) = [e for e in history if e.kind == "relayout_failed"]
-    assert "did not start within 300 s" in failed.message, failed.message
+    assert CANNOT_HOST in failed.message, failed.message
     (lost,) = [e for e in history if e.kind == "device_lost"]
     assert lost.data["devices"] == [failed.data["device_id"]], (lost.data, failed.data)
     assert job(session_factory, job_id).attempt == 1

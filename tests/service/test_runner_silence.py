@@ -23,10 +23,11 @@ from shoal.service.cluster import (
     ClusterUnavailable,
     InProcessCluster,
 )
-from shoal.service.controller import MAX_RUNNER_RESTARTS, Controller, ControllerConfig
+from shoal.service.controller import Controller, ControllerConfig
 from shoal.service.db.models import JobEvent
 from shoal.service.db.session import SessionFactory
 from shoal.service.jobs import request_cancel
+from shoal.service.setbacks import MAX_RESTARTS
 from shoal.service.silence import Silences
 from shoal.workers.snapshot import RunnerReport
 from tests.service.test_controller import (
@@ -102,10 +103,10 @@ def test_a_runner_that_never_answers_fails_its_job_after_its_restarts_saying_why
         what=lambda: [(e.kind, e.message) for e in events(session_factory, job_id)],
     )
     # Each runner was given the whole silence before it was taken for lost.
-    assert time.monotonic() - started >= (MAX_RUNNER_RESTARTS + 1) * SILENCE_S
+    assert time.monotonic() - started >= (MAX_RESTARTS + 1) * SILENCE_S
     history = events(session_factory, job_id)
     lost = [e for e in history if e.kind == "runner_lost"]
-    assert len(lost) == MAX_RUNNER_RESTARTS, lost  # the last silence failed the job instead
+    assert len(lost) == MAX_RESTARTS, lost  # the last silence failed the job instead
     assert all("did not answer poll" in why for why in recovering(history)), history
     error = job(session_factory, job_id).error or ""
     assert "no answer for" in error and "times without the job passing step 0" in error

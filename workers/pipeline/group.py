@@ -60,6 +60,7 @@ from shoal.workers.pipeline.worker_group import (
     GroupTimeout,
     Handle,
     StageLost,
+    WorkerNotStarted,
     own,
     wait_ready,
 )
@@ -125,14 +126,17 @@ class RayGroup:
         self._device_keys: dict[str, str] = {}
         try:
             self._start_ready(dict(enumerate(self._plans)), {})
-            self._form_collectives(start_timeout_s)
         except GroupTimeout:
+            late = self._late(dict(enumerate(self._plans)))
             self.shutdown()
-            devices = [p.device.id for p in plans]
-            raise GroupTimeout(
-                f"the stage workers did not start within {start_timeout_s:g} s on devices"
-                f" {devices}; they may be taken by another job or gone"
-            ) from None
+            if late:
+                raise self._not_started(self._plans[late[0]]) from None
+            raise
+        except BaseException:
+            self.shutdown()
+            raise
+        try:
+            self._form_collectives(start_timeout_s)
         except BaseException:
             self.shutdown()
             raise
@@ -233,13 +237,18 @@ class RayGroup:
                 launch.kill_worker(self._actors[w])
             self._actors, self._parked, self._plans = old, parked, was
             if late:
-                plan = plans[late[0]]
-                reason = f"its worker did not start within {self._start_timeout_s:g} s"
-                raise StageLost(plan.index, plan.device.id, reason) from None
+                raise self._not_started(plans[late[0]]) from None
             raise
         finally:
             self._drop_prepared()  # workers prepared for other plans free their devices
         self._form_collectives(self._start_timeout_s)
+
+    def _not_started(self, plan: StagePlan) -> WorkerNotStarted:
+        reason = (
+            f"its worker did not start within {self._start_timeout_s:g} s; the device may be"
+            " held by something else, its node not answering, or its blocks slow to build"
+        )
+        return WorkerNotStarted(plan.index, plan.device.id, reason)
 
     def _late(self, started: Mapping[int, StagePlan]) -> list[int]:
         """The ``started`` workers (by position) not built yet: each answers at once if it is."""

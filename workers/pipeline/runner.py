@@ -49,7 +49,7 @@ from shoal.workers.pipeline.stage_types import StageSetup
 from shoal.workers.pipeline.stage_worker import StageFailed
 from shoal.workers.pipeline.step_driver import Flight, finish_step, in_one_call, start_step
 from shoal.workers.pipeline.transport import LINK_TIMEOUT_S
-from shoal.workers.pipeline.worker_group import DeviceSetAside, GroupFactory, StageLost, WorkerGroup
+from shoal.workers.pipeline.worker_group import GroupFactory, StageLost, WorkerGroup
 from shoal.workers.run_log import RunLog
 from shoal.workers.snapshot import (
     JobSnapshot,
@@ -185,8 +185,8 @@ class Trainer:
             return self._run.end(RunStatus.SUCCEEDED)
         except StageLost as exc:  # the message names the stage and device
             self._writer.close()  # a restart resumes from the checkpoints under way
-            if isinstance(exc, DeviceSetAside):
-                self._run.record(exc.event(self._run.step))
+            if (said := exc.event(self._run.step)) is not None:
+                self._run.record(said)
             return self._run.end(RunStatus.LOST, str(exc), (exc.device_id,))
         except StageFailed as exc:
             self._writer.close()
@@ -321,8 +321,8 @@ class Trainer:
             dropped, self._relayout = self._relayout, None
         if dropped is not None:
             self._run.record(dropped.layout.not_moved(step, f"the job lost {cause.device_id}"))
-        if isinstance(cause, DeviceSetAside):
-            self._run.record(cause.event(step))
+        if (said := cause.event(step)) is not None:  # set aside, or a worker not started
+            self._run.record(said)
         # A call handed out ahead ran (or failed) on the survivors before they answer the
         # survey (calls run in order): the rollback undoes it, and the run goes on from the
         # restore step.

@@ -28,6 +28,10 @@ class StageLost(RuntimeError):
         # Raised by a worker (its node going down, its device failing): keep the fields.
         return (type(self), (self.stage, self.device_id, self.reason))
 
+    def event(self, step: int) -> RunnerEvent | None:
+        """What the control plane is told of the device beyond its loss, if anything."""
+        return None
+
 
 class DeviceSetAside(StageLost):
     """A stage's device failed Shoal's own use of it (``workers.device_fault``): lost, and
@@ -35,6 +39,17 @@ class DeviceSetAside(StageLost):
 
     def event(self, step: int) -> RunnerEvent:
         return set_aside_event(self.device_id, self.reason, step)
+
+
+class WorkerNotStarted(StageLost):
+    """A stage's worker was not built within the group's start timeout: its device held by
+    something else, its node not answering, or its blocks slow to build. Lost, and the
+    control plane places nothing new on the device for a while (``service.setbacks``)."""
+
+    def event(self, step: int) -> RunnerEvent:
+        message = f"the worker on device {self.device_id} did not start: {self.reason}"
+        data = {"device_id": self.device_id, "reason": self.reason}
+        return RunnerEvent("worker_not_started", step, message, data)
 
 
 class GroupTimeout(TimeoutError):

@@ -671,6 +671,9 @@ def test_a_relayout_whose_new_worker_cannot_start_reports_its_device_lost(
     assert lost["devices"] == [last.device.id], events
     (message,) = [e.message for e in report.events if e.kind == "device_lost"]
     assert ("did not start within 3 s" if late else "cannot host it") in message, message
+    # A worker not started is said so: the control plane leaves its device alone a while.
+    unready = [data["device_id"] for kind, data in events if kind == "worker_not_started"]
+    assert unready == ([last.device.id] if late else []), events
     # The move (the second wait: the first is the job's start, the last its recovery's)
     # waited only what was left of the start timeout of the worker prepared for it (none:
     # a moment), not the whole timeout again.
@@ -685,3 +688,31 @@ def test_a_relayout_whose_new_worker_cannot_start_reports_its_device_lost(
     (back,) = [data for kind, data in events if kind == "recovered"]
     assert {row["device_id"] for row in back["to"]} <= {p.device.id for p in snap.stages}
     assert_matches_reference(snap, list({m.step: m for m in report.metrics}.values()))
+
+
+@pytest.mark.integration
+def test_a_job_whose_first_worker_cannot_start_is_given_back_as_that_devices_loss(
+    ray_address: str, three_devices_free: None, tmp_path: Path
+) -> None:
+    """A job of 4 stages starting where only 3 devices are free: one worker is not granted
+    its device within the start timeout. The runner stops the others and gives the job back
+    as that device's loss (LOST, with a ``worker_not_started`` event), which the control
+    plane places again elsewhere; it failed the job before."""
+    import ray
+
+    from shoal.scheduler.devices import DEVICE_RESOURCE
+
+    node = ray.get_runtime_context().get_node_id()
+    stages = dp_plans([(0, 1), (1, 2), (2, 3), (3, 4)], 1, node)
+    snap = job(tmp_path, [], stages=stages, steps=2, micro_batches=4, optimizer=SGD)
+    trainer = Trainer(snap, lambda p, s: RayGroup(p, s, start_timeout_s=3.0))
+    assert trainer.run() is RunStatus.LOST, trainer.report(0).error
+    report = trainer.report(0)
+    (said,) = [e.data for e in report.events if e.kind == "worker_not_started"]
+    assert said["device_id"] in {p.device.id for p in stages}, said
+    assert report.lost_devices == (said["device_id"],), report
+    assert "did not start within 3 s" in (report.error or ""), report.error
+    deadline = time.monotonic() + 30  # the workers that did start are stopped
+    while ray.available_resources().get(DEVICE_RESOURCE, 0.0) < 3:
+        assert time.monotonic() < deadline, f"devices still taken: {ray.available_resources()}"
+        time.sleep(0.2)
