@@ -3,9 +3,15 @@
 # a bare start each time: ../shared/gpu/README.md). From the project root, with .gpu/ made
 # by ../shared/gpu/prepare.sh and taken along:
 #
+#   bash tests/gpu_checks.sh all            # one call of at most 10 minutes: see below
 #   bash tests/gpu_checks.sh memory step    # results under $OUT (or /tmp/gpu-checks)
 #   bash tests/gpu_checks.sh sharp          # a call of its own: it takes up to 450 s
 #   bash tests/gpu_checks.sh tests          # the other tests marked gpu, up to 240 s
+#
+# `all` runs the memory tests and the SHARP bench at once (the tests measure their own
+# process's peaks, and end while the bench simulates and starts its two nodes: its timed
+# half may overlap their last seconds), then `shoal bench step` with as many rounds (3 at
+# most) as fit before ALL_S seconds (default 570) have passed since it began.
 #
 # Each check has its own time limit and its own files, so one that fails or runs long
 # leaves the others' results: machine.txt (GPU, driver, torch, CUDA, each check's exit
@@ -16,6 +22,7 @@
 # side stream, pinned memory, a worker's measured overhead, one stage's step on the GPU).
 set -u
 cd "$(dirname "$0")/.."
+began=$(date +%s)
 . .gpu/setup.sh
 export PYTHONUNBUFFERED=1
 out="${OUT:-/tmp/gpu-checks}"
@@ -28,25 +35,52 @@ mkdir -p "$out"
   nproc
 } >> "$out/machine.txt" 2>&1
 
+memory() {
+  timeout 150 python3 -m pytest -q -s -o addopts= -m gpu tests/workers/test_memory_on_gpu.py \
+    > "$out/memory.txt" 2>&1
+}
+
+step() {  # step [rounds [limit_s]]
+  timeout "${2:-300}" shoal bench step --device cuda --json --steps 20 --repeats 3 \
+    --rounds "${1:-3}" > "$out/step.json" 2> "$out/step.err"
+}
+
+sharp() {
+  timeout 450 shoal bench sharp --device cuda --json --steps 4 \
+    > "$out/sharp.json" 2> "$out/sharp.err"
+}
+
+tests() {
+  timeout 240 python3 -m pytest -q -o addopts= -m gpu tests/workers/pipeline/test_copier.py \
+    tests/workers/pipeline/test_stage_copies.py tests/workers/test_device_memory.py \
+    tests/workers/pipeline/test_peer_to_peer.py > "$out/tests.txt" 2>&1
+}
+
+ran() {  # ran check: runs it and notes its exit status
+  "$@"
+  echo "$1 rc $?" >> "$out/machine.txt"
+}
+
+all() {
+  ran memory &
+  ran sharp &
+  wait
+  local left=$((${ALL_S:-570} - ($(date +%s) - began)))
+  local rounds=$(((left - 30) / 100))  # a round of the step bench: about 100 s on an H100
+  if [ "$rounds" -ge 1 ]; then
+    ran step $((rounds > 3 ? 3 : rounds)) $((left - 10))
+  else
+    echo "step skipped: $left s left" >> "$out/machine.txt"
+  fi
+}
+
 for check in "$@"; do
   case "$check" in
-    memory)
-      timeout 150 python3 -m pytest -q -s -o addopts= -m gpu tests/workers/test_memory_on_gpu.py \
-        > "$out/memory.txt" 2>&1 ;;
-    step)
-      timeout 300 shoal bench step --device cuda --json --steps 20 --repeats 3 --rounds 3 \
-        > "$out/step.json" 2> "$out/step.err" ;;
-    sharp)
-      timeout 450 shoal bench sharp --device cuda --json --steps 4 \
-        > "$out/sharp.json" 2> "$out/sharp.err" ;;
-    tests)
-      timeout 240 python3 -m pytest -q -o addopts= -m gpu tests/workers/pipeline/test_copier.py \
-        tests/workers/pipeline/test_stage_copies.py tests/workers/test_device_memory.py \
-        tests/workers/pipeline/test_peer_to_peer.py > "$out/tests.txt" 2>&1 ;;
+    all) all ;;
+    memory | step | sharp | tests) ran "$check" ;;
     *)
-      echo "unknown check $check: use memory, step, sharp or tests" >&2
+      echo "unknown check $check: use all, memory, step, sharp or tests" >&2
       exit 2 ;;
   esac
-  echo "$check rc $?" >> "$out/machine.txt"
 done
 cat "$out/machine.txt"
