@@ -4,7 +4,7 @@ device alone for a while, and fails a job whose workers keep not starting, sayin
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import pytest
@@ -18,7 +18,12 @@ from shoal.workers.pipeline.worker_group import GroupFactory, WorkerNotStarted
 from shoal.workers.snapshot import RunnerEvent, StagePlan
 from tests.service.test_controller import (
     FOUR_DEVICES,
+    UNENDING,
+    RefusingFirstMove,
+    Resizable,
+    cancel_after,
     events,
+    growing_job,
     job,
     make_controller,
     owner,
@@ -97,6 +102,37 @@ def test_a_job_whose_workers_keep_not_starting_fails_saying_why(
     assert len(tried) == len(set(tried)) == MAX_RESTARTS + 1 == 4, starts
     error = job(session_factory, job_id).error or ""
     assert NOT_STARTED in error and "4 times without the job passing step 0" in error, error
+
+
+class NotStartingFirstMove(RefusingFirstMove):
+    """A LocalGroup whose first move's new worker is not built in time, as ``RayGroup``'s
+    is on a device held by something else (``WorkerNotStarted``)."""
+
+    def regroup(self, plans: Sequence[StagePlan], keep: Mapping[int, int]) -> None:
+        new = [p for w, p in enumerate(plans) if w not in keep]
+        if new and NotStartingFirstMove.refusals > 0:
+            NotStartingFirstMove.refusals -= 1
+            raise WorkerNotStarted(new[0].index, new[0].device.id, NOT_STARTED)
+        LocalGroup.regroup(self, plans, keep)
+
+
+@pytest.mark.integration
+def test_a_job_is_not_grown_again_onto_a_device_its_worker_did_not_start_on(
+    session_factory: SessionFactory, tmp_path: Path
+) -> None:
+    """A growth whose new worker is not built in time is that device's loss (recovered in
+    place); the controller's later growths leave the device alone (it asked for the same
+    devices again at the next tick before)."""
+    NotStartingFirstMove.refusals = 1
+    cluster = Resizable(InProcessCluster(FOUR_DEVICES, make_group=NotStartingFirstMove), 2)
+    controller = make_controller(session_factory, cluster, tmp_path)  # type: ignore[arg-type]
+    job_id = growing_job(session_factory, controller, steps=UNENDING)
+    cluster.devices = 4
+    history = cancel_after(session_factory, controller, job_id, "relayout_failed", more=10)
+    (said,) = [e.data for e in history if e.kind == "worker_not_started"]
+    failed = next(i for i, e in enumerate(history) if e.kind == "relayout_failed")
+    later = [e.data["devices"] for e in history[failed:] if e.kind == "resize"]
+    assert all(said["device_id"] not in devices for devices in later), (said, later)
 
 
 def not_started(device_id: str) -> RunnerEvent:
