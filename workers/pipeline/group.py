@@ -125,17 +125,13 @@ class RayGroup:
         self._link_count = 0
         self._device_keys: dict[str, str] = {}
         try:
-            self._start_ready(dict(enumerate(self._plans)), {})
-        except GroupTimeout:
-            late = self._late(dict(enumerate(self._plans)))
-            self.shutdown()
-            if late:
-                raise self._not_started(self._plans[late[0]]) from None
-            raise
-        except BaseException:
-            self.shutdown()
-            raise
-        try:
+            try:
+                self._start_ready(dict(enumerate(self._plans)), {})
+            except GroupTimeout:
+                late = self._late(dict(enumerate(self._plans)))
+                if late:
+                    raise self._not_started(self._plans[late[0]]) from None
+                raise
             self._form_collectives(start_timeout_s)
         except BaseException:
             self.shutdown()
