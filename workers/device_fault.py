@@ -44,6 +44,14 @@ def own_use(device: torch.device, what: str) -> Iterator[None]:
         raise DeviceFault(str(device), what, one_line(exc)) from exc
 
 
+def not_started_event(device_id: str, why: str, step: int) -> RunnerEvent:
+    """The event that says no worker started on device ``device_id`` in time, and why (its
+    device held by something else, say: not the device's fault); the control plane leaves
+    the device out of new placements for a while (``service.setbacks``)."""
+    message = f"the worker on device {device_id} did not start: {why}"
+    return RunnerEvent("worker_not_started", step, message, {"device_id": device_id, "reason": why})
+
+
 def set_aside_event(device_id: str, why: str, step: int) -> RunnerEvent:
     """The event that says device ``device_id`` was set aside and why; the control plane
     drains the device with its message (``service.reports``)."""

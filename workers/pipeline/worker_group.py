@@ -10,7 +10,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
-from shoal.workers.device_fault import set_aside_event
+from shoal.workers.device_fault import not_started_event, set_aside_event
 from shoal.workers.pipeline.stage_types import StageSetup
 from shoal.workers.snapshot import RunnerEvent, StagePlan
 
@@ -47,9 +47,7 @@ class WorkerNotStarted(StageLost):
     control plane places nothing new on the device for a while (``service.setbacks``)."""
 
     def event(self, step: int) -> RunnerEvent:
-        message = f"the worker on device {self.device_id} did not start: {self.reason}"
-        data = {"device_id": self.device_id, "reason": self.reason}
-        return RunnerEvent("worker_not_started", step, message, data)
+        return not_started_event(self.device_id, self.reason, step)
 
 
 class GroupTimeout(TimeoutError):

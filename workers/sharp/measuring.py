@@ -9,11 +9,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from shoal.scheduler.devices import Device
-from shoal.workers.device_fault import set_aside_event
+from shoal.workers.device_fault import not_started_event, set_aside_event
 from shoal.workers.device_memory import Overhead, device_memory_event
 from shoal.workers.device_speed import device_speed_event
 from shoal.workers.sharp.models import ModelRun
-from shoal.workers.sharp.shard_pool import HostPool, await_all
+from shoal.workers.sharp.shard_pool import HostPool, PoolTimeout, await_all
 from shoal.workers.sharp.shard_worker import DeviceFailed, ShardFailed
 
 
@@ -24,11 +24,16 @@ class Measurements:
         self._measured: dict[int, tuple[Overhead, float]] = {}
         self._said: set[int] = set()
         self.failed: dict[int, str] = {}
-        """Devices set aside, each with why: the executor loses them (``Recovering._lose``)."""
+        """Devices set aside or whose worker did not answer, each with why: the executor
+        loses them (``Recovering._lose``)."""
+        self.not_started: set[int] = set()
+        """Of ``failed``, those whose worker did not answer within the task timeout: held
+        by something else, or its node silent (``worker_not_started``, not set aside)."""
 
     def measure(self, pool: HostPool, hosts: Iterable[int], timeout: float) -> dict[int, float]:
         """Measure ``hosts`` not measured yet (a ``HostLost`` if one is gone); the GFLOP/s
-        of every device measured so far. One whose worker errs is set aside (``failed``)."""
+        of every device measured so far. One whose worker errs is set aside, one whose
+        worker does not answer within ``timeout`` is not started (both ``failed``)."""
         for host in [h for h in hosts if h not in self._measured and h not in self.failed]:
             # One at a time: benchmarks side by side would measure contention. Apart: an
             # answer read only after the benchmark would time it as the round trip.
@@ -39,6 +44,9 @@ class Measurements:
                 self.failed[host] = exc.reason
             except ShardFailed as exc:
                 self.failed[host] = f"its worker failed to measure it ({exc.method}: {exc.reason})"
+            except PoolTimeout:
+                self.failed[host] = f"its worker did not answer within {timeout:g} s"
+                self.not_started.add(host)
             else:
                 self._measured[host] = (overhead, gflops)
         return {host: gflops for host, (_, gflops) in self._measured.items()}
@@ -49,7 +57,8 @@ class Measurements:
         for host, why in sorted(self.failed.items()):
             if host not in self._said:
                 self._said.add(host)
-                model.record(set_aside_event(devices[host].id, why, model.step))
+                said = not_started_event if host in self.not_started else set_aside_event
+                model.record(said(devices[host].id, why, model.step))
         for host, (overhead, gflops) in sorted(self._measured.items()):
             if host in self._said:
                 continue

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pickle
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +19,8 @@ from shoal.scheduler.devices import Device
 from shoal.scheduler.types import DeviceId
 from shoal.workers.device_fault import own_use
 from shoal.workers.sharp import shard_host
-from shoal.workers.sharp.runner import SharpTrainer
-from shoal.workers.sharp.shard_pool import LocalPool
+from shoal.workers.sharp.runner import DEFAULT_TASK_TIMEOUT_S, SharpTrainer
+from shoal.workers.sharp.shard_pool import LocalPool, _Local
 from shoal.workers.sharp.shard_worker import DeviceFailed, ShardFailed
 from shoal.workers.snapshot import RunnerEvent, RunStatus
 from tests.workers.sharp.test_sharp_runner import (
@@ -61,12 +62,27 @@ class FailingDevicePool(RecordingPool):
         return super().submit(host, method, *args)
 
 
+class SilentDevicePool(RecordingPool):
+    """A RecordingPool whose second device's worker never answers (it was never granted
+    its device: held by something else)."""
+
+    def submit(self, host: int, method: str, *args: Any) -> Any:
+        if host == FAILING_HOST:
+            self.calls.append((host, method))
+            return _Local(host, method, Future())  # never done
+        return super().submit(host, method, *args)
+
+
 def train_beside_a_failing_device(
-    tmp_path: Path, pool_class: type[RecordingPool], trades: bool
+    tmp_path: Path,
+    pool_class: type[RecordingPool],
+    trades: bool,
+    kind: str = "device_set_aside",
+    task_timeout_s: float = DEFAULT_TASK_TIMEOUT_S,
 ) -> tuple[RecordingPool, str, list[RunnerEvent]]:
     """Two models trained by a SHARP executor on two devices, the second of which fails
     (``pool_class``'s pool): both SUCCEEDED, each exactly as alone; the pool, the failing
-    device's id and the models' ``device_set_aside`` events."""
+    device's id and the models' events of ``kind`` (which say why)."""
     snaps = [model(tmp_path, name, seed=i, steps=3) for i, name in enumerate("ab")]
     pool = devices()
     budgets = {d.id: budget_for_shards(snaps[0], 3) for d in pool}
@@ -76,7 +92,9 @@ def train_beside_a_failing_device(
         made.append(pool_class(devices, budgets))
         return made[-1]
 
-    trainer = SharpTrainer(snaps, pool, make_pool, budgets=budgets, trades=trades)
+    trainer = SharpTrainer(
+        snaps, pool, make_pool, budgets=budgets, trades=trades, task_timeout_s=task_timeout_s
+    )
     statuses = trainer.run()
     reports = {s.job_id: trainer.report(s.job_id, 0) for s in snaps}
     assert statuses == {"a": RunStatus.SUCCEEDED, "b": RunStatus.SUCCEEDED}, reports
@@ -86,9 +104,11 @@ def train_beside_a_failing_device(
         e.data["device_id"] for r in reports.values() for e in r.events if e.kind == "device_speed"
     ]
     assert speeds == [pool[0].id], speeds  # none said of the failing device
-    said = [e for r in reports.values() for e in r.events if e.kind == "device_set_aside"]
+    said = [e for r in reports.values() for e in r.events if e.kind == kind]
     failing = pool[FAILING_HOST].id
     assert [e.data["device_id"] for e in said] == [failing], said
+    others = {"device_set_aside", "worker_not_started"} - {kind}
+    assert not [e for r in reports.values() for e in r.events if e.kind in others], reports
     return made[0], failing, said
 
 
@@ -130,6 +150,25 @@ def test_a_device_a_worker_cannot_start_on_is_set_aside_and_the_models_train_exa
     assert said[0].message == (
         f"device {failing} was set aside: its worker failed as it started on it"
         f" (RuntimeError: {CUDA_ERROR})"
+    )
+    asked = made.asked_of_the_failing_device()
+    assert asked == ["overhead"], asked  # nothing more: no benchmark, no shard, no task
+
+
+@pytest.mark.unit
+def test_a_device_whose_worker_never_answers_is_lost_not_set_aside_and_said_not_started(
+    tmp_path: Path,
+) -> None:
+    """The second device's worker never answers its first call (its device held by
+    something else): after the task timeout the executor goes on without the device, the
+    models train exactly on the other, and the first says the worker did not start (the
+    control plane leaves the device alone a while; not the device's fault, so not drained).
+    Before, the executor failed with every model."""
+    made, failing, said = train_beside_a_failing_device(
+        tmp_path, SilentDevicePool, trades=True, kind="worker_not_started", task_timeout_s=5.0
+    )
+    assert said[0].message == (
+        f"the worker on device {failing} did not start: its worker did not answer within 5 s"
     )
     asked = made.asked_of_the_failing_device()
     assert asked == ["overhead"], asked  # nothing more: no benchmark, no shard, no task
