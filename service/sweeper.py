@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence, Set
 from functools import partial
 
 import sqlalchemy as sa
@@ -69,8 +69,12 @@ class Sweeper:
         default_quota: Quota,
         code_store: CodeStore | None = None,
         code_runner: CodeRunner | None = None,
+        unready: Callable[[], Set[str]] = frozenset,
     ) -> None:
         self._factory = factory
+        self._unready = unready
+        """The devices no worker started on lately, which placements leave alone
+        (``service.setbacks``)."""
         self._code_store = code_store
         self._code_runner = code_runner
         self._default_quota = default_quota
@@ -216,9 +220,10 @@ class Sweeper:
     ) -> list[Device] | None:
         """Devices for the sweep's executor among those free and its own (its owner's quota
         counting what it would hold instead of what it holds), off the nodes of devices it
-        lost lately; None if there are not enough."""
+        lost lately and off devices no worker started on lately (its own excepted); None
+        if there are not enough."""
         own = set(sweep.devices)
-        busy = (held_devices(session) - own) | draining_devices(session)
+        busy = ((held_devices(session) | self._unready()) - own) | draining_devices(session)
         suspect, since = self._suspect.get(sweep.id, (set(), 0.0))
         if time.monotonic() - since > SUSPECT_S:
             suspect = set()

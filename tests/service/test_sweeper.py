@@ -40,7 +40,7 @@ from shoal.service.sweepspec import SweepSpec, validate_sweep_spec
 from shoal.workers.reference import train_reference
 from shoal.workers.sharp.shard_pool import HostLost, LocalPool, _Local
 from shoal.workers.sharp.shard_worker import ShardFailed
-from shoal.workers.snapshot import DataRef, ModelRef, OptimizerConf
+from shoal.workers.snapshot import DataRef, ModelRef, OptimizerConf, RunnerEvent
 from tests.factories import sweep_spec
 from tests.service.test_controller import NODES, make_controller, owner, reconcile_until
 
@@ -570,3 +570,29 @@ def test_a_sweep_avoids_the_node_of_devices_it_lost_for_suspect_s_then_places_th
     chosen = placed()
     assert chosen is not None and len(chosen) == 2
     assert {d.node_id for d in chosen} >= {suspect}, chosen
+
+
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+def test_a_sweep_is_not_placed_on_a_device_no_worker_started_on_lately(
+    session_factory: SessionFactory, alice: Principal, tmp_path: Path
+) -> None:
+    """A device a worker did not start on (``worker_not_started``, ``service.setbacks``)
+    is left out of a sweep's placement as of a job's: with it, too few devices are left."""
+    controller = make_controller(session_factory, TwoNodes(), tmp_path)
+    sweep_id, _ = long_sweep(session_factory, alice)
+    devices = [Device(f"a-cpu-{i}", "a" * 56, i, "cpu", 2048, False) for i in range(3)]
+
+    def placed() -> list[Device] | None:
+        with session_factory() as session:
+            sweep = session.get(Sweep, sweep_id)
+            assert sweep is not None
+            spec = SweepSpec.model_validate(sweep.spec)
+            return controller._sweeper._placement(session, sweep, spec, devices)
+
+    said = RunnerEvent("worker_not_started", 0, "held", {"device_id": devices[0].id})
+    assert controller._setbacks.not_started([said])
+    chosen = placed()
+    assert chosen is not None and devices[0] not in chosen, chosen
+    said = RunnerEvent("worker_not_started", 0, "held", {"device_id": devices[1].id})
+    assert controller._setbacks.not_started([said])
+    assert placed() is None
