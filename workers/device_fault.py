@@ -1,7 +1,8 @@
 """A device that fails Shoal's own use of it: the warm-up a worker starting on it runs, or
 the benchmark that measures it. No model code runs in either, so the error is the device's
 (a failing GPU, whose CUDA calls raise), not a model's bug, and the device is set aside:
-the job or sweep goes on without it, and the control plane drains it, saying why.
+the job or sweep goes on without it, and the control plane drains it, saying why. A
+device no worker started on in time is lost too, but not drained (``not_started_event``).
 """
 
 from __future__ import annotations
