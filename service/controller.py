@@ -101,7 +101,7 @@ class Controller:
             config.default_quota,
             config.code_store,
             config.code_runner,
-            self._setbacks.unready,
+            unready=self._setbacks.unready,
         )
         self.last_tick: float | None = None
 

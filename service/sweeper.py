@@ -69,7 +69,8 @@ class Sweeper:
         default_quota: Quota,
         code_store: CodeStore | None = None,
         code_runner: CodeRunner | None = None,
-        unready: Callable[[], Set[str]] = frozenset,
+        *,
+        unready: Callable[[], Set[str]],
     ) -> None:
         self._factory = factory
         self._unready = unready

@@ -1147,10 +1147,13 @@ class RefusingFirstMove(LocalGroup):
 
     def regroup(self, plans: Sequence[StagePlan], keep: Mapping[int, int]) -> None:
         new = [p for w, p in enumerate(plans) if w not in keep]
-        if new and RefusingFirstMove.refusals > 0:
-            RefusingFirstMove.refusals -= 1
-            raise StageLost(new[0].index, new[0].device.id, CANNOT_HOST)
+        if new and type(self).refusals > 0:
+            type(self).refusals -= 1
+            raise self.refusal(new[0])
         super().regroup(plans, keep)
+
+    def refusal(self, plan: StagePlan) -> StageLost:
+        return StageLost(plan.index, plan.device.id, CANNOT_HOST)
 
 
 def test_a_job_whose_move_failed_is_moved_again(

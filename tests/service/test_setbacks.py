@@ -4,7 +4,7 @@ device alone for a while, and fails a job whose workers keep not starting, sayin
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -14,7 +14,7 @@ from shoal.service.db.session import SessionFactory
 from shoal.service.setbacks import MAX_RESTARTS, UNREADY_S, Setbacks
 from shoal.workers.pipeline.local_group import LocalGroup
 from shoal.workers.pipeline.stage_types import StageSetup
-from shoal.workers.pipeline.worker_group import GroupFactory, WorkerNotStarted
+from shoal.workers.pipeline.worker_group import GroupFactory, StageLost, WorkerNotStarted
 from shoal.workers.snapshot import RunnerEvent, StagePlan
 from tests.service.test_controller import (
     FOUR_DEVICES,
@@ -105,15 +105,11 @@ def test_a_job_whose_workers_keep_not_starting_fails_saying_why(
 
 
 class NotStartingFirstMove(RefusingFirstMove):
-    """A LocalGroup whose first move's new worker is not built in time, as ``RayGroup``'s
-    is on a device held by something else (``WorkerNotStarted``)."""
+    """A RefusingFirstMove whose refused move's new worker is not built in time, as
+    ``RayGroup``'s is on a device held by something else (``WorkerNotStarted``)."""
 
-    def regroup(self, plans: Sequence[StagePlan], keep: Mapping[int, int]) -> None:
-        new = [p for w, p in enumerate(plans) if w not in keep]
-        if new and NotStartingFirstMove.refusals > 0:
-            NotStartingFirstMove.refusals -= 1
-            raise WorkerNotStarted(new[0].index, new[0].device.id, NOT_STARTED)
-        LocalGroup.regroup(self, plans, keep)
+    def refusal(self, plan: StagePlan) -> StageLost:
+        return WorkerNotStarted(plan.index, plan.device.id, NOT_STARTED)
 
 
 @pytest.mark.integration
