@@ -209,9 +209,7 @@ class Chaos:
             sweep = self.api.get(f"/sweeps/{self.sweep_id}")
             lines.append(f"sweep {sweep['state']}: {sweep['error']}")
             for job in self.jobs():
-                events = [
-                    f"{e['kind']}: {e['message']}" for e in self.api.items(job["id"], "events")
-                ]
+                events = [f"{e['kind']}: {e['message']}" for e in self.api.events(job["id"])]
                 lines.append(
                     f"{job['name']} {job['state']} step {job['step']}/{job['steps']}"
                     f" on {job['devices']}: {events[-4:]}"
@@ -433,7 +431,7 @@ def test_every_fault_at_once_leaves_every_job_exact_and_every_submission_once(
                 assert job["step"] == spec["steps"], (job["name"], job["step"])
             # A cancelled pipeline: the steps it trained (plain SGD: a prefix of its run).
             assert_exact(api, job["id"], {**spec, "steps": job["step"]})
-            events = api.items(job["id"], "events")
+            events = api.events(job["id"])
             # A lost device costs at most the steps since the last checkpoint (both stages'
             # devices on one node: their in-memory copies went with it), or, recovered in
             # place, at most the steps since the latest copy the runner confirmed held.

@@ -118,6 +118,13 @@ class Api:
         items: list[Json] = self.get(f"/jobs/{job_id}/{what}", **params)["items"]
         return items
 
+    def events(self, job_id: str) -> list[Json]:
+        """Every event of the job, page after page."""
+        rows: list[Json] = []
+        while page := self.items(job_id, "events", since_id=rows[-1]["id"] if rows else 0):
+            rows += page
+        return rows
+
     def metrics(self, job_id: str) -> list[Json]:
         """Every metric row of the job, page after page."""
         rows: list[Json] = []
@@ -139,7 +146,7 @@ class Api:
         """The job's state and events and the control plane's last log lines: what a failed
         wait shows."""
         job = self.job(job_id)
-        events = "\n".join(f"  {e['kind']}: {e['message']}" for e in self.items(job_id, "events"))
+        events = "\n".join(f"  {e['kind']}: {e['message']}" for e in self.events(job_id))
         return (
             f"job {job_id}: {job['state']} at step {job['step']}, attempt {job['attempt']},"
             f" error {job['error']!r}\nevents:\n{events}\n{self.shoal.tail()}"
@@ -206,7 +213,7 @@ def test_a_job_submitted_with_curl_trains_and_shows_everywhere(
     assert job["last_loss"] == losses[-1]
     assert all(m["samples_per_s"] > 0 and len(m["stages"]) == 2 for m in metrics)
 
-    events = api.items(job_id, "events")
+    events = api.events(job_id)
     assert state_changes(events) == [
         (None, "QUEUED"),
         ("QUEUED", "RUNNING"),
@@ -364,7 +371,7 @@ def test_a_restarted_shoal_up_adopts_its_local_ray_and_the_running_job(
         report = api.report(job_id)
         assert job["attempt"] == 1 and job["step"] == spec["steps"], report
         assert job["error"] is None, report
-        events = api.items(job_id, "events")
+        events = api.events(job_id)
         assert [e["kind"] for e in events].count("placement") == 1, f"two runners:\n{report}"
         assert state_changes(events) == [
             (None, "QUEUED"),

@@ -75,7 +75,7 @@ def test_a_sweep_of_models_larger_than_a_device_runs_on_shared_devices_and_prune
         lines = []
         for t in api.get(f"/sweeps/{sweep_id}")["trials"]:
             job = api.job(t["job_id"])
-            events = [f"{e['kind']}: {e['message']}" for e in api.items(job["id"], "events")]
+            events = [f"{e['kind']}: {e['message']}" for e in api.events(job["id"])]
             lines.append(f"trial {t['number']} {t['state']} step {job['step']}: {events[-3:]}")
         return "\n".join(lines) + "\n" + shoal.tail(120)
 
@@ -94,12 +94,12 @@ def test_a_sweep_of_models_larger_than_a_device_runs_on_shared_devices_and_prune
     for trial in trials:
         job = api.job(trial["job_id"])
         assert job["spec"]["optimizer"]["lr"] == trial["params"]["optimizer.lr"]
-        (placement,) = [e for e in api.items(job["id"], "events") if e["kind"] == "placement"]
+        (placement,) = [e for e in api.events(job["id"]) if e["kind"] == "placement"]
         assert placement["data"]["executor"] == "sharp"
         shards = placement["data"]["stages"]
         assert len(shards) >= 2 and sum(s["bytes"] for s in shards) > budget
         assert {s["device_id"] for s in shards} <= pool
-        lost = [e for e in api.items(job["id"], "events") if e["kind"] == "device_lost"]
+        lost = [e for e in api.events(job["id"]) if e["kind"] == "device_lost"]
         recoveries += len(lost)
         assert all(e["data"]["steps_replayed"] <= e["data"]["most_replayed"] for e in lost), [
             e["message"] for e in lost

@@ -253,7 +253,7 @@ def test_a_node_lost_under_a_users_own_model_is_recovered_in_place_exactly(
     api.wait_state(job.id, lambda j: j["step"] >= 10, "ten steps")
     stop_node(up, "cpu-b", graceful=False)
     api.wait_state(job.id, lambda j: j["state"] == "SUCCEEDED", "the job to succeed")
-    kinds = [e["kind"] for e in api.items(job.id, "events")]
+    kinds = [e["kind"] for e in api.events(job.id)]
     assert "device_lost" in kinds and "recovered" in kinds, kinds
     metrics = api.metrics(job.id)
     assert [m["step"] for m in metrics] == list(range(1, spec["steps"] + 1))
