@@ -16,10 +16,12 @@ and ``scheduler.simulate`` runs the same code on a modelled cluster.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
+from functools import partial
 from typing import TypeAlias
 
 from shoal.scheduler.cut import Model, Slot, cut
@@ -51,7 +53,9 @@ class Shard:
     """Blocks ``[start, stop)`` of a model: reference seconds of its forward and backward
     tasks, the bytes of its state (parameters, gradients, optimizer state: what a promotion
     copies in) and of what its task allocates on the device besides (activations, autocast's
-    weight copies, backward temporaries: ``scheduler.memory``), not copied."""
+    weight copies, backward temporaries: ``scheduler.memory``), not copied; of both, what its
+    micro-batches keep from its forward to its backward and what only a task holds as it
+    runs (gradients, temporaries, what a backward recomputes)."""
 
     index: int
     blocks: BlockRange
@@ -59,6 +63,8 @@ class Shard:
     backward_s: float
     state_bytes: int
     activation_bytes: int
+    kept_bytes: int = 0
+    work_bytes: int = 0
 
     @property
     def bytes(self) -> int:
@@ -131,19 +137,22 @@ def _shard(
     forward_fraction: float,
 ) -> Shard:
     recompute = workload.recompute
-    need = stage_memory(
+    memory = partial(
+        stage_memory,
         costs,
         blocks,
         micro_batch_size=workload.micro_batch_size,
-        in_flight=workload.micro_batches,
         recompute=recompute,
         precision=workload.precision,
     )
-    work = sum(c.fwd_bwd_s for c in costs[blocks[0] : blocks[1]])
-    forward = forward_fraction * work
-    backward = work - forward + (forward if recompute else 0.0)
+    need, bare = memory(in_flight=workload.micro_batches), memory(in_flight=0)
+    kept = need.total - bare.total
+    seconds = sum(c.fwd_bwd_s for c in costs[blocks[0] : blocks[1]])
+    forward = forward_fraction * seconds
+    backward = seconds - forward + (forward if recompute else 0.0)
     state = need.params + need.grads + need.optimizer
-    return Shard(index, blocks, forward, backward, state, need.total - state)
+    work = bare.total - bare.params - bare.optimizer  # with no micro-batch's keeps
+    return Shard(index, blocks, forward, backward, state, need.total - state, kept, work)
 
 
 def _even_out(model: Model, count: int, half: int, slowest: float) -> list[int] | None:
@@ -189,13 +198,11 @@ def _fewest_shards(model: Model, half: int, budget: int) -> int:
             need = model.memory(end, end + 1, flight)
             raise ShardError(
                 f"block {end} needs {format_bytes(need)} (parameters, gradients, optimizer"
-                f" state and what {flight} micro-batch(es) of"
-                f" {model.workload.micro_batch_size} samples keep for the backward, and a"
-                " backward's temporaries) but a"
-                f" SHARP shard may use at most {format_bytes(half)}, half of the smallest"
-                f" device's {format_bytes(budget)} (the other half holds the prefetched next"
-                " shard); use smaller micro-batches, recompute: true, or devices with more"
-                " memory"
+                f" state and what {flight} micro-batch(es) of {model.workload.micro_batch_size}"
+                " samples keep for the backward, and a backward's temporaries) but a SHARP"
+                f" shard may use at most {format_bytes(half)}, half of the smallest device's"
+                f" {format_bytes(budget)} (the other half holds the prefetched next shard); use"
+                " smaller micro-batches, recompute: true, or devices with more memory"
             )
         count, end = count + 1, furthest
     return count
@@ -247,10 +254,8 @@ class ModelPlan:
         if [s.index for s in self.shards] != list(range(len(self.shards))):
             raise ValueError(f"model {self.model}: shards must be indexed 0..k-1 in order")
         times = [self.task_s(r) for r in range(2 * len(self.shards))]
-        suffix = [0.0] * (len(times) + 1)
-        for r in range(len(times) - 1, -1, -1):
-            suffix[r] = suffix[r + 1] + times[r]
-        object.__setattr__(self, "_suffix", tuple(suffix))
+        suffix = tuple(itertools.accumulate(reversed(times), initial=0.0))[::-1]
+        object.__setattr__(self, "_suffix", suffix)
 
     @property
     def tasks(self) -> int:
@@ -284,12 +289,8 @@ class ModelPlan:
 
     def task_s(self, position: int) -> float:
         """Reference seconds of the task at ``position``."""
-        shard = self.shard_at(position)
-        return (
-            shard.forward_s
-            if position % (2 * len(self.shards)) < len(self.shards)
-            else (shard.backward_s)
-        )
+        shard, forward = self.shard_at(position), position % (2 * len(self.shards))
+        return shard.forward_s if forward < len(self.shards) else shard.backward_s
 
     def open_forward_s(self, position: int) -> float:
         """Reference seconds of the forwards whose backward is still to come once the
@@ -455,8 +456,7 @@ def assign_run(
     if length > 1:
         last = progress(plan, at + length - 1, ratio=current.ratio, last_run=current.last_run)
         others = [p for p in runnable if p.model != model]
-        stamp = sequence + length - 1
-        after = lookahead(policy, device, last, plans, others, stamp=stamp)
+        after = lookahead(policy, device, last, plans, others, stamp=sequence + length - 1)
     if after is not None and homes[after.model][after.shard] != host:
         after = None
     tasks = [plan.task(at + i) for i in range(length)]

@@ -3,12 +3,16 @@
 the models taking turns task by task, the next task's shard prefetched).
 
 ``alternate`` runs it and returns the most the host accounted for at once (its resident
-shards, each at what its tasks were planned to need, and the kept tensors of shards demoted
-between a forward and a backward) and the number of tasks run; the GPU test compares that
-with the allocator's peak.
+shards: the running task's at all it was planned to need, the others at their state and
+what their micro-batches in flight keep; and the kept tensors of shards demoted between a
+forward and a backward) and the number of tasks run; the GPU test compares that with the
+allocator's peak.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeAlias
 
 import torch
 
@@ -24,7 +28,8 @@ from shoal.workers.wire import Wire, send
 from shoal.workers.zoo.data import make_data
 from tests.workers.memory_cases import MICRO_BATCHES
 
-GPT = (
+Case: TypeAlias = tuple[ModelRef, DataRef, int]
+GPT: Case = (
     ModelRef("gpt", None, {"d_model": 512, "n_layers": 8, "n_heads": 8}),
     DataRef("synthetic-lm", None, {"vocab_size": 256, "seq_len": 128}),
     32,
@@ -33,10 +38,10 @@ MODELS = {"a": 1, "b": 2}
 """The two models (same shape, different seeds) and their seeds."""
 
 
-def shards_for(precision: str, recompute: bool) -> tuple[tuple[Shard, ...], int]:
+def shards_for(precision: str, recompute: bool, case: Case = GPT) -> tuple[tuple[Shard, ...], int]:
     """The model's shards under a device budget of 3/4 of what the whole model needs on
     one device (so it takes several), and that budget."""
-    model, data, batch = GPT
+    model, data, batch = case
     rows = batch // MICRO_BATCHES
     costs = trace_costs(model, data, micro_batch_size=rows, optimizer="adamw", precision=precision)
     whole = stage_memory(
@@ -60,13 +65,20 @@ def shards_for(precision: str, recompute: bool) -> tuple[tuple[Shard, ...], int]
 
 
 def alternate(
-    device: Device, precision: str, recompute: bool, steps: int = 2
+    device: Device,
+    precision: str,
+    recompute: bool,
+    steps: int = 2,
+    probe: Callable[[ShardKey, dict[str, Any]], None] | None = None,
+    case: Case = GPT,
 ) -> tuple[ShardHost, int, int]:
     """Train both models ``steps`` steps on one host; the host, the most it accounted for
-    at once (after each task: what it held through that task) and the tasks run."""
-    model, data, batch = GPT
+    at once (after each task: what it held through that task) and the tasks run. ``probe``
+    is called after each task with its shard and what the host holds then (``held``); ``case``
+    the model, its data and the batch size."""
+    model, data, batch = case
     rows = batch // MICRO_BATCHES
-    shards, budget = shards_for(precision, recompute)
+    shards, budget = shards_for(precision, recompute, case)
     host = ShardHost(device, budget)
     source = make_data(data, 0)
     for name, seed in MODELS.items():
@@ -80,7 +92,8 @@ def alternate(
             precision=precision,
         )
         for shard in shards:
-            host.add((name, shard.index), setup, shard.blocks, shard.bytes)
+            key, kept, work = (name, shard.index), shard.kept_bytes, shard.work_bytes
+            host.add(key, setup, shard.blocks, shard.bytes, kept=kept, work=work)
     count = len(shards)
     order = [(name, t) for t in range(2 * count) for name in MODELS]
     accounted, tasks = 0, 0
@@ -103,8 +116,11 @@ def alternate(
             else:
                 carried[name], _ = host.backward(key, carried[name], prefetch)
             held = host.held()
-            accounted = max(accounted, held["resident_bytes"] + held["residue_bytes"])
+            now = held["resident_bytes"] + held["residue_bytes"]
+            accounted = max(accounted, now)
             tasks += 1
+            if probe is not None:
+                probe(key, held)
     if device.gpu:
         torch.cuda.synchronize()
     return host, accounted, tasks

@@ -135,7 +135,19 @@ def test_a_sharp_device_holds_what_it_accounted_for_never_more_and_at_most_15_pe
     workspace = workspace_bytes(device)
     torch.cuda.reset_peak_memory_stats(device)
     gpu = Device("gpu-0", "node-0", 0, "gpu", 40960, gpu=True)
-    host, accounted, tasks = alternate(gpu, precision, recompute)
+    trace: list[str] = []  # per task, for a failure: where the device went past the account
+
+    def probe(key: ShardKey, held: dict[str, Any]) -> None:
+        torch.cuda.synchronize(device)
+        now = held["resident_bytes"] + held["residue_bytes"]
+        trace.append(
+            f"  {key}: accounted {format_bytes(now)}, allocated"
+            f" {format_bytes(torch.cuda.memory_allocated(device))}, peak allocated"
+            f" {format_bytes(torch.cuda.max_memory_allocated(device))}, peak reserved"
+            f" {format_bytes(torch.cuda.max_memory_reserved(device))}"
+        )
+
+    host, accounted, tasks = alternate(gpu, precision, recompute, probe=probe)
     peak = int(torch.cuda.max_memory_reserved(device))
     allocated = int(torch.cuda.max_memory_allocated(device))
     predicted = accounted + workspace
@@ -146,7 +158,8 @@ def test_a_sharp_device_holds_what_it_accounted_for_never_more_and_at_most_15_pe
         f" ({predicted / peak:.3f}x), peak allocated {format_bytes(allocated)}"
     )
     print(state)  # docs/architecture.md reads them (pytest -s)
-    assert peak <= predicted <= 1.15 * peak, state
+    assert peak <= predicted <= 1.15 * peak, "\n".join([state, *trace])
+    assert accounted <= host.budget_bytes, "\n".join([state, *trace])
 
 
 def test_sharp_shards_through_pinned_host_memory_train_as_on_the_host() -> None:

@@ -372,10 +372,9 @@ class ModelRun:
         it now is dropped first."""
         setup = StageSetup.of(self.snap, self.data.meta)
         key = (self.snap.job_id, shard.index)
-        state = part(shard, blocks)
-        return pool.submit(
-            host, "add", key, setup, shard.blocks, shard.bytes, state, again, time.time()
-        )
+        sizes = (shard.kept_bytes, shard.work_bytes)
+        args = (shard.blocks, shard.bytes, part(shard, blocks), again, *sizes, time.time())
+        return pool.submit(host, "add", key, setup, *args)
 
     def take(
         self, pool: HostPool, host: int, shard: Shard, handover: Any, *, again: bool = False
@@ -385,7 +384,8 @@ class ModelRun:
         setup = StageSetup.of(self.snap, self.data.meta)
         key, last = (self.snap.job_id, shard.index), shard.index == len(self.plan.shards) - 1
         targets = self.targets if last else None
-        args = (setup, shard.blocks, shard.bytes, handover, targets, self.scale, again, time.time())
+        taken = (handover, targets, self.scale, again, shard.kept_bytes, shard.work_bytes)
+        args = (setup, shard.blocks, shard.bytes, *taken, time.time())
         return pool.submit(host, "take", key, *args)
 
     def placement(self, devices: Sequence[Device]) -> RunnerEvent:

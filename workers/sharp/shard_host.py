@@ -86,9 +86,10 @@ class ShardHost:
         self._shards: dict[ShardKey, Stage] = {}
         self._saves: dict[ShardKey, MovableSaves] = {}
         self._pinned: dict[ShardKey, PinnedState] = {}
-        self._built: dict[ShardKey, tuple[StageSetup, tuple[int, int], int]] = {}
+        self._planned: dict[ShardKey, tuple[int, int, int]] = {}  # add's sizes of each shard
         self._resident: OrderedDict[ShardKey, int] = OrderedDict()
-        """Shards on the device and the bytes each takes there, least recently used first."""
+        """Shards on the device and the bytes of their state there, least recently used first."""
+        self._running: ShardKey | None = None  # the shard of the task running, or last run
         self._stash: dict[tuple[str, int], list[torch.Tensor | None]] = {}
         """Outputs of tasks whose model's next task runs here, by (model, that task's
         position): they stay on the device (``keep``) until it takes them."""
@@ -113,14 +114,15 @@ class ShardHost:
         planned: int,
         state: Mapping[int, Any] | None = None,
         again: bool = False,
+        kept: int = 0,
+        work: int = 0,
     ) -> int:
         """Hold shard ``key`` (blocks ``[start, stop)`` of the model ``setup`` builds) in host
-        memory, from ``state`` (block states by index) or freshly initialised. On the device
-        it takes what ``scheduler.sharp`` planned it to need there (``planned``: its state,
-        gradients, the activations its tasks keep, autocast's copies, a backward's
-        temporaries), not its state alone: the shards kept resident leave its tasks that
-        room. The bytes it takes there. ``again``: whatever this host holds of it is dropped
-        first (a rollback: it may have been handed here, or never have arrived)."""
+        memory, from ``state`` (block states by index) or freshly initialised. On the device its
+        task takes ``planned`` (``scheduler.sharp``: state, gradients, activations, autocast's
+        copies, temporaries); between tasks it keeps ``kept`` of that while micro-batches are
+        in flight, never ``work``. The bytes it takes there. ``again``: whatever this host holds
+        of it is dropped first (a rollback: it may have been handed here, or never arrived)."""
         if again and key in self._shards:
             self.drop(key)
         if key in self._shards:
@@ -133,7 +135,7 @@ class ShardHost:
         self._shards[key] = stage
         self._saves[key] = MovableSaves(lambda: _parameters(stage))
         self._pinned[key] = PinnedState(stage.blocks, self._spares)
-        self._built[key] = (setup, blocks, planned)
+        self._planned[key] = (planned, kept, work)
         return max(stage.nbytes(), planned)
 
     def copy(self, key: ShardKey, step: int, number: int) -> None:
@@ -183,11 +185,7 @@ class ShardHost:
         stage = self._stage(key)
         self._settle()
         kept = stage.in_flight.inputs()
-        outputs = self._stash.pop((key[0], stashed), None) if stashed is not None else []
-        if outputs is None:
-            raise StageStateError(
-                f"no outputs are kept on {self.device.id} for task {stashed} of model {key[0]}"
-            )
+        outputs = self._unstash(key[0], stashed) if stashed is not None else []
         sent = [x for x, _, _ in kept.values()] + [t for t in outputs if t is not None]
         handover = Handover(
             send_tree(stage.state()),
@@ -209,19 +207,21 @@ class ShardHost:
         targets: Sequence[Wire] | None = None,
         scale: float = 1.0,
         again: bool = False,
+        kept: int = 0,
+        work: int = 0,
     ) -> int:
         """Hold shard ``key`` as ``handover`` has it (another host's ``give``, or the
         executor's rebuild after a loss): its states loaded, each micro-batch in flight
         kept for its backward (``targets`` and ``scale``: the loss's, the model's last
         shard's), its forward run again here under the RNG it first ran under unless the
         backward recomputes it, and the outputs kept for its model's next task kept here.
-        The bytes it takes on the device, as ``add`` (``again`` as there)."""
+        The bytes it holds on the device, as ``add`` (``again``, ``kept`` and ``work`` as there)."""
         if handover.loss and targets is None:
             raise StageStateError(f"shard {key} is handed over mid-loss without its targets")
         missing = sorted(set(handover.inputs) - set(handover.replays))
         if missing:
             raise StageStateError(f"shard {key} is handed over without the RNG of {missing}")
-        size = self.add(key, setup, blocks, planned, handover.state, again)
+        size = self.add(key, setup, blocks, planned, handover.state, again, kept, work)
         stage, host = self._shards[key], self._host
         graphs = stage.in_flight.keeps_graphs
         if handover.inputs and graphs:
@@ -251,7 +251,7 @@ class ShardHost:
         del self._shards[key]
         del self._saves[key]
         del self._pinned[key]
-        del self._built[key]
+        del self._planned[key]
 
     def overhead(self) -> Overhead:
         """What the device held for this worker before any shard, and how it was measured."""
@@ -270,7 +270,7 @@ class ShardHost:
         return {
             "shards": sorted(self._shards),
             "resident": list(self._resident),
-            "resident_bytes": sum(self._resident.values()),
+            "resident_bytes": sum(self._held(k, size) for k, size in self._resident.items()),
             "residue_bytes": sum(self._residue.values()),
             "stash_bytes": self._stash_bytes(),
             "budget_bytes": self.budget_bytes,
@@ -363,22 +363,19 @@ class ShardHost:
     def _take(self, model: str, inputs: Inputs, stage: Stage) -> list[torch.Tensor | None]:
         """A task's input tensors on the device: from the stash, or received."""
         if isinstance(inputs, Stashed):
-            kept = self._stash.pop((model, inputs.position), None)
-            if kept is None:
-                raise StageStateError(
-                    f"no outputs are kept on {self.device.id} for task {inputs.position} of"
-                    f" model {model}"
-                )
-            return kept
+            return self._unstash(model, inputs.position)
         return [None if x is None else receive(x, stage.device) for x in inputs]
 
+    def _unstash(self, model: str, position: int) -> list[torch.Tensor | None]:
+        kept = self._stash.pop((model, position), None)
+        if kept is None:
+            raise StageStateError(
+                f"no outputs are kept on {self.device.id} for task {position} of model {model}"
+            )
+        return kept
+
     def _hand_on(
-        self,
-        model: str,
-        outputs: Sequence[torch.Tensor | None],
-        keep: int | None,
-        *,
-        copy: bool,
+        self, model: str, outputs: Sequence[torch.Tensor | None], keep: int | None, *, copy: bool
     ) -> Outputs:
         """Outputs for the model's next task: kept here (on the device) when it runs here,
         else in wire form. A forward's output is copied: the shard that made it still
@@ -392,12 +389,8 @@ class ShardHost:
         return []
 
     def _stash_bytes(self) -> int:
-        return sum(
-            t.numel() * t.element_size()
-            for kept in self._stash.values()
-            for t in kept
-            if t is not None
-        )
+        kept = [t for outputs in self._stash.values() for t in outputs if t is not None]
+        return sum(t.numel() * t.element_size() for t in kept)
 
     # ------------------------------------------------------------ promotion (spilling)
 
@@ -409,6 +402,7 @@ class ShardHost:
 
     def _begin(self, key: ShardKey, prefetch: ShardKey | None) -> tuple[Stage, int]:
         """Promote ``key`` (and start promoting ``prefetch``, which must leave room for it)."""
+        self._running = key
         promoted = self._promote(key, keep=(), optional=False)
         if self._side is not None:
             torch.cuda.current_stream(self._target).wait_stream(self._side)
@@ -422,23 +416,25 @@ class ShardHost:
         those in ``keep``) until it fits beside the demoted shards' residue; the bytes
         copied (0 when it was there). An ``optional`` promotion (a prefetch) with no room
         does nothing; a task's own shard goes on the device whatever residue is left."""
-        stage = self._stage(key)
-        if key in self._resident:
+        resident = key in self._resident
+        copied = 0 if resident else self._stage(key).nbytes()
+        planned, kept, work = self._planned[key]
+        size = self._resident.get(key, max(copied, planned - kept - work))
+        if size + kept + work > self.budget_bytes:
+            raise BudgetError(
+                f"shard {key} needs {size + kept + work} bytes, more than {self.device.id}'s"
+                f" budget of {self.budget_bytes}"
+            )
+        need = 0 if resident else self._held(key, size)  # a resident one's is counted
+        for other in list(self._resident):
+            if self._used() + need <= self.budget_bytes:
+                break
+            if other not in keep and other != key:
+                self._demote(other)
+        if resident:
             self._resident.move_to_end(key)
             return 0
-        copied = stage.nbytes()
-        size = max(copied, self._built[key][2])
-        if size > self.budget_bytes:
-            raise BudgetError(
-                f"shard {key} needs {size} bytes, more than {self.device.id}'s budget of"
-                f" {self.budget_bytes}"
-            )
-        for other in list(self._resident):
-            if self._used() + size <= self.budget_bytes:
-                break
-            if other not in keep:
-                self._demote(other)
-        if optional and self._used() + size > self.budget_bytes:
+        if optional and self._used() + need > self.budget_bytes:
             return 0  # a prefetch with no room: the shard is promoted when its task comes
         self._residue.pop(key, None)  # its kept tensors are part of its size again
         self._move(key, self._target)
@@ -446,16 +442,23 @@ class ShardHost:
         return copied
 
     def _used(self) -> int:
-        held = sum(self._resident.values()) + sum(self._residue.values())
-        return held + self._stash_bytes()
+        held = sum(self._held(k, size) for k, size in self._resident.items())
+        return held + sum(self._residue.values()) + self._stash_bytes()
+
+    def _held(self, key: ShardKey, state: int) -> int:
+        """Shard ``key``'s bytes on the device, ``state`` of its state: its task's while it
+        runs, else with what its micro-batches in flight keep."""
+        _, kept, work = self._planned[key]
+        if key == self._running:
+            return state + kept + work
+        return state + (kept if self._shards[key].in_flight.inputs() else 0)
 
     def _demote(self, key: ShardKey) -> None:
         if self._resident.pop(key, None) is not None:
             if self._side is not None:  # its copy reads the device memory the move frees
                 self._shards[key].copier.settle()
             self._move(key, self._host)
-            kept = self._shards[key].in_flight.nbytes()
-            if kept:
+            if kept := self._shards[key].in_flight.nbytes():
                 self._residue[key] = kept
 
     def _move(self, key: ShardKey, device: torch.device) -> None:
@@ -472,8 +475,7 @@ class ShardHost:
         stage.device = device
 
     def _settle(self) -> None:
-        """Wait for the copies under way on the side stream: before the host reads a shard
-        it has sent back to host memory."""
+        """Wait for the side stream's copies: before the host reads a shard it sent back."""
         if self._side is not None:
             self._side.synchronize()
 
