@@ -61,6 +61,21 @@ def measure_overhead(device: torch.device) -> Overhead:
     return Overhead(total - free, "device")
 
 
+def grow_segments_in_place(device: torch.device) -> None:
+    """Have PyTorch's caching allocator grow its memory segments in place
+    (``expandable_segments``) in this process, where ``device`` is a GPU. A SHARP device
+    alternates shards and activations of many sizes: with fixed segments, a free block too
+    small for the next request stays reserved beside the new segment made for it, memory
+    that no account of what the device holds names (on an H200, without it, two of the four
+    SHARP cases of the GPU memory test reserved more than their host accounted for:
+    docs/architecture.md, "Memory"). Call it before the process's
+    first allocation: segments made before keep their kind. (PyTorch sets it at run time
+    only by a private call, the one ``torch.cuda.memory._set_allocator_settings`` points to
+    since it was deprecated; ``PYTORCH_CUDA_ALLOC_CONF`` is read once, too early here.)"""
+    if device.type == "cuda":
+        torch._C._accelerator_setAllocatorSettings("expandable_segments:True")
+
+
 def _warm_up(device: torch.device) -> None:
     """What a stage's first step initialises besides its own tensors: the context, the
     matrix-product libraries and their workspaces, in float32 and under bf16 autocast."""

@@ -148,7 +148,11 @@ class InFlight:
         """Forget every micro-batch in flight (a rollback)."""
         self._kept.clear()
 
+    def tensors(self) -> list[Tensor]:
+        """The inputs and outputs kept (a replay keeps no output)."""
+        kept = (t for k in self._kept.values() for t in (k.input, k.output))
+        return [t for t in kept if isinstance(t, Tensor)]
+
     def nbytes(self) -> int:
         """Bytes of the inputs and outputs kept (memory accounting)."""
-        kept = [t for k in self._kept.values() for t in (k.input, k.output)]
-        return sum(t.numel() * t.element_size() for t in kept if isinstance(t, Tensor))
+        return sum(t.numel() * t.element_size() for t in self.tensors())

@@ -48,10 +48,16 @@ class _Box:
 
 
 class MovableSaves:
-    """Saved-tensor hooks for the forwards of a shard whose parameters are ``params``."""
+    """Saved-tensor hooks for the forwards of a shard whose parameters are ``params``; the
+    tensors its micro-batches keep on the device whatever moves are ``staying``."""
 
-    def __init__(self, params: Callable[[], Iterable[Tensor]]) -> None:
+    def __init__(
+        self,
+        params: Callable[[], Iterable[Tensor]],
+        staying: Callable[[], Iterable[Tensor]] = tuple,
+    ) -> None:
         self._params = params
+        self._staying = staying
         self._boxes: weakref.WeakSet[_Box] = weakref.WeakSet()
         """Boxes of graphs still alive (autograd drops them once their backward ran)."""
 
@@ -70,34 +76,60 @@ class MovableSaves:
         return box
 
     def held(self) -> int:
-        """Bytes of saved activations still waiting for their backward."""
-        return sum(b.tensor.numel() * b.tensor.element_size() for b in self._boxes)
+        """Bytes of saved activations still waiting for their backward (each storage once)."""
+        storages = {_storage(b.tensor): b.tensor.untyped_storage() for b in self._boxes}
+        return sum(s.nbytes() for s in storages.values())
 
     def to(self, device: torch.device, *, stream: torch.cuda.Stream | None = None) -> None:
         """Move the saved activations to ``device``; on a GPU with ``stream``, its side stream
         (the shard's blocks move on it too), asynchronously: onto the device into memory of
         the compute stream's pool (``workers.sharp.pinned.compute_pool_targets``), or out
         into page-locked host memory after the compute queued so far, their device memory
-        reused once the copy out of it is done."""
-        boxes = list(self._boxes)
+        reused once the copy out of it is done. A storage moves once, whole, however many
+        saved tensors view it (they view the one copy after), and one that a ``staying``
+        tensor holds does not leave the GPU: the device holds it anyway, and a copy of it
+        coming back would be held twice."""
         if stream is None:
-            for box in boxes:
+            for box in list(self._boxes):
                 box.tensor = box.tensor.to(device)
-        elif device.type == "cuda":
-            targets = compute_pool_targets([b.tensor for b in boxes], device, stream)
+            return
+        stay = set() if device.type == "cuda" else {_storage(t) for t in self._staying()}
+        moving: dict[int, list[_Box]] = {}
+        for box in list(self._boxes):
+            key = _storage(box.tensor)
+            if box.tensor.device.type != device.type and key not in stay:
+                moving.setdefault(key, []).append(box)
+        whole = [_raw(boxes[0].tensor) for boxes in moving.values()]
+        if device.type == "cuda":
+            moved = compute_pool_targets(whole, device, stream)
             with torch.cuda.stream(stream):
-                for box, target in zip(boxes, targets, strict=True):
-                    target.copy_(box.tensor, non_blocking=True)
-                    box.tensor = target
+                for raw, target in zip(whole, moved, strict=True):
+                    target.copy_(raw, non_blocking=True)
         else:
             stream.wait_stream(torch.cuda.current_stream(stream.device))
             with torch.cuda.stream(stream):
-                for box in boxes:
-                    if box.tensor.is_cuda:
-                        # Non-blocking out of a GPU: PyTorch makes the host tensor page-locked.
-                        moved = box.tensor.to(device, non_blocking=True)
-                        box.tensor.record_stream(stream)
-                        box.tensor = moved
+                # Non-blocking out of a GPU: PyTorch makes the host tensor page-locked.
+                moved = [raw.to(device, non_blocking=True) for raw in whole]
+                for raw in whole:
+                    raw.record_stream(stream)
+        for boxes, target in zip(moving.values(), moved, strict=True):
+            for box in boxes:
+                box.tensor = _view_in(target, box.tensor)
+
+
+def _storage(tensor: Tensor) -> int:
+    return tensor.untyped_storage().data_ptr()
+
+
+def _raw(tensor: Tensor) -> Tensor:
+    """The whole storage under ``tensor``, as bytes."""
+    return torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(tensor.untyped_storage())
+
+
+def _view_in(raw: Tensor, like: Tensor) -> Tensor:
+    """``like``'s view (dtype, offset, sizes, strides) of its storage, in ``raw``'s copy of it."""
+    view = torch.empty(0, dtype=like.dtype, device=raw.device)
+    return view.set_(raw.untyped_storage(), like.storage_offset(), like.size(), like.stride())
 
 
 def _unpack(packed: _ParamView | _Box) -> Tensor:

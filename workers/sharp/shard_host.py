@@ -39,7 +39,7 @@ import torch
 
 from shoal.scheduler.devices import Device
 from shoal.workers.device_fault import own_use
-from shoal.workers.device_memory import Overhead, measure_overhead
+from shoal.workers.device_memory import Overhead, grow_segments_in_place, measure_overhead
 from shoal.workers.device_speed import measure_gflops
 from shoal.workers.pipeline.stage import Stage
 from shoal.workers.pipeline.stage_types import StageSetup, StageStateError, torch_device
@@ -73,15 +73,15 @@ class ShardHost:
     def __init__(self, device: Device, budget_bytes: int) -> None:
         self.device = device
         self._target = torch_device(device)
+        grow_segments_in_place(self._target)  # no holes left reserved between shards
         self._overhead = measure_overhead(self._target)  # before the first shard
         """What the device holds for this process before any shard (``workers.device_memory``)."""
         measured = replace(device, overhead_mb=-(-self._overhead.bytes // 2**20))
         self.budget_bytes = (
             min(budget_bytes, measured.usable_bytes) if self._overhead.bytes else budget_bytes
         )
-        """The given budget, within what the device has beside this process's overhead
-        where it holds any (a GPU): the budget was planned with an overhead measured or
-        estimated before."""
+        """The given budget, within what the device has beside this process's overhead where
+        it holds any (a GPU): the budget was planned with an overhead known before."""
         self._host = torch.device("cpu")
         self._shards: dict[ShardKey, Stage] = {}
         self._saves: dict[ShardKey, MovableSaves] = {}
@@ -133,7 +133,7 @@ class ShardHost:
         if state is not None:
             stage.load(receive_tree(state, self._host))
         self._shards[key] = stage
-        self._saves[key] = MovableSaves(lambda: _parameters(stage))
+        self._saves[key] = MovableSaves(lambda: _parameters(stage), stage.in_flight.tensors)
         self._pinned[key] = PinnedState(stage.blocks, self._spares)
         self._planned[key] = (planned, kept, work)
         return max(stage.nbytes(), planned)
