@@ -183,6 +183,9 @@ class _Watched:
     def outputs(self, call: Call) -> Any:
         return self.inner.outputs(call)
 
+    def give_up(self, host: int, reason: str) -> None:
+        self.inner.give_up(host, reason)
+
     def shutdown(self) -> None:
         for host in range(len(self.devices)):
             for _ in range(ROUND_TRIPS):

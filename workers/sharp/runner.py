@@ -24,6 +24,7 @@ plane follows every model like a job. ``SharpTrainer`` is plain Python over a ``
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import Counter
@@ -41,6 +42,7 @@ from shoal.scheduler.sharp import (
     progress,
     refine_ratio,
 )
+from shoal.scheduler.silence import Silence
 from shoal.scheduler.types import DeviceId
 from shoal.workers.error_text import one_line
 from shoal.workers.run_log import RunLog
@@ -57,6 +59,7 @@ from shoal.workers.sharp.shard_pool import (
     HostPool,
     InputLost,
     PoolFactory,
+    PoolTimeout,
 )
 from shoal.workers.sharp.shard_types import TaskResult
 from shoal.workers.sharp.shard_worker import ShardFailed
@@ -64,7 +67,11 @@ from shoal.workers.sharp.stalls import wait_saying
 from shoal.workers.sharp.trading import Trading
 from shoal.workers.snapshot import JobSnapshot, RunnerReport, RunStatus, StepMetrics
 
+log = logging.getLogger(__name__)
+
 DEFAULT_TASK_TIMEOUT_S = 600.0
+"""How long a device may have calls under way with none ending before it is given up as
+hung (``scheduler.silence``); a recovery waits as long for its calls."""
 
 QUEUE_DEPTH = 2
 """Calls queued on a device at once, each a run of a model's tasks: the one it runs and the
@@ -97,6 +104,7 @@ class SharpTrainer(Admitting):
         self._policy = policy
         self._prefetch = prefetch
         self._timeout = task_timeout_s
+        self._silence = Silence(task_timeout_s)
         self._clock = clock
         self._lock = threading.Lock()
         self._models: dict[str, ModelRun] = {}
@@ -194,7 +202,7 @@ class SharpTrainer(Admitting):
             waiting |= {call: task.model for call, task in self._in_flight.items()}
             waiting |= self._copy_calls | self._trading.calls
             if waiting:
-                done = wait_saying(pool, waiting, self._timeout, self._devices)
+                done = self._wait(pool, waiting)
                 # Copies first: a host took its part before its next task of the model, so
                 # a step's end then finds the copy before it whole. Tasks in dispatch order:
                 # a model's in its chain's.
@@ -210,6 +218,26 @@ class SharpTrainer(Admitting):
                     self._complete(pool, self._in_flight.pop(call), call)
             elif not self._inbox.wait_for_more():
                 return  # every model has ended and no more come
+
+    def _wait(self, pool: HostPool, waiting: Mapping[Call, ModelRun | None]) -> list[Call]:
+        """The calls of ``waiting`` that have ended (``wait_saying``). A device none of whose
+        calls has ended for the task timeout meanwhile, while others' did or none did, is
+        given up as hung (``scheduler.silence``): its calls end ``HostLost``, and its models
+        roll back as from any loss."""
+        self._silence.heard({c.host for c in waiting}, (), time.monotonic())
+        try:
+            wait_s = self._silence.left(time.monotonic())
+            done = wait_saying(pool, waiting, wait_s, self._devices)
+        except PoolTimeout:
+            done = []
+        ended = {c.host for c in done}
+        now = time.monotonic()
+        self._silence.heard({c.host for c in waiting if c not in done}, ended, now)
+        for host in self._silence.silent(now):
+            why = f"none of its calls ended for {self._timeout:g} s: its worker hangs"
+            log.warning("SHARP: device %s given up: %s", self._devices[host].id, why)
+            pool.give_up(host, why)
+        return done
 
     def _reap(self, pool: HostPool) -> None:
         """End the models to stop (cancelled, or a checkpoint failed) with no task in flight

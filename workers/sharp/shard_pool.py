@@ -15,10 +15,11 @@ through the executor, and the next task waits for them on its worker's queue.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, InvalidStateError, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -119,6 +120,11 @@ class HostPool(Protocol):
         runs once they are there (``InputLost`` if they never come)."""
         ...
 
+    def give_up(self, host: int, reason: str) -> None:
+        """Take ``host`` for lost (its worker hung: ``scheduler.silence``): its worker is
+        stopped, and each of its calls not read yet ends ``HostLost`` with ``reason``."""
+        ...
+
     def shutdown(self) -> None: ...
 
 
@@ -167,13 +173,22 @@ class LocalPool:
         self._threads = [ThreadPoolExecutor(1, f"shard-{d.id}") for d in devices]
         self._beside = [ThreadPoolExecutor(1, f"shard-{d.id}-copies") for d in devices]
         self._turn = threading.Lock()
+        self._under_way: list[list[Future[Any]]] = [[] for _ in devices]
+        self._given_up: set[int] = set()
+        """Hosts taken for lost (``give_up``): a thread hung there stays hung."""
 
     def submit(self, host: int, method: str, *args: Any) -> Call:
-        return _Local(host, method, self._threads[host].submit(self._call, host, method, *args))
+        return self._local(
+            host, method, self._threads[host].submit(self._call, host, method, *args)
+        )
 
     def submit_after(self, host: int, after: Call, method: str, *args: Any) -> Call:
         first = _own(after, _Local).future
         future = self._beside[host].submit(self._call_after, first, host, method, *args)
+        return self._local(host, method, future)
+
+    def _local(self, host: int, method: str, future: Future[Any]) -> Call:
+        self._under_way[host] = [f for f in self._under_way[host] if not f.done()] + [future]
         return _Local(host, method, future)
 
     def submit_run(self, host: int, tasks: Sequence[tuple[str, tuple[Any, ...]]]) -> list[Call]:
@@ -211,9 +226,17 @@ class LocalPool:
     def outputs(self, call: Call) -> Any:
         return _Later(_own(call, _Local).future)
 
+    def give_up(self, host: int, reason: str) -> None:
+        # Its calls end now, as a killed Ray worker's do (a thread still in one is left).
+        self._given_up.add(host)
+        for future in self._under_way[host]:
+            with contextlib.suppress(InvalidStateError):  # it ended meanwhile
+                future.set_exception(HostLost(self.devices[host].id, reason))
+
     def shutdown(self) -> None:
-        for thread in [*self._threads, *self._beside]:
-            thread.shutdown(wait=True, cancel_futures=True)
+        for host in range(len(self.devices)):
+            for thread in (self._threads[host], self._beside[host]):
+                thread.shutdown(wait=host not in self._given_up, cancel_futures=True)
 
 
 @dataclass(frozen=True, eq=False)
@@ -238,6 +261,8 @@ class RayPool:
         """Hosts whose node Ray has found gone, since when (``NODE_CHECK_S``)."""
         self._gone: set[int] = set()
         """Hosts found gone for ``NODE_CHECK_S``: their unfinished calls end ``HostLost``."""
+        self._given_up: dict[int, str] = {}
+        """Hosts taken for lost (``give_up``), and why: their calls end ``HostLost``."""
 
     def submit(self, host: int, method: str, *args: Any) -> Call:
         call: Any = self._actors[host].call
@@ -275,6 +300,9 @@ class RayPool:
                 self._takers[remote.ref] = maker
 
     def wait(self, calls: Sequence[Call], timeout: float) -> list[Call]:
+        given_up = [c for c in calls if c.host in self._given_up]
+        if given_up:
+            return given_up
         by_ref = {_own(c, _Remote).ref: c for c in calls}
         end = time.monotonic() + timeout
         while True:
@@ -312,6 +340,8 @@ class RayPool:
         remote = _own(call, _Remote)
         self._takers.pop(remote.ref, None)
         device = self.devices[remote.host].id
+        if remote.host in self._given_up:
+            raise HostLost(device, self._given_up[remote.host])
         try:
             value = ray.get(remote.ref, timeout=0)
         except GetTimeoutError:  # unfinished: its node is gone (``_check_nodes``)
@@ -344,6 +374,10 @@ class RayPool:
         remote = _own(call, _Remote)
         self._made_by[remote.outputs] = remote.host
         return remote.outputs
+
+    def give_up(self, host: int, reason: str) -> None:
+        self._given_up[host] = reason
+        launch.kill_worker(self._actors[host])
 
     def _actor_error(self, call: _Remote, exc: RayActorError) -> HostLost | InputLost:
         """The call's worker died, or the one whose task was to make its input did."""

@@ -6,13 +6,21 @@ run."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import pytest
 import ray
 
 from shoal.workers import launch
 from shoal.workers.sharp import shard_pool
-from shoal.workers.sharp.shard_pool import HostLost, InputLost, PoolTimeout, RayPool, await_all
+from shoal.workers.sharp.shard_pool import (
+    Call,
+    HostLost,
+    InputLost,
+    PoolTimeout,
+    RayPool,
+    await_all,
+)
 from shoal.workers.sharp.shard_worker import ShardFailed
 from tests.workers.sharp.test_sharp_runner import devices
 
@@ -24,6 +32,23 @@ def _late(seconds: float) -> list[object]:
     """A task's inputs, ``seconds`` late."""
     time.sleep(seconds)
     return []
+
+
+def lost_then_input_lost(
+    pool: RayPool, lost: Call, why: str, then: Callable[[], None], taker: Call, ping: Call
+) -> None:
+    """``lost`` ends ``HostLost`` saying ``why``; after ``then``, ``taker`` (waiting on
+    another worker's queue for the lost device's outputs) ends ``InputLost``, and ``ping``,
+    queued behind it there, runs."""
+    assert pool.wait([lost], 30.0) == [lost]
+    with pytest.raises(HostLost, match=why):
+        pool.result(lost)
+    then()
+    assert pool.wait([taker], 30.0) == [taker]
+    with pytest.raises(InputLost):
+        pool.result(taker)
+    (pid,) = await_all(pool, [ping], 30.0)
+    assert isinstance(pid, int)
 
 
 @pytest.mark.integration
@@ -47,15 +72,7 @@ def test_the_calls_of_a_gone_node_and_those_waiting_for_its_outputs_end(
         monkeypatch.setattr(shard_pool, "NODE_CHECK_S", 0.5)
         gone = {node}  # Ray lists the node dead (both devices' here: the pool asks for 0's)
         monkeypatch.setattr(launch, "alive_nodes", lambda: {node} - gone)
-        assert pool.wait([blocker], 30.0) == [blocker]
-        with pytest.raises(HostLost, match="its node is gone"):
-            pool.result(blocker)
-        gone.clear()
-        assert pool.wait([taker], 30.0) == [taker]
-        with pytest.raises(InputLost):
-            pool.result(taker)
-        (pid,) = await_all(pool, [ping], 30.0)
-        assert isinstance(pid, int)
+        lost_then_input_lost(pool, blocker, "its node is gone", gone.clear, taker, ping)
     finally:
         pool.shutdown()
         ray.cancel(inputs, force=True)
@@ -92,6 +109,33 @@ def test_a_hand_over_after_a_call_that_failed_or_never_ran_ends_as_that_call_did
             await_all(pool, [after], 20.0)
         assert ran.value.method == "copied" and "not started" in ran.value.reason
         assert blocker not in pool.wait([blocker, after], 0.1)
+    finally:
+        pool.shutdown()
+        ray.cancel(inputs, force=True)
+
+
+@pytest.mark.integration
+def test_a_device_given_up_ends_its_calls_and_those_waiting_for_its_outputs(
+    ray_address: str,
+) -> None:
+    """``RayPool.give_up`` (a worker hung in a call: ``scheduler.silence``): the device's
+    calls end ``HostLost`` with the reason at once, its worker is stopped, so a call on
+    another worker's queue waiting for its outputs ends ``InputLost`` and that worker's
+    next call runs."""
+    node = ray.get_runtime_context().get_node_id()
+    pool_devices = devices(node)
+    pool = RayPool(pool_devices, {d.id: 2**30 for d in pool_devices})
+    inputs = _late.remote(60.0)
+    try:
+        hung = pool.submit(0, "forward", KEY, inputs)  # as if hung: a minute before it runs
+        made = pool.submit(0, "forward", KEY, [])
+        taker = pool.submit(1, "forward", KEY, pool.outputs(made))
+        ping = pool.submit(1, "pid")
+        with pytest.raises(PoolTimeout):
+            pool.wait([hung, taker, ping], 2.0)
+        pool.give_up(0, "none of its calls ended for 2 s: its worker hangs")
+        assert pool.wait([hung, taker], 30.0) == [hung]  # at once
+        lost_then_input_lost(pool, hung, "its worker hangs", lambda: None, taker, ping)
     finally:
         pool.shutdown()
         ray.cancel(inputs, force=True)
