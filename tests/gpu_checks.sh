@@ -19,7 +19,8 @@
 # step.json (`shoal bench step`: the plain loop, Shoal without and with in-memory copies,
 # their overhead and interval) and sharp.json (`shoal bench sharp`: the SHARP executor
 # beside its peers, copies on) and tests.txt (the other tests marked gpu: the copies on a
-# side stream, pinned memory, a worker's measured overhead, one stage's step on the GPU).
+# side stream, pinned memory, a worker's measured overhead, one stage's step on the GPU, a
+# SHARP shard's saved tensors moved storage by storage).
 set -u
 cd "$(dirname "$0")/.."
 began=$(date +%s)
@@ -53,7 +54,8 @@ sharp() {
 tests() {
   timeout 240 python3 -m pytest -q -o addopts= -m gpu tests/workers/pipeline/test_copier.py \
     tests/workers/pipeline/test_stage_copies.py tests/workers/test_device_memory.py \
-    tests/workers/pipeline/test_peer_to_peer.py > "$out/tests.txt" 2>&1
+    tests/workers/pipeline/test_peer_to_peer.py tests/workers/sharp/test_saved.py \
+    > "$out/tests.txt" 2>&1
 }
 
 ran() {  # ran check: runs it and notes its exit status
