@@ -73,7 +73,7 @@ class ShardHost:
     def __init__(self, device: Device, budget_bytes: int) -> None:
         self.device = device
         self._target = torch_device(device)
-        grow_segments_in_place(self._target)  # no holes left reserved between shards
+        grow_segments_in_place(self._target)  # fewer free blocks left stranded
         self._overhead = measure_overhead(self._target)  # before the first shard
         """What the device holds for this process before any shard (``workers.device_memory``)."""
         measured = replace(device, overhead_mb=-(-self._overhead.bytes // 2**20))
