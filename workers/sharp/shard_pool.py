@@ -174,8 +174,8 @@ class LocalPool:
         self._beside = [ThreadPoolExecutor(1, f"shard-{d.id}-copies") for d in devices]
         self._turn = threading.Lock()
         self._under_way: list[list[Future[Any]]] = [[] for _ in devices]
-        self._given_up: set[int] = set()
-        """Hosts taken for lost (``give_up``): a thread hung there stays hung."""
+        self._given_up: dict[int, str] = {}
+        """Hosts taken for lost (``give_up``), and why: a thread hung there stays hung."""
 
     def submit(self, host: int, method: str, *args: Any) -> Call:
         return self._local(
@@ -189,6 +189,8 @@ class LocalPool:
 
     def _local(self, host: int, method: str, future: Future[Any]) -> Call:
         self._under_way[host] = [f for f in self._under_way[host] if not f.done()] + [future]
+        if host in self._given_up:  # as a stopped Ray worker's call: it ends at once
+            self._end_under_way(host)
         return _Local(host, method, future)
 
     def submit_run(self, host: int, tasks: Sequence[tuple[str, tuple[Any, ...]]]) -> list[Call]:
@@ -228,10 +230,13 @@ class LocalPool:
 
     def give_up(self, host: int, reason: str) -> None:
         # Its calls end now, as a killed Ray worker's do (a thread still in one is left).
-        self._given_up.add(host)
+        self._given_up[host] = reason
+        self._end_under_way(host)
+
+    def _end_under_way(self, host: int) -> None:
         for future in self._under_way[host]:
             with contextlib.suppress(InvalidStateError):  # it ended meanwhile
-                future.set_exception(HostLost(self.devices[host].id, reason))
+                future.set_exception(HostLost(self.devices[host].id, self._given_up[host]))
 
     def shutdown(self) -> None:
         for host in range(len(self.devices)):

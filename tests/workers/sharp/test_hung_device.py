@@ -12,14 +12,15 @@ from typing import Any
 
 import pytest
 
+from shoal.workers.sharp.runner import SharpTrainer
 from shoal.workers.sharp.shard_pool import LocalPool
-from shoal.workers.snapshot import RunStatus
+from shoal.workers.snapshot import JobSnapshot, RunStatus
 from tests.workers.sharp.test_sharp_runner import (
     assert_alone,
     budget_for_shards,
+    devices,
     model,
     placed_first,
-    train,
 )
 
 TIMEOUT_S = 5.0
@@ -50,10 +51,12 @@ class HangingPool(LocalPool):
         self.release.wait()
 
 
-@pytest.mark.unit
-def test_a_device_hung_in_a_call_is_given_up_and_its_models_train_on_exactly(
-    tmp_path: Path,
-) -> None:
+def run_hanging(
+    tmp_path: Path, pool_class: type[HangingPool]
+) -> tuple[list[JobSnapshot], SharpTrainer, dict[str, RunStatus], HangingPool]:
+    """Two models trained on two devices of a ``pool_class`` pool, task timeout
+    ``TIMEOUT_S``: the models, the trainer, their statuses and the pool (its hung threads
+    let go once the run has ended)."""
     snaps = [
         model(tmp_path, "a", steps=5, keep_copies=True, copy_budget=1.0),
         model(tmp_path, "b", seed=9, steps=5, keep_copies=True, copy_budget=1.0),
@@ -61,26 +64,65 @@ def test_a_device_hung_in_a_call_is_given_up_and_its_models_train_on_exactly(
     pools: list[HangingPool] = []
 
     def make_pool(devices: Any, budgets: Any) -> HangingPool:
-        pools.append(HangingPool(devices, budgets))
+        pools.append(pool_class(devices, budgets))
         return pools[-1]
 
+    on = devices()
+    budget = budget_for_shards(snaps[0], 3)
+    trainer = SharpTrainer(
+        snaps, on, make_pool, budgets={d.id: budget for d in on}, task_timeout_s=TIMEOUT_S
+    )
     try:
-        trainer = train(snaps, make_pool, budget_for_shards(snaps[0], 3), task_timeout_s=TIMEOUT_S)
+        statuses = trainer.run()
     finally:
         for pool in pools:
             pool.release.set()
     (pool,) = pools
+    return snaps, trainer, statuses, pool
+
+
+@pytest.mark.unit
+def test_a_device_hung_in_a_call_is_given_up_and_its_models_train_on_exactly(
+    tmp_path: Path,
+) -> None:
+    snaps, trainer, statuses, pool = run_hanging(tmp_path, HangingPool)
     assert pool.hung.is_set(), f"no task hung: {pool.tasks} tasks on the device"
+    reports = {job: trainer.report(job, 0) for job in statuses}
+    assert set(statuses.values()) == {RunStatus.SUCCEEDED}, {j: r.error for j, r in reports.items()}
     (dead,) = trainer.lost_devices()
-    events = {s.job_id: trainer.report(s.job_id, 0).events for s in snaps}
-    lost = [e for evs in events.values() for e in evs if e.kind == "device_lost"]
-    assert lost, {job: [e.kind for e in evs] for job, evs in events.items()}
+    lost = [e for r in reports.values() for e in r.events if e.kind == "device_lost"]
+    assert lost, {job: [e.kind for e in r.events] for job, r in reports.items()}
     for event in lost:
         assert event.data["devices"] == [dead], event
         assert "none of its calls ended for 5 s" in event.message, event.message
     for snap in snaps:
-        report = trainer.report(snap.job_id, 0)
-        assert report.status is RunStatus.SUCCEEDED, report.error
-        latest = {m.step: m.loss for m in report.metrics}  # a replayed step's record replaces it
+        latest = {m.step: m.loss for m in reports[snap.job_id].metrics}  # replays replace
         assert sorted(latest) == list(range(1, 6))
         assert_alone(snap, [latest[s] for s in range(1, 6)])
+
+
+class EveryDeviceHangingPool(HangingPool):
+    """A HangingPool where every device hangs in each shard task from the ``hang_at``-th
+    (counted on all devices) on."""
+
+    def submit(self, host: int, method: str, *args: Any) -> Any:
+        if method in ("forward", "backward"):
+            self.tasks += 1
+            if self.tasks >= self.hang_at:
+                return self._local(host, method, self._threads[host].submit(self._hang))
+        return LocalPool.submit(self, host, method, *args)
+
+
+@pytest.mark.unit
+def test_every_device_hung_ends_the_models_lost_for_the_control_plane_to_resume(
+    tmp_path: Path,
+) -> None:
+    """With every device given up the models are LOST (the control plane resumes a LOST
+    run from its checkpoint, elsewhere), saying why; before, the executor failed with every
+    model (FAILED: "no shard task finished within" the timeout)."""
+    _, trainer, statuses, _ = run_hanging(tmp_path, EveryDeviceHangingPool)
+    errors = {job: trainer.report(job, 0).error or "" for job in statuses}
+    assert statuses == {"a": RunStatus.LOST, "b": RunStatus.LOST}, errors
+    for error in errors.values():
+        assert "its worker hangs" in error and "no device is left" in error, errors
+    assert sorted(trainer.lost_devices()) == sorted(d.id for d in devices())
