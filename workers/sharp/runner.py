@@ -24,7 +24,6 @@ plane follows every model like a job. ``SharpTrainer`` is plain Python over a ``
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections import Counter
@@ -63,11 +62,9 @@ from shoal.workers.sharp.shard_pool import (
 )
 from shoal.workers.sharp.shard_types import TaskResult
 from shoal.workers.sharp.shard_worker import ShardFailed
-from shoal.workers.sharp.stalls import wait_saying
+from shoal.workers.sharp.stalls import give_up_hung, wait_saying
 from shoal.workers.sharp.trading import Trading
 from shoal.workers.snapshot import JobSnapshot, RunnerReport, RunStatus, StepMetrics
-
-log = logging.getLogger(__name__)
 
 DEFAULT_TASK_TIMEOUT_S = 600.0
 """How long a device may have calls under way with none ending before it is given up as
@@ -233,10 +230,7 @@ class SharpTrainer(Admitting):
         ended = {c.host for c in done}
         now = time.monotonic()
         self._silence.heard({c.host for c in waiting if c not in done}, ended, now)
-        for host in self._silence.silent(now):
-            why = f"none of its calls ended for {self._timeout:g} s: its worker hangs"
-            log.warning("SHARP: device %s given up: %s", self._devices[host].id, why)
-            pool.give_up(host, why)
+        give_up_hung(pool, self._silence.silent(now), self._timeout, self._devices)
         return done
 
     def _reap(self, pool: HostPool) -> None:

@@ -187,7 +187,10 @@ class LocalPool:
         future = self._beside[host].submit(self._call_after, first, host, method, *args)
         return self._local(host, method, future)
 
-    def _local(self, host: int, method: str, future: Future[Any]) -> Call:
+    def _local(self, host: int, method: str, running: Future[Any]) -> Call:
+        # The call's own future, which its thread's ends unless ``give_up`` ended it first.
+        future: Future[Any] = Future()
+        running.add_done_callback(lambda done: _settle(future, done))
         self._under_way[host] = [f for f in self._under_way[host] if not f.done()] + [future]
         if host in self._given_up:  # as a stopped Ray worker's call: it ends at once
             self._end_under_way(host)
@@ -222,6 +225,8 @@ class LocalPool:
         return [by_future[f] for f in done]
 
     def result(self, call: Call) -> Any:
+        if call.host in self._given_up:  # as a stopped Ray worker's: even one it had ended
+            raise HostLost(self.devices[call.host].id, self._given_up[call.host])
         value = _own(call, _Local).future.result(timeout=0)
         return value[1] if call.method in PAIRED_METHODS else value
 
@@ -242,6 +247,17 @@ class LocalPool:
         for host in range(len(self.devices)):
             for thread in (self._threads[host], self._beside[host]):
                 thread.shutdown(wait=host not in self._given_up, cancel_futures=True)
+
+
+def _settle(future: Future[Any], done: Future[Any]) -> None:
+    """End ``future`` as ``done`` ended, unless it has ended already (given up)."""
+    with contextlib.suppress(InvalidStateError):
+        try:
+            value = done.result()
+        except Exception as exc:  # its error, or CancelledError (the pool shut down)
+            future.set_exception(exc)
+        else:
+            future.set_result(value)
 
 
 @dataclass(frozen=True, eq=False)

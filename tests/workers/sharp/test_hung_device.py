@@ -24,6 +24,9 @@ from tests.workers.sharp.test_sharp_runner import (
 )
 
 TIMEOUT_S = 5.0
+RELEASE_S = 90.0
+"""When the hung threads are let go whatever happened: a run that waits for one for good
+then ends, and the test fails saying how, not at the suite's timeout."""
 
 
 class HangingPool(LocalPool):
@@ -65,6 +68,9 @@ def run_hanging(
 
     def make_pool(devices: Any, budgets: Any) -> HangingPool:
         pools.append(pool_class(devices, budgets))
+        watchdog = threading.Timer(RELEASE_S, pools[-1].release.set)
+        watchdog.daemon = True
+        watchdog.start()
         return pools[-1]
 
     on = devices()
@@ -126,3 +132,29 @@ def test_every_device_hung_ends_the_models_lost_for_the_control_plane_to_resume(
     for error in errors.values():
         assert "its worker hangs" in error and "no device is left" in error, errors
     assert sorted(trainer.lost_devices()) == sorted(d.id for d in devices())
+
+
+class RecoveryHangingPool(HangingPool):
+    """A HangingPool whose other device hangs in each call from the first device's give-up
+    on: the calls re-forming the models there never end."""
+
+    def submit(self, host: int, method: str, *args: Any) -> Any:
+        if self._given_up and host not in self._given_up:
+            return self._local(host, method, self._threads[host].submit(self._hang))
+        return super().submit(host, method, *args)
+
+
+@pytest.mark.unit
+def test_a_device_hung_in_a_recovery_is_given_up_too(tmp_path: Path) -> None:
+    """A device hung in a call re-forming a model after another's loss is given up as
+    hung, as in the dispatch loop: the models still training, with no device left, are LOST;
+    before, the recovery's wait timed out and the executor failed with every model."""
+    _, trainer, statuses, pool = run_hanging(tmp_path, RecoveryHangingPool)
+    errors = {job: trainer.report(job, 0).error or "" for job in statuses}
+    # b, on the other device, may have trained all its steps first.
+    assert statuses["a"] is RunStatus.LOST, (statuses, errors)
+    assert statuses["b"] in (RunStatus.LOST, RunStatus.SUCCEEDED), (statuses, errors)
+    lost = {job for job, status in statuses.items() if status is RunStatus.LOST}
+    assert set(pool._given_up) == {0, 1}, pool._given_up
+    for job in lost:
+        assert "its worker hangs" in errors[job] and "no device is left" in errors[job], errors
