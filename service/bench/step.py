@@ -15,7 +15,7 @@ import statistics
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -273,7 +273,16 @@ def _round_view(s: StepSettings, r: _Round) -> dict[str, Any]:
         "copy_interval_steps": cadence[-1]["interval"] if cadence else 1,
         "copies_engine_overhead": cadence[-1]["overhead"] if cadence else None,
         "copies_engine_copy_s": cadence[-1]["copy_s"] if cadence else None,
+        # Where the copies' cost lands: each step's wall ms without and with copies, and the
+        # ms the copy before it took (the stages' most), warmup steps included.
+        "step_ms": _ms(r.shoal),
+        "copies_step_ms": _ms(r.copies),
+        "copy_ms": _ms([max((t.copy_s for t in m.stages), default=0.0) for m in r.copies_metrics]),
     }
+
+
+def _ms(seconds: Sequence[float]) -> list[float]:
+    return [round(1000 * s, 3) for s in seconds]
 
 
 def run_step(s: StepSettings, progress: Progress = lambda _: None) -> dict[str, Any]:

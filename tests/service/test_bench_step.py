@@ -166,6 +166,11 @@ def test_a_tiny_run_reports_positive_consistent_numbers(ray_address: str) -> Non
             r["shoal_samples_per_s"] / r["plain_samples_per_s"]
         )
         assert -1 < r["copies_overhead"] < 1, r
+        # Each step's wall ms, warmup included, and the copy's before it (0 without one).
+        for key in ("step_ms", "copies_step_ms", "copy_ms"):
+            assert len(r[key]) == s.timed_steps and all(ms >= 0 for ms in r[key]), (key, r)
+        assert all(ms > 0 for ms in r["step_ms"] + r["copies_step_ms"]), r
+        assert any(ms > 0 for ms in r["copy_ms"]), r  # the copies were taken
     timed = result["timed_s"]
     assert timed["shoal"] > 0 and timed["shoal_copies"] > 0, timed
     # MFU: the traced FLOPs of a step at each rate, over one thread's measured peak.

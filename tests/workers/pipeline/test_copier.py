@@ -233,6 +233,8 @@ def test_a_cuda_copy_runs_beside_the_compute_stream() -> None:
     copier.settle()
     step()
     boundary = {b.index: b.state() for b in chain}
+    mark = torch.ones(1, device=gpu).add_(1)  # its kernels loaded now: CUDA loads a kernel
+    del mark  # at its first launch, lazily, and may synchronize the context to do so
     torch.cuda.synchronize()
     pinned = torch.cuda.host_memory_stats().get("num_host_alloc")
     started = time.perf_counter()
