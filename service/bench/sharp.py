@@ -141,7 +141,10 @@ class _Watched:
         the writer thread's final checkpoints (one after another's step times leave its
         out too)."""
         self.compute_s = [0.0] * len(inner.devices)
+        self.host_s = [0.0] * len(inner.devices)
         self.task_s: dict[tuple[str, int], list[float]] = {}
+        self.task_host_s: dict[tuple[str, int], list[float]] = {}
+        self.idle_s: list[float] = []
         self.round_trips: list[float] = []
         self._calls: dict[Call, tuple[str, int]] = {}
 
@@ -177,7 +180,10 @@ class _Watched:
         if isinstance(value, TaskResult):
             self.last_task = time.perf_counter()
             self.compute_s[call.host] += value.compute_s
+            self.host_s[call.host] += value.host_s
             self.task_s.setdefault((method, shard), []).append(value.compute_s)
+            self.task_host_s.setdefault((method, shard), []).append(value.host_s)
+            self.idle_s.append(value.idle_s)
         return value
 
     def outputs(self, call: Call) -> Any:
@@ -232,7 +238,10 @@ def train_sharp(
         "seconds": ended - started,
         "train_seconds": train_s,
         "device_busy": [c / train_s for c in pool.compute_s],
+        "worker_busy": [h / train_s for h in pool.host_s],
         "task_seconds": {key: statistics.median(v) for key, v in pool.task_s.items()},
+        "task_host_seconds": {key: statistics.median(v) for key, v in pool.task_host_s.items()},
+        "task_idle_seconds": statistics.median(pool.idle_s) if pool.idle_s else 0.0,
         "round_trip_seconds": statistics.median(pool.round_trips) if pool.round_trips else 0.0,
         "driver_cpu_seconds": cpu,
         "losses": [[m.loss for m in r.metrics] for r in reports],
@@ -369,6 +378,7 @@ def measure(
         "sequential_train_seconds": plain["train_seconds"],
         "no_prefetch_train_seconds": lazy["train_seconds"],
         "sharp_device_busy": sharp["device_busy"],
+        "sharp_worker_busy": sharp["worker_busy"],
         "sequential_device_busy": plain["device_busy"],
         "sharp_driver_cpu_seconds": sharp["driver_cpu_seconds"],
         "sim_two_devices": simulate_local(
@@ -384,6 +394,13 @@ def measure(
             f"{op} {shard}": seconds
             for (op, shard), seconds in sorted(sharp["task_seconds"].items())
         },
+        # Where a task's time goes besides computing: in its worker (its inputs and outputs
+        # moved between host and device), and waiting for it before it starts.
+        "sharp_task_host_seconds": {
+            f"{op} {shard}": seconds
+            for (op, shard), seconds in sorted(sharp["task_host_seconds"].items())
+        },
+        "sharp_task_idle_seconds": sharp["task_idle_seconds"],
         "sharp_round_trip_seconds": sharp["round_trip_seconds"],
         "promoted_bytes": sharp["promoted_bytes"],
         "no_prefetch_promoted_bytes": lazy["promoted_bytes"],

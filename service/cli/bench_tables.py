@@ -126,8 +126,10 @@ def sharp_tables(console: Console, result: dict[str, Any]) -> None:
         )
     console.print(real)
     local, busy = result["sim_two_devices"], result["sharp_device_busy"]
+    working = result["sharp_worker_busy"]
     console.print(
-        f"SHARP's devices computing {' and '.join(f'{b:.2f}' for b in busy)} of the time;"
+        f"SHARP's devices computing {' and '.join(f'{b:.2f}' for b in busy)} of the time,"
+        f" their workers in tasks {' and '.join(f'{w:.2f}' for w in working)};"
         f" the simulator, same shards at their measured task times and the executor's"
         f" measured latency ({local['latency_s'] * 1e3:.1f} ms), free copies:"
         f" {local['lrtf_mean_utilization']:.2f} busy,"

@@ -279,6 +279,7 @@ def _sharp_canned() -> tuple[dict[str, Any], dict[str, Any]]:
         "sequential_train_seconds": 15.0,
         "no_prefetch_train_seconds": 12.0,
         "sharp_device_busy": [0.5, 0.25],
+        "sharp_worker_busy": [0.75, 0.5],
         "sim_two_devices": {
             "lrtf_mean_utilization": 0.99,
             "speedup_vs_model_parallel": 2.0,
@@ -408,6 +409,15 @@ def test_sharp_bench_in_process_trains_every_variant_to_the_same_losses(tmp_path
         for i in range(min(result["shards_per_model"]))
     }
     assert result["sharp_round_trip_seconds"] > 0
+    # Each task's wall time in its worker holds its compute; a worker busy with tasks at
+    # least as long as its device computed, never longer than training took.
+    hosted = result["sharp_task_host_seconds"]
+    assert set(hosted) == set(result["sharp_task_seconds"])
+    for key, seconds in result["sharp_task_seconds"].items():
+        assert hosted[key] >= seconds > 0, (key, hosted[key], seconds)
+    busy = list(zip(result["sharp_worker_busy"], result["sharp_device_busy"], strict=True))
+    assert len(busy) == 2 and all(device <= worker <= 1.0 for worker, device in busy), busy
+    assert result["sharp_task_idle_seconds"] >= 0
     assert result["device"] == "cpu" and result["host_to_device_gbps"] is None
     assert result["machine"]["memory_gib"] > 0
     with pytest.raises(BenchError, match="needs 2 devices"):
@@ -481,6 +491,7 @@ def test_bench_sharp_prints_a_table_or_json(monkeypatch: pytest.MonkeyPatch) -> 
     assert "on 2 devices (cpu)" in result.output
     assert "1.50x" in result.output  # training only: 15 s against 10 s
     assert "devices computing 0.50 and 0.25 of the time" in result.output
+    assert "their workers in tasks 0.75 and 0.50" in " ".join(result.output.split())
     assert "simulated with Sharded-LRTF in 7.50 s" in result.output
     result = CliRunner().invoke(cli, ["bench", "sharp", "--json"], catch_exceptions=False)
     assert _last_json(result.output)["speedup_vs_sequential"] == pytest.approx(1.9)

@@ -46,6 +46,13 @@ class TaskResult:
     compute_s: float
     promoted_bytes: int
     record: Record | None = None
+    host_s: float = 0.0
+    """The task's wall seconds in its worker, from its start to its value (``ShardWorker``):
+    what the worker spent on it besides computing, its inputs and outputs moved between
+    host and device among it, is ``host_s - compute_s``."""
+    idle_s: float = 0.0
+    """The wall seconds its worker had no call before it started: waiting for the executor
+    to send it, or for its inputs to arrive (Ray fetches them before the call runs)."""
 
 
 @dataclass(frozen=True)

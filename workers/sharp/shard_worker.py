@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from shoal.scheduler.devices import Device
@@ -95,6 +96,7 @@ class ShardWorker:
         sent = 0.0
         if method in TIMED:
             args, sent = args[:-1], args[-1]
+        started = time.time()
         try:
             value = getattr(self._host, method)(*args)
         except DeviceFault as exc:
@@ -105,6 +107,9 @@ class ShardWorker:
             ended, waited_from = time.time(), max(sent, self._ended)
             if method not in BESIDE:
                 self._ended = ended
+        if method in TASKS:  # (outputs, TaskResult): where its worker's time went
+            idle_s = max(0.0, started - waited_from) if waited_from > 0 else 0.0
+            value = (value[0], replace(value[1], host_s=ended - started, idle_s=idle_s))
         return (value, ended - waited_from) if method in TIMED else value
 
     def run(self, arity: Sequence[tuple[str, int]], *args: Any) -> tuple[Any, ...]:
