@@ -7,6 +7,7 @@
 #   bash tests/gpu_checks.sh memory step    # results under $OUT (or /tmp/gpu-checks)
 #   bash tests/gpu_checks.sh sharp          # a call of its own: it takes up to 450 s
 #   bash tests/gpu_checks.sh tests          # the other tests marked gpu, up to 240 s
+#   bash tests/gpu_checks.sh diagnose       # the open GPU questions' readings, ~7 minutes
 #
 # `all` runs the memory tests and the SHARP bench at once (the tests measure their own
 # process's peaks, and end while the bench simulates and starts its two nodes: its timed
@@ -21,6 +22,12 @@
 # beside its peers, copies on) and tests.txt (the other tests marked gpu: the copies on a
 # side stream, pinned memory, a worker's measured overhead, one stage's step on the GPU, a
 # SHARP shard's saved tensors moved storage by storage).
+#
+# `diagnose` takes the readings the open GPU goals need first (docs/benchmarks.md): the
+# copier's tests (copier.txt: does a copy run beside the compute stream?), the SHARP bench
+# at batch 16384 (sharp.json: its workers' busy share and each task's wall time beside its
+# compute) and two rounds of the step bench (step.json: each step's ms with and without
+# copies), one after another so that none times the others' load.
 set -u
 cd "$(dirname "$0")/.."
 began=$(date +%s)
@@ -46,9 +53,14 @@ step() {  # step [rounds [limit_s]]
     --rounds "${1:-3}" > "$out/step.json" 2> "$out/step.err"
 }
 
-sharp() {
-  timeout 450 shoal bench sharp --device cuda --json --steps 4 \
-    > "$out/sharp.json" 2> "$out/sharp.err"
+sharp() {  # SHARP_BATCH: rows per step (the bench's default when unset)
+  timeout "${SHARP_S:-450}" shoal bench sharp --device cuda --json --steps 4 \
+    ${SHARP_BATCH:+--batch-size "$SHARP_BATCH"} > "$out/sharp.json" 2> "$out/sharp.err"
+}
+
+copier() {
+  timeout 120 python3 -m pytest -q -o addopts= -m gpu tests/workers/pipeline/test_copier.py \
+    > "$out/copier.txt" 2>&1
 }
 
 tests() {
@@ -76,12 +88,20 @@ all() {
   fi
 }
 
+diagnose() {
+  ran copier
+  SHARP_BATCH=16384 SHARP_S=220 ran sharp
+  local left=$((${ALL_S:-570} - ($(date +%s) - began)))
+  ran step 2 $((left - 10))
+}
+
 for check in "$@"; do
   case "$check" in
     all) all ;;
-    memory | step | sharp | tests) ran "$check" ;;
+    diagnose) diagnose ;;
+    memory | step | sharp | tests | copier) ran "$check" ;;
     *)
-      echo "unknown check $check: use all, memory, step, sharp or tests" >&2
+      echo "unknown check $check: use all, diagnose, memory, step, sharp, tests or copier" >&2
       exit 2 ;;
   esac
 done
