@@ -16,7 +16,7 @@ from shoal.workers.run_log import RunLog
 from shoal.workers.sharp.inbox import Inbox
 from shoal.workers.sharp.measuring import Measurements
 from shoal.workers.sharp.models import ModelRun
-from shoal.workers.sharp.placing import arrive
+from shoal.workers.sharp.placing import arrive, gather
 from shoal.workers.sharp.recovering import Recovering
 from shoal.workers.sharp.shard_pool import Call, HostLost, HostPool
 from shoal.workers.sharp.shard_worker import ShardFailed
@@ -64,7 +64,7 @@ class Admitting(Recovering):
             if not (model.snap.keep_copies and model.active):
                 continue
             try:
-                model.saved = (model.step, model.gather(pool, self._timeout))
+                model.saved = (model.step, gather(model, pool, self._timeout))
             except HostLost as exc:  # it trained nothing yet: no copy is needed
                 self._lose(pool, self._homes.host_of(exc.device_id), str(exc))
             except ShardFailed as exc:  # a host could not copy a shard of it

@@ -16,7 +16,7 @@ from shoal.workers.pipeline.recovery import copies_event
 from shoal.workers.pipeline.stage_types import StageSetup
 from shoal.workers.run_log import RunLog
 from shoal.workers.sharp.ledger import Ledger, part
-from shoal.workers.sharp.shard_pool import Call, HostPool, await_all
+from shoal.workers.sharp.shard_pool import Call, HostPool
 from shoal.workers.sharp.shard_types import ShardKey, Stashed
 from shoal.workers.snapshot import JobSnapshot, RunnerEvent, RunStatus, StepMetrics
 from shoal.workers.wire import Wire, send
@@ -355,14 +355,6 @@ class ModelRun:
             start = pool.submit(host, "copy", key, step, number)
             calls.append(pool.submit_after(host, start, "copied", key, number, timeout))
         return calls
-
-    def gather(self, pool: HostPool, timeout: float) -> dict[int, Any]:
-        """Every block's state in wire form (what Ray moves and unpickles fastest), from
-        its shards (each host answers after its task)."""
-        blocks: dict[int, Any] = {}
-        for states, _, _ in await_all(pool, self.copy_calls(pool, self.step, timeout), timeout):
-            blocks.update(states)
-        return blocks
 
     def add(
         self, pool: HostPool, host: int, shard: Shard, blocks: Blocks | None, *, again: bool = False

@@ -6,6 +6,7 @@ shard put back to one step, or to the model's last task done."""
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 from shoal.scheduler.sharp import ModelPlan, shard_model
 from shoal.workers.checkpoint_events import resumed_event
@@ -13,7 +14,7 @@ from shoal.workers.checkpoints import CheckpointStore
 from shoal.workers.sharp.homes import Homes
 from shoal.workers.sharp.ledger import Ledger
 from shoal.workers.sharp.models import Blocks, ModelRun
-from shoal.workers.sharp.shard_pool import Call, HostPool, await_all
+from shoal.workers.sharp.shard_pool import Call, HostPool, await_all, giving_up
 from shoal.workers.snapshot import JobSnapshot, RunStatus
 from shoal.workers.zoo.data import make_data
 
@@ -112,9 +113,21 @@ def move_if_sooner(
     if there is None:
         return
     if blocks is None:
-        blocks = model.saved_at(step) or model.gather(pool, timeout)
-    await_all(pool, move(model, homes, pool, there, blocks), timeout)
+        blocks = model.saved_at(step) or gather(model, pool, timeout)
+    await_all(pool, move(model, homes, pool, there, blocks), timeout, giving_up(pool))
     model.moved(homes.devices, home, step)
+
+
+def gather(model: ModelRun, pool: HostPool, timeout: float) -> dict[int, Any]:
+    """Every block of ``model`` in its state now, in wire form (what Ray moves and unpickles
+    fastest), from its shards (each host answers after the tasks queued there); a device
+    none of whose calls ends within ``timeout`` is given up as hung (``giving_up``), the
+    gather ending ``HostLost`` as at any loss."""
+    blocks: dict[int, Any] = {}
+    calls = model.copy_calls(pool, model.step, timeout)
+    for states, _, _ in await_all(pool, calls, timeout, giving_up(pool)):
+        blocks.update(states)
+    return blocks
 
 
 def move(model: ModelRun, homes: Homes, pool: HostPool, there: int, blocks: Blocks) -> list[Call]:

@@ -51,7 +51,7 @@ from shoal.workers.sharp.homes import Homes
 from shoal.workers.sharp.inbox import Inbox
 from shoal.workers.sharp.measuring import Measurements
 from shoal.workers.sharp.models import Copying, ModelRun, Task
-from shoal.workers.sharp.placing import move_if_sooner
+from shoal.workers.sharp.placing import gather, move_if_sooner
 from shoal.workers.sharp.shard_pool import (
     Call,
     HostLost,
@@ -59,10 +59,11 @@ from shoal.workers.sharp.shard_pool import (
     InputLost,
     PoolFactory,
     PoolTimeout,
+    give_up_hung,
 )
 from shoal.workers.sharp.shard_types import TaskResult
 from shoal.workers.sharp.shard_worker import ShardFailed
-from shoal.workers.sharp.stalls import give_up_hung, wait_saying
+from shoal.workers.sharp.stalls import wait_saying
 from shoal.workers.sharp.trading import Trading
 from shoal.workers.snapshot import JobSnapshot, RunnerReport, RunStatus, StepMetrics
 
@@ -230,7 +231,7 @@ class SharpTrainer(Admitting):
         ended = {c.host for c in done}
         now = time.monotonic()
         self._silence.heard({c.host for c in waiting if c not in done}, ended, now)
-        give_up_hung(pool, self._silence.silent(now), self._timeout, self._devices)
+        give_up_hung(pool, self._silence.silent(now), self._timeout)
         return done
 
     def _reap(self, pool: HostPool) -> None:
@@ -394,7 +395,7 @@ class SharpTrainer(Admitting):
             later = True
         elif due:  # gathered now: the model leaves, or trains on from it
             try:
-                blocks = model.gather(pool, self._timeout)
+                blocks = gather(model, pool, self._timeout)
             except HostLost as exc:  # a shard's device went between the step and the gather
                 self._lost_meanwhile(pool, model, exc)
                 return

@@ -16,6 +16,7 @@ through the executor, and the next task waits for them on its worker's queue.
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -39,6 +40,8 @@ from shoal.scheduler.devices import Device
 from shoal.scheduler.types import DeviceId
 from shoal.workers import launch
 from shoal.workers.sharp.shard_worker import PAIRED_METHODS, ShardFailed, ShardWorker
+
+log = logging.getLogger(__name__)
 
 
 class HostLost(RuntimeError):
@@ -147,6 +150,31 @@ def await_all(
             values[call] = pool.result(call)
             pending.remove(call)
     return [values[c] for c in calls]
+
+
+def giving_up(pool: HostPool, wait: Waiter | None = None) -> Waiter:
+    """``wait`` (``pool.wait``) for the executor's waits on calls its models need (a gather,
+    a move, a recovery): where none of the calls has ended within the timeout, their devices
+    are given up as hung (``give_up_hung``) and the calls end ``HostLost``, a loss the
+    models recover from, where a ``PoolTimeout`` would fail the executor with every model."""
+
+    def waiting(pending: Sequence[Call], timeout: float) -> list[Call]:
+        try:
+            return (wait or pool.wait)(pending, timeout)
+        except PoolTimeout:
+            give_up_hung(pool, sorted({c.host for c in pending}), timeout)
+            return pool.wait(pending, timeout)  # they have ended now
+
+    return waiting
+
+
+def give_up_hung(pool: HostPool, hosts: Sequence[int], timeout: float) -> None:
+    """Give up each device of ``hosts``, none of whose calls has ended for ``timeout`` s, as
+    hung (``HostPool.give_up``): its calls end ``HostLost`` saying so."""
+    why = f"none of its calls ended for {timeout:g} s: its worker hangs"
+    for host in hosts:
+        log.warning("SHARP: device %s given up: %s", pool.devices[host].id, why)
+        pool.give_up(host, why)
 
 
 @dataclass(frozen=True, eq=False)

@@ -7,8 +7,9 @@ dispatches nothing, and the sweep's page would show its trials as running with n
 said. Each ``STALL_S`` with no call ended, every model whose calls it waits for gets a
 ``stalled`` event naming them (and the executor's log a line): what the trial waits for,
 where, and for how long; in its dispatch loop, and in a recovery's waits. A device none of
-whose calls has ended for the task timeout is given up as hung (``give_up_hung``): in the
-dispatch loop as ``scheduler.silence`` finds it, in a recovery's wait once it times out.
+whose calls has ended for the task timeout is given up as hung (``shard_pool.give_up_hung``):
+in the dispatch loop as ``scheduler.silence`` finds it, in a recovery's wait once it times
+out.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 
 from shoal.scheduler.devices import Device
 from shoal.workers.sharp.models import ModelRun
-from shoal.workers.sharp.shard_pool import Call, HostPool, PoolTimeout, await_all
+from shoal.workers.sharp.shard_pool import Call, HostPool, PoolTimeout, await_all, giving_up
 from shoal.workers.snapshot import RunnerEvent
 
 STALL_S = 60.0
@@ -57,30 +58,14 @@ def await_saying(
     devices: Sequence[Device],
 ) -> list[Any]:
     """``await_all`` of ``model``'s ``calls`` (a recovery's: re-homing its shards, taking
-    the states on their way), which ``model`` says it waits for as ``wait_saying`` does.
-    The devices of calls none of which has ended within ``timeout`` are given up as hung
-    (``give_up_hung``): those calls raise ``HostLost``, as a lost device's, where before the
-    executor failed with every model."""
+    the states on their way), which ``model`` says it waits for as ``wait_saying`` does,
+    giving up the devices of calls none of which has ended within ``timeout`` as hung
+    (``shard_pool.giving_up``)."""
 
     def wait(pending: Sequence[Call], wait_s: float) -> list[Call]:
-        try:
-            return wait_saying(pool, dict.fromkeys(pending, model), wait_s, devices)
-        except PoolTimeout:
-            give_up_hung(pool, sorted({c.host for c in pending}), timeout, devices)
-            return pool.wait(list(pending), wait_s)  # they have ended now
+        return wait_saying(pool, dict.fromkeys(pending, model), wait_s, devices)
 
-    return await_all(pool, calls, timeout, wait)
-
-
-def give_up_hung(
-    pool: HostPool, hosts: Sequence[int], timeout: float, devices: Sequence[Device]
-) -> None:
-    """Give up each device of ``hosts``, none of whose calls has ended for ``timeout`` s, as
-    hung (``HostPool.give_up``): its calls end ``HostLost`` saying so."""
-    why = f"none of its calls ended for {timeout:g} s: its worker hangs"
-    for host in hosts:
-        log.warning("SHARP: device %s given up: %s", devices[host].id, why)
-        pool.give_up(host, why)
+    return await_all(pool, calls, timeout, giving_up(pool, wait))
 
 
 def _say(waiting: Mapping[Call, ModelRun | None], waited: float, devices: Sequence[Device]) -> None:

@@ -158,3 +158,38 @@ def test_a_device_hung_in_a_recovery_is_given_up_too(tmp_path: Path) -> None:
     assert set(pool._given_up) == {0, 1}, pool._given_up
     for job in lost:
         assert "its worker hangs" in errors[job] and "no device is left" in errors[job], errors
+
+
+class CopyHangingPool(HangingPool):
+    """A LocalPool whose device gets the first copy of a model (taken as the model arrives,
+    ``keep_copies``) hangs in it and answers nothing after it."""
+
+    def submit(self, host: int, method: str, *args: Any) -> Any:
+        if method == "copy" and self.tasks == 0:
+            self.tasks += 1
+            return self._local(host, method, self._threads[host].submit(self._hang))
+        return LocalPool.submit(self, host, method, *args)
+
+
+@pytest.mark.unit
+def test_a_device_hung_in_a_gather_is_given_up_and_the_models_train_on_exactly(
+    tmp_path: Path,
+) -> None:
+    """The executor's waits at a model's arrival or step boundary (its state gathered for a
+    copy or a checkpoint, a move) give a hung device up too: its models are placed again
+    and train on exactly. Before, the wait timed out and the executor failed every model."""
+    snaps, trainer, statuses, pool = run_hanging(tmp_path, CopyHangingPool)
+    assert pool.hung.is_set(), "no copy hung"
+    reports = {job: trainer.report(job, 0) for job in statuses}
+    assert set(statuses.values()) == {RunStatus.SUCCEEDED}, {j: r.error for j, r in reports.items()}
+    assert list(pool._given_up) == [0] or list(pool._given_up) == [1], pool._given_up
+    (dead,) = trainer.lost_devices()
+    lost = [e for r in reports.values() for e in r.events if e.kind == "device_lost"]
+    assert lost, {job: [e.kind for e in r.events] for job, r in reports.items()}
+    for event in lost:
+        assert event.data["devices"] == [dead], event
+        assert "none of its calls ended for 5 s" in event.message, event.message
+    for snap in snaps:
+        latest = {m.step: m.loss for m in reports[snap.job_id].metrics}
+        assert sorted(latest) == list(range(1, 6))
+        assert_alone(snap, [latest[s] for s in range(1, 6)])
