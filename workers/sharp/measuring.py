@@ -47,6 +47,7 @@ class Measurements:
             except PoolTimeout:
                 self.failed[host] = f"its worker did not answer within {timeout:g} s"
                 self.not_started.add(host)
+                pool.give_up(host, self.failed[host])  # one that answers later holds nothing
             else:
                 self._measured[host] = (overhead, gflops)
         return {host: gflops for host, (_, gflops) in self._measured.items()}

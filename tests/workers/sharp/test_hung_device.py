@@ -193,3 +193,31 @@ def test_a_device_hung_in_a_gather_is_given_up_and_the_models_train_on_exactly(
     assert pool.hung.is_set(), "no copy hung"
     assert len(pool._given_up) == 1, pool._given_up
     assert_one_given_up_and_exact(snaps, trainer, statuses)
+
+
+class MeasureHangingPool(HangingPool):
+    """A LocalPool whose first device's worker never answers its first call (the executor
+    asks each worker what its device holds, then measures its speed)."""
+
+    def submit(self, host: int, method: str, *args: Any) -> Any:
+        if method == "overhead" and host == 0:
+            return self.hang(host, method)
+        return LocalPool.submit(self, host, method, *args)
+
+
+@pytest.mark.unit
+def test_a_worker_that_never_answers_its_measurement_is_stopped_and_the_models_train_elsewhere(
+    tmp_path: Path,
+) -> None:
+    """A device whose worker does not answer within the task timeout as it is measured is
+    not started (``worker_not_started``): the models train exactly on the other device, and
+    the worker is stopped (given up), so the pool's end does not wait for its hung call.
+    Before, it was left running, and a pool in this process waited for it for good."""
+    snaps, trainer, statuses, pool = run_hanging(tmp_path, MeasureHangingPool)
+    reports = {job: trainer.report(job, 0) for job in statuses}
+    assert set(statuses.values()) == {RunStatus.SUCCEEDED}, {j: r.error for j, r in reports.items()}
+    assert set(pool._given_up) == {0}, pool._given_up
+    said = [e for r in reports.values() for e in r.events if e.kind == "worker_not_started"]
+    assert said and "did not answer within 5 s" in said[0].message, said
+    for snap in snaps:
+        assert_alone(snap, [m.loss for m in reports[snap.job_id].metrics])
