@@ -124,8 +124,9 @@ class HostPool(Protocol):
         ...
 
     def give_up(self, host: int, reason: str) -> None:
-        """Take ``host`` for lost (its worker hung: ``scheduler.silence``): its worker is
-        stopped, and each of its calls not read yet ends ``HostLost`` with ``reason``."""
+        """Take ``host`` for lost (its worker hung, ``giving_up``, or never answered): its
+        worker is stopped, and each of its calls not read yet ends ``HostLost`` with
+        ``reason``."""
         ...
 
     def shutdown(self) -> None: ...
