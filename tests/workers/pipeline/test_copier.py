@@ -233,8 +233,9 @@ def test_a_cuda_copy_runs_beside_the_compute_stream() -> None:
     copier.settle()
     step()
     boundary = {b.index: b.state() for b in chain}
-    mark = torch.ones(1, device=gpu).add_(1)  # its kernels loaded now: CUDA loads a kernel
-    del mark  # at its first launch, lazily, and may synchronize the context to do so
+    # The marker's kernels loaded now: CUDA loads a kernel lazily, at its first launch, and
+    # may synchronize the context to do so.
+    torch.ones(1, device=gpu).add_(1)
     torch.cuda.synchronize()
     pinned = torch.cuda.host_memory_stats().get("num_host_alloc")
     started = time.perf_counter()
