@@ -44,12 +44,7 @@ class Draws:
         ``device``."""
         if not (inputs or targets):
             return None, None
-        setup = self._setup
-        if setup.data is None:
-            raise ValueError("this stage was built without the job's data: it cannot draw")
-        if self._source is None:
-            self._source = make_data(setup.data, setup.seed, setup.allowed)
-        x, y = self._source.batch(rows.step, setup.batch_size)
+        x, y = self.batch(rows.step)
         if not 0 <= rows.start < rows.stop <= len(x):
             raise ValueError(
                 f"rows [{rows.start}, {rows.stop}) of step {rows.step}'s batch asked for;"
@@ -60,3 +55,13 @@ class Draws:
             x[part].to(device) if inputs else None,
             y[part].to(device) if targets else None,
         )
+
+    def batch(self, step: int) -> tuple[Tensor, Tensor]:
+        """Step ``step``'s whole batch, inputs and targets, in host memory: drawn anew at
+        each call (what it is drawn into may be changed in place by the model)."""
+        setup = self._setup
+        if setup.data is None:
+            raise ValueError("this stage was built without the job's data: it cannot draw")
+        if self._source is None:
+            self._source = make_data(setup.data, setup.seed, setup.allowed)
+        return self._source.batch(step, setup.batch_size)

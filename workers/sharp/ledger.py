@@ -16,7 +16,7 @@ states are in, or on their way: they are the step's copy, and no other copy is t
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -39,8 +39,9 @@ class Ledger:
     """What the tasks of one step of a model have copied off its devices so far."""
 
     step: int
-    batch: list[Wire | None]
-    """The step's micro-batches: its first forward's inputs."""
+    batch: Callable[[], list[Wire | None]]
+    """Draws the step's micro-batches, its first forward's inputs (the hosts draw their own:
+    only a first shard rebuilt mid-step is given them)."""
     outputs: dict[int, Outputs] = field(default_factory=dict)
     """Each task's outputs for the task after it, by chain position."""
     replays: dict[int, Replays] = field(default_factory=dict)
@@ -140,7 +141,7 @@ class Ledger:
         state = self.states[shard.index] if backward < at else (part(shard, start) or {})
         if not forward < at <= backward:
             return Handover(state, {}, False, None, {})
-        xs = self.batch if shard.index == 0 else self.outputs[first + forward - 1]
+        xs = self.batch() if shard.index == 0 else self.outputs[first + forward - 1]
         inputs = {mb: x for mb, x in enumerate(xs) if x is not None}
         return Handover(state, inputs, shard.index == n - 1, None, self.replays[shard.index])
 

@@ -4,6 +4,7 @@ flight."""
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -17,7 +18,7 @@ from shoal.workers.pipeline.stage_types import StageSetup
 from shoal.workers.run_log import RunLog
 from shoal.workers.sharp.ledger import Ledger, part
 from shoal.workers.sharp.shard_pool import Call, HostPool
-from shoal.workers.sharp.shard_types import ShardKey, Stashed
+from shoal.workers.sharp.shard_types import Drawn, ShardKey, Stashed
 from shoal.workers.snapshot import JobSnapshot, RunnerEvent, RunStatus, StepMetrics
 from shoal.workers.wire import Wire, send
 from shoal.workers.zoo.data import DataSource
@@ -80,9 +81,10 @@ class ModelRun:
     """Whether ``ratio`` was measured: before, its work to go is not known in seconds."""
     last_run: int = -1
     carry: Any = None
-    """The inputs of the model's next task to submit: a batch, a ``HostPool.outputs``
-    handle (made on another device) or ``Stashed`` (kept on its own device)."""
-    targets: list[Wire] = field(default_factory=list)
+    """The inputs of the model's next task to submit: the step's batch (``Drawn``), a
+    ``HostPool.outputs`` handle (made on another device) or ``Stashed`` (kept on its own
+    device)."""
+    targets: Drawn | None = None
     losses: list[float] = field(default_factory=list)
     step_started: float = 0.0
     run: RunLog = field(default_factory=RunLog)
@@ -169,17 +171,18 @@ class ModelRun:
         """Queue ``tasks`` (its next, from ``submitted`` on, each with the task whose shard
         to prefetch after it) on ``host`` one after another, as one call of its worker where
         the pool can (``HostPool.submit_run``), and note where the task after them takes
-        its inputs from. A step's first task draws the step's batch (``clock``: its
-        start). Only the first ``next_call`` of them are queued: where its tasks are recorded
-        each must come back as it ends, not with a run's last (a device lost mid-run would
-        take the records of the tasks it had done with it). The calls of the
-        tasks queued, and where recorded, the calls beside that bring the stepped shards'
-        copies once their backwards end (waiting up to ``timeout`` s for a copy's making)."""
+        its inputs from. A step's first task starts the step (``clock``: its start), its
+        host drawing the batch. Only the first ``next_call`` of them are queued: where its
+        tasks are recorded each must come back as it ends, not with a run's last (a device
+        lost mid-run would take the records of the tasks it had done with it). The calls of
+        the tasks queued, and where recorded, the calls beside that bring the stepped
+        shards' copies once their backwards end (waiting up to ``timeout`` s for a copy's
+        making)."""
         runs: list[tuple[str, tuple[Any, ...]]] = []
         copies: list[tuple[ShardKey, int]] = []
         for task, after in ((a.task, a.prefetch) for a in tasks[: self.next_call()]):
             if task.op is Op.FORWARD and task.shard == 0:
-                self._draw_batch(task.step, clock())
+                self._begin_step(task.step, clock())
             prefetch = None if after is None else (after.model, after.shard)
             runs.append(self._task_call(host, task, prefetch, copies))
             self.submitted += 1
@@ -248,16 +251,21 @@ class ModelRun:
         every_step = self.snap.keep_copies and self.cadence.interval == 1 and measured
         return self.task_copies and every_step
 
-    def _draw_batch(self, step: int, now: float) -> None:
-        snap = self.snap
-        inputs, targets = self.data.batch(step, snap.batch_size)
-        rows = snap.batch_size // snap.micro_batches
-        self.carry = [send(inputs[j * rows : (j + 1) * rows]) for j in range(snap.micro_batches)]
-        self.targets = [send(targets[j * rows : (j + 1) * rows]) for j in range(snap.micro_batches)]
-        self.ledger = Ledger(step, list(self.carry)) if self._records_step() else None
+    def _begin_step(self, step: int, now: float) -> None:
+        """Step ``step`` starts: its first and last shards' hosts draw its batch (``Drawn``)."""
+        self.carry = self.targets = Drawn(step, self.snap.micro_batches)
+        recorded = self._records_step()
+        self.ledger = Ledger(step, functools.partial(self.batch, step)) if recorded else None
         self.losses = []
         self.step_started = now
         self.step_compute_s = 0.0
+
+    def batch(self, step: int) -> list[Wire | None]:
+        """Step ``step``'s inputs, micro-batch by micro-batch in wire form, drawn here: what
+        a recovery hands a first shard it rebuilds mid-step (the hosts draw their own)."""
+        inputs, _ = self.data.batch(step, self.snap.batch_size)
+        rows = self.snap.batch_size // self.snap.micro_batches
+        return [send(inputs[j * rows : (j + 1) * rows]) for j in range(self.snap.micro_batches)]
 
     @property
     def status(self) -> RunStatus:

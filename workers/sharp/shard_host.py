@@ -54,12 +54,13 @@ from shoal.workers.sharp.shard_types import (
     Record,
     Replays,
     ShardKey,
-    Stashed,
+    Targets,
     TaskResult,
 )
 from shoal.workers.sharp.spares import Spares
+from shoal.workers.sharp.task_io import TaskIO, as_wire
 from shoal.workers.snapshot import StagePlan
-from shoal.workers.wire import Wire, receive, receive_tree, send, send_tree
+from shoal.workers.wire import receive, receive_tree, send, send_tree
 from shoal.workers.zoo.models import states_loaded
 
 
@@ -90,9 +91,7 @@ class ShardHost:
         self._resident: OrderedDict[ShardKey, int] = OrderedDict()
         """Shards on the device and the bytes of their state there, least recently used first."""
         self._running: ShardKey | None = None  # the shard of the task running, or last run
-        self._stash: dict[tuple[str, int], list[torch.Tensor | None]] = {}
-        """Outputs of tasks whose model's next task runs here, by (model, that task's
-        position): they stay on the device (``keep``) until it takes them."""
+        self._io = TaskIO(device.id)
         self._residue: dict[ShardKey, int] = {}
         """Demoted shards between a forward and its backward: the bytes of the micro-batches'
         inputs and outputs they keep, which stay on the device (autograd's other saved
@@ -133,6 +132,7 @@ class ShardHost:
         if state is not None:
             stage.load(receive_tree(state, self._host))
         self._shards[key] = stage
+        self._io.learn(key[0], setup)
         self._saves[key] = MovableSaves(lambda: _parameters(stage), stage.in_flight.tensors)
         self._pinned[key] = PinnedState(stage.blocks, self._spares)
         self._planned[key] = (planned, kept, work)
@@ -173,8 +173,7 @@ class ShardHost:
         back), and whatever this host keeps for its model's next tasks: then the host
         holds nothing of it, whether it held the shard or not (a model that failed as its
         shards were loaded drops them all)."""
-        for kept in [k for k in self._stash if k[0] == key[0]]:
-            del self._stash[kept]
+        self._io.drop(key[0])
         if key in self._shards:
             self._forget(key)
 
@@ -185,13 +184,13 @@ class ShardHost:
         stage = self._stage(key)
         self._settle()
         kept = stage.in_flight.inputs()
-        outputs = self._unstash(key[0], stashed) if stashed is not None else []
+        outputs = self._io.unstash(key[0], stashed) if stashed is not None else []
         sent = [x for x, _, _ in kept.values()] + [t for t in outputs if t is not None]
         handover = Handover(
             send_tree(stage.state()),
             {mb: send(x) for mb, (x, _, _) in kept.items()},
             any(loss for _, loss, _ in kept.values()),
-            None if stashed is None else (stashed, [_send(t) for t in outputs]),
+            None if stashed is None else (stashed, [as_wire(t) for t in outputs]),
             _replays({mb: ran for mb, (_, _, ran) in kept.items()}),
         )
         self._forget(key)
@@ -204,7 +203,7 @@ class ShardHost:
         blocks: tuple[int, int],
         planned: int,
         handover: Handover,
-        targets: Sequence[Wire] | None = None,
+        targets: Targets | None = None,
         scale: float = 1.0,
         again: bool = False,
         kept: int = 0,
@@ -226,10 +225,11 @@ class ShardHost:
         graphs = stage.in_flight.keeps_graphs
         if handover.inputs and graphs:
             self._begin(key, None)  # their forwards run again here, on the device
+        ys = self._io.targets(key[0], targets, self._target) if targets and handover.loss else []
         with self._saves[key].hooks():
             for mb, wire in sorted(handover.inputs.items()):
                 x = receive(wire, self._target)
-                y = receive(targets[mb], self._target) if targets and handover.loss else None
+                y = ys[mb] if ys else None
                 cpu, cuda = handover.replays[mb]
                 ran = (receive(cpu, host), None if cuda is None else receive(cuda, host))
                 stage.hold_tensor(mb, x, y, scale, ran)
@@ -237,9 +237,9 @@ class ShardHost:
             self._residue[key] = stage.in_flight.nbytes()
         if handover.stash is not None:
             position, outputs = handover.stash
-            self._stash[(key[0], position)] = [
-                None if t is None else receive(t, self._target) for t in outputs
-            ]
+            self._io.keep(
+                key[0], position, [None if t is None else receive(t, self._target) for t in outputs]
+            )
         return size
 
     def _forget(self, key: ShardKey) -> None:
@@ -252,6 +252,8 @@ class ShardHost:
         del self._saves[key]
         del self._pinned[key]
         del self._planned[key]
+        if all(k[0] != key[0] for k in self._shards):
+            self._io.forget(key[0])
 
     def overhead(self) -> Overhead:
         """What the device held for this worker before any shard, and how it was measured."""
@@ -272,7 +274,7 @@ class ShardHost:
             "resident": list(self._resident),
             "resident_bytes": sum(self._held(k, size) for k, size in self._resident.items()),
             "residue_bytes": sum(self._residue.values()),
-            "stash_bytes": self._stash_bytes(),
+            "stash_bytes": self._io.nbytes(),
             "budget_bytes": self.budget_bytes,
             "overhead_bytes": self._overhead.bytes,
         }
@@ -283,7 +285,7 @@ class ShardHost:
         self,
         key: ShardKey,
         inputs: Inputs,
-        targets: Sequence[Wire] | None = None,
+        targets: Targets | None = None,
         scale: float = 1.0,
         prefetch: ShardKey | None = None,
         keep: int | None = None,
@@ -296,15 +298,15 @@ class ShardHost:
         outputs stay here for it (``Stashed``) instead of leaving. ``record``: the result
         carries copies of the outputs and the forwards' RNG states (``Record``)."""
         stage, promoted = self._begin(key, prefetch)
-        xs = _every(self._take(key[0], inputs, stage), key)
+        taken, ys = self._io.take(key[0], inputs, stage.device, targets)
+        xs = _every(taken, key)
         with self._saves[key].hooks():
-            if targets is None:
+            if ys is None:
                 outputs = [stage.forward_tensor(j, x) for j, x in enumerate(xs)]
-                handed = self._hand_on(key[0], outputs, keep, copy=True)
+                handed = self._io.hand_on(key[0], outputs, keep, copy=True)
                 compute_s = self._compute_s(key, stage.lap())
                 kept = self._record(stage, outputs, forward=True) if record else None
                 return handed, TaskResult([], compute_s, promoted, kept)
-            ys = [receive(y, stage.device) for y in targets]
             pairs = zip(xs, ys, strict=True)
             losses = [stage.loss_tensor(j, x, y, scale) for j, (x, y) in enumerate(pairs)]
         values = torch.stack(losses).tolist()  # the task's one read of the device
@@ -327,10 +329,10 @@ class ShardHost:
         (``Record``), and copy ``number`` of the shard as the step leaves it, after ``step``
         steps, is started (as ``copy`` does: ``copied`` hands it over)."""
         stage, promoted = self._begin(key, prefetch)
-        upstream = self._take(key[0], grads, stage)
+        upstream, _ = self._io.take(key[0], grads, stage.device)
         outputs = [stage.backward_tensor(j, g) for j, g in enumerate(upstream)]
         compute_s = self._compute_s(key, stage.apply_step())
-        handed = self._hand_on(key[0], outputs, keep, copy=False)
+        handed = self._io.hand_on(key[0], outputs, keep, copy=False)
         kept = None
         if record is not None:
             kept = self._record(stage, outputs, forward=False)
@@ -359,38 +361,6 @@ class ShardHost:
         sent = [None if t is None else send(t.detach().to("cpu", copy=True)) for t in outputs]
         replays = _replays(stage.in_flight.rng_states()) if forward else {}
         return Record(sent, replays, time.perf_counter() - started, time.time())
-
-    def _take(self, model: str, inputs: Inputs, stage: Stage) -> list[torch.Tensor | None]:
-        """A task's input tensors on the device: from the stash, or received."""
-        if isinstance(inputs, Stashed):
-            return self._unstash(model, inputs.position)
-        return [None if x is None else receive(x, stage.device) for x in inputs]
-
-    def _unstash(self, model: str, position: int) -> list[torch.Tensor | None]:
-        kept = self._stash.pop((model, position), None)
-        if kept is None:
-            raise StageStateError(
-                f"no outputs are kept on {self.device.id} for task {position} of model {model}"
-            )
-        return kept
-
-    def _hand_on(
-        self, model: str, outputs: Sequence[torch.Tensor | None], keep: int | None, *, copy: bool
-    ) -> Outputs:
-        """Outputs for the model's next task: kept here (on the device) when it runs here,
-        else in wire form. A forward's output is copied: the shard that made it still
-        holds it for its backward, and the next shard may change its input in place."""
-        if keep is None:
-            return [_send(t) for t in outputs]
-        with torch.no_grad():
-            self._stash[(model, keep)] = [
-                None if t is None else (t.detach().clone() if copy else t.detach()) for t in outputs
-            ]
-        return []
-
-    def _stash_bytes(self) -> int:
-        kept = [t for outputs in self._stash.values() for t in outputs if t is not None]
-        return sum(t.numel() * t.element_size() for t in kept)
 
     # ------------------------------------------------------------ promotion (spilling)
 
@@ -443,7 +413,7 @@ class ShardHost:
 
     def _used(self) -> int:
         held = sum(self._held(k, size) for k, size in self._resident.items())
-        return held + sum(self._residue.values()) + self._stash_bytes()
+        return held + sum(self._residue.values()) + self._io.nbytes()
 
     def _held(self, key: ShardKey, state: int) -> int:
         """Shard ``key``'s bytes on the device, ``state`` of its state: its task's while it
@@ -488,12 +458,8 @@ def _every(tensors: Sequence[torch.Tensor | None], key: ShardKey) -> list[torch.
     return present
 
 
-def _send(tensor: torch.Tensor | None) -> Wire | None:
-    return None if tensor is None else send(tensor)
-
-
 def _replays(states: Mapping[int, tuple[torch.Tensor, torch.Tensor | None]]) -> Replays:
-    return {mb: (send(cpu), _send(cuda)) for mb, (cpu, cuda) in states.items()}
+    return {mb: (send(cpu), as_wire(cuda)) for mb, (cpu, cuda) in states.items()}
 
 
 def _parameters(stage: Stage) -> list[torch.Tensor]:

@@ -63,8 +63,23 @@ class Stashed:
     position: int
 
 
-Inputs = Sequence[Wire | None] | Stashed
-"""What a shard task computes from: tensors sent to it, or what the host's stash holds."""
+@dataclass(frozen=True)
+class Drawn:
+    """A task's inputs (a model's first shard's forward) or targets (its last shard's) are
+    step ``step``'s batch in ``micro_batches`` micro-batches, which the host draws itself
+    from the model's data (``workers.sharp.task_io``), as a pipeline's first and last stages
+    do: the executor neither makes the batch nor sends it through Ray."""
+
+    step: int
+    micro_batches: int
+
+
+Inputs = Sequence[Wire | None] | Stashed | Drawn
+"""What a shard task computes from: tensors sent to it, what the host's stash holds, or
+the step's batch, drawn where it runs."""
+
+Targets = Sequence[Wire] | Drawn
+"""What a model's last shard's losses compare with: sent, or drawn where it runs."""
 
 
 @dataclass(frozen=True)

@@ -99,7 +99,7 @@ def test_only_the_copy_not_made_is_dropped(tmp_path: Path, task_copied: bool) ->
     snap = model(tmp_path, "a", steps=4, keep_copies=True)
     run = arrive(snap, budget_for_shards(snap, 3), 0, Homes(devices()), task_copies=True)
     run.saved = (1, {})
-    run.ledger, run.copying = Ledger(2, []), Copying(2, set())
+    run.ledger, run.copying = Ledger(2, list), Copying(2, set())
     run.drop_copy("dev", "the copy did not start", task_copied=task_copied)
     assert (run.ledger is None, run.copying is None) == (task_copied, not task_copied)
     (event,) = [e for e in run.run.report(0).events if e.kind == "copy_dropped"]
@@ -184,15 +184,15 @@ def test_no_step_takes_a_copy_while_the_first_is_coming_and_its_interval_a_guess
     snap = model(tmp_path, "a", steps=4, keep_copies=True)
     run = arrive(snap, budget_for_shards(snap, 3), 0, Homes(devices()), task_copies=True)
     run.copying = Copying(1, set())
-    run._draw_batch(2, 0.0)
+    run._begin_step(2, 0.0)
     assert run.ledger is None
     run.copying = None
-    run._draw_batch(2, 0.0)
+    run._begin_step(2, 0.0)
     assert run.ledger is not None
     every = arrive(
         replace(snap, copy_budget=1.0), budget_for_shards(snap, 3), 0, Homes(devices()),
         task_copies=True,
     )  # fmt: skip
     every.copying = Copying(1, set())
-    every._draw_batch(2, 0.0)
+    every._begin_step(2, 0.0)
     assert every.ledger is not None

@@ -54,7 +54,7 @@ def run(ledger: Ledger, position: int, arrived: float, *, states: bool = True) -
 @pytest.mark.unit
 def test_the_ledger_rebuilds_each_shard_as_the_tasks_done_left_it() -> None:
     start = {b: f"state {b} @start" for b in range(6)}
-    ledger = Ledger(1, ["batch"])  # type: ignore[list-item]
+    ledger = Ledger(1, lambda: ["batch"])  # type: ignore[list-item]
     for position in range(6, 11):  # every task of step 1 but the last (B0)
         run(ledger, position, 100.0 + position)
     # Picking up before B1 (position 10): B2 stepped shard 2; shards 0 and 1 still hold
@@ -82,7 +82,7 @@ def test_the_ledger_rebuilds_each_shard_as_the_tasks_done_left_it() -> None:
 @pytest.mark.unit
 def test_a_ledger_whose_stepped_states_are_still_on_their_way_cannot_be_picked_up_from() -> None:
     start = {b: f"state {b} @start" for b in range(6)}
-    ledger = Ledger(1, ["batch"])  # type: ignore[list-item]
+    ledger = Ledger(1, lambda: ["batch"])  # type: ignore[list-item]
     for position in range(6, 10):  # up to B2, whose states have not come
         run(ledger, position, 100.0 + position, states=position != 9)
     assert ledger.covers(PLAN, 9, (1, start))  # before B2: nothing stepped yet
