@@ -7,7 +7,7 @@
 #   bash tests/gpu_checks.sh memory step    # results under $OUT (or /tmp/gpu-checks)
 #   bash tests/gpu_checks.sh sharp          # a call of its own: it takes up to 450 s
 #   bash tests/gpu_checks.sh tests          # the other tests marked gpu, up to 240 s
-#   bash tests/gpu_checks.sh diagnose       # the open GPU questions' readings, ~7 minutes
+#   bash tests/gpu_checks.sh diagnose       # the open GPU questions' readings, ~8 minutes
 #
 # `all` runs the memory tests and the SHARP bench at once (the tests measure their own
 # process's peaks, and end while the bench simulates and starts its two nodes: its timed
@@ -24,7 +24,9 @@
 # SHARP shard's saved tensors moved storage by storage).
 #
 # `diagnose` takes the readings the open GPU goals need first (docs/benchmarks.md): the
-# copier's tests (copier.txt: does a copy run beside the compute stream?), the SHARP bench
+# copier's tests (copier.txt: does a copy run beside the compute stream?), `shoal bench
+# copier` (copier.json: what the copies cost a plain loop's steps, windows with and without
+# them in turn within seconds, apart from the engine; ~30 s), the SHARP bench
 # at batch 16384 (sharp.json: its workers' busy share and each task's wall time beside its
 # compute) and two rounds of the step bench (step.json: each step's ms with and without
 # copies), one after another so that none times the others' load.
@@ -63,6 +65,11 @@ copier() {
     > "$out/copier.txt" 2>&1
 }
 
+copier_bench() {
+  timeout 120 shoal bench copier --device cuda --json --rounds 8 > "$out/copier.json" \
+    2> "$out/copier.err"
+}
+
 tests() {
   timeout 240 python3 -m pytest -q -o addopts= -m gpu tests/workers/pipeline/test_copier.py \
     tests/workers/pipeline/test_stage_copies.py tests/workers/test_device_memory.py \
@@ -90,6 +97,7 @@ all() {
 
 diagnose() {
   ran copier
+  ran copier_bench
   SHARP_BATCH=16384 SHARP_S=220 ran sharp
   local left=$((${ALL_S:-570} - ($(date +%s) - began)))
   ran step 2 $((left - 10))
@@ -99,9 +107,10 @@ for check in "$@"; do
   case "$check" in
     all) all ;;
     diagnose) diagnose ;;
-    memory | step | sharp | tests | copier) ran "$check" ;;
+    memory | step | sharp | tests | copier | copier_bench) ran "$check" ;;
     *)
-      echo "unknown check $check: use all, diagnose, memory, step, sharp, tests or copier" >&2
+      echo "unknown check $check: use all, diagnose, memory, step, sharp, tests, copier or" \
+        "copier_bench" >&2
       exit 2 ;;
   esac
 done

@@ -10,7 +10,6 @@ bench shows what the engine costs over plain PyTorch and what the copies cost on
 
 from __future__ import annotations
 
-import math
 import statistics
 import tempfile
 import threading
@@ -26,6 +25,7 @@ from shoal.scheduler.devices import Device
 from shoal.scheduler.mfu import DevicePeak, gpu_kind, peak_flops, step_flops
 from shoal.service.bench.hardware import device_name, machine_with
 from shoal.service.bench.pipeline import RUNNER_THREADS, busy_fractions, ray_session, threads
+from shoal.service.bench.plain_loop import PlainLoop, refs, sync
 from shoal.service.bench.report import (
     BenchError,
     Progress,
@@ -41,23 +41,17 @@ from shoal.service.bench.step_settings import (
     step_result,
     step_seconds,
 )
-from shoal.workers.blocks import Block
 from shoal.workers.device_speed import measure_gflops
 from shoal.workers.host_memory import retain_freed_memory
 from shoal.workers.pipeline.group import RayGroup
 from shoal.workers.pipeline.runner import Trainer
 from shoal.workers.profiler import trace_costs
 from shoal.workers.snapshot import (
-    DataRef,
-    ModelRef,
-    OptimizerConf,
     RunnerEvent,
     RunStatus,
     StagePlan,
     StepMetrics,
 )
-from shoal.workers.zoo.data import loss_fn, make_data
-from shoal.workers.zoo.models import build_blocks
 
 STEP_PHASES = ("plain PyTorch loop", "starting Ray", "shoal", "shoal, keeping copies")
 
@@ -66,55 +60,20 @@ POLL_S = 0.001
 step-boundary clock, small against any step worth timing."""
 
 
-def refs(s: StepSettings) -> tuple[ModelRef, DataRef, OptimizerConf]:
-    model = ModelRef(s.model, None, dict(s.shape.model))
-    data = DataRef(s.dataset, None, dict(s.shape.data))
-    return model, data, OptimizerConf(s.optimizer, s.lr)
-
-
-def _sync(device: torch.device) -> None:
-    """Wait for the device's queued work: a CUDA clock read before it would time launches."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def plain_step_times(s: StepSettings) -> tuple[list[float], list[float]]:
-    """Seconds and loss of each step of a plain PyTorch loop on ``s.device``, the
-    ``workers.reference`` step exactly: micro-batches summed into the gradient, the loss read
-    once per step, the gradient norm measured, every block's optimizer stepped. On a CPU it
-    runs one thread, as a Shoal virtual device runs its stage (``workers.pipeline.stage``)."""
-    model, data, opt = refs(s)
-    source = make_data(data, s.seed)
-    modules = build_blocks(model, source.meta, s.seed, range(s.num_blocks))
-    device = torch.device(s.device)
-    blocks = [Block(i, m, opt) for i, m in enumerate(modules)]
-    for block in blocks:
-        block.to(device)
-    params = [p for block in blocks for p in block.module.parameters()]
-    loss = loss_fn(source.meta.task)
-    batch, micro_batches = s.shape.batch, s.shape.micro_batches
-    rows = batch // micro_batches
+    """Seconds and loss of each step of a plain PyTorch loop on ``s.device``
+    (``plain_loop.PlainLoop``). On a CPU it runs one thread, as a Shoal virtual device runs
+    its stage (``workers.pipeline.stage``)."""
+    loop = PlainLoop(s)
     times, losses = [], []
-    with threads(1 if device.type == "cpu" else None):
+    with threads(1 if loop.device.type == "cpu" else None):
         for step in range(s.timed_steps):
-            _sync(device)
+            sync(loop.device)
             started = time.perf_counter()
-            inputs, targets = source.batch(step, batch)
-            inputs, targets = inputs.to(device), targets.to(device)
-            total = torch.zeros((), dtype=torch.float64, device=device)
-            for j in range(micro_batches):
-                out = inputs[j * rows : (j + 1) * rows]
-                for block in blocks:
-                    out = block.module(out)
-                part = loss(out, targets[j * rows : (j + 1) * rows]) * (rows / batch)
-                part.backward()  # type: ignore[no-untyped-call]
-                total += part.detach().double()  # read once per step: a read syncs a GPU
-            torch.nn.utils.clip_grad_norm_(params, math.inf)
-            for block in blocks:
-                block.step()
-            _sync(device)
+            loss = loop.step(step)
+            sync(loop.device)
             times.append(time.perf_counter() - started)
-            losses.append(float(total))
+            losses.append(loss)
     return times, losses
 
 

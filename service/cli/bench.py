@@ -12,6 +12,7 @@ from pathlib import Path
 
 import click
 
+from shoal.service.cli.bench_copier import copier
 from shoal.service.cli.bench_output import (
     JSON_OPTION,
     Decorator,
@@ -67,6 +68,7 @@ def bench() -> None:
 
 
 bench.add_command(step)
+bench.add_command(copier)
 bench.add_command(shard)
 
 

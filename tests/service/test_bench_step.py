@@ -113,7 +113,8 @@ def test_result_has_the_keys_first_and_consistent_ratios() -> None:
 def test_the_plain_loop_trains_exactly_as_the_reference(
     model: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from shoal.service.bench.step import plain_step_times, refs
+    from shoal.service.bench.plain_loop import refs
+    from shoal.service.bench.step import plain_step_times
     from shoal.workers.reference import train_reference
 
     s = StepSettings(model=model, size="tiny", steps=2, warmup=1, repeats=2)

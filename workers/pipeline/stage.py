@@ -55,7 +55,7 @@ from shoal.workers.snapshot import StagePlan
 from shoal.workers.wire import Wire, receive, receive_tree, send, send_tree
 from shoal.workers.zoo.data import loss_fn
 
-_OWN_COPIES, _HELD_COPIES = 3, 2
+OWN_COPIES, _HELD_COPIES = 3, 2
 """In-memory copies kept: a worker's own, the one being made among them, and those it holds
 for each other worker (why: ``workers.pipeline.recovery``)."""
 
@@ -96,7 +96,7 @@ class Stage:
         self._replicas = Replicas(self.device, setup.shard, self._timer.span)
         self._links = Links(self.device)
         self._draws = Draws(setup)
-        self._own = Copier(self.device, _OWN_COPIES)
+        self._own = Copier(self.device, OWN_COPIES)
         self._held = Held(_HELD_COPIES)
         self._failed_step = False
         """A step failed since the blocks were last loaded or rolled back: their state is
