@@ -91,7 +91,7 @@ class ShardHost:
         self._resident: OrderedDict[ShardKey, int] = OrderedDict()
         """Shards on the device and the bytes of their state there, least recently used first."""
         self._running: ShardKey | None = None  # the shard of the task running, or last run
-        self._io = TaskIO(device.id)
+        self._io = TaskIO(device.id, ahead=self._target.type == "cuda")
         self._residue: dict[ShardKey, int] = {}
         """Demoted shards between a forward and its backward: the bytes of the micro-batches'
         inputs and outputs they keep, which stay on the device (autograd's other saved

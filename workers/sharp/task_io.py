@@ -1,10 +1,17 @@
 """A SHARP host's task inputs and outputs: a model's next task's inputs kept on the device
 when it runs on the same host (the stash), a step's batch drawn where it is used, or
-tensors received in wire form; and a task's outputs handed on one of those ways."""
+tensors received in wire form; and a task's outputs handed on one of those ways.
+
+On a GPU host a model's next batch is drawn ahead, by a thread of the host's own, as soon
+as its step's batch is taken: the device computes while the host's CPU draws, where a task
+would otherwise hold the device idle for it (a batch is the same function of its step
+whoever draws it). On a CPU device that thread would take the cores the tasks compute on,
+so there each batch is drawn when its task comes."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 from torch import Tensor
@@ -18,9 +25,14 @@ from shoal.workers.wire import Wire, receive, send
 class TaskIO:
     """What one host's shard tasks take in and hand on, by model."""
 
-    def __init__(self, where: str) -> None:
+    def __init__(self, where: str, *, ahead: bool = False) -> None:
         self._where = where
         """The device, as errors name it."""
+        self._drawer = ThreadPoolExecutor(1, thread_name_prefix="shoal-draw") if ahead else None
+        """The thread that draws every batch (``ahead``: each model's next one early)."""
+        self._drawing: dict[str, dict[int, Future[tuple[Tensor, Tensor]]]] = {}
+        """Each model's batches drawn or being drawn (``ahead``), by step: the latest taken
+        (its first and last shards may both run here) and the next."""
         self._stash: dict[tuple[str, int], list[Tensor | None]] = {}
         """Outputs of tasks whose model's next task runs here, by (model, that task's
         position): they stay on the device (``keep``) until it takes them."""
@@ -39,6 +51,7 @@ class TaskIO:
         """Nothing of ``model`` is left here: neither its stash nor its data."""
         self.drop(model)
         self._draws.pop(model, None)
+        self._drawing.pop(model, None)
 
     def take(
         self, model: str, inputs: Inputs, device: torch.device, targets: Targets | None = None
@@ -96,12 +109,29 @@ class TaskIO:
         return sum(t.numel() * t.element_size() for t in kept)
 
     def _draw(self, model: str, drawn: Drawn) -> tuple[Tensor, Tensor]:
+        """Step ``drawn.step``'s batch of ``model``. With a drawing thread (``ahead``): the
+        batch drawn ahead, or drawn now by that thread (one draw at a time, as a user's data
+        source may expect), kept while its step runs; and the step after it drawn ahead.
+        (A GPU host's tasks copy it onto the device, so a task that changes its inputs in
+        place leaves the kept batch as it was drawn.)"""
         draws = self._draws.get(model)
         if draws is None:
             raise StageStateError(
                 f"model {model} holds no shard on {self._where}: its batch is not drawn there"
             )
-        return draws.batch(drawn.step)
+        if self._drawer is None:
+            return draws.batch(drawn.step)
+        step, drawer = drawn.step, self._drawer
+        kept = {s: f for s, f in self._drawing.get(model, {}).items() if s >= step}
+        for wanted in (step, step + 1):
+            if wanted not in kept:
+                kept[wanted] = drawer.submit(draws.batch, wanted)
+        self._drawing[model] = kept
+        try:
+            return kept[step].result()
+        except BaseException:
+            del kept[step]  # drawn again if asked again
+            raise
 
 
 def _micro_batches(

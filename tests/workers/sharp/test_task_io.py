@@ -5,6 +5,7 @@ and the micro-batches are exactly those the executor would have sent."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -116,3 +117,53 @@ def test_the_executor_sends_no_batch_and_the_models_train_exactly_as_alone(
     assert targets and all(isinstance(t, Drawn) and t.micro_batches == 4 for t in targets)
     for snap in snaps:
         assert_alone(snap, [m.loss for m in trainer.report(snap.job_id, 0).metrics])
+
+
+@pytest.mark.unit
+def test_a_gpu_hosts_next_batch_is_drawn_ahead_by_a_thread_of_its_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Drawing ahead (a GPU host's): each batch is drawn once, by the drawing thread, the
+    step after it as soon as it is taken; a batch asked for again in its step (the model's
+    last shard on the host too) is the one drawn, and a step out of turn is drawn anew."""
+    setup, io = setup_of(tmp_path), TaskIO("cuda-0", ahead=True)
+    io.learn("a", setup)
+    draws: list[tuple[int, str]] = []
+    real = Draws.batch
+
+    def watched(self: Draws, step: int) -> Any:
+        draws.append((step, threading.current_thread().name))
+        return real(self, step)
+
+    monkeypatch.setattr(Draws, "batch", watched)
+    source = make_data(setup.data, setup.seed, setup.allowed)
+    for step in (0, 1, 2):
+        xs, _ = io.take("a", Drawn(step, 4), CPU)
+        ys = io.targets("a", Drawn(step, 4), CPU)  # the last shard, on the same host
+        inputs, targets = source.batch(step, setup.batch_size)
+        assert torch.equal(torch.cat([x for x in xs if x is not None]), inputs), step
+        assert torch.equal(torch.cat(ys), targets), step
+    io.take("a", Drawn(7, 4), CPU)  # a step out of turn (the model rolled back or resumed)
+    steps = [step for step, _ in draws]
+    assert steps == [0, 1, 2, 3, 7, 8], steps
+    assert all(name.startswith("shoal-draw") for _, name in draws), draws
+
+
+@pytest.mark.unit
+def test_a_draw_that_fails_fails_its_task_and_is_tried_again_when_asked_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    io = TaskIO("cuda-0", ahead=True)
+    io.learn("a", setup_of(tmp_path))
+    real, failing = Draws.batch, [False, True]  # the first draw of step 0 fails, not the next
+
+    def flaky(self: Draws, step: int) -> Any:
+        if step == 0 and failing.pop():
+            raise OSError("the dataset's file went away")
+        return real(self, step)
+
+    monkeypatch.setattr(Draws, "batch", flaky)
+    with pytest.raises(OSError, match="went away"):
+        io.take("a", Drawn(0, 4), CPU)
+    xs, _ = io.take("a", Drawn(0, 4), CPU)
+    assert len(xs) == 4
