@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 DEFAULT_BUDGET = 0.05
@@ -42,6 +43,16 @@ def copy_interval(
     if step_s <= 0.0:
         return longest
     return max(1, min(longest, math.ceil(copy_s / (budget * step_s) - 1e-9)))
+
+
+def copy_seconds(per_worker: Sequence[float], *, cores_shared: bool) -> float:
+    """What one copy cost a step, from each worker's measured seconds of it: the slowest
+    worker's, as every stage waits for it; or, where the workers' devices are CPU cores
+    that take every core of the machine (``scheduler.overlap.leaves_a_core``), their sum:
+    each worker's copying threads then take cores the others compute on."""
+    if not per_worker:
+        return 0.0
+    return sum(per_worker) if cores_shared else max(per_worker)
 
 
 def most_replayed(interval: int, step: int, kept: int | None) -> int:

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from shoal.scheduler.copies import LONGEST_INTERVAL, CopyCadence, copy_interval, most_replayed
+from shoal.scheduler.copies import (
+    LONGEST_INTERVAL,
+    CopyCadence,
+    copy_interval,
+    copy_seconds,
+    most_replayed,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -86,3 +92,16 @@ def test_copies_made_beside_steps_longer_than_them_still_let_the_cadence_decide(
         cadence.observe(step_time_s=0.003, copy_s=0.011)
     assert cadence.plan() and cadence.interval == 74  # 0.011 / (0.05 x 0.003), rounded up
     assert cadence.step_s == pytest.approx(0.003)
+
+
+def test_a_copy_costs_the_slowest_worker_or_all_of_them_where_they_share_the_cores() -> None:
+    """Two CPU stages on a machine of two cores: each one's copying threads take the core
+    the other computes on, so the step pays both copies; on devices of their own (GPUs,
+    CPU devices that leave a core free) it waits for the slowest alone."""
+    assert copy_seconds([0.020, 0.025], cores_shared=False) == 0.025
+    assert copy_seconds([0.020, 0.025], cores_shared=True) == pytest.approx(0.045)
+    assert copy_seconds([0.030], cores_shared=True) == 0.030  # one stage: either way
+    assert copy_seconds([], cores_shared=True) == 0.0
+    # The interval doubles with the cost: 45 ms a copy against 140 ms steps at 5%.
+    assert copy_interval(0.045, 0.140, 0.05) == 7
+    assert copy_interval(0.025, 0.140, 0.05) == 4

@@ -39,7 +39,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from shoal.scheduler.copies import CopyCadence
+from shoal.scheduler.copies import CopyCadence, copy_seconds
 from shoal.scheduler.layout import plan_layout
 from shoal.scheduler.partition import PartitionError
 from shoal.scheduler.pieces import Piece, fetch_plan, whole_blocks
@@ -107,10 +107,11 @@ class Copies:
         steps, at most k: by a boundary, the copy k steps before it is confirmed."""
         return step - (self._floor if self._floor is not None else step)
 
-    def observe(self, metrics: StepMetrics) -> None:
+    def observe(self, metrics: StepMetrics, *, cores_shared: bool = False) -> None:
         """Take a recorded step's time and the seconds its workers spent on the copy just
-        before it (the slowest worker's: every stage waits for it)."""
-        copy_s = max((t.copy_s for t in metrics.stages), default=0.0)
+        before it (``scheduler.copies.copy_seconds``: ``cores_shared``, whether the workers'
+        CPU devices take every core of the machine)."""
+        copy_s = copy_seconds([t.copy_s for t in metrics.stages], cores_shared=cores_shared)
         if metrics.step - 1 == self._unmeasured:
             return  # its time holds the links' forming too
         self.cadence.observe(metrics.step_time_s, copy_s)

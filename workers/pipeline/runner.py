@@ -239,8 +239,9 @@ class Trainer:
         self._run.record(last)
         self._timed = flight.layout
         if copies is not None:
+            shared = not leaves_a_core([p.device for p in flight.layout.plans], self._cores)
             for metrics in steps:
-                copies.observe(metrics)
+                copies.observe(metrics, cores_shared=shared)
         done = flight.end
         if done == snap.steps or self._checkpoint_due(done):
             self._checkpoint(group, layout, store, done)

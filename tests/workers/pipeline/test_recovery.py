@@ -20,7 +20,7 @@ from shoal.workers.pipeline.recovery import Copies, recover
 from shoal.workers.pipeline.runner import Trainer
 from shoal.workers.pipeline.stage_types import StageSetup
 from shoal.workers.pipeline.worker_group import StageLost
-from shoal.workers.snapshot import RunStatus
+from shoal.workers.snapshot import RunStatus, StageTiming, StepMetrics
 from shoal.workers.zoo.data import make_data
 from tests.factories import SGD, job
 from tests.workers.pipeline.test_copier import assert_states_equal
@@ -143,3 +143,19 @@ def test_a_survivor_that_copied_ahead_of_its_buddys_copy_restores_the_copy_confi
     assert restored.keys() == after_1.keys()
     for index, state in after_1.items():
         assert_states_equal(restored[index]["module"], state["module"])
+
+
+@pytest.mark.unit
+def test_a_step_pays_every_stages_copy_where_the_stages_share_the_machines_cores() -> None:
+    """The runner tells the copies whether the stages' CPU devices take every core; where
+    they do, a copy costs the step the sum of the workers' seconds, else the slowest's."""
+    timings = tuple(
+        StageTiming(i, f"n0-cpu-{i}", 0.1, 0.0, copy_s=seconds)
+        for i, seconds in enumerate((0.020, 0.030))
+    )
+    step = StepMetrics(step=3, loss=0.0, samples_per_s=1.0, step_time_s=0.2, stages=timings)
+    apart, shared = Copies(0.05, 30.0), Copies(0.05, 30.0)
+    apart.observe(step)
+    shared.observe(step, cores_shared=True)
+    assert apart.cadence.copy_s == pytest.approx(0.030)
+    assert shared.cadence.copy_s == pytest.approx(0.050)
