@@ -8,7 +8,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from shoal.service.bench.step_settings import DEFAULT_SIZE, SIZES
+from shoal.service.bench.step_settings import DEFAULT_SIZE
 from shoal.service.cli.bench_output import (
     JSON_OPTION,
     bench_device,
@@ -18,18 +18,12 @@ from shoal.service.cli.bench_output import (
     fmt,
     run_bench,
 )
+from shoal.service.cli.bench_step import model_options
 
 
 @click.command()
-@device_option("the loop")
-@click.option("--model", default="gpt", show_default=True, type=click.Choice(sorted(SIZES)))
-@click.option(
-    "--size",
-    type=click.Choice(list(SIZES["gpt"])),
-    default=None,
-    help=f"The model's size, as `shoal bench step`'s [default: {DEFAULT_SIZE['cpu']} on cpu,"
-    f" {DEFAULT_SIZE['cuda']} on cuda].",
-)
+@device_option("the loop's steps")
+@model_options
 @click.option(
     "--every",
     default=3,

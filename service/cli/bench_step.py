@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import click
@@ -21,6 +22,21 @@ from shoal.service.cli.bench_output import (
 )
 
 
+def model_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """``--model`` and ``--size``: one of the step benches' models (``SIZES``)."""
+    size = click.option(
+        "--size",
+        type=click.Choice(list(SIZES["gpt"])),
+        default=None,
+        help=f"The model's size [default: {DEFAULT_SIZE['cpu']} on cpu, {DEFAULT_SIZE['cuda']}"
+        " on cuda].",
+    )
+    model = click.option(
+        "--model", default="gpt", show_default=True, type=click.Choice(sorted(SIZES))
+    )
+    return model(size(command))
+
+
 @click.command()
 @device_option("both contenders")
 @click.option(
@@ -30,14 +46,7 @@ from shoal.service.cli.bench_output import (
     type=click.IntRange(1, 64),
     help="Shoal's pipeline stages, one device each (cuda: one GPU each).",
 )
-@click.option("--model", default="gpt", show_default=True, type=click.Choice(sorted(SIZES)))
-@click.option(
-    "--size",
-    type=click.Choice(list(SIZES["gpt"])),
-    default=None,
-    help=f"The model's size [default: {DEFAULT_SIZE['cpu']} on cpu, {DEFAULT_SIZE['cuda']}"
-    " on cuda].",
-)
+@model_options
 @click.option(
     "--steps",
     default=5,
