@@ -13,8 +13,9 @@ import pytest
 
 from shoal.scheduler.sharp import ModelPlan, Shard
 from shoal.workers.sharp.ledger import Ledger
+from shoal.workers.sharp.models import ModelRun
 from shoal.workers.sharp.shard_pool import HostLost, LocalPool, _Local
-from shoal.workers.sharp.shard_types import Record
+from shoal.workers.sharp.shard_types import Drawn, Record
 from shoal.workers.snapshot import RunStatus
 from tests.workers.sharp.test_sharp_runner import (
     LosingPool,
@@ -215,4 +216,58 @@ def test_a_device_lost_with_a_steps_last_copy_on_its_way_costs_that_steps_tail_n
     assert lost.data["steps_replayed"] == 0 and lost.data["tasks_redone"] >= 1, lost
     assert "picking up at backward 0 of step 2" in lost.message, lost.message
     assert [m.step for m in report.metrics] == list(range(1, 7))  # step 3 recorded once
+    assert_alone(snap, [m.loss for m in report.metrics])
+
+
+class FirstShardLosingPool(LocalPool):
+    """A LocalPool whose device running model a's first shard is lost as the backward of
+    its second shard in step 2 (the third) is submitted, and every later call there fails:
+    the first shard then holds its forward's micro-batches, whose inputs its host drew
+    itself (``Drawn``) and lost with it."""
+
+    def __init__(self, devices: Any, budgets: Any) -> None:
+        super().__init__(devices, budgets)
+        self.first: int | None = None
+        self.gone: int | None = None
+
+    def submit(self, host: int, method: str, *args: Any) -> Any:
+        if method in ("forward", "backward") and self.gone is None:
+            key, inputs = args[0], args[1]
+            if key == ("a", 0) and isinstance(inputs, Drawn) and inputs.step == 2:
+                self.first = host
+            elif method == "backward" and key == ("a", 1) and self.first is not None:
+                self.gone = self.first
+        if host == self.gone:
+            return lost_call(self, host, method)
+        return super().submit(host, method, *args)
+
+    def submit_after(self, host: int, after: Any, method: str, *args: Any) -> Any:
+        if host == self.gone:
+            return lost_call(self, host, method)
+        return super().submit_after(host, after, method, *args)
+
+
+@pytest.mark.unit
+def test_a_first_shard_lost_mid_step_is_given_the_batch_its_host_drew(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The device of a model's first shard is lost between that shard's forward and its
+    backward: the shard is rebuilt on the device left with the step's inputs, which only
+    its host had drawn; the executor draws them (``ModelRun.batch``) for that step, and
+    the model trains exactly as alone, picking up mid-step."""
+    drawn: list[int] = []
+    batch = ModelRun.batch
+
+    def counted(run: ModelRun, step: int) -> Any:
+        drawn.append(step)
+        return batch(run, step)
+
+    monkeypatch.setattr(ModelRun, "batch", counted)
+    snap = model(tmp_path, "a", steps=4, keep_copies=True, copy_budget=1.0)
+    trainer = train([snap], FirstShardLosingPool, budget_for_shards(snap, 3), task_copies=True)
+    report = trainer.report("a", 0)
+    (lost,) = [e for e in report.events if e.kind == "device_lost"]
+    assert "picking up at" in lost.message and lost.data["steps_replayed"] == 0, lost
+    assert drawn == [2], (drawn, lost)  # the lost step's inputs, drawn once, by the executor
+    assert [m.step for m in report.metrics] == list(range(1, 5))
     assert_alone(snap, [m.loss for m in report.metrics])
