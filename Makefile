@@ -1,4 +1,5 @@
-# Shoal: `make run` serves a local Shoal, `make test` runs the whole suite.
+# Shoal: `make run` serves a local Shoal, `make test` runs the suite, `make scenarios` the
+# end-to-end scenarios (CI runs both).
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -11,7 +12,7 @@ TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX_URL ?=
 STAMP := $(VENV)/.shoal-installed
 
-.PHONY: run test lint typecheck unit screenshots clean
+.PHONY: run test scenarios lint typecheck unit screenshots clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -40,8 +41,14 @@ typecheck: $(STAMP)
 unit: $(STAMP)
 	$(BIN)/pytest -m unit -q
 
+# Every test but the end-to-end scenarios: ~19 minutes on the 2-core dev machine.
 test: lint typecheck
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q --ignore=tests/integration
+
+# The end-to-end scenarios (tests/integration, ~10 minutes on 2 cores): `shoal up` processes,
+# most with local Ray clusters of several nodes of their own, faults injected into them.
+scenarios: $(STAMP)
+	$(BIN)/pytest -q tests/integration
 
 # The README's and docs' dashboard pictures: the browser tests take them (needs chromium).
 screenshots: $(STAMP)
