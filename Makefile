@@ -46,7 +46,8 @@ test: lint typecheck
 	$(BIN)/pytest -q --ignore=tests/integration
 
 # The end-to-end scenarios (tests/integration, ~10 minutes on 2 cores): `shoal up` processes,
-# most with local Ray clusters of several nodes of their own, faults injected into them.
+# most with local Ray clusters of several nodes of their own, faults injected into them; and
+# uploaded code's checks in Ray workers under their limits.
 scenarios: $(STAMP)
 	$(BIN)/pytest -q tests/integration
 
