@@ -2,11 +2,13 @@
 when it runs on the same host (the stash), a step's batch drawn where it is used, or
 tensors received in wire form; and a task's outputs handed on one of those ways.
 
-On a GPU host a model's next batch is drawn ahead, by a thread of the host's own, as soon
-as its step's batch is taken: the device computes while the host's CPU draws, where a task
-would otherwise hold the device idle for it (a batch is the same function of its step
-whoever draws it). On a CPU device that thread would take the cores the tasks compute on,
-so there each batch is drawn when its task comes."""
+A step's batch is drawn once on a host and kept while its step runs: a model's first and
+last shards usually live on one host, and both take it. On a GPU host a model's next batch
+is drawn ahead, by a thread of the host's own, as soon as its step's batch is taken: the
+device computes while the host's CPU draws, where a task would otherwise hold the device
+idle for it (a batch is the same function of its step whoever draws it). On a CPU device
+that thread would take the cores the tasks compute on, so there each batch is drawn when
+its step's first task comes."""
 
 from __future__ import annotations
 
@@ -31,8 +33,8 @@ class TaskIO:
         self._drawer = ThreadPoolExecutor(1, thread_name_prefix="shoal-draw") if ahead else None
         """The thread that draws every batch (``ahead``: each model's next one early)."""
         self._drawing: dict[str, dict[int, Future[tuple[Tensor, Tensor]]]] = {}
-        """Each model's batches drawn or being drawn (``ahead``), by step: the latest taken
-        (its first and last shards may both run here) and the next."""
+        """Each model's batches drawn or being drawn, by step: the latest taken (its first
+        and last shards may both run here) and (``ahead``) the next."""
         self._stash: dict[tuple[str, int], list[Tensor | None]] = {}
         """Outputs of tasks whose model's next task runs here, by (model, that task's
         position): they stay on the device (``keep``) until it takes them."""
@@ -109,23 +111,20 @@ class TaskIO:
         return sum(t.numel() * t.element_size() for t in kept)
 
     def _draw(self, model: str, drawn: Drawn) -> tuple[Tensor, Tensor]:
-        """Step ``drawn.step``'s batch of ``model``. With a drawing thread (``ahead``): the
-        batch drawn ahead, or drawn now by that thread (one draw at a time, as a user's data
-        source may expect), kept while its step runs; and the step after it drawn ahead.
-        (A GPU host's tasks copy it onto the device, so a task that changes its inputs in
-        place leaves the kept batch as it was drawn.)"""
+        """Step ``drawn.step``'s batch of ``model``: drawn once, kept while its step runs.
+        With a drawing thread (``ahead``), drawn by that thread (one draw at a time, as a
+        user's data source may expect), and the step after it drawn ahead. (A task is
+        given copies of it, so one that changes its inputs in place leaves it as drawn.)"""
         draws = self._draws.get(model)
         if draws is None:
             raise StageStateError(
                 f"model {model} holds no shard on {self._where}: its batch is not drawn there"
             )
-        if self._drawer is None:
-            return draws.batch(drawn.step)
-        step, drawer = drawn.step, self._drawer
+        step = drawn.step
         kept = {s: f for s, f in self._drawing.get(model, {}).items() if s >= step}
-        for wanted in (step, step + 1):
+        for wanted in (step, step + 1) if self._drawer is not None else (step,):
             if wanted not in kept:
-                kept[wanted] = drawer.submit(draws.batch, wanted)
+                kept[wanted] = self._start(draws, wanted)
         self._drawing[model] = kept
         try:
             return kept[step].result()
@@ -133,16 +132,27 @@ class TaskIO:
             del kept[step]  # drawn again if asked again
             raise
 
+    def _start(self, draws: Draws, step: int) -> Future[tuple[Tensor, Tensor]]:
+        """The draw of step ``step``'s batch: by the drawing thread, or done here."""
+        if self._drawer is not None:
+            return self._drawer.submit(draws.batch, step)
+        done: Future[tuple[Tensor, Tensor]] = Future()
+        try:
+            done.set_result(draws.batch(step))
+        except Exception as error:  # raised where the batch is asked for, as the thread's
+            done.set_exception(error)
+        return done
+
 
 def _micro_batches(
     batch: tuple[Tensor, Tensor] | None, part: int, drawn: Drawn, device: torch.device
 ) -> list[Tensor]:
     """The micro-batches of ``batch``'s inputs (``part`` 0) or targets (1) on ``device``,
-    moved in one copy."""
+    moved (on a CPU device: copied) in one copy."""
     assert batch is not None  # drawn for ``drawn``
     whole = batch[part]
     rows = len(whole) // drawn.micro_batches
-    moved = whole[: rows * drawn.micro_batches].to(device)
+    moved = whole[: rows * drawn.micro_batches].to(device, copy=True)
     return [moved[j * rows : (j + 1) * rows] for j in range(drawn.micro_batches)]
 
 

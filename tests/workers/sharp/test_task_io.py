@@ -49,11 +49,14 @@ def test_a_drawn_batch_is_the_micro_batches_the_executor_would_have_sent(tmp_pat
 
 
 @pytest.mark.unit
-def test_a_step_drawn_for_inputs_and_targets_is_drawn_once(
+def test_a_step_is_drawn_once_on_a_host_and_its_tasks_are_given_copies(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    io, draws = TaskIO("cpu-0"), []
-    io.learn("a", setup_of(tmp_path))
+    """A model's first and last shards on one CPU host take one draw of the step's batch
+    (drawing is the device's cores' time there); a task that changes its inputs in place
+    leaves the batch as drawn for the tasks after it, the step run again included."""
+    setup, io, draws = setup_of(tmp_path), TaskIO("cpu-0"), []
+    io.learn("a", setup)
     real = Draws.batch
 
     def counted(self: Draws, step: int) -> Any:
@@ -61,9 +64,22 @@ def test_a_step_drawn_for_inputs_and_targets_is_drawn_once(
         return real(self, step)
 
     monkeypatch.setattr(Draws, "batch", counted)
-    io.take("a", Drawn(2, 4), CPU, Drawn(2, 4))  # a model of one shard
-    io.targets("a", Drawn(2, 4), CPU)  # a last shard of several
-    assert draws == [2, 2]
+    inputs, targets = make_data(setup.data, setup.seed, setup.allowed).batch(2, setup.batch_size)
+    xs, ys = io.take("a", Drawn(2, 4), CPU, Drawn(2, 4))  # a model of one shard
+    assert ys is not None
+    for x in xs:  # a model that changes its inputs in place
+        assert x is not None
+        x.mul_(0.0)
+    for y in ys:
+        y.add_(1.0)
+    again, _ = io.take("a", Drawn(2, 4), CPU)  # the step's first shard run again
+    last = io.targets("a", Drawn(2, 4), CPU)  # a last shard of several
+    assert draws == [2]
+    assert torch.equal(torch.cat([x for x in again if x is not None]), inputs)
+    assert torch.equal(torch.cat(last), targets)
+    io.take("a", Drawn(3, 4), CPU)
+    io.take("a", Drawn(2, 4), CPU)  # a step out of turn (the model rolled back)
+    assert draws == [2, 3, 2]
 
 
 @pytest.mark.unit
