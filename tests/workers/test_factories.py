@@ -168,6 +168,17 @@ def tiny_mlp_list(config: dict[str, Any], meta: DataMeta) -> list[nn.Module]:
     return list(tiny_mlp(config, meta))
 
 
+def dropout_mlp(config: dict[str, Any], meta: DataMeta) -> nn.Sequential:
+    """Three blocks whose forwards draw random numbers (dropout): a forward run again
+    equals its first run only under the RNG states that one ran under."""
+    hidden = int(config.get("hidden", 8))
+    return nn.Sequential(
+        nn.Sequential(nn.Linear(math.prod(meta.input_shape), hidden), nn.Dropout(0.5)),
+        nn.Sequential(nn.Tanh(), nn.Dropout(0.5), nn.Linear(hidden, hidden)),
+        nn.Linear(hidden, meta.targets),
+    )
+
+
 def normed_mlp(config: dict[str, Any], meta: DataMeta) -> nn.Sequential:
     """Two blocks, each a linear layer followed by a layer norm: no block has a
     tensor-parallel split (the norm would run on each device's columns)."""

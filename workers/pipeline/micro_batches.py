@@ -23,19 +23,19 @@ RngStates = tuple[Tensor, Tensor | None]
 
 @dataclass
 class Replay:
-    """How to recompute a stage's forward exactly: the function and the RNG it ran under."""
+    """How to recompute a stage's forward exactly: the function and the RNG it ran under
+    (on a GPU, that of the GPU its input was on, where it runs again)."""
 
     rerun: Callable[[Tensor], Tensor]
-    device: torch.device
     cpu_rng: Tensor
     cuda_rng: Tensor | None
 
     def run(self, x: Tensor) -> Tensor:
-        cuda = self.device.type == "cuda"
-        with torch.random.fork_rng(devices=[self.device] if cuda else []):
+        gpu = [x.device] if x.is_cuda else []
+        with torch.random.fork_rng(devices=gpu):
             torch.set_rng_state(self.cpu_rng)
-            if self.cuda_rng is not None:
-                torch.cuda.set_rng_state(self.cuda_rng, self.device)
+            if self.cuda_rng is not None and gpu:
+                torch.cuda.set_rng_state(self.cuda_rng, x.device)
             return self.rerun(x)
 
 
@@ -55,11 +55,12 @@ class Kept:
 
 
 class InFlight:
-    """The micro-batches stage ``stage`` on ``device`` has run forward and not yet backward."""
+    """The micro-batches stage ``stage`` has run forward and not yet backward. The RNG
+    states a forward ran under are those of the device its input is on: a SHARP shard's
+    stage moves between host memory and its GPU, and computes on the GPU."""
 
-    def __init__(self, stage: int, device: torch.device, recompute: bool) -> None:
+    def __init__(self, stage: int, recompute: bool) -> None:
         self.stage = stage
-        self._device = device
         self._recompute = recompute
         self._kept: dict[int, Kept] = {}
 
@@ -78,15 +79,14 @@ class InFlight:
             raise StageStateError(f"stage {self.stage} already holds micro-batch {mb}")
         if input_grad:
             inp.requires_grad_()
-        cuda = self._device.type == "cuda"
-        ran = (torch.get_rng_state(), torch.cuda.get_rng_state(self._device) if cuda else None)
+        ran = (torch.get_rng_state(), torch.cuda.get_rng_state(inp.device) if inp.is_cuda else None)
         if not self._recompute:
             out = run(inp)
             self._kept[mb] = Kept(inp, out, is_loss, ran)
             return out
         with torch.no_grad():
             out = run(inp)
-        self._kept[mb] = Kept(inp, Replay(run, self._device, *ran), is_loss, ran)
+        self._kept[mb] = Kept(inp, Replay(run, *ran), is_loss, ran)
         return out
 
     def hold(
@@ -107,7 +107,7 @@ class InFlight:
             raise StageStateError(f"stage {self.stage} already holds micro-batch {mb}")
         if input_grad:
             inp.requires_grad_()
-        replay = Replay(run, self._device, *ran)
+        replay = Replay(run, *ran)
         self._kept[mb] = Kept(inp, replay if self._recompute else replay.run(inp), is_loss, ran)
 
     def take(self, mb: int, *, upstream: bool) -> Kept:

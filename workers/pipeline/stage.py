@@ -92,7 +92,7 @@ class Stage:
         self.blocks = build_stage_blocks(setup, range(start, stop), self._devices)
         self._loss = loss_fn(setup.meta.task)
         self._amp_dtype = autocast_dtype(setup.precision)
-        self.in_flight = InFlight(plan.index, self.device, setup.recompute)
+        self.in_flight = InFlight(plan.index, setup.recompute)
         self._replicas = Replicas(self.device, setup.shard, self._timer.span)
         self._links = Links(self.device)
         self._draws = Draws(setup)
@@ -117,17 +117,13 @@ class Stage:
 
     # ---------------------------------------------------------------- forward/backward
 
-    def _run(self, x: Tensor) -> Tensor:
-        for block in self.blocks:
-            x = block.module(x)
-        return x
-
     def _head(self, target: Tensor | None, scale: float) -> Callable[[Tensor], Tensor]:
         """Its blocks, then the scaled loss if given, under the job's autocast."""
 
         def run(y: Tensor) -> Tensor:
             with autocast(self._amp_dtype, self.device):
-                y = self._run(y)
+                for block in self.blocks:
+                    y = block.module(y)
                 return y if target is None else self._loss(y, target) * scale
 
         return run
@@ -234,6 +230,11 @@ class Stage:
             with self._timer.span("copy"):
                 self._own.guard(index)
 
+    def moved(self, device: torch.device) -> None:
+        """Its blocks are on ``device`` now (a SHARP shard's): it computes and is timed there."""
+        self.device = device
+        self._timer.moved(device)
+
     def lap(self) -> StepClock:
         """The seconds spent since the last step or lap, by part; restart them."""
         if self.device.type == "cpu":  # the copying thread ran on this device's cores
@@ -294,9 +295,8 @@ class Stage:
         steps: Sequence[Rows],
         scale: float,
     ) -> list[StepOutcome]:
-        """``len(steps)`` steps back to back, each as ``step`` with its own rows, each
-        applying its gradients (``scheduler.overlap``: several steps per call). A failed
-        step ends the call: the steps after it do not run."""
+        """``len(steps)`` steps back to back, each as ``step`` with its own rows and applying
+        its gradients (``scheduler.overlap``); a failed step ends the call."""
         return [self.step(schedule, depth, micro_batches, r, scale, True) for r in steps]
 
     def link_keep(self, names: dict[int, str | None]) -> None:

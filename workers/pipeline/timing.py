@@ -76,8 +76,7 @@ class StepTimer:
     """Accumulates each part's seconds until ``lap``."""
 
     def __init__(self, device: torch.device, slowdown: float = 1.0) -> None:
-        self._cuda = device.type == "cuda"
-        self._device = device
+        self._cuda, self._device = device.type == "cuda", device
         self._slowdown = max(1.0, slowdown)
         self._seconds = dict.fromkeys(PARTS, 0.0)
         self._events: list[_Span] = []
@@ -90,6 +89,11 @@ class StepTimer:
         between two steps: what the step would not have waited for without the copy."""
         if self._copy_from is None:
             self._copy_from = time.perf_counter()
+
+    def moved(self, device: torch.device) -> None:
+        """What it times runs on ``device`` from now on (a SHARP shard's stage, between host
+        memory and its GPU): on a GPU, timed by CUDA events, as if it had started there."""
+        self._cuda, self._device = device.type == "cuda", device
 
     def add(self, part: str, seconds: float) -> None:
         """Book ``seconds`` spent elsewhere (another thread on this device) as ``part``."""

@@ -442,7 +442,7 @@ class ShardHost:
         else:
             self._pinned[key].to_host(side)  # after the compute that last wrote it
         saves.to(device, stream=side)
-        stage.device = device
+        stage.moved(device)
 
     def _settle(self) -> None:
         """Wait for the side stream's copies: before the host reads a shard it sent back."""
