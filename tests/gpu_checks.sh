@@ -8,6 +8,7 @@
 #   bash tests/gpu_checks.sh sharp          # a call of its own: it takes up to 450 s
 #   bash tests/gpu_checks.sh tests          # the other tests marked gpu, up to 240 s
 #   bash tests/gpu_checks.sh diagnose       # the open GPU questions' readings, ~8 minutes
+#   bash tests/gpu_checks.sh shards         # a SHARP shard timed and its RNG kept on the GPU
 #
 # `all` runs the memory tests and the SHARP bench at once (the tests measure their own
 # process's peaks, and end while the bench simulates and starts its two nodes: its timed
@@ -21,10 +22,13 @@
 # their overhead and interval) and sharp.json (`shoal bench sharp`: the SHARP executor
 # beside its peers, copies on) and tests.txt (the other tests marked gpu: the copies on a
 # side stream, pinned memory, a worker's measured overhead, one stage's step on the GPU, a
-# SHARP shard's saved tensors moved storage by storage).
+# SHARP shard's saved tensors moved storage by storage, its tasks timed by the GPU and its
+# forwards run again under their RNG).
 #
 # `diagnose` takes the readings the open GPU goals need first (docs/benchmarks.md): the
-# copier's tests (copier.txt: does a copy run beside the compute stream?), `shoal bench
+# tests of a SHARP shard moved onto the GPU (shards.txt: its tasks timed by the GPU, its
+# forwards run again under their RNG), the copier's tests (copier.txt: does a copy run
+# beside the compute stream?), `shoal bench
 # copier` (copier.json: what the copies cost a plain loop's steps, windows with and without
 # them in turn within seconds, apart from the engine; ~30 s), the SHARP bench
 # at batch 16384 (sharp.json: its workers' busy share and each task's wall time beside its
@@ -65,6 +69,11 @@ copier() {
     > "$out/copier.txt" 2>&1
 }
 
+shards() {
+  timeout 90 python3 -m pytest -q -o addopts= -m gpu tests/workers/sharp/test_moved_shards.py \
+    > "$out/shards.txt" 2>&1
+}
+
 copier_bench() {
   timeout 120 shoal bench copier --device cuda --json --rounds 8 > "$out/copier.json" \
     2> "$out/copier.err"
@@ -74,6 +83,7 @@ tests() {
   timeout 240 python3 -m pytest -q -o addopts= -m gpu tests/workers/pipeline/test_copier.py \
     tests/workers/pipeline/test_stage_copies.py tests/workers/test_device_memory.py \
     tests/workers/pipeline/test_peer_to_peer.py tests/workers/sharp/test_saved.py \
+    tests/workers/sharp/test_moved_shards.py \
     > "$out/tests.txt" 2>&1
 }
 
@@ -96,6 +106,7 @@ all() {
 }
 
 diagnose() {
+  ran shards
   ran copier
   ran copier_bench
   SHARP_BATCH=16384 SHARP_S=220 ran sharp
@@ -107,10 +118,10 @@ for check in "$@"; do
   case "$check" in
     all) all ;;
     diagnose) diagnose ;;
-    memory | step | sharp | tests | copier | copier_bench) ran "$check" ;;
+    memory | step | sharp | tests | copier | copier_bench | shards) ran "$check" ;;
     *)
-      echo "unknown check $check: use all, diagnose, memory, step, sharp, tests, copier or" \
-        "copier_bench" >&2
+      echo "unknown check $check: use all, diagnose, memory, step, sharp, tests, copier," \
+        "copier_bench or shards" >&2
       exit 2 ;;
   esac
 done
