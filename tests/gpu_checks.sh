@@ -18,8 +18,8 @@
 # Each check has its own time limit and its own files, so one that fails or runs long
 # leaves the others' results: machine.txt (GPU, driver, torch, CUDA, each check's exit
 # status), memory.txt (the memory tests marked gpu: predicted peaks against torch's),
-# step.json (`shoal bench step`: the plain loop, Shoal without and with in-memory copies,
-# their overhead and interval) and sharp.json (`shoal bench sharp`: the SHARP executor
+# step.json (`shoal bench step`: the plain loop, Shoal without in-memory copies, and Shoal
+# with them in alternate windows of its steps: their overhead and interval) and sharp.json (`shoal bench sharp`: the SHARP executor
 # beside its peers, copies on) and tests.txt (the other tests marked gpu: the copies on a
 # side stream, pinned memory, a worker's measured overhead, one stage's step on the GPU, a
 # SHARP shard's saved tensors moved storage by storage, its tasks timed by the GPU and its
@@ -32,8 +32,9 @@
 # copier` (copier.json: what the copies cost a plain loop's steps, windows with and without
 # them in turn within seconds, apart from the engine; ~30 s), the SHARP bench
 # at batch 16384 (sharp.json: its workers' busy share and each task's wall time beside its
-# compute) and two rounds of the step bench (step.json: each step's ms with and without
-# copies), one after another so that none times the others' load.
+# compute) and two rounds of the step bench (step.json: the copies' cost in alternate
+# windows of one job, each pair's ms), one after another so that none times the others'
+# load.
 set -u
 cd "$(dirname "$0")/.."
 began=$(date +%s)

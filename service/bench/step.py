@@ -4,12 +4,14 @@ Both train the same blocks (``build_blocks``, same seed) on the same batches wit
 micro-batches, gradient accumulation and one optimizer per block: the ``workers.reference``
 step, which the engine reproduces exactly. The plain loop is that step in this process on
 the device; Shoal runs it through ``workers.pipeline.runner.Trainer`` with a ``RayGroup`` of
-StageWorker actors, once without and once with in-memory copies (``keep_copies``), so the
-bench shows what the engine costs over plain PyTorch and what the copies cost on top.
+StageWorker actors, once without in-memory copies (``keep_copies``), what the engine costs
+over plain PyTorch, and once with them in alternate windows of its steps
+(``copy_windows``), what the copies cost on top.
 """
 
 from __future__ import annotations
 
+import functools
 import statistics
 import tempfile
 import threading
@@ -21,8 +23,15 @@ from typing import Any
 import ray
 import torch
 
+from shoal.scheduler.copies import LONGEST_INTERVAL
 from shoal.scheduler.devices import Device
 from shoal.scheduler.mfu import DevicePeak, gpu_kind, peak_flops, step_flops
+from shoal.service.bench.copy_windows import (
+    AlternateCopies,
+    CopyWindows,
+    window_seconds,
+    windowed_overhead,
+)
 from shoal.service.bench.hardware import device_name, machine_with
 from shoal.service.bench.pipeline import RUNNER_THREADS, busy_fractions, ray_session, threads
 from shoal.service.bench.plain_loop import PlainLoop, refs, sync
@@ -35,15 +44,11 @@ from shoal.service.bench.report import (
     round_phases,
     stage_bounds,
 )
-from shoal.service.bench.step_settings import (
-    StepSettings,
-    copies_overhead,
-    step_result,
-    step_seconds,
-)
+from shoal.service.bench.step_settings import StepSettings, step_result, step_seconds
 from shoal.workers.device_speed import measure_gflops
 from shoal.workers.host_memory import retain_freed_memory
 from shoal.workers.pipeline.group import RayGroup
+from shoal.workers.pipeline.recovery import Copies
 from shoal.workers.pipeline.runner import Trainer
 from shoal.workers.profiler import trace_costs
 from shoal.workers.snapshot import (
@@ -97,8 +102,11 @@ def devices(s: StepSettings, node_id: str) -> list[Device]:
     ]
 
 
-def _watch(trainer: Trainer, stop: threading.Event, arrivals: list[float]) -> None:
-    """Note when each step's metrics appear, until ``stop`` (then one last look)."""
+def _watch(
+    trainer: Trainer, stop: threading.Event, arrivals: list[float], enough: Callable[[int], bool]
+) -> None:
+    """Note when each step's metrics appear, until ``stop`` (then one last look); cancel the
+    run once ``enough`` of its steps are seen."""
     cursor = 0
     while True:
         last = stop.is_set()
@@ -108,15 +116,26 @@ def _watch(trainer: Trainer, stop: threading.Event, arrivals: list[float]) -> No
         cursor = report.cursor
         if last:
             return
+        if enough(len(arrivals)):
+            trainer.cancel()
         time.sleep(POLL_S)
 
 
+def copies_steps(s: StepSettings) -> int:
+    """The most steps the run with copies takes: room for ``s.repeats`` pairs of windows
+    after the warmup and the copies' first measurements, a window being whole intervals
+    between copies (as the job chose them, ``LONGEST_INTERVAL`` at most) of at least
+    ``s.steps`` steps. It stops once they are done."""
+    return s.warmup + 10 + 2 * s.repeats * (s.steps + LONGEST_INTERVAL)
+
+
 def shoal_step_times(
-    s: StepSettings, plans: tuple[StagePlan, ...], keep_copies: bool
+    s: StepSettings, plans: tuple[StagePlan, ...], windows: CopyWindows | None = None
 ) -> tuple[list[float], list[StepMetrics], list[RunnerEvent]]:
     """Each step's wall seconds between step boundaries, seen from outside the runner (so
     all it does between steps counts, copies included), and the engine's own metrics and
-    events."""
+    events. With ``windows`` the job keeps in-memory copies, in alternate windows of its
+    steps, and stops once ``s.repeats`` pairs of them are done."""
     with tempfile.TemporaryDirectory(prefix="shoal-bench-step-") as root:
         snapshot = bench_job(
             "bench-step",
@@ -124,17 +143,24 @@ def shoal_step_times(
             root,
             batch_size=s.shape.batch,
             micro_batches=s.shape.micro_batches,
-            steps=s.timed_steps,
+            steps=s.timed_steps if windows is None else copies_steps(s),
             seed=s.seed,
             schedule=s.schedule,
             stages=plans,
             num_blocks=s.num_blocks,
-            keep_copies=keep_copies,
+            keep_copies=windows is not None,
         )
-        trainer = Trainer(snapshot, RayGroup)
+        copies = Copies if windows is None else functools.partial(AlternateCopies, windows=windows)
+        trainer = Trainer(snapshot, RayGroup, copies=copies)
+
+        def enough(seen: int) -> bool:
+            return windows is not None and len(windows.pairs(seen)) >= s.repeats
+
         arrivals: list[float] = []
         stop = threading.Event()
-        watcher = threading.Thread(target=_watch, args=(trainer, stop, arrivals), daemon=True)
+        watcher = threading.Thread(
+            target=_watch, args=(trainer, stop, arrivals, enough), daemon=True
+        )
         started = time.perf_counter()
         watcher.start()
         try:
@@ -144,8 +170,10 @@ def shoal_step_times(
             stop.set()
             watcher.join()
         report = trainer.report(0)
-        if status is not RunStatus.SUCCEEDED:
-            raise BenchError(f"the Shoal run (keep_copies={keep_copies}) failed: {report.error}")
+        stopped = status is RunStatus.CANCELLED and enough(len(report.metrics))
+        if status is not RunStatus.SUCCEEDED and not stopped:
+            kept = "with" if windows is not None else "without"
+            raise BenchError(f"the Shoal run {kept} copies failed: {report.error}")
         return step_seconds(started, arrivals), list(report.metrics), list(report.events)
 
 
@@ -153,7 +181,9 @@ def _notes(s: StepSettings) -> list[str]:
     notes = [
         "Shoal's step seconds are wall time between step boundaries as the driver sees them"
         " (polled every millisecond); engine_timed_samples_per_s are the engine's own step"
-        " timer, which may leave out work between steps"
+        " timer, which may leave out work between steps",
+        "the run with copies takes them in alternate windows of its steps (copy_windows):"
+        " copies_overhead and its samples/s are its copying windows' against its paused ones",
     ]
     if s.device == "cpu":
         notes.append(
@@ -176,11 +206,17 @@ class _Round:
     copies: list[float]
     copies_metrics: list[StepMetrics]
     copies_events: list[RunnerEvent]
+    windows: CopyWindows
+
+    def window_seconds(self) -> list[tuple[float, float]]:
+        """Each pair's seconds in the run with copies: the copying window's, the paused one's."""
+        return window_seconds(self.copies, self.windows.pairs(len(self.copies)))
 
 
 def _measure_round(s: StepSettings, phase: Callable[[], None]) -> _Round:
-    """The plain loop (without Ray's processes beside it), then Shoal without and with
-    copies on a Ray started for them (``phase`` is called as each starts)."""
+    """The plain loop (without Ray's processes beside it), then Shoal without copies and with
+    them in alternate windows, on a Ray started for them (``phase`` is called as each
+    starts)."""
     phase()
     plain, plain_losses = plain_step_times(s)
     if s.device == "cuda":
@@ -191,10 +227,25 @@ def _measure_round(s: StepSettings, phase: Callable[[], None]) -> _Round:
         bounds = stage_bounds(s.num_blocks, s.stages)
         plans = tuple(StagePlan(i, r, on[i]) for i, r in enumerate(bounds))
         phase()
-        shoal, metrics, _ = shoal_step_times(s, plans, keep_copies=False)
+        shoal, metrics, _ = shoal_step_times(s, plans)
         phase()
-        copies, copies_metrics, copies_events = shoal_step_times(s, plans, keep_copies=True)
-    return _Round(plain, plain_losses, shoal, metrics, copies, copies_metrics, copies_events)
+        windows = CopyWindows(after=s.warmup, steps=s.steps)
+        copies, copies_metrics, copies_events = shoal_step_times(s, plans, windows)
+    if not windows.pairs(len(copies)):
+        raise BenchError(
+            f"the run with copies ended ({len(copies)} steps) before a copying window and the"
+            f" paused one after it: its copies came every {_interval(copies_events)} steps;"
+            " raise --steps or --repeats"
+        )
+    return _Round(
+        plain, plain_losses, shoal, metrics, copies, copies_metrics, copies_events, windows
+    )
+
+
+def _interval(events: Sequence[RunnerEvent]) -> int:
+    """How often the job chose to copy (its last word; 1 until it said)."""
+    cadence = [e.data for e in events if e.kind == "copies"]
+    return int(cadence[-1]["interval"]) if cadence else 1
 
 
 def _peak(device: torch.device) -> tuple[float, float | None]:
@@ -217,19 +268,25 @@ def _step_flops(s: StepSettings) -> float:
 
 def _round_view(s: StepSettings, r: _Round) -> dict[str, Any]:
     """One round's figures, as the result lists them under ``rounds``."""
-    plain, shoal, copies = (
-        median_throughput(times, s.shape.batch, s.warmup, s.repeats)
-        for times in (r.plain, r.shoal, r.copies)
+    plain, shoal = (
+        median_throughput(times, s.shape.batch, s.warmup, s.repeats) for times in (r.plain, r.shoal)
     )
+    pairs = r.window_seconds()
+    copying_steps = sum(c.end - c.start for c, _ in r.windows.pairs(len(r.copies)))
     cadence = [e.data for e in r.copies_events if e.kind == "copies"]
     return {
         "plain_samples_per_s": plain,
         "shoal_samples_per_s": shoal,
-        "shoal_copies_samples_per_s": copies,
+        "shoal_copies_samples_per_s": s.shape.batch * copying_steps / sum(c for c, _ in pairs),
         "shoal_over_plain": shoal / plain,
-        "copies_overhead": copies_overhead(r.shoal, r.copies, s.warmup),
+        "copies_overhead": windowed_overhead(pairs),
+        # Each pair of windows: its steps, the copying window's ms and the paused one's.
+        "copy_windows": [
+            {"steps": w.end - w.start, "copying_ms": 1000 * c, "paused_ms": 1000 * p}
+            for (w, _), (c, p) in zip(r.windows.pairs(len(r.copies)), pairs, strict=True)
+        ],
         # How often the engine chose to copy, and what it measured them to cost (its last word).
-        "copy_interval_steps": cadence[-1]["interval"] if cadence else 1,
+        "copy_interval_steps": _interval(r.copies_events),
         "copies_engine_overhead": cadence[-1]["overhead"] if cadence else None,
         "copies_engine_copy_s": cadence[-1]["copy_s"] if cadence else None,
         # Where the copies' cost lands: each step's wall ms without and with copies, and the
@@ -238,6 +295,13 @@ def _round_view(s: StepSettings, r: _Round) -> dict[str, Any]:
         "copies_step_ms": _ms(r.copies),
         "copy_ms": _ms([max((t.copy_s for t in m.stages), default=0.0) for m in r.copies_metrics]),
     }
+
+
+def _mean_steps(r: _Round, *, copying: bool) -> float:
+    """The mean step of the run with copies in its copying windows, or its paused ones."""
+    pairs = r.windows.pairs(len(r.copies))
+    steps = sum(c.end - c.start for c, _ in pairs)
+    return sum(c if copying else p for c, p in r.window_seconds()) / steps
 
 
 def _ms(seconds: Sequence[float]) -> list[float]:
@@ -299,10 +363,13 @@ def run_step(s: StepSettings, progress: Progress = lambda _: None) -> dict[str, 
         extra={
             "plain_step_s": step_s(lambda r: r.plain),
             "shoal_step_s": step_s(lambda r: r.shoal),
-            "shoal_copies_step_s": step_s(lambda r: r.copies),
+            # The run with copies: its mean step in the copying windows and in the paused ones.
+            "shoal_copies_step_s": statistics.median(_mean_steps(r, copying=True) for r in rounds),
+            "shoal_paused_step_s": statistics.median(_mean_steps(r, copying=False) for r in rounds),
             "timed_s": {
                 "shoal": sum(sum(r.shoal[s.warmup :]) for r in rounds),
-                "shoal_copies": sum(sum(r.copies[s.warmup :]) for r in rounds),
+                "shoal_copies": sum(c for r in rounds for c, _ in r.window_seconds()),
+                "shoal_copies_paused": sum(p for r in rounds for _, p in r.window_seconds()),
             },
             "engine_timed_samples_per_s": {
                 "shoal": engine_rate(lambda r: r.metrics),
@@ -322,8 +389,8 @@ def run_step(s: StepSettings, progress: Progress = lambda _: None) -> dict[str, 
             "loss_max_abs_diff": max(
                 abs(m.loss - want)
                 for r in rounds
-                for ms in (r.metrics, r.copies_metrics)
-                for m, want in zip(ms, r.plain_losses, strict=True)
+                for ms in (r.metrics, r.copies_metrics)  # the run with copies runs on longer
+                for m, want in zip(ms[: len(r.plain_losses)], r.plain_losses, strict=True)
             ),
         },
     )

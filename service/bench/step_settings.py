@@ -170,15 +170,6 @@ def step_seconds(started: float, arrivals: Sequence[float]) -> list[float]:
     return times
 
 
-def copies_overhead(without: Sequence[float], with_copies: Sequence[float], warmup: int) -> float:
-    """The share of the training time copies cost: one less the ratio of the whole timed
-    runs' seconds, without and with them (each run's steps after ``warmup``). Not a median
-    of windows: copies every k steps fall in only some windows, and a median would pick one
-    without."""
-    timed = sum(with_copies[warmup:])
-    return 1.0 - sum(without[warmup:]) / timed if timed > 0 else 0.0
-
-
 def step_result(
     s: StepSettings,
     *,
@@ -196,9 +187,10 @@ def step_result(
     extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The JSON object of ``shoal bench step``: the throughputs (samples/s, the median
-    window's), Shoal's over the plain loop's, the copies' overhead (``copies_overhead``:
-    over the whole timed runs), each the median over the rounds (the ratios taken within a
-    round; each round's own under ``rounds``), the settings echoed; ``STEP_KEYS`` first."""
+    window's), Shoal's over the plain loop's, the copies' overhead (``copies_overhead``: in
+    alternate windows of one run, ``copy_windows``), each the median over the rounds (the
+    ratios taken within a round; each round's own under ``rounds``), the settings echoed;
+    ``STEP_KEYS`` first."""
     return {
         "plain_samples_per_s": plain,
         "shoal_samples_per_s": shoal,

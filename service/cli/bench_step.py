@@ -134,7 +134,7 @@ def _step_table(console: Console, result: dict[str, Any]) -> None:
         (f"plain PyTorch, 1 process{threads}", plain, result["plain_step_s"], mfu["plain"]),
         (f"Shoal, {where}", result["shoal_samples_per_s"], result["shoal_step_s"], mfu["shoal"]),
         (
-            f"Shoal, {where}, keeping copies",
+            f"Shoal, {where}, keeping copies (its copying windows)",
             result["shoal_copies_samples_per_s"],
             result["shoal_copies_step_s"],
             mfu["shoal_copies"],

@@ -16,7 +16,6 @@ from shoal.service.bench.step_settings import (
     DEFAULT_SIZE,
     STEP_KEYS,
     StepSettings,
-    copies_overhead,
     step_result,
     step_seconds,
 )
@@ -88,16 +87,6 @@ def test_step_seconds_are_the_gaps_between_step_boundaries() -> None:
 
 
 @pytest.mark.unit
-def test_the_copies_overhead_is_over_the_whole_timed_runs_not_a_median_window() -> None:
-    # Copies every 4 steps cost 1 s each: in windows of 2 steps, half the windows have none,
-    # and a median of windows could read 0; over the whole run it is 2 s of 10.
-    without = [9.0] + [1.0] * 8
-    with_copies = [9.0] + [2.0, 1.0, 1.0, 1.0] * 2
-    assert copies_overhead(without, with_copies, warmup=1) == pytest.approx(0.2)
-    assert copies_overhead(without, without, warmup=1) == 0.0
-
-
-@pytest.mark.unit
 def test_result_has_the_keys_first_and_consistent_ratios() -> None:
     result = _canned(TINY)
     assert list(result)[: len(STEP_KEYS)] == list(STEP_KEYS)
@@ -157,7 +146,7 @@ def test_a_tiny_run_reports_positive_consistent_numbers(ray_address: str) -> Non
     rates = [result[f"{k}_samples_per_s"] for k in kinds]
     assert all(math.isfinite(r) and r > 0 for r in rates), rates
     # Every figure is the median over the rounds (of two: their mean); a ratio is taken
-    # within its round, the copies' overhead over each round's whole timed runs.
+    # within its round, the copies' overhead over each round's pairs of windows.
     rounds = result["rounds"]
     assert len(rounds) == 2
     for key in (*(f"{k}_samples_per_s" for k in kinds), "shoal_over_plain", "copies_overhead"):
@@ -166,14 +155,25 @@ def test_a_tiny_run_reports_positive_consistent_numbers(ray_address: str) -> Non
         assert r["shoal_over_plain"] == pytest.approx(
             r["shoal_samples_per_s"] / r["plain_samples_per_s"]
         )
-        assert -1 < r["copies_overhead"] < 1, r
+        # The run with copies: windows of whole intervals with copies, then as many steps
+        # without; at most ``repeats`` pairs, the overhead what the paused ones saved.
+        pairs = r["copy_windows"]
+        assert 1 <= len(pairs) <= s.repeats, r
+        assert all(p["steps"] >= s.steps for p in pairs), pairs
+        copying, paused = (sum(p[k] for p in pairs) for k in ("copying_ms", "paused_ms"))
+        assert r["copies_overhead"] == pytest.approx(1 - paused / copying), r
+        steps = sum(p["steps"] for p in pairs)
+        assert r["shoal_copies_samples_per_s"] == pytest.approx(
+            s.shape.batch * steps / copying * 1000
+        )
         # Each step's wall ms, warmup included, and the copy's before it (0 without one).
-        for key in ("step_ms", "copies_step_ms", "copy_ms"):
-            assert len(r[key]) == s.timed_steps and all(ms >= 0 for ms in r[key]), (key, r)
+        assert len(r["step_ms"]) == s.timed_steps, r
+        assert len(r["copies_step_ms"]) == len(r["copy_ms"]) > s.timed_steps, r
         assert all(ms > 0 for ms in r["step_ms"] + r["copies_step_ms"]), r
         assert any(ms > 0 for ms in r["copy_ms"]), r  # the copies were taken
     timed = result["timed_s"]
     assert timed["shoal"] > 0 and timed["shoal_copies"] > 0, timed
+    assert result["shoal_copies_step_s"] > 0 and result["shoal_paused_step_s"] > 0, result
     # MFU: the traced FLOPs of a step at each rate, over one thread's measured peak.
     assert result["peak_tflops"] == pytest.approx(result["device_gflops"] / 1e3)
     for kind, rate in zip(kinds, rates, strict=True):

@@ -76,11 +76,15 @@ class Trainer:
         clock: Callable[[], float] = time.perf_counter,
         policy: Policy | None = None,
         cores: int | None = None,
+        copies: Callable[[float, float], Copies] = Copies,
     ) -> None:
         """``cores``: of the machine the runner runs on (default: this one's); how many CPU
-        devices it can serve while overlapping steps (``scheduler.overlap``)."""
+        devices it can serve while overlapping steps (``scheduler.overlap``). ``copies``:
+        makes the job's in-memory copies from its budget and step timeout (a bench's
+        measures them in alternate windows)."""
         self.snapshot = snapshot
         self._policy = policy
+        self._copies = copies
         self._make_group = make_group
         self._timeout = step_timeout_s
         self._clock = clock
@@ -160,7 +164,7 @@ class Trainer:
                 if self._policy
                 else None
             )
-            copies = Copies(snap.copy_budget, self._timeout) if snap.keep_copies else None
+            copies = self._copies(snap.copy_budget, self._timeout) if snap.keep_copies else None
             if copies is not None:
                 copies.refresh(group, layout, start, fresh=True)
             step = start
