@@ -67,8 +67,9 @@ class CopyWindows:
         return next((w for w in reversed(self.windows) if w.start <= step < w.end), None)
 
     def pairs(self, steps: int) -> list[tuple[Window, Window]]:
-        """The copying windows and the paused one after each, those done within ``steps``."""
-        copying, paused = self.windows[::2], self.windows[1::2]  # closed in pairs
+        """The copying windows and the paused one after each, those done within ``steps``
+        (read from another thread too: a pair is added in one ``extend``)."""
+        copying, paused = self.windows[::2], self.windows[1::2]
         return [(c, p) for c, p in zip(copying, paused, strict=True) if p.end <= steps]
 
 

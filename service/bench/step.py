@@ -121,12 +121,17 @@ def _watch(
         time.sleep(POLL_S)
 
 
+DECIDING_STEPS = 10
+"""Room for a job's first copies to be measured and its interval decided: the windows open
+only then (``copy_windows``)."""
+
+
 def copies_steps(s: StepSettings) -> int:
     """The most steps the run with copies takes: room for ``s.repeats`` pairs of windows
-    after the warmup and the copies' first measurements, a window being whole intervals
-    between copies (as the job chose them, ``LONGEST_INTERVAL`` at most) of at least
-    ``s.steps`` steps. It stops once they are done."""
-    return s.warmup + 10 + 2 * s.repeats * (s.steps + LONGEST_INTERVAL)
+    after the warmup and the interval's decision, a window being whole intervals between
+    copies (as the job chose them, ``LONGEST_INTERVAL`` at most) of at least ``s.steps``
+    steps. It stops once they are done."""
+    return s.warmup + DECIDING_STEPS + 2 * s.repeats * (s.steps + LONGEST_INTERVAL)
 
 
 def shoal_step_times(

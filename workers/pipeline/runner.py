@@ -84,7 +84,7 @@ class Trainer:
         measures them in alternate windows)."""
         self.snapshot = snapshot
         self._policy = policy
-        self._copies = copies
+        self._make_copies = copies
         self._make_group = make_group
         self._timeout = step_timeout_s
         self._clock = clock
@@ -164,7 +164,9 @@ class Trainer:
                 if self._policy
                 else None
             )
-            copies = self._copies(snap.copy_budget, self._timeout) if snap.keep_copies else None
+            copies = (
+                self._make_copies(snap.copy_budget, self._timeout) if snap.keep_copies else None
+            )
             if copies is not None:
                 copies.refresh(group, layout, start, fresh=True)
             step = start
