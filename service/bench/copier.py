@@ -5,10 +5,11 @@ a step boundary, each block's optimizer step waiting for its copy) in every othe
 steps, and not in the others.
 
 The windows alternate within a second or two, so a machine whose speed drifts between
-minutes (``shoal bench step``'s rounds on a GPU scatter by +-30%) compares steps made side
-by side; each round runs one window of each, in turn first. Set beside ``shoal bench
-step``'s ``copies_overhead`` (the whole job's, copies on against off), it tells the copier's
-own cost from what the copies cost the engine around it (its calls, its runner, Ray)."""
+minutes (``shoal bench step``'s rounds on a GPU scattered by +-30%) compares steps made
+side by side; each round runs one window of each, in turn first. Set beside ``shoal bench
+step``'s ``copies_overhead`` (the whole job's, in alternate windows of one job the same
+way), it tells the copier's own cost from what the copies cost the engine around it (its
+calls, its runner, Ray)."""
 
 from __future__ import annotations
 
