@@ -152,7 +152,8 @@ def _step_table(console: Console, result: dict[str, Any]) -> None:
     busy = " ".join(f"{b:.2f}" for b in result["stage_busy"])
     console.print(
         f"Shoal / plain {result['shoal_over_plain']:.2f}; copies cost"
-        f" {100 * result['copies_overhead']:.1f}% of Shoal's time; stages computing"
+        f" {100 * result['copies_overhead']:.1f}% of Shoal's time where it copies (windows"
+        " with copies against those without); stages computing"
         f" {busy} of each step ({result['batch']} samples, {result['micro_batches']}"
         " micro-batches)"
     )
