@@ -14,7 +14,9 @@ interval), and holds whole intervals of the cadence, at least ``steps`` steps: e
 with the steps it runs beside. The paused window after it has as many steps; the next
 copying window opens at its end with a copy, due by then whatever the interval. The
 runner's calls end at every window's edge (``steps_to_next``), so each step's time falls in
-one window.
+one window. What this leaves out is a cost copies on would put on every step, copy or not
+(the held copies' memory, say): none shows on the 2-core machine, where the paused windows'
+steps took as long as those of a job without copies (docs/benchmarks.md).
 """
 
 from __future__ import annotations
