@@ -29,6 +29,7 @@ from shoal.scheduler.mfu import DevicePeak, gpu_kind, peak_flops, step_flops
 from shoal.service.bench.copy_windows import (
     AlternateCopies,
     CopyWindows,
+    Window,
     window_seconds,
     windowed_overhead,
 )
@@ -213,9 +214,17 @@ class _Round:
     copies_events: list[RunnerEvent]
     windows: CopyWindows
 
+    def pairs(self) -> list[tuple[Window, Window]]:
+        """The run with copies' pairs of windows, copying and paused, done within it."""
+        return self.windows.pairs(len(self.copies))
+
     def window_seconds(self) -> list[tuple[float, float]]:
-        """Each pair's seconds in the run with copies: the copying window's, the paused one's."""
-        return window_seconds(self.copies, self.windows.pairs(len(self.copies)))
+        """Each pair's seconds: the copying window's, the paused one's."""
+        return window_seconds(self.copies, self.pairs())
+
+    def window_steps(self) -> int:
+        """The steps in the copying windows (as many as in the paused ones)."""
+        return sum(c.end - c.start for c, _ in self.pairs())
 
 
 def _measure_round(s: StepSettings, phase: Callable[[], None]) -> _Round:
@@ -239,7 +248,8 @@ def _measure_round(s: StepSettings, phase: Callable[[], None]) -> _Round:
     if not windows.pairs(len(copies)):
         raise BenchError(
             f"the run with copies ended ({len(copies)} steps) before a copying window and the"
-            f" paused one after it: its copies came every {_interval(copies_events)} steps;"
+            f" paused one after it: its copies came every {_cadence(copies_events)['interval']}"
+            " steps;"
             " raise --steps or --repeats"
         )
     return _Round(
@@ -247,10 +257,11 @@ def _measure_round(s: StepSettings, phase: Callable[[], None]) -> _Round:
     )
 
 
-def _interval(events: Sequence[RunnerEvent]) -> int:
-    """How often the job chose to copy (its last word; 1 until it said)."""
-    cadence = [e.data for e in events if e.kind == "copies"]
-    return int(cadence[-1]["interval"]) if cadence else 1
+def _cadence(events: Sequence[RunnerEvent]) -> dict[str, Any]:
+    """How often the job chose to copy and what it measured a copy to cost: its last word
+    (``copies`` events; none said yet: every step)."""
+    said = [e.data for e in events if e.kind == "copies"]
+    return said[-1] if said else {"interval": 1, "overhead": None, "copy_s": None}
 
 
 def _peak(device: torch.device) -> tuple[float, float | None]:
@@ -276,24 +287,23 @@ def _round_view(s: StepSettings, r: _Round) -> dict[str, Any]:
     plain, shoal = (
         median_throughput(times, s.shape.batch, s.warmup, s.repeats) for times in (r.plain, r.shoal)
     )
-    pairs = r.window_seconds()
-    copying_steps = sum(c.end - c.start for c, _ in r.windows.pairs(len(r.copies)))
-    cadence = [e.data for e in r.copies_events if e.kind == "copies"]
+    seconds = r.window_seconds()
+    cadence = _cadence(r.copies_events)
     return {
         "plain_samples_per_s": plain,
         "shoal_samples_per_s": shoal,
-        "shoal_copies_samples_per_s": s.shape.batch * copying_steps / sum(c for c, _ in pairs),
+        "shoal_copies_samples_per_s": s.shape.batch * r.window_steps() / sum(c for c, _ in seconds),
         "shoal_over_plain": shoal / plain,
-        "copies_overhead": windowed_overhead(pairs),
+        "copies_overhead": windowed_overhead(seconds),
         # Each pair of windows: its steps, the copying window's ms and the paused one's.
         "copy_windows": [
             {"steps": w.end - w.start, "copying_ms": 1000 * c, "paused_ms": 1000 * p}
-            for (w, _), (c, p) in zip(r.windows.pairs(len(r.copies)), pairs, strict=True)
+            for (w, _), (c, p) in zip(r.pairs(), seconds, strict=True)
         ],
         # How often the engine chose to copy, and what it measured them to cost (its last word).
-        "copy_interval_steps": _interval(r.copies_events),
-        "copies_engine_overhead": cadence[-1]["overhead"] if cadence else None,
-        "copies_engine_copy_s": cadence[-1]["copy_s"] if cadence else None,
+        "copy_interval_steps": cadence["interval"],
+        "copies_engine_overhead": cadence["overhead"],
+        "copies_engine_copy_s": cadence["copy_s"],
         # Where the copies' cost lands: each step's wall ms without and with copies, and the
         # ms the copy before it took (the stages' most), warmup steps included.
         "step_ms": _ms(r.shoal),
@@ -304,9 +314,7 @@ def _round_view(s: StepSettings, r: _Round) -> dict[str, Any]:
 
 def _mean_steps(r: _Round, *, copying: bool) -> float:
     """The mean step of the run with copies in its copying windows, or its paused ones."""
-    pairs = r.windows.pairs(len(r.copies))
-    steps = sum(c.end - c.start for c, _ in pairs)
-    return sum(c if copying else p for c, p in r.window_seconds()) / steps
+    return sum(c if copying else p for c, p in r.window_seconds()) / r.window_steps()
 
 
 def _ms(seconds: Sequence[float]) -> list[float]:

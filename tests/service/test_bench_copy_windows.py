@@ -54,9 +54,12 @@ def test_the_cost_is_the_copying_windows_time_the_paused_ones_do_not_take() -> N
 
 
 class Snapshots(LocalGroup):
-    """A LocalGroup that notes the step of every copy its workers are asked to start."""
+    """A LocalGroup that notes in ``copied`` the step of every copy worker 0 is asked to
+    start."""
 
-    copied: list[int] = []
+    def __init__(self, copied: list[int], *args: Any) -> None:
+        self.copied = copied
+        super().__init__(*args)
 
     def submit(self, stage: int, method: str, *args: Any) -> Any:
         if method == "snapshot" and stage == 0:
@@ -70,12 +73,16 @@ def test_a_job_copies_in_its_copying_windows_only_and_trains_as_the_reference(
     # A budget of the whole training time: a copy at every step, decided from the start.
     snap = job(tmp_path, [(0, 2), (2, 4)], steps=16, keep_copies=True, copy_budget=1.0)
     windows = CopyWindows(after=2, steps=3)
-    Snapshots.copied = []
-    trainer = Trainer(snap, Snapshots, copies=functools.partial(AlternateCopies, windows=windows))
+    copied: list[int] = []
+    trainer = Trainer(
+        snap,
+        functools.partial(Snapshots, copied),
+        copies=functools.partial(AlternateCopies, windows=windows),
+    )
     assert trainer.run() is RunStatus.SUCCEEDED, trainer.report(0).error
     # Copies at 0 and 1 as the job takes them; then windows of 3 steps from step 2, copying
     # and paused in turn; the run ends in the third copying window.
-    assert Snapshots.copied == [0, 1, 2, 3, 4, 8, 9, 10, 14, 15]
+    assert copied == [0, 1, 2, 3, 4, 8, 9, 10, 14, 15]
     assert windows.windows == [
         Window(2, 5, True),
         Window(5, 8, False),
