@@ -27,8 +27,9 @@
 #
 # `diagnose` takes the readings the open GPU goals need first (docs/benchmarks.md): the
 # tests of a SHARP shard moved onto the GPU (shards.txt: its tasks timed by the GPU, its
-# forwards run again under their RNG), two rounds of the step bench (step.json: the
-# copies' cost in alternate windows of one job, each pair's ms), the copier's tests
+# forwards run again under their RNG), up to three rounds of the step bench in 240 s, a run
+# each (step-1.json, ...: the copies' cost in alternate windows of one job, each pair's ms;
+# the goal's figure is the median of the rounds' copies_overhead), the copier's tests
 # (copier.txt: does a copy run beside the compute stream?), `shoal bench copier`
 # (copier.json: what the copies cost a plain loop's steps, windows with and without them in
 # turn within seconds, apart from the engine; ~30 s) and the SHARP bench at batch 16384
@@ -62,6 +63,22 @@ step() {  # step [rounds [limit_s]]
 sharp() {  # SHARP_BATCH: rows per step (the bench's default when unset)
   timeout "${SHARP_S:-450}" shoal bench sharp --device cuda --json --steps 4 \
     ${SHARP_BATCH:+--batch-size "$SHARP_BATCH"} > "$out/sharp.json" 2> "$out/sharp.err"
+}
+
+rounds_apart() {  # rounds_apart count limit_s: the step bench's rounds, one run each
+  # (step-1.json, ...), each begun while 60 s of limit_s are left: a run cut short by the
+  # limit costs its own round only, not the rounds before it.
+  local until=$(($(date +%s) + $2)) n=1 left
+  while [ "$n" -le "$1" ]; do
+    left=$((until - $(date +%s)))
+    if [ "$left" -lt 60 ]; then
+      echo "step round $n skipped: $left s left" >> "$out/machine.txt"
+      return 0
+    fi
+    timeout "$left" shoal bench step --device cuda --json --steps 20 --repeats 3 --rounds 1 \
+      > "$out/step-$n.json" 2> "$out/step-$n.err" || return
+    n=$((n + 1))
+  done
 }
 
 copier() {
@@ -107,7 +124,7 @@ all() {
 
 diagnose() {
   ran shards
-  ran step 2 240  # the copies' cost in alternate windows: the reading a GPU goal waits on
+  ran rounds_apart 3 240  # the copies' cost in alternate windows: a GPU goal's reading
   ran copier
   ran copier_bench
   local left=$((${ALL_S:-570} - ($(date +%s) - began)))

@@ -16,11 +16,16 @@ copying window opens at its end with a copy, due by then whatever the interval. 
 runner's calls end at every window's edge (``steps_to_next``), so each step's time falls in
 one window. What this leaves out is a cost copies on would put on every step, copy or not
 (the held copies' memory, say): none shows on the 2-core machine, where the paused windows'
-steps took as long as those of a job without copies (docs/benchmarks.md).
+steps took as long as those of a job without copies (docs/benchmarks.md). What it may count
+in the wrong window is a copying window's last copy still under way as the paused window
+starts (its steps are handed out before the copy is confirmed): the seconds the runner then
+waited for it are each pair's ``tail`` (``CopyWindows.tails``), what the paused window may
+hold of the copies' cost.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -49,6 +54,9 @@ class CopyWindows:
         self._after, self._steps = after, steps
         self._opened: int | None = None
         """Where the copying window under way opened."""
+        self.tails: dict[int, float] = {}
+        """By a copying window's end: the seconds the runner waited there for the copies
+        taken in it (``confirmed``), its paused window's first steps already handed out."""
 
     def copied(self, step: int, interval: int, *, decided: bool = True) -> None:
         """A copy was taken after ``step`` steps, ``interval`` steps before the next is due
@@ -62,6 +70,12 @@ class CopyWindows:
             paused = 2 * end - self._opened
             self.windows += [Window(self._opened, end, True), Window(end, paused, False)]
             self._opened = None
+
+    def confirmed(self, step: int, seconds: float) -> None:
+        """The runner waited ``seconds`` after ``step`` steps for the copies before it to be
+        held (``Copies.confirm``); kept where a copying window ends."""
+        if any(w.copying and w.end == step for w in self.windows):
+            self.tails[step] = seconds
 
     def closed(self, step: int) -> Window | None:
         """The closed window boundary ``step`` falls in, its end excluded: no copy is due
@@ -93,6 +107,11 @@ class AlternateCopies(Copies):
     ) -> None:
         super().refresh(group, layout, step, fresh=fresh)
         self.windows.copied(step, self.cadence.interval, decided=self.cadence.decided)
+
+    def confirm(self, group: WorkerGroup, step: int, timeout: float) -> None:
+        started = time.perf_counter()
+        super().confirm(group, step, timeout)
+        self.windows.confirmed(step, time.perf_counter() - started)
 
 
 def window_seconds(

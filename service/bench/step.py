@@ -226,6 +226,11 @@ class _Round:
         """The steps in the copying windows (as many as in the paused ones)."""
         return sum(c.end - c.start for c, _ in self.pairs())
 
+    def tails(self) -> list[float]:
+        """Each pair's tail: the seconds the copying window's copies ran into the paused one
+        (``CopyWindows.tails``)."""
+        return [self.windows.tails[c.end] for c, _ in self.pairs()]
+
 
 def _measure_round(s: StepSettings, phase: Callable[[], None]) -> _Round:
     """The plain loop (without Ray's processes beside it), then Shoal without copies and with
@@ -287,7 +292,7 @@ def _round_view(s: StepSettings, r: _Round) -> dict[str, Any]:
     plain, shoal = (
         median_throughput(times, s.shape.batch, s.warmup, s.repeats) for times in (r.plain, r.shoal)
     )
-    seconds = r.window_seconds()
+    seconds, tails = r.window_seconds(), r.tails()
     cadence = _cadence(r.copies_events)
     return {
         "plain_samples_per_s": plain,
@@ -295,11 +300,18 @@ def _round_view(s: StepSettings, r: _Round) -> dict[str, Any]:
         "shoal_copies_samples_per_s": s.shape.batch * r.window_steps() / sum(c for c, _ in seconds),
         "shoal_over_plain": shoal / plain,
         "copies_overhead": windowed_overhead(seconds),
-        # Each pair of windows: its steps, the copying window's ms and the paused one's.
+        # Each pair of windows: its steps, the copying window's ms and the paused one's, and
+        # the ms its last copy ran into the paused one (the runner's wait for it there).
         "copy_windows": [
-            {"steps": w.end - w.start, "copying_ms": 1000 * c, "paused_ms": 1000 * p}
-            for (w, _), (c, p) in zip(r.pairs(), seconds, strict=True)
+            {
+                "steps": w.end - w.start,
+                "copying_ms": 1000 * c,
+                "paused_ms": 1000 * p,
+                "tail_ms": 1000 * tail,
+            }
+            for (w, _), (c, p), tail in zip(r.pairs(), seconds, tails, strict=True)
         ],
+        "copies_tail_share": sum(tails) / sum(p for _, p in seconds),
         # How often the engine chose to copy, and what it measured them to cost (its last word).
         "copy_interval_steps": cadence["interval"],
         "copies_engine_overhead": cadence["overhead"],
@@ -379,6 +391,8 @@ def run_step(s: StepSettings, progress: Progress = lambda _: None) -> dict[str, 
             # The run with copies: its mean step in the copying windows and in the paused ones.
             "shoal_copies_step_s": statistics.median(_mean_steps(r, copying=True) for r in rounds),
             "shoal_paused_step_s": statistics.median(_mean_steps(r, copying=False) for r in rounds),
+            # What the paused windows may hold of the copies' cost (``copy_windows``).
+            "copies_tail_share": median("copies_tail_share"),
             "timed_s": {
                 "shoal": sum(sum(r.shoal[s.warmup :]) for r in rounds),
                 "shoal_copies": sum(c for r in rounds for c, _ in r.window_seconds()),

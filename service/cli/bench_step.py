@@ -157,6 +157,11 @@ def _step_table(console: Console, result: dict[str, Any]) -> None:
         f" {busy} of each step ({result['batch']} samples, {result['micro_batches']}"
         " micro-batches)"
     )
+    if (tail := result["copies_tail_share"]) >= 0.005:
+        console.print(
+            f"The copying windows' last copies ran on into the paused ones for {100 * tail:.1f}%"
+            " of their time: the copies' cost may read that much low"
+        )
     if result["peak_tflops"] is not None:
         console.print(
             f"MFU: the model's {result['step_flops'] / 1e9:,.1f} GFLOP a step over the device's"

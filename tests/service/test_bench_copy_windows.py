@@ -40,6 +40,10 @@ def test_windows_open_once_the_interval_is_decided_and_hold_whole_intervals() ->
     assert windows.windows[2:] == [Window(15, 22, True), Window(22, 29, False)]
     assert windows.pairs(28) == [(Window(3, 9, True), Window(9, 15, False))]
     assert len(windows.pairs(29)) == 2
+    # The runner's waits for the copies before a boundary: kept at a copying window's end.
+    for step, waited in ((9, 0.5), (15, 0.25), (22, 0.125), (29, 1.0)):
+        windows.confirmed(step, waited)
+    assert windows.tails == {9: 0.5, 22: 0.125}
     with pytest.raises(ValueError, match="at least one step"):
         CopyWindows(after=0, steps=0)
 
@@ -89,4 +93,7 @@ def test_a_job_copies_in_its_copying_windows_only_and_trains_as_the_reference(
         Window(8, 11, True),
         Window(11, 14, False),
     ]
+    # The runner waited at each copying window's end for its copies (before the paused one).
+    assert set(windows.tails) == {5, 11}, windows.tails
+    assert all(0 <= waited < 60 for waited in windows.tails.values()), windows.tails
     assert_matches_reference(snap, metrics(trainer))

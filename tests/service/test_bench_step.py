@@ -48,6 +48,7 @@ def _canned(s: StepSettings) -> dict[str, Any]:
             "plain_step_s": 0.16,
             "shoal_step_s": 0.2,
             "shoal_copies_step_s": 0.25,
+            "copies_tail_share": 0.02,
             "step_flops": 2e9,
             "peak_tflops": 0.05,
             "mfu": {"plain": 0.5, "shoal": 0.4, "shoal_copies": 0.3},
@@ -162,6 +163,10 @@ def test_a_tiny_run_reports_positive_consistent_numbers(ray_address: str) -> Non
         assert all(p["steps"] >= s.steps for p in pairs), pairs
         copying, paused = (sum(p[k] for p in pairs) for k in ("copying_ms", "paused_ms"))
         assert r["copies_overhead"] == pytest.approx(1 - paused / copying), r
+        # Each copying window's last copy, waited for as its paused window started.
+        tails = [p["tail_ms"] for p in pairs]
+        assert all(0 <= p["tail_ms"] < p["paused_ms"] for p in pairs), pairs
+        assert r["copies_tail_share"] == pytest.approx(sum(tails) / paused), r
         steps = sum(p["steps"] for p in pairs)
         assert r["shoal_copies_samples_per_s"] == pytest.approx(
             s.shape.batch * steps / copying * 1000
@@ -232,6 +237,7 @@ def test_bench_step_prints_a_table_or_json(monkeypatch: pytest.MonkeyPatch) -> N
     assert "Shoal / plain 0.80; copies cost 25.0% of Shoal's time where it copies" in (
         " ".join(result.output.split())
     )
+    assert "ran on into the paused ones for 2.0% of their time" in " ".join(result.output.split())
     assert "40.0%" in result.output  # Shoal's MFU, beside its samples/s
     assert "2.0 GFLOP a step over the device's float32 peak, 0.05 TFLOP/s" in result.output
     args = ["bench", "step", "--json", "--size", "tiny", "--model", "mlp", "--stages", "2"]
