@@ -50,6 +50,8 @@ TRANSPORT_KEYS = (
 )
 
 _TEARDOWN_S = 15.0
+_CALL_S = 60.0
+"""The longest a relay's answer is waited for (a stuck actor fails the bench, not hangs it)."""
 
 
 @dataclass(frozen=True)
@@ -93,7 +95,7 @@ def _median_ms(run: Callable[[], None], count: int, s: TransportSettings) -> flo
 
 def _ref_chain(a: Any, b: Any, value: Any, inflight: int) -> Callable[[], None]:
     def run() -> None:
-        ray.get([b.relay.remote(a.relay.remote(value)) for _ in range(inflight)])
+        ray.get([b.relay.remote(a.relay.remote(value)) for _ in range(inflight)], timeout=_CALL_S)
 
     return run
 
@@ -124,7 +126,7 @@ def _graph_chain_ms(
 
     def run() -> None:
         for ref in [dag.execute(value) for _ in range(inflight)]:
-            ray.get(ref)
+            ray.get(ref, timeout=_CALL_S)
 
     try:
         ms = _median_ms(run, count, s) / inflight
@@ -137,12 +139,12 @@ def _graph_chain_ms(
 
 def _relays() -> tuple[Any, Any]:
     a, b = (_RelayActor.options(num_cpus=0).remote() for _ in range(2))
-    ray.get([a.relay.remote(None), b.relay.remote(None)])
+    ray.get([a.relay.remote(None), b.relay.remote(None)], timeout=_CALL_S)
     return a, b
 
 
 def _echo_ms(actor: Any, value: Any, s: TransportSettings, count: int) -> float:
-    return _median_ms(lambda: ray.get(actor.relay.remote(value)), count, s)
+    return _median_ms(lambda: ray.get(actor.relay.remote(value), timeout=_CALL_S), count, s)
 
 
 def run_transport(s: TransportSettings, progress: Progress = lambda _: None) -> dict[str, Any]:
