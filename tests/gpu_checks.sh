@@ -30,9 +30,11 @@
 # forwards run again under their RNG), up to three rounds of the step bench in 240 s, a run
 # each (step-1.json, ...: the copies' cost in alternate windows of one job, each pair's ms;
 # the goal's figure is the median of the rounds' copies_overhead), the copier's tests
-# (copier.txt: does a copy run beside the compute stream?), `shoal bench copier`
-# (copier.json: what the copies cost a plain loop's steps, windows with and without them in
-# turn within seconds, apart from the engine; ~30 s) and the SHARP bench at batch 16384
+# (copier.txt: does a copy run beside the compute stream? does the staged candidate copy
+# exactly?), `shoal bench copier` (copier-tensors.json: what the copies cost a plain loop's
+# steps, windows with and without them in turn within seconds, apart from the engine; ~30 s;
+# copier-staged.json: the same with the candidate that copies through a staging buffer on
+# the device, a chunk at a time) and the SHARP bench at batch 16384
 # (sharp.json: its workers' busy share and each task's wall time beside its compute) in
 # the time left (220 s at most), one after another so that none times the others' load.
 set -u
@@ -83,7 +85,7 @@ rounds_apart() {  # rounds_apart count limit_s: the step bench's rounds, one run
 
 copier() {
   timeout 120 python3 -m pytest -q -o addopts= -m gpu tests/workers/pipeline/test_copier.py \
-    > "$out/copier.txt" 2>&1
+    tests/service/test_bench_staged_copier.py > "$out/copier.txt" 2>&1
 }
 
 shards() {
@@ -91,16 +93,19 @@ shards() {
     > "$out/shards.txt" 2>&1
 }
 
-copier_bench() {
-  timeout 120 shoal bench copier --device cuda --json --rounds 8 > "$out/copier.json" \
-    2> "$out/copier.err"
+copier_bench() {  # Shoal's copier, then the staged candidate, in the same conditions
+  local which
+  for which in tensors staged; do
+    timeout 120 shoal bench copier --device cuda --json --rounds 8 --copier "$which" \
+      > "$out/copier-$which.json" 2> "$out/copier-$which.err" || return
+  done
 }
 
 tests() {
   timeout 240 python3 -m pytest -q -o addopts= -m gpu tests/workers/pipeline/test_copier.py \
     tests/workers/pipeline/test_stage_copies.py tests/workers/test_device_memory.py \
     tests/workers/pipeline/test_peer_to_peer.py tests/workers/sharp/test_saved.py \
-    tests/workers/sharp/test_moved_shards.py \
+    tests/workers/sharp/test_moved_shards.py tests/service/test_bench_staged_copier.py \
     > "$out/tests.txt" 2>&1
 }
 

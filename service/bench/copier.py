@@ -4,6 +4,10 @@ Shoal's copies itself (``workers.pipeline.copier.Copier``, as a stage takes them
 a step boundary, each block's optimizer step waiting for its copy) in every other window of
 steps, and not in the others.
 
+``copier="staged"`` takes the copies with a candidate instead (``bench.staged_copier``:
+through a staging buffer on the device, a chunk at a time), to set beside Shoal's in the
+same conditions.
+
 The windows alternate within a second or two, so a machine whose speed drifts between
 minutes (``shoal bench step``'s rounds on a GPU scattered by +-30%) compares steps made
 side by side; each round runs one window of each, in turn first. Set beside ``shoal bench
@@ -22,6 +26,7 @@ from shoal.service.bench.hardware import device_name, machine_with
 from shoal.service.bench.pipeline import threads
 from shoal.service.bench.plain_loop import PlainLoop, sync
 from shoal.service.bench.report import Progress
+from shoal.service.bench.staged_copier import StagedCopier
 from shoal.service.bench.step_settings import StepSettings
 from shoal.workers.blocks import tensors_in
 from shoal.workers.host_memory import retain_freed_memory
@@ -29,6 +34,10 @@ from shoal.workers.pipeline.copier import Copier
 from shoal.workers.pipeline.stage import OWN_COPIES
 
 COPIER_PHASES = ("without copies", "with copies")
+
+COPIERS = ("tensors", "staged")
+"""Who takes the copies: Shoal's ``Copier`` (each tensor on its own), or the candidate
+``StagedCopier``."""
 
 
 @dataclass(frozen=True)
@@ -45,8 +54,11 @@ class CopierSettings:
     rounds: int = 5
     warmup: int = 3
     seed: int = 0
+    copier: str = "tensors"
 
     def __post_init__(self) -> None:
+        if self.copier not in COPIERS:
+            raise ValueError(f"copier {self.copier!r} is none of {', '.join(COPIERS)}")
         if min(self.every, self.steps, self.rounds, self.warmup) < 1:
             raise ValueError("every, steps, rounds and warmup must be >= 1")
         if self.steps % self.every:
@@ -66,7 +78,11 @@ def run_copier(s: CopierSettings, progress: Progress = lambda _: None) -> dict[s
     started = time.perf_counter()
     retain_freed_memory()  # as Shoal's workers keep it (workers.host_memory)
     loop = PlainLoop(s.step)
-    copier = Copier(loop.device, OWN_COPIES)
+    copier: Copier | StagedCopier = (
+        StagedCopier(loop.device, OWN_COPIES)
+        if s.copier == "staged"
+        else Copier(loop.device, OWN_COPIES)
+    )
     clock = _Clock(loop, copier, s.every)
     rounds = []
     with threads(1 if loop.device.type == "cpu" else None):
@@ -94,7 +110,7 @@ class _Clock:
     """Steps ``loop``, timing each, and where copying, starts a copy at every ``every``-th
     boundary (its start timed apart too)."""
 
-    def __init__(self, loop: PlainLoop, copier: Copier, every: int) -> None:
+    def __init__(self, loop: PlainLoop, copier: Copier | StagedCopier, every: int) -> None:
         self._loop, self._copier, self._every = loop, copier, every
         self._done = 0
         self._copies = 0
@@ -158,6 +174,7 @@ def _result(
         "step_ms": statistics.median(v for r in rounds for v in r.step_ms),
         "copies_step_ms": statistics.median(v for r in rounds for v in r.copies_step_ms),
         "copy_every": s.every,
+        "copier": s.copier,
         "state_bytes": sum(t.numel() * t.element_size() for t in state),
         "state_tensors": len(state),
         "model": s.step.describe(),

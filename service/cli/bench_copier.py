@@ -48,6 +48,15 @@ from shoal.service.cli.bench_step import model_options
     type=click.IntRange(1, 100),
     help="Pairs of windows, one without copies and one with, in turn first.",
 )
+@click.option(
+    "--copier",
+    "which",
+    default="tensors",
+    show_default=True,
+    type=click.Choice(["tensors", "staged"]),
+    help="Shoal's copier (each tensor copied on its own), or a candidate that copies through"
+    " a staging buffer on the device, a chunk at a time.",
+)
 @JSON_OPTION
 def copier(
     device: str | None,
@@ -57,6 +66,7 @@ def copier(
     steps: int,
     warmup: int,
     rounds: int,
+    which: str,
     as_json: bool,
 ) -> None:
     """A plain PyTorch loop taking Shoal's in-memory copies itself, in every other window.
@@ -79,6 +89,7 @@ def copier(
         steps=steps,
         warmup=warmup,
         rounds=rounds,
+        copier=which,
     )
     count = len(COPIER_PHASES) * rounds
     run_bench(count, as_json, lambda progress: run_copier(settings, progress), _copier_table)
@@ -96,5 +107,5 @@ def _copier_table(console: Console, result: dict[str, Any]) -> None:
     console.print(
         f"a copy every {result['copy_every']} steps costs {100 * result['copies_overhead']:.1f}%"
         f" of the time on {result['device']} ({result['state_bytes'] / 2**20:,.1f} MiB in"
-        f" {result['state_tensors']} tensors a copy)"
+        f" {result['state_tensors']} tensors a copy, {result['copier']} copier)"
     )

@@ -17,6 +17,8 @@ def test_settings_refuse_a_window_whose_last_copy_would_be_waited_for_in_the_nex
         CopierSettings(steps=5, every=3)
     with pytest.raises(ValueError, match="size 'huge'"):
         CopierSettings(size="huge")
+    with pytest.raises(ValueError, match="copier 'fast' is none of tensors, staged"):
+        CopierSettings(copier="fast")
     result = CliRunner().invoke(cli, ["bench", "copier", "--steps", "5", "--every", "3"])
     assert result.exit_code == 2 and "must be a multiple of every" in result.output, result.output
 
@@ -57,4 +59,12 @@ def test_the_copier_cli_prints_a_table_or_json() -> None:
     assert table.exit_code == 0 and "a copy every 1 steps costs" in table.output, table.output
     as_json = CliRunner().invoke(cli, [*args, "--json"], catch_exceptions=False)
     assert as_json.exit_code == 0, as_json.output
-    assert json.loads(as_json.output.strip().splitlines()[-1])["copy_every"] == 1
+    answer = json.loads(as_json.output.strip().splitlines()[-1])
+    assert (answer["copy_every"], answer["copier"]) == (1, "tensors")
+    # The staged candidate takes the copies instead, in the same windows.
+    staged = CliRunner().invoke(
+        cli, [*args, "--json", "--copier", "staged"], catch_exceptions=False
+    )
+    assert staged.exit_code == 0, staged.output
+    answer = json.loads(staged.output.strip().splitlines()[-1])
+    assert answer["copier"] == "staged" and len(answer["rounds"][0]["start_ms"]) == 2, answer

@@ -158,7 +158,7 @@ class Copier:
                 self._changed.notify_all()
 
     def _begin(self, copy: _Copy, blocks: Sequence[Copyable]) -> None:
-        live = [(b.index, _forward_changes_copied(b)) for b in blocks]
+        live = [(b.index, forward_changes_copied(b)) for b in blocks]
         copy.pieces.update((index, piece_of(state)) for index, state in live)
         gpu = next((t.device for _, s in live for t in tensors_in(s) if t.is_cuda), None)
         if gpu is not None:
@@ -355,7 +355,7 @@ def _host_copy(tensor: Tensor) -> Tensor:
     return tensor.to("cpu", copy=True)
 
 
-def _forward_changes_copied(block: Copyable) -> dict[str, Any]:
+def forward_changes_copied(block: Copyable) -> dict[str, Any]:
     """The block's live state (``Copyable.live_state``) with what a forward pass changes in
     place, its module's buffers, already copied to the host."""
     state = block.live_state()
