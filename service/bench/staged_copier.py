@@ -5,14 +5,14 @@ block's state copied through a staging buffer on the device, a chunk at a time, 
 On a GPU ``Copier.start`` issues, on the host, a pinned allocation, a device-to-host copy
 and a ``record_stream`` for each tensor: some 370 for the step bench's large GPT with its
 AdamW state, where a job on an H200 booked ~7 ms a copy (its start and the waits it caused,
-not measured apart: docs/benchmarks.md). Here the tensors of one dtype are concatenated, on the side stream, into a staging buffer of
-``chunk_bytes`` at most (one ``torch.cat`` a chunk), and each chunk goes to pinned host
-memory in one copy; a tensor larger than a chunk is copied on its own. A block's optimizer
-step waits only for the concatenation that read its last tensor (``guard``), so the copy is
-exactly the boundary's state, as ``Copier``'s is. A copy's host state is views into its
-chunks, made when asked (``latest``), not as it starts. On a CPU device the same copy is
-made at once, without a stream: there the tests check that the views hold the boundary's
-state bit for bit.
+not measured apart: docs/benchmarks.md). Here the tensors of one dtype are concatenated, on
+the side stream, into a staging buffer of ``chunk_bytes`` at most (one ``torch.cat`` a
+chunk), and each chunk goes to pinned host memory in one copy; a tensor larger than a chunk
+is copied on its own. A block's optimizer step waits only for the concatenation that read
+its last tensor (``guard``), so the copy is exactly the boundary's state, as ``Copier``'s
+is. A copy's host state is views into its chunks, made when asked (``latest``), not as it
+starts. On a CPU device the same copy is made at once, without a stream: there the tests
+check that the views hold the boundary's state bit for bit.
 
 Not Shoal's copier until a GPU run of the bench says it pays.
 """
