@@ -57,9 +57,9 @@ memory() {
     > "$out/memory.txt" 2>&1
 }
 
-step() {  # step [rounds [limit_s]]
+step() {  # step [rounds [limit_s [name]]]: the result in name.json (step.json)
   timeout "${2:-300}" shoal bench step --device cuda --json --steps 20 --repeats 3 \
-    --rounds "${1:-3}" > "$out/step.json" 2> "$out/step.err"
+    --rounds "${1:-3}" > "$out/${3:-step}.json" 2> "$out/${3:-step}.err"
 }
 
 sharp() {  # SHARP_BATCH: rows per step (the bench's default when unset)
@@ -77,8 +77,7 @@ rounds_apart() {  # rounds_apart count limit_s: the step bench's rounds, one run
       echo "step round $n skipped: $left s left" >> "$out/machine.txt"
       return 0
     fi
-    timeout "$left" shoal bench step --device cuda --json --steps 20 --repeats 3 --rounds 1 \
-      > "$out/step-$n.json" 2> "$out/step-$n.err" || return
+    step 1 "$left" "step-$n" || return
     n=$((n + 1))
   done
 }

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterator, Sequence
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -160,7 +160,7 @@ class StagedCopier:
         stream = self._stream
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream(self._device))
-        with torch.cuda.stream(stream) if stream is not None else nullcontext():
+        with self._on_side():
             staging = self._staging_buffer()
             for k, (chunk, host) in enumerate(zip(chunks, hosts, strict=True)):
                 members = [tensors[i].detach().reshape(-1) for i in chunk.members]
@@ -212,11 +212,15 @@ class StagedCopier:
 
     def _staging_buffer(self) -> Tensor:
         if self._staging is None:
-            with torch.cuda.stream(self._stream) if self._stream is not None else nullcontext():
+            with self._on_side():
                 self._staging = torch.empty(
                     self._chunk_bytes, dtype=torch.uint8, device=self._device
                 )
         return self._staging
+
+    def _on_side(self) -> AbstractContextManager[Any]:
+        """Where the copies' device work goes: the side stream (a CPU device has none)."""
+        return torch.cuda.stream(self._stream) if self._stream is not None else nullcontext()
 
     def _event(self) -> Any:
         if self._stream is None:
