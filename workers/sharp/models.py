@@ -433,9 +433,9 @@ class ModelRun:
     ) -> None:
         """Record that it lost the devices ``gone`` (``reason``) and rolled back to ``step``,
         replaying ``replayed`` steps (at most ``bound`` by its copies' interval); or, with
-        ``redone``, that it picked up at its next task of the step under way from what its
-        tasks copied off (``workers.sharp.ledger``), ``redone`` tasks in flight running
-        again."""
+        ``redone``, that it picked up at a task of step ``step + 1`` from what its tasks
+        copied off (``workers.sharp.ledger``), ``redone`` tasks running again (those in
+        flight, and of the ``replayed`` steps recorded after it)."""
         lost = ", ".join(gone)
         if redone is None:
             whence = f"restoring step {step} from the copy in host memory"
@@ -443,7 +443,7 @@ class ModelRun:
             task = self.plan.task(self.done)
             whence = (
                 f"picking up at {task.op.value} {task.shard} of step {step + 1} from the"
-                f" copies its tasks made ({redone} tasks in flight run again)"
+                f" copies its tasks made ({redone} tasks run again)"
             )
         self.record(
             RunnerEvent(

@@ -19,6 +19,7 @@ from shoal.workers.sharp.ledger import Ledger
 from shoal.workers.sharp.models import Blocks, ModelRun
 from shoal.workers.sharp.placing import pick_up, rehome
 from shoal.workers.sharp.shard_pool import Call, HostLost, HostPool, InputLost
+from shoal.workers.sharp.shard_types import Drawn
 from shoal.workers.sharp.shard_worker import ShardFailed
 from shoal.workers.sharp.stalls import await_saying
 from shoal.workers.sharp.trading import Trading
@@ -179,14 +180,22 @@ class Recovering:
         """``model`` goes on from its task ``done`` of ``ledger``'s step, each shard as the
         tasks before left it (``placing.pick_up``, ``start``: the step's first states): only
         its tasks in flight run again (and, a step's copy lost on its way, that step's tasks
-        from the part lost on)."""
+        from the part lost on, and the steps after it)."""
         reason, model.lost, model.copying = model.lost, None, None
         ledger.waiting.clear()  # its tasks in flight run again, and copy their shards anew
+        # Its losses compare with the targets of the step it picks up in, which may have
+        # ended before the loss, the next one begun.
+        model.targets = Drawn(ledger.step, model.snap.micro_batches)
         if not self._reform(
             pool, model, reason, lambda: pick_up(model, self._homes, pool, ledger, start)
         ):
             return
         redone, model.submitted = model.submitted - model.done, model.done
         model.carry = ledger.carry(model.plan, model.done)
-        interval = model.cadence.interval
-        model.recovered(self._devices, gone, reason or "", ledger.step, 0, interval, redone=redone)
+        # The steps recorded after the one it picks up in (they took no copy: the first
+        # copy's parts were still coming in) run again whole.
+        replayed = max(0, model.step - ledger.step - 1)
+        bound = most_replayed(model.cadence.interval, model.step, ledger.step + 1)
+        model.recovered(
+            self._devices, gone, reason or "", ledger.step, replayed, bound, redone=redone
+        )

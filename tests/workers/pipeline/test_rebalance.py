@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import replace
 from itertools import pairwise
 from pathlib import Path
@@ -385,19 +385,19 @@ def copied_each_step(root: Path, stages: Sequence[StagePlan], **fields: Any) -> 
     )
 
 
-class LoseDevice(LocalGroup):
-    """A LocalGroup whose worker on ``device`` dies once ``after`` steps were applied (every
-    call to it fails as StageLost from then on, as a lost node's would)."""
+class LoseDevices(LocalGroup):
+    """A LocalGroup whose workers on ``devices`` die once ``after`` steps were applied (every
+    call to them fails as StageLost from then on, as a lost node's would)."""
 
-    def __init__(self, device: str, after: int, *args: Any) -> None:
-        self.device, self.after, self.steps = device, after, 0
+    def __init__(self, devices: Collection[str], after: int, *args: Any) -> None:
+        self.devices, self.after, self.steps = frozenset(devices), after, 0
         super().__init__(*args)
 
     def submit(self, stage: int, method: str, *args: Any) -> Any:
         plan = self._plans[stage]
         if method == "apply_step" and stage == 0:
             self.steps += 1
-        if plan.device.id == self.device and self.steps > self.after:
+        if plan.device.id in self.devices and self.steps > self.after:
             from shoal.workers.pipeline.local_group import _Done
 
             return _Done(stage, method, error=StageLost(plan.index, plan.device.id, "node lost"))
@@ -419,7 +419,7 @@ def test_a_lost_worker_is_recovered_in_place_from_memory_copies(
     stages = dp_plans(ranges, replicas)
     snap = copied_each_step(tmp_path, stages, replicas=replicas)
     dead = stages[lose].device.id
-    trainer = Trainer(snap, lambda plans, setup: LoseDevice(dead, 2, plans, setup))
+    trainer = Trainer(snap, lambda plans, setup: LoseDevices({dead}, 2, plans, setup))
     assert trainer.run() is RunStatus.SUCCEEDED, trainer.report(0).error
     events = trainer.report(0).events
     (lost,) = [e for e in events if e.kind == "device_lost"]
@@ -431,8 +431,8 @@ def test_a_lost_worker_is_recovered_in_place_from_memory_copies(
     assert_matches_reference(snap, metrics(trainer))
 
 
-class MoveThenLose(LoseDevice):
-    """A LoseDevice whose trainer is asked for ``move`` once 3 steps were applied, and which
+class MoveThenLose(LoseDevices):
+    """A LoseDevices whose trainer is asked for ``move`` once 3 steps were applied, and which
     records the steps its stage-0 worker snapshots."""
 
     def __init__(self, trainer: list[Trainer], move: tuple[StagePlan, ...], *args: Any) -> None:
@@ -475,7 +475,7 @@ def test_a_move_copies_the_new_layout_at_once_and_a_later_loss_recovers_from_it(
     groups: list[MoveThenLose] = []
 
     def make(plans: Any, setup: Any) -> MoveThenLose:
-        groups.append(MoveThenLose(holder, move, dead, 5, plans, setup))
+        groups.append(MoveThenLose(holder, move, {dead}, 5, plans, setup))
         return groups[-1]
 
     holder.append(Trainer(snap, make))
@@ -502,7 +502,7 @@ def test_a_move_asked_for_before_a_loss_is_dropped_and_said_so(tmp_path: Path) -
     snap = copied_each_step(tmp_path, stages)
     dead = stages[1].device.id
     holder: list[Trainer] = []
-    holder.append(Trainer(snap, lambda p, s: MoveThenLose(holder, move, dead, 2, p, s)))
+    holder.append(Trainer(snap, lambda p, s: MoveThenLose(holder, move, {dead}, 2, p, s)))
     trainer = holder[0]
     assert trainer.run() is RunStatus.SUCCEEDED, trainer.report(0).error
     events = trainer.report(0).events
@@ -542,7 +542,7 @@ def test_a_move_planned_while_the_job_was_on_other_devices_is_dropped(
 def test_without_copies_a_lost_worker_ends_the_run_as_lost(tmp_path: Path) -> None:
     stages = plans([(0, 2), (2, 4)])
     snap = job(tmp_path, [], stages=stages, steps=4, keep_copies=False)
-    trainer = Trainer(snap, lambda p, s: LoseDevice(stages[1].device.id, 1, p, s))
+    trainer = Trainer(snap, lambda p, s: LoseDevices({stages[1].device.id}, 1, p, s))
     assert trainer.run() is RunStatus.LOST
     assert trainer.report(0).lost_devices == (stages[1].device.id,)
 
@@ -551,7 +551,7 @@ def test_without_copies_a_lost_worker_ends_the_run_as_lost(tmp_path: Path) -> No
 def test_too_few_devices_left_gives_the_job_back(tmp_path: Path) -> None:
     stages = plans([(0, 2), (2, 4)])
     snap = job(tmp_path, [], stages=stages, steps=4, keep_copies=True, min_devices=2)
-    trainer = Trainer(snap, lambda p, s: LoseDevice(stages[0].device.id, 1, p, s))
+    trainer = Trainer(snap, lambda p, s: LoseDevices({stages[0].device.id}, 1, p, s))
     assert trainer.run() is RunStatus.LOST
     assert "1 devices left, min_devices is 2" in (trainer.report(0).error or "")
 
@@ -570,7 +570,7 @@ def test_survivors_too_small_for_the_model_give_the_job_back_as_lost(tmp_path: P
         keep_copies=True,
         block_costs=uniform_costs(4, param_bytes=150 * 2**20, optim_bytes=300 * 2**20),
     )
-    trainer = Trainer(snap, lambda p, s: LoseDevice(stages[1].device.id, 1, p, s))
+    trainer = Trainer(snap, lambda p, s: LoseDevices({stages[1].device.id}, 1, p, s))
     assert trainer.run() is RunStatus.LOST, trainer.report(0).error
     error = trainer.report(0).error or ""
     assert "the 1 devices left cannot hold the job" in error, error

@@ -1,11 +1,13 @@
 """A worker lost at any step, in any layout, costs no exactness and replays no more than the
-copies allow; and a loss while copies are still on their way: the survivors restore the
+copies allow; a loss while copies are still on their way: the survivors restore the
 latest step that every one of them and every lost block's holder keeps, never older than
-the latest copy the runner confirmed held."""
+the latest copy the runner confirmed held; and a worker lost with the buddy holding its
+copies: the job is given back and resumes from its checkpoint, exactly."""
 
 from __future__ import annotations
 
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -16,15 +18,15 @@ from hypothesis import strategies as st
 
 from shoal.workers.pipeline.local_group import LocalGroup, _Done
 from shoal.workers.pipeline.rebalance import Layout
-from shoal.workers.pipeline.recovery import Copies, recover
+from shoal.workers.pipeline.recovery import Copies, buddies, recover
 from shoal.workers.pipeline.runner import Trainer
 from shoal.workers.pipeline.stage_types import StageSetup
 from shoal.workers.pipeline.worker_group import StageLost
 from shoal.workers.snapshot import RunStatus, StageTiming, StepMetrics
 from shoal.workers.zoo.data import make_data
-from tests.factories import SGD, job
+from tests.factories import SGD, job, plans
 from tests.workers.pipeline.test_copier import assert_states_equal
-from tests.workers.pipeline.test_rebalance import LoseDevice, layout_fields
+from tests.workers.pipeline.test_rebalance import LoseDevices, layout_fields
 from tests.workers.runs import assert_matches_reference, metrics
 
 pytestmark = pytest.mark.unit
@@ -62,12 +64,14 @@ def test_a_worker_lost_at_any_step_in_any_layout_leaves_the_math_unchanged(
         snap = job(root, [], **config["snapshot"])
         dead = snap.stages[config["lose"]].device.id
         after = config["after"]
-        trainer = Trainer(snap, lambda plans, setup: LoseDevice(dead, after, plans, setup))
+        trainer = Trainer(snap, lambda plans, setup: LoseDevices({dead}, after, plans, setup))
         assert trainer.run() is RunStatus.SUCCEEDED, trainer.report(0).error
         events = trainer.report(0).events
         (lost,) = [e.data for e in events if e.kind == "device_lost"]
         assert lost["devices"] == [dead], lost
         assert lost["steps_replayed"] <= lost["most_replayed"], lost
+        if snap.copy_budget >= 1.0:  # a copy at every boundary: the interval never changes
+            assert lost["most_replayed"] <= lost["copy_interval"] == 1, lost
         steps = metrics(trainer)
         kept = {m.step: m for m in steps}  # as the service stores them: a rerun replaces
         assert sorted(kept) == list(range(1, snap.steps + 1)), [m.step for m in steps]
@@ -159,3 +163,44 @@ def test_a_step_pays_every_stages_copy_where_the_stages_share_the_machines_cores
     shared.observe(step, cores_shared=True)
     assert apart.cadence.copy_s == pytest.approx(0.030)
     assert shared.cadence.copy_s == pytest.approx(0.050)
+
+
+def test_a_worker_lost_with_its_buddy_gives_the_job_back_to_resume_from_its_checkpoint(
+    tmp_path: Path,
+) -> None:
+    """Workers 0 and 1 die together in step 4. Worker 0's copies were held by worker 1 (its
+    buddy), so no survivor holds block 0 at any step: the runner gives the job back (LOST,
+    saying why) rather than guess. Placed again on the device left, as the controller
+    places a lost job (a new attempt, ``service.controller``), it resumes from its latest
+    checkpoint, of step 2, and ends as one process would: every step's loss and the final
+    parameters are the single-process run's."""
+    stages = plans([(0, 1), (1, 2), (2, 4)])
+    snap = job(
+        tmp_path,
+        [],
+        stages=stages,
+        steps=6,
+        micro_batches=4,
+        optimizer=SGD,
+        keep_copies=True,
+        copy_budget=1.0,
+        checkpoint_every=2,
+        checkpoint_keep=2,
+    )
+    assert buddies(Layout(stages, (4,))) == [1, 2, 0]
+    dead = {stages[0].device.id, stages[1].device.id}
+    first = Trainer(snap, lambda plans, setup: LoseDevices(dead, 3, plans, setup))
+    assert first.run() is RunStatus.LOST, first.report(0).error
+    report = first.report(0)
+    assert "no step whose state every block kept" in (report.error or ""), report.error
+    assert set(report.lost_devices) <= dead, report.lost_devices
+    assert not [e for e in report.events if e.kind == "recovered"], report.events
+
+    survivor = replace(stages[2], index=0, blocks=(0, 4))
+    second = Trainer(replace(snap, attempt=2, stages=(survivor,)), LocalGroup)
+    assert second.run() is RunStatus.SUCCEEDED, second.report(0).error
+    (resumed,) = [e for e in second.report(0).events if e.kind == "resumed"]
+    assert resumed.data["step"] == 2, resumed.data
+    latest = {m.step: m for m in metrics(first) + metrics(second)}  # a rerun replaces
+    assert sorted(latest) == list(range(1, 7)), sorted(latest)
+    assert_matches_reference(snap, [latest[s] for s in range(1, 7)])
