@@ -18,6 +18,7 @@ from shoal.workers.sharp.shard_pool import HostLost, LocalPool, _Local
 from shoal.workers.sharp.shard_types import Drawn, Record
 from shoal.workers.snapshot import RunStatus
 from tests.workers.sharp.test_sharp_runner import (
+    GonePool,
     LaggingCopyPool,
     LosingPool,
     assert_alone,
@@ -242,16 +243,15 @@ def test_a_loss_while_the_first_copy_comes_in_picks_up_in_its_step_and_replays_t
     assert_alone(snap, [latest[s] for s in range(1, 5)], lost)
 
 
-class FirstShardLosingPool(LocalPool):
-    """A LocalPool whose device running model a's first shard is lost as the backward of
-    its second shard in step 2 (the third) is submitted, and every later call there fails:
-    the first shard then holds its forward's micro-batches, whose inputs its host drew
-    itself (``Drawn``) and lost with it."""
+class FirstShardLosingPool(GonePool):
+    """A pool whose device running model a's first shard is lost as the backward of its
+    second shard in step 2 (the third) is submitted, and every later call there fails: the
+    first shard then holds its forward's micro-batches, whose inputs its host drew itself
+    (``Drawn``) and lost with it."""
 
     def __init__(self, devices: Any, budgets: Any) -> None:
         super().__init__(devices, budgets)
         self.first: int | None = None
-        self.gone: int | None = None
 
     def submit(self, host: int, method: str, *args: Any) -> Any:
         if method in ("forward", "backward") and self.gone is None:
@@ -260,14 +260,7 @@ class FirstShardLosingPool(LocalPool):
                 self.first = host
             elif method == "backward" and key == ("a", 1) and self.first is not None:
                 self.gone = self.first
-        if host == self.gone:
-            return lost_call(self, host, method)
         return super().submit(host, method, *args)
-
-    def submit_after(self, host: int, after: Any, method: str, *args: Any) -> Any:
-        if host == self.gone:
-            return lost_call(self, host, method)
-        return super().submit_after(host, after, method, *args)
 
 
 @pytest.mark.unit

@@ -14,11 +14,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shoal.workers.sharp.shard_pool import HostLost, LocalPool, _Local
+from shoal.workers.sharp.shard_pool import HostLost, _Local
 from tests.workers.sharp.test_sharp_runner import (
+    GonePool,
     assert_alone,
     budget_for_shards,
-    lost_call,
     model,
     placed_first,
     train,
@@ -29,8 +29,8 @@ pytestmark = pytest.mark.unit
 STEPS = 4
 
 
-class LateCopyLosingPool(LocalPool):
-    """A LocalPool whose device where the model placed lives is lost as the model's
+class LateCopyLosingPool(GonePool):
+    """A pool whose device where the model placed lives is lost as the model's
     ``lose_at``-th task (on any device) is submitted: that call there and every later one
     fail. Until then it holds back its answer to its ``late``-th ``copied`` call since the
     model's first task (a part of a copy on its way, 0: none), which the loss then cuts
@@ -44,7 +44,6 @@ class LateCopyLosingPool(LocalPool):
         self.tasks = 0
         self.copies = 0
         self.held: list[Future[Any]] = []
-        self.gone: int | None = None
 
     def submit(self, host: int, method: str, *args: Any) -> Any:
         target = placed_first(self, host, method)
@@ -54,14 +53,11 @@ class LateCopyLosingPool(LocalPool):
                 self.gone = target
                 for held in self.held:
                     held.set_exception(HostLost(self.devices[target].id, "preempted"))
-        if host == self.gone:
-            return lost_call(self, host, method)
         return super().submit(host, method, *args)
 
     def submit_after(self, host: int, after: Any, method: str, *args: Any) -> Any:
-        if host == self.gone:
-            return lost_call(self, host, method)
-        if method == "copied" and self.tasks and host == placed_first(self, host, method):
+        held = method == "copied" and self.tasks and self.gone is None
+        if held and host == placed_first(self, host, method):
             self.copies += 1
             if self.copies == self.late:
                 self.held.append(Future())

@@ -630,6 +630,24 @@ def lost_call(pool: LocalPool, host: int, method: str, why: str = "its node was 
     return failed_call(host, method, HostLost(pool.devices[host].id, why))
 
 
+class GonePool(LocalPool):
+    """A LocalPool whose device ``gone`` is lost once it is set: every call there fails."""
+
+    def __init__(self, devices: Any, budgets: Any) -> None:
+        super().__init__(devices, budgets)
+        self.gone: int | None = None
+
+    def submit(self, host: int, method: str, *args: Any) -> Any:
+        if host == self.gone:
+            return lost_call(self, host, method)
+        return super().submit(host, method, *args)
+
+    def submit_after(self, host: int, after: Any, method: str, *args: Any) -> Any:
+        if host == self.gone:
+            return lost_call(self, host, method)
+        return super().submit_after(host, after, method, *args)
+
+
 class LosingPool(LocalPool):
     """A LocalPool whose device where the first model placed lives is lost at its
     ``lose_at``-th call from then on: it and every later one fail. With ``inputs_there``,
