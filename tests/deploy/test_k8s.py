@@ -29,6 +29,7 @@ import pytest
 import yaml
 
 from shoal.scheduler.devices import NodeInfo, node_devices
+from shoal.service.localray import WORKER_PRESTART
 from shoal.service.settings import Settings
 from tests.deploy import k8s_checks as checks
 
@@ -225,6 +226,24 @@ def test_gpu_overlay_is_production_shaped(builds: dict[str, Objs]) -> None:
     assert _gib(gpu_cp["resources"]["limits"]["memory"]) > _gib(
         dev_cp["resources"]["limits"]["memory"]
     )
+
+
+def test_every_ray_pod_starts_its_workers_with_shoals_actor_code_imported(
+    overlay: tuple[str, Objs],
+) -> None:
+    """A node that joins starts its Python workers as it starts, with Shoal's actor code
+    imported (README): every Ray container reads the settings that ask Ray for it."""
+    name, objs = overlay
+    maps = {o["metadata"]["name"]: o.get("data") or {} for o in objs if o["kind"] == "ConfigMap"}
+    rc = checks.one(objs, "RayCluster")
+    for group in [rc["spec"]["headGroupSpec"], *rc["spec"]["workerGroupSpecs"]]:
+        for container in group["template"]["spec"]["containers"]:
+            env: dict[str, Any] = {}
+            for source in container.get("envFrom") or []:
+                env.update(maps[source["configMapRef"]["name"]] if "configMapRef" in source else {})
+            env.update({var["name"]: var.get("value") for var in container.get("env") or []})
+            where = (name, group.get("groupName", "head"), container["name"])
+            assert WORKER_PRESTART.items() <= env.items(), (where, env)
 
 
 def test_head_holds_no_devices(overlay: tuple[str, Objs]) -> None:

@@ -976,3 +976,33 @@ def test_node_refuses_bad_groups_and_a_home_without_a_local_cluster(
     assert result.exit_code == 2
     assert message in result.stderr
     assert "Traceback" not in result.output
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("joins", ["address", "local"])
+def test_a_node_joins_with_its_workers_prestarted_and_quick_health_checks(
+    home: Path, monkeypatch: pytest.MonkeyPatch, joins: str
+) -> None:
+    """`shoal node` runs `ray start` with the settings that start its Python workers as the
+    node starts, Shoal's actor code imported (README: a node that joins), and the cluster's
+    health checks; to `shoal up`'s local cluster (its ray.env) or to any at --address."""
+    from shoal.service.localray import HEALTH_CHECKS, RAY_ENV, WORKER_PRESTART
+
+    ran: list[tuple[list[str], dict[str, str]]] = []
+
+    def replaced(path: str, argv: list[str], env: dict[str, str]) -> None:
+        ran.append((argv, env))
+        raise SystemExit(0)  # the process is `ray start` from here on
+
+    monkeypatch.setattr("os.execve", replaced)
+    if joins == "local":
+        home.mkdir(parents=True, exist_ok=True)
+        (home / RAY_ENV).write_text("RAY_ADDRESS=127.0.0.1:6390\n")
+        result = shoal("node", "1xcpu:64", "--home", str(home))
+    else:
+        result = shoal("node", "1xcpu:64", "--home", str(home), "--address", "10.0.0.9:6379")
+    assert result.exit_code == 0, result.output
+    ((argv, env),) = ran
+    assert argv[1:3] == ["start", "--block"], argv
+    assert f"--address={'127.0.0.1:6390' if joins == 'local' else '10.0.0.9:6379'}" in argv
+    assert {**HEALTH_CHECKS, **WORKER_PRESTART}.items() <= env.items(), env

@@ -165,6 +165,14 @@ def test_a_step_pays_every_stages_copy_where_the_stages_share_the_machines_cores
     assert shared.cadence.copy_s == pytest.approx(0.050)
 
 
+def test_a_workers_copy_goes_to_the_next_worker_on_another_node_where_there_is_one() -> None:
+    here, there = plans([(0, 1), (1, 2)], "n000000a"), plans([(2, 3), (3, 4)], "n000000b")
+    stages = tuple(replace(p, index=i) for i, p in enumerate([*here, *there]))
+    assert buddies(Layout(stages, (4,))) == [2, 2, 0, 0]
+    assert buddies(Layout(here, (4,))) == [1, 0]  # one node: the next worker
+    assert buddies(Layout(here[:1], (4,))) == [None]  # a lone worker keeps its own
+
+
 def test_a_worker_lost_with_its_buddy_gives_the_job_back_to_resume_from_its_checkpoint(
     tmp_path: Path,
 ) -> None:
