@@ -1,7 +1,7 @@
 """A device lost at any task of a SHARP model's first steps, a part of a copy on its way
 then or not, with copies at every step or as the default budget allows, taken by the tasks
-or by the hosts: the model trains exactly as alone, and its ``device_lost`` events say the
-steps it ran again."""
+or by the hosts, alone or beside another model: each model trains exactly as alone, and its
+``device_lost`` events say the steps it ran again."""
 
 from __future__ import annotations
 
@@ -73,10 +73,13 @@ class LateCopyLosingPool(GonePool):
     # step's checkpoint waits for every part of its copy, which a held part would stall.
     lose_at=st.integers(1, 18),
     late=st.integers(0, 4),
+    beside=st.booleans(),
 )
 def test_a_loss_at_any_task_with_a_copy_on_its_way_or_not_leaves_the_math_unchanged(
-    budget: float, task_copies: bool, lose_at: int, late: int
+    budget: float, task_copies: bool, lose_at: int, late: int, beside: bool
 ) -> None:
+    """``beside``: a second model trains on the same devices (the tasks counted to the loss
+    are both models')."""
     pools: list[LateCopyLosingPool] = []
 
     def losing(devices: Any, budgets: Any) -> LateCopyLosingPool:
@@ -86,17 +89,23 @@ def test_a_loss_at_any_task_with_a_copy_on_its_way_or_not_leaves_the_math_unchan
         return pool
 
     with tempfile.TemporaryDirectory() as root:
-        snap = model(Path(root), "a", steps=STEPS, keep_copies=True, copy_budget=budget)
-        trainer = train([snap], losing, budget_for_shards(snap, 3), task_copies=task_copies)
-        report = trainer.report("a", 0)
-        losses = [e.data for e in report.events if e.kind == "device_lost"]
+        snaps = [
+            model(Path(root), job_id, seed=seed, steps=steps, copy_budget=budget, keep_copies=True)
+            for job_id, seed, steps in [("a", 3, STEPS), ("b", 9, STEPS + 2)][: 1 + beside]
+        ]
+        trainer = train(snaps, losing, budget_for_shards(snaps[0], 3), task_copies=task_copies)
         assert all(pool.gone is not None for pool in pools), "the device was never lost"
-        assert losses, report.events
-        for lost in losses:
-            assert lost["steps_replayed"] <= lost["most_replayed"], lost
-        latest = {m.step: m for m in report.metrics}  # a step run again replaces its record
-        assert sorted(latest) == list(range(1, STEPS + 1)), report.metrics
-        replayed = sum(lost["steps_replayed"] for lost in losses)
-        recorded = [m.step for m in report.metrics]
-        assert len(recorded) - len(latest) == replayed, (recorded, losses)
-        assert_alone(snap, [latest[s].loss for s in range(1, STEPS + 1)], losses)
+        lost_by = {}
+        for snap in snaps:
+            report = trainer.report(snap.job_id, 0)
+            losses = [e.data for e in report.events if e.kind == "device_lost"]
+            lost_by[snap.job_id] = losses
+            for lost in losses:
+                assert lost["steps_replayed"] <= lost["most_replayed"], lost
+            latest = {m.step: m for m in report.metrics}  # a step run again replaces its record
+            assert sorted(latest) == list(range(1, snap.steps + 1)), report.metrics
+            replayed = sum(lost["steps_replayed"] for lost in losses)
+            recorded = [m.step for m in report.metrics]
+            assert len(recorded) - len(latest) == replayed, (snap.job_id, recorded, losses)
+            assert_alone(snap, [latest[s].loss for s in range(1, snap.steps + 1)], losses)
+        assert any(lost_by.values()), "no model said it lost a device"
