@@ -5,6 +5,7 @@ scenarios to ``make scenarios`` (so that the default suite stays near 20 minutes
 from __future__ import annotations
 
 import shlex
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -34,3 +35,14 @@ def test_ci_runs_the_suite_and_the_scenarios_it_leaves_out() -> None:
     steps = [line.strip() for line in (ROOT / ".ci/run").read_text().splitlines()]
     ran = [step for step in steps if step in ("make test", "make scenarios")]
     assert ran == ["make test", "make scenarios"], steps
+
+
+@pytest.mark.unit
+def test_make_test_runs_lint_and_types_then_the_suite() -> None:
+    """README: `make test` runs lint, types and the suite (after installing, where needed)."""
+    dry = subprocess.run(
+        ["make", "-n", "test"], cwd=ROOT, capture_output=True, text=True, check=True, timeout=60
+    ).stdout.splitlines()
+    steps = ["ruff check .", "ruff format --check .", "mypy shoal", "pytest -q --ignore="]
+    at = [next((i for i, line in enumerate(dry) if step in line), -1) for step in steps]
+    assert -1 not in at and at == sorted(at), (steps, dry)

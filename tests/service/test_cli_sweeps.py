@@ -326,6 +326,8 @@ def test_sweeps_follow_prints_each_trial_once_as_it_ends_and_the_sweep_at_the_en
         ("4", "SUCCEEDED", "0.7"),
     ]
     assert re.search(r"state\s+SUCCEEDED", cells(result.stdout))
+    best = "best: trial 2, loss 0.4, optimizer.lr=0.03704, batch_size=32"
+    assert cells(result.stdout).rstrip().endswith(f"{best} (job {first[2]['job_id']})")
     gets = [r for r in stub.requests if r[0] == "GET"]
     assert len(gets) == 3  # until it ended, not after
 

@@ -263,18 +263,24 @@ def test_a_runner_that_keeps_dying_fails_the_job_with_the_reason(
 
 
 @IN_PROCESS  # resumed on Ray from a checkpoint: the dead runner's test
+@pytest.mark.parametrize("ended", ["FAILED", "CANCELLED"])
 def test_restart_resumes_from_the_latest_checkpoint(
-    session_factory: SessionFactory, cluster: Cluster, tmp_path: Path
+    session_factory: SessionFactory, cluster: Cluster, tmp_path: Path, ended: str
 ) -> None:
+    """`shoal restart` of a failed or a cancelled job: a new attempt, from its checkpoint."""
     controller = make_controller(session_factory, cluster, tmp_path)
     who = owner(session_factory)
     job_id = submit(session_factory, who, steps=100_000)  # ends only when cancelled
     run_past_a_checkpoint(controller, session_factory, job_id)
-    cluster.stop_runner(job_id)
-    with session_factory() as session, session.begin():  # failed, as a crash would leave it
-        row = session.get(Job, job_id)
-        assert row is not None
-        transition(session, row, JobState.FAILED, "the test failed it", error="failed")
+    if ended == "CANCELLED":
+        request_cancel(session_factory, who, job_id)
+        reconcile_until(controller, lambda: job(session_factory, job_id).state == "CANCELLED")
+    else:
+        cluster.stop_runner(job_id)
+        with session_factory() as session, session.begin():  # as a crash would leave it
+            row = session.get(Job, job_id)
+            assert row is not None
+            transition(session, row, JobState.FAILED, "the test failed it", error="failed")
     restart_job(session_factory, who, job_id)
     reconcile_until(controller, lambda: resumed_and_stepping(session_factory, job_id))
     resumed = [e for e in events(session_factory, job_id) if e.kind == "resumed"]

@@ -1,14 +1,16 @@
 """A sweep's study run to exhaustion under ask-and-tell, for every algorithm: no call raises
-once the search space is covered, and a grid yields each of its points once."""
+once the search space is covered, a grid yields each of its points once, and random and TPE
+draw what Optuna's samplers draw with the sweep's seed."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import optuna
 import pytest
 
 from shoal.service.sweepspec import SweepSpec
-from shoal.service.tuner import Tuner
+from shoal.service.tuner import Tuner, distribution
 from tests.factories import sweep_spec
 
 pytestmark = pytest.mark.unit
@@ -67,3 +69,33 @@ def test_a_restored_grid_study_finishes_without_raising() -> None:
     tuner.restore(0, {"batch_size": 16}, {5: 0.5}, "complete", 0.5)
     tuner.restore(1, {"batch_size": 32}, {5: 0.4}, None, None)
     tuner.tell(1, "complete", 0.3)
+
+
+@pytest.mark.parametrize(
+    ("algorithm", "sampler"),
+    [("random", optuna.samplers.RandomSampler), ("tpe", optuna.samplers.TPESampler)],
+)
+def test_a_sweep_draws_what_optunas_sampler_draws_with_its_seed(
+    algorithm: str, sampler: type[optuna.samplers.BaseSampler]
+) -> None:
+    """Past TPE's start-up trials too: the study learns from what the trials reported."""
+    space = {"optimizer.lr": {"type": "log_uniform", "low": 0.001, "high": 0.5}}
+    space |= SPACES["two dimensions"]
+    spec = SweepSpec.model_validate(
+        sweep_spec(algorithm=algorithm, space=space, max_trials=24, seed=5)
+    )
+    drawn = run_to_exhaustion(spec, 24)
+    study = optuna.create_study(direction="minimize", sampler=sampler(seed=5))  # type: ignore[call-arg]
+    space_of = {name: distribution(param) for name, param in spec.space.items()}
+    plain = []
+    for number in range(24):  # told as run_to_exhaustion tells them
+        trial = study.ask(space_of)
+        plain.append(trial.params)
+        trial.report(1.0 / (number + 1), 5)
+        if number % 3:
+            study.tell(trial, 1.0 / (number + 1))
+        else:
+            study.tell(trial, state=optuna.trial.TrialState.FAIL)
+    assert drawn == plain
+    other = SweepSpec.model_validate({**sweep_spec(algorithm=algorithm, space=space), "seed": 6})
+    assert run_to_exhaustion(other, 24) != drawn  # the seed is the sweep's
