@@ -4,6 +4,7 @@ draw what Optuna's samplers draw with the sweep's seed."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import optuna
@@ -76,7 +77,7 @@ def test_a_restored_grid_study_finishes_without_raising() -> None:
     [("random", optuna.samplers.RandomSampler), ("tpe", optuna.samplers.TPESampler)],
 )
 def test_a_sweep_draws_what_optunas_sampler_draws_with_its_seed(
-    algorithm: str, sampler: type[optuna.samplers.BaseSampler]
+    algorithm: str, sampler: Callable[..., optuna.samplers.BaseSampler]
 ) -> None:
     """Past TPE's start-up trials too: the study learns from what the trials reported."""
     space = {"optimizer.lr": {"type": "log_uniform", "low": 0.001, "high": 0.5}}
@@ -85,7 +86,7 @@ def test_a_sweep_draws_what_optunas_sampler_draws_with_its_seed(
         sweep_spec(algorithm=algorithm, space=space, max_trials=24, seed=5)
     )
     drawn = run_to_exhaustion(spec, 24)
-    study = optuna.create_study(direction="minimize", sampler=sampler(seed=5))  # type: ignore[call-arg]
+    study = optuna.create_study(direction="minimize", sampler=sampler(seed=5))
     space_of = {name: distribution(param) for name, param in spec.space.items()}
     plain = []
     for number in range(24):  # told as run_to_exhaustion tells them

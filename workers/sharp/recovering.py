@@ -192,8 +192,8 @@ class Recovering:
             return
         redone, model.submitted = model.submitted - model.done, model.done
         model.carry = ledger.carry(model.plan, model.done)
-        # The steps recorded after the one it picks up in (they took no copy: the first
-        # copy's parts were still coming in) run again whole.
+        # The steps recorded after the one it picks up in (they took no copy while its copy
+        # was coming in) run again whole.
         replayed = max(0, model.step - ledger.step - 1)
         bound = most_replayed(model.cadence.interval, model.step, ledger.step + 1)
         model.recovered(

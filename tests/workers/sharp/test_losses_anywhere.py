@@ -95,11 +95,11 @@ def test_a_loss_at_any_task_with_a_copy_on_its_way_or_not_leaves_the_math_unchan
         ]
         trainer = train(snaps, losing, budget_for_shards(snaps[0], 3), task_copies=task_copies)
         assert all(pool.gone is not None for pool in pools), "the device was never lost"
-        lost_by = {}
+        said = 0
         for snap in snaps:
             report = trainer.report(snap.job_id, 0)
             losses = [e.data for e in report.events if e.kind == "device_lost"]
-            lost_by[snap.job_id] = losses
+            said += len(losses)
             for lost in losses:
                 assert lost["steps_replayed"] <= lost["most_replayed"], lost
             latest = {m.step: m for m in report.metrics}  # a step run again replaces its record
@@ -108,4 +108,4 @@ def test_a_loss_at_any_task_with_a_copy_on_its_way_or_not_leaves_the_math_unchan
             recorded = [m.step for m in report.metrics]
             assert len(recorded) - len(latest) == replayed, (snap.job_id, recorded, losses)
             assert_alone(snap, [latest[s].loss for s in range(1, snap.steps + 1)], losses)
-        assert any(lost_by.values()), "no model said it lost a device"
+        assert said, "no model said it lost a device"
